@@ -1,0 +1,356 @@
+"""One executable model instance (EMI): a worker process and the tier it is in.
+
+The tier state machine allows only these moves (anything else raises IllegalTransition):
+
+    COLD      -> HOT                              spawn, load, warm up
+    HOT       -> WARM | SUSPENDED | FROZEN | COLD
+    WARM      -> HOT | COLD                       weights back from pinned host memory
+    SUSPENDED -> HOT | FROZEN | COLD              driver restore + unlock
+    FROZEN    -> HOT | SUSPENDED | COLD           CRIU restore (then driver restore on a GPU)
+
+WARM and SUSPENDED need a GPU and the driver checkpoint API; on a CPU node the tiers are HOT, FROZEN and
+COLD. Every move is timed and recorded. A wake that fails (a broken image, a worker that does not answer)
+falls back to a cold start, is recorded with `fallback=True` and counted in `restore_failures`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from volga_agent.snapshot import criu, cuda
+from volga_agent.worker import nsinit, protocol, runtime
+from volga_operator import api
+
+Tier = api.Tier
+log = logging.getLogger(__name__)
+
+LEGAL: dict[Tier, frozenset[Tier]] = {
+    Tier.COLD: frozenset({Tier.HOT}),
+    Tier.HOT: frozenset({Tier.WARM, Tier.SUSPENDED, Tier.FROZEN, Tier.COLD}),
+    Tier.WARM: frozenset({Tier.HOT, Tier.COLD}),
+    Tier.SUSPENDED: frozenset({Tier.HOT, Tier.FROZEN, Tier.COLD}),
+    Tier.FROZEN: frozenset({Tier.HOT, Tier.SUSPENDED, Tier.COLD}),
+}
+GPU_ONLY = frozenset({Tier.WARM, Tier.SUSPENDED})
+MAX_SOCKET_PATH = 107
+
+
+class IllegalTransition(ValueError):
+    pass
+
+
+class WorkerStartError(RuntimeError):
+    """The worker died or did not become ready; the message carries the end of its log."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Transition:
+    source: Tier
+    target: Tier
+    seconds: float
+    at: float
+    fallback: bool = False
+    detail: str = ""
+
+
+def worker_config(spec: api.ModelSpecSpec, workdir: pathlib.Path, device: str) -> runtime.WorkerConfig:
+    def decls(tensors: list[api.TensorSpec]) -> tuple[runtime.TensorDecl, ...]:
+        return tuple(runtime.TensorDecl(t.name, t.dtype.value, tuple(t.shape)) for t in tensors)
+
+    return runtime.WorkerConfig(
+        model_id=spec.model_id, framework=spec.framework.value, path=str(spec.source_path),
+        inputs=decls(spec.inputs), outputs=decls(spec.outputs), socket=str(workdir / "worker.sock"),
+        signal_dir=str(workdir / "signals"), device=device, warmup_iterations=spec.runtime.warmup_iterations,
+        reset_rng_on_restore=spec.runtime.reset_rng_on_restore, intra_op_threads=spec.runtime.intra_op_threads,
+        max_batch_size=spec.runtime.max_batch_size)
+
+
+def _log_tail(path: pathlib.Path, lines: int = 12) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+class Instance:
+    """Owns one worker and moves it between tiers. Not thread-safe: the pool serialises calls per instance."""
+
+    def __init__(self, name: str, spec: api.ModelSpecSpec, workdir: str | pathlib.Path,
+                 criu_engine: criu.CriuEngine | None, driver: cuda.DriverCheckpoint | None = None,
+                 device: str = "cpu", start_timeout: float = 120.0) -> None:
+        self.name = name
+        self.spec = spec
+        self.workdir = pathlib.Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.config = worker_config(spec, self.workdir, device)
+        if len(self.config.socket) > MAX_SOCKET_PATH:
+            raise ValueError(f"socket path {self.config.socket} is longer than {MAX_SOCKET_PATH} bytes: "
+                             "use a shorter run folder")
+        self.signals = pathlib.Path(self.config.signal_dir)
+        self.logfile = self.workdir / "worker.log"
+        self.criu = criu_engine
+        self.driver = driver
+        self.device = device
+        self.start_timeout = start_timeout
+        self.tier = Tier.COLD
+        self.pid: int | None = None
+        self.image: criu.Image | None = None
+        self.history: list[Transition] = []
+        self.restore_failures = 0
+        self.last_used = time.monotonic()
+        self._client: protocol.WorkerClient | None = None
+        self._paused = False  # the worker waits in its pause hook (after a restore into SUSPENDED)
+        if not spec.source_path.exists():
+            raise FileNotFoundError(f"spec.source: model file {spec.source_path} does not exist")
+
+    # -- worker process ------------------------------------------------------------------------------
+
+    def _spawn(self) -> int:
+        self.signals.mkdir(parents=True, exist_ok=True)
+        for leftover in self.signals.iterdir():
+            leftover.unlink()
+        config_path = self.workdir / "config.json"
+        config_path.write_text(self.config.to_json())
+        nsinit.become_subreaper()
+        cmd = [sys.executable, "-m", "volga_agent.worker.nsinit", str(self.logfile), "--",
+               sys.executable, "-m", "volga_agent.worker.runtime", str(config_path)]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=self.workdir)
+        if out.returncode != 0:
+            raise WorkerStartError(f"{self.name}: could not start worker: {out.stderr.strip()}")
+        return int(out.stdout.strip())
+
+    def _alive(self, pid: int) -> bool:
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return os.path.exists(f"/proc/{pid}") and not _is_zombie(pid)
+        return done == 0
+
+    def _wait_for(self, pid: int, predicate: Callable[[], bool], what: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        delay = 0.0005
+        while not predicate():
+            if (self.signals / "failed").exists():
+                raise WorkerStartError(f"{self.name}: worker failed: {(self.signals / 'failed').read_text()}")
+            if not self._alive(pid):
+                raise WorkerStartError(f"{self.name}: worker exited before {what}:\n{_log_tail(self.logfile)}")
+            if time.monotonic() > deadline:
+                raise WorkerStartError(f"{self.name}: worker not {what} after {timeout:.0f} s")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.01)
+
+    def _reap(self, pid: int, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if done:
+                return
+            time.sleep(0.002)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+
+    def _kill(self) -> None:
+        self._disconnect()
+        self._paused = False
+        if self.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+            self._reap(self.pid)
+            self.pid = None
+
+    def client(self) -> protocol.WorkerClient:
+        if self._client is None:
+            self._client = protocol.WorkerClient(self.config.socket)
+        return self._client
+
+    def _disconnect(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def _resume_worker(self, pid: int) -> None:
+        """Tell a paused (or restored) worker to carry on serving: the restore-complete hook."""
+        self._paused = False
+        (self.signals / runtime.RESTORE_COMPLETE).write_text(str(time.time()))
+        os.kill(pid, runtime.WAKE_SIGNAL)
+
+    # -- tiers ---------------------------------------------------------------------------------------
+
+    def _record(self, source: Tier, target: Tier, start: float, fallback: bool = False,
+                detail: str = "") -> Transition:
+        t = Transition(source, target, time.perf_counter() - start, time.time(), fallback, detail)
+        self.history.append(t)
+        self.tier = target
+        return t
+
+    def to(self, target: Tier) -> Transition:
+        source = self.tier
+        if target == source:
+            return Transition(source, target, 0.0, time.time(), detail="already there")
+        if target not in LEGAL[source]:
+            raise IllegalTransition(f"{self.name}: {source.value} -> {target.value} is not a legal move")
+        if target in GPU_ONLY and (self.driver is None or not self.device.startswith("cuda")):
+            raise IllegalTransition(f"{self.name}: {target.value} needs a GPU and the driver checkpoint API")
+        start = time.perf_counter()
+        if target == Tier.COLD:
+            self._to_cold()
+            return self._record(source, target, start)
+        if target == Tier.HOT and source == Tier.COLD:
+            self._cold_start()
+            return self._record(source, target, start)
+        try:
+            getattr(self, f"_{source.value.lower()}_to_{target.value.lower()}")()
+        except (criu.CriuError, cuda.DriverCheckpointError, WorkerStartError, protocol.ProtocolError,
+                protocol.WorkerError, OSError) as exc:
+            if target not in (Tier.HOT, Tier.SUSPENDED) or source not in (Tier.FROZEN, Tier.SUSPENDED, Tier.WARM):
+                raise
+            # A wake failed: whatever is left of the instance goes, and a cold start takes its place.
+            self.restore_failures += 1
+            log.warning("%s: %s -> %s failed, cold start instead: %s", self.name, source.value, target.value, exc)
+            self._to_cold()
+            self._cold_start()
+            return self._record(source, Tier.HOT, start, fallback=True, detail=str(exc))
+        return self._record(source, target, start)
+
+    def wake(self) -> Transition:
+        self.last_used = time.monotonic()
+        return self.to(Tier.HOT)
+
+    def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if self.tier != Tier.HOT:
+            raise protocol.WorkerError("UNAVAILABLE", f"{self.name} is {self.tier.value}, not HOT: wake it first")
+        self.last_used = time.monotonic()
+        try:
+            return self.client().infer(inputs)
+        except (OSError, protocol.ProtocolError) as exc:
+            self._disconnect()
+            if self.pid is not None and not self._alive(self.pid):
+                self.pid = None
+                self.tier = Tier.COLD
+                self.history.append(Transition(Tier.HOT, Tier.COLD, 0.0, time.time(), detail="worker died"))
+            raise protocol.WorkerError("UNAVAILABLE", f"{self.name}: worker connection lost: {exc}") from exc
+
+    def _cold_start(self) -> None:
+        pid = self._spawn()
+        self.pid = pid
+        self._wait_for(pid, lambda: (self.signals / runtime.READY).exists(), "ready", self.start_timeout)
+        self.client().call("ping")
+
+    def _to_cold(self) -> None:
+        self._kill()
+        if self.image is not None and self.criu is not None:
+            self.criu.remove(self.image)
+        self.image = None
+
+    def _gpu(self) -> bool:
+        return self.driver is not None and self.device.startswith("cuda")
+
+    def _hot_to_warm(self) -> None:
+        self.client().call("offload")
+
+    def _warm_to_hot(self) -> None:
+        self.client().call("reload")
+
+    def _hot_to_suspended(self) -> None:
+        assert self.driver is not None and self.pid is not None
+        self._disconnect()
+        self.driver.suspend(self.pid)
+
+    def _suspended_to_hot(self) -> None:
+        assert self.driver is not None and self.pid is not None
+        self.driver.resume(self.pid)
+        if self._paused:
+            self._resume_worker(self.pid)
+            self.client().call("ping")
+
+    def _pause(self) -> None:
+        """The pause hook: the worker closes its connections and says when it is ready to be dumped."""
+        assert self.pid is not None
+        if self._paused:
+            return
+        self.client().call("prepare_checkpoint")
+        self._disconnect()
+        ready = self.signals / runtime.READY_FOR_CHECKPOINT
+        self._wait_for(self.pid, ready.exists, "ready for checkpoint", 30.0)
+
+    def _dump(self) -> None:
+        if self.criu is None:
+            raise IllegalTransition(f"{self.name}: FROZEN needs CRIU (scripts/install-criu.sh)")
+        assert self.pid is not None
+        old = self.image
+        try:
+            self.image = self.criu.dump(self.pid, self.name)
+        except criu.CriuError:
+            self._resume_worker(self.pid)  # the dump was abandoned: carry on serving
+            raise
+        self._reap(self.pid)
+        self.pid = None
+        self._paused = False
+        if old is not None:
+            self.criu.remove(old)
+
+    def _hot_to_frozen(self) -> None:
+        if self.criu is None:
+            raise IllegalTransition(f"{self.name}: FROZEN needs CRIU (scripts/install-criu.sh)")
+        self._pause()
+        if self._gpu():
+            assert self.driver is not None and self.pid is not None
+            self.driver.suspend(self.pid)
+        self._dump()
+
+    def _suspended_to_frozen(self) -> None:
+        if self.criu is None:
+            raise IllegalTransition(f"{self.name}: FROZEN needs CRIU (scripts/install-criu.sh)")
+        self._pause()
+        self._dump()
+
+    def _restore(self) -> int:
+        if self.image is None or self.criu is None:
+            raise criu.CriuError(f"{self.name}: no image to restore")
+        pathlib.Path(self.config.socket).unlink(missing_ok=True)
+        (self.signals / runtime.RESTORE_COMPLETE).unlink(missing_ok=True)
+        restored = self.criu.restore(self.image)
+        self.pid = restored.pid
+        return restored.pid
+
+    def _frozen_to_suspended(self) -> None:
+        self._restore()
+        self._paused = True
+
+    def _frozen_to_hot(self) -> None:
+        pid = self._restore()
+        if self._gpu():
+            assert self.driver is not None
+            self.driver.resume(pid)
+        self._resume_worker(pid)
+        self.client().call("ping")
+
+    def close(self) -> None:
+        """Stop the worker and remove every image this instance owns."""
+        self._to_cold()
+        if self.criu is not None:
+            self.criu.remove_all(self.name)
+        self.tier = Tier.COLD
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z")
+    except (OSError, IndexError):
+        return True

@@ -1,0 +1,129 @@
+"""CRIU engine: freeze a worker's whole process tree into an image folder and restore it.
+
+Facts this code is built on (measured on the target kernels, see DESIGN.md section 4):
+
+- CRIU 4.x is needed (3.17 fails on current vDSO layouts). `scripts/install-criu.sh` installs it into a
+  private root; this module finds it through `VOLGA_CRIU`, the install prefix, or PATH.
+- onnxruntime holds file locks, so dumps and restores pass `--file-locks`.
+- Each worker is the init of its own PID namespace (see `worker.nsinit`), so restores never collide on
+  PIDs; CRIU recreates the namespace from the image.
+- A dump is written into a temporary folder beside its final place and renamed when complete, so a
+  reader never sees half an image; the engine owns its image folders and removes them.
+- "RLIMIT_NOFILE ... Operation not permitted" in CRIU's log is harmless on unprivileged-resource kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import shutil
+import subprocess
+import time
+import uuid
+
+DEFAULT_PREFIX = pathlib.Path.home() / ".cache" / "volga" / "criu"
+
+
+class CriuError(RuntimeError):
+    """A CRIU call failed; the message carries the end of CRIU's log."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Image:
+    """A published CRIU image folder."""
+
+    path: pathlib.Path
+    snapshot_id: str
+    size_bytes: int
+    dump_seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    pid: int
+    seconds: float
+
+
+def find_criu() -> str:
+    candidates = [os.environ.get("VOLGA_CRIU", ""),
+                  str(pathlib.Path(os.environ.get("VOLGA_CRIU_PREFIX", DEFAULT_PREFIX)) / "bin" / "criu"),
+                  shutil.which("criu") or ""]
+    for candidate in candidates:
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    raise CriuError("criu not found: run scripts/install-criu.sh (installs CRIU 4.x into "
+                    f"{DEFAULT_PREFIX}) or set VOLGA_CRIU to the criu binary")
+
+
+def _tree_size(path: pathlib.Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _log_tail(log: pathlib.Path, lines: int = 15) -> str:
+    try:
+        text = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    errors = [line for line in text if "Error" in line and "RLIMIT_NOFILE" not in line]
+    return "\n".join((errors or text)[-lines:])
+
+
+class CriuEngine:
+    """Dumps and restores process trees under one snapshot root folder."""
+
+    def __init__(self, root: str | pathlib.Path, criu: str | None = None) -> None:
+        self.root = pathlib.Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.criu = criu or find_criu()
+
+    def version(self) -> str:
+        out = subprocess.run([self.criu, "--version"], capture_output=True, text=True, check=False)
+        return out.stdout.strip().splitlines()[0] if out.stdout else "unknown"
+
+    def check(self) -> None:
+        out = subprocess.run([self.criu, "check"], capture_output=True, text=True, check=False)
+        if out.returncode != 0:
+            raise CriuError(f"criu check failed: {out.stdout}{out.stderr}")
+
+    def dump(self, pid: int, name: str, leave_running: bool = False) -> Image:
+        """Dump the tree rooted at `pid` (killing it unless leave_running) into a new image of `name`."""
+        folder = self.root / name
+        folder.mkdir(parents=True, exist_ok=True)
+        snapshot_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
+        tmp = folder / f".tmp-{snapshot_id}"
+        tmp.mkdir()
+        args = [self.criu, "dump", "-t", str(pid), "-D", str(tmp), "-o", "dump.log", "-v2",
+                "--file-locks", "--shell-job"]
+        if leave_running:
+            args.append("--leave-running")
+        start = time.perf_counter()
+        out = subprocess.run(args, capture_output=True, text=True, check=False)
+        seconds = time.perf_counter() - start
+        if out.returncode != 0:
+            detail = _log_tail(tmp / "dump.log")
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CriuError(f"criu dump of pid {pid} failed (exit {out.returncode}):\n{detail}")
+        final = folder / snapshot_id
+        os.rename(tmp, final)
+        return Image(final, snapshot_id, _tree_size(final), seconds)
+
+    def restore(self, image: Image) -> Restored:
+        """Restore an image detached; the restored root is re-parented to our child subreaper."""
+        pidfile = image.path / "restore.pid"
+        pidfile.unlink(missing_ok=True)
+        args = [self.criu, "restore", "-D", str(image.path), "-o", "restore.log", "-v2", "--file-locks",
+                "--shell-job", "--restore-detached", "--pidfile", str(pidfile)]
+        start = time.perf_counter()
+        out = subprocess.run(args, capture_output=True, text=True, check=False)
+        seconds = time.perf_counter() - start
+        if out.returncode != 0:
+            raise CriuError(f"criu restore of {image.path} failed (exit {out.returncode}):\n"
+                            f"{_log_tail(image.path / 'restore.log')}")
+        return Restored(int(pidfile.read_text().strip()), seconds)
+
+    def remove(self, image: Image) -> None:
+        shutil.rmtree(image.path, ignore_errors=True)
+
+    def remove_all(self, name: str) -> None:
+        shutil.rmtree(self.root / name, ignore_errors=True)

@@ -1,0 +1,142 @@
+"""The CUDA driver's process checkpoint API, called from another process through ctypes.
+
+`cuCheckpointProcessLock/Checkpoint/Restore/Unlock/GetState` (driver API 12.8+, driver >= 570; measured on
+580.159) move a process's whole GPU state (contexts, streams, device memory, mappings) into that process's
+host memory and back. After a checkpoint the process has closed its /dev/nvidia* descriptors and holds no
+GPU memory; CRIU can then dump it like any CPU process. CUDA graphs captured before a checkpoint replay
+after restore. A restore may target other GPUs of the same chip type through GPU UUID pairs.
+
+NULL argument structs are accepted by the driver; the structs are still defined so that a lock timeout and
+GPU pairs can be passed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import enum
+import time
+import uuid as uuidlib
+from collections.abc import Sequence
+
+
+class DriverCheckpointUnsupported(RuntimeError):
+    """libcuda is missing or too old for the checkpoint API."""
+
+
+class DriverCheckpointError(RuntimeError):
+    def __init__(self, call: str, pid: int, code: int, name: str) -> None:
+        super().__init__(f"{call}(pid {pid}) failed: {name} ({code})")
+        self.call, self.pid, self.code, self.name = call, pid, code, name
+
+
+class ProcessState(enum.IntEnum):
+    RUNNING = 0
+    LOCKED = 1
+    CHECKPOINTED = 2
+    FAILED = 3
+
+
+class _LockArgs(ctypes.Structure):
+    _fields_ = [("timeoutMs", ctypes.c_uint), ("reserved0", ctypes.c_uint), ("reserved1", ctypes.c_uint64 * 7)]
+
+
+class _Uuid(ctypes.Structure):
+    _fields_ = [("bytes", ctypes.c_char * 16)]
+
+
+class _GpuPair(ctypes.Structure):
+    _fields_ = [("oldUuid", _Uuid), ("newUuid", _Uuid)]
+
+
+class _RestoreArgs(ctypes.Structure):
+    _fields_ = [("gpuPairs", ctypes.POINTER(_GpuPair)), ("gpuPairsCount", ctypes.c_uint),
+                ("reserved", ctypes.c_char * (64 - ctypes.sizeof(ctypes.c_void_p) - ctypes.sizeof(ctypes.c_uint)))]
+
+
+assert ctypes.sizeof(_LockArgs) == 64 and ctypes.sizeof(_RestoreArgs) == 64
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuPair:
+    """Restore state checkpointed on GPU `old` onto GPU `new` (UUIDs as NVML prints them, 'GPU-...')."""
+
+    old: str
+    new: str
+
+
+def _uuid_bytes(text: str) -> bytes:
+    return uuidlib.UUID(text.removeprefix("GPU-")).bytes
+
+
+_SYMBOLS = ("cuCheckpointProcessLock", "cuCheckpointProcessCheckpoint", "cuCheckpointProcessRestore",
+            "cuCheckpointProcessUnlock", "cuCheckpointProcessGetState")
+
+
+class DriverCheckpoint:
+    def __init__(self, library: str = "libcuda.so.1") -> None:
+        try:
+            self.lib = ctypes.CDLL(library)
+        except OSError as exc:
+            raise DriverCheckpointUnsupported(f"cannot load {library}: {exc} (no NVIDIA driver here)") from None
+        version = ctypes.c_int(0)
+        self.lib.cuDriverGetVersion(ctypes.byref(version))
+        self.driver_api = version.value
+        missing = [s for s in _SYMBOLS if not hasattr(self.lib, s)]
+        if missing:
+            raise DriverCheckpointUnsupported(
+                f"CUDA driver API {self.driver_api} lacks {', '.join(missing)}: the checkpoint API needs "
+                "driver >= 570 (API 12.8); SUSPENDED and GPU FROZEN tiers are unavailable")
+        self._check("cuInit", 0, self.lib.cuInit(0))
+
+    def _name(self, code: int) -> str:
+        ptr = ctypes.c_char_p()
+        self.lib.cuGetErrorName(code, ctypes.byref(ptr))
+        return ptr.value.decode() if ptr.value else "CUDA_ERROR_UNKNOWN"
+
+    def _check(self, call: str, pid: int, code: int) -> None:
+        if code != 0:
+            raise DriverCheckpointError(call, pid, code, self._name(code))
+
+    def state(self, pid: int) -> ProcessState:
+        out = ctypes.c_int(-1)
+        self._check("cuCheckpointProcessGetState", pid, self.lib.cuCheckpointProcessGetState(pid, ctypes.byref(out)))
+        return ProcessState(out.value)
+
+    def lock(self, pid: int, timeout_ms: int = 10_000) -> None:
+        """Block new CUDA work in the process and wait (up to timeout_ms) for running work to finish."""
+        args = _LockArgs(timeoutMs=timeout_ms)
+        self._check("cuCheckpointProcessLock", pid, self.lib.cuCheckpointProcessLock(pid, ctypes.byref(args)))
+
+    def checkpoint(self, pid: int) -> None:
+        self._check("cuCheckpointProcessCheckpoint", pid, self.lib.cuCheckpointProcessCheckpoint(pid, None))
+
+    def restore(self, pid: int, gpu_pairs: Sequence[GpuPair] = ()) -> None:
+        if not gpu_pairs:
+            self._check("cuCheckpointProcessRestore", pid, self.lib.cuCheckpointProcessRestore(pid, None))
+            return
+        pairs = (_GpuPair * len(gpu_pairs))(*[
+            _GpuPair(_Uuid(_uuid_bytes(p.old)), _Uuid(_uuid_bytes(p.new))) for p in gpu_pairs])
+        args = _RestoreArgs(gpuPairs=pairs, gpuPairsCount=len(gpu_pairs))
+        self._check("cuCheckpointProcessRestore", pid, self.lib.cuCheckpointProcessRestore(pid, ctypes.byref(args)))
+
+    def unlock(self, pid: int) -> None:
+        self._check("cuCheckpointProcessUnlock", pid, self.lib.cuCheckpointProcessUnlock(pid, None))
+
+    def suspend(self, pid: int, lock_timeout_ms: int = 10_000) -> float:
+        """Lock + checkpoint: the process keeps running on the CPU, its GPU state now in host memory."""
+        start = time.perf_counter()
+        self.lock(pid, lock_timeout_ms)
+        try:
+            self.checkpoint(pid)
+        except DriverCheckpointError:
+            self.unlock(pid)
+            raise
+        return time.perf_counter() - start
+
+    def resume(self, pid: int, gpu_pairs: Sequence[GpuPair] = ()) -> float:
+        """Restore + unlock."""
+        start = time.perf_counter()
+        self.restore(pid, gpu_pairs)
+        self.unlock(pid)
+        return time.perf_counter() - start

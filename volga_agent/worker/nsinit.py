@@ -1,0 +1,61 @@
+"""Start a command as the init of a new PID namespace, detached, and print its PID.
+
+CRIU restores a process with its original PID. Two restores of the same image, or a restore while the
+dumped process's PID is taken, collide ("Can't fork for PID: File exists"). A worker that is the init of
+its own PID namespace carries that namespace into the image, and CRIU recreates it on restore, so every
+restore gets fresh PIDs and never collides.
+
+The launcher unshares the PID namespace, forks (the child is PID 1 inside), makes the child a session
+leader with its output in a log file, prints the child's PID as seen from outside, and exits. The child is
+then re-parented to the nearest child subreaper: the agent, which reaps it.
+
+Usage: python -m volga_agent.worker.nsinit LOGFILE -- COMMAND...
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+CLONE_NEWPID = 0x20000000
+PR_SET_CHILD_SUBREAPER = 36
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def become_subreaper() -> None:
+    """Orphaned descendants (launched or restored workers) are re-parented to this process."""
+    if _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl(PR_SET_CHILD_SUBREAPER): {os.strerror(err)}")
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 3 or argv[1] != "--":
+        print("usage: python -m volga_agent.worker.nsinit LOGFILE -- COMMAND...", file=sys.stderr)
+        return 2
+    logfile, command = argv[0], argv[2:]
+    if _libc.unshare(CLONE_NEWPID) != 0:
+        err = ctypes.get_errno()
+        print(f"unshare(CLONE_NEWPID): {os.strerror(err)} (needs CAP_SYS_ADMIN)", file=sys.stderr)
+        return 1
+    pid = os.fork()
+    if pid == 0:
+        os.setsid()
+        log = os.open(logfile, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.closerange(3, 1 << 16)
+        try:
+            os.execvp(command[0], command)
+        finally:
+            os._exit(127)
+    print(pid, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,163 @@
+"""Frames between the agent and a worker over an AF_UNIX stream socket.
+
+A frame is a fixed 12-byte prefix (header length u32, payload length u64, little-endian), a JSON header
+and a raw payload. Tensors travel in the payload, back to back, described by the header's `tensors` list
+(name, dtype, shape, nbytes) in order, so no tensor is ever encoded as text.
+
+This module is imported by the worker, the process that gets frozen: it uses the standard library and
+numpy only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+PREFIX = struct.Struct("<IQ")
+MAX_HEADER = 1 << 20
+MAX_PAYLOAD = 1 << 34
+
+# Open Inference Protocol dtype names <-> numpy.
+NP_DTYPES: dict[str, np.dtype[Any]] = {
+    "BOOL": np.dtype(np.bool_),
+    "UINT8": np.dtype(np.uint8),
+    "INT8": np.dtype(np.int8),
+    "INT16": np.dtype(np.int16),
+    "INT32": np.dtype(np.int32),
+    "INT64": np.dtype(np.int64),
+    "FP16": np.dtype(np.float16),
+    "FP32": np.dtype(np.float32),
+    "FP64": np.dtype(np.float64),
+}
+DTYPE_NAMES = {v: k for k, v in NP_DTYPES.items()}
+
+
+class ProtocolError(Exception):
+    """The peer sent something that is not a frame, or went away mid-frame."""
+
+
+class WorkerError(Exception):
+    """The worker answered with an error. `code` is a gRPC status name such as INVALID_ARGUMENT."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+@dataclasses.dataclass(frozen=True)
+class Frame:
+    header: dict[str, Any]
+    payload: bytes | memoryview = b""
+
+
+def _recv_exact(sock: socket.socket, size: int) -> bytearray:
+    buf = bytearray(size)
+    view = memoryview(buf)
+    got = 0
+    while got < size:
+        n = sock.recv_into(view[got:], size - got)
+        if n == 0:
+            raise ProtocolError(f"connection closed after {got} of {size} bytes")
+        got += n
+    return buf
+
+
+def send_frame(sock: socket.socket, header: dict[str, Any], payload: Sequence[bytes | memoryview] = ()) -> None:
+    head = json.dumps(header, separators=(",", ":")).encode()
+    total = sum(memoryview(p).nbytes for p in payload)
+    sock.sendall(PREFIX.pack(len(head), total) + head)
+    for part in payload:
+        sock.sendall(part)
+
+
+def recv_frame(sock: socket.socket) -> Frame:
+    head_len, payload_len = PREFIX.unpack(_recv_exact(sock, PREFIX.size))
+    if head_len > MAX_HEADER or payload_len > MAX_PAYLOAD:
+        raise ProtocolError(f"frame too large: header {head_len} bytes, payload {payload_len} bytes")
+    try:
+        header = json.loads(_recv_exact(sock, head_len))
+    except ValueError as exc:
+        raise ProtocolError(f"header is not JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError("header is not a JSON object")
+    payload = memoryview(_recv_exact(sock, payload_len)) if payload_len else memoryview(b"")
+    return Frame(header, payload)
+
+
+def pack_tensors(tensors: dict[str, np.ndarray]) -> tuple[list[dict[str, Any]], list[memoryview]]:
+    meta, parts = [], []
+    for name, array in tensors.items():
+        array = np.ascontiguousarray(array)
+        dtype = DTYPE_NAMES.get(array.dtype)
+        if dtype is None:
+            raise WorkerError("INVALID_ARGUMENT", f"tensor {name!r}: dtype {array.dtype} is not supported")
+        meta.append({"name": name, "dtype": dtype, "shape": list(array.shape), "nbytes": array.nbytes})
+        parts.append(memoryview(array).cast("B"))
+    return meta, parts
+
+
+def unpack_tensors(meta: list[dict[str, Any]], payload: bytes | memoryview) -> dict[str, np.ndarray]:
+    """Views into the payload, no copies. Raises WorkerError(INVALID_ARGUMENT) on inconsistent metadata."""
+    out: dict[str, np.ndarray] = {}
+    offset = 0
+    view = memoryview(payload)
+    for item in meta:
+        try:
+            name, dtype_name, shape, nbytes = item["name"], item["dtype"], item["shape"], int(item["nbytes"])
+        except (KeyError, TypeError, ValueError):
+            raise WorkerError("INVALID_ARGUMENT", f"tensor descriptor {item!r} lacks name/dtype/shape/nbytes")
+        dtype = NP_DTYPES.get(dtype_name)
+        if dtype is None:
+            raise WorkerError("INVALID_ARGUMENT", f"tensor {name!r}: unknown dtype {dtype_name!r}")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise WorkerError("INVALID_ARGUMENT", f"tensor {name!r}: shape {shape!r} is not a list of sizes")
+        expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if expected != nbytes or offset + nbytes > view.nbytes:
+            raise WorkerError("INVALID_ARGUMENT",
+                              f"tensor {name!r}: {nbytes} bytes given, shape {shape} of {dtype_name} needs "
+                              f"{expected}")
+        out[name] = np.frombuffer(view[offset:offset + nbytes], dtype=dtype).reshape(shape)
+        offset += nbytes
+    return out
+
+
+class WorkerClient:
+    """A blocking connection to one worker. Not thread-safe: one request at a time per client."""
+
+    def __init__(self, path: str, timeout: float | None = 30.0) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        try:
+            self.sock.connect(path)
+        except OSError:
+            self.sock.close()
+            raise
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> WorkerClient:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def call(self, op: str, payload: Sequence[bytes | memoryview] = (), **fields: Any) -> Frame:
+        send_frame(self.sock, {"op": op, **fields}, payload)
+        reply = recv_frame(self.sock)
+        if not reply.header.get("ok", False):
+            raise WorkerError(str(reply.header.get("code", "INTERNAL")), str(reply.header.get("message", "")))
+        return reply
+
+    def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        meta, parts = pack_tensors(inputs)
+        reply = self.call("infer", parts, tensors=meta)
+        return unpack_tensors(reply.header["tensors"], reply.payload)

@@ -1,0 +1,454 @@
+"""The worker: the model-server process that Volga keeps in tiers and checkpoints.
+
+It loads one model (ONNX through onnxruntime, or TorchScript / PyTorch through torch), warms it up, and
+serves inference over an AF_UNIX socket with the frames of `protocol`. It is the process CRIU freezes, so:
+
+- it holds no INET socket, ever (kernels >= 6.16 refuse the socket options CRIU reads on INET sockets);
+- before a CRIU dump it closes every connection, writes `ready-for-checkpoint` in its signal folder and
+  waits for `restore-complete` (the pause/resume hooks of Dynamo Snapshot); the process resumes inside
+  that wait after a restore, re-seeds its RNGs when asked to, and goes back to serving;
+- it imports nothing of the agent, and torch only for torch models, to stay small and start fast.
+
+Run as `python -m volga_agent.worker.runtime CONFIG.json`; the agent starts it through `nsinit` so that it
+is the init of its own PID namespace, which CRIU restores with it and so never collides with other PIDs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import random
+import selectors
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from volga_agent.worker import protocol
+
+READY = "ready"
+READY_FOR_CHECKPOINT = "ready-for-checkpoint"
+RESTORE_COMPLETE = "restore-complete"
+WAKE_SIGNAL = signal.SIGUSR1
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorDecl:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerConfig:
+    """What a worker needs to know, written by the agent as JSON (the worker does not parse ModelSpecs)."""
+
+    model_id: str
+    framework: str
+    path: str
+    inputs: tuple[TensorDecl, ...]
+    outputs: tuple[TensorDecl, ...]
+    socket: str
+    signal_dir: str
+    device: str = "cpu"
+    warmup_iterations: int = 3
+    reset_rng_on_restore: bool = True
+    intra_op_threads: int = 0
+    max_batch_size: int = 256
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerConfig:
+        raw = json.loads(text)
+        raw["inputs"] = tuple(TensorDecl(t["name"], t["dtype"], tuple(t["shape"])) for t in raw["inputs"])
+        raw["outputs"] = tuple(TensorDecl(t["name"], t["dtype"], tuple(t["shape"])) for t in raw["outputs"])
+        return cls(**raw)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+
+class Backend:
+    """One loaded model. Subclasses implement run(); tier moves the framework cannot do raise WorkerError."""
+
+    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    def offload(self) -> dict[str, Any]:
+        raise protocol.WorkerError("FAILED_PRECONDITION", "this framework has no WARM tier (weights on GPU)")
+
+    def reload(self) -> dict[str, Any]:
+        raise protocol.WorkerError("FAILED_PRECONDITION", "this framework has no WARM tier (weights on GPU)")
+
+    def swap(self, path: str) -> None:
+        raise NotImplementedError
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+
+class OnnxBackend(Backend):
+    def __init__(self, config: WorkerConfig) -> None:
+        import onnxruntime as ort
+
+        self._ort = ort
+        self.config = config
+        self.providers = ["CPUExecutionProvider"]
+        if config.device.startswith("cuda"):
+            if "CUDAExecutionProvider" not in ort.get_available_providers():
+                raise RuntimeError("device is cuda but this onnxruntime has no CUDAExecutionProvider "
+                                   "(install onnxruntime-gpu)")
+            index = int(config.device.partition(":")[2] or 0)
+            self.providers = [("CUDAExecutionProvider", {"device_id": index}), "CPUExecutionProvider"]
+        self.session = self._open(config.path)
+
+    def _open(self, path: str) -> Any:
+        options = self._ort.SessionOptions()
+        if self.config.intra_op_threads:
+            options.intra_op_num_threads = self.config.intra_op_threads
+        # Spinning intra-op threads burn a core each between requests; on a node shared by many models the
+        # core is worth more than the microseconds spinning saves.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        session = self._ort.InferenceSession(path, options, providers=self.providers)
+        have = {i.name for i in session.get_inputs()}
+        want = {t.name for t in self.config.inputs}
+        if have != want:
+            raise RuntimeError(f"model {path} has inputs {sorted(have)}, the ModelSpec declares {sorted(want)}")
+        return session
+
+    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        names = [t.name for t in self.config.outputs]
+        results = self.session.run(names, inputs)
+        return dict(zip(names, results, strict=True))
+
+    def swap(self, path: str) -> None:
+        self.session = self._open(path)
+
+
+class TorchBackend(Backend):
+    """TorchScript or eager PyTorch. Parameters live in one flat arena so WARM is a single large copy."""
+
+    ALIGN = 256
+
+    def __init__(self, config: WorkerConfig) -> None:
+        import torch
+
+        self.torch = torch
+        self.config = config
+        self.device = torch.device(config.device)
+        if config.framework == "torchscript":
+            module = torch.jit.load(config.path, map_location="cpu")
+        elif config.path.endswith(".py"):
+            namespace: dict[str, Any] = {"__file__": config.path, "__name__": "volga_user_model"}
+            exec(compile(pathlib.Path(config.path).read_text(), config.path, "exec"), namespace)
+            module = namespace["build_model"]()
+        else:
+            module = torch.load(config.path, map_location="cpu", weights_only=False)
+        self.module = module.eval().to(self.device)
+        self.tensors = [t for t in (*self.module.parameters(), *self.module.buffers())]
+        self.nbytes = sum(self._aligned(t) for t in self.tensors)
+        self.host: Any = None
+        self.arena = self._adopt_arena()
+
+    def _aligned(self, t: Any) -> int:
+        return -(-t.numel() * t.element_size() // self.ALIGN) * self.ALIGN
+
+    def _adopt_arena(self) -> Any:
+        """Move every parameter and buffer into one flat device buffer (views), freeing the originals."""
+        arena = self.torch.empty(self.nbytes, dtype=self.torch.uint8, device=self.device)
+        self._bind(arena, copy=True)
+        return arena
+
+    def _bind(self, arena: Any, copy: bool) -> None:
+        offset = 0
+        for t in self.tensors:
+            size = t.numel() * t.element_size()
+            view = arena[offset:offset + size].view(t.dtype).view(t.shape)
+            if copy:
+                view.copy_(t.data)
+            t.data = view
+            offset += self._aligned(t)
+
+    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        torch = self.torch
+        if self.arena is None:
+            raise protocol.WorkerError("FAILED_PRECONDITION", "weights are offloaded (WARM): reload first")
+        args = [torch.from_numpy(np.ascontiguousarray(inputs[t.name])).to(self.device, non_blocking=True)
+                for t in self.config.inputs]
+        with torch.inference_mode():
+            result = self.module(*args)
+        if isinstance(result, dict):
+            values = [result[t.name] for t in self.config.outputs]
+        elif isinstance(result, (tuple, list)):
+            values = list(result)
+        else:
+            values = [result]
+        names = [t.name for t in self.config.outputs]
+        if len(values) != len(names):
+            raise protocol.WorkerError("INTERNAL", f"model returned {len(values)} outputs, spec has {len(names)}")
+        return {n: v.detach().cpu().numpy() for n, v in zip(names, values, strict=True)}
+
+    def offload(self) -> dict[str, Any]:
+        torch = self.torch
+        if self.arena is None:
+            return {"nbytes": self.nbytes, "already": True}
+        start = time.perf_counter()
+        if self.host is None:
+            self.host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        self.host.copy_(self.arena)
+        empty = torch.empty(0, device=self.device)
+        for t in self.tensors:
+            t.data = empty
+        self.arena = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+        return {"nbytes": self.nbytes, "seconds": time.perf_counter() - start}
+
+    def reload(self) -> dict[str, Any]:
+        torch = self.torch
+        if self.arena is not None:
+            return {"nbytes": self.nbytes, "already": True}
+        start = time.perf_counter()
+        arena = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        arena.copy_(self.host, non_blocking=True)
+        self._bind(arena, copy=False)
+        self.arena = arena
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return {"nbytes": self.nbytes, "seconds": time.perf_counter() - start}
+
+    def swap(self, path: str) -> None:
+        torch = self.torch
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        current = self.module.state_dict()
+        problems = [f"{k}: missing" for k in current if k not in state]
+        problems += [f"{k}: unexpected" for k in state if k not in current]
+        problems += [f"{k}: shape {tuple(state[k].shape)} != {tuple(v.shape)}"
+                     for k, v in current.items() if k in state and state[k].shape != v.shape]
+        if problems:
+            raise protocol.WorkerError("INVALID_ARGUMENT", "weights do not fit the loaded architecture: "
+                                       + "; ".join(problems[:5]))
+        if self.arena is None:
+            raise protocol.WorkerError("FAILED_PRECONDITION", "weights are offloaded (WARM): reload first")
+        with torch.no_grad():
+            for key, value in current.items():
+                value.copy_(state[key])
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"weights_bytes": self.nbytes, "offloaded": self.arena is None}
+        if self.device.type == "cuda":
+            out["gpu_allocated_bytes"] = int(self.torch.cuda.memory_allocated(self.device))
+        return out
+
+
+def load_backend(config: WorkerConfig) -> Backend:
+    if config.framework == "onnx":
+        return OnnxBackend(config)
+    if config.framework in ("torchscript", "pytorch"):
+        return TorchBackend(config)
+    raise ValueError(f"framework {config.framework!r} is not one of onnx, torchscript, pytorch")
+
+
+def sample_inputs(decls: tuple[TensorDecl, ...], batch: int = 1, seed: int = 0) -> dict[str, np.ndarray]:
+    """Deterministic inputs of the declared shapes (-1 -> batch); integer inputs are small indices."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for decl in decls:
+        shape = tuple(batch if d == -1 else d for d in decl.shape)
+        dtype = protocol.NP_DTYPES[decl.dtype]
+        if dtype.kind in "iu":
+            out[decl.name] = rng.integers(0, 100, size=shape).astype(dtype)
+        elif dtype.kind == "b":
+            out[decl.name] = rng.integers(0, 2, size=shape).astype(dtype)
+        else:
+            out[decl.name] = rng.standard_normal(shape).astype(dtype)
+    return out
+
+
+def check_inputs(decls: tuple[TensorDecl, ...], inputs: dict[str, np.ndarray], max_batch: int) -> None:
+    """Reject inputs that do not match the ModelSpec before they reach the framework."""
+    want = {d.name for d in decls}
+    if set(inputs) != want:
+        missing, extra = sorted(want - set(inputs)), sorted(set(inputs) - want)
+        raise protocol.WorkerError("INVALID_ARGUMENT", f"inputs missing {missing}, unexpected {extra}")
+    for decl in decls:
+        array = inputs[decl.name]
+        dtype = protocol.DTYPE_NAMES.get(array.dtype)
+        if dtype != decl.dtype:
+            raise protocol.WorkerError("INVALID_ARGUMENT",
+                                       f"input {decl.name!r}: dtype {dtype} given, {decl.dtype} expected")
+        expected = ["-1" if d == -1 else str(d) for d in decl.shape]
+        if len(array.shape) != len(decl.shape) or any(
+                d != -1 and d != s for d, s in zip(decl.shape, array.shape, strict=True)):
+            raise protocol.WorkerError("INVALID_ARGUMENT", f"input {decl.name!r}: shape {list(array.shape)} "
+                                       f"given, [{', '.join(expected)}] expected")
+        if decl.shape and decl.shape[0] == -1 and array.shape[0] > max_batch:
+            raise protocol.WorkerError("INVALID_ARGUMENT", f"input {decl.name!r}: batch {array.shape[0]} is "
+                                       f"over maxBatchSize {max_batch}")
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.signal_dir = pathlib.Path(config.signal_dir)
+        self.started = time.time()
+        self.load_seconds = 0.0
+        self.backend = self._load()
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        pathlib.Path(config.socket).unlink(missing_ok=True)
+        self.listener.bind(config.socket)
+        self.listener.listen(64)
+        self.conns: list[socket.socket] = []
+        self.requests = 0
+        self.restores = 0
+        self.ops: dict[str, Callable[[protocol.Frame], tuple[dict[str, Any], list[memoryview]]]] = {
+            "infer": self._op_infer,
+            "ping": lambda f: ({"pid": os.getpid(), "restores": self.restores}, []),
+            "metadata": self._op_metadata,
+            "stats": self._op_stats,
+            "offload": lambda f: (self.backend.offload(), []),
+            "reload": lambda f: (self.backend.reload(), []),
+            "swap": self._op_swap,
+        }
+
+    def _load(self) -> Any:
+        start = time.perf_counter()
+        backend = load_backend(self.config)
+        warm = sample_inputs(self.config.inputs)
+        for _ in range(self.config.warmup_iterations):
+            backend.run(warm)
+        self.load_seconds = time.perf_counter() - start
+        return backend
+
+    def _op_infer(self, frame: protocol.Frame) -> tuple[dict[str, Any], list[memoryview]]:
+        inputs = protocol.unpack_tensors(frame.header.get("tensors", []), frame.payload)
+        check_inputs(self.config.inputs, inputs, self.config.max_batch_size)
+        outputs = self.backend.run(inputs)
+        self.requests += 1
+        meta, parts = protocol.pack_tensors(outputs)
+        return {"tensors": meta}, parts
+
+    def _op_metadata(self, frame: protocol.Frame) -> tuple[dict[str, Any], list[memoryview]]:
+        decl = [dataclasses.asdict(t) for t in self.config.inputs], [dataclasses.asdict(t) for t in self.config.outputs]
+        return {"model_id": self.config.model_id, "framework": self.config.framework,
+                "inputs": decl[0], "outputs": decl[1], "device": self.config.device}, []
+
+    def _op_stats(self, frame: protocol.Frame) -> tuple[dict[str, Any], list[memoryview]]:
+        return {"requests": self.requests, "restores": self.restores, "load_seconds": self.load_seconds,
+                **self.backend.stats()}, []
+
+    def _op_swap(self, frame: protocol.Frame) -> tuple[dict[str, Any], list[memoryview]]:
+        path = frame.header.get("path")
+        if not isinstance(path, str) or not os.path.exists(path):
+            raise protocol.WorkerError("INVALID_ARGUMENT", f"swap: path {path!r} does not exist")
+        start = time.perf_counter()
+        self.backend.swap(path)
+        return {"seconds": time.perf_counter() - start}, []
+
+    def handle(self, conn: socket.socket) -> bool:
+        """Serve one frame; False when the connection is gone or the worker paused for a checkpoint."""
+        try:
+            frame = protocol.recv_frame(conn)
+        except (protocol.ProtocolError, OSError):
+            return False
+        op = frame.header.get("op")
+        if op == "prepare_checkpoint":
+            protocol.send_frame(conn, {"ok": True})
+            self.pause_for_checkpoint()
+            return False
+        handler = self.ops.get(str(op))
+        try:
+            if handler is None:
+                raise protocol.WorkerError("UNIMPLEMENTED", f"unknown op {op!r}")
+            header, parts = handler(frame)
+            header = {"ok": True, **header}
+        except protocol.WorkerError as exc:
+            header, parts = {"ok": False, "code": exc.code, "message": exc.message}, []
+        except Exception as exc:  # the framework failed on this request: report it, keep serving
+            header, parts = {"ok": False, "code": "INTERNAL", "message": f"{type(exc).__name__}: {exc}"}, []
+        try:
+            protocol.send_frame(conn, header, parts)
+        except OSError:
+            return False
+        return True
+
+    def pause_for_checkpoint(self) -> None:
+        """Close every connection, say we are ready, and wait for the agent's restore-complete signal.
+
+        A CRIU dump taken now holds only the listener and files. After a restore the process continues
+        here; when the dump was abandoned the agent sends the same signal and nothing else happens.
+        """
+        for conn in self.conns:
+            conn.close()
+        self.conns.clear()
+        done = self.signal_dir / RESTORE_COMPLETE
+        (self.signal_dir / READY_FOR_CHECKPOINT).write_text(str(os.getpid()))
+        while not done.exists():
+            signal.sigtimedwait([WAKE_SIGNAL], 0.05)
+        done.unlink(missing_ok=True)
+        (self.signal_dir / READY_FOR_CHECKPOINT).unlink(missing_ok=True)
+        self.restores += 1
+        if self.config.reset_rng_on_restore:
+            reseed_rngs()
+
+    def serve(self) -> None:
+        (self.signal_dir / READY).write_text(json.dumps({"pid": os.getpid(), "load_seconds": self.load_seconds}))
+        while True:
+            # A fresh poll selector each round: it holds no kernel object that a checkpoint would carry.
+            with selectors.PollSelector() as sel:
+                sel.register(self.listener, selectors.EVENT_READ)
+                for conn in self.conns:
+                    sel.register(conn, selectors.EVENT_READ)
+                ready = sel.select()
+            for key, _ in ready:
+                sock = key.fileobj
+                assert isinstance(sock, socket.socket)
+                if sock is self.listener:
+                    conn, _ = self.listener.accept()
+                    self.conns.append(conn)
+                elif sock in self.conns and not self.handle(sock):
+                    if sock in self.conns:
+                        self.conns.remove(sock)
+                    sock.close()
+                    if not self.conns:
+                        break
+
+
+def reseed_rngs() -> None:
+    """A restored process would replay the RNG stream it was frozen with; give every copy its own."""
+    seed = int.from_bytes(os.urandom(8), "little")
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.manual_seed(seed)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m volga_agent.worker.runtime CONFIG.json", file=sys.stderr)
+        return 2
+    # Block the wake signal before any framework thread exists, so every thread inherits the mask and
+    # sigtimedwait in the main thread receives it.
+    signal.pthread_sigmask(signal.SIG_BLOCK, [WAKE_SIGNAL])
+    # As the init of its PID namespace the worker ignores SIGTERM unless it handles it.
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    config = WorkerConfig.from_json(pathlib.Path(argv[0]).read_text())
+    try:
+        worker = Worker(config)
+    except Exception as exc:
+        (pathlib.Path(config.signal_dir) / "failed").write_text(f"{type(exc).__name__}: {exc}")
+        raise
+    worker.serve()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
