@@ -99,7 +99,7 @@ def pack_tensors(tensors: dict[str, np.ndarray]) -> tuple[list[dict[str, Any]], 
         if dtype is None:
             raise WorkerError("INVALID_ARGUMENT", f"tensor {name!r}: dtype {array.dtype} is not supported")
         meta.append({"name": name, "dtype": dtype, "shape": list(array.shape), "nbytes": array.nbytes})
-        parts.append(memoryview(array).cast("B"))
+        parts.append(memoryview(array.reshape(-1)).cast("B") if array.size else memoryview(b""))
     return meta, parts
 
 

@@ -315,6 +315,7 @@ class Worker:
             "offload": lambda f: (self.backend.offload(), []),
             "reload": lambda f: (self.backend.reload(), []),
             "swap": self._op_swap,
+            "rng": lambda f: ({"python": random.random(), "numpy": float(np.random.random())}, []),
         }
 
     def _load(self) -> Any:

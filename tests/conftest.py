@@ -1,0 +1,30 @@
+from __future__ import annotations
+
+import pathlib
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+
+from volga_agent import defaultmodel
+from volga_agent.snapshot import criu
+from volga_operator import api
+
+
+@pytest.fixture(scope="session")
+def default_spec() -> api.ModelSpecSpec:
+    return defaultmodel.ensure().spec
+
+
+@pytest.fixture
+def rundir() -> Iterator[pathlib.Path]:
+    # AF_UNIX paths are limited to 107 bytes: keep run folders short.
+    with tempfile.TemporaryDirectory(prefix="vt-", dir="/tmp") as path:
+        yield pathlib.Path(path)
+
+
+@pytest.fixture
+def criu_engine(tmp_path_factory: pytest.TempPathFactory) -> criu.CriuEngine:
+    root = pathlib.Path("/dev/shm") if pathlib.Path("/dev/shm").is_dir() else tmp_path_factory.getbasetemp()
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="volga-test-", dir=root))
+    return criu.CriuEngine(folder)

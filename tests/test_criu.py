@@ -1,0 +1,136 @@
+"""CRIU really freezes and restores a worker serving the default ONNX model on the CPU."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from volga_agent import instance
+from volga_agent.snapshot import criu
+from volga_agent.worker import runtime
+from volga_operator import api
+
+pytestmark = pytest.mark.integration
+Tier = api.Tier
+
+
+@pytest.fixture
+def inst(default_spec: api.ModelSpecSpec, rundir: pathlib.Path,
+         criu_engine: criu.CriuEngine) -> Iterator[instance.Instance]:
+    i = instance.Instance("ctr-a", default_spec, rundir, criu_engine)
+    yield i
+    i.close()
+    assert not (criu_engine.root / "ctr-a").exists(), "images left behind"
+
+
+def test_criu_is_4x(criu_engine: criu.CriuEngine) -> None:
+    assert criu_engine.version().startswith("Version: 4.")
+    criu_engine.check()
+
+
+def test_freeze_thaw_many_times_identical_outputs(inst: instance.Instance, criu_engine: criu.CriuEngine) -> None:
+    x = runtime.sample_inputs(inst.config.inputs, batch=32, seed=5)
+    inst.to(Tier.HOT)
+    reference = inst.infer(x)["probability"]
+    pids = set()
+    for cycle in range(6):
+        frozen = inst.to(Tier.FROZEN)
+        assert inst.tier is Tier.FROZEN and inst.pid is None
+        assert inst.image is not None and inst.image.size_bytes > 50 * 2**20
+        # Published atomically, one image per instance, no temporary folders left.
+        assert [p.name for p in (criu_engine.root / "ctr-a").iterdir()] == [inst.image.snapshot_id]
+        assert (inst.image.path / "pstree.img").exists()
+        woke = inst.wake()
+        assert not woke.fallback, woke.detail
+        assert np.array_equal(inst.infer(x)["probability"], reference), f"cycle {cycle}"
+        pids.add(inst.pid)
+        assert frozen.seconds > 0 and woke.seconds > 0
+    assert inst.restore_failures == 0
+    moves = [(t.source, t.target) for t in inst.history]
+    assert moves == [(Tier.COLD, Tier.HOT)] + [(Tier.HOT, Tier.FROZEN), (Tier.FROZEN, Tier.HOT)] * 6
+    ping = inst.client().call("ping").header
+    assert ping["restores"] == 6
+
+
+def test_restored_worker_is_init_of_its_own_pid_namespace(inst: instance.Instance) -> None:
+    inst.to(Tier.HOT)
+    inst.to(Tier.FROZEN)
+    inst.wake()
+    assert inst.pid is not None
+    assert inst.client().call("ping").header["pid"] == 1
+    assert os.readlink(f"/proc/{inst.pid}/ns/pid") != os.readlink("/proc/self/ns/pid")
+
+
+def test_no_inet_sockets_in_the_worker(inst: instance.Instance) -> None:
+    inst.to(Tier.HOT)
+    assert inst.pid is not None
+    inodes = {os.readlink(f"/proc/{inst.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{inst.pid}/fd")}
+    sockets = {i[len("socket:["):-1] for i in inodes if i.startswith("socket:[")}
+    inet = set()
+    for table in ("tcp", "tcp6", "udp", "udp6"):
+        for line in pathlib.Path(f"/proc/{inst.pid}/net/{table}").read_text().splitlines()[1:]:
+            inet.add(line.split()[9])
+    assert sockets and not (sockets & inet)
+
+
+def test_rng_reseeded_after_restore(default_spec: api.ModelSpecSpec, rundir: pathlib.Path,
+                                    criu_engine: criu.CriuEngine) -> None:
+    """Two restores of one image draw different random numbers only when resetRngOnRestore is set."""
+    results = {}
+    for reset in (True, False):
+        spec = default_spec.model_copy(update={"runtime": default_spec.runtime.model_copy(
+            update={"reset_rng_on_restore": reset})})
+        i = instance.Instance(f"rng-{reset}", spec, rundir / str(reset), criu_engine)
+        try:
+            i.to(Tier.HOT)
+            i.to(Tier.FROZEN)
+            draws = []
+            for _ in range(2):
+                i.wake()
+                draws.append(i.client().call("rng").header["numpy"])
+                i._kill()  # drop the restored process, keep the image: restore the same image again
+                i.tier = Tier.FROZEN
+        finally:
+            i.close()
+        results[reset] = draws
+    assert results[True][0] != results[True][1]
+    assert results[False][0] == results[False][1]
+
+
+def test_broken_image_falls_back_to_cold_start(inst: instance.Instance) -> None:
+    x = runtime.sample_inputs(inst.config.inputs, batch=2, seed=1)
+    inst.to(Tier.HOT)
+    reference = inst.infer(x)["probability"]
+    inst.to(Tier.FROZEN)
+    assert inst.image is not None
+    (inst.image.path / "pstree.img").write_bytes(b"garbage")
+    woke = inst.wake()
+    assert woke.fallback and woke.target is Tier.HOT
+    assert "criu restore" in woke.detail
+    assert inst.restore_failures == 1
+    assert np.array_equal(inst.infer(x)["probability"], reference)
+
+
+def test_failed_dump_keeps_the_worker_serving(inst: instance.Instance, monkeypatch: pytest.MonkeyPatch) -> None:
+    x = runtime.sample_inputs(inst.config.inputs, batch=2, seed=1)
+    inst.to(Tier.HOT)
+    reference = inst.infer(x)["probability"]
+    assert inst.criu is not None
+    monkeypatch.setattr(inst.criu, "criu", "/bin/false")
+    with pytest.raises(criu.CriuError, match="criu dump of pid"):
+        inst.to(Tier.FROZEN)
+    assert inst.tier is Tier.HOT
+    assert np.array_equal(inst.infer(x)["probability"], reference)
+
+
+def test_frozen_to_cold_removes_the_image(inst: instance.Instance, criu_engine: criu.CriuEngine) -> None:
+    inst.to(Tier.HOT)
+    inst.to(Tier.FROZEN)
+    assert inst.image is not None
+    path = inst.image.path
+    inst.to(Tier.COLD)
+    assert not path.exists() and inst.image is None

@@ -1,0 +1,64 @@
+"""The tier state machine's rules, without processes."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from volga_agent import instance
+from volga_agent.snapshot import cuda
+from volga_operator import api
+
+Tier = api.Tier
+
+
+def test_every_tier_can_reach_cold_and_hot() -> None:
+    for tier in Tier:
+        if tier is not Tier.COLD:
+            assert Tier.COLD in instance.LEGAL[tier]
+        if tier is not Tier.HOT:
+            assert Tier.HOT in instance.LEGAL[tier]
+
+
+@pytest.mark.parametrize("source, target", [(Tier.COLD, Tier.FROZEN), (Tier.COLD, Tier.WARM),
+                                            (Tier.WARM, Tier.FROZEN), (Tier.COLD, Tier.SUSPENDED)])
+def test_illegal_moves_refused(default_spec: api.ModelSpecSpec, rundir: pathlib.Path, source: Tier,
+                               target: Tier) -> None:
+    inst = instance.Instance("x", default_spec, rundir, None)
+    inst.tier = source
+    with pytest.raises(instance.IllegalTransition, match="not a legal move"):
+        inst.to(target)
+    assert inst.history == []
+
+
+def test_gpu_tiers_need_a_gpu(default_spec: api.ModelSpecSpec, rundir: pathlib.Path) -> None:
+    inst = instance.Instance("x", default_spec, rundir, None)
+    inst.tier = Tier.HOT
+    with pytest.raises(instance.IllegalTransition, match="needs a GPU"):
+        inst.to(Tier.WARM)
+
+
+def test_missing_model_file(default_spec: api.ModelSpecSpec, rundir: pathlib.Path) -> None:
+    spec = default_spec.model_copy(update={"source": str(rundir / "nope.onnx")})
+    with pytest.raises(FileNotFoundError, match="spec.source: model file .*nope.onnx does not exist"):
+        instance.Instance("x", spec, rundir, None)
+
+
+def test_socket_path_too_long(default_spec: api.ModelSpecSpec, tmp_path: pathlib.Path) -> None:
+    with pytest.raises(ValueError, match="longer than 107 bytes"):
+        instance.Instance("x", default_spec, tmp_path / ("d" * 120), None)
+
+
+def test_driver_checkpoint_unsupported_is_clear() -> None:
+    with pytest.raises(cuda.DriverCheckpointUnsupported, match="cannot load libcuda-none.so"):
+        cuda.DriverCheckpoint("libcuda-none.so")
+
+
+def test_driver_structs_match_the_header() -> None:
+    import ctypes
+
+    assert ctypes.sizeof(cuda._LockArgs) == 64
+    assert ctypes.sizeof(cuda._RestoreArgs) == 64
+    assert ctypes.sizeof(cuda._GpuPair) == 32
+    assert cuda._uuid_bytes("GPU-12345678-1234-1234-1234-123456789abc")[:4] == bytes.fromhex("12345678")

@@ -1,0 +1,117 @@
+"""A real worker process serving the default ONNX model on the CPU."""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from volga_agent import defaultmodel, instance
+from volga_agent.worker import protocol, runtime
+from volga_operator import api
+
+pytestmark = pytest.mark.integration
+Tier = api.Tier
+
+
+@pytest.fixture
+def hot(default_spec: api.ModelSpecSpec, rundir: pathlib.Path) -> Iterator[instance.Instance]:
+    inst = instance.Instance("w", default_spec, rundir, None)
+    inst.to(Tier.HOT)
+    yield inst
+    inst.close()
+    assert inst.pid is None
+
+
+def request(inst: instance.Instance, batch: int = 4) -> dict[str, np.ndarray]:
+    return runtime.sample_inputs(inst.config.inputs, batch=batch, seed=11)
+
+
+def test_serves_and_is_deterministic(hot: instance.Instance) -> None:
+    x = request(hot)
+    first = hot.infer(x)["probability"]
+    assert first.shape == (4, 1) and first.dtype == np.float32
+    assert np.all((first > 0) & (first < 1))
+    assert np.array_equal(hot.infer(x)["probability"], first)
+    meta = hot.client().call("metadata").header
+    assert meta["model_id"] == "ctr-default" and [i["name"] for i in meta["inputs"]] == ["dense", "sparse"]
+
+
+def test_cold_start_is_recorded(hot: instance.Instance) -> None:
+    assert [(t.source, t.target) for t in hot.history] == [(Tier.COLD, Tier.HOT)]
+    assert hot.history[0].seconds > 0
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda x: {**x, "dense": x["dense"][:, :12].copy()}, "input 'dense': shape [4, 12] given, [-1, 13] expected"),
+    (lambda x: {**x, "sparse": x["sparse"].astype(np.int32)}, "input 'sparse': dtype INT32 given, INT64 expected"),
+    (lambda x: {"dense": x["dense"]}, "inputs missing ['sparse'], unexpected []"),
+    (lambda x: {**x, "extra": x["dense"]}, "unexpected ['extra']"),
+    (lambda x: {**x, "dense": x["dense"][:, :, None].copy()}, "input 'dense': shape [4, 13, 1]"),
+])
+def test_bad_tensors_are_rejected_and_worker_keeps_serving(hot: instance.Instance, mutate, message: str) -> None:
+    x = request(hot)
+    good = hot.infer(x)["probability"]
+    with pytest.raises(protocol.WorkerError) as err:
+        hot.infer(mutate(x))
+    assert err.value.code == "INVALID_ARGUMENT"
+    assert message in err.value.message
+    assert np.array_equal(hot.infer(x)["probability"], good)
+
+
+def test_batch_over_the_limit(hot: instance.Instance) -> None:
+    with pytest.raises(protocol.WorkerError, match="over maxBatchSize 256"):
+        hot.infer(request(hot, batch=257))
+
+
+def test_garbled_frame_drops_only_that_connection(hot: instance.Instance) -> None:
+    x = request(hot)
+    good = hot.infer(x)["probability"]
+    with protocol.WorkerClient(hot.config.socket) as rogue:
+        rogue.sock.sendall(protocol.PREFIX.pack(5, 0) + b"nope!")
+        assert rogue.sock.recv(1) == b""  # the worker hung up on it
+    with protocol.WorkerClient(hot.config.socket) as other:
+        with pytest.raises(protocol.WorkerError, match="UNIMPLEMENTED"):
+            other.call("explode")
+    assert np.array_equal(hot.infer(x)["probability"], good)
+
+
+def test_in_place_swap_to_another_version(hot: instance.Instance, tmp_path: pathlib.Path) -> None:
+    x = request(hot)
+    before = hot.infer(x)["probability"]
+    pid = hot.pid
+    v2 = defaultmodel.build_onnx(tmp_path / "v2.onnx", rows=1000)  # same architecture, other weights
+    hot.client().call("swap", path=str(v2))
+    after = hot.infer(x)["probability"]
+    assert hot.pid == pid
+    assert not np.array_equal(before, after)
+    with pytest.raises(protocol.WorkerError, match="does not exist"):
+        hot.client().call("swap", path=str(tmp_path / "none.onnx"))
+    assert np.array_equal(hot.infer(x)["probability"], after)
+
+
+def test_model_that_fails_to_load(default_spec: api.ModelSpecSpec, rundir: pathlib.Path) -> None:
+    broken = rundir / "broken.onnx"
+    broken.write_bytes(b"this is not onnx")
+    inst = instance.Instance("b", default_spec.model_copy(update={"source": str(broken)}), rundir / "i", None)
+    with pytest.raises(instance.WorkerStartError, match="worker failed"):
+        inst.to(Tier.HOT)
+    inst.close()
+
+
+def test_killed_worker_gives_an_error_and_can_restart(hot: instance.Instance) -> None:
+    import os
+    import signal
+
+    x = request(hot)
+    good = hot.infer(x)["probability"]
+    assert hot.pid is not None
+    os.kill(hot.pid, signal.SIGKILL)
+    with pytest.raises(protocol.WorkerError) as err:
+        hot.infer(x)
+    assert err.value.code == "UNAVAILABLE"
+    assert hot.tier is Tier.COLD
+    hot.to(Tier.HOT)
+    assert np.array_equal(hot.infer(x)["probability"], good)

@@ -1,0 +1,184 @@
+"""`volga bench tiers`: cold start against every tier's wake -> first answer, side by side in one run.
+
+Each cycle moves one instance into a tier (not timed into the wake), then times wake + the first inference
+and compares the outputs with the reference taken at the first cold start, bit for bit. Cold starts are
+timed the same way: spawn, load, warm up, first answer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import platform
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from volga_agent import instance
+from volga_agent.snapshot import criu, cuda
+from volga_agent.worker import runtime
+from volga_operator import api
+
+Tier = api.Tier
+
+
+def summarize(samples_s: Sequence[float]) -> dict[str, float | int]:
+    ms = np.asarray(samples_s) * 1e3
+    return {"p50_ms": round(float(np.percentile(ms, 50)), 3), "p99_ms": round(float(np.percentile(ms, 99)), 3),
+            "min_ms": round(float(ms.min()), 3), "max_ms": round(float(ms.max()), 3), "n": len(ms)}
+
+
+def gpu_memory_used_mib(index: int) -> float | None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        used = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).used
+        return round(used / 2**20, 1)
+    except Exception:
+        return None
+
+
+@dataclasses.dataclass
+class TierRun:
+    wake_s: list[float] = dataclasses.field(default_factory=list)
+    enter_s: list[float] = dataclasses.field(default_factory=list)
+    fallbacks: int = 0
+    mismatches: int = 0
+    gpu_mib_in_tier: float | None = None
+    image_bytes: int | None = None
+
+    def report(self) -> dict[str, Any]:
+        out: dict[str, Any] = {**summarize(self.wake_s), "enter": summarize(self.enter_s) if self.enter_s else None,
+                               "fallbacks": self.fallbacks, "mismatches": self.mismatches}
+        if self.gpu_mib_in_tier is not None:
+            out["gpu_used_mib_in_tier"] = self.gpu_mib_in_tier
+        if self.image_bytes is not None:
+            out["image_bytes"] = self.image_bytes
+        return out
+
+
+def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pathlib.Path,
+                tiers: Sequence[Tier], n: int, device: str = "cpu", batch: int = 8,
+                progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    driver = cuda.DriverCheckpoint() if device.startswith("cuda") else None
+    engine = criu.CriuEngine(snapshot_dir) if Tier.FROZEN in tiers else None
+    inst = instance.Instance(f"bench-{spec.model_id}", spec, workdir, engine, driver, device)
+    inputs = runtime.sample_inputs(inst.config.inputs, batch=batch, seed=1)
+    gpu_index = int(device.partition(":")[2] or 0) if device.startswith("cuda") else None
+    reference: dict[str, np.ndarray] | None = None
+    runs = {Tier.COLD: TierRun(), **{t: TierRun() for t in tiers}}
+
+    def answer(run: TierRun) -> None:
+        nonlocal reference
+        out = inst.infer(inputs)
+        if reference is None:
+            reference = {k: v.copy() for k, v in out.items()}
+        elif not all(np.array_equal(out[k], reference[k]) for k in reference):
+            run.mismatches += 1
+
+    try:
+        for i in range(n):
+            progress(f"cold start {i + 1}/{n}")
+            inst.to(Tier.COLD)
+            start = time.perf_counter()
+            inst.to(Tier.HOT)
+            answer(runs[Tier.COLD])
+            runs[Tier.COLD].wake_s.append(time.perf_counter() - start)
+        stats = inst.client().call("stats").header
+        for tier in tiers:
+            run = runs[tier]
+            for i in range(n):
+                progress(f"{tier.value.lower()} wake {i + 1}/{n}")
+                entered = inst.to(tier)
+                run.enter_s.append(entered.seconds)
+                if i == 0 and gpu_index is not None:
+                    run.gpu_mib_in_tier = gpu_memory_used_mib(gpu_index)
+                if tier == Tier.FROZEN and inst.image is not None:
+                    run.image_bytes = inst.image.size_bytes
+                start = time.perf_counter()
+                woke = inst.wake()
+                answer(run)
+                run.wake_s.append(time.perf_counter() - start)
+                run.fallbacks += int(woke.fallback)
+    finally:
+        inst.close()
+
+    cold_p50 = summarize(runs[Tier.COLD].wake_s)["p50_ms"]
+    report: dict[str, Any] = {
+        "device": device_description(device),
+        "model": {"id": spec.model_id, "framework": spec.framework.value,
+                  "file_bytes": spec.source_path.stat().st_size, "weights_bytes": stats.get("weights_bytes"),
+                  "load_seconds": stats.get("load_seconds"), "batch": batch},
+        "tiers": {t.value.lower(): r.report() for t, r in runs.items()},
+        "speedup_vs_cold_p50": {t.value.lower(): round(cold_p50 / summarize(runs[t].wake_s)["p50_ms"], 2)
+                                for t in tiers},
+        "outputs_match": all(r.mismatches == 0 for r in runs.values()),
+        "restore_fallbacks": sum(r.fallbacks for r in runs.values()),
+        "criu": engine.version() if engine else None,
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    return report
+
+
+def device_description(device: str) -> str:
+    if device.startswith("cuda"):
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            index = int(device.partition(":")[2] or 0)
+            name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(index))
+            driver = pynvml.nvmlSystemGetDriverVersion()
+            return f"{device} {name} (driver {driver})"
+        except Exception:
+            return device
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import os
+
+    return f"cpu: {cpu} x{os.cpu_count()}"
+
+
+def build_torch_mlp(path: pathlib.Path, weights_gib: float, width: int = 4096, seed: int = 0) -> api.ModelSpecSpec:
+    """A PyTorch MLP of about `weights_gib` GiB of fp32 weights, saved whole, and its ModelSpec."""
+    import torch
+
+    layers = max(1, round(weights_gib * 2**30 / (width * width * 4)))
+    if not path.exists():
+        torch.manual_seed(seed)
+        blocks: list[torch.nn.Module] = []
+        for _ in range(layers):
+            linear = torch.nn.Linear(width, width)
+            torch.nn.init.normal_(linear.weight, std=width ** -0.5)
+            blocks += [linear, torch.nn.ReLU()]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(torch.nn.Sequential(*blocks), path)
+    return api.ModelSpecSpec.model_validate({
+        "modelId": f"mlp-{layers}x{width}", "framework": "pytorch", "source": str(path),
+        "inputs": [{"name": "x", "dtype": "FP32", "shape": [-1, width]}],
+        "outputs": [{"name": "y", "dtype": "FP32", "shape": [-1, width]}],
+        "hardware": {"gpu": True}, "runtime": {"warmupIterations": 3},
+    })
+
+
+def format_table(report: dict[str, Any]) -> str:
+    rows = [f"{'tier':<10} {'p50 ms':>10} {'p99 ms':>10} {'n':>4} {'vs cold':>8}"]
+    cold = report["tiers"]["cold"]["p50_ms"]
+    for name, r in report["tiers"].items():
+        rows.append(f"{name:<10} {r['p50_ms']:>10.1f} {r['p99_ms']:>10.1f} {r['n']:>4} {cold / r['p50_ms']:>7.1f}x")
+    return "\n".join(rows)
+
+
+def write_json(report: dict[str, Any], path: pathlib.Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
