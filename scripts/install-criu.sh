@@ -29,6 +29,7 @@ apt_opts=(-o "Dir::Etc::SourceList=$work/sources.list" -o "Dir::Etc::SourceParts
           -o "Dir::State::Lists=$work/lists" -o "Dir::Cache=$work/cache" -o "Debug::NoLocking=1"
           -o "APT::Get::List-Cleanup=0")
 apt-get "${apt_opts[@]}" -qq update
+chmod 755 "$work"
 (cd "$work/debs" && chmod 777 . && apt-get "${apt_opts[@]}" -qq download "${packages[@]}")
 
 root="$prefix/root"
@@ -38,11 +39,13 @@ for deb in "$work"/debs/*.deb; do dpkg-deb -x "$deb" "$root.new"; done
 rm -rf "$root"
 mv "$root.new" "$root"
 
-libdirs="$root/usr/lib/x86_64-linux-gnu"
 mkdir -p "$prefix/bin"
-cat >"$prefix/bin/criu" <<WRAP
+# Relocatable: the wrapper finds the private root beside itself, so the folder can be copied elsewhere.
+cat >"$prefix/bin/criu" <<'WRAP'
 #!/bin/sh
-exec "$root/usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2" --library-path "$libdirs" "$root/usr/sbin/criu" "\$@"
+root=$(dirname "$(readlink -f "$0")")/../root
+lib=$root/usr/lib/x86_64-linux-gnu
+exec "$lib/ld-linux-x86-64.so.2" --library-path "$lib" "$root/usr/sbin/criu" "$@"
 WRAP
 chmod +x "$prefix/bin/criu"
 "$prefix/bin/criu" --version

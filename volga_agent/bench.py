@@ -89,6 +89,14 @@ def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pa
             answer(runs[Tier.COLD])
             runs[Tier.COLD].wake_s.append(time.perf_counter() - start)
         stats = inst.client().call("stats").header
+        progress(f"hot: {n * 5} requests")
+        hot = runs[Tier.HOT] = TierRun()
+        if gpu_index is not None:
+            hot.gpu_mib_in_tier = gpu_memory_used_mib(gpu_index)
+        for _ in range(n * 5):
+            start = time.perf_counter()
+            answer(hot)
+            hot.wake_s.append(time.perf_counter() - start)
         for tier in tiers:
             run = runs[tier]
             for i in range(n):

@@ -1,0 +1,107 @@
+"""GPU tiers on a real NVIDIA GPU: run on the GPU machine with `make test-gpu`.
+
+WARM (weights in pinned host memory), SUSPENDED (driver checkpoint), FROZEN (driver checkpoint + CRIU),
+in-place weight swap, and outputs compared bit for bit after every wake.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from volga_agent import bench, instance
+from volga_agent.snapshot import criu, cuda
+from volga_agent.worker import runtime
+from volga_operator import api
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+Tier = api.Tier
+
+
+@pytest.fixture(scope="module")
+def mlp_spec(tmp_path_factory: pytest.TempPathFactory) -> api.ModelSpecSpec:
+    return bench.build_torch_mlp(tmp_path_factory.mktemp("m") / "model.pt", 0.25)
+
+
+@pytest.fixture
+def gpu_inst(mlp_spec: api.ModelSpecSpec, rundir: pathlib.Path,
+             criu_engine: criu.CriuEngine) -> Iterator[instance.Instance]:
+    inst = instance.Instance("mlp", mlp_spec, rundir, criu_engine, cuda.DriverCheckpoint(), "cuda:0")
+    inst.to(Tier.HOT)
+    yield inst
+    inst.close()
+
+
+def used_mib() -> float:
+    value = bench.gpu_memory_used_mib(0)
+    assert value is not None
+    return value
+
+
+def test_warm_offloads_weights_and_restores_them(gpu_inst: instance.Instance) -> None:
+    x = runtime.sample_inputs(gpu_inst.config.inputs, batch=8, seed=2)
+    reference = gpu_inst.infer(x)["y"]
+    hot = gpu_inst.client().call("stats").header
+    assert hot["gpu_allocated_bytes"] >= hot["weights_bytes"] > 0.2 * 2**30
+    for _ in range(3):
+        gpu_inst.to(Tier.WARM)
+        warm = gpu_inst.client().call("stats").header
+        assert warm["offloaded"] and warm["gpu_allocated_bytes"] < 2**20
+        gpu_inst.wake()
+        assert np.array_equal(gpu_inst.infer(x)["y"], reference)
+
+
+def test_suspended_holds_no_gpu_memory(gpu_inst: instance.Instance) -> None:
+    x = runtime.sample_inputs(gpu_inst.config.inputs, batch=8, seed=2)
+    reference = gpu_inst.infer(x)["y"]
+    driver = gpu_inst.driver
+    assert driver is not None and gpu_inst.pid is not None
+    before = used_mib()
+    for _ in range(3):
+        gpu_inst.to(Tier.SUSPENDED)
+        assert driver.state(gpu_inst.pid) is cuda.ProcessState.CHECKPOINTED
+        assert used_mib() < before - 200
+        gpu_inst.wake()
+        assert driver.state(gpu_inst.pid) is cuda.ProcessState.RUNNING
+        assert np.array_equal(gpu_inst.infer(x)["y"], reference)
+
+
+def test_frozen_gpu_worker_thaws_with_identical_outputs(gpu_inst: instance.Instance) -> None:
+    x = runtime.sample_inputs(gpu_inst.config.inputs, batch=8, seed=2)
+    reference = gpu_inst.infer(x)["y"]
+    for _ in range(3):
+        gpu_inst.to(Tier.FROZEN)
+        assert gpu_inst.pid is None
+        woke = gpu_inst.wake()
+        assert not woke.fallback, woke.detail
+        assert np.array_equal(gpu_inst.infer(x)["y"], reference)
+    # Through SUSPENDED on the way up, too.
+    gpu_inst.to(Tier.SUSPENDED)
+    gpu_inst.to(Tier.FROZEN)
+    gpu_inst.to(Tier.SUSPENDED)
+    gpu_inst.to(Tier.HOT)
+    assert np.array_equal(gpu_inst.infer(x)["y"], reference)
+
+
+def test_in_place_swap_keeps_the_process(gpu_inst: instance.Instance, tmp_path: pathlib.Path) -> None:
+    x = runtime.sample_inputs(gpu_inst.config.inputs, batch=4, seed=3)
+    before = gpu_inst.infer(x)["y"]
+    module = torch.load(gpu_inst.spec.source_path, weights_only=False)
+    state = {k: v * 0.5 for k, v in module.state_dict().items()}
+    torch.save(state, tmp_path / "v2.pt")
+    pid = gpu_inst.pid
+    gpu_inst.client().call("swap", path=str(tmp_path / "v2.pt"))
+    after = gpu_inst.infer(x)["y"]
+    assert gpu_inst.pid == pid and not np.array_equal(before, after)
+    bad = {k: v[:1] for k, v in state.items()}
+    torch.save(bad, tmp_path / "bad.pt")
+    with pytest.raises(Exception, match="do not fit the loaded architecture"):
+        gpu_inst.client().call("swap", path=str(tmp_path / "bad.pt"))
+    assert np.array_equal(gpu_inst.infer(x)["y"], after)
