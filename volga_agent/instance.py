@@ -88,7 +88,7 @@ class Instance:
 
     def __init__(self, name: str, spec: api.ModelSpecSpec, workdir: str | pathlib.Path,
                  criu_engine: criu.CriuEngine | None, driver: cuda.DriverCheckpoint | None = None,
-                 device: str = "cpu", start_timeout: float = 120.0) -> None:
+                 device: str = "cpu", start_timeout: float = 120.0, pid_namespace: bool | None = None) -> None:
         self.name = name
         self.spec = spec
         self.workdir = pathlib.Path(workdir)
@@ -103,6 +103,8 @@ class Instance:
         self.driver = driver
         self.device = device
         self.start_timeout = start_timeout
+        # CUDA does not work inside a PID namespace that shares the host's /proc (cudaErrorOperatingSystem).
+        self.pid_namespace = not device.startswith("cuda") if pid_namespace is None else pid_namespace
         self.tier = Tier.COLD
         self.pid: int | None = None
         self.image: criu.Image | None = None
@@ -123,7 +125,8 @@ class Instance:
         config_path = self.workdir / "config.json"
         config_path.write_text(self.config.to_json())
         nsinit.become_subreaper()
-        cmd = [sys.executable, "-m", "volga_agent.worker.nsinit", str(self.logfile), "--",
+        cmd = [sys.executable, "-m", "volga_agent.worker.nsinit",
+               *([] if self.pid_namespace else ["--no-pidns"]), str(self.logfile), "--",
                sys.executable, "-m", "volga_agent.worker.runtime", str(config_path)]
         out = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=self.workdir)
         if out.returncode != 0:
@@ -136,6 +139,15 @@ class Instance:
         except ChildProcessError:
             return os.path.exists(f"/proc/{pid}") and not _is_zombie(pid)
         return done == 0
+
+    def _exited(self, pid: int, grace: float) -> bool:
+        """Whether the worker is gone; a process whose socket just closed may need a moment to exit."""
+        deadline = time.monotonic() + grace
+        while self._alive(pid):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
 
     def _wait_for(self, pid: int, predicate: Callable[[], bool], what: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -240,7 +252,7 @@ class Instance:
             return self.client().infer(inputs)
         except (OSError, protocol.ProtocolError) as exc:
             self._disconnect()
-            if self.pid is not None and not self._alive(self.pid):
+            if self.pid is not None and self._exited(self.pid, grace=0.5):
                 self.pid = None
                 self.tier = Tier.COLD
                 self.history.append(Transition(Tier.HOT, Tier.COLD, 0.0, time.time(), detail="worker died"))

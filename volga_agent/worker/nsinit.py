@@ -9,7 +9,12 @@ The launcher unshares the PID namespace, forks (the child is PID 1 inside), make
 leader with its output in a log file, prints the child's PID as seen from outside, and exits. The child is
 then re-parented to the nearest child subreaper: the agent, which reaps it.
 
-Usage: python -m volga_agent.worker.nsinit LOGFILE -- COMMAND...
+With `--no-pidns` the child is only detached (for CUDA workers: the CUDA runtime fails with
+cudaErrorOperatingSystem inside a PID namespace whose /proc is the host's). Such a worker is restored with
+its original host PID, which must then be free; if it is not, the restore fails and the agent falls back
+to a cold start.
+
+Usage: python -m volga_agent.worker.nsinit [--no-pidns] LOGFILE -- COMMAND...
 """
 
 from __future__ import annotations
@@ -32,11 +37,14 @@ def become_subreaper() -> None:
 
 
 def main(argv: list[str]) -> int:
+    pidns = True
+    if argv[:1] == ["--no-pidns"]:
+        pidns, argv = False, argv[1:]
     if len(argv) < 3 or argv[1] != "--":
-        print("usage: python -m volga_agent.worker.nsinit LOGFILE -- COMMAND...", file=sys.stderr)
+        print("usage: python -m volga_agent.worker.nsinit [--no-pidns] LOGFILE -- COMMAND...", file=sys.stderr)
         return 2
     logfile, command = argv[0], argv[2:]
-    if _libc.unshare(CLONE_NEWPID) != 0:
+    if pidns and _libc.unshare(CLONE_NEWPID) != 0:
         err = ctypes.get_errno()
         print(f"unshare(CLONE_NEWPID): {os.strerror(err)} (needs CAP_SYS_ADMIN)", file=sys.stderr)
         return 1

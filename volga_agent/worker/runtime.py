@@ -149,30 +149,28 @@ class TorchBackend(Backend):
             module = namespace["build_model"]()
         else:
             module = torch.load(config.path, map_location="cpu", weights_only=False)
-        self.module = module.eval().to(self.device)
-        self.tensors = [t for t in (*self.module.parameters(), *self.module.buffers())]
-        self.nbytes = sum(self._aligned(t) for t in self.tensors)
+        self.module = module.eval()
+        tensors = [*self.module.parameters(), *self.module.buffers()]
+        # (tensor, dtype, shape, offset): fixed at load, since an offloaded tensor no longer has its shape.
+        self.layout: list[tuple[Any, Any, tuple[int, ...], int]] = []
+        offset = 0
+        for t in tensors:
+            self.layout.append((t, t.dtype, tuple(t.shape), offset))
+            offset += -(-t.numel() * t.element_size() // self.ALIGN) * self.ALIGN
+        self.nbytes = offset
         self.host: Any = None
-        self.arena = self._adopt_arena()
-
-    def _aligned(self, t: Any) -> int:
-        return -(-t.numel() * t.element_size() // self.ALIGN) * self.ALIGN
-
-    def _adopt_arena(self) -> Any:
-        """Move every parameter and buffer into one flat device buffer (views), freeing the originals."""
-        arena = self.torch.empty(self.nbytes, dtype=self.torch.uint8, device=self.device)
-        self._bind(arena, copy=True)
-        return arena
+        self.arena: Any = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        self._bind(self.arena, copy=True)  # straight from host memory into the arena: one copy on the GPU
+        self.module.to(self.device)  # anything that is neither parameter nor buffer
 
     def _bind(self, arena: Any, copy: bool) -> None:
-        offset = 0
-        for t in self.tensors:
-            size = t.numel() * t.element_size()
-            view = arena[offset:offset + size].view(t.dtype).view(t.shape)
+        """Point every parameter and buffer at its slice of one flat device buffer."""
+        for t, dtype, shape, offset in self.layout:
+            size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            view = arena[offset:offset + size].view(dtype).view(shape)
             if copy:
                 view.copy_(t.data)
             t.data = view
-            offset += self._aligned(t)
 
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         torch = self.torch
@@ -202,7 +200,7 @@ class TorchBackend(Backend):
             self.host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
         self.host.copy_(self.arena)
         empty = torch.empty(0, device=self.device)
-        for t in self.tensors:
+        for t, *_ in self.layout:
             t.data = empty
         self.arena = None
         if self.device.type == "cuda":
