@@ -22,7 +22,7 @@ setup: $(VENV)/.installed criu
 demo: setup
 	$(VENV)/bin/volga demo
 
-test: setup
+test: setup lint
 	$(PY) -m pytest -m 'not gpu' $(PYTEST_ARGS)
 
 test-fast: setup

@@ -41,7 +41,7 @@ def test_gpu_tiers_need_a_gpu(default_spec: api.ModelSpecSpec, rundir: pathlib.P
 
 def test_missing_model_file(default_spec: api.ModelSpecSpec, rundir: pathlib.Path) -> None:
     spec = default_spec.model_copy(update={"source": str(rundir / "nope.onnx")})
-    with pytest.raises(FileNotFoundError, match="spec.source: model file .*nope.onnx does not exist"):
+    with pytest.raises(FileNotFoundError, match=r"spec\.source: model file .*nope\.onnx does not exist"):
         instance.Instance("x", spec, rundir, None)
 
 
@@ -51,7 +51,7 @@ def test_socket_path_too_long(default_spec: api.ModelSpecSpec, tmp_path: pathlib
 
 
 def test_driver_checkpoint_unsupported_is_clear() -> None:
-    with pytest.raises(cuda.DriverCheckpointUnsupported, match="cannot load libcuda-none.so"):
+    with pytest.raises(cuda.DriverCheckpointUnsupported, match=r"cannot load libcuda-none\.so"):
         cuda.DriverCheckpoint("libcuda-none.so")
 
 

@@ -72,9 +72,8 @@ def test_garbled_frame_drops_only_that_connection(hot: instance.Instance) -> Non
     with protocol.WorkerClient(hot.config.socket) as rogue:
         rogue.sock.sendall(protocol.PREFIX.pack(5, 0) + b"nope!")
         assert rogue.sock.recv(1) == b""  # the worker hung up on it
-    with protocol.WorkerClient(hot.config.socket) as other:
-        with pytest.raises(protocol.WorkerError, match="UNIMPLEMENTED"):
-            other.call("explode")
+    with protocol.WorkerClient(hot.config.socket) as other, pytest.raises(protocol.WorkerError, match="UNIMPLEMENTED"):
+        other.call("explode")
     assert np.array_equal(hot.infer(x)["probability"], good)
 
 

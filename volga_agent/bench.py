@@ -36,7 +36,7 @@ def gpu_memory_used_mib(index: int) -> float | None:
         import pynvml
 
         pynvml.nvmlInit()
-        used = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).used
+        used = int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).used)
         return round(used / 2**20, 1)
     except Exception:
         return None

@@ -47,7 +47,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
             continue
         for spec in specs:
             problems = []
-            if not spec.spec.source_path.exists():
+            if not args.schema_only and not spec.spec.source_path.exists():
                 problems.append(f"  spec.source: model file {spec.spec.source_path} does not exist")
             if problems:
                 print(f"{target}: ModelSpec {spec.metadata.name}: invalid\n" + "\n".join(problems), file=sys.stderr)
@@ -134,6 +134,13 @@ def cmd_bench_tiers(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="volga-") as run:
         report = bench.bench_tiers(spec, pathlib.Path(run) / "w", default_snapshot_dir() / "bench", tiers,
                                    args.n, device, progress=_progress(args.json))  # type: ignore[arg-type]
+    if args.gpu:
+        import onnxruntime
+
+        providers = onnxruntime.get_available_providers()
+        report["onnx_on_gpu"] = (
+            "measurable: CUDAExecutionProvider present" if "CUDAExecutionProvider" in providers else
+            f"not measured: onnxruntime {onnxruntime.__version__} here offers only {', '.join(providers)}")
     if args.out:
         bench.write_json(report, pathlib.Path(args.out))
     if args.json:
@@ -151,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("validate", help="validate ModelSpec files")
     p.add_argument("-f", "--file", action="append", required=True, help="YAML file or folder (repeatable)")
+    p.add_argument("--schema-only", action="store_true",
+                   help="do not check that model files exist here (specs for files that live on the nodes)")
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("build-model", help="build the embedded default model, print its ModelSpec")

@@ -8,6 +8,7 @@ from a fixed seed, so every build is byte-identical and outputs can be compared 
 
 from __future__ import annotations
 
+import itertools
 import pathlib
 
 import numpy as np
@@ -46,7 +47,7 @@ def build_onnx(path: pathlib.Path, rows: int = EMBEDDING_ROWS) -> pathlib.Path:
         helper.make_node("Concat", ["flat", "dense"], ["h0"], axis=1),
     ]
     sizes = (width, *HIDDEN, 1)
-    for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
+    for i, (n_in, n_out) in enumerate(itertools.pairwise(sizes)):
         scale = np.sqrt(2.0 / n_in)
         inits.append(numpy_helper.from_array((rng.standard_normal((n_in, n_out)) * scale).astype(np.float32), f"w{i}"))
         inits.append(numpy_helper.from_array(np.zeros(n_out, dtype=np.float32) + 0.01, f"b{i}"))

@@ -29,13 +29,13 @@ API_VERSION = f"{GROUP}/{VERSION}"
 _MODEL_ID = re.compile(r"^[a-z0-9]([-a-z0-9_.]{0,61}[a-z0-9])?$")
 
 
-class Framework(str, enum.Enum):
+class Framework(enum.StrEnum):
     ONNX = "onnx"
     TORCHSCRIPT = "torchscript"
     PYTORCH = "pytorch"
 
 
-class Tier(str, enum.Enum):
+class Tier(enum.StrEnum):
     """Where an instance lives, from fastest to wake to slowest."""
 
     HOT = "HOT"
@@ -45,7 +45,7 @@ class Tier(str, enum.Enum):
     COLD = "COLD"
 
 
-class DType(str, enum.Enum):
+class DType(enum.StrEnum):
     """Tensor element types, named as the Open Inference Protocol names them."""
 
     BOOL = "BOOL"
@@ -60,7 +60,7 @@ class DType(str, enum.Enum):
     BF16 = "BF16"
 
 
-class Precision(str, enum.Enum):
+class Precision(enum.StrEnum):
     FP32 = "fp32"
     FP16 = "fp16"
     BF16 = "bf16"
@@ -207,7 +207,7 @@ class ObjectMeta(pydantic.BaseModel):
 
 
 class ModelSpec(Model):
-    api_version: Literal["volga.dev/v1alpha1"] = API_VERSION
+    api_version: Literal["volga.dev/v1alpha1"] = "volga.dev/v1alpha1"
     kind: Literal["ModelSpec"] = "ModelSpec"
     metadata: ObjectMeta
     spec: ModelSpecSpec

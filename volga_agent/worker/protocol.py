@@ -99,7 +99,8 @@ def pack_tensors(tensors: dict[str, np.ndarray]) -> tuple[list[dict[str, Any]], 
         if dtype is None:
             raise WorkerError("INVALID_ARGUMENT", f"tensor {name!r}: dtype {array.dtype} is not supported")
         meta.append({"name": name, "dtype": dtype, "shape": list(array.shape), "nbytes": array.nbytes})
-        parts.append(memoryview(array.reshape(-1)).cast("B") if array.size else memoryview(b""))
+        flat: Any = array.reshape(-1)
+        parts.append(memoryview(flat).cast("B") if array.size else memoryview(b""))
     return meta, parts
 
 
@@ -112,7 +113,8 @@ def unpack_tensors(meta: list[dict[str, Any]], payload: bytes | memoryview) -> d
         try:
             name, dtype_name, shape, nbytes = item["name"], item["dtype"], item["shape"], int(item["nbytes"])
         except (KeyError, TypeError, ValueError):
-            raise WorkerError("INVALID_ARGUMENT", f"tensor descriptor {item!r} lacks name/dtype/shape/nbytes")
+            raise WorkerError("INVALID_ARGUMENT",
+                              f"tensor descriptor {item!r} lacks name/dtype/shape/nbytes") from None
         dtype = NP_DTYPES.get(dtype_name)
         if dtype is None:
             raise WorkerError("INVALID_ARGUMENT", f"tensor {name!r}: unknown dtype {dtype_name!r}")

@@ -98,7 +98,7 @@ class OnnxBackend(Backend):
 
         self._ort = ort
         self.config = config
-        self.providers = ["CPUExecutionProvider"]
+        self.providers: list[Any] = ["CPUExecutionProvider"]
         if config.device.startswith("cuda"):
             if "CUDAExecutionProvider" not in ort.get_available_providers():
                 raise RuntimeError("device is cuda but this onnxruntime has no CUDAExecutionProvider "
