@@ -1,8 +1,10 @@
 """`volga`: the command line.
 
     volga validate -f spec.yaml       check ModelSpecs; errors name the field path and the reason
-    volga demo                        the embedded default model: cold start, freeze, wake on a request
+    volga up [-f SPECS]               agent + gateway + local ModelSpec store on this machine
+    volga demo                        the embedded default model through the gateway, every tier timed
     volga bench tiers [--gpu] [--json] cold start vs each tier's wake -> first answer, in one run
+    volga bench gateway [--json]      the gateway's added latency vs calling the worker directly
     volga build-model [--out DIR]     build the embedded default model and print its ModelSpec
 """
 
@@ -14,7 +16,7 @@ import os
 import pathlib
 import sys
 import tempfile
-import time
+from typing import Any
 
 import yaml
 
@@ -73,50 +75,61 @@ def _progress(quiet: bool) -> object:
     return show
 
 
+def load_specs(files: list[str] | None) -> list[api.ModelSpec]:
+    from volga_agent import defaultmodel
+
+    if not files:
+        return [defaultmodel.ensure()]
+    specs: list[api.ModelSpec] = []
+    for target in files:
+        specs.extend(api.load_model_specs(target))
+    return specs
+
+
+def settings_from(args: argparse.Namespace) -> object:
+    from volga_agent import policy
+
+    overrides = {k: v for k, v in {"hot_idle_sec": args.hot_idle_sec,
+                                   "scheduler_eviction_policy": args.eviction_policy}.items() if v is not None}
+    return policy.Settings(**overrides)  # type: ignore[arg-type]
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from volga_agent import local
+
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        specs = load_specs(args.file)
+    except (api.SpecError, OSError) as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    options = local.Options(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
+                            metrics_port=args.metrics_port, agent_port=args.agent_port,
+                            snapshot_root=pathlib.Path(args.snapshot_dir) if args.snapshot_dir else None,
+                            settings=settings_from(args))  # type: ignore[arg-type]
+    print(f"volga up: {len(specs)} ModelSpec(s); listening on", flush=True)
+    try:
+        import uvloop
+
+        runner: Any = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+    try:
+        runner(local.run(specs, options, lambda line: print(line, flush=True)))
+    except OSError as exc:
+        print(f"volga up: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
-    import numpy as np
+    from volga_agent import demo
 
-    from volga_agent import defaultmodel, instance
-    from volga_agent.snapshot import criu
-    from volga_agent.worker import runtime
-
-    print("Volga demo: the embedded default model (CTR ranking, ONNX on the CPU)")
-    print("  building the model (first run only) ...", flush=True)
-    spec = defaultmodel.ensure().spec
-    size_mb = spec.source_path.stat().st_size / 1e6
-    print(f"  model {spec.model_id}: {size_mb:.0f} MB at {spec.source_path}")
-    engine = criu.CriuEngine(default_snapshot_dir() / "demo")
-    with tempfile.TemporaryDirectory(prefix="volga-") as run:
-        inst = instance.Instance("demo-ctr", spec, run, engine)
-        request = runtime.sample_inputs(inst.config.inputs, batch=16, seed=3)
-        try:
-            print("  cold start: spawn worker, load, warm up, answer ...", flush=True)
-            start = time.perf_counter()
-            inst.to(Tier.HOT)
-            reference = inst.infer(request)["probability"]
-            cold = time.perf_counter() - start
-            wakes, freezes, same = [], [], True
-            for i in range(args.cycles):
-                freezes.append(inst.to(Tier.FROZEN).seconds)
-                assert inst.image is not None
-                print(f"  cycle {i + 1}/{args.cycles}: frozen into {inst.image.size_bytes / 2**20:.0f} MiB "
-                      f"({engine.root}); a request arrives: wake ...", flush=True)
-                start = time.perf_counter()
-                woke = inst.wake()
-                out = inst.infer(request)["probability"]
-                wakes.append(time.perf_counter() - start)
-                same = same and bool(np.array_equal(out, reference)) and not woke.fallback
-        finally:
-            inst.close()
-    wake = sorted(wakes)[len(wakes) // 2]
-    print()
-    print(f"{'':<34}{'latency':>10}")
-    print(f"{'cold start -> first answer':<34}{cold * 1e3:>8.0f} ms")
-    print(f"{'FROZEN wake -> first answer (p50)':<34}{wake * 1e3:>8.0f} ms")
-    print(f"{'freeze (CRIU dump, p50)':<34}{sorted(freezes)[len(freezes) // 2] * 1e3:>8.0f} ms")
-    print(f"{'speed-up':<34}{cold / wake:>9.1f}x")
-    print(f"outputs identical to the first answer after every wake: {'yes' if same else 'NO'}")
-    return 0 if same else 1
+    return demo.run(cycles=args.cycles, requests=args.requests)
 
 
 def cmd_bench_tiers(args: argparse.Namespace) -> int:
@@ -152,6 +165,20 @@ def cmd_bench_tiers(args: argparse.Namespace) -> int:
     return 0 if report["outputs_match"] and not report["restore_fallbacks"] else 1
 
 
+def cmd_bench_gateway(args: argparse.Namespace) -> int:
+    from volga_agent import bench_gateway
+
+    report = bench_gateway.run(args.rate, args.seconds, args.rounds, args.protocol,
+                               progress=_progress(args.json))  # type: ignore[arg-type]
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(bench_gateway.format_report(report))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="volga", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -166,8 +193,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="model folder (default ~/.cache/volga/models)")
     p.set_defaults(func=cmd_build_model)
 
-    p = sub.add_parser("demo", help="cold start vs wake from a CRIU snapshot, on the default model")
-    p.add_argument("--cycles", type=int, default=3)
+    p = sub.add_parser("up", help="agent + gateway + local ModelSpec store, no Kubernetes")
+    p.add_argument("-f", "--file", action="append", help="ModelSpec YAML file or folder (default: the embedded model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--agent-port", type=int, default=8010, help="Agent gRPC API (-1: off)")
+    p.add_argument("--snapshot-dir", help="where CRIU images go (default: a folder on /dev/shm)")
+    p.add_argument("--hot-idle-sec", type=float, help="idle seconds before a HOT instance goes down a tier")
+    p.add_argument("--eviction-policy", choices=["lru", "hybrid"])
+    p.add_argument("-v", "--verbose", action="store_true")
+    p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("demo", help="the default model through the gateway: cold start, each tier's wake, steady state")
+    p.add_argument("--cycles", type=int, default=5, help="wakes per tier")
+    p.add_argument("--requests", type=int, default=300, help="steady-state requests")
     p.set_defaults(func=cmd_demo)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
@@ -179,6 +220,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the JSON report")
     p.add_argument("--out", help="also write the JSON report to this file")
     p.set_defaults(func=cmd_bench_tiers)
+
+    p = bench.add_parser("gateway", help="gateway vs direct worker calls at a fixed request rate")
+    p.add_argument("--rate", type=float, default=500.0, help="requests per second")
+    p.add_argument("--seconds", type=float, default=4.0, help="per side and round")
+    p.add_argument("--rounds", type=int, default=3, help="alternating direct/gateway rounds")
+    p.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--out")
+    p.set_defaults(func=cmd_bench_gateway)
     return parser
 
 

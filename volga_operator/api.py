@@ -266,3 +266,34 @@ def load_model_specs(path: str | pathlib.Path) -> list[ModelSpec]:
                 spec = spec.model_copy(update={"spec": spec.spec.model_copy(update={"source": str(resolved)})})
             specs.append(spec)
     return specs
+
+
+class GpuRef(Model):
+    index: Annotated[int, pydantic.Field(ge=0)]
+    uuid: str = ""
+
+
+class EmiSpec(Model):
+    """Desired state of one instance: which model, where, and the tier the pool wants it in."""
+
+    model_spec: str = pydantic.Field(description="name of the owning ModelSpec")
+    model_id: str
+    node: str
+    gpu: GpuRef | None = None
+    target_tier: Tier = Tier.FROZEN
+
+
+class Condition(Model):
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str = ""
+    message: str = ""
+    last_transition_time: str | None = None
+
+
+class ExecutableModelInstance(Model):
+    api_version: Literal["volga.dev/v1alpha1"] = "volga.dev/v1alpha1"
+    kind: Literal["ExecutableModelInstance"] = "ExecutableModelInstance"
+    metadata: ObjectMeta
+    spec: EmiSpec
+    status: dict[str, Any] | None = None

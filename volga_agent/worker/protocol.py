@@ -130,6 +130,37 @@ def unpack_tensors(meta: list[dict[str, Any]], payload: bytes | memoryview) -> d
     return out
 
 
+def unpack_shm_tensors(meta: list[dict[str, Any]], segment: Any) -> dict[str, np.ndarray]:
+    """Views into a shared-memory segment (zero-copy); each descriptor carries its `offset`."""
+    out: dict[str, np.ndarray] = {}
+    size = len(segment)
+    for item in meta:
+        try:
+            offset = int(item["offset"])
+        except (KeyError, TypeError, ValueError):
+            raise WorkerError("INVALID_ARGUMENT", f"tensor descriptor {item!r} lacks an offset") from None
+        nbytes = int(item.get("nbytes", -1))
+        if offset < 0 or nbytes < 0 or offset + nbytes > size:
+            raise WorkerError("INVALID_ARGUMENT", f"tensor {item.get('name')!r}: bytes {offset}..{offset + nbytes} "
+                              f"are outside the {size}-byte segment")
+        out.update(unpack_tensors([item], memoryview(segment)[offset:offset + nbytes]))
+    return out
+
+
+def write_shm_tensors(tensors: dict[str, np.ndarray], segment: Any, offset: int) -> list[dict[str, Any]] | None:
+    """Copy tensors into the segment from `offset` on; None when they do not fit (send them inline)."""
+    meta, parts = pack_tensors(tensors)
+    aligned = [-(-m["nbytes"] // 64) * 64 for m in meta]
+    if offset < 0 or offset + sum(aligned) > len(segment):
+        return None
+    view = memoryview(segment)
+    for item, part, step in zip(meta, parts, aligned, strict=True):
+        view[offset:offset + item["nbytes"]] = part
+        item["offset"] = offset
+        offset += step
+    return meta
+
+
 class WorkerClient:
     """A blocking connection to one worker. Not thread-safe: one request at a time per client."""
 

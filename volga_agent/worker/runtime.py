@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import mmap
 import os
 import pathlib
 import random
@@ -303,6 +304,9 @@ class Worker:
         self.listener.bind(config.socket)
         self.listener.listen(64)
         self.conns: list[socket.socket] = []
+        # Shared-memory segments attached by co-located gateways, one per connection; dropped with it.
+        self.shm: dict[socket.socket, mmap.mmap] = {}
+        self._conn: socket.socket | None = None
         self.requests = 0
         self.restores = 0
         self.ops: dict[str, Callable[[protocol.Frame], tuple[dict[str, Any], list[memoryview]]]] = {
@@ -313,6 +317,7 @@ class Worker:
             "offload": lambda f: (self.backend.offload(), []),
             "reload": lambda f: (self.backend.reload(), []),
             "swap": self._op_swap,
+            "attach_shm": self._op_attach_shm,
             "rng": lambda f: ({"python": random.random(), "numpy": float(np.random.random())}, []),
         }
 
@@ -326,12 +331,54 @@ class Worker:
         return backend
 
     def _op_infer(self, frame: protocol.Frame) -> tuple[dict[str, Any], list[memoryview]]:
-        inputs = protocol.unpack_tensors(frame.header.get("tensors", []), frame.payload)
+        segment = self.shm.get(self._conn) if frame.header.get("shm") and self._conn else None
+        if frame.header.get("shm") and segment is None:
+            raise protocol.WorkerError("FAILED_PRECONDITION", "no shared memory attached to this connection")
+        if segment is not None:
+            inputs = protocol.unpack_shm_tensors(frame.header.get("tensors", []), segment)
+        else:
+            inputs = protocol.unpack_tensors(frame.header.get("tensors", []), frame.payload)
         check_inputs(self.config.inputs, inputs, self.config.max_batch_size)
         outputs = self.backend.run(inputs)
+        del inputs
         self.requests += 1
+        if segment is not None:
+            meta = protocol.write_shm_tensors(outputs, segment, int(frame.header.get("out_offset", 0)))
+            if meta is not None:
+                return {"tensors": meta, "shm": True}, []
         meta, parts = protocol.pack_tensors(outputs)
         return {"tensors": meta}, parts
+
+    def _op_attach_shm(self, frame: protocol.Frame) -> tuple[dict[str, Any], list[memoryview]]:
+        path, size = frame.header.get("path"), frame.header.get("size")
+        if not isinstance(path, str) or not isinstance(size, int) or size <= 0:
+            raise protocol.WorkerError("INVALID_ARGUMENT", "attach_shm needs a path and a positive size")
+        if self._conn is None:
+            raise protocol.WorkerError("INTERNAL", "no connection")
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as exc:
+            raise protocol.WorkerError("INVALID_ARGUMENT", f"attach_shm: {path}: {exc.strerror}") from None
+        try:
+            self._detach(self._conn)
+            self.shm[self._conn] = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        return {"size": size}, []
+
+    def _detach(self, conn: socket.socket) -> None:
+        segment = self.shm.pop(conn, None)
+        if segment is not None:
+            try:
+                segment.close()
+            except BufferError:  # a view is still alive somewhere; the mapping goes with the process
+                pass
+
+    def close_conn(self, conn: socket.socket) -> None:
+        self._detach(conn)
+        if conn in self.conns:
+            self.conns.remove(conn)
+        conn.close()
 
     def _op_metadata(self, frame: protocol.Frame) -> tuple[dict[str, Any], list[memoryview]]:
         decl = [dataclasses.asdict(t) for t in self.config.inputs], [dataclasses.asdict(t) for t in self.config.outputs]
@@ -362,6 +409,7 @@ class Worker:
             self.pause_for_checkpoint()
             return False
         handler = self.ops.get(str(op))
+        self._conn = conn
         try:
             if handler is None:
                 raise protocol.WorkerError("UNIMPLEMENTED", f"unknown op {op!r}")
@@ -383,9 +431,8 @@ class Worker:
         A CRIU dump taken now holds only the listener and files. After a restore the process continues
         here; when the dump was abandoned the agent sends the same signal and nothing else happens.
         """
-        for conn in self.conns:
-            conn.close()
-        self.conns.clear()
+        for conn in list(self.conns):
+            self.close_conn(conn)
         done = self.signal_dir / RESTORE_COMPLETE
         (self.signal_dir / READY_FOR_CHECKPOINT).write_text(str(os.getpid()))
         while not done.exists():
@@ -412,9 +459,7 @@ class Worker:
                     conn, _ = self.listener.accept()
                     self.conns.append(conn)
                 elif sock in self.conns and not self.handle(sock):
-                    if sock in self.conns:
-                        self.conns.remove(sock)
-                    sock.close()
+                    self.close_conn(sock)
                     if not self.conns:
                         break
 

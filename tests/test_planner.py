@@ -1,0 +1,100 @@
+from __future__ import annotations
+
+import pytest
+
+from volga_operator import api, planner
+
+Tier = api.Tier
+
+
+def spec(gpu: bool = False, product: str | None = None, min_gib: float = 0, numa: bool = False,
+         **pool: int) -> api.ModelSpecSpec:
+    return api.ModelSpecSpec.model_validate({
+        "modelId": "m", "framework": "onnx", "source": "/m.onnx",
+        "inputs": [{"name": "x", "dtype": "FP32", "shape": [-1, 4]}],
+        "outputs": [{"name": "y", "dtype": "FP32", "shape": [-1, 1]}],
+        "hardware": {"gpu": gpu, "gpuProduct": product, "minMemoryGiB": min_gib, "numaAffinity": numa},
+        "pool": {"hot": 0, "warm": 0, "suspended": 0, "frozen": 0, **pool}})
+
+
+H200 = planner.NodeProfile("gpu-a", 8, "NVIDIA H200", 141 * 2**30, (0, 1))
+A10 = planner.NodeProfile("gpu-b", 1, "NVIDIA A10", 24 * 2**30, (0,))
+CPU = planner.NodeProfile("cpu-a")
+
+
+def test_floors_become_one_emi_per_slot() -> None:
+    result = planner.plan({"ms": spec(gpu=True, hot=1, warm=1, frozen=2)}, [H200])
+    assert [(d.name, d.target_tier) for d in result.desired] == [
+        ("ms-0", Tier.HOT), ("ms-1", Tier.WARM), ("ms-2", Tier.FROZEN), ("ms-3", Tier.FROZEN)]
+    assert [d.gpu_index for d in result.desired] == [0, 1, 2, 3]
+
+
+def test_all_zero_floors_still_get_a_cold_instance() -> None:
+    result = planner.plan({"ms": spec()}, [CPU])
+    assert [(d.name, d.target_tier) for d in result.desired] == [("ms-0", Tier.COLD)]
+
+
+def test_cpu_nodes_have_no_warm_or_suspended() -> None:
+    result = planner.plan({"ms": spec(warm=1, suspended=1)}, [CPU])
+    assert {d.target_tier for d in result.desired} == {Tier.FROZEN}
+
+
+@pytest.mark.parametrize("kwargs, reason", [
+    ({"gpu": True}, "no GPU"),
+    ({"gpu": True, "product": "H100"}, "not H100"),
+    ({"gpu": True, "min_gib": 200}, "< 200 GiB"),
+])
+def test_hardware_filter(kwargs: dict, reason: str) -> None:
+    result = planner.plan({"ms": spec(**kwargs, frozen=1)}, [CPU] + ([H200] if "product" in kwargs or
+                                                                        "min_gib" in kwargs else []))
+    assert result.desired == ()
+    assert reason in result.unplaced["ms"]
+
+
+def test_profile_match_wins_over_load() -> None:
+    busy_h200 = [planner.Observed(f"other-{i}", "other", "gpu-a", Tier.FROZEN) for i in range(5)]
+    result = planner.plan({"ms": spec(gpu=True, product="NVIDIA H200", frozen=1)}, [A10, H200], busy_h200)
+    assert result.desired[0].node == "gpu-a"
+
+
+def test_instances_spread_over_equal_nodes() -> None:
+    nodes = [planner.NodeProfile(f"n{i}") for i in range(3)]
+    result = planner.plan({"ms": spec(frozen=3)}, nodes)
+    assert sorted(d.node for d in result.desired) == ["n0", "n1", "n2"]
+
+
+def test_existing_placements_are_kept_and_lost_nodes_replaced() -> None:
+    nodes = [planner.NodeProfile(f"n{i}") for i in range(3)]
+    observed = [planner.Observed("ms-0", "ms", "n2", Tier.FROZEN), planner.Observed("ms-1", "ms", "gone", Tier.FROZEN)]
+    result = planner.plan({"ms": spec(frozen=2)}, nodes, observed)
+    placed = {d.name: d.node for d in result.desired}
+    assert placed["ms-0"] == "n2"
+    assert placed["ms-1"] in {"n0", "n1"}
+
+
+def test_recency_and_snapshot_size_break_ties() -> None:
+    nodes = [planner.NodeProfile("n0"), planner.NodeProfile("n1")]
+    observed = [planner.Observed("x-9", "ms", "n1", Tier.FROZEN, last_used_age_s=5, snapshot_bytes=100)]
+    result = planner.plan({"ms": spec(frozen=1)}, nodes, observed)
+    assert result.desired[0].node == "n1"
+    score_n1 = planner.score(spec(), "ms", nodes[1], 0, 1, observed, 100)
+    score_n0 = planner.score(spec(), "ms", nodes[0], 0, 1, observed, 100)
+    assert score_n1 - score_n0 == pytest.approx(30 * (1 - 5 / 600) + 10)
+
+
+def test_deterministic() -> None:
+    specs = {f"ms{i}": spec(frozen=2) for i in range(5)}
+    nodes = [planner.NodeProfile(f"n{i}") for i in range(4)]
+    assert planner.plan(specs, nodes) == planner.plan(dict(reversed(specs.items())), list(reversed(nodes)))
+
+
+def test_annotations_round_trip() -> None:
+    back = planner.NodeProfile.from_annotations("gpu-a", H200.annotations())
+    assert back == H200
+    assert planner.NodeProfile.from_annotations("x", {"volga.dev/gpu-count": "lots"}).gpu_count == 0
+
+
+def test_not_ready_nodes_are_skipped() -> None:
+    down = planner.NodeProfile("n0", ready=False)
+    result = planner.plan({"ms": spec(frozen=1)}, [down])
+    assert "not ready" in result.unplaced["ms"]

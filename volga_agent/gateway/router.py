@@ -1,0 +1,94 @@
+"""Routing: model id -> a HOT instance's socket, with a TTL cache and single-flight activation.
+
+The gateway asks an agent to activate a model only when its cache has no fresh route. Concurrent requests
+for the same model (and device hint) share one activation: the first creates it, the others await the
+same future, so a burst of N requests against a FROZEN model wakes it once. A route is dropped when its
+TTL (`gateway_cache_ttl_sec`) runs out or when a request finds the worker gone (it was demoted or died);
+the next request activates again, which is cheap when the instance is still HOT.
+
+Agents are reached through an `AgentLink`: in-process for `volga up`, over gRPC for the sidecar.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Protocol
+
+from volga_operator import api
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    instance: str
+    model_id: str
+    socket: str
+    device: str
+    woke_from: api.Tier = api.Tier.HOT
+    wake_ms: float = 0.0
+    fallback: bool = False
+
+
+class UnknownModel(LookupError):
+    pass
+
+
+class ActivationFailed(RuntimeError):
+    pass
+
+
+class AgentLink(Protocol):
+    async def activate(self, model_id: str, device_hint: str, timeout_ms: int) -> Route:
+        """Wake the best instance; raise UnknownModel or ActivationFailed."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+@dataclasses.dataclass
+class _Entry:
+    route: Route
+    expires: float
+
+
+class Router:
+    def __init__(self, link: AgentLink, ttl_sec: float = 60.0) -> None:
+        self.link = link
+        self.ttl_sec = ttl_sec
+        self._cache: dict[tuple[str, str], _Entry] = {}
+        self._inflight: dict[tuple[str, str], asyncio.Future[Route]] = {}
+        self.activations = 0
+        self.hits = 0
+        self.misses = 0
+
+    async def route(self, model_id: str, device_hint: str = "", timeout_ms: int = 0) -> Route:
+        key = (model_id, device_hint)
+        entry = self._cache.get(key)
+        if entry is not None and entry.expires > time.monotonic():
+            self.hits += 1
+            return entry.route
+        self.misses += 1
+        future = self._inflight.get(key)
+        if future is None:
+            future = asyncio.get_running_loop().create_future()
+            self._inflight[key] = future
+            asyncio.get_running_loop().create_task(self._activate(key, future, timeout_ms))
+        # shield: a caller that gives up (its deadline) must not cancel the activation the others wait for.
+        return await asyncio.shield(future)
+
+    async def _activate(self, key: tuple[str, str], future: asyncio.Future[Route], timeout_ms: int) -> None:
+        try:
+            self.activations += 1
+            route = await self.link.activate(key[0], key[1], timeout_ms)
+            self._cache[key] = _Entry(route, time.monotonic() + self.ttl_sec)
+            future.set_result(route)
+        except BaseException as exc:
+            future.set_exception(exc)
+            future.exception()  # retrieved: no "never retrieved" warning when every waiter gave up
+        finally:
+            self._inflight.pop(key, None)
+
+    def invalidate(self, model_id: str) -> None:
+        for key in [k for k in self._cache if k[0] == model_id]:
+            del self._cache[key]

@@ -1,0 +1,150 @@
+"""Asynchronous connections from the gateway to co-located workers, with tensors in shared memory.
+
+Each connection owns a shared-memory segment (a file in /dev/shm that both sides map). The gateway writes
+the request's tensors into it once, the worker reads them in place (no copy through the socket), writes
+its outputs after them, and only a small JSON header crosses the socket. The segment file is unlinked as
+soon as the worker has mapped it, so nothing is left behind if either side dies; the worker drops its
+mapping when the connection closes, which it does before any checkpoint, so no image ever references it.
+
+Tensors larger than the segment travel inline in the frame instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import mmap
+import os
+import pathlib
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from volga_agent.worker import protocol
+
+SHM_DIR = pathlib.Path("/dev/shm") if pathlib.Path("/dev/shm").is_dir() else pathlib.Path(tempfile.gettempdir())
+_counter = itertools.count()
+
+
+class WorkerGone(ConnectionError):
+    """The worker closed the connection or could not be reached (demoted, restarting or dead)."""
+
+
+class Connection:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.segment: mmap.mmap | None = None
+
+    @classmethod
+    async def open(cls, path: str, shm_bytes: int) -> Connection:
+        try:
+            reader, writer = await asyncio.open_unix_connection(path, limit=2**20)
+        except OSError as exc:
+            raise WorkerGone(f"cannot connect to {path}: {exc.strerror or exc}") from exc
+        conn = cls(reader, writer)
+        if shm_bytes > 0:
+            await conn._attach(shm_bytes)
+        return conn
+
+    async def _attach(self, size: int) -> None:
+        path = SHM_DIR / f"volga-gw-{os.getpid()}-{next(_counter)}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            segment = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        try:
+            header, _ = await self.call({"op": "attach_shm", "path": str(path), "size": size})
+            if header.get("ok"):
+                self.segment = segment
+            else:
+                segment.close()
+        finally:
+            path.unlink(missing_ok=True)
+
+    async def call(self, header: dict[str, Any], payload: list[memoryview] | None = None) -> tuple[dict[str, Any], bytes]:
+        head = json.dumps(header, separators=(",", ":")).encode()
+        total = sum(p.nbytes for p in payload or ())
+        try:
+            self.writer.write(protocol.PREFIX.pack(len(head), total) + head)
+            for part in payload or ():
+                self.writer.write(part)
+            await self.writer.drain()
+            prefix = await self.reader.readexactly(protocol.PREFIX.size)
+            head_len, payload_len = protocol.PREFIX.unpack(prefix)
+            reply = json.loads(await self.reader.readexactly(head_len))
+            body = await self.reader.readexactly(payload_len) if payload_len else b""
+        except (OSError, asyncio.IncompleteReadError) as exc:
+            raise WorkerGone(f"worker connection lost: {exc}") from exc
+        return reply, body
+
+    def close(self) -> None:
+        self.writer.close()
+        if self.segment is not None:
+            with contextlib.suppress(BufferError):
+                self.segment.close()
+            self.segment = None
+
+
+class WorkerClients:
+    """Idle connections per worker socket; a request takes one, uses it alone, gives it back."""
+
+    def __init__(self, shm_bytes: int = 16 * 2**20, max_idle: int = 8,
+                 on_zero_copy: Callable[[float], None] = lambda _: None) -> None:
+        self.shm_bytes = shm_bytes
+        self.max_idle = max_idle
+        self.on_zero_copy = on_zero_copy
+        self._idle: dict[str, list[Connection]] = {}
+
+    async def infer(self, socket_path: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        idle = self._idle.setdefault(socket_path, [])
+        conn = idle.pop() if idle else await Connection.open(socket_path, self.shm_bytes)
+        try:
+            outputs = await self._infer(conn, inputs)
+        except BaseException:
+            conn.close()
+            raise
+        if len(idle) < self.max_idle:
+            idle.append(conn)
+        else:
+            conn.close()
+        return outputs
+
+    async def _infer(self, conn: Connection, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        segment = conn.segment
+        meta, parts = protocol.pack_tensors(inputs)
+        if segment is not None and sum(p.nbytes for p in parts) <= len(segment) // 2:
+            start = time.perf_counter()
+            view = memoryview(segment)
+            offset = 0
+            for item, part in zip(meta, parts, strict=True):
+                view[offset:offset + part.nbytes] = part
+                item["offset"] = offset
+                offset += -(-part.nbytes // 64) * 64
+            del view
+            spent = time.perf_counter() - start
+            reply, body = await conn.call({"op": "infer", "tensors": meta, "shm": True, "out_offset": offset})
+            start = time.perf_counter()
+            if reply.get("ok") and reply.get("shm"):
+                outputs = {k: v.copy() for k, v in protocol.unpack_shm_tensors(reply["tensors"], segment).items()}
+                self.on_zero_copy((spent + time.perf_counter() - start) * 1e3)
+                return outputs
+        else:
+            reply, body = await conn.call({"op": "infer", "tensors": meta}, parts)
+        if not reply.get("ok"):
+            raise protocol.WorkerError(str(reply.get("code", "INTERNAL")), str(reply.get("message", "")))
+        return protocol.unpack_tensors(reply["tensors"], body)
+
+    def forget(self, socket_path: str) -> None:
+        for conn in self._idle.pop(socket_path, []):
+            conn.close()
+
+    def close(self) -> None:
+        for path in list(self._idle):
+            self.forget(path)

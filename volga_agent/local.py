@@ -1,0 +1,149 @@
+"""`volga up`: agent + gateway + a local store of ModelSpecs on one machine, no Kubernetes.
+
+The same parts as in a cluster, wired in one process: ModelSpecs come from files instead of the API server,
+the planner (`volga_operator.planner`, the operator's own) places their pool floors on the one local node,
+the pool converges and runs its local policy, the gateway reaches the pool in-process instead of over gRPC,
+and the Agent API is served too, for tools. Stopping (Ctrl-C, SIGTERM) stops every worker and removes
+every snapshot this run made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import pathlib
+import shutil
+import signal
+import socket
+import tempfile
+from collections.abc import Callable, Sequence
+
+import grpc
+
+from volga_agent import gpus, metrics, policy, pool, server
+from volga_agent.gateway import router
+from volga_agent.gateway import server as gateway_server
+from volga_operator import api, planner
+
+log = logging.getLogger(__name__)
+NODE = socket.gethostname() or "local"
+
+
+class LocalAgentLink:
+    """The gateway's link to a pool in the same process."""
+
+    def __init__(self, node_pool: pool.Pool) -> None:
+        self.pool = node_pool
+
+    async def activate(self, model_id: str, device_hint: str, timeout_ms: int) -> router.Route:
+        try:
+            act = await asyncio.to_thread(self.pool.activate, model_id, "", device_hint)
+        except pool.UnknownModel as exc:
+            raise router.UnknownModel(str(exc)) from None
+        except pool.ActivationFailed as exc:
+            raise router.ActivationFailed(str(exc)) from None
+        i = act.instance
+        return router.Route(i.name, i.model_id, i.socket, i.device, act.woke_from, act.wake_ms, act.fallback)
+
+    async def close(self) -> None:
+        return None
+
+
+def node_profile(found: Sequence[gpus.GpuInfo], name: str = NODE) -> planner.NodeProfile:
+    if not found:
+        return planner.NodeProfile(name)
+    return planner.NodeProfile(name, len(found), found[0].product, min(g.memory_total_bytes for g in found),
+                               tuple(sorted({g.numa_node for g in found if g.numa_node >= 0})))
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    agent_port: int = 8010
+    workroot: pathlib.Path | None = None
+    snapshot_root: pathlib.Path | None = None
+    settings: policy.Settings = dataclasses.field(default_factory=policy.Settings)
+    tick_sec: float = 1.0
+
+
+class Embedded:
+    """One node's agent, gateway and ModelSpec store in one process."""
+
+    def __init__(self, specs: Sequence[api.ModelSpec], options: Options | None = None) -> None:
+        self.options = options or Options()
+        names = [s.metadata.name for s in specs]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"metadata.name must be unique; repeated: {', '.join(dupes)}")
+        self.specs = {s.metadata.name: s.spec for s in specs}
+        self.gpus = gpus.discover()
+        self._owned: list[pathlib.Path] = []
+        workroot = self.options.workroot or self._temp("volga-run-", "/tmp")
+        snapshots = self.options.snapshot_root or self._temp("volga-", "/dev/shm" if pathlib.Path("/dev/shm").is_dir()
+                                                             else None)
+        self.agent_metrics = metrics.AgentMetrics()
+        self.pool = pool.Pool(NODE, workroot, snapshots, self.options.settings, self.agent_metrics, self.gpus)
+        self.plan = planner.plan(self.specs, [node_profile(self.gpus)])
+        gw_settings = gateway_server.Settings(self.options.host, self.options.http_port, self.options.grpc_port,
+                                              self.options.metrics_port, self.options.settings.gateway_cache_ttl_sec)
+        self.gateway = gateway_server.Gateway(gateway_server.Catalog({s.model_id: s for s in self.specs.values()}),
+                                              LocalAgentLink(self.pool), gw_settings,
+                                              extra_metrics=[self.agent_metrics.registry])
+        self._agent: grpc.aio.Server | None = None
+        self.agent_port = 0
+
+    def _temp(self, prefix: str, folder: str | None) -> pathlib.Path:
+        path = pathlib.Path(tempfile.mkdtemp(prefix=prefix, dir=folder))
+        self._owned.append(path)
+        return path
+
+    async def start(self) -> None:
+        for name, reason in self.plan.unplaced.items():
+            log.error("ModelSpec %s not placed: %s", name, reason)
+        self.pool.apply(self.plan.desired, self.specs)
+        self.pool.start(self.options.tick_sec)
+        await self.gateway.start()
+        if self.options.agent_port >= 0:
+            self._agent, self.agent_port = await server.serve(self.pool, self.options.host, self.options.agent_port)
+
+    async def wait_converged(self, timeout: float = 300.0) -> None:
+        await asyncio.to_thread(self.pool.wait_converged, timeout)
+
+    async def stop(self) -> None:
+        await self.gateway.stop()
+        if self._agent is not None:
+            await self._agent.stop(1.0)
+        await asyncio.to_thread(self.pool.close)
+        for path in self._owned:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def endpoints(self) -> dict[str, str]:
+        host = self.options.host
+        ports = self.gateway.ports
+        return {"http": f"http://{host}:{ports['http']}", "grpc": f"{host}:{ports['grpc']}",
+                "metrics": f"http://{host}:{ports['metrics']}/metrics", "agent": f"{host}:{self.agent_port}"}
+
+
+async def run(specs: Sequence[api.ModelSpec], options: Options, announce: Callable[[str], None] = print) -> None:
+    """Serve until SIGINT or SIGTERM, then stop cleanly."""
+    embedded = Embedded(specs, options)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await embedded.start()
+    try:
+        for name, url in embedded.endpoints().items():
+            announce(f"  {name:<8} {url}")
+        announce(f"  models   {', '.join(sorted(s.model_id for s in embedded.specs.values()))} "
+                 f"({len(embedded.plan.desired)} instances warming into their tiers)")
+        announce("Ctrl-C stops everything and removes the snapshots.")
+        await stop.wait()
+    finally:
+        announce("stopping: workers, snapshots ...")
+        await embedded.stop()
+        announce("stopped.")

@@ -1,0 +1,62 @@
+"""Prometheus metrics of the agent and the gateway (names from DESIGN.md section 5).
+
+Each component gets its own registry, so several agents or gateways can live in one process (tests,
+`volga up`) and each one's HTTP endpoint shows only its own series. Latencies are in milliseconds, as the
+dashboards and alerts read them.
+"""
+
+from __future__ import annotations
+
+import prometheus_client as prom
+
+LATENCY_MS_BUCKETS = (0.25, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 350, 500, 1000, 2000, 5000, 10000, 30000, 60000)
+FAST_MS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 50)
+
+
+class AgentMetrics:
+    def __init__(self, registry: prom.CollectorRegistry | None = None) -> None:
+        self.registry = registry or prom.CollectorRegistry()
+        r = self.registry
+        self.restore_latency = prom.Histogram(
+            "volga_snapshot_restore_latency_ms", "Wake -> instance ready, by the tier it woke from",
+            ["tier", "model"], buckets=LATENCY_MS_BUCKETS, registry=r)
+        self.transition_latency = prom.Histogram(
+            "volga_tier_transition_latency_ms", "Duration of every tier move", ["source", "target", "model"],
+            buckets=LATENCY_MS_BUCKETS, registry=r)
+        self.restore_failures = prom.Counter(
+            "volga_snapshot_restore_failures", "Wakes that failed and fell back to a cold start", ["tier", "model"],
+            registry=r)
+        self.activations = prom.Counter(
+            "volga_activations", "Activations that woke an instance (not already HOT)", ["tier", "model"], registry=r)
+        self.emis_active = prom.Gauge(
+            "volga_emis_active_total", "Instances on this node per tier", ["tier"], registry=r)
+        self.evictions = prom.Counter(
+            "volga_snapshot_evictions", "Instances demoted by a budget (not by idle time)", ["reason"], registry=r)
+        self.eviction_rate = prom.Gauge(
+            "volga_snapshot_eviction_rate", "Evictions per minute over the last minute", registry=r)
+        self.circuit_open = prom.Gauge(
+            "volga_snapshot_circuit_open", "1 while the snapshot circuit breaker of a model is open", ["model"],
+            registry=r)
+        self.worker_deaths = prom.Counter(
+            "volga_worker_deaths", "Workers found dead while HOT", ["model"], registry=r)
+        self.snapshot_bytes = prom.Gauge(
+            "volga_snapshot_disk_used_bytes", "Bytes of CRIU images on this node", registry=r)
+
+
+class GatewayMetrics:
+    def __init__(self, registry: prom.CollectorRegistry | None = None) -> None:
+        self.registry = registry or prom.CollectorRegistry()
+        r = self.registry
+        self.requests = prom.Counter(
+            "volga_gateway_requests", "Inference requests by outcome", ["model", "protocol", "code"], registry=r)
+        self.latency = prom.Histogram(
+            "volga_gateway_request_latency_ms", "Request latency through the gateway, wake included",
+            ["model", "protocol"], buckets=LATENCY_MS_BUCKETS, registry=r)
+        self.zero_copy_latency = prom.Histogram(
+            "volga_gateway_zero_copy_latency_ms", "Time to place inputs in and read outputs from shared memory",
+            buckets=FAST_MS_BUCKETS, registry=r)
+        self.activations = prom.Counter(
+            "volga_gateway_activations", "Activations the gateway asked for (after single-flight)", ["model"],
+            registry=r)
+        self.route_cache = prom.Counter(
+            "volga_gateway_route_cache", "Routing cache lookups", ["result"], registry=r)

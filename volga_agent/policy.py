@@ -1,0 +1,392 @@
+"""The agent's local tier policy: which instances to move one tier colder, and why.
+
+Everything here is a pure function of values the caller passes in (instance views, settings, node usage and
+`now`, a monotonic clock reading). Nothing reads a clock, touches a process or does I/O, so the agent loop can
+call `plan_demotions` on every tick, `volga up` can reuse it without Kubernetes, and the tests can pin every
+decision down. The one stateful piece is `CircuitBreaker`, which remembers snapshot failures between ticks.
+
+A plan is built in two passes:
+
+1. Idle demotions. An instance idle for long enough moves one step down its ladder. The thresholds are keyed
+   by the tier being entered (WARM after `hot_idle_sec`, SUSPENDED after `warm_idle_sec`, FROZEN after
+   `suspended_idle_sec`, all counted from `last_used`), so at any idle time an instance heads for the same
+   tier whichever ladder it is on: a CPU instance skips WARM and SUSPENDED and freezes after
+   `suspended_idle_sec`, not after `hot_idle_sec`. Nothing goes COLD for being idle; only the snapshot disk
+   budget discards snapshots.
+2. Budget evictions. While the estimated usage exceeds a budget, victims taken in `eviction_order` move to
+   the tier that frees the constrained resource: GPU memory -> one step down (HOT -> WARM frees the
+   weights, WARM -> SUSPENDED frees the context), host memory -> FROZEN, snapshot disk -> COLD (only FROZEN
+   instances: a live instance's snapshot is a refresh cache, not a tier). Budgets are handled in that
+   order because freeing GPU memory fills host memory, and freezing fills the snapshot disk.
+
+Every move honours the pool floor (`floor_tier`: never colder than it) and never touches a busy instance;
+an instance gets at most one move per plan, and the caller re-plans on the next tick with measured usage.
+The usage estimates (`usage_after`) are deliberately rough: they only decide when to stop evicting.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import difflib
+import enum
+import math
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+from volga_operator import api
+
+EVICTION_POLICIES = ("lru", "hybrid")
+
+GPU_LADDER: tuple[api.Tier, ...] = (api.Tier.HOT, api.Tier.WARM, api.Tier.SUSPENDED, api.Tier.FROZEN,
+                                    api.Tier.COLD)
+CPU_LADDER: tuple[api.Tier, ...] = (api.Tier.HOT, api.Tier.FROZEN, api.Tier.COLD)
+_RANK: dict[api.Tier, int] = {tier: rank for rank, tier in enumerate(GPU_LADDER)}
+
+
+class Reason(enum.StrEnum):
+    """Why a move was planned; stable strings for events, conditions and metric labels."""
+
+    IDLE = "Idle"
+    GPU_MEMORY_BUDGET = "GpuMemoryBudget"
+    HOST_MEMORY_BUDGET = "HostMemoryBudget"
+    SNAPSHOT_DISK_BUDGET = "SnapshotDiskBudget"
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Node agent settings. Names follow DESIGN.md section 6; budgets of 0 mean unlimited."""
+
+    snapshot_interval_sec: float = 30.0
+    warmup_cache_ratio: float = 0.0
+    gateway_cache_ttl_sec: float = 60.0
+    scheduler_eviction_policy: str = "lru"
+    reset_rng_on_restore: bool = True
+    numa_affinity: bool = False
+    max_failures: int = 5
+    backoff_duration_sec: float = 600.0
+    api_writes_per_sec: float = 200.0
+    hot_idle_sec: float = 60.0
+    warm_idle_sec: float = 300.0
+    suspended_idle_sec: float = 900.0
+    host_memory_budget_bytes: int = 0
+    gpu_memory_budget_bytes: int = 0
+    snapshot_disk_budget_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            _check_type(field.name, str(field.type), value)
+            if field.type == "float":
+                # Normalise ints so that equal settings compare and print equal.
+                object.__setattr__(self, field.name, float(value))
+        _check_range("snapshot_interval_sec", self.snapshot_interval_sec, low=0.0, low_open=True)
+        _check_range("warmup_cache_ratio", self.warmup_cache_ratio, low=0.0, high=1.0)
+        _check_range("gateway_cache_ttl_sec", self.gateway_cache_ttl_sec, low=0.0)
+        if self.scheduler_eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(f"settings.scheduler_eviction_policy: must be one of {', '.join(EVICTION_POLICIES)}, "
+                             f"got {self.scheduler_eviction_policy!r}")
+        _check_range("max_failures", self.max_failures, low=1)
+        _check_range("backoff_duration_sec", self.backoff_duration_sec, low=0.0)
+        _check_range("api_writes_per_sec", self.api_writes_per_sec, low=0.0, low_open=True)
+        for name in ("hot_idle_sec", "warm_idle_sec", "suspended_idle_sec",
+                     "host_memory_budget_bytes", "gpu_memory_budget_bytes", "snapshot_disk_budget_bytes"):
+            _check_range(name, getattr(self, name), low=0)
+        # Thresholds count from the same last_used, so a colder tier must not come sooner than a hotter one.
+        if self.warm_idle_sec < self.hot_idle_sec:
+            raise ValueError(f"settings.warm_idle_sec: must be >= hot_idle_sec ({self.hot_idle_sec:g}), "
+                             f"got {self.warm_idle_sec:g}")
+        if self.suspended_idle_sec < self.warm_idle_sec:
+            raise ValueError(f"settings.suspended_idle_sec: must be >= warm_idle_sec ({self.warm_idle_sec:g}), "
+                             f"got {self.suspended_idle_sec:g}")
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, object]) -> Settings:
+        """Build from a config mapping with snake_case or camelCase keys; unknown keys are rejected."""
+        names = {field.name: field.name for field in dataclasses.fields(cls)}
+        names.update({_camel(name): name for name in list(names)})
+        kwargs: dict[str, object] = {}
+        for key, value in data.items():
+            name = names.get(key) if isinstance(key, str) else None
+            if name is None:
+                hint = difflib.get_close_matches(str(key), list(names), n=1)
+                suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
+                raise ValueError(f"settings.{key}: unknown setting{suggestion}")
+            if name in kwargs:
+                raise ValueError(f"settings.{name}: given twice (as {name!r} and {_camel(name)!r})")
+            kwargs[name] = value
+        return cls(**kwargs)  # type: ignore[arg-type]  # __post_init__ checks every type
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(part.title() for part in rest)
+
+
+_KINDS = {"bool": "a boolean", "int": "an integer", "float": "a finite number", "str": "a string"}
+
+
+def _check_type(name: str, annotation: str, value: object) -> None:
+    # bool is an int subclass: reject it for numbers, or `max_failures: true` would pass as 1.
+    if annotation == "bool":
+        ok = isinstance(value, bool)
+    elif annotation == "int":
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif annotation == "float":
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    else:
+        ok = isinstance(value, str)
+    if not ok:
+        raise ValueError(f"settings.{name}: must be {_KINDS[annotation]}, got {value!r}")
+
+
+def _check_range(name: str, value: float, low: float, high: float | None = None, low_open: bool = False) -> None:
+    if value < low or (low_open and value == low):
+        raise ValueError(f"settings.{name}: must be {'>' if low_open else '>='} {low:g}, got {value:g}")
+    if high is not None and value > high:
+        raise ValueError(f"settings.{name}: must be <= {high:g}, got {value:g}")
+
+
+@dataclasses.dataclass(frozen=True)
+class InstanceView:
+    """What the policy needs to know about one instance; byte counts are what it holds in its current tier."""
+
+    name: str
+    model_id: str
+    tier: api.Tier
+    gpu: bool  # the node path allows WARM and SUSPENDED for it
+    last_used: float  # monotonic seconds
+    host_bytes: int = 0
+    gpu_bytes: int = 0
+    snapshot_bytes: int = 0
+    floor_tier: api.Tier | None = None  # never move it colder than this
+    busy: bool = False  # a request or a move is in flight
+
+
+@dataclasses.dataclass(frozen=True)
+class Usage:
+    """Node totals the budgets are checked against."""
+
+    host_bytes: int = 0
+    gpu_bytes: int = 0
+    snapshot_bytes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Move:
+    instance: str
+    target: api.Tier
+    reason: Reason
+
+
+def ladder(gpu: bool) -> tuple[api.Tier, ...]:
+    return GPU_LADDER if gpu else CPU_LADDER
+
+
+def is_colder(tier: api.Tier, than: api.Tier) -> bool:
+    return _RANK[tier] > _RANK[than]
+
+
+def next_tier_down(tier: api.Tier, gpu: bool) -> api.Tier | None:
+    """The next tier colder than `tier` on the instance's ladder; None for COLD.
+
+    A tier that is not on the ladder (WARM on a CPU path) goes to the next one that is.
+    """
+    return next((candidate for candidate in ladder(gpu) if is_colder(candidate, tier)), None)
+
+
+def floor_allows(view: InstanceView, target: api.Tier) -> bool:
+    return view.floor_tier is None or not is_colder(target, view.floor_tier)
+
+
+def idle_threshold(target: api.Tier, settings: Settings) -> float | None:
+    """Seconds since last use after which an instance may enter `target`; None: never for idleness."""
+    return {
+        api.Tier.WARM: settings.hot_idle_sec,
+        api.Tier.SUSPENDED: settings.warm_idle_sec,
+        api.Tier.FROZEN: settings.suspended_idle_sec,
+    }.get(target)
+
+
+def usage_after(usage: Usage, view: InstanceView, target: api.Tier) -> Usage:
+    """Estimated node usage once `view` has moved to `target`.
+
+    WARM and SUSPENDED move GPU memory into host memory (pinned weights, or the driver's checkpoint); the CUDA
+    context a WARM instance keeps is counted as freed, and the next tick's measurement corrects it. FROZEN
+    frees the process and writes an image about the size of what it held, replacing an older snapshot.
+    COLD frees everything.
+    """
+    host, gpu, disk = view.host_bytes, view.gpu_bytes, view.snapshot_bytes
+    if not is_colder(target, view.tier):
+        return usage
+    if target in (api.Tier.WARM, api.Tier.SUSPENDED):
+        delta = (gpu, -gpu, 0)
+    elif target == api.Tier.FROZEN:
+        delta = (-host, -gpu, max(disk, host + gpu) - disk)
+    else:
+        delta = (-host, -gpu, -disk)
+    return Usage(host_bytes=max(0, usage.host_bytes + delta[0]),
+                 gpu_bytes=max(0, usage.gpu_bytes + delta[1]),
+                 snapshot_bytes=max(0, usage.snapshot_bytes + delta[2]))
+
+
+def eviction_order(instances: Iterable[InstanceView], policy: str, now: float) -> list[InstanceView]:
+    """Victims first.
+
+    "lru": least recently used first.
+    "hybrid": by score = idle_seconds * (1 + snapshot_bytes / mean_snapshot_bytes), highest first, so that of
+    two equally idle instances the one with the larger snapshot (the one that frees more) goes first, and a
+    large instance can go before a slightly older small one. With no snapshot sizes known it is plain LRU.
+    Ties go to the older, then to the name, so the order never depends on the input order.
+    """
+    views = list(instances)
+    if policy == "lru":
+        return sorted(views, key=lambda view: (view.last_used, view.name))
+    if policy != "hybrid":
+        raise ValueError(f"scheduler_eviction_policy: must be one of {', '.join(EVICTION_POLICIES)}, "
+                         f"got {policy!r}")
+    mean = sum(view.snapshot_bytes for view in views) / len(views) if views else 0.0
+
+    def score(view: InstanceView) -> float:
+        weight = 1.0 + view.snapshot_bytes / mean if mean > 0 else 1.0
+        return max(0.0, now - view.last_used) * weight
+
+    return sorted(views, key=lambda view: (-score(view), view.last_used, view.name))
+
+
+def _gpu_target(view: InstanceView) -> api.Tier | None:
+    if view.gpu_bytes > 0 and view.tier in (api.Tier.HOT, api.Tier.WARM):
+        return next_tier_down(view.tier, view.gpu)
+    return None
+
+
+def _host_target(view: InstanceView) -> api.Tier | None:
+    if view.host_bytes > 0 and is_colder(api.Tier.FROZEN, view.tier):
+        return api.Tier.FROZEN
+    return None
+
+
+def _disk_target(view: InstanceView) -> api.Tier | None:
+    if view.snapshot_bytes > 0 and view.tier == api.Tier.FROZEN:
+        return api.Tier.COLD
+    return None
+
+
+def plan_demotions(instances: Sequence[InstanceView], settings: Settings, now: float, usage: Usage) -> list[Move]:
+    """Idle demotions (by name), then budget evictions (GPU, host, snapshot disk; each in eviction order)."""
+    duplicates = sorted(name for name, count in collections.Counter(v.name for v in instances).items() if count > 1)
+    if duplicates:
+        raise ValueError(f"instance names must be unique: {', '.join(duplicates)} given more than once")
+
+    moves: list[Move] = []
+    estimate = usage
+
+    def plan(view: InstanceView, target: api.Tier, reason: Reason) -> None:
+        nonlocal estimate
+        moves.append(Move(view.name, target, reason))
+        estimate = usage_after(estimate, view, target)
+
+    for view in sorted(instances, key=lambda view: view.name):
+        target = next_tier_down(view.tier, view.gpu)
+        if view.busy or target is None or not floor_allows(view, target):
+            continue
+        threshold = idle_threshold(target, settings)
+        if threshold is not None and now - view.last_used >= threshold:
+            plan(view, target, Reason.IDLE)
+
+    pressures: tuple[tuple[Reason, int, Callable[[Usage], int], Callable[[InstanceView], api.Tier | None]], ...] = (
+        (Reason.GPU_MEMORY_BUDGET, settings.gpu_memory_budget_bytes, lambda u: u.gpu_bytes, _gpu_target),
+        (Reason.HOST_MEMORY_BUDGET, settings.host_memory_budget_bytes, lambda u: u.host_bytes, _host_target),
+        (Reason.SNAPSHOT_DISK_BUDGET, settings.snapshot_disk_budget_bytes, lambda u: u.snapshot_bytes,
+         _disk_target),
+    )
+    for reason, budget, measure, target_of in pressures:
+        if budget <= 0:
+            continue
+        moved = {move.instance for move in moves}
+        candidates = [view for view in instances if not view.busy and view.name not in moved]
+        for view in eviction_order(candidates, settings.scheduler_eviction_policy, now):
+            if measure(estimate) <= budget:
+                break
+            target = target_of(view)
+            if target is not None and floor_allows(view, target):
+                plan(view, target, reason)
+    return moves
+
+
+class BreakerState(enum.StrEnum):
+    CLOSED = "Closed"
+    OPEN = "Open"
+    HALF_OPEN = "HalfOpen"
+
+
+@dataclasses.dataclass
+class _Trip:
+    failures: int = 0
+    open_until: float | None = None
+    trial_since: float | None = None  # when the half-open attempt was let through
+
+
+class CircuitBreaker:
+    """Stops snapshot attempts for a key (an instance or a model) that keeps failing.
+
+    Closed until `max_failures` consecutive failures; then open for `backoff_duration_sec`; then half-open:
+    `is_open` lets exactly one attempt through (call it right before attempting). Its success closes the
+    breaker, its failure opens it for another backoff. A trial that never reports is given up on after one
+    backoff, so a lost result cannot hold the breaker open forever. Thread-safe.
+    """
+
+    def __init__(self, max_failures: int = 5, backoff_duration_sec: float = 600.0) -> None:
+        if max_failures < 1:
+            raise ValueError(f"max_failures: must be >= 1, got {max_failures}")
+        if backoff_duration_sec < 0:
+            raise ValueError(f"backoff_duration_sec: must be >= 0, got {backoff_duration_sec:g}")
+        self.max_failures = max_failures
+        self.backoff_duration_sec = backoff_duration_sec
+        self._lock = threading.Lock()
+        self._trips: dict[str, _Trip] = {}
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> CircuitBreaker:
+        return cls(settings.max_failures, settings.backoff_duration_sec)
+
+    def record_failure(self, key: str, now: float) -> None:
+        with self._lock:
+            trip = self._trips.setdefault(key, _Trip())
+            trip.failures += 1
+            trip.trial_since = None
+            if trip.failures >= self.max_failures:
+                trip.open_until = now + self.backoff_duration_sec
+
+    def record_success(self, key: str) -> None:
+        with self._lock:
+            self._trips.pop(key, None)
+
+    def state(self, key: str, now: float) -> BreakerState:
+        """The breaker's state, without claiming the half-open attempt (for status and metrics)."""
+        with self._lock:
+            return self._state(self._trips.get(key), now)
+
+    def is_open(self, key: str, now: float) -> bool:
+        """True: do not attempt. In the half-open state the first caller gets False and is the one attempt."""
+        with self._lock:
+            trip = self._trips.get(key)
+            state = self._state(trip, now)
+            if state is not BreakerState.HALF_OPEN or trip is None:
+                return state is BreakerState.OPEN
+            if trip.trial_since is not None and now - trip.trial_since < self.backoff_duration_sec:
+                return True
+            trip.trial_since = now
+            return False
+
+    def open_keys(self, now: float) -> list[str]:
+        """Keys whose breaker has tripped and not yet closed (open or half-open), sorted."""
+        with self._lock:
+            return sorted(key for key, trip in self._trips.items()
+                          if self._state(trip, now) is not BreakerState.CLOSED)
+
+    @staticmethod
+    def _state(trip: _Trip | None, now: float) -> BreakerState:
+        if trip is None or trip.open_until is None:
+            return BreakerState.CLOSED
+        return BreakerState.OPEN if now < trip.open_until else BreakerState.HALF_OPEN

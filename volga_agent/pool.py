@@ -1,0 +1,468 @@
+"""A node's instances: the agent's state, its local decisions, and the one place that moves tiers.
+
+The pool owns one `Instance` per EMI placed on this node. It:
+
+- converges each instance to the resting tier the planner asked for (a FROZEN floor means: cold start
+  once, then freeze, so the first request wakes from the snapshot instead of from nothing);
+- activates on demand: picks the instance of a model that is fastest to wake (HOT, then WARM, SUSPENDED,
+  FROZEN, COLD; `device_hint` first when instances differ) and wakes it; a failed restore falls back to a
+  cold start inside `Instance.to` and is counted here;
+- every tick applies the local policy (`policy.plan_demotions`): idle instances go down a tier, budgets
+  evict by LRU or hybrid; notices workers that died and restarts them; keeps the circuit breaker that
+  stops snapshotting a model whose restores keep failing.
+
+Every move of one instance happens under that instance's lock; different instances move in parallel on a
+small thread pool. Nothing here knows about gRPC or HTTP: `server.py` and `local.py` wrap it.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import logging
+import os
+import pathlib
+import threading
+import time
+from collections.abc import Mapping, Sequence
+
+from volga_agent import instance, metrics, policy
+from volga_agent.snapshot import criu, cuda
+from volga_agent.worker import protocol
+from volga_operator import api, planner
+
+Tier = api.Tier
+log = logging.getLogger(__name__)
+
+WAKE_ORDER = {Tier.HOT: 0, Tier.WARM: 1, Tier.SUSPENDED: 2, Tier.FROZEN: 3, Tier.COLD: 4}
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+class UnknownModel(LookupError):
+    """No instance of this model is placed on this node."""
+
+
+class ActivationFailed(RuntimeError):
+    """The instance could not be brought to HOT, not even by a cold start."""
+
+
+@dataclasses.dataclass(frozen=True)
+class InstanceInfo:
+    name: str
+    model_id: str
+    model_version: str
+    tier: Tier
+    device: str
+    socket: str
+    node: str
+    snapshot_bytes: int
+    last_used_unix: float
+    last_wake_ms: float
+    input_hash: str
+    state_reason: str
+    target_tier: Tier
+
+
+@dataclasses.dataclass(frozen=True)
+class Activation:
+    instance: InstanceInfo
+    woke_from: Tier
+    wake_ms: float
+    fallback: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeStatus:
+    node: str
+    host_memory_used_bytes: int
+    gpu_memory_used_bytes: int
+    snapshot_disk_used_bytes: int
+    activations: int
+    restore_failures: int
+    evictions: int
+    open_circuits: tuple[str, ...]
+
+
+@dataclasses.dataclass
+class Slot:
+    inst: instance.Instance
+    spec_name: str
+    target: Tier
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    last_wake_ms: float = 0.0
+    reason: str = ""
+    requests_seen: int = 0
+    last_used_unix: float = 0.0
+    removed: bool = False
+
+
+class Pool:
+    def __init__(self, node: str, workroot: str | pathlib.Path, snapshot_root: str | pathlib.Path | None,
+                 settings: policy.Settings | None = None, agent_metrics: metrics.AgentMetrics | None = None,
+                 gpus: Sequence[object] = (), workers: int = 2) -> None:
+        self.node = node
+        self.workroot = pathlib.Path(workroot)
+        self.workroot.mkdir(parents=True, exist_ok=True)
+        self.settings = settings or policy.Settings()
+        self.metrics = agent_metrics or metrics.AgentMetrics()
+        self.gpus = list(gpus)
+        self.criu: criu.CriuEngine | None = None
+        if snapshot_root is not None:
+            try:
+                self.criu = criu.CriuEngine(snapshot_root)
+            except criu.CriuError as exc:
+                log.warning("FROZEN tier unavailable: %s", exc)
+        self.driver: cuda.DriverCheckpoint | None = None
+        if self.gpus:
+            try:
+                self.driver = cuda.DriverCheckpoint()
+            except cuda.DriverCheckpointUnsupported as exc:
+                log.warning("SUSPENDED tier unavailable: %s", exc)
+        self.breaker = policy.CircuitBreaker(self.settings.max_failures, self.settings.backoff_duration_sec)
+        self.slots: dict[str, Slot] = {}
+        self.failed: dict[str, str] = {}  # instances that could not even be created, and why
+        self._slots_lock = threading.Lock()
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pool")
+        self._pending: dict[str, concurrent.futures.Future[None]] = {}
+        self._eviction_times: collections.deque[float] = collections.deque()
+        self.activations = 0
+        self.evictions = 0
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
+
+    # -- desired state -------------------------------------------------------------------------------
+
+    def apply(self, desired: Sequence[planner.Desired], specs: Mapping[str, api.ModelSpecSpec]) -> None:
+        """Make this node's instances match the plan: create, retarget, remove; moves run in background."""
+        mine = {d.name: d for d in desired if d.node == self.node}
+        with self._slots_lock:
+            stale = [name for name, slot in self.slots.items()
+                     if name not in mine or slot.inst.spec != specs[mine[name].model_spec]]
+        for name in stale:
+            self.remove(name)  # gone from the plan, or its ModelSpec changed: replace it
+        with self._slots_lock:
+            for name, want in mine.items():
+                slot = self.slots.get(name)
+                if slot is not None:
+                    slot.target = want.target_tier
+                    continue
+                spec = specs[want.model_spec]
+                device = f"cuda:{want.gpu_index}" if spec.hardware.gpu and want.gpu_index is not None else "cpu"
+                try:
+                    inst = instance.Instance(name, spec, self.workroot / name, self.criu,
+                                             self.driver if device != "cpu" else None, device)
+                except (OSError, ValueError) as exc:
+                    self.failed[name] = f"{type(exc).__name__}: {exc}"
+                    log.error("%s: cannot create instance: %s", name, exc)
+                    continue
+                self.failed.pop(name, None)
+                self.slots[name] = Slot(inst, want.model_spec, want.target_tier)
+        for name in mine:
+            if name in self.slots:
+                self.converge_async(name)
+
+    def remove(self, name: str) -> None:
+        """Stop an instance and delete its snapshots."""
+        with self._slots_lock:
+            slot = self.slots.pop(name, None)
+        if slot is None:
+            return
+        with slot.lock:
+            slot.removed = True
+            slot.inst.close()
+
+    def converge_async(self, name: str) -> concurrent.futures.Future[None]:
+        future = self._pending.get(name)
+        if future is not None and not future.done():
+            return future
+        future = self._executor.submit(self._converge, name)
+        self._pending[name] = future
+        return future
+
+    def _converge(self, name: str) -> None:
+        slot = self.slots.get(name)
+        if slot is None:
+            return
+        with slot.lock:
+            if slot.removed:
+                return
+            target = self._allowed(slot, slot.target)
+            try:
+                self._walk(slot, target)
+                slot.reason = ""
+            except Exception as exc:  # an instance that cannot reach its tier must not stop the others
+                slot.reason = f"{type(exc).__name__}: {exc}"
+                log.warning("%s: could not reach %s: %s", name, target.value, exc)
+
+    def _allowed(self, slot: Slot, target: Tier) -> Tier:
+        """The tier we may actually use: no GPU tiers on CPU, no snapshots while the breaker is open."""
+        gpu = slot.inst.device.startswith("cuda") and slot.inst.driver is not None
+        if target in (Tier.WARM, Tier.SUSPENDED) and not gpu:
+            target = Tier.FROZEN
+        if target == Tier.FROZEN and slot.inst.criu is None:
+            target = Tier.COLD
+        if target in (Tier.SUSPENDED, Tier.FROZEN) and self.breaker.is_open(slot.inst.spec.model_id, time.monotonic()):
+            target = Tier.HOT if slot.inst.tier == Tier.HOT else Tier.COLD
+        return target
+
+    def _walk(self, slot: Slot, target: Tier) -> None:
+        """Move along legal edges; COLD -> X goes through HOT (the only way out of COLD)."""
+        inst = slot.inst
+        if inst.tier == target:
+            return
+        if target not in instance.LEGAL[inst.tier] and inst.tier != Tier.HOT:
+            self._move(slot, Tier.HOT)
+        if inst.tier != target:
+            self._move(slot, target)
+
+    def _move(self, slot: Slot, target: Tier) -> instance.Transition:
+        inst = slot.inst
+        model = inst.spec.model_id
+        source = inst.tier
+        transition = inst.to(target)
+        ms = transition.seconds * 1e3
+        self.metrics.transition_latency.labels(source.value, transition.target.value, model).observe(ms)
+        if transition.target == Tier.HOT and source in (Tier.WARM, Tier.SUSPENDED, Tier.FROZEN):
+            if transition.fallback:
+                self.metrics.restore_failures.labels(source.value, model).inc()
+                self.breaker.record_failure(model, time.monotonic())
+                self.metrics.circuit_open.labels(model).set(int(self.breaker.is_open(model, time.monotonic())))
+            else:
+                self.metrics.restore_latency.labels(source.value, model).observe(ms)
+                self.breaker.record_success(model)
+        return transition
+
+    # -- the request path ----------------------------------------------------------------------------
+
+    def pick(self, model_id: str, name: str = "", device_hint: str = "") -> Slot:
+        with self._slots_lock:
+            slots = [s for s in self.slots.values() if s.inst.spec.model_id == model_id and (not name or
+                                                                                          s.inst.name == name)]
+        if not slots:
+            raise UnknownModel(f"no instance of model {model_id!r} on node {self.node}")
+
+        def rank(slot: Slot) -> tuple[int, int, str]:
+            hinted = 0 if not device_hint or device_hint in (slot.inst.device, _product(self.gpus, slot)) else 1
+            return hinted, WAKE_ORDER[slot.inst.tier], slot.inst.name
+
+        return min(slots, key=rank)
+
+    def activate(self, model_id: str, name: str = "", device_hint: str = "") -> Activation:
+        """Bring the best instance of the model to HOT and say where it listens."""
+        slot = self.pick(model_id, name, device_hint)
+        with slot.lock:
+            inst = slot.inst
+            if slot.removed:
+                raise UnknownModel(f"instance {inst.name} was removed")
+            source = inst.tier
+            if source == Tier.HOT and inst.pid is not None and inst._exited(inst.pid, grace=0):
+                self._worker_died(slot)
+                source = inst.tier
+            wake_ms, fallback = 0.0, False
+            if source != Tier.HOT:
+                if source in (Tier.SUSPENDED, Tier.FROZEN) and self.breaker.is_open(model_id, time.monotonic()):
+                    inst.to(Tier.COLD)  # restores keep failing for this model: go straight to a cold start
+                try:
+                    transition = self._move(slot, Tier.HOT)
+                except (instance.WorkerStartError, protocol.WorkerError, protocol.ProtocolError, OSError) as exc:
+                    slot.reason = f"ActivationFailed: {exc}"
+                    raise ActivationFailed(f"{inst.name}: {exc}") from exc
+                wake_ms, fallback = transition.seconds * 1e3, transition.fallback
+                slot.last_wake_ms = wake_ms
+                self.activations += 1
+                self.metrics.activations.labels(source.value, model_id).inc()
+                slot.reason = "RestoreFailed" if fallback else ""
+            inst.last_used = time.monotonic()
+            slot.last_used_unix = time.time()
+            return Activation(self._info(slot), source, wake_ms, fallback)
+
+    def release(self, name: str) -> None:
+        """The caller is done with it: it counts as idle from now on, and the policy demotes it next tick."""
+        with self._slots_lock:
+            slot = self.slots.get(name)
+        if slot is None:
+            raise UnknownModel(f"no instance {name!r} on node {self.node}")
+        slot.inst.last_used = float("-inf")
+
+    def move_to(self, name: str, target: Tier) -> instance.Transition | None:
+        """Move one instance now (operators' tools, demos, benchmarks); None when it is already there."""
+        slot = self.slots.get(name)
+        if slot is None:
+            raise UnknownModel(f"no instance {name!r} on node {self.node}")
+        with slot.lock:
+            if slot.inst.tier == target:
+                return None
+            before = len(slot.inst.history)
+            self._walk(slot, target)
+            return slot.inst.history[-1] if len(slot.inst.history) > before else None
+
+    def touch(self, name: str) -> None:
+        slot = self.slots.get(name)
+        if slot is not None:
+            slot.inst.last_used = time.monotonic()
+            slot.last_used_unix = time.time()
+
+    def _worker_died(self, slot: Slot) -> None:
+        inst = slot.inst
+        log.warning("%s: worker %s died while %s", inst.name, inst.pid, inst.tier.value)
+        self.metrics.worker_deaths.labels(inst.spec.model_id).inc()
+        inst.to(Tier.COLD)
+        slot.reason = "WorkerDied"
+
+    # -- views ---------------------------------------------------------------------------------------
+
+    def _info(self, slot: Slot) -> InstanceInfo:
+        inst = slot.inst
+        return InstanceInfo(
+            name=inst.name, model_id=inst.spec.model_id, model_version=inst.spec.version, tier=inst.tier,
+            device=inst.device, socket=inst.config.socket, node=self.node,
+            snapshot_bytes=inst.image.size_bytes if inst.image else 0, last_used_unix=slot.last_used_unix,
+            last_wake_ms=slot.last_wake_ms, input_hash=inst.spec.input_hash(), state_reason=slot.reason,
+            target_tier=slot.target)
+
+    def instances(self, model_id: str = "") -> list[InstanceInfo]:
+        with self._slots_lock:
+            slots = sorted(self.slots.values(), key=lambda s: s.inst.name)
+        return [self._info(s) for s in slots if not model_id or s.inst.spec.model_id == model_id]
+
+    def usage(self) -> policy.Usage:
+        host = gpu = disk = 0
+        for view in self._views():
+            host, gpu, disk = host + view.host_bytes, gpu + view.gpu_bytes, disk + view.snapshot_bytes
+        return policy.Usage(host, gpu, disk)
+
+    def status(self) -> NodeStatus:
+        usage = self.usage()
+        return NodeStatus(self.node, usage.host_bytes, usage.gpu_bytes, usage.snapshot_bytes, self.activations,
+                          sum(s.inst.restore_failures for s in list(self.slots.values())), self.evictions,
+                          tuple(self.breaker.open_keys(time.monotonic())))
+
+    def _views(self) -> list[policy.InstanceView]:
+        views = []
+        for slot in list(self.slots.values()):
+            inst = slot.inst
+            host = _rss(inst.pid) if inst.pid is not None else 0
+            weights = inst.spec.source_path.stat().st_size if inst.spec.source_path.exists() else 0
+            gpu_bytes = weights if inst.device.startswith("cuda") and inst.tier == Tier.HOT else 0
+            views.append(policy.InstanceView(
+                name=inst.name, model_id=inst.spec.model_id, tier=inst.tier,
+                gpu=inst.device.startswith("cuda") and inst.driver is not None, last_used=inst.last_used,
+                host_bytes=host, gpu_bytes=gpu_bytes, snapshot_bytes=inst.image.size_bytes if inst.image else 0,
+                floor_tier=None if slot.target == Tier.COLD else slot.target, busy=slot.lock.locked()))
+        return views
+
+    # -- the local control loop ----------------------------------------------------------------------
+
+    def tick(self, now: float | None = None) -> list[policy.Move]:
+        """One round of local decisions: dead workers, usage, demotions and evictions, gauges."""
+        now = time.monotonic() if now is None else now
+        for slot in list(self.slots.values()):
+            self._observe(slot)
+        moves = policy.plan_demotions(self._views(), self.settings, now, self.usage())
+        for move in moves:
+            self._executor.submit(self._demote, move)
+        self._publish(now)
+        return moves
+
+    def _observe(self, slot: Slot) -> None:
+        """Notice dead workers and requests that went to the worker directly (from gateways)."""
+        if not slot.lock.acquire(blocking=False):
+            return
+        try:
+            inst = slot.inst
+            if inst.tier in (Tier.HOT, Tier.WARM, Tier.SUSPENDED) and inst.pid is not None:
+                if inst._exited(inst.pid, grace=0):
+                    self._worker_died(slot)
+                    self.converge_async(inst.name)
+                    return
+                if inst.tier == Tier.HOT:
+                    try:
+                        seen = int(inst.client().call("stats").header.get("requests", 0))
+                    except (OSError, protocol.ProtocolError, protocol.WorkerError):
+                        inst._disconnect()
+                        return
+                    if seen != slot.requests_seen:
+                        slot.requests_seen = seen
+                        inst.last_used = time.monotonic()
+                        slot.last_used_unix = time.time()
+        finally:
+            slot.lock.release()
+
+    def _demote(self, move: policy.Move) -> None:
+        slot = self.slots.get(move.instance)
+        if slot is None:
+            return
+        with slot.lock:
+            if slot.removed or WAKE_ORDER[slot.inst.tier] >= WAKE_ORDER[move.target]:
+                return
+            target = self._allowed(slot, move.target)
+            if WAKE_ORDER[target] <= WAKE_ORDER[slot.inst.tier]:
+                return
+            try:
+                self._walk(slot, target)
+            except Exception as exc:
+                slot.reason = f"{move.reason}: {type(exc).__name__}: {exc}"
+                if target in (Tier.SUSPENDED, Tier.FROZEN):
+                    self.breaker.record_failure(slot.inst.spec.model_id, time.monotonic())
+                log.warning("%s: demotion to %s failed: %s", move.instance, target.value, exc)
+                return
+        if move.reason != "Idle":
+            self.evictions += 1
+            self.metrics.evictions.labels(move.reason).inc()
+            self._eviction_times.append(time.monotonic())
+
+    def _publish(self, now: float) -> None:
+        counts = collections.Counter(s.inst.tier for s in list(self.slots.values()))
+        for tier in Tier:
+            self.metrics.emis_active.labels(tier.value).set(counts.get(tier, 0))
+        while self._eviction_times and self._eviction_times[0] < now - 60:
+            self._eviction_times.popleft()
+        self.metrics.eviction_rate.set(len(self._eviction_times))
+        self.metrics.snapshot_bytes.set(sum(s.inst.image.size_bytes for s in list(self.slots.values())
+                                            if s.inst.image))
+        for model in {s.inst.spec.model_id for s in list(self.slots.values())}:
+            self.metrics.circuit_open.labels(model).set(int(self.breaker.is_open(model, now)))
+
+    def start(self, interval: float = 1.0) -> None:
+        def loop() -> None:
+            while not self._stop.wait(interval):
+                try:
+                    self.tick()
+                except Exception:
+                    log.exception("pool tick failed")
+
+        self._ticker = threading.Thread(target=loop, name="pool-tick", daemon=True)
+        self._ticker.start()
+
+    def wait_converged(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        for future in list(self._pending.values()):
+            future.result(timeout=max(0.0, deadline - time.monotonic()))
+
+    def close(self) -> None:
+        """Stop every worker and remove every snapshot this pool made."""
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join(timeout=5)
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        for name in list(self.slots):
+            self.remove(name)
+
+
+def _rss(pid: int) -> int:
+    try:
+        return int(pathlib.Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _product(gpus: Sequence[object], slot: Slot) -> str:
+    device = slot.inst.device
+    if not device.startswith("cuda"):
+        return "cpu"
+    index = int(device.partition(":")[2] or 0)
+    for gpu in gpus:
+        if getattr(gpu, "index", None) == index:
+            return str(getattr(gpu, "product", ""))
+    return ""

@@ -1,0 +1,145 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_UNSPECIFIED: _ClassVar[Tier]
+    HOT: _ClassVar[Tier]
+    WARM: _ClassVar[Tier]
+    SUSPENDED: _ClassVar[Tier]
+    FROZEN: _ClassVar[Tier]
+    COLD: _ClassVar[Tier]
+TIER_UNSPECIFIED: Tier
+HOT: Tier
+WARM: Tier
+SUSPENDED: Tier
+FROZEN: Tier
+COLD: Tier
+
+class ActivateRequest(_message.Message):
+    __slots__ = ("model_id", "instance", "device_hint", "timeout_ms")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_HINT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    instance: str
+    device_hint: str
+    timeout_ms: int
+    def __init__(self, model_id: _Optional[str] = ..., instance: _Optional[str] = ..., device_hint: _Optional[str] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class ActivateResponse(_message.Message):
+    __slots__ = ("instance", "woke_from", "wake_ms", "fallback")
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    WOKE_FROM_FIELD_NUMBER: _ClassVar[int]
+    WAKE_MS_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_FIELD_NUMBER: _ClassVar[int]
+    instance: Instance
+    woke_from: Tier
+    wake_ms: float
+    fallback: bool
+    def __init__(self, instance: _Optional[_Union[Instance, _Mapping]] = ..., woke_from: _Optional[_Union[Tier, str]] = ..., wake_ms: _Optional[float] = ..., fallback: _Optional[bool] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("instance",)
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    instance: str
+    def __init__(self, instance: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Gpu(_message.Message):
+    __slots__ = ("index", "uuid", "product", "memory_total_bytes", "memory_used_bytes", "driver", "pci_bus_id", "numa_node")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    UUID_FIELD_NUMBER: _ClassVar[int]
+    PRODUCT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DRIVER_FIELD_NUMBER: _ClassVar[int]
+    PCI_BUS_ID_FIELD_NUMBER: _ClassVar[int]
+    NUMA_NODE_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    uuid: str
+    product: str
+    memory_total_bytes: int
+    memory_used_bytes: int
+    driver: str
+    pci_bus_id: str
+    numa_node: int
+    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., product: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., driver: _Optional[str] = ..., pci_bus_id: _Optional[str] = ..., numa_node: _Optional[int] = ...) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("node", "gpus", "host_memory_budget_bytes", "host_memory_used_bytes", "snapshot_disk_budget_bytes", "snapshot_disk_used_bytes", "activations", "restore_failures", "evictions", "circuit_open")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    HOST_MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_DISK_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_DISK_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATIONS_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    CIRCUIT_OPEN_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    gpus: _containers.RepeatedCompositeFieldContainer[Gpu]
+    host_memory_budget_bytes: int
+    host_memory_used_bytes: int
+    snapshot_disk_budget_bytes: int
+    snapshot_disk_used_bytes: int
+    activations: int
+    restore_failures: int
+    evictions: int
+    circuit_open: bool
+    def __init__(self, node: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., host_memory_budget_bytes: _Optional[int] = ..., host_memory_used_bytes: _Optional[int] = ..., snapshot_disk_budget_bytes: _Optional[int] = ..., snapshot_disk_used_bytes: _Optional[int] = ..., activations: _Optional[int] = ..., restore_failures: _Optional[int] = ..., evictions: _Optional[int] = ..., circuit_open: _Optional[bool] = ...) -> None: ...
+
+class Instance(_message.Message):
+    __slots__ = ("name", "model_id", "model_version", "tier", "device", "socket", "node", "snapshot_bytes", "last_used_unix", "last_wake_ms", "input_hash", "state_reason")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    SOCKET_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAST_USED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    LAST_WAKE_MS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_HASH_FIELD_NUMBER: _ClassVar[int]
+    STATE_REASON_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    model_id: str
+    model_version: str
+    tier: Tier
+    device: str
+    socket: str
+    node: str
+    snapshot_bytes: int
+    last_used_unix: float
+    last_wake_ms: float
+    input_hash: str
+    state_reason: str
+    def __init__(self, name: _Optional[str] = ..., model_id: _Optional[str] = ..., model_version: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., device: _Optional[str] = ..., socket: _Optional[str] = ..., node: _Optional[str] = ..., snapshot_bytes: _Optional[int] = ..., last_used_unix: _Optional[float] = ..., last_wake_ms: _Optional[float] = ..., input_hash: _Optional[str] = ..., state_reason: _Optional[str] = ...) -> None: ...
+
+class ListInstancesRequest(_message.Message):
+    __slots__ = ("model_id",)
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    def __init__(self, model_id: _Optional[str] = ...) -> None: ...
+
+class ListInstancesResponse(_message.Message):
+    __slots__ = ("instances",)
+    INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    instances: _containers.RepeatedCompositeFieldContainer[Instance]
+    def __init__(self, instances: _Optional[_Iterable[_Union[Instance, _Mapping]]] = ...) -> None: ...

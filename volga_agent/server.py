@@ -1,0 +1,92 @@
+"""The agent's gRPC API (`volga.v1.Agent`): activate, release, status and list instances of this node.
+
+A thin layer over `pool.Pool`: wakes run on the pool's threads (they block on CRIU, the driver, process
+starts), errors become gRPC statuses that say what to do: NOT_FOUND for a model with no instance on this
+node, UNAVAILABLE when even a cold start failed, DEADLINE_EXCEEDED when the caller's deadline passed (the
+wake goes on, so the next request finds the instance HOT).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import grpc
+
+from volga_agent import pool
+from volga_agent.rpc.volga.v1 import agent_pb2 as pb
+from volga_agent.rpc.volga.v1 import agent_pb2_grpc as pb_grpc
+from volga_operator import api
+
+log = logging.getLogger(__name__)
+
+TIERS = {api.Tier.HOT: pb.HOT, api.Tier.WARM: pb.WARM, api.Tier.SUSPENDED: pb.SUSPENDED,
+         api.Tier.FROZEN: pb.FROZEN, api.Tier.COLD: pb.COLD}
+FROM_PB = {v: k for k, v in TIERS.items()}
+
+
+def instance_pb(info: pool.InstanceInfo) -> Any:
+    return pb.Instance(name=info.name, model_id=info.model_id, model_version=info.model_version,
+                       tier=TIERS[info.tier], device=info.device, socket=info.socket, node=info.node,
+                       snapshot_bytes=info.snapshot_bytes, last_used_unix=info.last_used_unix,
+                       last_wake_ms=info.last_wake_ms, input_hash=info.input_hash, state_reason=info.state_reason)
+
+
+class AgentService(pb_grpc.AgentServicer):
+    def __init__(self, node_pool: pool.Pool) -> None:
+        self.pool = node_pool
+
+    async def Activate(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if not request.model_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model_id is required")
+        work = asyncio.to_thread(self.pool.activate, request.model_id, request.instance, request.device_hint)
+        task = asyncio.ensure_future(work)
+        try:
+            if request.timeout_ms:
+                activation = await asyncio.wait_for(asyncio.shield(task), request.timeout_ms / 1e3)
+            else:
+                activation = await task
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"{request.model_id}: not awake within {request.timeout_ms} ms (the wake goes on)")
+        except pool.UnknownModel as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except pool.ActivationFailed as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{exc}; the instance is marked failed, retry later")
+        return pb.ActivateResponse(instance=instance_pb(activation.instance), woke_from=TIERS[activation.woke_from],
+                                   wake_ms=activation.wake_ms, fallback=activation.fallback)
+
+    async def Release(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            self.pool.release(request.instance)
+        except pool.UnknownModel as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        return pb.ReleaseResponse()
+
+    async def Status(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        status = await asyncio.to_thread(self.pool.status)
+        s = self.pool.settings
+        gpus = [pb.Gpu(index=g.index, uuid=g.uuid, product=g.product, memory_total_bytes=g.memory_total_bytes,
+                       memory_used_bytes=g.memory_used_bytes, driver=g.driver, pci_bus_id=g.pci_bus_id,
+                       numa_node=g.numa_node) for g in self.pool.gpus]
+        return pb.StatusResponse(
+            node=status.node, gpus=gpus, host_memory_budget_bytes=s.host_memory_budget_bytes,
+            host_memory_used_bytes=status.host_memory_used_bytes,
+            snapshot_disk_budget_bytes=s.snapshot_disk_budget_bytes,
+            snapshot_disk_used_bytes=status.snapshot_disk_used_bytes, activations=status.activations,
+            restore_failures=status.restore_failures, evictions=status.evictions,
+            circuit_open=bool(status.open_circuits))
+
+    async def ListInstances(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return pb.ListInstancesResponse(instances=[instance_pb(i) for i in self.pool.instances(request.model_id)])
+
+
+async def serve(node_pool: pool.Pool, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    server = grpc.aio.server()
+    pb_grpc.add_AgentServicer_to_server(AgentService(node_pool), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port} (agent gRPC)")
+    await server.start()
+    return server, bound

@@ -1,0 +1,179 @@
+"""The pool planner: ModelSpecs + node profiles -> the desired instances (EMIs), as a pure function.
+
+The operator calls it every few seconds with what the API server holds; `volga up` calls it with a local
+store and one node. Nothing here reads a clock, a cluster or a file, so the planner is what the unit tests
+exercise.
+
+For each ModelSpec:
+
+1. Filter nodes by the hardware profile: a GPU model needs a node with GPUs, of the named product if the spec
+   names one, with at least `minMemoryGiB` per GPU; with `numaAffinity`, the node must report NUMA nodes.
+2. Score the eligible nodes (DESIGN.md section 6): hardware profile match 100, recency 30 (the node served
+   this model lately), smaller snapshot 10 (the node holds a smaller image of it), lower load 5.
+3. Meet the pool floors per tier (hot, warm, suspended, frozen), one EMI per floor slot; a spec whose floors
+   are all zero still gets one EMI, kept COLD, so there is somewhere to wake it. Existing EMIs on nodes
+   that are still eligible keep their node (no churn); new ones go to the best-scoring node, whose load
+   then counts the new EMI, which spreads a model's instances. On a node without GPUs, WARM and
+   SUSPENDED targets become FROZEN (the tiers a CPU node has).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+
+from volga_operator import api
+
+Tier = api.Tier
+TIER_ORDER = (Tier.HOT, Tier.WARM, Tier.SUSPENDED, Tier.FROZEN)
+
+ANNOTATION_PREFIX = "volga.dev/"
+SCORE_PROFILE, SCORE_RECENCY, SCORE_SNAPSHOT, SCORE_LOAD = 100, 30, 10, 5
+RECENT_SECONDS = 600.0
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeProfile:
+    """A node as the planner sees it; agents publish it as node annotations."""
+
+    name: str
+    gpu_count: int = 0
+    gpu_product: str = ""
+    gpu_memory_bytes: int = 0
+    numa_nodes: tuple[int, ...] = ()
+    ready: bool = True
+
+    def annotations(self) -> dict[str, str]:
+        return {f"{ANNOTATION_PREFIX}gpu-count": str(self.gpu_count),
+                f"{ANNOTATION_PREFIX}gpu-product": self.gpu_product,
+                f"{ANNOTATION_PREFIX}gpu-memory-bytes": str(self.gpu_memory_bytes),
+                f"{ANNOTATION_PREFIX}numa-nodes": ",".join(str(n) for n in self.numa_nodes)}
+
+    @classmethod
+    def from_annotations(cls, name: str, annotations: Mapping[str, str], ready: bool = True) -> NodeProfile:
+        def get(key: str) -> str:
+            return annotations.get(f"{ANNOTATION_PREFIX}{key}", "")
+
+        def integer(key: str) -> int:
+            try:
+                return int(get(key) or 0)
+            except ValueError:
+                return 0
+
+        numa = tuple(int(n) for n in get("numa-nodes").split(",") if n.strip().lstrip("-").isdigit())
+        return cls(name, integer("gpu-count"), get("gpu-product"), integer("gpu-memory-bytes"), numa, ready)
+
+
+@dataclasses.dataclass(frozen=True)
+class Observed:
+    """What is known of an existing EMI: where it is and what it recently did."""
+
+    name: str
+    model_spec: str
+    node: str
+    target_tier: Tier
+    last_used_age_s: float | None = None  # seconds since its last request, None if never used
+    snapshot_bytes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Desired:
+    name: str
+    model_spec: str
+    model_id: str
+    node: str
+    target_tier: Tier
+    gpu_index: int | None = None
+
+    def emi_spec(self) -> api.EmiSpec:
+        gpu = api.GpuRef(index=self.gpu_index) if self.gpu_index is not None else None
+        return api.EmiSpec(model_spec=self.model_spec, model_id=self.model_id, node=self.node, gpu=gpu,
+                           target_tier=self.target_tier)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    desired: tuple[Desired, ...]
+    unplaced: Mapping[str, str]  # ModelSpec name -> why it could not be placed (for its conditions)
+
+
+def eligible(spec: api.ModelSpecSpec, node: NodeProfile) -> str | None:
+    """None when the node can host the model, else the reason it cannot."""
+    hw = spec.hardware
+    if not node.ready:
+        return "node is not ready"
+    if not hw.gpu:
+        return None
+    if node.gpu_count < 1:
+        return "no GPU"
+    if hw.gpu_product and hw.gpu_product.lower() not in node.gpu_product.lower():
+        return f"GPU is {node.gpu_product or 'unknown'}, not {hw.gpu_product}"
+    if hw.min_memory_gi_b and node.gpu_memory_bytes < hw.min_memory_gi_b * 2**30:
+        return f"GPU memory {node.gpu_memory_bytes / 2**30:.0f} GiB < {hw.min_memory_gi_b:g} GiB"
+    if hw.numa_affinity and not node.numa_nodes:
+        return "no NUMA information (numaAffinity is set)"
+    return None
+
+
+def score(spec: api.ModelSpecSpec, spec_name: str, node: NodeProfile, load: int, max_load: int,
+          observed: Sequence[Observed], smallest_snapshot: int) -> float:
+    hw = spec.hardware
+    total = 0.0
+    if hw.gpu and hw.gpu_product and node.gpu_product.lower() == hw.gpu_product.lower():
+        total += SCORE_PROFILE
+    elif not hw.gpu and node.gpu_count == 0 or hw.gpu and not hw.gpu_product and node.gpu_count > 0:
+        total += SCORE_PROFILE  # no product asked for: any node of the right kind matches fully
+    mine = [o for o in observed if o.model_spec == spec_name and o.node == node.name]
+    ages = [o.last_used_age_s for o in mine if o.last_used_age_s is not None]
+    if ages and min(ages) < RECENT_SECONDS:
+        total += SCORE_RECENCY * (1 - min(ages) / RECENT_SECONDS)
+    sizes = [o.snapshot_bytes for o in mine if o.snapshot_bytes > 0]
+    if sizes and smallest_snapshot > 0:
+        total += SCORE_SNAPSHOT * smallest_snapshot / min(sizes)
+    total += SCORE_LOAD * (1 - load / max_load) if max_load > 0 else SCORE_LOAD
+    return total
+
+
+def _slots(pool: api.Pool) -> list[Tier]:
+    slots = [tier for tier in TIER_ORDER for _ in range(pool.floor(tier))]
+    return slots or [Tier.COLD]
+
+
+def _tier_on(node: NodeProfile, tier: Tier) -> Tier:
+    return Tier.FROZEN if node.gpu_count == 0 and tier in (Tier.WARM, Tier.SUSPENDED) else tier
+
+
+def plan(specs: Mapping[str, api.ModelSpecSpec], nodes: Iterable[NodeProfile],
+         observed: Sequence[Observed] = ()) -> Plan:
+    """Desired EMIs for every ModelSpec (keyed by ModelSpec name), deterministic for equal inputs."""
+    node_list = sorted(nodes, key=lambda n: n.name)
+    load = {n.name: 0 for n in node_list}
+    desired: list[Desired] = []
+    unplaced: dict[str, str] = {}
+    for spec_name in sorted(specs):
+        spec = specs[spec_name]
+        reasons = {n.name: eligible(spec, n) for n in node_list}
+        candidates = [n for n in node_list if reasons[n.name] is None]
+        if not candidates:
+            why = "; ".join(f"{name}: {reason}" for name, reason in reasons.items()) or "no nodes"
+            unplaced[spec_name] = f"no eligible node ({why})"
+            continue
+        by_name = {n.name: n for n in candidates}
+        keep = sorted((o for o in observed if o.model_spec == spec_name and o.node in by_name),
+                      key=lambda o: o.name)
+        sizes = [o.snapshot_bytes for o in observed if o.model_spec == spec_name and o.snapshot_bytes > 0]
+        smallest = min(sizes) if sizes else 0
+        for index, tier in enumerate(_slots(spec.pool)):
+            name = f"{spec_name}-{index}"
+            existing = next((o for o in keep if o.name == name), None)
+            if existing is not None:
+                node = by_name[existing.node]
+            else:
+                max_load = max(load.values(), default=0) + 1
+                node = min(candidates, key=lambda n: (
+                    -score(spec, spec_name, n, load[n.name], max_load, observed, smallest), load[n.name], n.name))
+            # Spread a node's GPU instances over its GPUs.
+            gpu_index = load[node.name] % max(node.gpu_count, 1) if spec.hardware.gpu else None
+            load[node.name] += 1
+            desired.append(Desired(name, spec_name, spec.model_id, node.name, _tier_on(node, tier), gpu_index))
+    return Plan(tuple(desired), unplaced)
