@@ -14,6 +14,7 @@ percentiles is the gateway's cost: protocol decoding, routing, shared memory, an
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import signal
@@ -31,33 +32,41 @@ from volga_agent.rpc.volga.v1 import agent_pb2, agent_pb2_grpc
 from volga_agent.worker import protocol, runtime
 
 
+@dataclasses.dataclass
+class UpProcess:
+    proc: subprocess.Popen[str]
+    endpoints: dict[str, str]
+    output: list[str]
+
+
 @contextlib.contextmanager
-def volga_up(extra: list[str] | None = None, timeout: float = 180.0) -> Iterator[dict[str, str]]:
-    """Run `volga up` on ephemeral ports; yield the endpoints it announces; stop it with SIGTERM."""
+def volga_up(extra: list[str] | None = None, timeout: float = 180.0) -> Iterator[UpProcess]:
+    """Run `volga up` on ephemeral ports until it announces its endpoints; stop it with SIGTERM afterwards."""
     cmd = [sys.executable, "-m", "volga_agent.cli", "up", "--http-port", "0", "--grpc-port", "0",
            "--metrics-port", "0", "--agent-port", "0", *(extra or [])]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    endpoints: dict[str, str] = {}
-    lines: list[str] = []
+    up = UpProcess(proc, {}, [])
     try:
         deadline = time.monotonic() + timeout
         assert proc.stdout is not None
-        while "agent" not in endpoints or "models" not in endpoints:
+        while "agent" not in up.endpoints or "models" not in up.endpoints:
             line = proc.stdout.readline()
             if not line:
-                raise RuntimeError("volga up exited:\n" + "".join(lines[-20:]))
-            lines.append(line)
+                raise RuntimeError("volga up exited:\n" + "".join(up.output[-20:]))
+            up.output.append(line)
             match = re.match(r"\s+(\w+)\s+(\S+)", line)
             if match:
-                endpoints[match.group(1)] = match.group(2)
+                up.endpoints[match.group(1)] = match.group(2)
             if time.monotonic() > deadline:
                 raise TimeoutError("volga up did not announce its endpoints")
-        yield endpoints
+        yield up
     finally:
-        proc.send_signal(signal.SIGTERM)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(timeout=60)
+            rest, _ = proc.communicate(timeout=60)
+            up.output.extend(rest.splitlines(keepends=True))
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
@@ -92,7 +101,8 @@ def run(rate: float = 500.0, seconds: float = 4.0, rounds: int = 3, protocol_nam
     arrays = runtime.sample_inputs(decls, batch=1, seed=9)
     headers = {"x-model-id": spec.model_id}
     progress("starting volga up (default model) ...")
-    with volga_up() as ep:
+    with volga_up() as up:
+        ep = up.endpoints
         with grpc.insecure_channel(ep["agent"]) as channel:
             stub = agent_pb2_grpc.AgentStub(channel)
             progress("waking the model through the Agent API ...")

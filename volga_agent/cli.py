@@ -91,7 +91,7 @@ def settings_from(args: argparse.Namespace) -> object:
 
     overrides = {k: v for k, v in {"hot_idle_sec": args.hot_idle_sec,
                                    "scheduler_eviction_policy": args.eviction_policy}.items() if v is not None}
-    return policy.Settings(**overrides)  # type: ignore[arg-type]
+    return policy.Settings(**overrides)
 
 
 def cmd_up(args: argparse.Namespace) -> int:

@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 
+from volga_agent import gpus as gpu_discovery
 from volga_agent import instance, metrics, policy
 from volga_agent.snapshot import criu, cuda
 from volga_agent.worker import protocol
@@ -100,7 +101,7 @@ class Slot:
 class Pool:
     def __init__(self, node: str, workroot: str | pathlib.Path, snapshot_root: str | pathlib.Path | None,
                  settings: policy.Settings | None = None, agent_metrics: metrics.AgentMetrics | None = None,
-                 gpus: Sequence[object] = (), workers: int = 2) -> None:
+                 gpus: Sequence[gpu_discovery.GpuInfo] = (), workers: int = 2) -> None:
         self.node = node
         self.workroot = pathlib.Path(workroot)
         self.workroot.mkdir(parents=True, exist_ok=True)
@@ -457,12 +458,9 @@ def _rss(pid: int) -> int:
         return 0
 
 
-def _product(gpus: Sequence[object], slot: Slot) -> str:
+def _product(gpus: Sequence[gpu_discovery.GpuInfo], slot: Slot) -> str:
     device = slot.inst.device
     if not device.startswith("cuda"):
         return "cpu"
     index = int(device.partition(":")[2] or 0)
-    for gpu in gpus:
-        if getattr(gpu, "index", None) == index:
-            return str(getattr(gpu, "product", ""))
-    return ""
+    return next((g.product for g in gpus if g.index == index), "")

@@ -121,7 +121,7 @@ def score(spec: api.ModelSpecSpec, spec_name: str, node: NodeProfile, load: int,
     total = 0.0
     if hw.gpu and hw.gpu_product and node.gpu_product.lower() == hw.gpu_product.lower():
         total += SCORE_PROFILE
-    elif not hw.gpu and node.gpu_count == 0 or hw.gpu and not hw.gpu_product and node.gpu_count > 0:
+    elif (not hw.gpu and node.gpu_count == 0) or (hw.gpu and not hw.gpu_product and node.gpu_count > 0):
         total += SCORE_PROFILE  # no product asked for: any node of the right kind matches fully
     mine = [o for o in observed if o.model_spec == spec_name and o.node == node.name]
     ages = [o.last_used_age_s for o in mine if o.last_used_age_s is not None]

@@ -30,8 +30,9 @@ class GrpcAgentLink:
                 raise TimeoutError(exc.details()) from None
             raise router.ActivationFailed(f"agent {self.address}: {exc.code().name}: {exc.details()}") from None
         inst = reply.instance
-        return router.Route(inst.name, inst.model_id, inst.socket, inst.device, TIERS.get(reply.woke_from, api.Tier.HOT),
-                            reply.wake_ms, reply.fallback)
+        woke_from = TIERS.get(reply.woke_from, api.Tier.HOT)
+        return router.Route(inst.name, inst.model_id, inst.socket, inst.device, woke_from, reply.wake_ms,
+                            reply.fallback)
 
     async def close(self) -> None:
         await self.channel.close()

@@ -121,11 +121,18 @@ class Gateway:
                 outputs = await _within(deadline, self.workers.infer(route.socket, inputs), "inference")
                 return spec, outputs
             except workers.WorkerGone as exc:
-                # Demoted or died since it was routed: drop the route and wake again, once.
+                # Demoted or died since it was routed, before this request reached it: wake again, once.
                 self.router.invalidate(model_id)
                 self.workers.forget(route.socket)
                 if attempt == 2:
                     raise oip.OipError("UNAVAILABLE", 503, f"model {model_id!r}: {exc}; retry later") from None
+            except workers.WorkerDied as exc:
+                # It died while holding this request (which may be what killed it): fail this one only; the
+                # next request's activation finds the worker dead and restarts it.
+                self.router.invalidate(model_id)
+                self.workers.forget(route.socket)
+                raise oip.OipError("UNAVAILABLE", 503, f"model {model_id!r}: {exc}; the instance is being "
+                                   "restarted, retry") from None
             except protocol.WorkerError as exc:
                 raise oip.OipError(exc.code, HTTP_STATUS.get(exc.code, 500), exc.message) from None
         raise AssertionError("unreachable")

@@ -32,7 +32,11 @@ _counter = itertools.count()
 
 
 class WorkerGone(ConnectionError):
-    """The worker closed the connection or could not be reached (demoted, restarting or dead)."""
+    """The worker could not be reached before the request was sent (demoted, restarting or dead): retry."""
+
+
+class WorkerDied(ConnectionError):
+    """The connection broke after the request was sent: the worker died with it, so this request fails."""
 
 
 class Connection:
@@ -68,7 +72,12 @@ class Connection:
         finally:
             path.unlink(missing_ok=True)
 
-    async def call(self, header: dict[str, Any], payload: list[memoryview] | None = None) -> tuple[dict[str, Any], bytes]:
+    def usable(self) -> bool:
+        """False once the worker closed its end (it does so before every checkpoint)."""
+        return not self.reader.at_eof() and not self.writer.is_closing()
+
+    async def call(self, header: dict[str, Any],
+                   payload: list[memoryview] | None = None) -> tuple[dict[str, Any], bytes]:
         head = json.dumps(header, separators=(",", ":")).encode()
         total = sum(p.nbytes for p in payload or ())
         try:
@@ -76,12 +85,15 @@ class Connection:
             for part in payload or ():
                 self.writer.write(part)
             await self.writer.drain()
+        except OSError as exc:
+            raise WorkerGone(f"worker connection lost: {exc}") from exc
+        try:
             prefix = await self.reader.readexactly(protocol.PREFIX.size)
             head_len, payload_len = protocol.PREFIX.unpack(prefix)
             reply = json.loads(await self.reader.readexactly(head_len))
             body = await self.reader.readexactly(payload_len) if payload_len else b""
         except (OSError, asyncio.IncompleteReadError) as exc:
-            raise WorkerGone(f"worker connection lost: {exc}") from exc
+            raise WorkerDied(f"worker connection lost mid-request: {exc}") from exc
         return reply, body
 
     def close(self) -> None:
@@ -95,26 +107,29 @@ class Connection:
 class WorkerClients:
     """Idle connections per worker socket; a request takes one, uses it alone, gives it back."""
 
-    def __init__(self, shm_bytes: int = 16 * 2**20, max_idle: int = 8,
+    def __init__(self, shm_bytes: int = 16 * 2**20, per_worker: int = 4,
                  on_zero_copy: Callable[[float], None] = lambda _: None) -> None:
         self.shm_bytes = shm_bytes
-        self.max_idle = max_idle
+        self.per_worker = per_worker
         self.on_zero_copy = on_zero_copy
         self._idle: dict[str, list[Connection]] = {}
+        self._slots: dict[str, asyncio.Semaphore] = {}
 
     async def infer(self, socket_path: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        idle = self._idle.setdefault(socket_path, [])
-        conn = idle.pop() if idle else await Connection.open(socket_path, self.shm_bytes)
-        try:
-            outputs = await self._infer(conn, inputs)
-        except BaseException:
-            conn.close()
-            raise
-        if len(idle) < self.max_idle:
+        # A worker answers one request at a time: a few connections keep it busy, more only queue there.
+        slots = self._slots.setdefault(socket_path, asyncio.Semaphore(self.per_worker))
+        async with slots:
+            idle = self._idle.setdefault(socket_path, [])
+            while idle and not idle[-1].usable():
+                idle.pop().close()
+            conn = idle.pop() if idle else await Connection.open(socket_path, self.shm_bytes)
+            try:
+                outputs = await self._infer(conn, inputs)
+            except BaseException:
+                conn.close()
+                raise
             idle.append(conn)
-        else:
-            conn.close()
-        return outputs
+            return outputs
 
     async def _infer(self, conn: Connection, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         segment = conn.segment
@@ -144,6 +159,7 @@ class WorkerClients:
     def forget(self, socket_path: str) -> None:
         for conn in self._idle.pop(socket_path, []):
             conn.close()
+        self._slots.pop(socket_path, None)
 
     def close(self) -> None:
         for path in list(self._idle):

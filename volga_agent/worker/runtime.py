@@ -15,6 +15,7 @@ is the init of its own PID namespace, which CRIU restores with it and so never c
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import mmap
@@ -369,10 +370,8 @@ class Worker:
     def _detach(self, conn: socket.socket) -> None:
         segment = self.shm.pop(conn, None)
         if segment is not None:
-            try:
+            with contextlib.suppress(BufferError):  # a view is still alive; the mapping goes with the process
                 segment.close()
-            except BufferError:  # a view is still alive somewhere; the mapping goes with the process
-                pass
 
     def close_conn(self, conn: socket.socket) -> None:
         self._detach(conn)

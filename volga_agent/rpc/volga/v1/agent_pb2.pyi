@@ -2,8 +2,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -44,7 +43,7 @@ class ActivateResponse(_message.Message):
     woke_from: Tier
     wake_ms: float
     fallback: bool
-    def __init__(self, instance: _Optional[_Union[Instance, _Mapping]] = ..., woke_from: _Optional[_Union[Tier, str]] = ..., wake_ms: _Optional[float] = ..., fallback: _Optional[bool] = ...) -> None: ...
+    def __init__(self, instance: _Optional[_Union[Instance, _Mapping]] = ..., woke_from: _Optional[_Union[Tier, str]] = ..., wake_ms: _Optional[float] = ..., fallback: bool = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("instance",)
@@ -102,7 +101,7 @@ class StatusResponse(_message.Message):
     restore_failures: int
     evictions: int
     circuit_open: bool
-    def __init__(self, node: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., host_memory_budget_bytes: _Optional[int] = ..., host_memory_used_bytes: _Optional[int] = ..., snapshot_disk_budget_bytes: _Optional[int] = ..., snapshot_disk_used_bytes: _Optional[int] = ..., activations: _Optional[int] = ..., restore_failures: _Optional[int] = ..., evictions: _Optional[int] = ..., circuit_open: _Optional[bool] = ...) -> None: ...
+    def __init__(self, node: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., host_memory_budget_bytes: _Optional[int] = ..., host_memory_used_bytes: _Optional[int] = ..., snapshot_disk_budget_bytes: _Optional[int] = ..., snapshot_disk_used_bytes: _Optional[int] = ..., activations: _Optional[int] = ..., restore_failures: _Optional[int] = ..., evictions: _Optional[int] = ..., circuit_open: bool = ...) -> None: ...
 
 class Instance(_message.Message):
     __slots__ = ("name", "model_id", "model_version", "tier", "device", "socket", "node", "snapshot_bytes", "last_used_unix", "last_wake_ms", "input_hash", "state_reason")

@@ -1,0 +1,109 @@
+"""A node's pool with real workers and real CRIU: convergence, activation, local policy, failures."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from volga_agent import instance, policy, pool
+from volga_operator import api, planner
+
+Tier = api.Tier
+
+
+def desired(name: str, model_spec: str, model_id: str, tier: Tier, node: str = "n1") -> planner.Desired:
+    return planner.Desired(name, model_spec, model_id, node, tier)
+
+
+@pytest.fixture
+def node_pool(rundir: pathlib.Path, criu_engine) -> Iterator[pool.Pool]:
+    settings = policy.Settings(hot_idle_sec=0.3, warm_idle_sec=0.3, suspended_idle_sec=0.3, max_failures=2)
+    p = pool.Pool("n1", rundir / "work", criu_engine.root, settings)
+    yield p
+    p.close()
+    assert not any(criu_engine.root.iterdir()), "snapshots left behind"
+
+
+def test_device_hint_picks_the_matching_instance(default_spec: api.ModelSpecSpec, rundir: pathlib.Path) -> None:
+    p = pool.Pool("n1", rundir, None)
+    cpu = instance.Instance("a", default_spec, rundir / "a", None, None, "cpu")
+    gpu = instance.Instance("b", default_spec, rundir / "b", None, None, "cuda:1")
+    p.slots = {"a": pool.Slot(cpu, "ms", Tier.COLD), "b": pool.Slot(gpu, "ms", Tier.COLD)}
+    cpu.tier = Tier.FROZEN
+    assert p.pick(default_spec.model_id).inst.name == "a"  # faster to wake
+    assert p.pick(default_spec.model_id, device_hint="cuda:1").inst.name == "b"
+    with pytest.raises(pool.UnknownModel, match="no instance of model 'nope'"):
+        p.pick("nope")
+
+
+@pytest.mark.integration
+def test_converge_activate_and_idle_demotion(node_pool: pool.Pool, default_spec: api.ModelSpecSpec) -> None:
+    node_pool.apply([desired("ms-0", "ms", default_spec.model_id, Tier.FROZEN),
+                     desired("elsewhere-0", "ms", default_spec.model_id, Tier.HOT, node="n2")], {"ms": default_spec})
+    node_pool.wait_converged(120)
+    [info] = node_pool.instances()
+    assert info.name == "ms-0" and info.tier is Tier.FROZEN and info.snapshot_bytes > 0
+    act = node_pool.activate(default_spec.model_id)
+    assert act.woke_from is Tier.FROZEN and act.instance.tier is Tier.HOT and not act.fallback
+    assert pathlib.Path(act.instance.socket).exists()
+    assert node_pool.activate(default_spec.model_id).woke_from is Tier.HOT  # already awake: no wake
+    assert node_pool.activations == 1
+    time.sleep(0.4)
+    moves = node_pool.tick()
+    assert [(m.instance, m.target, m.reason) for m in moves] == [("ms-0", Tier.FROZEN, policy.Reason.IDLE)]
+    deadline = time.monotonic() + 30
+    while node_pool.instances()[0].tier is not Tier.FROZEN and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert node_pool.instances()[0].tier is Tier.FROZEN
+    samples = node_pool.metrics.registry.get_sample_value(
+        "volga_snapshot_restore_latency_ms_count", {"tier": "FROZEN", "model": default_spec.model_id})
+    assert samples == 1
+
+
+@pytest.mark.integration
+def test_dead_worker_is_noticed_and_restarted(node_pool: pool.Pool, default_spec: api.ModelSpecSpec) -> None:
+    node_pool.apply([desired("ms-0", "ms", default_spec.model_id, Tier.HOT)], {"ms": default_spec})
+    node_pool.wait_converged(120)
+    slot = node_pool.slots["ms-0"]
+    old = slot.inst.pid
+    assert old is not None
+    os.kill(old, signal.SIGKILL)
+    time.sleep(0.1)
+    node_pool.tick()
+    node_pool.wait_converged(120)
+    assert slot.inst.tier is Tier.HOT and slot.inst.pid not in (None, old)
+    assert node_pool.metrics.registry.get_sample_value(
+        "volga_worker_deaths_total", {"model": default_spec.model_id}) == 1
+
+
+@pytest.mark.integration
+def test_breaker_opens_after_repeated_restore_failures(node_pool: pool.Pool, default_spec: api.ModelSpecSpec) -> None:
+    node_pool.apply([desired("ms-0", "ms", default_spec.model_id, Tier.FROZEN)], {"ms": default_spec})
+    node_pool.wait_converged(120)
+    inst = node_pool.slots["ms-0"].inst
+    for _ in range(2):
+        node_pool.move_to("ms-0", Tier.FROZEN)
+        assert inst.image is not None
+        (inst.image.path / "pstree.img").write_bytes(b"broken")
+        act = node_pool.activate(default_spec.model_id)
+        assert act.fallback and act.instance.tier is Tier.HOT
+    status = node_pool.status()
+    assert status.restore_failures == 2 and status.open_circuits == (default_spec.model_id,)
+    # While open, the pool keeps the model out of the snapshot tiers.
+    assert node_pool._allowed(node_pool.slots["ms-0"], Tier.FROZEN) is Tier.HOT
+    assert node_pool.metrics.registry.get_sample_value(
+        "volga_snapshot_restore_failures_total", {"tier": "FROZEN", "model": default_spec.model_id}) == 2
+
+
+def test_an_instance_that_cannot_be_created_is_reported(rundir: pathlib.Path,
+                                                        default_spec: api.ModelSpecSpec) -> None:
+    p = pool.Pool("n1", rundir, None)
+    broken = default_spec.model_copy(update={"source": str(rundir / "missing.onnx")})
+    p.apply([desired("bad-0", "bad", "bad", Tier.FROZEN)], {"bad": broken})
+    assert "does not exist" in p.failed["bad-0"] and p.instances() == []
+    p.close()

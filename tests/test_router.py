@@ -1,0 +1,90 @@
+"""Routing cache and single-flight activation, with a fake agent link."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from volga_agent.gateway import router
+
+
+class FakeLink:
+    def __init__(self, delay: float = 0.05, fail: Exception | None = None) -> None:
+        self.calls: list[tuple[str, str]] = []
+        self.delay = delay
+        self.fail = fail
+
+    async def activate(self, model_id: str, device_hint: str, timeout_ms: int) -> router.Route:
+        self.calls.append((model_id, device_hint))
+        await asyncio.sleep(self.delay)
+        if self.fail is not None:
+            raise self.fail
+        return router.Route(f"{model_id}-0", model_id, f"/tmp/{model_id}.sock", device_hint or "cpu")
+
+    async def close(self) -> None:
+        pass
+
+
+def test_concurrent_requests_share_one_activation() -> None:
+    async def main() -> None:
+        link = FakeLink()
+        r = router.Router(link, ttl_sec=60)
+        routes = await asyncio.gather(*(r.route("m") for _ in range(200)))
+        assert link.calls == [("m", "")]
+        assert {x.socket for x in routes} == {"/tmp/m.sock"}
+        await r.route("m")
+        assert len(link.calls) == 1 and r.hits == 1
+
+    asyncio.run(main())
+
+
+def test_device_hints_are_routed_separately() -> None:
+    async def main() -> None:
+        link = FakeLink()
+        r = router.Router(link)
+        a, b = await asyncio.gather(r.route("m", "cuda:0"), r.route("m", "cuda:1"))
+        assert (a.device, b.device) == ("cuda:0", "cuda:1")
+        assert sorted(link.calls) == [("m", "cuda:0"), ("m", "cuda:1")]
+
+    asyncio.run(main())
+
+
+def test_ttl_and_invalidate() -> None:
+    async def main() -> None:
+        link = FakeLink(delay=0)
+        r = router.Router(link, ttl_sec=0.05)
+        await r.route("m")
+        await asyncio.sleep(0.08)
+        await r.route("m")
+        assert len(link.calls) == 2
+        r.invalidate("m")
+        await r.route("m")
+        assert len(link.calls) == 3
+
+    asyncio.run(main())
+
+
+def test_errors_reach_every_waiter_and_are_not_cached() -> None:
+    async def main() -> None:
+        link = FakeLink(fail=router.UnknownModel("nope"))
+        r = router.Router(link)
+        results = await asyncio.gather(*(r.route("m") for _ in range(5)), return_exceptions=True)
+        assert all(isinstance(x, router.UnknownModel) for x in results)
+        with pytest.raises(router.UnknownModel):
+            await r.route("m")
+        assert len(link.calls) == 2
+
+    asyncio.run(main())
+
+
+def test_a_caller_giving_up_does_not_cancel_the_wake() -> None:
+    async def main() -> None:
+        link = FakeLink(delay=0.1)
+        r = router.Router(link)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(r.route("m"), 0.01)
+        route = await r.route("m")  # joins the same activation, still running
+        assert route.instance == "m-0" and len(link.calls) == 1
+
+    asyncio.run(main())
