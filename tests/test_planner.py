@@ -51,6 +51,23 @@ def test_hardware_filter(kwargs: dict, reason: str) -> None:
     assert reason in result.unplaced["ms"]
 
 
+def test_other_specs_count_into_load() -> None:
+    nodes = [planner.NodeProfile("n0"), planner.NodeProfile("n1")]
+    busy = [planner.Observed(f"other-{i}", "other", "n0", Tier.FROZEN) for i in range(3)]
+    assert planner.plan({"ms": spec(frozen=1)}, nodes, busy).desired[0].node == "n1"
+
+
+def test_a_thousand_specs_on_two_hundred_nodes_spread_evenly() -> None:
+    nodes = [planner.NodeProfile(f"n{i:03d}", 8, "NVIDIA H200", 141 * 2**30, (0, 1)) for i in range(200)]
+    specs = {f"ms{i:04d}": spec(gpu=True, frozen=1, warm=1) for i in range(1000)}
+    result = planner.plan(specs, nodes)
+    assert len(result.desired) == 2000
+    counts: dict[str, int] = {}
+    for d in result.desired:
+        counts[d.node] = counts.get(d.node, 0) + 1
+    assert max(counts.values()) - min(counts.values()) <= 1
+
+
 def test_profile_match_wins_over_load() -> None:
     busy_h200 = [planner.Observed(f"other-{i}", "other", "gpu-a", Tier.FROZEN) for i in range(5)]
     result = planner.plan({"ms": spec(gpu=True, product="NVIDIA H200", frozen=1)}, [A10, H200], busy_h200)
@@ -77,8 +94,8 @@ def test_recency_and_snapshot_size_break_ties() -> None:
     observed = [planner.Observed("x-9", "ms", "n1", Tier.FROZEN, last_used_age_s=5, snapshot_bytes=100)]
     result = planner.plan({"ms": spec(frozen=1)}, nodes, observed)
     assert result.desired[0].node == "n1"
-    score_n1 = planner.score(spec(), "ms", nodes[1], 0, 1, observed, 100)
-    score_n0 = planner.score(spec(), "ms", nodes[0], 0, 1, observed, 100)
+    score_n1 = planner.score(spec(), nodes[1], 0, 1, observed, 100)
+    score_n0 = planner.score(spec(), nodes[0], 0, 1, [], 100)
     assert score_n1 - score_n0 == pytest.approx(30 * (1 - 5 / 600) + 10)
 
 

@@ -87,7 +87,10 @@ class TensorSpec(Model):
 
     name: Annotated[str, pydantic.Field(min_length=1, max_length=128)]
     dtype: DType
-    shape: Annotated[list[int], pydantic.Field(min_length=0, max_length=8)]
+    shape: Annotated[list[int], pydantic.Field(min_length=0, max_length=8, json_schema_extra={
+        "items": {"type": "integer", "minimum": -1},
+        "x-kubernetes-validations": [{"rule": "self.all(d, d == -1 || d > 0)",
+                                      "message": "dimensions must be positive, or -1 for any size"}]})]
 
     @pydantic.field_validator("shape")
     @classmethod
@@ -116,8 +119,9 @@ class Slo(Model):
     """The three-part SLO contract: baseline latency per batch size, interference tolerance, recovery."""
 
     baseline_latency_ms: dict[str, Annotated[float, pydantic.Field(gt=0)]] = pydantic.Field(
-        default_factory=dict, description="batch size -> p99 latency in ms when running alone"
-    )
+        default_factory=dict, description="batch size -> p99 latency in ms when running alone", max_length=64,
+        json_schema_extra={"x-kubernetes-validations": [
+            {"rule": "self.all(k, k.matches('^[1-9][0-9]{0,5}$'))", "message": "keys must be batch sizes"}]})
     interference_tolerance_pct: Annotated[float, pydantic.Field(ge=0, le=1000)] = 20.0
     recovery_deadline_ms: Annotated[float, pydantic.Field(gt=0)] = 1000.0
 
@@ -151,19 +155,26 @@ class Runtime(Model):
     max_batch_size: Annotated[int, pydantic.Field(ge=1, le=65_536)] = 256
 
 
+_UNIQUE_NAMES = "self.all(a, self.filter(b, b.name == a.name).size() == 1)"
+
+
 class ModelSpecSpec(Model):
-    model_id: str
+    model_id: str = pydantic.Field(max_length=63, json_schema_extra={"pattern": _MODEL_ID.pattern})
     framework: Framework
-    source: str = pydantic.Field(description="file:// URI or local path of the model file")
-    version: str = "1"
-    inputs: Annotated[list[TensorSpec], pydantic.Field(min_length=1)]
-    outputs: Annotated[list[TensorSpec], pydantic.Field(min_length=1)]
+    source: str = pydantic.Field(description="file:// URI or local path of the model file", min_length=1,
+                                 max_length=4096, json_schema_extra={"pattern": "^(file://.+|[^:]+)$"})
+    version: str = pydantic.Field(default="1", min_length=1, max_length=64)
+    inputs: Annotated[list[TensorSpec], pydantic.Field(min_length=1, max_length=64, json_schema_extra={
+        "x-kubernetes-validations": [{"rule": _UNIQUE_NAMES, "message": "input names must be unique"}]})]
+    outputs: Annotated[list[TensorSpec], pydantic.Field(min_length=1, max_length=64, json_schema_extra={
+        "x-kubernetes-validations": [{"rule": _UNIQUE_NAMES, "message": "output names must be unique"}]})]
     hardware: Hardware = pydantic.Field(default_factory=Hardware)
     targets: Targets = pydantic.Field(default_factory=Targets)
     slo: Slo = pydantic.Field(default_factory=Slo)
     pool: Pool = pydantic.Field(default_factory=Pool)
     runtime: Runtime = pydantic.Field(default_factory=Runtime)
-    chain: list[str] = pydantic.Field(default_factory=list, description="model ids called after this one")
+    chain: list[str] = pydantic.Field(default_factory=list, max_length=16,
+                                      description="model ids called after this one")
 
     @pydantic.field_validator("model_id")
     @classmethod

@@ -115,15 +115,16 @@ def eligible(spec: api.ModelSpecSpec, node: NodeProfile) -> str | None:
     return None
 
 
-def score(spec: api.ModelSpecSpec, spec_name: str, node: NodeProfile, load: int, max_load: int,
-          observed: Sequence[Observed], smallest_snapshot: int) -> float:
+def score(spec: api.ModelSpecSpec, node: NodeProfile, load: int, max_load: int, mine: Sequence[Observed],
+          smallest_snapshot: int) -> float:
+    """Placement score of one node for one ModelSpec; `mine` are that spec's existing EMIs on the node."""
     hw = spec.hardware
     total = 0.0
-    if hw.gpu and hw.gpu_product and node.gpu_product.lower() == hw.gpu_product.lower():
-        total += SCORE_PROFILE
-    elif (not hw.gpu and node.gpu_count == 0) or (hw.gpu and not hw.gpu_product and node.gpu_count > 0):
-        total += SCORE_PROFILE  # no product asked for: any node of the right kind matches fully
-    mine = [o for o in observed if o.model_spec == spec_name and o.node == node.name]
+    if hw.gpu:
+        if not hw.gpu_product or node.gpu_product.lower() == hw.gpu_product.lower():
+            total += SCORE_PROFILE  # the exact product asked for, or any GPU when none is named
+    elif node.gpu_count == 0:
+        total += SCORE_PROFILE  # a CPU model on a CPU node leaves the GPUs to models that need them
     ages = [o.last_used_age_s for o in mine if o.last_used_age_s is not None]
     if ages and min(ages) < RECENT_SECONDS:
         total += SCORE_RECENCY * (1 - min(ages) / RECENT_SECONDS)
@@ -145,9 +146,18 @@ def _tier_on(node: NodeProfile, tier: Tier) -> Tier:
 
 def plan(specs: Mapping[str, api.ModelSpecSpec], nodes: Iterable[NodeProfile],
          observed: Sequence[Observed] = ()) -> Plan:
-    """Desired EMIs for every ModelSpec (keyed by ModelSpec name), deterministic for equal inputs."""
+    """Desired EMIs for the given ModelSpecs (keyed by name), deterministic for equal inputs.
+
+    `observed` may hold EMIs of other ModelSpecs too: they count into node load, so planning a few specs at a
+    time (the operator plans the ones that changed) spreads as well as planning all at once.
+    """
     node_list = sorted(nodes, key=lambda n: n.name)
     load = {n.name: 0 for n in node_list}
+    by_spec_node: dict[tuple[str, str], list[Observed]] = {}
+    for o in observed:
+        by_spec_node.setdefault((o.model_spec, o.node), []).append(o)
+        if o.model_spec not in specs and o.node in load:
+            load[o.node] += 1
     desired: list[Desired] = []
     unplaced: dict[str, str] = {}
     for spec_name in sorted(specs):
@@ -155,23 +165,26 @@ def plan(specs: Mapping[str, api.ModelSpecSpec], nodes: Iterable[NodeProfile],
         reasons = {n.name: eligible(spec, n) for n in node_list}
         candidates = [n for n in node_list if reasons[n.name] is None]
         if not candidates:
-            why = "; ".join(f"{name}: {reason}" for name, reason in reasons.items()) or "no nodes"
+            counts: dict[str, int] = {}
+            for reason in reasons.values():
+                counts[reason or ""] = counts.get(reason or "", 0) + 1
+            why = "; ".join(f"{n} node(s): {r}" for r, n in sorted(counts.items())) or "no nodes"
             unplaced[spec_name] = f"no eligible node ({why})"
             continue
         by_name = {n.name: n for n in candidates}
-        keep = sorted((o for o in observed if o.model_spec == spec_name and o.node in by_name),
-                      key=lambda o: o.name)
-        sizes = [o.snapshot_bytes for o in observed if o.model_spec == spec_name and o.snapshot_bytes > 0]
+        mine = [o for n in candidates for o in by_spec_node.get((spec_name, n.name), ())]
+        kept = {o.name: o.node for o in mine}
+        sizes = [o.snapshot_bytes for o in mine if o.snapshot_bytes > 0]
         smallest = min(sizes) if sizes else 0
         for index, tier in enumerate(_slots(spec.pool)):
             name = f"{spec_name}-{index}"
-            existing = next((o for o in keep if o.name == name), None)
-            if existing is not None:
-                node = by_name[existing.node]
+            if name in kept:
+                node = by_name[kept[name]]
             else:
                 max_load = max(load.values(), default=0) + 1
                 node = min(candidates, key=lambda n: (
-                    -score(spec, spec_name, n, load[n.name], max_load, observed, smallest), load[n.name], n.name))
+                    -score(spec, n, load[n.name], max_load, by_spec_node.get((spec_name, n.name), ()), smallest),
+                    load[n.name], n.name))
             # Spread a node's GPU instances over its GPUs.
             gpu_index = load[node.name] % max(node.gpu_count, 1) if spec.hardware.gpu else None
             load[node.name] += 1

@@ -1,0 +1,174 @@
+"""`volga-agent` and `volga-gateway`: the node daemons, as the agent DaemonSet runs them.
+
+Both take their ModelSpecs either from files (`-f`, static: a node without Kubernetes, or tests) or from the
+Kubernetes API (`--kube`, the cluster mode: the agent drives the EMIs placed on its node, the gateway routes
+every ModelSpec of the cluster). The agent serves the Agent gRPC API and its metrics; the gateway serves the
+Open Inference Protocol and reaches its node's agent over gRPC.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import pathlib
+import signal
+import socket
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+import prometheus_client as prom
+
+from volga_agent import gpus, local, metrics, policy, pool, server
+from volga_agent.gateway import link
+from volga_agent.gateway import server as gateway_server
+from volga_operator import api, planner
+
+log = logging.getLogger("volga")
+
+
+def _specs(files: list[str]) -> list[api.ModelSpec]:
+    specs: list[api.ModelSpec] = []
+    for target in files:
+        specs.extend(api.load_model_specs(target))
+    return specs
+
+
+async def _until_signalled(stop: Callable[[], Awaitable[None]]) -> None:
+    event = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, event.set)
+    try:
+        await event.wait()
+    finally:
+        await stop()
+
+
+async def serve_metrics(registry: prom.CollectorRegistry, host: str, port: int) -> web.AppRunner:
+    async def handle(_: web.Request) -> web.Response:
+        return web.Response(body=prom.generate_latest(registry), headers={"Content-Type": prom.CONTENT_TYPE_LATEST})
+
+    app = web.Application()
+    app.router.add_get("/metrics", handle)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    await web.TCPSite(runner, host, port, reuse_address=True).start()
+    return runner
+
+
+def _run(main: Awaitable[Any]) -> int:
+    try:
+        import uvloop
+
+        uvloop.run(main)
+    except ImportError:
+        asyncio.run(main)  # type: ignore[arg-type]
+    return 0
+
+
+def agent_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="volga-agent", description=__doc__)
+    parser.add_argument("--node", default=os.environ.get("NODE_NAME") or socket.gethostname())
+    parser.add_argument("-f", "--file", action="append", help="static ModelSpecs (no Kubernetes)")
+    parser.add_argument("--kube", action="store_true", help="cluster mode: drive the EMIs of this node")
+    parser.add_argument("--host", default=os.environ.get("VOLGA_LISTEN", "127.0.0.1"))
+    parser.add_argument("--port", type=int, default=8010, help="Agent gRPC API")
+    parser.add_argument("--metrics-port", type=int, default=8012)
+    parser.add_argument("--workdir", default=os.environ.get("VOLGA_WORKDIR", "/run/volga"))
+    parser.add_argument("--snapshot-dir", default=os.environ.get("VOLGA_SNAPSHOT_DIR", "/dev/shm/volga"))
+    parser.add_argument("--settings", help="YAML/JSON file of agent settings (DESIGN.md section 6 names)")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if bool(args.file) == args.kube:
+        parser.error("give either -f FILES (static) or --kube (cluster mode)")
+    settings = policy.Settings()
+    if args.settings:
+        import yaml
+
+        settings = policy.Settings.from_mapping(yaml.safe_load(pathlib.Path(args.settings).read_text()) or {})
+
+    async def main() -> None:
+        found = gpus.discover()
+        node_metrics = metrics.AgentMetrics()
+        node_pool = pool.Pool(args.node, args.workdir, args.snapshot_dir, settings, node_metrics, found)
+        grpc_server, port = await server.serve(node_pool, args.host, args.port)
+        metrics_runner = await serve_metrics(node_metrics.registry, args.host, args.metrics_port)
+        cluster: Any = None
+        if args.kube:
+            from volga_agent import cluster as cluster_mode
+
+            cluster = cluster_mode.AgentSync(node_pool, args.node, found)
+            await cluster.start()
+        else:
+            specs = _specs(args.file)
+            by_name = {s.metadata.name: s.spec for s in specs}
+            plan = planner.plan(by_name, [local.node_profile(found, args.node)])
+            node_pool.apply(plan.desired, by_name)
+        node_pool.start()
+        print(f"volga-agent {args.node}: Agent API {args.host}:{port}, metrics :{args.metrics_port}, "
+              f"{len(found)} GPU(s)", flush=True)
+
+        async def stop() -> None:
+            if cluster is not None:
+                await cluster.stop()
+            await grpc_server.stop(2.0)
+            await metrics_runner.cleanup()
+            await asyncio.to_thread(node_pool.close)
+
+        await _until_signalled(stop)
+
+    return _run(main())
+
+
+def gateway_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="volga-gateway", description=__doc__)
+    parser.add_argument("--agent", default=os.environ.get("VOLGA_AGENT", "127.0.0.1:8010"))
+    parser.add_argument("-f", "--file", action="append", help="static ModelSpecs (no Kubernetes)")
+    parser.add_argument("--kube", action="store_true", help="cluster mode: route every ModelSpec of the cluster")
+    parser.add_argument("--host", default=os.environ.get("VOLGA_LISTEN", "0.0.0.0"))
+    parser.add_argument("--http-port", type=int, default=8000)
+    parser.add_argument("--grpc-port", type=int, default=8001)
+    parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument("--cache-ttl-sec", type=float, default=60.0)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if bool(args.file) == args.kube:
+        parser.error("give either -f FILES (static) or --kube (cluster mode)")
+
+    async def main() -> None:
+        catalog = gateway_server.Catalog()
+        settings = gateway_server.Settings(args.host, args.http_port, args.grpc_port, args.metrics_port,
+                                           args.cache_ttl_sec)
+        gw = gateway_server.Gateway(catalog, link.GrpcAgentLink(args.agent), settings)
+        watcher: Any = None
+        if args.kube:
+            from volga_agent import cluster as cluster_mode
+
+            watcher = cluster_mode.CatalogSync(catalog)
+            await watcher.start()
+        else:
+            catalog.replace([s.spec for s in _specs(args.file)])
+        await gw.start()
+        print(f"volga-gateway: HTTP {args.host}:{gw.ports['http']}, gRPC {args.host}:{gw.ports['grpc']}, "
+              f"metrics :{gw.ports['metrics']}, agent {args.agent}", flush=True)
+
+        async def stop() -> None:
+            if watcher is not None:
+                await watcher.stop()
+            await gw.stop()
+
+        await _until_signalled(stop)
+
+    return _run(main())
+
+
+if __name__ == "__main__":
+    sys.exit(agent_main())
