@@ -16,11 +16,11 @@ import pathlib
 import signal
 import socket
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-from aiohttp import web
 import prometheus_client as prom
+from aiohttp import web
 
 from volga_agent import gpus, local, metrics, policy, pool, server
 from volga_agent.gateway import link
@@ -60,13 +60,13 @@ async def serve_metrics(registry: prom.CollectorRegistry, host: str, port: int) 
     return runner
 
 
-def _run(main: Awaitable[Any]) -> int:
+def _run(main: Coroutine[Any, Any, None]) -> int:
     try:
         import uvloop
 
         uvloop.run(main)
     except ImportError:
-        asyncio.run(main)  # type: ignore[arg-type]
+        asyncio.run(main)
     return 0
 
 

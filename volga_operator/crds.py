@@ -39,12 +39,12 @@ def structural(schema: dict[str, Any], defs: dict[str, Any] | None = None) -> di
         rest = {k: v for k, v in schema.items() if k != "anyOf"}
         if len(options) != 1:
             raise ValueError(f"cannot express anyOf {schema['anyOf']} structurally")
-        out = structural({**options[0], **rest}, defs)
+        inner = structural({**options[0], **rest}, defs)
         if nullable:
-            out["nullable"] = True
-            if out.get("default", 0) is None:
-                del out["default"]
-        return out
+            inner["nullable"] = True
+            if inner.get("default", 0) is None:
+                del inner["default"]
+        return inner
     out: dict[str, Any] = {}
     for key, value in schema.items():
         if key in DROP:

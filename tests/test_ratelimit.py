@@ -1,0 +1,60 @@
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from volga_operator import ratelimit
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_bucket_never_exceeds_rate_plus_burst_in_a_second() -> None:
+    clock = Clock()
+    bucket = ratelimit.TokenBucket(180, 20, clock)
+    waits = [bucket._reserve() for _ in range(1000)]
+    assert waits[:20] == [0.0] * 20
+    assert waits[20] == pytest.approx(1 / 180)
+    assert waits[-1] == pytest.approx((1000 - 20) / 180)
+    assert bucket.peak_per_second <= 200
+
+
+def test_bucket_refills() -> None:
+    clock = Clock()
+    bucket = ratelimit.TokenBucket(10, 2, clock)
+    assert [bucket._reserve() for _ in range(2)] == [0.0, 0.0]
+    clock.now = 10.0
+    assert bucket._reserve() == 0.0
+
+
+class Flaky(Exception):
+    def __init__(self, status: int) -> None:
+        self.status = status
+
+
+def test_write_retries_retryable_errors_only() -> None:
+    bucket = ratelimit.TokenBucket(1000, 100)
+    calls: list[int] = []
+
+    async def sometimes() -> str:
+        calls.append(1)
+        if len(calls) < 3:
+            raise Flaky(429)
+        return "ok"
+
+    assert asyncio.run(ratelimit.write(bucket, sometimes, base_delay=0.001)) == "ok"
+    assert len(calls) == 3
+
+    async def invalid() -> str:
+        raise Flaky(422)
+
+    with pytest.raises(Flaky):
+        asyncio.run(ratelimit.write(bucket, invalid, base_delay=0.001))
+    with pytest.raises(ValueError, match="rate must be positive"):
+        ratelimit.TokenBucket(0)

@@ -1,0 +1,150 @@
+"""The operator's decisions, as pure functions over a state snapshot."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from volga_operator import api, planner, reconcile
+
+Tier = api.Tier
+NOW = "2026-11-29T00:00:00Z"
+
+
+def spec_body(**pool: int) -> dict[str, Any]:
+    return {"modelId": "m", "framework": "onnx", "source": "/models/m.onnx",
+            "inputs": [{"name": "x", "dtype": "FP32", "shape": [-1, 4]}],
+            "outputs": [{"name": "y", "dtype": "FP32", "shape": [-1, 1]}],
+            "pool": {"hot": 0, "frozen": 1, **pool}}
+
+
+def state_with(spec: dict[str, Any] | None = None, nodes: int = 2, **record: Any) -> reconcile.State:
+    state = reconcile.State()
+    state.nodes = {f"n{i}": planner.NodeProfile(f"n{i}") for i in range(nodes)}
+    state.specs[("ns", "ms")] = reconcile.SpecRecord("ns", "ms", "uid-1", 3, spec or spec_body(), {},
+                                                     (reconcile.FINALIZER,), **record)
+    return state
+
+
+def verbs(actions: list[reconcile.Action]) -> list[tuple[str, str]]:
+    return [(a.verb, a.name) for a in actions]
+
+
+def apply(state: reconcile.State, actions: list[reconcile.Action]) -> None:
+    """What the API server would do with the writes, enough for the next round."""
+    for a in actions:
+        if a.verb == "create_emi":
+            state.emis[(a.namespace, a.name)] = reconcile.EmiRecord(a.namespace, a.name, a.body["spec"], {})
+        elif a.verb == "delete_emi":
+            state.emis.pop((a.namespace, a.name), None)
+        elif a.verb == "patch_spec_status":
+            old = state.specs[(a.namespace, a.name)]
+            state.specs[(a.namespace, a.name)] = reconcile.SpecRecord(
+                old.namespace, old.name, old.uid, old.generation, old.spec, a.body["status"], old.finalizers)
+
+
+def test_creates_emis_with_owner_labels_and_status() -> None:
+    state = state_with(spec_body(hot=1, frozen=1))
+    actions = reconcile.compute(state, [("ns", "ms")], NOW)
+    assert verbs(actions) == [("create_emi", "ms-0"), ("create_emi", "ms-1"), ("patch_spec_status", "ms")]
+    emi = actions[0].body
+    assert emi["metadata"]["labels"] == {"volga.dev/modelspec": "ms", "volga.dev/node": emi["spec"]["node"]}
+    assert emi["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    assert emi["spec"]["targetTier"] == "HOT" and actions[1].body["spec"]["targetTier"] == "FROZEN"
+    assert {actions[0].body["spec"]["node"], actions[1].body["spec"]["node"]} == {"n0", "n1"}
+    status = actions[2].body["status"]
+    assert status["observedGeneration"] == 3 and status["instances"] == 0
+    expected = api.parse_model_spec({"metadata": {"name": "x"}, "spec": spec_body()}).spec.input_hash()
+    assert status["inputHash"] == expected
+
+
+def test_a_second_round_writes_nothing_new() -> None:
+    state = state_with()
+    apply(state, reconcile.compute(state, [("ns", "ms")], NOW))
+    actions = reconcile.compute(state, [("ns", "ms")], NOW)
+    assert verbs(actions) == [("patch_spec_status", "ms")]  # instances 0 -> 1
+    apply(state, actions)
+    assert reconcile.compute(state, [("ns", "ms")], NOW) == []
+
+
+def test_status_counts_tiers_and_ready() -> None:
+    state = state_with()
+    apply(state, reconcile.compute(state, [("ns", "ms")], NOW))
+    state.emis[("ns", "ms-0")] = reconcile.EmiRecord("ns", "ms-0", state.emis[("ns", "ms-0")].spec, {
+        "tier": "FROZEN", "conditions": [{"type": "Ready", "status": "True"}]})
+    [action] = reconcile.compute(state, [("ns", "ms")], NOW)
+    status = action.body["status"]
+    assert status["tiers"]["FROZEN"] == 1 and status["tiers"]["HOT"] == 0
+    assert status["conditions"][0]["type"] == "Ready" and status["conditions"][0]["status"] == "True"
+
+
+def test_finalizer_is_added_first() -> None:
+    state = state_with()
+    state.specs[("ns", "ms")] = reconcile.SpecRecord("ns", "ms", "u", 1, spec_body(), {})
+    actions = reconcile.compute(state, [("ns", "ms")], NOW)
+    assert actions[0].verb == "patch_spec_meta"
+    assert actions[0].body == {"metadata": {"finalizers": [reconcile.FINALIZER]}}
+
+
+def test_invalid_spec_gets_a_condition_naming_the_field_and_no_emis() -> None:
+    bad = spec_body()
+    bad["inputs"][0]["shape"] = [0, 4]
+    bad["framework"] = "tensorflow"
+    state = state_with(bad)
+    state.emis[("ns", "ms-0")] = reconcile.EmiRecord("ns", "ms-0", {"modelSpec": "ms"}, {})
+    actions = reconcile.compute(state, [("ns", "ms")], NOW)
+    assert verbs(actions) == [("delete_emi", "ms-0"), ("patch_spec_status", "ms")]
+    ready = actions[1].body["status"]["conditions"][0]
+    assert ready["status"] == "False" and ready["reason"] == "InvalidSpec"
+    assert "spec.framework" in ready["message"] and "spec.inputs[0].shape" in ready["message"]
+
+
+def test_unschedulable_spec_says_why() -> None:
+    gpu = spec_body()
+    gpu["hardware"] = {"gpu": True, "gpuProduct": "NVIDIA H200"}
+    state = state_with(gpu)
+    [action] = reconcile.compute(state, [("ns", "ms")], NOW)
+    ready = action.body["status"]["conditions"][0]
+    assert ready["reason"] == "Unschedulable" and "2 node(s): no GPU" in ready["message"]
+
+
+def test_deletion_removes_emis_then_the_finalizer() -> None:
+    state = state_with()
+    apply(state, reconcile.compute(state, [("ns", "ms")], NOW))
+    old = state.specs[("ns", "ms")]
+    state.specs[("ns", "ms")] = reconcile.SpecRecord("ns", "ms", old.uid, old.generation, old.spec, old.status,
+                                                     old.finalizers, deleting=True)
+    actions = reconcile.compute(state, [("ns", "ms")], NOW)
+    assert verbs(actions) == [("delete_emi", "ms-0")]
+    apply(state, actions)
+    actions = reconcile.compute(state, [("ns", "ms")], NOW)
+    assert verbs(actions) == [("patch_spec_meta", "ms")] and actions[0].body["metadata"]["finalizers"] == []
+
+
+def test_lost_node_moves_its_emis() -> None:
+    state = state_with(spec_body(frozen=2))
+    apply(state, reconcile.compute(state, [("ns", "ms")], NOW))
+    lost = state.emis[("ns", "ms-0")].spec["node"]
+    state.nodes[lost] = planner.NodeProfile(lost, ready=False)
+    actions = reconcile.compute(state, [("ns", "ms")], NOW)
+    [patch] = [a for a in actions if a.verb == "patch_emi"]
+    assert patch.name == "ms-0" and patch.body["spec"]["node"] != lost
+    assert patch.body["metadata"]["labels"]["volga.dev/node"] == patch.body["spec"]["node"]
+
+
+def test_orphans_of_a_vanished_spec_are_deleted() -> None:
+    state = reconcile.State()
+    state.emis[("ns", "gone-0")] = reconcile.EmiRecord("ns", "gone-0", {"modelSpec": "gone"}, {})
+    assert verbs(reconcile.compute(state, [("ns", "gone")], NOW)) == [("delete_emi", "gone-0")]
+
+
+def test_node_profiles_need_the_agent_annotation() -> None:
+    assert reconcile.node_profile("n", {}, []) is None
+    annotations = planner.NodeProfile("n", 8, "NVIDIA H200", 1, (0,)).annotations()
+    profile = reconcile.node_profile("n", annotations, [{"type": "Ready", "status": "False"}])
+    assert profile is not None and profile.gpu_count == 8 and not profile.ready
+
+
+def test_conditions_keep_their_transition_time() -> None:
+    first = reconcile.condition("Ready", True, "R", "", [], "t1")
+    assert reconcile.condition("Ready", True, "R", "m", [first], "t2")["lastTransitionTime"] == "t1"
+    assert reconcile.condition("Ready", False, "R", "", [first], "t2")["lastTransitionTime"] == "t2"

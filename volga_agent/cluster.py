@@ -1,0 +1,285 @@
+"""Cluster mode of the node daemons: the Kubernetes API as the source of desired state.
+
+- `AgentSync` publishes the node's hardware profile as Node annotations (the operator places EMIs only on
+  nodes that carry one), watches the ModelSpecs and the EMIs labelled with its node, hands them to the pool,
+  and reports each instance's tier and conditions back into EMI status in batches, through a token bucket.
+- `CatalogSync` keeps a gateway's model catalog in step with the cluster's ModelSpecs.
+
+Both survive an unreachable API server: watches retry with backoff, and until they succeed the pool keeps
+its instances and the gateway its catalog, so requests for known models keep being routed and woken. Only
+new or changed ModelSpecs wait for the API server to return.
+
+The `kubernetes` client is synchronous; each watch runs on its own thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import kubernetes
+import urllib3
+
+from volga_agent import gpus, pool
+from volga_agent.gateway import server as gateway_server
+from volga_operator import api, planner, ratelimit, reconcile
+
+log = logging.getLogger(__name__)
+Tier = api.Tier
+
+
+def load_config() -> kubernetes.client.ApiClient:
+    try:
+        kubernetes.config.load_incluster_config()
+    except kubernetes.config.ConfigException:
+        kubernetes.config.load_kube_config()
+    config = kubernetes.client.Configuration.get_default_copy()
+    config.retries = 0  # our loops retry, with backoff, and must notice an outage quickly
+    return kubernetes.client.ApiClient(config)
+
+
+class Watch:
+    """List + watch one resource forever on a thread; `on_change(objects)` gets the full current set."""
+
+    def __init__(self, name: str, lister: Callable[..., Any], on_change: Callable[[dict[tuple[str, str], Any]], None],
+                 **list_kwargs: Any) -> None:
+        self.name = name
+        self.lister = lister
+        self.on_change = on_change
+        self.list_kwargs = list_kwargs
+        self.objects: dict[tuple[str, str], Any] = {}
+        self.synced = threading.Event()
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=f"watch-{name}", daemon=True)
+        self.outages = 0
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    @staticmethod
+    def key(obj: Any) -> tuple[str, str]:
+        meta = obj["metadata"]
+        return meta.get("namespace", ""), meta["name"]
+
+    def _run(self) -> None:
+        delay = 0.5
+        while not self.stopping.is_set():
+            try:
+                listed = self.lister(**self.list_kwargs, _request_timeout=10)
+                self.objects = {self.key(o): o for o in listed["items"]}
+                self.synced.set()
+                self.on_change(dict(self.objects))
+                delay = 0.5
+                version = listed["metadata"]["resourceVersion"]
+                stream = kubernetes.watch.Watch().stream(self.lister, resource_version=version, timeout_seconds=60,
+                                                         _request_timeout=70, **self.list_kwargs)
+                for event in stream:
+                    if self.stopping.is_set():
+                        return
+                    obj = event["object"]
+                    if event["type"] == "DELETED":
+                        self.objects.pop(self.key(obj), None)
+                    elif event["type"] in ("ADDED", "MODIFIED"):
+                        self.objects[self.key(obj)] = obj
+                    else:
+                        break  # ERROR (e.g. resource version too old): list again
+                    self.on_change(dict(self.objects))
+            except (urllib3.exceptions.HTTPError, kubernetes.client.ApiException, OSError) as exc:
+                self.outages += 1
+                log.info("watch %s: API server unreachable (%s); keeping the last state, retrying in %.1f s",
+                         self.name, type(exc).__name__, delay)
+                self.stopping.wait(delay)
+                delay = min(delay * 2, 10.0)
+
+
+def _emi_key(namespace: str, name: str) -> str:
+    return f"{namespace}.{name}"  # instance names: unique on the node, and safe in paths
+
+
+class AgentSync:
+    def __init__(self, node_pool: pool.Pool, node: str, found: Sequence[gpus.GpuInfo],
+                 writes_per_sec: float = 200.0, report_sec: float = 2.0) -> None:
+        self.pool = node_pool
+        self.node = node
+        self.gpus = list(found)
+        self.report_sec = report_sec
+        burst = max(1, int(writes_per_sec / 10))
+        self.bucket = ratelimit.TokenBucket(writes_per_sec - burst, burst)
+        self.client = load_config()
+        self.custom = kubernetes.client.CustomObjectsApi(self.client)
+        self.core = kubernetes.client.CoreV1Api(self.client)
+        self._lock = threading.Lock()
+        self._specs: dict[tuple[str, str], Any] = {}
+        self._emis: dict[tuple[str, str], Any] = {}
+        self._reported: dict[tuple[str, str], dict[str, Any]] = {}
+        self._stop = threading.Event()
+        self.watches = [
+            Watch("modelspecs", self.custom.list_cluster_custom_object, self._on_specs, group=api.GROUP,
+                  version=api.VERSION, plural="modelspecs"),
+            Watch("emis", self.custom.list_cluster_custom_object, self._on_emis, group=api.GROUP,
+                  version=api.VERSION, plural="executablemodelinstances",
+                  label_selector=f"{reconcile.LABEL_NODE}={node}"),
+        ]
+        self._threads = [threading.Thread(target=self._publish_profile, name="profile", daemon=True),
+                         threading.Thread(target=self._report_loop, name="report", daemon=True)]
+
+    async def start(self) -> None:
+        for w in self.watches:
+            w.start()
+        for t in self._threads:
+            t.start()
+
+    async def stop(self) -> None:
+        self._stop.set()
+        for w in self.watches:
+            w.stop()
+        await asyncio.to_thread(self.client.close)
+
+    # -- desired state -------------------------------------------------------------------------------
+
+    def _on_specs(self, objects: dict[tuple[str, str], Any]) -> None:
+        with self._lock:
+            self._specs = objects
+            self._apply()
+
+    def _on_emis(self, objects: dict[tuple[str, str], Any]) -> None:
+        with self._lock:
+            self._emis = objects
+            self._apply()
+
+    def _apply(self) -> None:
+        if not all(w.synced.is_set() for w in self.watches):
+            return  # until both have been listed once, "empty" means "not known yet", not "remove everything"
+        specs: dict[str, api.ModelSpecSpec] = {}
+        for (ns, name), obj in self._specs.items():
+            parsed, _ = reconcile.validate(obj.get("spec") or {})
+            if parsed is not None:
+                specs[f"{ns}/{name}"] = parsed
+        desired = []
+        for (ns, name), obj in self._emis.items():
+            spec = obj.get("spec") or {}
+            owner = f"{ns}/{spec.get('modelSpec', '')}"
+            if spec.get("node") != self.node or owner not in specs or obj["metadata"].get("deletionTimestamp"):
+                continue
+            gpu = spec.get("gpu") or {}
+            try:
+                tier = Tier(spec.get("targetTier", "FROZEN"))
+            except ValueError:
+                tier = Tier.FROZEN
+            desired.append(planner.Desired(_emi_key(ns, name), owner, specs[owner].model_id, self.node, tier,
+                                           gpu.get("index") if specs[owner].hardware.gpu else None))
+        self.pool.apply(desired, specs)
+
+    # -- the node's profile --------------------------------------------------------------------------
+
+    def _publish_profile(self) -> None:
+        profile = gpus.hardware_profile(self.gpus)
+        profile.setdefault(f"{planner.ANNOTATION_PREFIX}gpu-count", "0")
+        body = {"metadata": {"annotations": profile}}
+        delay = 0.5
+        while not self._stop.is_set():
+            try:
+                ratelimit.write_sync(self.bucket, lambda: self.core.patch_node(self.node, body, _request_timeout=10))
+                log.info("published the hardware profile of node %s", self.node)
+                return
+            except (urllib3.exceptions.HTTPError, kubernetes.client.ApiException, OSError) as exc:
+                log.info("node %s: cannot publish its profile yet: %s", self.node, exc)
+                self._stop.wait(delay)
+                delay = min(delay * 2, 30.0)
+
+    # -- status reports ------------------------------------------------------------------------------
+
+    def statuses(self) -> dict[tuple[str, str], dict[str, Any]]:
+        """EMI status for every instance of this node (and for EMIs whose instance could not be created)."""
+        out: dict[tuple[str, str], dict[str, Any]] = {}
+        with self._lock:
+            emis = dict(self._emis)
+        by_instance = {_emi_key(ns, name): (ns, name) for ns, name in emis}
+        for info in self.pool.instances():
+            key = by_instance.get(info.name)
+            if key is None:
+                continue
+            reason = info.state_reason.split(":", 1)[0] if info.state_reason else ""
+            settled = info.tier in (info.target_tier, Tier.HOT) and not reason
+            ready = {"type": "Ready", "status": "True" if settled else "False",
+                     "reason": "Ready" if settled else (reason or "Converging"),
+                     "message": info.state_reason or (f"{info.tier.value}, on the way to {info.target_tier.value}"
+                                                      if not settled else f"wakes from {info.tier.value}")}
+            out[key] = {"tier": info.tier.value, "snapshotBytes": info.snapshot_bytes, "device": info.device,
+                        "lastWakeMs": round(info.last_wake_ms, 3),
+                        "lastUsed": _iso(info.last_used_unix) if info.last_used_unix else None,
+                        "conditions": [ready]}
+        for name, problem in self.pool.failed.items():
+            key = by_instance.get(name)
+            if key is not None:
+                out[key] = {"tier": Tier.COLD.value, "conditions": [
+                    {"type": "Ready", "status": "False", "reason": "CreateFailed", "message": problem}]}
+        return out
+
+    def report_once(self) -> int:
+        """Write the statuses that changed since the last report; returns how many were written."""
+        written = 0
+        for (ns, name), status in self.statuses().items():
+            if self._reported.get((ns, name)) == status:
+                continue
+            now = _iso(time.time())
+            for condition in status["conditions"]:
+                condition["lastTransitionTime"] = now
+            try:
+                ratelimit.write_sync(self.bucket, lambda ns=ns, name=name, status=status:  # type: ignore[misc]
+                                     self.custom.patch_namespaced_custom_object_status(
+                                         api.GROUP, api.VERSION, ns, "executablemodelinstances", name,
+                                         {"status": status}, _request_timeout=10))
+            except kubernetes.client.ApiException as exc:
+                if exc.status != 404:
+                    raise
+            for condition in status["conditions"]:
+                condition.pop("lastTransitionTime")
+            self._reported[(ns, name)] = status
+            written += 1
+        return written
+
+    def _report_loop(self) -> None:
+        while not self._stop.wait(self.report_sec):
+            try:
+                self.report_once()
+            except (urllib3.exceptions.HTTPError, kubernetes.client.ApiException, OSError) as exc:
+                log.info("status report deferred: %s", exc)
+
+
+class CatalogSync:
+    """A gateway's catalog from the cluster's ModelSpecs; the last good catalog stays during outages."""
+
+    def __init__(self, catalog: gateway_server.Catalog) -> None:
+        self.catalog = catalog
+        self.client = load_config()
+        custom = kubernetes.client.CustomObjectsApi(self.client)
+        self.watch = Watch("modelspecs", custom.list_cluster_custom_object, self._on_specs, group=api.GROUP,
+                           version=api.VERSION, plural="modelspecs")
+
+    def _on_specs(self, objects: dict[tuple[str, str], Any]) -> None:
+        specs = []
+        for obj in objects.values():
+            parsed, _ = reconcile.validate(obj.get("spec") or {})
+            if parsed is not None:
+                specs.append(parsed)
+        self.catalog.replace(specs)
+
+    async def start(self) -> None:
+        self.watch.start()
+
+    async def stop(self) -> None:
+        self.watch.stop()
+        await asyncio.to_thread(self.client.close)
+
+
+def _iso(unix: float) -> str:
+    return datetime.datetime.fromtimestamp(unix, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -1,0 +1,97 @@
+"""A token bucket for Kubernetes API writes, with exponential backoff on errors.
+
+Thousands of ModelSpecs applied at once, or hundreds of agents reporting after a restart, would otherwise
+hit etcd with a write storm (seeds/000, section 5.3). Every write of the operator and of an agent waits for
+a token: at most `rate` writes per second on average, `burst` at once. A write that fails with 429, 409 or
+5xx is retried after a growing, jittered delay; other errors go to the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import random
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+RETRYABLE = frozenset({409, 429, 500, 502, 503, 504})
+
+
+class TokenBucket:
+    """Thread-safe; `acquire` blocks, `acquire_async` awaits."""
+
+    def __init__(self, rate: float, burst: int | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        if rate <= 0:
+            raise ValueError(f"rate must be positive, got {rate}")
+        self.rate = rate
+        self.burst = burst if burst is not None else max(1, int(rate / 10))
+        self.clock = clock
+        self._tokens = float(self.burst)
+        self._stamp = clock()
+        self._lock = threading.Lock()
+        self.taken = 0
+        self._window: collections.deque[float] = collections.deque()
+        self.peak_per_second = 0
+
+    def _reserve(self) -> float:
+        """Take a token (possibly borrowing from the future); return how long to wait for it."""
+        with self._lock:
+            now = self.clock()
+            self._tokens = min(float(self.burst), self._tokens + (now - self._stamp) * self.rate)
+            self._stamp = now
+            self._tokens -= 1
+            self.taken += 1
+            wait = max(0.0, -self._tokens / self.rate)
+            at = now + wait
+            self._window.append(at)
+            while self._window and self._window[0] <= at - 1.0:
+                self._window.popleft()
+            self.peak_per_second = max(self.peak_per_second, len(self._window))
+            return wait
+
+    def acquire(self) -> None:
+        wait = self._reserve()
+        if wait > 0:
+            time.sleep(wait)
+
+    async def acquire_async(self) -> None:
+        wait = self._reserve()
+        if wait > 0:
+            await asyncio.sleep(wait)
+
+
+def status_of(exc: BaseException) -> int | None:
+    status = getattr(exc, "status", None)
+    return status if isinstance(status, int) else None
+
+
+async def write(bucket: TokenBucket, call: Callable[[], Awaitable[T]], attempts: int = 6,
+                base_delay: float = 0.2, max_delay: float = 10.0) -> T:
+    """Run one API write under the bucket, retrying retryable failures with jittered exponential backoff."""
+    for attempt in range(attempts):
+        await bucket.acquire_async()
+        try:
+            return await call()
+        except Exception as exc:
+            if status_of(exc) not in RETRYABLE or attempt == attempts - 1:
+                raise
+            delay = min(max_delay, base_delay * 2**attempt)
+            await asyncio.sleep(delay * (0.5 + random.random() / 2))
+    raise AssertionError("unreachable")
+
+
+def write_sync(bucket: TokenBucket, call: Callable[[], T], attempts: int = 6, base_delay: float = 0.2,
+               max_delay: float = 10.0) -> T:
+    """`write` for threads (the agent's status reporter)."""
+    for attempt in range(attempts):
+        bucket.acquire()
+        try:
+            return call()
+        except Exception as exc:
+            if status_of(exc) not in RETRYABLE or attempt == attempts - 1:
+                raise
+            time.sleep(min(max_delay, base_delay * 2**attempt) * (0.5 + random.random() / 2))
+    raise AssertionError("unreachable")

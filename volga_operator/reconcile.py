@@ -1,0 +1,250 @@
+"""What the operator should write, computed from what it has seen: pure functions over a snapshot.
+
+The kopf handlers (`handlers.py`) only record what the watches deliver into a `State` and wake the loop;
+the loop calls `compute` for the ModelSpecs that changed and applies the returned `Action`s through the rate
+limiter. Keeping the decisions here, free of I/O, is what lets the unit tests cover them and what makes
+the operator level-triggered: the same state always yields the same actions, and a periodic full pass
+repairs anything a missed event left behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from volga_operator import api, planner
+
+FINALIZER = "volga.dev/cleanup"
+LABEL_SPEC = "volga.dev/modelspec"
+LABEL_NODE = "volga.dev/node"
+PROFILE_KEY = f"{planner.ANNOTATION_PREFIX}gpu-count"
+
+Key = tuple[str, str]  # (namespace, name)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecRecord:
+    namespace: str
+    name: str
+    uid: str
+    generation: int
+    spec: Mapping[str, Any]
+    status: Mapping[str, Any]
+    finalizers: tuple[str, ...] = ()
+    deleting: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class EmiRecord:
+    namespace: str
+    name: str
+    spec: Mapping[str, Any]
+    status: Mapping[str, Any]
+
+    @property
+    def owner(self) -> str:
+        return str(self.spec.get("modelSpec", ""))
+
+
+@dataclasses.dataclass
+class State:
+    specs: dict[Key, SpecRecord] = dataclasses.field(default_factory=dict)
+    emis: dict[Key, EmiRecord] = dataclasses.field(default_factory=dict)
+    nodes: dict[str, planner.NodeProfile] = dataclasses.field(default_factory=dict)
+
+    def emis_of(self, key: Key) -> list[EmiRecord]:
+        ns, name = key
+        return sorted((e for e in self.emis.values() if e.namespace == ns and e.owner == name), key=lambda e: e.name)
+
+
+@dataclasses.dataclass(frozen=True)
+class Action:
+    """One API write. `verb`: create_emi | patch_emi | delete_emi | patch_spec_status | patch_spec_meta."""
+
+    verb: str
+    namespace: str
+    name: str
+    body: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def node_profile(name: str, annotations: Mapping[str, str] | None,
+                 conditions: Iterable[Mapping[str, Any]] | None) -> planner.NodeProfile | None:
+    """A node hosts Volga instances only once its agent has published a hardware profile."""
+    if not annotations or PROFILE_KEY not in annotations:
+        return None
+    ready = True
+    for condition in conditions or ():
+        if condition.get("type") == "Ready":
+            ready = condition.get("status") == "True"
+    return planner.NodeProfile.from_annotations(name, annotations, ready)
+
+
+def validate(spec: Mapping[str, Any]) -> tuple[api.ModelSpecSpec | None, str]:
+    """The typed spec, or None and a message naming each bad field."""
+    try:
+        parsed = api.parse_model_spec({"apiVersion": api.API_VERSION, "kind": "ModelSpec",
+                                       "metadata": {"name": "x"}, "spec": dict(spec)})
+    except api.SpecError as exc:
+        return None, "; ".join(f"{path}: {reason}" for path, reason in exc.problems)
+    return parsed.spec, ""
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def condition(type_: str, ok: bool, reason: str, message: str, previous: Iterable[Mapping[str, Any]],
+              now: str) -> dict[str, Any]:
+    """A condition that keeps its lastTransitionTime while its status does not change."""
+    status = "True" if ok else "False"
+    old = next((c for c in previous if c.get("type") == type_), None)
+    since = old.get("lastTransitionTime", now) if old and old.get("status") == status else now
+    return {"type": type_, "status": status, "reason": reason, "message": message, "lastTransitionTime": since}
+
+
+def emi_ready(emi: EmiRecord) -> bool:
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in emi.status.get("conditions", ()))
+
+
+def observed(state: State) -> list[planner.Observed]:
+    out = []
+    for emi in state.emis.values():
+        try:
+            tier = api.Tier(emi.spec.get("targetTier", "FROZEN"))
+        except ValueError:
+            tier = api.Tier.FROZEN
+        out.append(planner.Observed(f"{emi.namespace}/{emi.name}", f"{emi.namespace}/{emi.owner}",
+                                    str(emi.spec.get("node", "")), tier,
+                                    snapshot_bytes=int(emi.status.get("snapshotBytes", 0) or 0)))
+    return out
+
+
+def emi_body(record: SpecRecord, desired: planner.Desired) -> dict[str, Any]:
+    name = desired.name.split("/", 1)[1]
+    return {
+        "apiVersion": api.API_VERSION, "kind": "ExecutableModelInstance",
+        "metadata": {"name": name, "namespace": record.namespace,
+                     "labels": {LABEL_SPEC: record.name, LABEL_NODE: desired.node},
+                     "ownerReferences": [{"apiVersion": api.API_VERSION, "kind": "ModelSpec", "name": record.name,
+                                          "uid": record.uid, "controller": True, "blockOwnerDeletion": False}]},
+        "spec": dataclasses.replace(desired, model_spec=record.name).emi_spec().to_wire(),
+    }
+
+
+def compute(state: State, keys: Iterable[Key], now: str | None = None) -> list[Action]:
+    """The writes that bring the given ModelSpecs (and their EMIs) to where they should be."""
+    now = now or _now()
+    actions: list[Action] = []
+    valid: dict[str, api.ModelSpecSpec] = {}
+    invalid: dict[Key, str] = {}
+    for key in sorted(set(keys)):
+        record = state.specs.get(key)
+        if record is None:
+            # The ModelSpec is gone (deleted while we were not looking): its EMIs are orphans.
+            actions += [Action("delete_emi", e.namespace, e.name) for e in state.emis_of(key)]
+            continue
+        if record.deleting:
+            actions += _finalize(state, record)
+            continue
+        if FINALIZER not in record.finalizers:
+            actions.append(Action("patch_spec_meta", record.namespace, record.name,
+                                  {"metadata": {"finalizers": [*record.finalizers, FINALIZER]}}))
+        spec, problem = validate(record.spec)
+        if spec is None:
+            invalid[key] = problem
+        else:
+            valid[f"{record.namespace}/{record.name}"] = spec
+    result = planner.plan(valid, state.nodes.values(), observed(state))
+    by_spec: dict[str, list[planner.Desired]] = {}
+    for d in result.desired:
+        by_spec.setdefault(d.model_spec, []).append(d)
+    for plan_key in sorted(valid):
+        ns, name = plan_key.split("/", 1)
+        record = state.specs[(ns, name)]
+        actions += _converge_emis(state, record, by_spec.get(plan_key, []))
+        actions += _status(state, record, valid[plan_key], result.unplaced.get(plan_key), now)
+    for (ns, name), problem in sorted(invalid.items()):
+        record = state.specs[(ns, name)]
+        actions += [Action("delete_emi", e.namespace, e.name) for e in state.emis_of((ns, name))]
+        actions += _invalid_status(record, problem, now)
+    return actions
+
+
+def _finalize(state: State, record: SpecRecord) -> list[Action]:
+    emis = state.emis_of((record.namespace, record.name))
+    if emis:
+        return [Action("delete_emi", e.namespace, e.name) for e in emis]
+    if FINALIZER in record.finalizers:
+        kept = [f for f in record.finalizers if f != FINALIZER]
+        return [Action("patch_spec_meta", record.namespace, record.name, {"metadata": {"finalizers": kept}})]
+    return []
+
+
+def _converge_emis(state: State, record: SpecRecord, desired: list[planner.Desired]) -> list[Action]:
+    actions = []
+    existing = {e.name: e for e in state.emis_of((record.namespace, record.name))}
+    for d in desired:
+        body = emi_body(record, d)
+        name = body["metadata"]["name"]
+        current = existing.pop(name, None)
+        if current is None:
+            actions.append(Action("create_emi", record.namespace, name, body))
+        elif dict(current.spec) != body["spec"]:
+            actions.append(Action("patch_emi", record.namespace, name,
+                                  {"metadata": {"labels": body["metadata"]["labels"]}, "spec": body["spec"]}))
+    actions += [Action("delete_emi", e.namespace, e.name) for e in existing.values()]
+    return actions
+
+
+def tier_counts(emis: Iterable[EmiRecord]) -> dict[str, int]:
+    counts = {t.value: 0 for t in api.Tier}
+    for emi in emis:
+        tier = emi.status.get("tier")
+        if tier in counts:
+            counts[tier] += 1
+    return counts
+
+
+def _status(state: State, record: SpecRecord, spec: api.ModelSpecSpec, unplaced: str | None,
+            now: str) -> list[Action]:
+    emis = state.emis_of((record.namespace, record.name))
+    previous = record.status.get("conditions", ())
+    ready = [e for e in emis if emi_ready(e)]
+    if unplaced:
+        ready_cond = condition("Ready", False, "Unschedulable", unplaced, previous, now)
+    elif ready:
+        ready_cond = condition("Ready", True, "InstanceReady", f"{len(ready)} of {len(emis)} instance(s) ready",
+                               previous, now)
+    else:
+        ready_cond = condition("Ready", False, "Pending", f"0 of {len(emis)} instance(s) ready", previous, now)
+    status = {
+        "observedGeneration": record.generation,
+        "inputHash": spec.input_hash(),
+        "instances": len(emis),
+        "tiers": tier_counts(emis),
+        "conditions": [
+            ready_cond,
+            condition("Valid", True, "Valid", "", previous, now),
+            condition("Placed", not unplaced, "Unschedulable" if unplaced else "Placed", unplaced or "", previous,
+                      now),
+        ],
+    }
+    return [] if _same(record.status, status) else [Action("patch_spec_status", record.namespace, record.name,
+                                                           {"status": status})]
+
+
+def _invalid_status(record: SpecRecord, problem: str, now: str) -> list[Action]:
+    previous = record.status.get("conditions", ())
+    status = {
+        "observedGeneration": record.generation, "instances": 0, "tiers": tier_counts(()),
+        "conditions": [condition("Ready", False, "InvalidSpec", problem, previous, now),
+                       condition("Valid", False, "InvalidSpec", problem, previous, now)],
+    }
+    return [] if _same(record.status, status) else [Action("patch_spec_status", record.namespace, record.name,
+                                                           {"status": status})]
+
+
+def _same(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
+    return all(old.get(k) == v for k, v in new.items())
