@@ -24,9 +24,9 @@ uname -r | tee -a "$out/gpu-machine.txt"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   python3 -m pytest -m gpu -p no:cacheprovider -q tests/test_gpu.py 2>&1 | tee "$out/gpu-tests.log"
 fi
-sizes=("${@:-0.5}")
-for gib in "${sizes[@]}"; do
-  python3 -m volga_agent.cli bench tiers --gpu --model-gib "$gib" -n "${N:-10}" \
-    --out "$out/tiers-gpu-${gib}gib.json" 2>"$out/bench-${gib}gib.log"
-  tail -5 "$out/bench-${gib}gib.log"
-done
+# bench/gpu.sh SIZES [NAME]: e.g. "0.1,2" small; N wakes per tier, COLD_N cold starts, BURST instances.
+sizes=${1:-0.5}
+name=${2:-tiers-gpu}
+python3 -m volga_agent.cli bench tiers --gpu --sizes "$sizes" -n "${N:-20}" --cold-n "${COLD_N:-10}" \
+  --burst "${BURST:-0}" --out "$out/$name.json" 2>"$out/$name.log"
+tail -3 "$out/$name.log"

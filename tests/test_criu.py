@@ -134,3 +134,30 @@ def test_frozen_to_cold_removes_the_image(inst: instance.Instance, criu_engine: 
     path = inst.image.path
     inst.to(Tier.COLD)
     assert not path.exists() and inst.image is None
+
+
+def test_fresh_image_is_reused_until_the_worker_changes(default_spec: api.ModelSpecSpec, rundir: pathlib.Path,
+                                                        criu_engine: criu.CriuEngine, tmp_path: pathlib.Path) -> None:
+    from volga_agent import defaultmodel
+
+    inst = instance.Instance("reuse", default_spec, rundir, criu_engine, reuse_image_sec=300)
+    try:
+        x = runtime.sample_inputs(inst.config.inputs, batch=2, seed=8)
+        inst.to(Tier.HOT)
+        reference = inst.infer(x)["probability"]
+        first = inst.to(Tier.FROZEN)
+        image = inst.image
+        assert first.detail == ""
+        for _ in range(3):
+            inst.wake()
+            assert np.array_equal(inst.infer(x)["probability"], reference)
+            again = inst.to(Tier.FROZEN)
+            assert again.detail == "image reused" and inst.image is image and inst.pid is None
+        inst.wake()
+        inst.client().call("swap", path=str(defaultmodel.build_onnx(tmp_path / "v2.onnx", rows=1000)))
+        swapped = inst.infer(x)["probability"]
+        assert inst.to(Tier.FROZEN).detail == "" and inst.image is not image  # state changed: dumped anew
+        inst.wake()
+        assert np.array_equal(inst.infer(x)["probability"], swapped)
+    finally:
+        inst.close()

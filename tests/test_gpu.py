@@ -74,15 +74,37 @@ def test_suspended_holds_no_gpu_memory(gpu_inst: instance.Instance) -> None:
         assert np.array_equal(gpu_inst.infer(x)["y"], reference)
 
 
+def test_warm_keeps_addresses_so_cuda_graphs_replay(gpu_inst: instance.Instance) -> None:
+    graph_batch = runtime.sample_inputs(gpu_inst.config.inputs, batch=8, seed=4)  # captured at load
+    eager_batch = runtime.sample_inputs(gpu_inst.config.inputs, batch=3, seed=4)
+    hot = gpu_inst.client().call("stats").header
+    assert hot["stable_addresses"] and hot["cuda_graphs"] == [8]
+    want_graph, want_eager = gpu_inst.infer(graph_batch)["y"], gpu_inst.infer(eager_batch)["y"]
+    # The graph computes what eager PyTorch computes (same leading rows; other kernels, so not bit-equal).
+    assert np.allclose(want_graph[:3], want_eager, rtol=1e-3, atol=1e-4)
+    for _ in range(3):
+        gpu_inst.to(Tier.WARM)
+        gpu_inst.wake()
+        after = gpu_inst.client().call("stats").header
+        assert after["weights_ptr"] == hot["weights_ptr"]
+        assert np.array_equal(gpu_inst.infer(graph_batch)["y"], want_graph)
+        assert np.array_equal(gpu_inst.infer(eager_batch)["y"], want_eager)
+
+
 def test_frozen_gpu_worker_thaws_with_identical_outputs(gpu_inst: instance.Instance) -> None:
     x = runtime.sample_inputs(gpu_inst.config.inputs, batch=8, seed=2)
     reference = gpu_inst.infer(x)["y"]
+    gpu_inst.to(Tier.WARM)  # leaves a pinned host copy of the weights behind
+    gpu_inst.wake()
+    assert gpu_inst.client().call("stats").header["host_copy_bytes"] > 0
     for _ in range(3):
         gpu_inst.to(Tier.FROZEN)
         assert gpu_inst.pid is None
         woke = gpu_inst.wake()
         assert not woke.fallback, woke.detail
         assert np.array_equal(gpu_inst.infer(x)["y"], reference)
+        # The host copy was freed before the dump: the image does not carry the weights twice.
+        assert gpu_inst.client().call("stats").header["host_copy_bytes"] == 0
     # Through SUSPENDED on the way up, too.
     gpu_inst.to(Tier.SUSPENDED)
     gpu_inst.to(Tier.FROZEN)

@@ -50,6 +50,7 @@ class TierRun:
     mismatches: int = 0
     gpu_mib_in_tier: float | None = None
     image_bytes: int | None = None
+    phases: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
     def report(self) -> dict[str, Any]:
         out: dict[str, Any] = {**summarize(self.wake_s), "enter": summarize(self.enter_s) if self.enter_s else None,
@@ -58,19 +59,28 @@ class TierRun:
             out["gpu_used_mib_in_tier"] = self.gpu_mib_in_tier
         if self.image_bytes is not None:
             out["image_bytes"] = self.image_bytes
+        if self.phases:
+            out["phases_p50_ms"] = {k: round(float(np.median(v)), 3) for k, v in sorted(self.phases.items())}
         return out
 
 
 def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pathlib.Path,
-                tiers: Sequence[Tier], n: int, device: str = "cpu", batch: int = 8,
+                tiers: Sequence[Tier], n: int, device: str = "cpu", batch: int = 8, cold_n: int | None = None,
                 progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """Cold starts, then `n` wakes from each tier, every answer compared with the first cold start's.
+
+    FROZEN is dumped once and then restored `n` times from that image (the worker does not change between
+    wakes, so the image stays a faithful snapshot: what the pool does within `snapshot_interval_sec`).
+    """
     driver = cuda.DriverCheckpoint() if device.startswith("cuda") else None
     engine = criu.CriuEngine(snapshot_dir) if Tier.FROZEN in tiers else None
-    inst = instance.Instance(f"bench-{spec.model_id}", spec, workdir, engine, driver, device)
+    inst = instance.Instance(f"bench-{spec.model_id}", spec, workdir, engine, driver, device,
+                             reuse_image_sec=float("inf"))
     inputs = runtime.sample_inputs(inst.config.inputs, batch=batch, seed=1)
     gpu_index = int(device.partition(":")[2] or 0) if device.startswith("cuda") else None
     reference: dict[str, np.ndarray] | None = None
     runs = {Tier.COLD: TierRun(), **{t: TierRun() for t in tiers}}
+    cold_n = n if cold_n is None else cold_n
 
     def answer(run: TierRun) -> None:
         nonlocal reference
@@ -81,15 +91,15 @@ def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pa
             run.mismatches += 1
 
     try:
-        for i in range(n):
-            progress(f"cold start {i + 1}/{n}")
+        for i in range(cold_n):
+            progress(f"{spec.model_id}: cold start {i + 1}/{cold_n}")
             inst.to(Tier.COLD)
             start = time.perf_counter()
             inst.to(Tier.HOT)
             answer(runs[Tier.COLD])
             runs[Tier.COLD].wake_s.append(time.perf_counter() - start)
         stats = inst.client().call("stats").header
-        progress(f"hot: {n * 5} requests")
+        progress(f"{spec.model_id}: hot, {n * 5} requests")
         hot = runs[Tier.HOT] = TierRun()
         if gpu_index is not None:
             hot.gpu_mib_in_tier = gpu_memory_used_mib(gpu_index)
@@ -100,18 +110,23 @@ def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pa
         for tier in tiers:
             run = runs[tier]
             for i in range(n):
-                progress(f"{tier.value.lower()} wake {i + 1}/{n}")
+                progress(f"{spec.model_id}: {tier.value.lower()} wake {i + 1}/{n}")
                 entered = inst.to(tier)
                 run.enter_s.append(entered.seconds)
                 if i == 0 and gpu_index is not None:
                     run.gpu_mib_in_tier = gpu_memory_used_mib(gpu_index)
                 if tier == Tier.FROZEN and inst.image is not None:
                     run.image_bytes = inst.image.size_bytes
+                pid = inst.pid
                 start = time.perf_counter()
                 woke = inst.wake()
                 answer(run)
                 run.wake_s.append(time.perf_counter() - start)
                 run.fallbacks += int(woke.fallback)
+                if driver is not None and tier == Tier.SUSPENDED and pid in driver.timings:
+                    for phase, ms in driver.timings.pop(pid).items():
+                        run.phases.setdefault(phase, []).append(ms)
+        final = inst.client().call("stats").header
     finally:
         inst.close()
 
@@ -120,7 +135,8 @@ def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pa
         "device": device_description(device),
         "model": {"id": spec.model_id, "framework": spec.framework.value,
                   "file_bytes": spec.source_path.stat().st_size, "weights_bytes": stats.get("weights_bytes"),
-                  "load_seconds": stats.get("load_seconds"), "batch": batch},
+                  "load_seconds": stats.get("load_seconds"), "batch": batch,
+                  "cuda_graphs": final.get("cuda_graphs"), "stable_addresses": final.get("stable_addresses")},
         "tiers": {t.value.lower(): r.report() for t, r in runs.items()},
         "speedup_vs_cold_p50": {t.value.lower(): round(cold_p50 / summarize(runs[t].wake_s)["p50_ms"], 2)
                                 for t in tiers},
@@ -130,6 +146,67 @@ def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pa
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     return report
+
+
+def copy_limits(gib: float = 1.0, repeats: int = 5) -> dict[str, float]:
+    """Host-to-device copy rates (GB/s) from pinned and pageable memory: the floor under every wake."""
+    import torch
+
+    nbytes = int(gib * 2**30)
+    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    out = {}
+    for kind, host in (("pinned", torch.ones(nbytes, dtype=torch.uint8).pin_memory()),
+                       ("pageable", torch.ones(nbytes, dtype=torch.uint8))):
+        times = []
+        for _ in range(repeats + 1):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            device.copy_(host, non_blocking=kind == "pinned")
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        out[f"{kind}_h2d_gbps"] = round(nbytes / float(np.median(times[1:])) / 1e9, 2)
+    del device
+    torch.cuda.empty_cache()
+    return out
+
+
+def burst(models: Sequence[api.ModelSpecSpec], workdir: pathlib.Path, device: str = "cuda:0",
+          progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """Wake N SUSPENDED instances of different models at once; time until every one has answered."""
+    import concurrent.futures
+
+    driver = cuda.DriverCheckpoint()
+    insts = [instance.Instance(f"burst-{i}", spec, workdir / f"b{i}", None, driver, device)
+             for i, spec in enumerate(models)]
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(insts))
+    try:
+        progress(f"burst: starting {len(insts)} instances")
+        list(pool.map(lambda i: i.to(Tier.HOT), insts))
+        inputs = [runtime.sample_inputs(i.config.inputs, batch=8, seed=2) for i in insts]
+        refs = [i.infer(x) for i, x in zip(insts, inputs, strict=True)]
+
+        def wake(k: int, t0: float) -> float:
+            insts[k].wake()
+            out = insts[k].infer(inputs[k])
+            assert all(np.array_equal(out[n], refs[k][n]) for n in out), f"burst-{k}: outputs differ"
+            return time.perf_counter() - t0
+
+        progress("burst: one after another")
+        list(pool.map(lambda i: i.to(Tier.SUSPENDED), insts))
+        t0 = time.perf_counter()
+        sequential = [wake(k, time.perf_counter()) for k in range(len(insts))]
+        sequential_total = time.perf_counter() - t0
+        progress("burst: all at once")
+        list(pool.map(lambda i: i.to(Tier.SUSPENDED), insts))
+        t0 = time.perf_counter()
+        together = list(pool.map(lambda k: wake(k, t0), range(len(insts))))
+        return {"instances": len(insts), "weights_bytes_each": models[0].source_path.stat().st_size,
+                "all_answered_ms": round(max(together) * 1e3, 1), "first_answered_ms": round(min(together) * 1e3, 1),
+                "sequential_total_ms": round(sequential_total * 1e3, 1),
+                "sequential_each": summarize(sequential)}
+    finally:
+        list(pool.map(lambda i: i.close(), insts))
+        pool.shutdown()
 
 
 def device_description(device: str) -> str:
@@ -157,7 +234,8 @@ def device_description(device: str) -> str:
     return f"cpu: {cpu} x{os.cpu_count()}"
 
 
-def build_torch_mlp(path: pathlib.Path, weights_gib: float, width: int = 4096, seed: int = 0) -> api.ModelSpecSpec:
+def build_torch_mlp(path: pathlib.Path, weights_gib: float, width: int = 4096, seed: int = 0,
+                    cuda_graphs: bool = True) -> api.ModelSpecSpec:
     """A PyTorch MLP of about `weights_gib` GiB of fp32 weights, saved whole, and its ModelSpec."""
     import torch
 
@@ -172,10 +250,11 @@ def build_torch_mlp(path: pathlib.Path, weights_gib: float, width: int = 4096, s
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(torch.nn.Sequential(*blocks), path)
     return api.ModelSpecSpec.model_validate({
-        "modelId": f"mlp-{layers}x{width}", "framework": "pytorch", "source": str(path),
+        "modelId": f"mlp-{layers}x{width}-s{seed}", "framework": "pytorch", "source": str(path),
         "inputs": [{"name": "x", "dtype": "FP32", "shape": [-1, width]}],
         "outputs": [{"name": "y", "dtype": "FP32", "shape": [-1, width]}],
-        "hardware": {"gpu": True}, "runtime": {"warmupIterations": 3},
+        "hardware": {"gpu": True, "cudaGraphs": cuda_graphs}, "runtime": {"warmupIterations": 3},
+        "slo": {"baselineLatencyMs": {"8": 5.0}},
     })
 
 

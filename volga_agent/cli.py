@@ -16,6 +16,7 @@ import os
 import pathlib
 import sys
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import yaml
@@ -135,34 +136,56 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_bench_tiers(args: argparse.Namespace) -> int:
     from volga_agent import bench, defaultmodel
 
-    if args.gpu:
-        workroot = pathlib.Path(args.models or defaultmodel.default_cache())
-        spec = bench.build_torch_mlp(workroot / f"mlp-{args.model_gib:g}gib" / "model.pt", args.model_gib)
-        tiers = [Tier.WARM, Tier.SUSPENDED, Tier.FROZEN]
-        device = "cuda:0"
-    else:
-        spec = defaultmodel.ensure(pathlib.Path(args.models) if args.models else None).spec
-        tiers = [Tier.FROZEN]
-        device = "cpu"
+    show = _progress(args.json)
+    models = pathlib.Path(args.models) if args.models else defaultmodel.default_cache()
     with tempfile.TemporaryDirectory(prefix="volga-") as run:
-        report = bench.bench_tiers(spec, pathlib.Path(run) / "w", default_snapshot_dir() / "bench", tiers,
-                                   args.n, device, progress=_progress(args.json))  # type: ignore[arg-type]
-    if args.gpu:
-        import onnxruntime
-
-        providers = onnxruntime.get_available_providers()
-        report["onnx_on_gpu"] = (
-            "measurable: CUDAExecutionProvider present" if "CUDAExecutionProvider" in providers else
-            f"not measured: onnxruntime {onnxruntime.__version__} here offers only {', '.join(providers)}")
+        if not args.gpu:
+            spec = defaultmodel.ensure(models).spec
+            report = bench.bench_tiers(spec, pathlib.Path(run) / "w", default_snapshot_dir() / "bench",
+                                       [Tier.FROZEN], args.n, "cpu", cold_n=args.cold_n,
+                                       progress=show)  # type: ignore[arg-type]
+        else:
+            report = gpu_suite(args, models, pathlib.Path(run), show)  # type: ignore[arg-type]
     if args.out:
         bench.write_json(report, pathlib.Path(args.out))
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(f"device: {report['device']}; model {report['model']['id']}")
-        print(bench.format_table(report))
-        print(f"outputs match: {report['outputs_match']}; restore fallbacks: {report['restore_fallbacks']}")
-    return 0 if report["outputs_match"] and not report["restore_fallbacks"] else 1
+        for label, part in ([("", report)] if "tiers" in report else report["sizes"].items()):
+            print(f"device: {part['device']}; model {part['model']['id']} {label}")
+            print(bench.format_table(part))
+            print(f"outputs match: {part['outputs_match']}; restore fallbacks: {part['restore_fallbacks']}")
+        if "burst" in report:
+            print(f"burst: {report['burst']}")
+    parts = [report] if "tiers" in report else list(report["sizes"].values())
+    return 0 if all(p["outputs_match"] and not p["restore_fallbacks"] for p in parts) else 1
+
+
+def gpu_suite(args: argparse.Namespace, models: pathlib.Path, run: pathlib.Path,
+              show: Callable[[str], None]) -> dict[str, Any]:
+    """Copy limits, every size through every tier, and the burst of SUSPENDED wakes, in one run."""
+    import onnxruntime
+
+    from volga_agent import bench
+
+    report: dict[str, Any] = {"device": bench.device_description("cuda:0")}
+    show("copy limits")
+    report["copy_limits"] = bench.copy_limits()
+    report["sizes"] = {}
+    for gib in [float(x) for x in args.sizes.split(",")]:
+        spec = bench.build_torch_mlp(models / f"mlp-{gib:g}gib" / "model.pt", gib)
+        report["sizes"][f"{gib:g}"] = bench.bench_tiers(
+            spec, run / f"w{gib:g}", default_snapshot_dir() / "bench", [Tier.WARM, Tier.SUSPENDED, Tier.FROZEN],
+            args.n, "cuda:0", cold_n=args.cold_n, progress=show)
+    if args.burst:
+        specs = [bench.build_torch_mlp(models / f"burst-{k}" / "model.pt", 0.0625, seed=k, cuda_graphs=False)
+                 for k in range(args.burst)]
+        report["burst"] = bench.burst(specs, run / "burst", progress=show)
+    providers = onnxruntime.get_available_providers()
+    report["onnx_on_gpu"] = (
+        "measurable: CUDAExecutionProvider present" if "CUDAExecutionProvider" in providers else
+        f"not measured: onnxruntime {onnxruntime.__version__} here offers only {', '.join(providers)}")
+    return report
 
 
 def cmd_bench_gateway(args: argparse.Namespace) -> int:
@@ -213,8 +236,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     p = bench.add_parser("tiers", help="cold start vs wake -> first answer per tier")
-    p.add_argument("--gpu", action="store_true", help="PyTorch model on cuda:0: HOT, WARM, SUSPENDED, FROZEN, COLD")
-    p.add_argument("--model-gib", type=float, default=0.5, help="GPU model weights in GiB (with --gpu)")
+    p.add_argument("--gpu", action="store_true", help="PyTorch models on cuda:0: HOT, WARM, SUSPENDED, FROZEN, COLD")
+    p.add_argument("--sizes", default="0.5", help="GPU model weights in GiB, comma-separated (with --gpu)")
+    p.add_argument("--cold-n", type=int, help="cold starts (default: -n)")
+    p.add_argument("--burst", type=int, default=0, help="also wake this many SUSPENDED models at once (with --gpu)")
     p.add_argument("--models", help="where models are built")
     p.add_argument("-n", type=int, default=10, help="wakes per tier (and cold starts)")
     p.add_argument("--json", action="store_true", help="print the JSON report")

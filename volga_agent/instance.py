@@ -73,7 +73,9 @@ def worker_config(spec: api.ModelSpecSpec, workdir: pathlib.Path, device: str) -
         inputs=decls(spec.inputs), outputs=decls(spec.outputs), socket=str(workdir / "worker.sock"),
         signal_dir=str(workdir / "signals"), device=device, warmup_iterations=spec.runtime.warmup_iterations,
         reset_rng_on_restore=spec.runtime.reset_rng_on_restore, intra_op_threads=spec.runtime.intra_op_threads,
-        max_batch_size=spec.runtime.max_batch_size)
+        max_batch_size=spec.runtime.max_batch_size,
+        cuda_graph_batches=tuple(sorted(int(b) for b in spec.slo.baseline_latency_ms) or (1, 8))
+        if spec.hardware.cuda_graphs and device.startswith("cuda") else ())
 
 
 def _log_tail(path: pathlib.Path, lines: int = 12) -> str:
@@ -88,7 +90,8 @@ class Instance:
 
     def __init__(self, name: str, spec: api.ModelSpecSpec, workdir: str | pathlib.Path,
                  criu_engine: criu.CriuEngine | None, driver: cuda.DriverCheckpoint | None = None,
-                 device: str = "cpu", start_timeout: float = 120.0, pid_namespace: bool | None = None) -> None:
+                 device: str = "cpu", start_timeout: float = 120.0, pid_namespace: bool | None = None,
+                 reuse_image_sec: float = 0.0) -> None:
         self.name = name
         self.spec = spec
         self.workdir = pathlib.Path(workdir)
@@ -108,6 +111,11 @@ class Instance:
         self.tier = Tier.COLD
         self.pid: int | None = None
         self.image: criu.Image | None = None
+        # An image younger than this, of a worker whose state has not changed since (same generation), is
+        # still a faithful snapshot: freezing again just drops the process. 0 dumps on every freeze.
+        self.reuse_image_sec = reuse_image_sec
+        self._image_generation = -1
+        self._image_taken = 0.0
         self.history: list[Transition] = []
         self.restore_failures = 0
         self.last_used = time.monotonic()
@@ -227,7 +235,7 @@ class Instance:
             self._cold_start()
             return self._record(source, target, start)
         try:
-            getattr(self, f"_{source.value.lower()}_to_{target.value.lower()}")()
+            detail = getattr(self, f"_{source.value.lower()}_to_{target.value.lower()}")() or ""
         except (criu.CriuError, cuda.DriverCheckpointError, WorkerStartError, protocol.ProtocolError,
                 protocol.WorkerError, OSError) as exc:
             if target not in (Tier.HOT, Tier.SUSPENDED) or source not in (Tier.FROZEN, Tier.SUSPENDED, Tier.WARM):
@@ -238,7 +246,7 @@ class Instance:
             self._to_cold()
             self._cold_start()
             return self._record(source, Tier.HOT, start, fallback=True, detail=str(exc))
-        return self._record(source, target, start)
+        return self._record(source, target, start, detail=detail)
 
     def wake(self) -> Transition:
         self.last_used = time.monotonic()
@@ -301,7 +309,7 @@ class Instance:
         ready = self.signals / runtime.READY_FOR_CHECKPOINT
         self._wait_for(self.pid, ready.exists, "ready for checkpoint", 30.0)
 
-    def _dump(self) -> None:
+    def _dump(self, generation: int) -> None:
         if self.criu is None:
             raise IllegalTransition(f"{self.name}: FROZEN needs CRIU (scripts/install-criu.sh)")
         assert self.pid is not None
@@ -311,26 +319,40 @@ class Instance:
         except criu.CriuError:
             self._resume_worker(self.pid)  # the dump was abandoned: carry on serving
             raise
+        self._image_generation, self._image_taken = generation, time.monotonic()
         self._reap(self.pid)
         self.pid = None
         self._paused = False
         if old is not None:
             self.criu.remove(old)
 
-    def _hot_to_frozen(self) -> None:
+    def _generation(self) -> int:
+        return -1 if self._paused else int(self.client().call("ping").header.get("generation", 0))
+
+    def _reusable(self, generation: int) -> bool:
+        return (self.image is not None and generation == self._image_generation
+                and time.monotonic() - self._image_taken < self.reuse_image_sec)
+
+    def _hot_to_frozen(self) -> str | None:
         if self.criu is None:
             raise IllegalTransition(f"{self.name}: FROZEN needs CRIU (scripts/install-criu.sh)")
+        generation = self._generation()
+        if self._reusable(generation):
+            self._kill()
+            return "image reused"
         self._pause()
         if self._gpu():
             assert self.driver is not None and self.pid is not None
             self.driver.suspend(self.pid)
-        self._dump()
+        self._dump(generation)
+        return None
 
     def _suspended_to_frozen(self) -> None:
         if self.criu is None:
             raise IllegalTransition(f"{self.name}: FROZEN needs CRIU (scripts/install-criu.sh)")
+        generation = self._generation()
         self._pause()
-        self._dump()
+        self._dump(generation)
 
     def _restore(self) -> int:
         if self.image is None or self.criu is None:

@@ -152,7 +152,8 @@ class Pool:
                 device = f"cuda:{want.gpu_index}" if spec.hardware.gpu and want.gpu_index is not None else "cpu"
                 try:
                     inst = instance.Instance(name, spec, self.workroot / name, self.criu,
-                                             self.driver if device != "cpu" else None, device)
+                                             self.driver if device != "cpu" else None, device,
+                                             reuse_image_sec=self.settings.snapshot_interval_sec)
                 except (OSError, ValueError) as exc:
                     self.failed[name] = f"{type(exc).__name__}: {exc}"
                     log.error("%s: cannot create instance: %s", name, exc)

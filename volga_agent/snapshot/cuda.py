@@ -88,6 +88,7 @@ class DriverCheckpoint:
                 f"CUDA driver API {self.driver_api} lacks {', '.join(missing)}: the checkpoint API needs "
                 "driver >= 570 (API 12.8); SUSPENDED and GPU FROZEN tiers are unavailable")
         self._check("cuInit", 0, self.lib.cuInit(0))
+        self.timings: dict[int, dict[str, float]] = {}  # the last suspend/resume of each process, by phase
 
     def _name(self, code: int) -> str:
         ptr = ctypes.c_char_p()
@@ -127,16 +128,22 @@ class DriverCheckpoint:
         """Lock + checkpoint: the process keeps running on the CPU, its GPU state now in host memory."""
         start = time.perf_counter()
         self.lock(pid, lock_timeout_ms)
+        locked = time.perf_counter()
         try:
             self.checkpoint(pid)
         except DriverCheckpointError:
             self.unlock(pid)
             raise
-        return time.perf_counter() - start
+        end = time.perf_counter()
+        self.timings[pid] = {"lock_ms": (locked - start) * 1e3, "checkpoint_ms": (end - locked) * 1e3}
+        return end - start
 
     def resume(self, pid: int, gpu_pairs: Sequence[GpuPair] = ()) -> float:
         """Restore + unlock."""
         start = time.perf_counter()
         self.restore(pid, gpu_pairs)
+        restored = time.perf_counter()
         self.unlock(pid)
-        return time.perf_counter() - start
+        end = time.perf_counter()
+        self.timings.setdefault(pid, {}).update(restore_ms=(restored - start) * 1e3, unlock_ms=(end - restored) * 1e3)
+        return end - start

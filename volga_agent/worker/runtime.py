@@ -15,6 +15,7 @@ is the init of its own PID namespace, which CRIU restores with it and so never c
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import dataclasses
 import json
@@ -63,10 +64,12 @@ class WorkerConfig:
     reset_rng_on_restore: bool = True
     intra_op_threads: int = 0
     max_batch_size: int = 256
+    cuda_graph_batches: tuple[int, ...] = ()
 
     @classmethod
     def from_json(cls, text: str) -> WorkerConfig:
         raw = json.loads(text)
+        raw["cuda_graph_batches"] = tuple(raw.get("cuda_graph_batches", ()))
         raw["inputs"] = tuple(TensorDecl(t["name"], t["dtype"], tuple(t["shape"])) for t in raw["inputs"])
         raw["outputs"] = tuple(TensorDecl(t["name"], t["dtype"], tuple(t["shape"])) for t in raw["outputs"])
         return cls(**raw)
@@ -75,11 +78,12 @@ class WorkerConfig:
         return json.dumps(dataclasses.asdict(self))
 
 
-class Backend:
+class Backend(abc.ABC):
     """One loaded model. Subclasses implement run(); tier moves the framework cannot do raise WorkerError."""
 
+    @abc.abstractmethod
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        raise NotImplementedError
+        """Outputs by name for inputs that `check_inputs` accepted."""
 
     def offload(self) -> dict[str, Any]:
         raise protocol.WorkerError("FAILED_PRECONDITION", "this framework has no WARM tier (weights on GPU)")
@@ -88,7 +92,10 @@ class Backend:
         raise protocol.WorkerError("FAILED_PRECONDITION", "this framework has no WARM tier (weights on GPU)")
 
     def swap(self, path: str) -> None:
-        raise NotImplementedError
+        raise protocol.WorkerError("UNIMPLEMENTED", "this framework cannot swap weights in place")
+
+    def drop_host_copy(self) -> None:  # noqa: B027 (a hook: backends without host caches need nothing)
+        """Free host-side caches before a checkpoint; the default backend keeps none."""
 
     def stats(self) -> dict[str, Any]:
         return {}
@@ -133,7 +140,13 @@ class OnnxBackend(Backend):
 
 
 class TorchBackend(Backend):
-    """TorchScript or eager PyTorch. Parameters live in one flat arena so WARM is a single large copy."""
+    """TorchScript or eager PyTorch. Parameters and buffers live in one flat arena, so WARM is one large copy.
+
+    On a GPU the arena is a CUDA virtual-memory range (`vmm.Arena`): going WARM releases its physical pages
+    but keeps its addresses, so CUDA graphs captured at load (`hardware.cudaGraphs`) replay after a wake.
+    Without the VMM API the arena is an ordinary tensor, re-allocated on wake (graphs are then not used).
+    The pinned host copy is registered memory this backend owns, so it can be freed before a CRIU dump.
+    """
 
     ALIGN = 256
 
@@ -161,9 +174,26 @@ class TorchBackend(Backend):
             offset += -(-t.numel() * t.element_size() // self.ALIGN) * self.ALIGN
         self.nbytes = offset
         self.host: Any = None
-        self.arena: Any = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        self._host_buffer: Any = None
+        self.offloaded = False
+        self.vmm: Any = None
+        if self.device.type == "cuda":
+            from volga_agent.worker import vmm
+
+            torch.cuda.set_device(self.device)
+            torch.cuda.init()
+            try:
+                self.vmm = vmm.Arena(self.nbytes, self.device.index or 0)
+            except (OSError, vmm.VmmError) as exc:
+                print(f"CUDA VMM unavailable ({exc}); WARM re-allocates weights", file=sys.stderr)
+        self.arena: Any = (self.vmm.tensor(torch) if self.vmm is not None else
+                           torch.empty(self.nbytes, dtype=torch.uint8, device=self.device))
         self._bind(self.arena, copy=True)  # straight from host memory into the arena: one copy on the GPU
         self.module.to(self.device)  # anything that is neither parameter nor buffer
+        self.graphs: dict[int, tuple[Any, list[Any], Any]] = {}
+        if self.device.type == "cuda" and self.vmm is not None:
+            for batch in config.cuda_graph_batches:
+                self._capture(batch)
 
     def _bind(self, arena: Any, copy: bool) -> None:
         """Point every parameter and buffer at its slice of one flat device buffer."""
@@ -174,14 +204,28 @@ class TorchBackend(Backend):
                 view.copy_(t.data)
             t.data = view
 
-    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def _capture(self, batch: int) -> None:
+        """Capture the forward pass for one batch size; replays read inputs from static buffers."""
         torch = self.torch
-        if self.arena is None:
-            raise protocol.WorkerError("FAILED_PRECONDITION", "weights are offloaded (WARM): reload first")
-        args = [torch.from_numpy(np.ascontiguousarray(inputs[t.name])).to(self.device, non_blocking=True)
-                for t in self.config.inputs]
-        with torch.inference_mode():
-            result = self.module(*args)
+        static = []
+        for decl in self.config.inputs:
+            if any(d == -1 for d in decl.shape[1:]):
+                return  # only the batch dimension may vary in a captured graph
+            shape = (batch, *decl.shape[1:]) if decl.shape and decl.shape[0] == -1 else decl.shape
+            static.append(torch.zeros(shape, dtype=torch.from_numpy(np.zeros(0, protocol.NP_DTYPES[decl.dtype])).dtype,
+                                      device=self.device))
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.no_grad(), torch.cuda.stream(side):
+            for _ in range(3):
+                self.module(*static)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(graph):
+            out = self.module(*static)
+        self.graphs[batch] = (graph, static, out)
+
+    def _outputs(self, result: Any) -> dict[str, np.ndarray]:
         if isinstance(result, dict):
             values = [result[t.name] for t in self.config.outputs]
         elif isinstance(result, (tuple, list)):
@@ -193,34 +237,81 @@ class TorchBackend(Backend):
             raise protocol.WorkerError("INTERNAL", f"model returned {len(values)} outputs, spec has {len(names)}")
         return {n: v.detach().cpu().numpy() for n, v in zip(names, values, strict=True)}
 
+    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        torch = self.torch
+        if self.offloaded:
+            raise protocol.WorkerError("FAILED_PRECONDITION", "weights are offloaded (WARM): reload first")
+        arrays = [np.ascontiguousarray(inputs[t.name]) for t in self.config.inputs]
+        batch = arrays[0].shape[0] if arrays and arrays[0].ndim else -1
+        captured = self.graphs.get(batch)
+        if captured is not None and all(a.shape == s.shape for a, s in zip(arrays, captured[1], strict=True)):
+            graph, static, out = captured
+            for array, buffer in zip(arrays, static, strict=True):
+                buffer.copy_(torch.from_numpy(array), non_blocking=True)
+            graph.replay()
+            return self._outputs(out)
+        args = [torch.from_numpy(a).to(self.device, non_blocking=True) for a in arrays]
+        with torch.inference_mode():
+            return self._outputs(self.module(*args))
+
+    def _pinned(self) -> Any:
+        """Host memory for the weights, pinned by registration so that freeing it really frees it."""
+        torch = self.torch
+        if self.host is None:
+            buffer = np.empty(self.nbytes, dtype=np.uint8)
+            if self.device.type == "cuda":
+                code = torch.cuda.cudart().cudaHostRegister(buffer.ctypes.data, self.nbytes, 0)
+                if int(code) != 0:
+                    raise protocol.WorkerError("RESOURCE_EXHAUSTED", f"cudaHostRegister failed ({code})")
+            self._host_buffer = buffer
+            self.host = torch.from_numpy(buffer)
+        return self.host
+
+    def drop_host_copy(self) -> None:
+        """Free the pinned copy (before a CRIU dump, whose image would otherwise carry the weights twice)."""
+        if self.host is None or self.offloaded:
+            return
+        if self.device.type == "cuda":
+            self.torch.cuda.cudart().cudaHostUnregister(self._host_buffer.ctypes.data)
+        self.host = None
+        self._host_buffer = None
+
     def offload(self) -> dict[str, Any]:
         torch = self.torch
-        if self.arena is None:
+        if self.offloaded:
             return {"nbytes": self.nbytes, "already": True}
         start = time.perf_counter()
-        if self.host is None:
-            self.host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
-        self.host.copy_(self.arena)
-        empty = torch.empty(0, device=self.device)
-        for t, *_ in self.layout:
-            t.data = empty
-        self.arena = None
+        self._pinned().copy_(self.arena)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()
+        if self.vmm is not None:
+            self.vmm.unmap()  # physical pages go, the addresses (and the views on them) stay
+        else:
+            empty = torch.empty(0, device=self.device)
+            for t, *_ in self.layout:
+                t.data = empty
+            self.arena = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        self.offloaded = True
         return {"nbytes": self.nbytes, "seconds": time.perf_counter() - start}
 
     def reload(self) -> dict[str, Any]:
         torch = self.torch
-        if self.arena is not None:
+        if not self.offloaded:
             return {"nbytes": self.nbytes, "already": True}
         start = time.perf_counter()
-        arena = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
-        arena.copy_(self.host, non_blocking=True)
-        self._bind(arena, copy=False)
-        self.arena = arena
+        if self.vmm is not None:
+            self.vmm.map()
+            self.arena.copy_(self.host, non_blocking=True)
+        else:
+            arena = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+            arena.copy_(self.host, non_blocking=True)
+            self._bind(arena, copy=False)
+            self.arena = arena
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        self.offloaded = False
         return {"nbytes": self.nbytes, "seconds": time.perf_counter() - start}
 
     def swap(self, path: str) -> None:
@@ -234,16 +325,20 @@ class TorchBackend(Backend):
         if problems:
             raise protocol.WorkerError("INVALID_ARGUMENT", "weights do not fit the loaded architecture: "
                                        + "; ".join(problems[:5]))
-        if self.arena is None:
+        if self.offloaded:
             raise protocol.WorkerError("FAILED_PRECONDITION", "weights are offloaded (WARM): reload first")
         with torch.no_grad():
             for key, value in current.items():
-                value.copy_(state[key])
+                value.copy_(state[key])  # in place: same addresses, so captured graphs see the new weights
 
     def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"weights_bytes": self.nbytes, "offloaded": self.arena is None}
+        out: dict[str, Any] = {"weights_bytes": self.nbytes, "offloaded": self.offloaded,
+                               "cuda_graphs": sorted(self.graphs), "stable_addresses": self.vmm is not None,
+                               "weights_ptr": int(self.arena.data_ptr()) if self.arena is not None else 0,
+                               "host_copy_bytes": self.nbytes if self.host is not None else 0}
         if self.device.type == "cuda":
-            out["gpu_allocated_bytes"] = int(self.torch.cuda.memory_allocated(self.device))
+            mapped = self.vmm.size if self.vmm is not None and self.vmm.mapped else 0
+            out["gpu_allocated_bytes"] = int(self.torch.cuda.memory_allocated(self.device)) + mapped
         return out
 
 
@@ -310,9 +405,10 @@ class Worker:
         self._conn: socket.socket | None = None
         self.requests = 0
         self.restores = 0
+        self.generation = 0  # bumped when the process state changes in a way a snapshot must capture (swap)
         self.ops: dict[str, Callable[[protocol.Frame], tuple[dict[str, Any], list[memoryview]]]] = {
             "infer": self._op_infer,
-            "ping": lambda f: ({"pid": os.getpid(), "restores": self.restores}, []),
+            "ping": lambda f: ({"pid": os.getpid(), "restores": self.restores, "generation": self.generation}, []),
             "metadata": self._op_metadata,
             "stats": self._op_stats,
             "offload": lambda f: (self.backend.offload(), []),
@@ -394,7 +490,8 @@ class Worker:
             raise protocol.WorkerError("INVALID_ARGUMENT", f"swap: path {path!r} does not exist")
         start = time.perf_counter()
         self.backend.swap(path)
-        return {"seconds": time.perf_counter() - start}, []
+        self.generation += 1
+        return {"seconds": time.perf_counter() - start, "generation": self.generation}, []
 
     def handle(self, conn: socket.socket) -> bool:
         """Serve one frame; False when the connection is gone or the worker paused for a checkpoint."""
@@ -432,6 +529,7 @@ class Worker:
         """
         for conn in list(self.conns):
             self.close_conn(conn)
+        self.backend.drop_host_copy()
         done = self.signal_dir / RESTORE_COMPLETE
         (self.signal_dir / READY_FOR_CHECKPOINT).write_text(str(os.getpid()))
         while not done.exists():
