@@ -182,6 +182,8 @@ class TorchBackend(Backend):
 
             torch.cuda.set_device(self.device)
             torch.cuda.init()
+            torch.empty(1, device=self.device)  # make the primary context current on this thread
+        if self.device.type == "cuda" and os.environ.get("VOLGA_VMM", "1") != "0":
             try:
                 self.vmm = vmm.Arena(self.nbytes, self.device.index or 0)
             except (OSError, vmm.VmmError) as exc:
