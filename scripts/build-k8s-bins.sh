@@ -29,7 +29,7 @@ die() { printf '[build-k8s-bins] ERROR: %s\n' "$*" >&2; exit 1; }
 command -v go >/dev/null || die "go is not on PATH (Go >= 1.24 is needed)"
 mkdir -p "$DEST"
 DEST="$(cd "$DEST" && pwd)"
-WORK="$(mktemp -d "${TMPDIR:-/tmp}/volga-k8s-build.XXXXXX")"
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/volga-build-k8s-bins.XXXXXX")"
 trap 'rm -rf "$WORK"' EXIT
 # Static binaries, no C toolchain needed; -mod=mod lets the wrapper modules resolve their requirements.
 export CGO_ENABLED=0
@@ -76,7 +76,8 @@ k8s_wrapper() {
   [[ -f "$dir/go.mod" ]] && { echo "$dir"; return; }
   mkdir -p "$dir"
   log "downloading k8s.io/kubernetes@$K8S_VERSION to read its replace block"
-  (cd "$dir" && go mod download k8s.io/kubernetes@"$K8S_VERSION") >&2 || die "go mod download k8s.io/kubernetes@$K8S_VERSION failed"
+  (cd "$dir" && go mod download "k8s.io/kubernetes@$K8S_VERSION") >&2 ||
+    die "go mod download k8s.io/kubernetes@$K8S_VERSION failed (is the Go module proxy reachable?)"
   modcache="$(go env GOMODCACHE)/k8s.io/kubernetes@$K8S_VERSION"
   [[ -f "$modcache/go.mod" ]] || die "no go.mod at $modcache"
   {
@@ -94,8 +95,16 @@ k8s_wrapper() {
   } >"$dir/go.mod"
   grep -q "k8s.io/client-go =>" "$dir/go.mod" || die "could not read the staging replace block of $modcache/go.mod"
   # A tools file makes `go mod tidy` resolve what the commands import; the build tag keeps it out of any build.
-  printf '//go:build tools\n\npackage tools\n\nimport (\n\t_ "k8s.io/kubernetes/cmd/kube-apiserver"\n\t_ "k8s.io/kubernetes/cmd/kubectl"\n)\n' \
-    >"$dir/tools.go"
+  cat >"$dir/tools.go" <<'GO'
+//go:build tools
+
+package tools
+
+import (
+	_ "k8s.io/kubernetes/cmd/kube-apiserver"
+	_ "k8s.io/kubernetes/cmd/kubectl"
+)
+GO
   log "resolving the wrapper module ($(grep -c ' => ' "$dir/go.mod") staging modules pinned to $staging_version)"
   (cd "$dir" && "${NICE[@]}" go mod tidy) >&2 || die "go mod tidy of the k8s.io/kubernetes wrapper failed"
   echo "$dir"
@@ -128,8 +137,17 @@ build_etcd() {
   # etcd publishes no installable main module for the server, so a two-line main calls etcdmain.
   printf 'module volga.local/etcd-build\n\ngo 1.24.0\n\nrequire go.etcd.io/etcd/server/v3 %s\n' "$ETCD_VERSION" \
     >"$dir/go.mod"
-  printf 'package main\n\nimport (\n\t"os"\n\n\t"go.etcd.io/etcd/server/v3/etcdmain"\n)\n\nfunc main() { etcdmain.Main(os.Args) }\n' \
-    >"$dir/main.go"
+  cat >"$dir/main.go" <<'GO'
+package main
+
+import (
+	"os"
+
+	"go.etcd.io/etcd/server/v3/etcdmain"
+)
+
+func main() { etcdmain.Main(os.Args) }
+GO
   log "go build go.etcd.io/etcd/server/v3/etcdmain@$ETCD_VERSION -> $DEST/etcd"
   (cd "$dir" && "${NICE[@]}" go mod tidy && "${NICE[@]}" go build -trimpath -ldflags '-s -w' -o "$DEST/etcd.tmp" .) ||
     die "building etcd failed"
@@ -157,10 +175,12 @@ build_one() {
     kwok) go_install kwok sigs.k8s.io/kwok/cmd/kwok "$KWOK_VERSION"
           source="sigs.k8s.io/kwok"; version="$KWOK_VERSION" ;;
     # helm's own version variable holds only "v3.Y" unless the release ldflags set it.
-    helm) go_install helm helm.sh/helm/v3/cmd/helm "$HELM_VERSION" "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
+    helm) go_install helm helm.sh/helm/v3/cmd/helm "$HELM_VERSION" \
+            "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
           source="helm.sh/helm/v3"; version="$HELM_VERSION" ;;
   esac
-  is_built "$name" || die "$name was built but '$DEST/$name $(version_cmd "$name")' does not report $(wanted_version "$name")"
+  is_built "$name" ||
+    die "$name was built but '$DEST/$name $(version_cmd "$name")' does not report $(wanted_version "$name")"
   record_version "$name" "$version" "$source" "$((SECONDS - start))"
   log "$name: built in $((SECONDS - start))s, $(du -h "$DEST/$name" | cut -f1)"
 }

