@@ -1,8 +1,8 @@
-"""pytest fixtures for a real control plane (see k8s_env). A test module enables them with
+"""pytest fixtures for a real control plane (see volga_operator.testing). A test module enables them with
 
     pytest_plugins = ["k8s_fixtures"]
 
-(tests/ is on sys.path through tests/conftest.py, so the plugin and k8s_env import as top-level modules).
+(tests/ is on sys.path through tests/conftest.py, so the plugin imports as a top-level module).
 Missing binaries FAIL the test rather than skip it: CI builds them with scripts/build-k8s-bins.sh.
 """
 
@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from k8s_env import ControlPlane, ControlPlaneError, MissingBinariesError
 from kubernetes import client as k8s_client
+
+from volga_operator.testing import ControlPlane, ControlPlaneError, MissingBinariesError
 
 
 @pytest.fixture(scope="session")

@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import yaml
-from k8s_env import ControlPlane
 from kubernetes import client as k8s
 
 from volga_agent import defaultmodel
 from volga_agent.worker import runtime
+from volga_operator.testing import ControlPlane
 
 pytest_plugins = ["k8s_fixtures"]
 pytestmark = [pytest.mark.k8s, pytest.mark.integration, pytest.mark.slow]

@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 import urllib3
-from k8s_env import ControlPlane, eventually
 from kubernetes import client as k8s_client
 from kubernetes.client import V1ClusterRole, V1ConfigMap, V1Namespace, V1ObjectMeta, V1PolicyRule
 from kubernetes.client.exceptions import ApiException
+
+from volga_operator.testing import ControlPlane, eventually
 
 pytest_plugins = ["k8s_fixtures"]
 pytestmark = [pytest.mark.k8s]

@@ -24,11 +24,11 @@ from typing import Any
 import pytest
 import tritonclient.grpc as grpcclient
 import yaml
-from k8s_env import free_ports
 
 from volga_agent import defaultmodel, demo, local
 from volga_agent.worker import runtime
 from volga_operator import api
+from volga_operator.testing import free_ports
 
 # tritonclient's __del__ may warn from whichever thread collects it.
 pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
