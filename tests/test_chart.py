@@ -2,9 +2,8 @@
 
 Rendered with the real helm (scripts/build-k8s-bins.sh builds it), linted with the real hadolint and promtool, and
 installed into the real test API server (etcd + kube-apiserver with RBAC on, volga_operator/testing.py), where
-the agent's
-and the operator's ServiceAccounts are asked what they may do. Nothing is skipped: a missing tool fails the test
-with the command that installs it.
+the agent's and the operator's ServiceAccounts are asked what they may do. Nothing is skipped: a missing tool fails
+the test with the command that installs it.
 """
 
 from __future__ import annotations
