@@ -202,6 +202,19 @@ def cmd_bench_gateway(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_scale(args: argparse.Namespace) -> int:
+    from volga_operator import scale
+
+    show = _progress(args.json)
+    report = scale.run(args.nodes, args.modelspecs, args.writes_per_sec, progress=show)  # type: ignore[arg-type]
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2) if args.json else
+          f"{report['modelspecs']} ModelSpecs on {report['nodes']} nodes: converged in {report['converge_s']} s, "
+          f"peak {report['peak_writes_per_s']} writes/s (limit {report['write_limit_per_s']:g})")
+    return 0 if report["peak_writes_per_s"] <= report["write_limit_per_s"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="volga", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -254,6 +267,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--out")
     p.set_defaults(func=cmd_bench_gateway)
+
+    p = bench.add_parser("scale", help="the operator on a real API server with kwok nodes and many ModelSpecs")
+    p.add_argument("--nodes", type=int, default=200)
+    p.add_argument("--modelspecs", type=int, default=1000)
+    p.add_argument("--writes-per-sec", type=float, default=200.0, help="the operator's API write limit")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--out")
+    p.set_defaults(func=cmd_bench_scale)
     return parser
 
 
