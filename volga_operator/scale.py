@@ -25,7 +25,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from kubernetes import client as k8s
 
@@ -88,7 +88,7 @@ def run(nodes: int = 200, modelspecs: int = 1000, writes_per_sec: float = 200.0,
         client = cp.api_client()
         ext = k8s.ApiextensionsV1Api(client)
         for crd in crds.all_crds().values():
-            ext.create_custom_resource_definition(crd)
+            ext.create_custom_resource_definition(crd)  # type: ignore[arg-type]
         env = {**os.environ, "KUBECONFIG": str(cp.kubeconfig)}
         kwok = testing.bin_dir() / "kwok"
         progress(f"starting kwok and {nodes} fake GPU nodes")
@@ -105,8 +105,8 @@ def run(nodes: int = 200, modelspecs: int = 1000, writes_per_sec: float = 200.0,
 
         def ready_nodes() -> int:
             items = core.list_node().items
-            return sum(any(c.type == "Ready" and c.status == "True" for c in (n.status.conditions or []))
-                       for n in items)
+            conditions = [(n.status.conditions if n.status else None) or [] for n in items]
+            return sum(any(c.type == "Ready" and c.status == "True" for c in cs) for cs in conditions)
 
         kwok_ready = testing.eventually(lambda: ready_nodes() == nodes, timeout=180,
                                         what=f"kwok to mark {nodes} nodes Ready")
@@ -141,7 +141,8 @@ def run(nodes: int = 200, modelspecs: int = 1000, writes_per_sec: float = 200.0,
         want_emis = 2
 
         def converged() -> bool:
-            items = custom.list_namespaced_custom_object(api.GROUP, api.VERSION, "default", "modelspecs")["items"]
+            items = cast(dict[str, Any], custom.list_namespaced_custom_object(
+                api.GROUP, api.VERSION, "default", "modelspecs"))["items"]
             done = sum(1 for m in items if m.get("status", {}).get("observedGeneration") == m["metadata"]["generation"]
                        and m["status"].get("instances") == want_emis)
             progress(f"converged {done}/{modelspecs}")
@@ -149,8 +150,8 @@ def run(nodes: int = 200, modelspecs: int = 1000, writes_per_sec: float = 200.0,
 
         testing.eventually(converged, timeout=timeout, what="every ModelSpec to have its EMIs and status")
         converge_s = time.monotonic() - start
-        emis = len(custom.list_namespaced_custom_object(api.GROUP, api.VERSION, "default",
-                                                        "executablemodelinstances")["items"])
+        emis = len(cast(dict[str, Any], custom.list_namespaced_custom_object(
+            api.GROUP, api.VERSION, "default", "executablemodelinstances"))["items"])
         time.sleep(2.0)  # one more sample after the last write
         stop.set()
         sampler.join()

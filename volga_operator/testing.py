@@ -431,7 +431,7 @@ class ControlPlane:
     def api_client(self, kubeconfig: pathlib.Path | None = None) -> k8s_client.ApiClient:
         """A kubernetes.client.ApiClient for the admin kubeconfig (or another); close() it when done."""
         path = str(kubeconfig or self.kubeconfig)
-        api: k8s_client.ApiClient = k8s_config.new_client_from_config(  # type: ignore[no-untyped-call]
+        api: k8s_client.ApiClient = k8s_config.new_client_from_config(
             config_file=path, persist_config=False
         )
         return api
