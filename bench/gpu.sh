@@ -22,11 +22,12 @@ uname -r | tee -a "$out/gpu-machine.txt"
 "${VOLGA_CRIU:-criu}" check 2>&1 | tail -1 | tee -a "$out/gpu-machine.txt"
 
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  python3 -m pytest -m gpu -p no:cacheprovider -q tests/test_gpu.py 2>&1 | tee "$out/gpu-tests.log"
+  python3 -m pytest -m gpu -p no:cacheprovider -q tests/test_gpu.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 |
+    tee "$out/gpu-tests.log"
 fi
 # bench/gpu.sh SIZES [NAME]: e.g. "0.1,2" small; N wakes per tier, COLD_N cold starts, BURST instances.
 sizes=${1:-0.5}
 name=${2:-tiers-gpu}
 python3 -m volga_agent.cli bench tiers --gpu --sizes "$sizes" -n "${N:-20}" --cold-n "${COLD_N:-10}" \
-  --burst "${BURST:-0}" --out "$out/$name.json" 2>"$out/$name.log"
+  --burst "${BURST:-0}" --tiers "${TIERS:-warm,suspended,frozen}" --out "$out/$name.json" 2>"$out/$name.log"
 tail -3 "$out/$name.log"

@@ -175,7 +175,7 @@ def gpu_suite(args: argparse.Namespace, models: pathlib.Path, run: pathlib.Path,
     for gib in [float(x) for x in args.sizes.split(",")]:
         spec = bench.build_torch_mlp(models / f"mlp-{gib:g}gib" / "model.pt", gib)
         report["sizes"][f"{gib:g}"] = bench.bench_tiers(
-            spec, run / f"w{gib:g}", default_snapshot_dir() / "bench", [Tier.WARM, Tier.SUSPENDED, Tier.FROZEN],
+            spec, run / f"w{gib:g}", default_snapshot_dir() / "bench", [Tier(t.upper()) for t in args.tiers.split(",")],
             args.n, "cuda:0", cold_n=args.cold_n, progress=show)
     if args.burst:
         specs = [bench.build_torch_mlp(models / f"burst-{k}" / "model.pt", 0.0625, seed=k, cuda_graphs=False)
@@ -253,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sizes", default="0.5", help="GPU model weights in GiB, comma-separated (with --gpu)")
     p.add_argument("--cold-n", type=int, help="cold starts (default: -n)")
     p.add_argument("--burst", type=int, default=0, help="also wake this many SUSPENDED models at once (with --gpu)")
+    p.add_argument("--tiers", default="warm,suspended,frozen", help="tiers to wake from (with --gpu)")
     p.add_argument("--models", help="where models are built")
     p.add_argument("-n", type=int, default=10, help="wakes per tier (and cold starts)")
     p.add_argument("--json", action="store_true", help="print the JSON report")

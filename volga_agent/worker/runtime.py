@@ -304,8 +304,12 @@ class TorchBackend(Backend):
             return {"nbytes": self.nbytes, "already": True}
         start = time.perf_counter()
         if self.vmm is not None:
-            self.vmm.map()
-            self.arena.copy_(self.host, non_blocking=True)
+            for index in range(len(self.vmm.chunks)):
+                # Map chunk i+1 on the CPU while the copy engine fills chunk i.
+                offset, size = self.vmm.map_chunk(index)
+                end = min(offset + size, self.nbytes)
+                if offset < end:
+                    self.arena[offset:end].copy_(self.host[offset:end], non_blocking=True)
         else:
             arena = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
             arena.copy_(self.host, non_blocking=True)
