@@ -16,8 +16,14 @@ GIB = 2**30
 
 
 def load(paths: list[str]) -> tuple[list[tuple[float, dict[str, Any]]], dict[str, float], dict[str, Any] | None]:
-    """Points (GiB, size report with the copy limits of its own run), the slowest run's limits, the burst."""
-    points, limits, burst = [], {}, None
+    """Points (GiB, size report with the copy limits of its run), the slowest run's limits, the burst.
+
+    Several files may measure the same size: a tier measured again (as many or more wakes) in a file named
+    later replaces the earlier measurement, together with that file's copy limits.
+    """
+    merged: dict[int, dict[str, Any]] = {}
+    limits: dict[str, float] = {}
+    burst = None
     for path in paths:
         report = json.loads(pathlib.Path(path).read_text())
         own = report.get("copy_limits") or {}
@@ -25,7 +31,13 @@ def load(paths: list[str]) -> tuple[list[tuple[float, dict[str, Any]]], dict[str
             limits = own
         burst = report.get("burst") or burst
         for size in report["sizes"].values():
-            points.append((size["model"]["weights_bytes"] / GIB, {**size, "copy_limits": own}))
+            key = size["model"]["weights_bytes"]
+            entry = merged.setdefault(key, {**size, "tiers": {}, "limits_of": {}})
+            for tier, result in size["tiers"].items():
+                if tier not in entry["tiers"] or result["n"] >= entry["tiers"][tier]["n"]:
+                    entry["tiers"][tier] = result
+                    entry["limits_of"][tier] = own
+    points = [(key / GIB, entry) for key, entry in merged.items()]
     return sorted(points, key=lambda p: p[0]), limits, burst
 
 
@@ -33,11 +45,11 @@ def table(points: list[tuple[float, dict[str, Any]]]) -> str:
     rows = ["| weights | pinned copy limit (that run) | tier | p50 ms | p99 ms | n | p99 / copy limit | vs cold p50 |",
             "|---|---|---|---|---|---|---|---|"]
     for gib, size in points:
-        pinned = size["copy_limits"].get("pinned_h2d_gbps", 0.0)
-        limit_ms = gib * GIB / (pinned * 1e9) * 1e3 if pinned else float("nan")
         cold = size["tiers"]["cold"]["p50_ms"]
         for tier in TIERS:
             r = size["tiers"][tier]
+            pinned = size["limits_of"][tier].get("pinned_h2d_gbps", 0.0)
+            limit_ms = gib * GIB / (pinned * 1e9) * 1e3 if pinned else float("nan")
             rows.append(f"| {gib:.2f} GiB | {limit_ms:.1f} ms ({pinned:g} GB/s) | {tier.upper()} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} "
                         f"| {r['n']} | {r['p99_ms'] / limit_ms:.1f}x | {cold / r['p50_ms']:.1f}x |")
     return "\n".join(rows)
@@ -45,6 +57,7 @@ def table(points: list[tuple[float, dict[str, Any]]]) -> str:
 
 def plot(points: list[tuple[float, dict[str, Any]]], limits: dict[str, float], out: pathlib.Path) -> None:
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -63,6 +76,8 @@ def plot(points: list[tuple[float, dict[str, Any]]], limits: dict[str, float], o
                     label=f"{kind} H2D copy limit ({rate:g} GB/s, slowest run)")
     ax.set_xscale("log")
     ax.set_yscale("log")
+    ax.set_xticks(sizes, [f"{g:.2g}" for g in sizes])
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax.set_xlabel("model weights (GiB)")
     ax.set_ylabel("wake -> first answer (ms); band: p50..p99")
     ax.set_title("Volga tiers on one NVIDIA H200")
