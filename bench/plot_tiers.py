@@ -42,7 +42,8 @@ def load(paths: list[str]) -> tuple[list[tuple[float, dict[str, Any]]], dict[str
 
 
 def table(points: list[tuple[float, dict[str, Any]]]) -> str:
-    rows = ["| weights | pinned copy limit (that run) | tier | p50 ms | p99 ms | n | p99 / copy limit | vs cold p50 |",
+    rows = ["| weights | pinned copy limit (that run) | tier | p50 ms | p99 ms | n | p99 / copy limit "
+            "| vs cold p50 |",
             "|---|---|---|---|---|---|---|---|"]
     for gib, size in points:
         cold = size["tiers"]["cold"]["p50_ms"]
