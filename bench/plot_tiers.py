@@ -51,7 +51,8 @@ def table(points: list[tuple[float, dict[str, Any]]]) -> str:
             r = size["tiers"][tier]
             pinned = size["limits_of"][tier].get("pinned_h2d_gbps", 0.0)
             limit_ms = gib * GIB / (pinned * 1e9) * 1e3 if pinned else float("nan")
-            rows.append(f"| {gib:.2f} GiB | {limit_ms:.1f} ms ({pinned:g} GB/s) | {tier.upper()} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} "
+            rows.append(f"| {gib:.2f} GiB | {limit_ms:.1f} ms ({pinned:g} GB/s) | {tier.upper()} "
+                        f"| {r['p50_ms']:.1f} | {r['p99_ms']:.1f} "
                         f"| {r['n']} | {r['p99_ms'] / limit_ms:.1f}x | {cold / r['p50_ms']:.1f}x |")
     return "\n".join(rows)
 
