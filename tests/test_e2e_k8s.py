@@ -21,7 +21,7 @@ import tritonclient.grpc as grpcclient
 import yaml
 from kubernetes import client as k8s
 
-from volga_agent import defaultmodel
+from volga_agent import defaultmodel, demo
 from volga_agent.worker import runtime
 from volga_operator.testing import ControlPlane
 
@@ -144,12 +144,7 @@ def ready(obj: dict[str, Any]) -> bool:
 def request(grpc: str, model: str, seed: int = 5) -> np.ndarray:
     decls = tuple(runtime.TensorDecl(t.name, t.dtype.value, tuple(t.shape))
                   for t in defaultmodel.ensure().spec.inputs)
-    x = runtime.sample_inputs(decls, batch=4, seed=seed)
-    inputs = []
-    for d in decls:
-        item = grpcclient.InferInput(d.name, list(x[d.name].shape), d.dtype)
-        item.set_data_from_numpy(x[d.name])
-        inputs.append(item)
+    inputs = demo.triton_inputs(decls, runtime.sample_inputs(decls, batch=4, seed=seed))
     client = grpcclient.InferenceServerClient(grpc)
     try:
         return client.infer("ignored", inputs, headers={"x-model-id": model}, client_timeout=120).as_numpy(

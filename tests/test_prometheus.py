@@ -141,7 +141,7 @@ def test_prometheus_sees_the_restores_performed(up: local.Embedded, prometheus: 
     model = defaultmodel.MODEL_ID
     name = up.pool.instances(model)[0].name
     decls = up.gateway.catalog.decls(model)
-    inputs = demo.grpc_inputs(decls, runtime.sample_inputs(decls, batch=4, seed=5))
+    inputs = demo.triton_inputs(decls, runtime.sample_inputs(decls, batch=4, seed=5))
     registry = up.agent_metrics.registry
     frozen = {"tier": api.Tier.FROZEN.value, "model": model}
     client = grpcclient.InferenceServerClient(up.endpoints()["grpc"])

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from volga_agent import bench_gateway, defaultmodel
+from volga_agent import bench_gateway, defaultmodel, demo
 from volga_agent.worker import runtime
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -39,11 +39,7 @@ def test_up_serves_and_stops_cleanly_on_sigterm(tmp_path: pathlib.Path) -> None:
         client = httpclient.InferenceServerClient(up.endpoints["http"].removeprefix("http://"))
         decls = tuple(runtime.TensorDecl(t.name, t.dtype.value, tuple(t.shape)) for t in spec.inputs)
         x = runtime.sample_inputs(decls, batch=3, seed=4)
-        inputs = []
-        for d in decls:
-            item = httpclient.InferInput(d.name, list(x[d.name].shape), d.dtype)
-            item.set_data_from_numpy(x[d.name])
-            inputs.append(item)
+        inputs = demo.triton_inputs(decls, x, httpclient)
         out = client.infer(spec.model_id, inputs).as_numpy("probability")
         assert out.shape == (3, 1) and np.all((out > 0) & (out < 1))
         client.close()

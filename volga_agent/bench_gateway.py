@@ -27,7 +27,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from volga_agent import bench, defaultmodel
+from volga_agent import bench, defaultmodel, demo
 from volga_agent.rpc.volga.v1 import agent_pb2, agent_pb2_grpc
 from volga_agent.worker import protocol, runtime
 
@@ -113,11 +113,7 @@ def run(rate: float = 500.0, seconds: float = 4.0, rounds: int = 3, protocol_nam
         else:
             gclient = httpclient.InferenceServerClient(ep["http"].removeprefix("http://"))
             module = httpclient
-        inputs = []
-        for decl in decls:
-            item = module.InferInput(decl.name, list(arrays[decl.name].shape), decl.dtype)
-            item.set_data_from_numpy(arrays[decl.name])
-            inputs.append(item)
+        inputs = demo.triton_inputs(decls, arrays, module)
         direct = protocol.WorkerClient(socket_path)
         reference = direct.infer(arrays)["probability"]
         mismatches = 0

@@ -30,6 +30,15 @@ from volga_operator import api, planner
 log = logging.getLogger("volga")
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if bool(args.file) == args.kube:
+        parser.error("give either -f FILES (static) or --kube (cluster mode)")
+    return args
+
+
 def _specs(files: list[str]) -> list[api.ModelSpec]:
     specs: list[api.ModelSpec] = []
     for target in files:
@@ -82,11 +91,7 @@ def agent_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--snapshot-dir", default=os.environ.get("VOLGA_SNAPSHOT_DIR", "/dev/shm/volga"))
     parser.add_argument("--settings", help="YAML/JSON file of agent settings (DESIGN.md section 6 names)")
     parser.add_argument("-v", "--verbose", action="store_true")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if bool(args.file) == args.kube:
-        parser.error("give either -f FILES (static) or --kube (cluster mode)")
+    args = _parse(parser, argv)
     settings = policy.Settings()
     if args.settings:
         import yaml
@@ -137,11 +142,7 @@ def gateway_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--metrics-port", type=int, default=8002)
     parser.add_argument("--cache-ttl-sec", type=float, default=60.0)
     parser.add_argument("-v", "--verbose", action="store_true")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if bool(args.file) == args.kube:
-        parser.error("give either -f FILES (static) or --kube (cluster mode)")
+    args = _parse(parser, argv)
 
     async def main() -> None:
         catalog = gateway_server.Catalog()

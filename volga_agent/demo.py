@@ -53,12 +53,16 @@ async def _make(specs: list[api.ModelSpec], options: local.Options) -> local.Emb
     return local.Embedded(specs, options)
 
 
-def grpc_inputs(decls: tuple[runtime.TensorDecl, ...], arrays: dict[str, np.ndarray]) -> list[Any]:
-    import tritonclient.grpc as grpcclient
+def triton_inputs(decls: tuple[runtime.TensorDecl, ...], arrays: dict[str, np.ndarray],
+                  client_module: Any = None) -> list[Any]:
+    """tritonclient InferInputs for the arrays (`client_module`: tritonclient.grpc (default) or .http)."""
+    if client_module is None:
+        import tritonclient.grpc
 
+        client_module = tritonclient.grpc
     out = []
     for decl in decls:
-        item = grpcclient.InferInput(decl.name, list(arrays[decl.name].shape), decl.dtype)
+        item = client_module.InferInput(decl.name, list(arrays[decl.name].shape), decl.dtype)
         item.set_data_from_numpy(arrays[decl.name])
         out.append(item)
     return out
@@ -88,7 +92,7 @@ def run(cycles: int = 5, requests: int = 300, say: Callable[[str], None] = print
         def ask() -> float:
             nonlocal reference, same
             start = time.perf_counter()
-            result = client.infer(model, grpc_inputs(decls, arrays), headers=headers)
+            result = client.infer(model, triton_inputs(decls, arrays), headers=headers)
             elapsed = time.perf_counter() - start
             out = result.as_numpy("probability")
             if reference is None:
