@@ -29,5 +29,5 @@ fi
 sizes=${1:-0.5}
 name=${2:-tiers-gpu}
 python3 -m volga_agent.cli bench tiers --gpu --sizes "$sizes" -n "${N:-20}" --cold-n "${COLD_N:-10}" \
-  --burst "${BURST:-0}" --tiers "${TIERS:-warm,suspended,frozen}" --out "$out/$name.json" 2>"$out/$name.log"
+  --burst "${BURST:-0}" --tiers "${TIERS:-warm,suspended,frozen}" ${LAZY:+--lazy} --out "$out/$name.json" 2>"$out/$name.log"
 tail -3 "$out/$name.log"

@@ -161,3 +161,22 @@ def test_fresh_image_is_reused_until_the_worker_changes(default_spec: api.ModelS
         assert np.array_equal(inst.infer(x)["probability"], swapped)
     finally:
         inst.close()
+
+
+def test_lazy_restore_answers_the_same(default_spec: api.ModelSpecSpec, rundir: pathlib.Path,
+                                       criu_engine: criu.CriuEngine) -> None:
+    """CRIU lazy pages (userfaultfd): the restored worker pulls its pages on demand and answers the same."""
+    inst = instance.Instance("lazy", default_spec, rundir, criu_engine, lazy_restore=True)
+    try:
+        x = runtime.sample_inputs(inst.config.inputs, batch=16, seed=3)
+        inst.to(Tier.HOT)
+        reference = inst.infer(x)["probability"]
+        for _ in range(3):
+            inst.to(Tier.FROZEN)
+            assert inst.image is not None
+            woke = inst.wake()
+            assert not woke.fallback, woke.detail
+            assert np.array_equal(inst.infer(x)["probability"], reference)
+            assert (inst.image.path / "lazy-pages.log").exists()
+    finally:
+        inst.close()

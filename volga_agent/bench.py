@@ -66,7 +66,7 @@ class TierRun:
 
 def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pathlib.Path,
                 tiers: Sequence[Tier], n: int, device: str = "cpu", batch: int = 8, cold_n: int | None = None,
-                progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+                lazy: bool = False, progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """Cold starts, then `n` wakes from each tier, every answer compared with the first cold start's.
 
     FROZEN is dumped once and then restored `n` times from that image (the worker does not change between
@@ -79,8 +79,13 @@ def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pa
     inputs = runtime.sample_inputs(inst.config.inputs, batch=batch, seed=1)
     gpu_index = int(device.partition(":")[2] or 0) if device.startswith("cuda") else None
     reference: dict[str, np.ndarray] | None = None
-    runs = {Tier.COLD: TierRun(), **{t: TierRun() for t in tiers}}
+    runs: dict[Tier | str, TierRun] = {Tier.COLD: TierRun(), **{t: TierRun() for t in tiers}}
     cold_n = n if cold_n is None else cold_n
+    # With `lazy`, FROZEN is measured a second time with CRIU lazy pages, from the same image.
+    passes: list[tuple[Tier | str, Tier, bool]] = [(t, t, False) for t in tiers]
+    if lazy and Tier.FROZEN in tiers:
+        runs["frozen_lazy"] = TierRun()
+        passes.append(("frozen_lazy", Tier.FROZEN, True))
 
     def answer(run: TierRun) -> None:
         nonlocal reference
@@ -107,10 +112,11 @@ def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pa
             start = time.perf_counter()
             answer(hot)
             hot.wake_s.append(time.perf_counter() - start)
-        for tier in tiers:
-            run = runs[tier]
+        for label, tier, lazy_pages in passes:
+            run = runs[label]
+            inst.lazy_restore = lazy_pages
             for i in range(n):
-                progress(f"{spec.model_id}: {tier.value.lower()} wake {i + 1}/{n}")
+                progress(f"{spec.model_id}: {_name(label)} wake {i + 1}/{n}")
                 entered = inst.to(tier)
                 run.enter_s.append(entered.seconds)
                 if i == 0 and gpu_index is not None:
@@ -137,15 +143,19 @@ def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pa
                   "file_bytes": spec.source_path.stat().st_size, "weights_bytes": stats.get("weights_bytes"),
                   "load_seconds": stats.get("load_seconds"), "batch": batch,
                   "cuda_graphs": final.get("cuda_graphs"), "stable_addresses": final.get("stable_addresses")},
-        "tiers": {t.value.lower(): r.report() for t, r in runs.items()},
-        "speedup_vs_cold_p50": {t.value.lower(): round(cold_p50 / summarize(runs[t].wake_s)["p50_ms"], 2)
-                                for t in tiers},
+        "tiers": {_name(t): r.report() for t, r in runs.items()},
+        "speedup_vs_cold_p50": {_name(t): round(cold_p50 / summarize(r.wake_s)["p50_ms"], 2)
+                                for t, r in runs.items() if t not in (Tier.COLD, Tier.HOT)},
         "outputs_match": all(r.mismatches == 0 for r in runs.values()),
         "restore_fallbacks": sum(r.fallbacks for r in runs.values()),
         "criu": engine.version() if engine else None,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     return report
+
+
+def _name(tier: Tier | str) -> str:
+    return tier.value.lower() if isinstance(tier, Tier) else tier
 
 
 def copy_limits(gib: float = 1.0, repeats: int = 5) -> dict[str, float]:
@@ -259,10 +269,10 @@ def build_torch_mlp(path: pathlib.Path, weights_gib: float, width: int = 4096, s
 
 
 def format_table(report: dict[str, Any]) -> str:
-    rows = [f"{'tier':<10} {'p50 ms':>10} {'p99 ms':>10} {'n':>4} {'vs cold':>8}"]
+    rows = [f"{'tier':<12} {'p50 ms':>10} {'p99 ms':>10} {'n':>4} {'vs cold':>8}"]
     cold = report["tiers"]["cold"]["p50_ms"]
     for name, r in report["tiers"].items():
-        rows.append(f"{name:<10} {r['p50_ms']:>10.1f} {r['p99_ms']:>10.1f} {r['n']:>4} {cold / r['p50_ms']:>7.1f}x")
+        rows.append(f"{name:<12} {r['p50_ms']:>10.1f} {r['p99_ms']:>10.1f} {r['n']:>4} {cold / r['p50_ms']:>7.1f}x")
     return "\n".join(rows)
 
 

@@ -90,8 +90,10 @@ def load_specs(files: list[str] | None) -> list[api.ModelSpec]:
 def settings_from(args: argparse.Namespace) -> object:
     from volga_agent import policy
 
-    overrides = {k: v for k, v in {"hot_idle_sec": args.hot_idle_sec,
-                                   "scheduler_eviction_policy": args.eviction_policy}.items() if v is not None}
+    idle = args.idle_sec
+    overrides = {k: v for k, v in {"hot_idle_sec": idle, "warm_idle_sec": idle, "suspended_idle_sec": idle,
+                                   "scheduler_eviction_policy": args.eviction_policy,
+                                   "lazy_restore": args.lazy_restore or None}.items() if v is not None}
     return policy.Settings(**overrides)
 
 
@@ -142,7 +144,7 @@ def cmd_bench_tiers(args: argparse.Namespace) -> int:
         if not args.gpu:
             spec = defaultmodel.ensure(models).spec
             report = bench.bench_tiers(spec, pathlib.Path(run) / "w", default_snapshot_dir() / "bench",
-                                       [Tier.FROZEN], args.n, "cpu", cold_n=args.cold_n,
+                                       [Tier.FROZEN], args.n, "cpu", cold_n=args.cold_n, lazy=args.lazy,
                                        progress=show)  # type: ignore[arg-type]
         else:
             report = gpu_suite(args, models, pathlib.Path(run), show)  # type: ignore[arg-type]
@@ -176,7 +178,7 @@ def gpu_suite(args: argparse.Namespace, models: pathlib.Path, run: pathlib.Path,
         spec = bench.build_torch_mlp(models / f"mlp-{gib:g}gib" / "model.pt", gib)
         report["sizes"][f"{gib:g}"] = bench.bench_tiers(
             spec, run / f"w{gib:g}", default_snapshot_dir() / "bench", [Tier(t.upper()) for t in args.tiers.split(",")],
-            args.n, "cuda:0", cold_n=args.cold_n, progress=show)
+            args.n, "cuda:0", cold_n=args.cold_n, lazy=args.lazy, progress=show)
     if args.burst:
         specs = [bench.build_torch_mlp(models / f"burst-{k}" / "model.pt", 0.0625, seed=k, cuda_graphs=False)
                  for k in range(args.burst)]
@@ -237,7 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=8002)
     p.add_argument("--agent-port", type=int, default=8010, help="Agent gRPC API (-1: off)")
     p.add_argument("--snapshot-dir", help="where CRIU images go (default: a folder on /dev/shm)")
-    p.add_argument("--hot-idle-sec", type=float, help="idle seconds before a HOT instance goes down a tier")
+    p.add_argument("--idle-sec", type=float,
+                   help="idle seconds before an instance goes down a tier (on a CPU node: HOT -> FROZEN)")
+    p.add_argument("--lazy-restore", action="store_true", help="restore FROZEN images with CRIU lazy pages")
     p.add_argument("--eviction-policy", choices=["lru", "hybrid"])
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=cmd_up)
@@ -254,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cold-n", type=int, help="cold starts (default: -n)")
     p.add_argument("--burst", type=int, default=0, help="also wake this many SUSPENDED models at once (with --gpu)")
     p.add_argument("--tiers", default="warm,suspended,frozen", help="tiers to wake from (with --gpu)")
+    p.add_argument("--lazy", action="store_true", help="also time FROZEN wakes with CRIU lazy pages")
     p.add_argument("--models", help="where models are built")
     p.add_argument("-n", type=int, default=10, help="wakes per tier (and cold starts)")
     p.add_argument("--json", action="store_true", help="print the JSON report")

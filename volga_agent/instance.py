@@ -91,7 +91,7 @@ class Instance:
     def __init__(self, name: str, spec: api.ModelSpecSpec, workdir: str | pathlib.Path,
                  criu_engine: criu.CriuEngine | None, driver: cuda.DriverCheckpoint | None = None,
                  device: str = "cpu", start_timeout: float = 120.0, pid_namespace: bool | None = None,
-                 reuse_image_sec: float = 0.0) -> None:
+                 reuse_image_sec: float = 0.0, lazy_restore: bool = False) -> None:
         self.name = name
         self.spec = spec
         self.workdir = pathlib.Path(workdir)
@@ -114,6 +114,7 @@ class Instance:
         # An image younger than this, of a worker whose state has not changed since (same generation), is
         # still a faithful snapshot: freezing again just drops the process. 0 dumps on every freeze.
         self.reuse_image_sec = reuse_image_sec
+        self.lazy_restore = lazy_restore
         self._image_generation = -1
         self._image_taken = 0.0
         self.history: list[Transition] = []
@@ -359,7 +360,7 @@ class Instance:
             raise criu.CriuError(f"{self.name}: no image to restore")
         pathlib.Path(self.config.socket).unlink(missing_ok=True)
         (self.signals / runtime.RESTORE_COMPLETE).unlink(missing_ok=True)
-        restored = self.criu.restore(self.image)
+        restored = self.criu.restore(self.image, lazy=self.lazy_restore)
         self.pid = restored.pid
         return restored.pid
 

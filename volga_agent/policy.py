@@ -72,6 +72,8 @@ class Settings:
     host_memory_budget_bytes: int = 0
     gpu_memory_budget_bytes: int = 0
     snapshot_disk_budget_bytes: int = 0
+    # Restore FROZEN images with CRIU lazy pages (userfaultfd): the process runs before its memory is read.
+    lazy_restore: bool = False
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

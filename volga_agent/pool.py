@@ -153,7 +153,8 @@ class Pool:
                 try:
                     inst = instance.Instance(name, spec, self.workroot / name, self.criu,
                                              self.driver if device != "cpu" else None, device,
-                                             reuse_image_sec=self.settings.snapshot_interval_sec)
+                                             reuse_image_sec=self.settings.snapshot_interval_sec,
+                                             lazy_restore=self.settings.lazy_restore)
                 except (OSError, ValueError) as exc:
                     self.failed[name] = f"{type(exc).__name__}: {exc}"
                     log.error("%s: cannot create instance: %s", name, exc)

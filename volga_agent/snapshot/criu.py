@@ -19,6 +19,7 @@ import os
 import pathlib
 import shutil
 import subprocess
+import threading
 import time
 import uuid
 
@@ -108,19 +109,52 @@ class CriuEngine:
         os.rename(tmp, final)
         return Image(final, snapshot_id, _tree_size(final), seconds)
 
-    def restore(self, image: Image) -> Restored:
-        """Restore an image detached; the restored root is re-parented to our child subreaper."""
+    def restore(self, image: Image, lazy: bool = False) -> Restored:
+        """Restore an image detached; the restored root is re-parented to our child subreaper.
+
+        With `lazy`, a `criu lazy-pages` daemon serves the memory pages through userfaultfd: the process runs
+        as soon as its tree is rebuilt, pages arrive when first touched (and in the background), and the
+        daemon exits once every page is delivered.
+        """
         pidfile = image.path / "restore.pid"
         pidfile.unlink(missing_ok=True)
         args = [self.criu, "restore", "-D", str(image.path), "-o", "restore.log", "-v2", "--file-locks",
                 "--shell-job", "--restore-detached", "--pidfile", str(pidfile)]
         start = time.perf_counter()
+        daemon = self._lazy_pages(image) if lazy else None
+        if daemon is not None:
+            args.append("--lazy-pages")
         out = subprocess.run(args, capture_output=True, text=True, check=False)
         seconds = time.perf_counter() - start
         if out.returncode != 0:
+            if daemon is not None:
+                daemon.kill()
+                daemon.wait()
             raise CriuError(f"criu restore of {image.path} failed (exit {out.returncode}):\n"
                             f"{_log_tail(image.path / 'restore.log')}")
+        if daemon is not None:
+            threading.Thread(target=daemon.wait, name="lazy-pages-reaper", daemon=True).start()
         return Restored(int(pidfile.read_text().strip()), seconds)
+
+    def _lazy_pages(self, image: Image) -> subprocess.Popen[bytes]:
+        """Start the page server of a lazy restore and wait until it listens (its --status-fd says so)."""
+        (image.path / "lazy-pages.socket").unlink(missing_ok=True)
+        ready, status = os.pipe()
+        try:
+            daemon = subprocess.Popen([self.criu, "lazy-pages", "-D", str(image.path), "-o", "lazy-pages.log", "-v2",
+                                       "--status-fd", str(status)], pass_fds=[status],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            os.close(status)
+            status = -1
+            if not os.read(ready, 1):
+                daemon.wait()
+                raise CriuError(f"criu lazy-pages for {image.path} did not start:\n"
+                                f"{_log_tail(image.path / 'lazy-pages.log')}")
+            return daemon
+        finally:
+            os.close(ready)
+            if status >= 0:
+                os.close(status)
 
     def remove(self, image: Image) -> None:
         shutil.rmtree(image.path, ignore_errors=True)
