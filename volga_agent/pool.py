@@ -230,7 +230,7 @@ class Pool:
             if transition.fallback:
                 self.metrics.restore_failures.labels(source.value, model).inc()
                 self.breaker.record_failure(model, time.monotonic())
-                self.metrics.circuit_open.labels(model).set(int(self.breaker.is_open(model, time.monotonic())))
+                self._publish_breaker(model, time.monotonic())
             else:
                 self.metrics.restore_latency.labels(source.value, model).observe(ms)
                 self.breaker.record_success(model)
@@ -425,7 +425,11 @@ class Pool:
         self.metrics.snapshot_bytes.set(sum(s.inst.image.size_bytes for s in list(self.slots.values())
                                             if s.inst.image))
         for model in {s.inst.spec.model_id for s in list(self.slots.values())}:
-            self.metrics.circuit_open.labels(model).set(int(self.breaker.is_open(model, now)))
+            self._publish_breaker(model, now)
+
+    def _publish_breaker(self, model: str, now: float) -> None:
+        # state(), not is_open(): reading must not use up the one attempt a half-open breaker allows.
+        self.metrics.circuit_open.labels(model).set(int(self.breaker.state(model, now) is policy.BreakerState.OPEN))
 
     def start(self, interval: float = 1.0) -> None:
         def loop() -> None:
