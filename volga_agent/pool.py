@@ -94,6 +94,7 @@ class Slot:
     last_wake_ms: float = 0.0
     reason: str = ""
     requests_seen: int = 0
+    gpu_bytes: int = 0  # what the worker last said it holds on the GPU while HOT
     last_used_unix: float = 0.0
     removed: bool = False
 
@@ -346,8 +347,8 @@ class Pool:
         for slot in list(self.slots.values()):
             inst = slot.inst
             host = _rss(inst.pid) if inst.pid is not None else 0
-            weights = inst.spec.source_path.stat().st_size if inst.spec.source_path.exists() else 0
-            gpu_bytes = weights if inst.device.startswith("cuda") and inst.tier == Tier.HOT else 0
+            # WARM keeps only the context and SUSPENDED nothing; the context is left out of the estimate.
+            gpu_bytes = slot.gpu_bytes if inst.tier == Tier.HOT else 0
             views.append(policy.InstanceView(
                 name=inst.name, model_id=inst.spec.model_id, tier=inst.tier,
                 gpu=inst.device.startswith("cuda") and inst.driver is not None, last_used=inst.last_used,
@@ -381,10 +382,12 @@ class Pool:
                     return
                 if inst.tier == Tier.HOT:
                     try:
-                        seen = int(inst.client().call("stats").header.get("requests", 0))
+                        stats = inst.client().call("stats").header
                     except (OSError, protocol.ProtocolError, protocol.WorkerError):
                         inst._disconnect()
                         return
+                    seen = int(stats.get("requests", 0))
+                    slot.gpu_bytes = int(stats.get("gpu_allocated_bytes", 0))
                     if seen != slot.requests_seen:
                         slot.requests_seen = seen
                         inst.last_used = time.monotonic()
