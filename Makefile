@@ -35,7 +35,8 @@ crds: $(VENV)/.installed
 	$(PY) -m volga_operator.crds --out crds
 	$(PY) -m volga_operator.crds --out charts/volga/crds
 
-demo: setup
+# The demo needs only the venv and CRIU (no Kubernetes binaries).
+demo: $(VENV)/.installed criu
 	$(VENV)/bin/volga demo
 
 test: setup lint

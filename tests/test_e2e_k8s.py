@@ -20,6 +20,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import yaml
 from kubernetes import client as k8s
+from tritonclient.utils import InferenceServerException
 
 from volga_agent import defaultmodel, demo
 from volga_agent.worker import runtime
@@ -100,8 +101,8 @@ def cluster(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactor
                                       "--metrics-port", "0", "--workdir", f"/tmp/vw-{node}",
                                       "--snapshot-dir", str(snapshots[node])], env, folder, "volga-agent")
     agent_a = f"127.0.0.1:{daemons['node-a'].port('Agent API')}"
-    daemons["gateway"] = Daemon("gateway", [py, "-c", "import sys; from volga_agent import daemons; "
-                                            "sys.exit(daemons.gateway_main())", "--kube", "--agent", agent_a,
+    gateway = str(pathlib.Path(py).with_name("volga-gateway"))  # the console script, as the image runs it
+    daemons["gateway"] = Daemon("gateway", [gateway, "--kube", "--agent", agent_a, "--node", "node-a",
                                             "--host", "127.0.0.1", "--http-port", "0", "--grpc-port", "0",
                                             "--metrics-port", "0"], env, folder, "volga-gateway")
     yield {"api": api, "daemons": daemons, "snapshots": snapshots, "folder": folder,
@@ -185,6 +186,10 @@ def test_apply_wake_outage_delete(control_plane: ControlPlane, cluster: dict[str
     assert re.search(r"ctr-e2e\s+ctr-e2e\s+onnx\s+True\s+0\s+2", table), table
     assert re.search(r"ctr-e2e-0\s+ctr-e2e\s+node-\w\s+FROZEN\s+FROZEN\s+True", table), table
 
+    # The gateway's routing table (ModelSpec + EMI watches) says the model is ready on its node.
+    gateway = grpcclient.InferenceServerClient(cluster["grpc"])
+    assert wait_for("model ready at the gateway", lambda: gateway.is_model_ready("ctr-e2e"))
+    gateway.close()
     # A request through node-a's gateway wakes node-a's instance.
     out = request(cluster["grpc"], "ctr-e2e")
     assert np.array_equal(out, reference())
@@ -251,6 +256,20 @@ def test_lost_node_gets_its_emis_placed_elsewhere(control_plane: ControlPlane, c
         assert moved[0]["metadata"]["name"] == emi["metadata"]["name"]
         wait_for("it is FROZEN there", lambda: emis(cp, "ctr-move")[0].get("status", {}).get("tier") == "FROZEN"
                  and ready(emis(cp, "ctr-move")[0]), timeout=180)
+        # node-a's gateway answers when the instance is on node-a, and says where it is otherwise.
+        if moved[0]["spec"]["node"] == "node-a":
+            assert np.array_equal(wait_for("an answer", lambda: request(cluster["grpc"], "ctr-move")), reference())
+        else:
+            def placed_elsewhere() -> str | None:
+                try:
+                    request(cluster["grpc"], "ctr-move")
+                except InferenceServerException as exc:  # wait_for retries exceptions: hand back the message
+                    message = f"{exc.status()} {exc}"
+                    return message if "no instance on node node-a" in message else None
+                return None
+
+            said = wait_for("the gateway to say where the model is", placed_elsewhere)
+            assert "its instances are on node-b" in said and "UNAVAILABLE" in said
     finally:
         core.patch_node_status(lost, {"status": {"conditions": [
             {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "test",

@@ -88,3 +88,25 @@ def test_a_caller_giving_up_does_not_cancel_the_wake() -> None:
         assert route.instance == "m-0" and len(link.calls) == 1
 
     asyncio.run(main())
+
+
+def test_catalog_knows_where_models_are_placed() -> None:
+    from volga_agent.gateway import oip
+    from volga_agent.gateway import server as gateway_server
+    from volga_operator import api
+
+    spec = api.ModelSpecSpec.model_validate({
+        "modelId": "m", "framework": "onnx", "source": "/m.onnx",
+        "inputs": [{"name": "x", "dtype": "FP32", "shape": [-1, 4]}],
+        "outputs": [{"name": "y", "dtype": "FP32", "shape": [-1, 1]}]})
+    catalog = gateway_server.Catalog({"m": spec})
+    assert catalog.ready("m", "node-a") and not catalog.ready("other", "node-a")
+    catalog.require_local("m", "node-a")  # placements unknown (embedded mode): nothing to check
+    catalog.set_placements({"m": [gateway_server.Placement("m-0", "node-b", "FROZEN", True)]})
+    assert not catalog.ready("m", "node-a") and catalog.ready("m", "node-b")
+    with pytest.raises(oip.OipError, match="no instance on node node-a: its instances are on node-b") as err:
+        catalog.require_local("m", "node-a")
+    assert (err.value.code, err.value.http_status) == ("UNAVAILABLE", 503)
+    catalog.set_placements({"m": [gateway_server.Placement("m-0", "node-a", "FROZEN", False)]})
+    catalog.require_local("m", "node-a")
+    assert not catalog.ready("m", "node-a")  # placed here, not Ready yet

@@ -256,14 +256,30 @@ class AgentSync:
 
 
 class CatalogSync:
-    """A gateway's catalog from the cluster's ModelSpecs; the last good catalog stays during outages."""
+    """A gateway's routing table: the cluster's ModelSpecs and where their EMIs are, from two watches.
+
+    The last good table stays while the API server is unreachable.
+    """
 
     def __init__(self, catalog: gateway_server.Catalog) -> None:
         self.catalog = catalog
         self.client = load_config()
         custom = kubernetes.client.CustomObjectsApi(self.client)
-        self.watch = Watch("modelspecs", custom.list_cluster_custom_object, self._on_specs, group=api.GROUP,
-                           version=api.VERSION, plural="modelspecs")
+        self.watches = [
+            Watch("modelspecs", custom.list_cluster_custom_object, self._on_specs, group=api.GROUP,
+                  version=api.VERSION, plural="modelspecs"),
+            Watch("emis", custom.list_cluster_custom_object, self._on_emis, group=api.GROUP, version=api.VERSION,
+                  plural="executablemodelinstances"),
+        ]
+
+    def _on_emis(self, objects: dict[tuple[str, str], Any]) -> None:
+        placements: dict[str, list[gateway_server.Placement]] = {}
+        for (_, name), obj in objects.items():
+            spec, status = obj.get("spec") or {}, obj.get("status") or {}
+            ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions", ()))
+            placements.setdefault(str(spec.get("modelId", "")), []).append(gateway_server.Placement(
+                name, str(spec.get("node", "")), str(status.get("tier", "")), ready))
+        self.catalog.set_placements(placements)
 
     def _on_specs(self, objects: dict[tuple[str, str], Any]) -> None:
         specs = []
@@ -274,10 +290,12 @@ class CatalogSync:
         self.catalog.replace(specs)
 
     async def start(self) -> None:
-        self.watch.start()
+        for w in self.watches:
+            w.start()
 
     async def stop(self) -> None:
-        self.watch.stop()
+        for w in self.watches:
+            w.stop()
         await asyncio.to_thread(self.client.close)
 
 

@@ -134,6 +134,8 @@ def agent_main(argv: list[str] | None = None) -> int:
 def gateway_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="volga-gateway", description=__doc__)
     parser.add_argument("--agent", default=os.environ.get("VOLGA_AGENT", "127.0.0.1:8010"))
+    parser.add_argument("--node", default=os.environ.get("NODE_NAME", ""),
+                        help="this node (cluster mode): models placed only elsewhere are answered UNAVAILABLE")
     parser.add_argument("-f", "--file", action="append", help="static ModelSpecs (no Kubernetes)")
     parser.add_argument("--kube", action="store_true", help="cluster mode: route every ModelSpec of the cluster")
     parser.add_argument("--host", default=os.environ.get("VOLGA_LISTEN", "0.0.0.0"))
@@ -146,8 +148,9 @@ def gateway_main(argv: list[str] | None = None) -> int:
 
     async def main() -> None:
         catalog = gateway_server.Catalog()
-        settings = gateway_server.Settings(args.host, args.http_port, args.grpc_port, args.metrics_port,
-                                           args.cache_ttl_sec)
+        settings = gateway_server.Settings(node=args.node, host=args.host, http_port=args.http_port,
+                                           grpc_port=args.grpc_port, metrics_port=args.metrics_port,
+                                           cache_ttl_sec=args.cache_ttl_sec)
         gw = gateway_server.Gateway(catalog, link.GrpcAgentLink(args.agent), settings)
         watcher: Any = None
         if args.kube:

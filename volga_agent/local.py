@@ -88,8 +88,9 @@ class Embedded:
         self.agent_metrics = metrics.AgentMetrics()
         self.pool = pool.Pool(NODE, workroot, snapshots, self.options.settings, self.agent_metrics, self.gpus)
         self.plan = planner.plan(self.specs, [node_profile(self.gpus)])
-        gw_settings = gateway_server.Settings(self.options.host, self.options.http_port, self.options.grpc_port,
-                                              self.options.metrics_port, self.options.settings.gateway_cache_ttl_sec)
+        gw_settings = gateway_server.Settings(
+            host=self.options.host, http_port=self.options.http_port, grpc_port=self.options.grpc_port,
+            metrics_port=self.options.metrics_port, cache_ttl_sec=self.options.settings.gateway_cache_ttl_sec)
         self.gateway = gateway_server.Gateway(gateway_server.Catalog({s.model_id: s for s in self.specs.values()}),
                                               LocalAgentLink(self.pool), gw_settings,
                                               extra_metrics=[self.agent_metrics.registry])

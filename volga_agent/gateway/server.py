@@ -21,7 +21,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -46,7 +46,18 @@ HTTP_STATUS = {"INVALID_ARGUMENT": 400, "NOT_FOUND": 404, "DEADLINE_EXCEEDED": 5
 
 
 @dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where an instance of a model is, as the cluster's EMIs say (cluster mode only)."""
+
+    instance: str
+    node: str
+    tier: str
+    ready: bool
+
+
+@dataclasses.dataclass(frozen=True)
 class Settings:
+    node: str = ""  # this gateway's node: instances elsewhere are not reachable through its agent
     host: str = "127.0.0.1"
     http_port: int = 8000
     grpc_port: int = 8001
@@ -62,7 +73,35 @@ class Catalog:
     def __init__(self, specs: Mapping[str, api.ModelSpecSpec] | None = None) -> None:
         self._models: dict[str, api.ModelSpecSpec] = {}
         self._decls: dict[str, tuple[runtime.TensorDecl, ...]] = {}
+        # model id -> its instances in the cluster (an EMI watch fills it); None: not known (no cluster).
+        self._placements: dict[str, tuple[Placement, ...]] | None = None
         self.replace(list((specs or {}).values()))
+
+    def set_placements(self, placements: Mapping[str, Sequence[Placement]]) -> None:
+        self._placements = {model: tuple(p) for model, p in placements.items()}
+
+    def local(self, model_id: str, node: str) -> tuple[Placement, ...] | None:
+        """This node's instances of the model; None when placements are not known (embedded mode)."""
+        if self._placements is None or not node:
+            return None
+        return tuple(p for p in self._placements.get(model_id, ()) if p.node == node)
+
+    def require_local(self, model_id: str, node: str) -> None:
+        """Fail fast, before any wake, when the cluster placed the model only on other nodes."""
+        here = self.local(model_id, node)
+        if here is None or here:
+            return
+        assert self._placements is not None
+        elsewhere = sorted({p.node for p in self._placements.get(model_id, ())})
+        where = f"its instances are on {', '.join(elsewhere)}" if elsewhere else "it has no instance yet"
+        raise oip.OipError("UNAVAILABLE", 503, f"model {model_id!r} has no instance on node {node}: {where}; "
+                           "send the request to a gateway on one of those nodes")
+
+    def ready(self, model_id: str, node: str) -> bool:
+        if model_id not in self._models:
+            return False
+        here = self.local(model_id, node)
+        return here is None or any(p.ready for p in here)
 
     def replace(self, specs: list[api.ModelSpecSpec]) -> None:
         self._models = {s.model_id: s for s in specs}
@@ -102,6 +141,7 @@ class Gateway:
     async def infer(self, model_id: str, headers: Mapping[str, str], inputs: dict[str, np.ndarray],
                     grpc_remaining: float | None = None) -> tuple[api.ModelSpecSpec, dict[str, np.ndarray]]:
         spec = self.catalog.get(model_id)
+        self.catalog.require_local(model_id, self.settings.node)
         claimed = headers.get("x-input-hash")
         if claimed and claimed.lower() != spec.input_hash():
             raise oip.OipError("INVALID_ARGUMENT", 400,
@@ -244,11 +284,7 @@ class _GrpcService(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelReady(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         model_id = _metadata(context).get("x-model-id") or request.name
-        try:
-            self.gw.catalog.get(model_id)
-        except oip.OipError:
-            return pb.ModelReadyResponse(ready=False)
-        return pb.ModelReadyResponse(ready=True)
+        return pb.ModelReadyResponse(ready=self.gw.catalog.ready(model_id, self.gw.settings.node))
 
     async def ModelMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         model_id = _metadata(context).get("x-model-id") or request.name
@@ -261,7 +297,7 @@ class _GrpcService(pb_grpc.GRPCInferenceServiceServicer):
     async def RepositoryIndex(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         response = pb.RepositoryIndexResponse()
         for spec in self.gw.catalog.all():
-            response.models.add(name=spec.model_id, version=spec.version, state="READY")
+            response.models.add(name=spec.model_id, version=spec.version, state=_state(self.gw, spec))
         return response
 
     async def ModelInfer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -278,6 +314,10 @@ class _GrpcService(pb_grpc.GRPCInferenceServiceServicer):
             return await self.gw._observed(model_id, "grpc", call)
         except oip.OipError as exc:
             await context.abort(grpc.StatusCode[exc.code], exc.message)
+
+
+def _state(gw: Gateway, spec: api.ModelSpecSpec) -> str:
+    return "READY" if gw.catalog.ready(spec.model_id, gw.settings.node) else "UNAVAILABLE"
 
 
 def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
@@ -310,11 +350,8 @@ def _rest_app(gw: Gateway) -> web.Application:
         return web.json_response({"name": SERVER_NAME, "version": SERVER_VERSION, "extensions": list(EXTENSIONS)})
 
     async def model_ready(request: web.Request) -> web.Response:
-        try:
-            model_of(request)
-        except oip.OipError:
-            return web.Response(status=400)
-        return web.Response(status=200)
+        model_id = request.headers.get("x-model-id") or request.match_info["model"]
+        return web.Response(status=200 if gw.catalog.ready(model_id, gw.settings.node) else 400)
 
     async def model_metadata(request: web.Request) -> web.Response:
         try:
@@ -325,7 +362,7 @@ def _rest_app(gw: Gateway) -> web.Application:
                                                          *_tensor_specs(spec)))
 
     async def repository_index(_: web.Request) -> web.Response:
-        return web.json_response([{"name": s.model_id, "version": s.version, "state": "READY"}
+        return web.json_response([{"name": s.model_id, "version": s.version, "state": _state(gw, s)}
                                   for s in gw.catalog.all()])
 
     async def infer(request: web.Request) -> web.Response:
