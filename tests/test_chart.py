@@ -276,7 +276,9 @@ def test_workdir_and_shared_memory_are_shared_at_the_same_paths(default: Rendere
         assert mounts(agent)[name]["mountPath"] == mounts(gateway)[name]["mountPath"] == path
     assert mounts(gateway)["workdir"]["readOnly"] is True  # connecting to a socket needs no write access
     assert {e["name"]: e.get("value") for e in gateway["env"]}["VOLGA_WORKDIR"] == workdir
-    assert env["NODE_NAME"] == {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
+    downward = {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
+    assert env["NODE_NAME"] == downward
+    assert {e["name"]: e for e in gateway["env"]}["NODE_NAME"] == downward  # the gateway routes for its node
     assert {e["name"]: e.get("value") for e in gateway["env"]}["VOLGA_AGENT"] == "127.0.0.1:8010"
 
 
