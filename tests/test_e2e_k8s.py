@@ -8,11 +8,9 @@ import json
 import os
 import pathlib
 import re
-import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -20,6 +18,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import yaml
 from kubernetes import client as k8s
+from procs import Daemon, wait_for
 from tritonclient.utils import InferenceServerException
 
 from volga_agent import defaultmodel, demo
@@ -30,53 +29,6 @@ pytest_plugins = ["k8s_fixtures"]
 pytestmark = [pytest.mark.k8s, pytest.mark.integration, pytest.mark.slow]
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NODES = ("node-a", "node-b")
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 120.0, every: float = 0.25) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = check()
-        except Exception as exc:  # the API server restarting, a process not listening yet
-            last = exc
-        if last and not isinstance(last, Exception):
-            return last
-        time.sleep(every)
-    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
-
-
-class Daemon:
-    """A volga process started as the DaemonSet would, its output in a log file."""
-
-    def __init__(self, name: str, args: list[str], env: dict[str, str], folder: pathlib.Path,
-                 announce: str | None = None) -> None:
-        self.log = folder / f"{name}.log"
-        self.proc = subprocess.Popen(args, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
-        self.line = ""
-        if announce:
-            self.line = wait_for(f"{name} to start", lambda: self._announced(announce), timeout=60)
-
-    def _announced(self, prefix: str) -> str:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
-        return next((line for line in self.log.read_text().splitlines() if line.startswith(prefix)), "")
-
-    def port(self, label: str) -> int:
-        match = re.search(rf"{label} [\d.]+:(\d+)", self.line)
-        assert match, self.line
-        return int(match.group(1))
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        return self.proc.returncode
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,59 @@
+"""Processes as users start them, for end-to-end tests: started, waited for, stopped with SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float = 120.0, every: float = 0.25) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+        except Exception as exc:  # the API server restarting, a process not listening yet
+            last = exc
+        if last and not isinstance(last, Exception):
+            return last
+        time.sleep(every)
+    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
+
+
+class Daemon:
+    """A volga process started as the DaemonSet would, its output in a log file."""
+
+    def __init__(self, name: str, args: list[str], env: dict[str, str], folder: pathlib.Path,
+                 announce: str | None = None) -> None:
+        self.log = folder / f"{name}.log"
+        self.proc = subprocess.Popen(args, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **env}, start_new_session=True)
+        self.line = ""
+        if announce:
+            self.line = wait_for(f"{name} to start", lambda: self._announced(announce), timeout=60)
+
+    def _announced(self, prefix: str) -> str:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+        return next((line for line in self.log.read_text().splitlines() if line.startswith(prefix)), "")
+
+    def port(self, label: str) -> int:
+        match = re.search(rf"{label} [\d.]+:(\d+)", self.line)
+        assert match, self.line
+        return int(match.group(1))
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        return self.proc.returncode
