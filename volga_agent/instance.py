@@ -310,7 +310,7 @@ class Instance:
         ready = self.signals / runtime.READY_FOR_CHECKPOINT
         self._wait_for(self.pid, ready.exists, "ready for checkpoint", 30.0)
 
-    def _dump(self, generation: int) -> None:
+    def _dump(self, generation: int, gpu_checkpointed: bool = False) -> None:
         if self.criu is None:
             raise IllegalTransition(f"{self.name}: FROZEN needs CRIU (scripts/install-criu.sh)")
         assert self.pid is not None
@@ -318,7 +318,10 @@ class Instance:
         try:
             self.image = self.criu.dump(self.pid, self.name)
         except criu.CriuError:
-            self._resume_worker(self.pid)  # the dump was abandoned: carry on serving
+            # The dump was abandoned: give the GPU state back if we took it, and carry on serving.
+            if gpu_checkpointed and self.driver is not None:
+                self.driver.resume(self.pid)
+            self._resume_worker(self.pid)
             raise
         self._image_generation, self._image_taken = generation, time.monotonic()
         self._reap(self.pid)
@@ -344,8 +347,12 @@ class Instance:
         self._pause()
         if self._gpu():
             assert self.driver is not None and self.pid is not None
-            self.driver.suspend(self.pid)
-        self._dump(generation)
+            try:
+                self.driver.suspend(self.pid)
+            except cuda.DriverCheckpointError:
+                self._resume_worker(self.pid)  # still HOT: the paused worker must serve again
+                raise
+        self._dump(generation, gpu_checkpointed=self._gpu())
         return None
 
     def _suspended_to_frozen(self) -> None:
