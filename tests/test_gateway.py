@@ -264,6 +264,8 @@ def test_metrics_endpoint(up: local.Embedded, g: grpcclient.InferenceServerClien
                  "volga_gateway_request_latency_ms_bucket"):
         assert name in text, name
     assert 'volga_gateway_requests_total{code="OK",model="ctr-default",protocol="grpc"}' in text
+    # Unknown model names (test_unknown_model sent "nope") are counted under one label, not their own.
+    assert 'model="nope"' not in text and 'code="NOT_FOUND",model="_unknown"' in text
 
 
 def test_shared_memory_is_used_and_leaves_no_files(up: local.Embedded, g: grpcclient.InferenceServerClient) -> None:

@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 SERVER_NAME = "volga"
 SERVER_VERSION = "0.1.0"
 EXTENSIONS = ("binary_tensor_data", "model_repository", "volga_wake_on_request")
+UNKNOWN_MODEL_LABEL = "_unknown"
 HTTP_STATUS = {"INVALID_ARGUMENT": 400, "NOT_FOUND": 404, "DEADLINE_EXCEEDED": 504, "UNAVAILABLE": 503,
                "RESOURCE_EXHAUSTED": 413, "FAILED_PRECONDITION": 400, "INTERNAL": 500, "UNIMPLEMENTED": 501}
 
@@ -107,6 +108,9 @@ class Catalog:
         self._models = {s.model_id: s for s in specs}
         self._decls = {s.model_id: tuple(runtime.TensorDecl(t.name, t.dtype.value, tuple(t.shape)) for t in s.inputs)
                        for s in specs}
+
+    def known(self, model_id: str) -> bool:
+        return model_id in self._models
 
     def get(self, model_id: str) -> api.ModelSpecSpec:
         spec = self._models.get(model_id)
@@ -192,9 +196,11 @@ class Gateway:
             code = "UNAVAILABLE"
             raise oip.OipError(code, 503, f"could not wake model {model_id!r}: {exc}") from None
         finally:
-            self.metrics.requests.labels(model_id, proto, code).inc()
+            # Names clients make up must not become label values: one series per known model only.
+            label = model_id if self.catalog.known(model_id) else UNKNOWN_MODEL_LABEL
+            self.metrics.requests.labels(label, proto, code).inc()
             if code == "OK":
-                self.metrics.latency.labels(model_id, proto).observe((time.perf_counter() - start) * 1e3)
+                self.metrics.latency.labels(label, proto).observe((time.perf_counter() - start) * 1e3)
 
     # -- lifecycle -----------------------------------------------------------------------------------
 
