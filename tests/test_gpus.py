@@ -257,3 +257,12 @@ def test_parse_hardware_profile_rejects_a_partial_profile() -> None:
     del annotations["volga.dev/gpu-product"]
     with pytest.raises(ValueError, match=r"annotation volga\.dev/gpu-product: missing"):
         gpus.parse_hardware_profile(annotations)
+
+
+def test_numa_cpus_reads_the_cpulist(tmp_path: pathlib.Path) -> None:
+    node = tmp_path / "devices" / "system" / "node" / "node1"
+    node.mkdir(parents=True)
+    (node / "cpulist").write_text("0-3,8-9,12\n")
+    assert gpus.numa_cpus(1, tmp_path) == (0, 1, 2, 3, 8, 9, 12)
+    assert gpus.numa_cpus(0, tmp_path) == ()
+    assert gpus.numa_cpus(-1, tmp_path) == ()

@@ -107,3 +107,16 @@ def test_an_instance_that_cannot_be_created_is_reported(rundir: pathlib.Path,
     p.apply([desired("bad-0", "bad", "bad", Tier.FROZEN)], {"bad": broken})
     assert "does not exist" in p.failed["bad-0"] and p.instances() == []
     p.close()
+
+
+def test_numa_affinity_pins_to_the_gpus_node(default_spec: api.ModelSpecSpec, rundir: pathlib.Path) -> None:
+    from volga_agent import gpus
+
+    gpu = gpus.GpuInfo(0, "GPU-x", "NVIDIA H200", 1, 0, "580", "0000:00:06.0", 0)
+    p = pool.Pool("n1", rundir, None, gpus=[gpu])
+    hardware = default_spec.hardware.model_copy(update={"numa_affinity": True})
+    numa = default_spec.model_copy(update={"hardware": hardware})
+    assert p._cpus(numa, 0) == gpus.numa_cpus(0) != ()
+    assert p._cpus(default_spec, 0) == ()  # not asked for
+    assert p._cpus(numa, None) == ()  # a CPU instance has no GPU to be near
+    p.close()

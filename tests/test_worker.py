@@ -114,3 +114,20 @@ def test_killed_worker_gives_an_error_and_can_restart(hot: instance.Instance) ->
     assert hot.tier is Tier.COLD
     hot.to(Tier.HOT)
     assert np.array_equal(hot.infer(x)["probability"], good)
+
+
+def test_worker_pinned_to_the_given_cpus(default_spec: api.ModelSpecSpec, rundir: pathlib.Path) -> None:
+    """numaAffinity: the worker and every thread it starts stay on the CPUs of the GPU's NUMA node."""
+    inst = instance.Instance("pinned", default_spec, rundir, None, cpus=(0,))
+    try:
+        inst.to(Tier.HOT)
+        assert inst.infer(request(inst))["probability"].shape == (4, 1)
+        assert inst.pid is not None
+        threads = list(pathlib.Path(f"/proc/{inst.pid}/task").iterdir())
+        assert len(threads) > 1  # onnxruntime's threads too
+        for task in threads:
+            allowed = next(line for line in (task / "status").read_text().splitlines()
+                           if line.startswith("Cpus_allowed_list:"))
+            assert allowed.split()[-1] == "0", (task.name, allowed)
+    finally:
+        inst.close()

@@ -71,6 +71,22 @@ def sysfs_numa_node(bus_id: str, sysfs_root: str | pathlib.Path = "/sys") -> int
         return -1
 
 
+def numa_cpus(node: int, sysfs_root: str | pathlib.Path = "/sys") -> tuple[int, ...]:
+    """The CPUs of a NUMA node (its sysfs cpulist, e.g. "0-15,32-47"); () when unknown."""
+    if node < 0:
+        return ()
+    path = pathlib.Path(sysfs_root) / "devices" / "system" / "node" / f"node{node}" / "cpulist"
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return ()
+    cpus: list[int] = []
+    for part in filter(None, text.split(",")):
+        first, _, last = part.partition("-")
+        cpus.extend(range(int(first), int(last or first) + 1))
+    return tuple(cpus)
+
+
 def _text(value: str | bytes) -> str:
     # Older pynvml releases return bytes; struct fields such as busId are bytes in all of them.
     return value.decode() if isinstance(value, bytes) else str(value)

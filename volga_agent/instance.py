@@ -64,7 +64,8 @@ class Transition:
     detail: str = ""
 
 
-def worker_config(spec: api.ModelSpecSpec, workdir: pathlib.Path, device: str) -> runtime.WorkerConfig:
+def worker_config(spec: api.ModelSpecSpec, workdir: pathlib.Path, device: str,
+                  cpus: tuple[int, ...] = ()) -> runtime.WorkerConfig:
     def decls(tensors: list[api.TensorSpec]) -> tuple[runtime.TensorDecl, ...]:
         return tuple(runtime.TensorDecl(t.name, t.dtype.value, tuple(t.shape)) for t in tensors)
 
@@ -75,7 +76,8 @@ def worker_config(spec: api.ModelSpecSpec, workdir: pathlib.Path, device: str) -
         reset_rng_on_restore=spec.runtime.reset_rng_on_restore, intra_op_threads=spec.runtime.intra_op_threads,
         max_batch_size=spec.runtime.max_batch_size,
         cuda_graph_batches=tuple(sorted(int(b) for b in spec.slo.baseline_latency_ms) or (1, 8))
-        if spec.hardware.cuda_graphs and device.startswith("cuda") else ())
+        if spec.hardware.cuda_graphs and device.startswith("cuda") else (),
+        cpus=cpus)
 
 
 def _log_tail(path: pathlib.Path, lines: int = 12) -> str:
@@ -91,12 +93,12 @@ class Instance:
     def __init__(self, name: str, spec: api.ModelSpecSpec, workdir: str | pathlib.Path,
                  criu_engine: criu.CriuEngine | None, driver: cuda.DriverCheckpoint | None = None,
                  device: str = "cpu", start_timeout: float = 120.0, pid_namespace: bool | None = None,
-                 reuse_image_sec: float = 0.0, lazy_restore: bool = False) -> None:
+                 reuse_image_sec: float = 0.0, lazy_restore: bool = False, cpus: tuple[int, ...] = ()) -> None:
         self.name = name
         self.spec = spec
         self.workdir = pathlib.Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.config = worker_config(spec, self.workdir, device)
+        self.config = worker_config(spec, self.workdir, device, cpus)
         if len(self.config.socket) > MAX_SOCKET_PATH:
             raise ValueError(f"socket path {self.config.socket} is longer than {MAX_SOCKET_PATH} bytes: "
                              "use a shorter run folder")
@@ -135,7 +137,8 @@ class Instance:
         config_path.write_text(self.config.to_json())
         nsinit.become_subreaper()
         cmd = [sys.executable, "-m", "volga_agent.worker.nsinit",
-               *([] if self.pid_namespace else ["--no-pidns"]), str(self.logfile), "--",
+               *([] if self.pid_namespace else ["--no-pidns"]),
+               *(["--cpus", ",".join(map(str, self.config.cpus))] if self.config.cpus else []), str(self.logfile), "--",
                sys.executable, "-m", "volga_agent.worker.runtime", str(config_path)]
         out = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=self.workdir)
         if out.returncode != 0:

@@ -155,7 +155,8 @@ class Pool:
                     inst = instance.Instance(name, spec, self.workroot / name, self.criu,
                                              self.driver if device != "cpu" else None, device,
                                              reuse_image_sec=self.settings.snapshot_interval_sec,
-                                             lazy_restore=self.settings.lazy_restore)
+                                             lazy_restore=self.settings.lazy_restore,
+                                             cpus=self._cpus(spec, want.gpu_index))
                 except (OSError, ValueError) as exc:
                     self.failed[name] = f"{type(exc).__name__}: {exc}"
                     log.error("%s: cannot create instance: %s", name, exc)
@@ -165,6 +166,13 @@ class Pool:
         for name in mine:
             if name in self.slots:
                 self.converge_async(name)
+
+    def _cpus(self, spec: api.ModelSpecSpec, gpu_index: int | None) -> tuple[int, ...]:
+        """With numaAffinity, the CPUs of the NUMA node the instance's GPU hangs off (none when unknown)."""
+        if not (spec.hardware.numa_affinity or self.settings.numa_affinity) or gpu_index is None:
+            return ()
+        node = next((g.numa_node for g in self.gpus if g.index == gpu_index), -1)
+        return gpu_discovery.numa_cpus(node)
 
     def remove(self, name: str) -> None:
         """Stop an instance and delete its snapshots."""

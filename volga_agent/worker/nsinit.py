@@ -14,7 +14,11 @@ cudaErrorOperatingSystem inside a PID namespace whose /proc is the host's). Such
 its original host PID, which must then be free; if it is not, the restore fails and the agent falls back
 to a cold start.
 
-Usage: python -m volga_agent.worker.nsinit [--no-pidns] LOGFILE -- COMMAND...
+With `--cpus 0,1,...` the child is pinned to those CPUs before it executes the command, so every thread
+the worker starts (numpy's and the framework's included, some of which start at import) inherits the mask:
+numaAffinity keeps a worker on the NUMA node of its GPU.
+
+Usage: python -m volga_agent.worker.nsinit [--no-pidns] [--cpus LIST] LOGFILE -- COMMAND...
 """
 
 from __future__ import annotations
@@ -38,10 +42,15 @@ def become_subreaper() -> None:
 
 def main(argv: list[str]) -> int:
     pidns = True
-    if argv[:1] == ["--no-pidns"]:
-        pidns, argv = False, argv[1:]
+    cpus: set[int] = set()
+    while argv[:1] in (["--no-pidns"], ["--cpus"]):
+        if argv[0] == "--no-pidns":
+            pidns, argv = False, argv[1:]
+        else:
+            cpus, argv = {int(c) for c in argv[1].split(",") if c}, argv[2:]
     if len(argv) < 3 or argv[1] != "--":
-        print("usage: python -m volga_agent.worker.nsinit [--no-pidns] LOGFILE -- COMMAND...", file=sys.stderr)
+        print("usage: python -m volga_agent.worker.nsinit [--no-pidns] [--cpus LIST] LOGFILE -- COMMAND...",
+              file=sys.stderr)
         return 2
     logfile, command = argv[0], argv[2:]
     if pidns and _libc.unshare(CLONE_NEWPID) != 0:
@@ -51,6 +60,8 @@ def main(argv: list[str]) -> int:
     pid = os.fork()
     if pid == 0:
         os.setsid()
+        if cpus:
+            os.sched_setaffinity(0, cpus)
         log = os.open(logfile, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)

@@ -65,11 +65,13 @@ class WorkerConfig:
     intra_op_threads: int = 0
     max_batch_size: int = 256
     cuda_graph_batches: tuple[int, ...] = ()
+    cpus: tuple[int, ...] = ()  # CPUs the launcher pinned the worker to (nsinit --cpus); () leaves it free
 
     @classmethod
     def from_json(cls, text: str) -> WorkerConfig:
         raw = json.loads(text)
         raw["cuda_graph_batches"] = tuple(raw.get("cuda_graph_batches", ()))
+        raw["cpus"] = tuple(raw.get("cpus", ()))
         raw["inputs"] = tuple(TensorDecl(t["name"], t["dtype"], tuple(t["shape"])) for t in raw["inputs"])
         raw["outputs"] = tuple(TensorDecl(t["name"], t["dtype"], tuple(t["shape"])) for t in raw["outputs"])
         return cls(**raw)
