@@ -279,6 +279,9 @@ def test_workdir_and_shared_memory_are_shared_at_the_same_paths(default: Rendere
     downward = {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
     assert env["NODE_NAME"] == downward
     assert {e["name"]: e for e in gateway["env"]}["NODE_NAME"] == downward  # the gateway routes for its node
+    # Agents report their gateway's address so gateways on other nodes can forward to it.
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert env["VOLGA_GATEWAY_ADDRESS"]["value"] == "$(POD_IP):8001"
     assert {e["name"]: e.get("value") for e in gateway["env"]}["VOLGA_AGENT"] == "127.0.0.1:8010"
 
 

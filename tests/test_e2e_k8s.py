@@ -10,6 +10,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,7 +24,7 @@ from tritonclient.utils import InferenceServerException
 
 from volga_agent import defaultmodel, demo
 from volga_agent.worker import runtime
-from volga_operator.testing import ControlPlane
+from volga_operator.testing import ControlPlane, free_ports
 
 pytest_plugins = ["k8s_fixtures"]
 pytestmark = [pytest.mark.k8s, pytest.mark.integration, pytest.mark.slow]
@@ -47,18 +48,26 @@ def cluster(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactor
     daemons: dict[str, Daemon] = {
         "operator": Daemon("operator", [py, "-m", "volga_operator", "--liveness", "", "-v"], env, folder)}
     snapshots = {}
+    # Gateways listen on ports chosen up front: each agent reports its node's gateway address in EMI status.
+    gateway_ports = dict(zip(NODES, free_ports(len(NODES)), strict=True))
     for node in NODES:
         snapshots[node] = folder / f"snapshots-{node}"
         daemons[node] = Daemon(node, [py, "-m", "volga_agent.daemons", "--kube", "--node", node, "--port", "0",
                                       "--metrics-port", "0", "--workdir", f"/tmp/vw-{node}",
-                                      "--snapshot-dir", str(snapshots[node])], env, folder, "volga-agent")
-    agent_a = f"127.0.0.1:{daemons['node-a'].port('Agent API')}"
+                                      "--snapshot-dir", str(snapshots[node]),
+                                      "--gateway-address", f"127.0.0.1:{gateway_ports[node]}"], env, folder,
+                               "volga-agent")
     gateway = str(pathlib.Path(py).with_name("volga-gateway"))  # the console script, as the image runs it
-    daemons["gateway"] = Daemon("gateway", [gateway, "--kube", "--agent", agent_a, "--node", "node-a",
-                                            "--host", "127.0.0.1", "--http-port", "0", "--grpc-port", "0",
-                                            "--metrics-port", "0"], env, folder, "volga-gateway")
+    for node in NODES:
+        agent = f"127.0.0.1:{daemons[node].port('Agent API')}"
+        daemons[f"gateway-{node}"] = Daemon(f"gateway-{node}", [
+            gateway, "--kube", "--agent", agent, "--node", node, "--host", "127.0.0.1", "--http-port", "0",
+            "--grpc-port", str(gateway_ports[node]), "--metrics-port", "0"], env, folder, "volga-gateway")
+    metrics_a = re.search(r"metrics :(\d+)", daemons["gateway-node-a"].line)
+    assert metrics_a
     yield {"api": api, "daemons": daemons, "snapshots": snapshots, "folder": folder,
-           "grpc": f"127.0.0.1:{daemons['gateway'].port('gRPC')}"}
+           "grpc": f"127.0.0.1:{gateway_ports['node-a']}",
+           "metrics": f"http://127.0.0.1:{metrics_a.group(1)}/metrics"}
     codes = {name: d.stop() for name, d in daemons.items()}
     api.close()
     assert all(code == 0 for code in codes.values()), {n: (c, daemons[n].log.read_text()[-2000:])
@@ -94,13 +103,14 @@ def ready(obj: dict[str, Any]) -> bool:
     return any(c["type"] == "Ready" and c["status"] == "True" for c in obj.get("status", {}).get("conditions", ()))
 
 
-def request(grpc: str, model: str, seed: int = 5) -> np.ndarray:
+def request(grpc: str, model: str, seed: int = 5, headers: dict[str, str] | None = None) -> np.ndarray:
     decls = tuple(runtime.TensorDecl(t.name, t.dtype.value, tuple(t.shape))
                   for t in defaultmodel.ensure().spec.inputs)
     inputs = demo.triton_inputs(decls, runtime.sample_inputs(decls, batch=4, seed=seed))
     client = grpcclient.InferenceServerClient(grpc)
     try:
-        return client.infer("ignored", inputs, headers={"x-model-id": model}, client_timeout=120).as_numpy(
+        return client.infer("ignored", inputs, headers={"x-model-id": model, **(headers or {})},
+                            client_timeout=120).as_numpy(
             "probability")
     finally:
         client.close()
@@ -208,13 +218,17 @@ def test_lost_node_gets_its_emis_placed_elsewhere(control_plane: ControlPlane, c
         assert moved[0]["metadata"]["name"] == emi["metadata"]["name"]
         wait_for("it is FROZEN there", lambda: emis(cp, "ctr-move")[0].get("status", {}).get("tier") == "FROZEN"
                  and ready(emis(cp, "ctr-move")[0]), timeout=180)
-        # node-a's gateway answers when the instance is on node-a, and says where it is otherwise.
-        if moved[0]["spec"]["node"] == "node-a":
-            assert np.array_equal(wait_for("an answer", lambda: request(cluster["grpc"], "ctr-move")), reference())
-        else:
+        # node-a's gateway answers either way: from its own agent, or by forwarding to node-b's gateway.
+        [answer] = wait_for("an answer", lambda: [request(cluster["grpc"], "ctr-move")])
+        assert np.array_equal(answer, reference())
+        forwards = urllib.request.urlopen(cluster["metrics"], timeout=10).read().decode()
+        forwarded = 'volga_gateway_forwards_total{model="ctr-move"}' in forwards
+        assert forwarded == (moved[0]["spec"]["node"] == "node-b")
+        if forwarded:
+            # A request that was already forwarded is not forwarded again: it says where the model is.
             def placed_elsewhere() -> str | None:
                 try:
-                    request(cluster["grpc"], "ctr-move")
+                    request(cluster["grpc"], "ctr-move", headers={"x-volga-forwarded": "test"})
                 except InferenceServerException as exc:  # wait_for retries exceptions: hand back the message
                     message = f"{exc.status()} {exc}"
                     return message if "no instance on node node-a" in message else None

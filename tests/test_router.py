@@ -110,3 +110,16 @@ def test_catalog_knows_where_models_are_placed() -> None:
     catalog.set_placements({"m": [gateway_server.Placement("m-0", "node-a", "FROZEN", False)]})
     catalog.require_local("m", "node-a")
     assert not catalog.ready("m", "node-a")  # placed here, not Ready yet
+
+
+def test_remote_gateways_prefer_ready_hot_instances() -> None:
+    from volga_agent.gateway import server as gateway_server
+
+    catalog = gateway_server.Catalog()
+    P = gateway_server.Placement
+    catalog.set_placements({"m": [
+        P("m-0", "node-a", "HOT", True, "a:8001"), P("m-1", "node-b", "FROZEN", True, "b:8001"),
+        P("m-2", "node-c", "HOT", True, "c:8001"), P("m-3", "node-d", "HOT", False, "d:8001"),
+        P("m-4", "node-e", "HOT", True, "")]})
+    assert catalog.remote_gateways("m", "node-a") == ["c:8001", "b:8001", "d:8001"]
+    assert catalog.remote_gateways("other", "node-a") == []

@@ -106,9 +106,10 @@ def _emi_key(namespace: str, name: str) -> str:
 
 class AgentSync:
     def __init__(self, node_pool: pool.Pool, node: str, found: Sequence[gpus.GpuInfo],
-                 writes_per_sec: float = 200.0, report_sec: float = 2.0) -> None:
+                 writes_per_sec: float = 200.0, report_sec: float = 2.0, gateway_address: str = "") -> None:
         self.pool = node_pool
         self.node = node
+        self.gateway_address = gateway_address  # reported in EMI status: where other gateways forward to
         self.gpus = list(found)
         self.report_sec = report_sec
         burst = max(1, int(writes_per_sec / 10))
@@ -214,6 +215,7 @@ class AgentSync:
                      "message": info.state_reason or (f"{info.tier.value}, on the way to {info.target_tier.value}"
                                                       if not settled else f"wakes from {info.tier.value}")}
             out[key] = {"tier": info.tier.value, "snapshotBytes": info.snapshot_bytes, "device": info.device,
+                        "gateway": self.gateway_address,
                         "lastWakeMs": round(info.last_wake_ms, 3),
                         "lastUsed": _iso(info.last_used_unix) if info.last_used_unix else None,
                         "conditions": [ready]}
@@ -278,7 +280,7 @@ class CatalogSync:
             spec, status = obj.get("spec") or {}, obj.get("status") or {}
             ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions", ()))
             placements.setdefault(str(spec.get("modelId", "")), []).append(gateway_server.Placement(
-                name, str(spec.get("node", "")), str(status.get("tier", "")), ready))
+                name, str(spec.get("node", "")), str(status.get("tier", "")), ready, str(status.get("gateway", ""))))
         self.catalog.set_placements(placements)
 
     def _on_specs(self, objects: dict[tuple[str, str], Any]) -> None:

@@ -90,6 +90,9 @@ def agent_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", default=os.environ.get("VOLGA_WORKDIR", "/run/volga"))
     parser.add_argument("--snapshot-dir", default=os.environ.get("VOLGA_SNAPSHOT_DIR", "/dev/shm/volga"))
     parser.add_argument("--settings", help="YAML/JSON file of agent settings (DESIGN.md section 6 names)")
+    parser.add_argument("--gateway-address", default=os.environ.get("VOLGA_GATEWAY_ADDRESS", ""),
+                        help="this node's gateway (gRPC host:port), reported in EMI status so other gateways can "
+                             "forward requests for this node's models")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = _parse(parser, argv)
     settings = policy.Settings()
@@ -108,7 +111,7 @@ def agent_main(argv: list[str] | None = None) -> int:
         if args.kube:
             from volga_agent import cluster as cluster_mode
 
-            cluster = cluster_mode.AgentSync(node_pool, args.node, found)
+            cluster = cluster_mode.AgentSync(node_pool, args.node, found, gateway_address=args.gateway_address)
             await cluster.start()
         else:
             specs = _specs(args.file)

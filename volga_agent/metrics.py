@@ -58,5 +58,8 @@ class GatewayMetrics:
         self.activations = prom.Counter(
             "volga_gateway_activations", "Activations the gateway asked for (after single-flight)", ["model"],
             registry=r)
+        self.forwards = prom.Counter(
+            "volga_gateway_forwards", "Requests passed to another node's gateway (model not placed here)", ["model"],
+            registry=r)
         self.route_cache = prom.Counter(
             "volga_gateway_route_cache", "Routing cache lookups", ["result"], registry=r)

@@ -146,7 +146,8 @@ def emi_crd() -> dict[str, Any]:
     status = _status_schema({
         "tier": {"type": "string", "enum": [t.value for t in api.Tier]}, "conditions": CONDITIONS,
         "snapshotId": {"type": "string"}, "snapshotBytes": {"type": "integer"}, "lastUsed": {"type": "string"},
-        "lastWakeMs": {"type": "number"}, "device": {"type": "string"}, "observedGeneration": {"type": "integer"}})
+        "lastWakeMs": {"type": "number"}, "device": {"type": "string"}, "observedGeneration": {"type": "integer"},
+        "gateway": {"type": "string", "description": "gRPC address of the gateway on the instance's node"}})
     columns = [{"name": "Model", "type": "string", "jsonPath": ".spec.modelId"},
                {"name": "Node", "type": "string", "jsonPath": ".spec.node"},
                {"name": "Target", "type": "string", "jsonPath": ".spec.targetTier"},

@@ -286,6 +286,31 @@ def encode_grpc_response(
     return resp
 
 
+def encode_grpc_request(model_name: str, inputs: Mapping[str, Tensor], request_id: str = "") -> pb.ModelInferRequest:
+    """A gRPC request carrying every input in `raw_input_contents` (for forwarding to another gateway)."""
+    req = pb.ModelInferRequest(model_name=model_name, id=request_id)
+    for name, value in inputs.items():
+        arr = np.asarray(value)
+        tensor = req.inputs.add()
+        tensor.name = name
+        tensor.datatype = oip_datatype(arr.dtype, f"input {name!r}")
+        tensor.shape.extend(arr.shape)
+        req.raw_input_contents.append(_le_bytes(arr))
+    return req
+
+
+def decode_grpc_response(resp: pb.ModelInferResponse) -> dict[str, Tensor]:
+    """The outputs of a gRPC response that carries them in `raw_output_contents`, as this gateway sends them."""
+    if len(resp.raw_output_contents) != len(resp.outputs):
+        raise OipError(INTERNAL, 502, f"response has {len(resp.raw_output_contents)} raw outputs for "
+                                      f"{len(resp.outputs)} outputs")
+    out: dict[str, Tensor] = {}
+    for tensor, raw in zip(resp.outputs, resp.raw_output_contents, strict=True):
+        where = f"output {tensor.name!r}"
+        out[tensor.name] = _from_bytes(raw, numpy_dtype(tensor.datatype, where), _shape(tensor.shape, where), where)
+    return out
+
+
 # --- REST -------------------------------------------------------------------------------------------------------
 
 

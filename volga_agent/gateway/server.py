@@ -30,7 +30,7 @@ import prometheus_client as prom
 from aiohttp import web
 
 from volga_agent import metrics
-from volga_agent.gateway import oip, router, workers
+from volga_agent.gateway import oip, remote, router, workers
 from volga_agent.rpc.inference import grpc_service_pb2 as pb
 from volga_agent.rpc.inference import grpc_service_pb2_grpc as pb_grpc
 from volga_agent.worker import protocol, runtime
@@ -54,6 +54,7 @@ class Placement:
     node: str
     tier: str
     ready: bool
+    gateway: str = ""  # the gRPC address of that node's gateway, as its agent reports it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +99,14 @@ class Catalog:
         raise oip.OipError("UNAVAILABLE", 503, f"model {model_id!r} has no instance on node {node}: {where}; "
                            "send the request to a gateway on one of those nodes")
 
+    def remote_gateways(self, model_id: str, node: str) -> list[str]:
+        """Gateways of other nodes holding the model: ready HOT instances first, then ready, then any."""
+        if self._placements is None:
+            return []
+        others = [p for p in self._placements.get(model_id, ()) if p.node != node and p.gateway]
+        others.sort(key=lambda p: (not p.ready, p.tier != "HOT", p.node))
+        return list(dict.fromkeys(p.gateway for p in others))
+
     def ready(self, model_id: str, node: str) -> bool:
         if model_id not in self._models:
             return False
@@ -133,6 +142,7 @@ class Gateway:
         self.settings = settings or Settings()
         self.metrics = gateway_metrics or metrics.GatewayMetrics()
         self.router = router.Router(link, self.settings.cache_ttl_sec)
+        self.forwarder = remote.Forwarder(self.settings.max_request_bytes)
         self.workers = workers.WorkerClients(self.settings.shm_bytes,
                                              on_zero_copy=self.metrics.zero_copy_latency.observe)
         self.extra_metrics = extra_metrics or []
@@ -145,7 +155,6 @@ class Gateway:
     async def infer(self, model_id: str, headers: Mapping[str, str], inputs: dict[str, np.ndarray],
                     grpc_remaining: float | None = None) -> tuple[api.ModelSpecSpec, dict[str, np.ndarray]]:
         spec = self.catalog.get(model_id)
-        self.catalog.require_local(model_id, self.settings.node)
         claimed = headers.get("x-input-hash")
         if claimed and claimed.lower() != spec.input_hash():
             raise oip.OipError("INVALID_ARGUMENT", 400,
@@ -157,6 +166,9 @@ class Gateway:
         except protocol.WorkerError as exc:
             raise oip.OipError(exc.code, 400, exc.message) from None
         deadline = _deadline(headers.get("x-timeout-ms"), grpc_remaining)
+        here = self.catalog.local(model_id, self.settings.node)
+        if here is not None and not here:
+            return spec, await self._forward(model_id, headers, inputs, deadline)
         hint = headers.get("x-device-hint", "")
         for attempt in (1, 2):
             route = await _within(deadline, self.router.route(model_id, hint, _ms_left(deadline)),
@@ -180,6 +192,18 @@ class Gateway:
             except protocol.WorkerError as exc:
                 raise oip.OipError(exc.code, HTTP_STATUS.get(exc.code, 500), exc.message) from None
         raise AssertionError("unreachable")
+
+    async def _forward(self, model_id: str, headers: Mapping[str, str], inputs: dict[str, np.ndarray],
+                       deadline: float | None) -> dict[str, np.ndarray]:
+        """The model lives on other nodes only: pass the request to one of their gateways (once)."""
+        targets = self.catalog.remote_gateways(model_id, self.settings.node)
+        if headers.get(remote.FORWARDED) or not targets:
+            self.catalog.require_local(model_id, self.settings.node)  # raises UNAVAILABLE naming the nodes
+        timeout = None if deadline is None else max(0.001, deadline - time.monotonic())
+        outputs = await _within(deadline, self.forwarder.infer(targets[0], model_id, inputs, headers,
+                                                               self.settings.node, timeout), "forwarding")
+        self.metrics.forwards.labels(model_id).inc()
+        return outputs  # type: ignore[no-any-return]
 
     async def _observed(self, model_id: str, proto: str, call: Callable[[], Awaitable[Any]]) -> Any:
         start = time.perf_counter()
@@ -243,6 +267,7 @@ class Gateway:
             await runner.cleanup()
         self._runners.clear()
         self.workers.close()
+        await self.forwarder.close()
         await self.router.link.close()
 
 
