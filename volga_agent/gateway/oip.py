@@ -276,26 +276,25 @@ def encode_grpc_response(
 ) -> pb.ModelInferResponse:
     """A gRPC response carrying every output in `raw_output_contents`, in order (what tritonclient reads)."""
     resp = pb.ModelInferResponse(model_name=model_name, model_version=model_version, id=request_id)
-    for name, value in outputs.items():
-        arr = np.asarray(value)
-        tensor = resp.outputs.add()
-        tensor.name = name
-        tensor.datatype = oip_datatype(arr.dtype, f"output {name!r}")
-        tensor.shape.extend(arr.shape)
-        resp.raw_output_contents.append(_le_bytes(arr))
+    _append_raw(resp.outputs, resp.raw_output_contents, outputs, "output")
     return resp
+
+
+def _append_raw(tensors: Any, raw: Any, values: Mapping[str, Tensor], kind: str) -> None:
+    """Describe each tensor in `tensors` and put its bytes, in order, in `raw` (the raw_*_contents field)."""
+    for name, value in values.items():
+        arr = np.asarray(value)
+        tensor = tensors.add()
+        tensor.name = name
+        tensor.datatype = oip_datatype(arr.dtype, f"{kind} {name!r}")
+        tensor.shape.extend(arr.shape)
+        raw.append(_le_bytes(arr))
 
 
 def encode_grpc_request(model_name: str, inputs: Mapping[str, Tensor], request_id: str = "") -> pb.ModelInferRequest:
     """A gRPC request carrying every input in `raw_input_contents` (for forwarding to another gateway)."""
     req = pb.ModelInferRequest(model_name=model_name, id=request_id)
-    for name, value in inputs.items():
-        arr = np.asarray(value)
-        tensor = req.inputs.add()
-        tensor.name = name
-        tensor.datatype = oip_datatype(arr.dtype, f"input {name!r}")
-        tensor.shape.extend(arr.shape)
-        req.raw_input_contents.append(_le_bytes(arr))
+    _append_raw(req.inputs, req.raw_input_contents, inputs, "input")
     return req
 
 
