@@ -180,3 +180,21 @@ def test_lazy_restore_answers_the_same(default_spec: api.ModelSpecSpec, rundir: 
             assert (inst.image.path / "lazy-pages.log").exists()
     finally:
         inst.close()
+
+
+def test_warmup_cache_ratio_warms_again_after_each_restore(default_spec: api.ModelSpecSpec, rundir: pathlib.Path,
+                                                           criu_engine: criu.CriuEngine) -> None:
+    runtime_options = default_spec.runtime.model_copy(update={"warmup_cache_ratio": 0.4, "warmup_iterations": 5})
+    spec = default_spec.model_copy(update={"runtime": runtime_options})
+    inst = instance.Instance("rewarm", spec, rundir, criu_engine)
+    try:
+        inst.to(Tier.HOT)
+        assert inst.client().call("stats").header["restore_warmups"] == 0
+        for restores in (1, 2):
+            inst.to(Tier.FROZEN)
+            inst.wake()
+            assert inst.client().call("stats").header["restore_warmups"] == 2 * restores  # round(0.4 * 5)
+    finally:
+        inst.close()
+    node_default = instance.worker_config(default_spec, rundir, "cpu", warmup_cache_ratio=1.0)
+    assert node_default.restore_warmups == default_spec.runtime.warmup_iterations

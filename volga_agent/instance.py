@@ -64,8 +64,8 @@ class Transition:
     detail: str = ""
 
 
-def worker_config(spec: api.ModelSpecSpec, workdir: pathlib.Path, device: str,
-                  cpus: tuple[int, ...] = ()) -> runtime.WorkerConfig:
+def worker_config(spec: api.ModelSpecSpec, workdir: pathlib.Path, device: str, cpus: tuple[int, ...] = (),
+                  warmup_cache_ratio: float | None = None) -> runtime.WorkerConfig:
     def decls(tensors: list[api.TensorSpec]) -> tuple[runtime.TensorDecl, ...]:
         return tuple(runtime.TensorDecl(t.name, t.dtype.value, tuple(t.shape)) for t in tensors)
 
@@ -77,7 +77,9 @@ def worker_config(spec: api.ModelSpecSpec, workdir: pathlib.Path, device: str,
         max_batch_size=spec.runtime.max_batch_size,
         cuda_graph_batches=tuple(sorted(int(b) for b in spec.slo.baseline_latency_ms) or (1, 8))
         if spec.hardware.cuda_graphs and device.startswith("cuda") else (),
-        cpus=cpus)
+        cpus=cpus,
+        restore_warmups=round((spec.runtime.warmup_cache_ratio or warmup_cache_ratio or 0.0)
+                              * spec.runtime.warmup_iterations))
 
 
 def _log_tail(path: pathlib.Path, lines: int = 12) -> str:
@@ -93,12 +95,14 @@ class Instance:
     def __init__(self, name: str, spec: api.ModelSpecSpec, workdir: str | pathlib.Path,
                  criu_engine: criu.CriuEngine | None, driver: cuda.DriverCheckpoint | None = None,
                  device: str = "cpu", start_timeout: float = 120.0, pid_namespace: bool | None = None,
-                 reuse_image_sec: float = 0.0, lazy_restore: bool = False, cpus: tuple[int, ...] = ()) -> None:
+                 reuse_image_sec: float = 0.0, lazy_restore: bool = False, cpus: tuple[int, ...] = (),
+                 warmup_cache_ratio: float | None = None) -> None:
         self.name = name
         self.spec = spec
         self.workdir = pathlib.Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.config = worker_config(spec, self.workdir, device, cpus)
+        # warmup_cache_ratio: the node's default, used when the ModelSpec sets none.
+        self.config = worker_config(spec, self.workdir, device, cpus, warmup_cache_ratio)
         if len(self.config.socket) > MAX_SOCKET_PATH:
             raise ValueError(f"socket path {self.config.socket} is longer than {MAX_SOCKET_PATH} bytes: "
                              "use a shorter run folder")

@@ -156,7 +156,8 @@ class Pool:
                                              self.driver if device != "cpu" else None, device,
                                              reuse_image_sec=self.settings.snapshot_interval_sec,
                                              lazy_restore=self.settings.lazy_restore,
-                                             cpus=self._cpus(spec, want.gpu_index))
+                                             cpus=self._cpus(spec, want.gpu_index),
+                                             warmup_cache_ratio=self.settings.warmup_cache_ratio)
                 except (OSError, ValueError) as exc:
                     self.failed[name] = f"{type(exc).__name__}: {exc}"
                     log.error("%s: cannot create instance: %s", name, exc)

@@ -149,7 +149,9 @@ class Pool(Model):
 
 class Runtime(Model):
     warmup_iterations: Annotated[int, pydantic.Field(ge=0, le=10_000)] = 3
-    warmup_cache_ratio: Annotated[float, pydantic.Field(ge=0.0, le=1.0)] = 0.0
+    warmup_cache_ratio: Annotated[float, pydantic.Field(
+        ge=0.0, le=1.0, description="share of the warmup iterations run again after each restore, before the "
+                                    "first request: brings back caches (and lazily restored pages) at wake cost")] = 0.0
     reset_rng_on_restore: bool = True
     intra_op_threads: Annotated[int, pydantic.Field(ge=0, le=256)] = 0
     max_batch_size: Annotated[int, pydantic.Field(ge=1, le=65_536)] = 256

@@ -66,6 +66,7 @@ class WorkerConfig:
     max_batch_size: int = 256
     cuda_graph_batches: tuple[int, ...] = ()
     cpus: tuple[int, ...] = ()  # CPUs the launcher pinned the worker to (nsinit --cpus); () leaves it free
+    restore_warmups: int = 0  # warmup iterations run again after each restore (warmupCacheRatio)
 
     @classmethod
     def from_json(cls, text: str) -> WorkerConfig:
@@ -413,6 +414,7 @@ class Worker:
         self._conn: socket.socket | None = None
         self.requests = 0
         self.restores = 0
+        self.restore_warmups_done = 0
         self.generation = 0  # bumped when the process state changes in a way a snapshot must capture (swap)
         self.ops: dict[str, Callable[[protocol.Frame], tuple[dict[str, Any], list[memoryview]]]] = {
             "infer": self._op_infer,
@@ -490,6 +492,7 @@ class Worker:
 
     def _op_stats(self, frame: protocol.Frame) -> tuple[dict[str, Any], list[memoryview]]:
         return {"requests": self.requests, "restores": self.restores, "load_seconds": self.load_seconds,
+                "restore_warmups": self.restore_warmups_done,
                 **self.backend.stats()}, []
 
     def _op_swap(self, frame: protocol.Frame) -> tuple[dict[str, Any], list[memoryview]]:
@@ -547,6 +550,11 @@ class Worker:
         self.restores += 1
         if self.config.reset_rng_on_restore:
             reseed_rngs()
+        if self.config.restore_warmups:
+            warm = sample_inputs(self.config.inputs)
+            for _ in range(self.config.restore_warmups):
+                self.backend.run(warm)
+            self.restore_warmups_done += self.config.restore_warmups
 
     def serve(self) -> None:
         (self.signal_dir / READY).write_text(json.dumps({"pid": os.getpid(), "load_seconds": self.load_seconds}))
