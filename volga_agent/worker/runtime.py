@@ -409,6 +409,7 @@ class Worker:
         self.listener.bind(config.socket)
         self.listener.listen(64)
         self.conns: list[socket.socket] = []
+        self.selector = selectors.PollSelector()
         # Shared-memory segments attached by co-located gateways, one per connection; dropped with it.
         self.shm: dict[socket.socket, mmap.mmap] = {}
         self._conn: socket.socket | None = None
@@ -483,6 +484,7 @@ class Worker:
         self._detach(conn)
         if conn in self.conns:
             self.conns.remove(conn)
+            self.selector.unregister(conn)
         conn.close()
 
     def _op_metadata(self, frame: protocol.Frame) -> tuple[dict[str, Any], list[memoryview]]:
@@ -558,23 +560,18 @@ class Worker:
 
     def serve(self) -> None:
         (self.signal_dir / READY).write_text(json.dumps({"pid": os.getpid(), "load_seconds": self.load_seconds}))
+        # poll(2), not epoll: the selector holds no kernel object, so a checkpoint has none to carry.
+        self.selector.register(self.listener, selectors.EVENT_READ)
         while True:
-            # A fresh poll selector each round: it holds no kernel object that a checkpoint would carry.
-            with selectors.PollSelector() as sel:
-                sel.register(self.listener, selectors.EVENT_READ)
-                for conn in self.conns:
-                    sel.register(conn, selectors.EVENT_READ)
-                ready = sel.select()
-            for key, _ in ready:
+            for key, _ in self.selector.select():
                 sock = key.fileobj
                 assert isinstance(sock, socket.socket)
                 if sock is self.listener:
                     conn, _ = self.listener.accept()
                     self.conns.append(conn)
+                    self.selector.register(conn, selectors.EVENT_READ)
                 elif sock in self.conns and not self.handle(sock):
                     self.close_conn(sock)
-                    if not self.conns:
-                        break
 
 
 def reseed_rngs() -> None:
