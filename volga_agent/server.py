@@ -23,7 +23,6 @@ log = logging.getLogger(__name__)
 
 TIERS = {api.Tier.HOT: pb.HOT, api.Tier.WARM: pb.WARM, api.Tier.SUSPENDED: pb.SUSPENDED,
          api.Tier.FROZEN: pb.FROZEN, api.Tier.COLD: pb.COLD}
-FROM_PB = {v: k for k, v in TIERS.items()}
 
 
 def instance_pb(info: pool.InstanceInfo) -> Any:

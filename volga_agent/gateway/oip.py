@@ -101,6 +101,16 @@ class OipError(Exception):
         return f"OipError({self.code!r}, {self.http_status}, {self.message!r})"
 
 
+# gRPC status -> the REST status the same failure gets.
+HTTP_STATUS = {"INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "NOT_FOUND": 404, "RESOURCE_EXHAUSTED": 413,
+               "INTERNAL": 500, "UNIMPLEMENTED": 501, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504}
+
+
+def error(code: str, message: str) -> OipError:
+    """An OipError whose REST status follows from its gRPC status (502 for anything unlisted)."""
+    return OipError(code, HTTP_STATUS.get(code, 502), message)
+
+
 def _invalid(message: str) -> OipError:
     return OipError(INVALID_ARGUMENT, 400, message)
 

@@ -17,8 +17,6 @@ from volga_agent.rpc.inference import grpc_service_pb2_grpc as pb_grpc
 
 FORWARDED = "x-volga-forwarded"
 PASSED_ON = ("x-input-hash", "x-device-hint")
-HTTP_STATUS = {"INVALID_ARGUMENT": 400, "NOT_FOUND": 404, "DEADLINE_EXCEEDED": 504, "UNAVAILABLE": 503,
-               "RESOURCE_EXHAUSTED": 413}
 
 
 class Forwarder:
@@ -42,9 +40,7 @@ class Forwarder:
             response = await self._stub(address).ModelInfer(oip.encode_grpc_request(model_id, inputs),
                                                             metadata=metadata, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
-            code = exc.code().name
-            raise oip.OipError(code, HTTP_STATUS.get(code, 502),
-                               f"forwarded to the gateway at {address}: {exc.details()}") from None
+            raise oip.error(exc.code().name, f"forwarded to the gateway at {address}: {exc.details()}") from None
         return oip.decode_grpc_response(response)
 
     async def close(self) -> None:

@@ -42,8 +42,6 @@ SERVER_NAME = "volga"
 SERVER_VERSION = "0.1.0"
 EXTENSIONS = ("binary_tensor_data", "model_repository", "volga_wake_on_request")
 UNKNOWN_MODEL_LABEL = "_unknown"
-HTTP_STATUS = {"INVALID_ARGUMENT": 400, "NOT_FOUND": 404, "DEADLINE_EXCEEDED": 504, "UNAVAILABLE": 503,
-               "RESOURCE_EXHAUSTED": 413, "FAILED_PRECONDITION": 400, "INTERNAL": 500, "UNIMPLEMENTED": 501}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +94,7 @@ class Catalog:
         assert self._placements is not None
         elsewhere = sorted({p.node for p in self._placements.get(model_id, ())})
         where = f"its instances are on {', '.join(elsewhere)}" if elsewhere else "it has no instance yet"
-        raise oip.OipError("UNAVAILABLE", 503, f"model {model_id!r} has no instance on node {node}: {where}; "
+        raise oip.error("UNAVAILABLE", f"model {model_id!r} has no instance on node {node}: {where}; "
                            "send the request to a gateway on one of those nodes")
 
     def remote_gateways(self, model_id: str, node: str) -> list[str]:
@@ -124,7 +122,7 @@ class Catalog:
     def get(self, model_id: str) -> api.ModelSpecSpec:
         spec = self._models.get(model_id)
         if spec is None:
-            raise oip.OipError("NOT_FOUND", 404, f"unknown model {model_id!r}: no ModelSpec has this modelId")
+            raise oip.error("NOT_FOUND", f"unknown model {model_id!r}: no ModelSpec has this modelId")
         return spec
 
     def decls(self, model_id: str) -> tuple[runtime.TensorDecl, ...]:
@@ -157,14 +155,13 @@ class Gateway:
         spec = self.catalog.get(model_id)
         claimed = headers.get("x-input-hash")
         if claimed and claimed.lower() != spec.input_hash():
-            raise oip.OipError("INVALID_ARGUMENT", 400,
-                               f"x-input-hash {claimed[:16]}... does not match model {model_id!r} "
+            raise oip.error("INVALID_ARGUMENT", f"x-input-hash {claimed[:16]}... does not match model {model_id!r} "
                                f"(its input schema hash is {spec.input_hash()}); the client was built for "
                                "another version of the model")
         try:
             runtime.check_inputs(self.catalog.decls(model_id), inputs, spec.runtime.max_batch_size)
         except protocol.WorkerError as exc:
-            raise oip.OipError(exc.code, 400, exc.message) from None
+            raise oip.error(exc.code, exc.message) from None
         deadline = _deadline(headers.get("x-timeout-ms"), grpc_remaining)
         here = self.catalog.local(model_id, self.settings.node)
         if here is not None and not here:
@@ -181,16 +178,16 @@ class Gateway:
                 self.router.invalidate(model_id)
                 self.workers.forget(route.socket)
                 if attempt == 2:
-                    raise oip.OipError("UNAVAILABLE", 503, f"model {model_id!r}: {exc}; retry later") from None
+                    raise oip.error("UNAVAILABLE", f"model {model_id!r}: {exc}; retry later") from None
             except workers.WorkerDied as exc:
                 # It died while holding this request (which may be what killed it): fail this one only; the
                 # next request's activation finds the worker dead and restarts it.
                 self.router.invalidate(model_id)
                 self.workers.forget(route.socket)
-                raise oip.OipError("UNAVAILABLE", 503, f"model {model_id!r}: {exc}; the instance is being "
+                raise oip.error("UNAVAILABLE", f"model {model_id!r}: {exc}; the instance is being "
                                    "restarted, retry") from None
             except protocol.WorkerError as exc:
-                raise oip.OipError(exc.code, HTTP_STATUS.get(exc.code, 500), exc.message) from None
+                raise oip.error(exc.code, exc.message) from None
         raise AssertionError("unreachable")
 
     async def _forward(self, model_id: str, headers: Mapping[str, str], inputs: dict[str, np.ndarray],
@@ -215,10 +212,10 @@ class Gateway:
             raise
         except router.UnknownModel as exc:
             code = "NOT_FOUND"
-            raise oip.OipError(code, 404, str(exc)) from None
+            raise oip.error(code, str(exc)) from None
         except router.ActivationFailed as exc:
             code = "UNAVAILABLE"
-            raise oip.OipError(code, 503, f"could not wake model {model_id!r}: {exc}") from None
+            raise oip.error(code, f"could not wake model {model_id!r}: {exc}") from None
         finally:
             # Names clients make up must not become label values: one series per known model only.
             label = model_id if self.catalog.known(model_id) else UNKNOWN_MODEL_LABEL
@@ -277,9 +274,9 @@ def _deadline(timeout_ms: str | None, grpc_remaining: float | None) -> float | N
         try:
             value = float(timeout_ms)
         except ValueError:
-            raise oip.OipError("INVALID_ARGUMENT", 400, f"x-timeout-ms {timeout_ms!r} is not a number") from None
+            raise oip.error("INVALID_ARGUMENT", f"x-timeout-ms {timeout_ms!r} is not a number") from None
         if value <= 0:
-            raise oip.OipError("INVALID_ARGUMENT", 400, f"x-timeout-ms must be positive, got {timeout_ms}")
+            raise oip.error("INVALID_ARGUMENT", f"x-timeout-ms must be positive, got {timeout_ms}")
         budget = value / 1e3 if budget is None else min(budget, value / 1e3)
     return None if budget is None else time.monotonic() + budget
 
@@ -294,7 +291,7 @@ async def _within(deadline: float | None, awaitable: Awaitable[Any], what: str) 
     try:
         return await asyncio.wait_for(awaitable, max(0.0, deadline - time.monotonic()))
     except TimeoutError:
-        raise oip.OipError("DEADLINE_EXCEEDED", 504, f"deadline (x-timeout-ms) expired while {what}") from None
+        raise oip.error("DEADLINE_EXCEEDED", f"deadline (x-timeout-ms) expired while {what}") from None
 
 
 # -- gRPC ----------------------------------------------------------------------------------------------
@@ -404,14 +401,14 @@ def _rest_app(gw: Gateway) -> web.Application:
             try:
                 body = await request.read()
             except web.HTTPRequestEntityTooLarge:
-                raise oip.OipError("RESOURCE_EXHAUSTED", 413,
-                                   f"request body over {gw.settings.max_request_bytes} bytes") from None
+                limit = gw.settings.max_request_bytes
+                raise oip.error("RESOURCE_EXHAUSTED", f"request body over {limit} bytes") from None
             length = headers.get("inference-header-content-length")
             try:
                 header_length = int(length) if length is not None else None
             except ValueError:
-                raise oip.OipError("INVALID_ARGUMENT", 400,
-                                   f"Inference-Header-Content-Length {length!r} is not a number") from None
+                raise oip.error("INVALID_ARGUMENT",
+                                f"Inference-Header-Content-Length {length!r} is not a number") from None
             decoded = oip.decode_rest_request(body, header_length)
             spec, outputs = await gw.infer(model_id, headers, decoded.inputs)
             payload, json_length = oip.encode_rest_response(spec.model_id, spec.version, decoded.request_id, outputs,
