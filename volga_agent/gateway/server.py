@@ -95,7 +95,7 @@ class Catalog:
         elsewhere = sorted({p.node for p in self._placements.get(model_id, ())})
         where = f"its instances are on {', '.join(elsewhere)}" if elsewhere else "it has no instance yet"
         raise oip.error("UNAVAILABLE", f"model {model_id!r} has no instance on node {node}: {where}; "
-                           "send the request to a gateway on one of those nodes")
+                        "send the request to a gateway on one of those nodes")
 
     def remote_gateways(self, model_id: str, node: str) -> list[str]:
         """Gateways of other nodes holding the model: ready HOT instances first, then ready, then any."""
@@ -156,8 +156,8 @@ class Gateway:
         claimed = headers.get("x-input-hash")
         if claimed and claimed.lower() != spec.input_hash():
             raise oip.error("INVALID_ARGUMENT", f"x-input-hash {claimed[:16]}... does not match model {model_id!r} "
-                               f"(its input schema hash is {spec.input_hash()}); the client was built for "
-                               "another version of the model")
+                            f"(its input schema hash is {spec.input_hash()}); the client was built for "
+                            "another version of the model")
         try:
             runtime.check_inputs(self.catalog.decls(model_id), inputs, spec.runtime.max_batch_size)
         except protocol.WorkerError as exc:
@@ -185,7 +185,7 @@ class Gateway:
                 self.router.invalidate(model_id)
                 self.workers.forget(route.socket)
                 raise oip.error("UNAVAILABLE", f"model {model_id!r}: {exc}; the instance is being "
-                                   "restarted, retry") from None
+                                "restarted, retry") from None
             except protocol.WorkerError as exc:
                 raise oip.error(exc.code, exc.message) from None
         raise AssertionError("unreachable")
