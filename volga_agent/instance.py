@@ -165,6 +165,10 @@ class Instance:
             time.sleep(0.005)
         return True
 
+    def worker_gone(self) -> bool:
+        """Whether the worker this instance counts on (HOT, WARM or SUSPENDED) has exited."""
+        return self.pid is not None and self._exited(self.pid, grace=0)
+
     def _wait_for(self, pid: int, predicate: Callable[[], bool], what: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         delay = 0.0005
@@ -194,7 +198,7 @@ class Instance:
             os.waitpid(pid, 0)
 
     def _kill(self) -> None:
-        self._disconnect()
+        self.disconnect()
         self._paused = False
         if self.pid is not None:
             with contextlib.suppress(ProcessLookupError):
@@ -207,7 +211,7 @@ class Instance:
             self._client = protocol.WorkerClient(self.config.socket)
         return self._client
 
-    def _disconnect(self) -> None:
+    def disconnect(self) -> None:
         if self._client is not None:
             self._client.close()
             self._client = None
@@ -267,7 +271,7 @@ class Instance:
         try:
             return self.client().infer(inputs)
         except (OSError, protocol.ProtocolError) as exc:
-            self._disconnect()
+            self.disconnect()
             if self.pid is not None and self._exited(self.pid, grace=0.5):
                 self.pid = None
                 self.tier = Tier.COLD
@@ -297,7 +301,7 @@ class Instance:
 
     def _hot_to_suspended(self) -> None:
         assert self.driver is not None and self.pid is not None
-        self._disconnect()
+        self.disconnect()
         self.driver.suspend(self.pid)
 
     def _suspended_to_hot(self) -> None:
@@ -313,7 +317,7 @@ class Instance:
         if self._paused:
             return
         self.client().call("prepare_checkpoint")
-        self._disconnect()
+        self.disconnect()
         ready = self.signals / runtime.READY_FOR_CHECKPOINT
         self._wait_for(self.pid, ready.exists, "ready for checkpoint", 30.0)
 

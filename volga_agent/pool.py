@@ -269,7 +269,7 @@ class Pool:
             if slot.removed:
                 raise UnknownModel(f"instance {inst.name} was removed")
             source = inst.tier
-            if source == Tier.HOT and inst.pid is not None and inst._exited(inst.pid, grace=0):
+            if source == Tier.HOT and inst.worker_gone():
                 self._worker_died(slot)
                 source = inst.tier
             wake_ms, fallback = 0.0, False
@@ -385,7 +385,7 @@ class Pool:
         try:
             inst = slot.inst
             if inst.tier in (Tier.HOT, Tier.WARM, Tier.SUSPENDED) and inst.pid is not None:
-                if inst._exited(inst.pid, grace=0):
+                if inst.worker_gone():
                     self._worker_died(slot)
                     self.converge_async(inst.name)
                     return
@@ -393,7 +393,7 @@ class Pool:
                     try:
                         stats = inst.client().call("stats").header
                     except (OSError, protocol.ProtocolError, protocol.WorkerError):
-                        inst._disconnect()
+                        inst.disconnect()
                         return
                     seen = int(stats.get("requests", 0))
                     slot.gpu_bytes = int(stats.get("gpu_allocated_bytes", 0))
