@@ -152,11 +152,16 @@ def test_apply_wake_outage_delete(control_plane: ControlPlane, cluster: dict[str
     gateway = grpcclient.InferenceServerClient(cluster["grpc"])
     assert wait_for("model ready at the gateway", lambda: gateway.is_model_ready("ctr-e2e"))
     gateway.close()
+    def ready_since(emi: dict[str, Any]) -> str:
+        return next(c["lastTransitionTime"] for c in emi["status"]["conditions"] if c["type"] == "Ready")
+
+    [frozen_a] = [e for e in emis(cp, "ctr-e2e") if e["spec"]["node"] == "node-a"]
     # A request through node-a's gateway wakes node-a's instance.
     out = request(cluster["grpc"], "ctr-e2e")
     assert np.array_equal(out, reference())
-    wait_for("node-a's EMI reported HOT", lambda: any(
-        e["spec"]["node"] == "node-a" and e.get("status", {}).get("tier") == "HOT" for e in emis(cp, "ctr-e2e")))
+    [hot_a] = wait_for("node-a's EMI reported HOT", lambda: [
+        e for e in emis(cp, "ctr-e2e") if e["spec"]["node"] == "node-a" and e.get("status", {}).get("tier") == "HOT"])
+    assert ready_since(hot_a) == ready_since(frozen_a)  # still Ready: the condition did not transition
 
     # The API server goes away: the gateway and the agent keep serving the model they know.
     cp.stop_apiserver()

@@ -204,16 +204,23 @@ class AgentSync:
         with self._lock:
             emis = dict(self._emis)
         by_instance = {_emi_key(ns, name): (ns, name) for ns, name in emis}
+        now = _iso(time.time())
+
+        def previous(key: tuple[str, str]) -> list[dict[str, Any]]:
+            # What we last wrote, else what the API server holds: transition times survive restarts.
+            reported = self._reported.get(key) or (emis[key].get("status") or {})
+            return list(reported.get("conditions") or ())
+
         for info in self.pool.instances():
             key = by_instance.get(info.name)
             if key is None:
                 continue
             reason = info.state_reason.split(":", 1)[0] if info.state_reason else ""
             settled = info.tier in (info.target_tier, Tier.HOT) and not reason
-            ready = {"type": "Ready", "status": "True" if settled else "False",
-                     "reason": "Ready" if settled else (reason or "Converging"),
-                     "message": info.state_reason or (f"{info.tier.value}, on the way to {info.target_tier.value}"
-                                                      if not settled else f"wakes from {info.tier.value}")}
+            message = info.state_reason or (f"{info.tier.value}, on the way to {info.target_tier.value}"
+                                            if not settled else f"wakes from {info.tier.value}")
+            ready = reconcile.condition("Ready", settled, "Ready" if settled else (reason or "Converging"), message,
+                                        previous(key), now)
             out[key] = {"tier": info.tier.value, "snapshotBytes": info.snapshot_bytes, "device": info.device,
                         "gateway": self.gateway_address,
                         "lastWakeMs": round(info.last_wake_ms, 3),
@@ -223,7 +230,7 @@ class AgentSync:
             key = by_instance.get(name)
             if key is not None:
                 out[key] = {"tier": Tier.COLD.value, "conditions": [
-                    {"type": "Ready", "status": "False", "reason": "CreateFailed", "message": problem}]}
+                    reconcile.condition("Ready", False, "CreateFailed", problem, previous(key), now)]}
         return out
 
     def report_once(self) -> int:
@@ -232,9 +239,6 @@ class AgentSync:
         for (ns, name), status in self.statuses().items():
             if self._reported.get((ns, name)) == status:
                 continue
-            now = _iso(time.time())
-            for condition in status["conditions"]:
-                condition["lastTransitionTime"] = now
             try:
                 ratelimit.write_sync(self.bucket, lambda ns=ns, name=name, status=status:  # type: ignore[misc]
                                      self.custom.patch_namespaced_custom_object_status(
@@ -243,8 +247,6 @@ class AgentSync:
             except kubernetes.client.ApiException as exc:
                 if exc.status != 404:
                     raise
-            for condition in status["conditions"]:
-                condition.pop("lastTransitionTime")
             self._reported[(ns, name)] = status
             written += 1
         return written
