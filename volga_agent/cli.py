@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from volga_agent import policy
 from volga_operator import api
 
 Tier = api.Tier
@@ -69,7 +70,7 @@ def cmd_build_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _progress(quiet: bool) -> object:
+def _progress(quiet: bool) -> Callable[[str], None]:
     def show(message: str) -> None:
         if not quiet:
             print(f"  .. {message}", file=sys.stderr, flush=True)
@@ -87,14 +88,12 @@ def load_specs(files: list[str] | None) -> list[api.ModelSpec]:
     return specs
 
 
-def settings_from(args: argparse.Namespace) -> object:
-    from volga_agent import policy
-
+def settings_from(args: argparse.Namespace) -> policy.Settings:
     idle = args.idle_sec
     overrides = {k: v for k, v in {"hot_idle_sec": idle, "warm_idle_sec": idle, "suspended_idle_sec": idle,
                                    "scheduler_eviction_policy": args.eviction_policy,
                                    "lazy_restore": args.lazy_restore or None}.items() if v is not None}
-    return policy.Settings(**overrides)
+    return policy.Settings.from_mapping(overrides)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -113,7 +112,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     options = local.Options(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                             metrics_port=args.metrics_port, agent_port=args.agent_port,
                             snapshot_root=pathlib.Path(args.snapshot_dir) if args.snapshot_dir else None,
-                            settings=settings_from(args))  # type: ignore[arg-type]
+                            settings=settings_from(args))
     print(f"volga up: {len(specs)} ModelSpec(s); listening on", flush=True)
     try:
         import uvloop
@@ -145,9 +144,9 @@ def cmd_bench_tiers(args: argparse.Namespace) -> int:
             spec = defaultmodel.ensure(models).spec
             report = bench.bench_tiers(spec, pathlib.Path(run) / "w", default_snapshot_dir() / "bench",
                                        [Tier.FROZEN], args.n, "cpu", cold_n=args.cold_n, lazy=args.lazy,
-                                       progress=show)  # type: ignore[arg-type]
+                                       progress=show)
         else:
-            report = gpu_suite(args, models, pathlib.Path(run), show)  # type: ignore[arg-type]
+            report = gpu_suite(args, models, pathlib.Path(run), show)
     if args.out:
         bench.write_json(report, pathlib.Path(args.out))
     if args.json:
@@ -194,7 +193,7 @@ def cmd_bench_gateway(args: argparse.Namespace) -> int:
     from volga_agent import bench_gateway
 
     report = bench_gateway.run(args.rate, args.seconds, args.rounds, args.protocol,
-                               progress=_progress(args.json))  # type: ignore[arg-type]
+                               progress=_progress(args.json))
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     if args.json:
@@ -208,7 +207,7 @@ def cmd_bench_scale(args: argparse.Namespace) -> int:
     from volga_operator import scale
 
     show = _progress(args.json)
-    report = scale.run(args.nodes, args.modelspecs, args.writes_per_sec, progress=show)  # type: ignore[arg-type]
+    report = scale.run(args.nodes, args.modelspecs, args.writes_per_sec, progress=show)
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2) if args.json else
