@@ -27,20 +27,10 @@ import urllib3
 
 from volga_agent import gpus, pool
 from volga_agent.gateway import server as gateway_server
-from volga_operator import api, planner, ratelimit, reconcile
+from volga_operator import api, kube, planner, ratelimit, reconcile
 
 log = logging.getLogger(__name__)
 Tier = api.Tier
-
-
-def load_config() -> kubernetes.client.ApiClient:
-    try:
-        kubernetes.config.load_incluster_config()
-    except kubernetes.config.ConfigException:
-        kubernetes.config.load_kube_config()
-    config = kubernetes.client.Configuration.get_default_copy()
-    config.retries = 0  # our loops retry, with backoff, and must notice an outage quickly
-    return kubernetes.client.ApiClient(config)
 
 
 class Watch:
@@ -114,7 +104,7 @@ class AgentSync:
         self.report_sec = report_sec
         burst = max(1, int(writes_per_sec / 10))
         self.bucket = ratelimit.TokenBucket(writes_per_sec - burst, burst)
-        self.client = load_config()
+        self.client = kube.api_client()
         self.custom = kubernetes.client.CustomObjectsApi(self.client)
         self.core = kubernetes.client.CoreV1Api(self.client)
         self._lock = threading.Lock()
@@ -267,7 +257,7 @@ class CatalogSync:
 
     def __init__(self, catalog: gateway_server.Catalog) -> None:
         self.catalog = catalog
-        self.client = load_config()
+        self.client = kube.api_client()
         custom = kubernetes.client.CustomObjectsApi(self.client)
         self.watches = [
             Watch("modelspecs", custom.list_cluster_custom_object, self._on_specs, group=api.GROUP,

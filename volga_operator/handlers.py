@@ -21,7 +21,7 @@ from typing import Any
 import kopf
 import kubernetes
 
-from volga_operator import api, ratelimit, reconcile
+from volga_operator import api, kube, ratelimit, reconcile
 
 log = logging.getLogger("volga.operator")
 
@@ -55,12 +55,7 @@ class Loop:
     @property
     def api(self) -> kubernetes.client.CustomObjectsApi:
         if self._api is None:
-            with contextlib.suppress(kubernetes.config.ConfigException):
-                kubernetes.config.load_incluster_config()
-                self._api = kubernetes.client.CustomObjectsApi()
-            if self._api is None:
-                kubernetes.config.load_kube_config()
-                self._api = kubernetes.client.CustomObjectsApi()
+            self._api = kubernetes.client.CustomObjectsApi(kube.api_client())
         return self._api
 
     async def run(self) -> None:
