@@ -62,3 +62,12 @@ def test_driver_structs_match_the_header() -> None:
     assert ctypes.sizeof(cuda._RestoreArgs) == 64
     assert ctypes.sizeof(cuda._GpuPair) == 32
     assert cuda._uuid_bytes("GPU-12345678-1234-1234-1234-123456789abc")[:4] == bytes.fromhex("12345678")
+
+
+def test_the_agent_proto_names_tiers_as_the_api_does() -> None:
+    """server.tier_pb and the gateway's link convert tiers by name."""
+    from volga_agent import server
+    from volga_agent.rpc.volga.v1 import agent_pb2
+
+    assert set(agent_pb2.Tier.keys()) - {"TIER_UNSPECIFIED"} == {t.value for t in Tier}
+    assert agent_pb2.Tier.Name(server.tier_pb(Tier.SUSPENDED)) == "SUSPENDED"

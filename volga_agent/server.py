@@ -21,13 +21,14 @@ from volga_operator import api
 
 log = logging.getLogger(__name__)
 
-TIERS = {api.Tier.HOT: pb.HOT, api.Tier.WARM: pb.WARM, api.Tier.SUSPENDED: pb.SUSPENDED,
-         api.Tier.FROZEN: pb.FROZEN, api.Tier.COLD: pb.COLD}
+def tier_pb(tier: api.Tier) -> Any:
+    """The proto enum shares the API's tier names."""
+    return pb.Tier.Value(tier.value)
 
 
 def instance_pb(info: pool.InstanceInfo) -> Any:
     return pb.Instance(name=info.name, model_id=info.model_id, model_version=info.model_version,
-                       tier=TIERS[info.tier], device=info.device, socket=info.socket, node=info.node,
+                       tier=tier_pb(info.tier), device=info.device, socket=info.socket, node=info.node,
                        snapshot_bytes=info.snapshot_bytes, last_used_unix=info.last_used_unix,
                        last_wake_ms=info.last_wake_ms, input_hash=info.input_hash, state_reason=info.state_reason)
 
@@ -53,7 +54,7 @@ class AgentService(pb_grpc.AgentServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         except pool.ActivationFailed as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{exc}; the instance is marked failed, retry later")
-        return pb.ActivateResponse(instance=instance_pb(activation.instance), woke_from=TIERS[activation.woke_from],
+        return pb.ActivateResponse(instance=instance_pb(activation.instance), woke_from=tier_pb(activation.woke_from),
                                    wake_ms=activation.wake_ms, fallback=activation.fallback)
 
     async def Release(self, request: Any, context: grpc.aio.ServicerContext) -> Any:

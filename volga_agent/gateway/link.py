@@ -9,9 +9,6 @@ from volga_agent.rpc.volga.v1 import agent_pb2 as pb
 from volga_agent.rpc.volga.v1 import agent_pb2_grpc as pb_grpc
 from volga_operator import api
 
-TIERS = {pb.HOT: api.Tier.HOT, pb.WARM: api.Tier.WARM, pb.SUSPENDED: api.Tier.SUSPENDED, pb.FROZEN: api.Tier.FROZEN,
-         pb.COLD: api.Tier.COLD}
-
 
 class GrpcAgentLink:
     def __init__(self, address: str) -> None:
@@ -30,7 +27,8 @@ class GrpcAgentLink:
                 raise TimeoutError(exc.details()) from None
             raise router.ActivationFailed(f"agent {self.address}: {exc.code().name}: {exc.details()}") from None
         inst = reply.instance
-        woke_from = TIERS.get(reply.woke_from, api.Tier.HOT)
+        name = pb.Tier.Name(reply.woke_from)  # the proto enum shares the API's tier names
+        woke_from = api.Tier(name) if name in api.Tier.__members__ else api.Tier.HOT
         return router.Route(inst.name, inst.model_id, inst.socket, inst.device, woke_from, reply.wake_ms,
                             reply.fallback)
 
