@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
 import platform
 import time
@@ -239,8 +240,6 @@ def device_description(device: str) -> str:
                 break
     except OSError:
         pass
-    import os
-
     return f"cpu: {cpu} x{os.cpu_count()}"
 
 
