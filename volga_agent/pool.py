@@ -310,12 +310,6 @@ class Pool:
             self._walk(slot, target)
             return slot.inst.history[-1] if len(slot.inst.history) > before else None
 
-    def touch(self, name: str) -> None:
-        slot = self.slots.get(name)
-        if slot is not None:
-            slot.inst.last_used = time.monotonic()
-            slot.last_used_unix = time.time()
-
     def _worker_died(self, slot: Slot) -> None:
         inst = slot.inst
         log.warning("%s: worker %s died while %s", inst.name, inst.pid, inst.tier.value)

@@ -15,7 +15,6 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Mapping
 from typing import Any
 
 import kopf
@@ -207,7 +206,3 @@ async def on_node(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
         loop.state.nodes[name] = profile
     if before != profile:
         loop.touch_all()  # capacity changed: every ModelSpec may place differently
-
-
-def settings_summary() -> Mapping[str, float]:
-    return {"writes_per_sec": WRITES_PER_SEC, "resync_sec": RESYNC_SEC}
