@@ -135,3 +135,44 @@ def test_worker_pinned_to_the_given_cpus(default_spec: api.ModelSpecSpec, rundir
             assert allowed.split()[-1] == str(cpu), (task.name, allowed)
     finally:
         inst.close()
+
+
+def test_request_caught_by_a_checkpoint_is_handed_back_unrun(hot: instance.Instance) -> None:
+    """A gateway request that reaches a worker just as it pauses for a checkpoint is not lost as 'died'.
+
+    The worker is stopped while the agent's prepare_checkpoint (first connection) and a gateway request
+    (second connection) both wait in its sockets; on SIGCONT it serves the first, pauses, and must tell the
+    second that its request was never run (WorkerGone: the gateway wakes the model again and retries).
+    """
+    import asyncio
+    import signal
+    import threading
+
+    from volga_agent.gateway import workers
+
+    x = request(hot)
+    good = hot.infer(x)["probability"]  # the agent's connection is the worker's first
+    assert hot.pid is not None
+
+    async def scenario() -> None:
+        conn = await workers.Connection.open(hot.config.socket, shm_bytes=0)
+        meta, parts = protocol.pack_tensors(x)
+        reply, body = await conn.call({"op": "infer", "tensors": meta}, parts)
+        assert np.array_equal(protocol.unpack_tensors(reply["tensors"], body)["probability"], good)
+        os.kill(hot.pid, signal.SIGSTOP)
+        try:
+            pause = threading.Thread(target=hot._pause)
+            pause.start()
+            caught = asyncio.create_task(conn.call({"op": "infer", "tensors": meta}, parts))
+            await asyncio.sleep(0.3)  # both frames are in the stopped worker's sockets
+        finally:
+            os.kill(hot.pid, signal.SIGCONT)
+        with pytest.raises(workers.WorkerGone, match="checkpoint"):
+            await caught
+        await asyncio.to_thread(pause.join)
+        assert not conn.usable()
+
+    asyncio.run(scenario())
+    hot._resume_worker(hot.pid)
+    hot.client().call("ping")
+    assert np.array_equal(hot.infer(x)["probability"], good)

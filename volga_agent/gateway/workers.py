@@ -32,7 +32,7 @@ _counter = itertools.count()
 
 
 class WorkerGone(ConnectionError):
-    """The worker could not be reached before the request was sent (demoted, restarting or dead): retry."""
+    """The worker did not run the request (unreachable, or it said goodbye for a checkpoint): retry."""
 
 
 class WorkerDied(ConnectionError):
@@ -94,6 +94,9 @@ class Connection:
             body = await self.reader.readexactly(payload_len) if payload_len else b""
         except (OSError, asyncio.IncompleteReadError) as exc:
             raise WorkerDied(f"worker connection lost mid-request: {exc}") from exc
+        if reply.get("goodbye"):
+            self.writer.close()
+            raise WorkerGone(str(reply.get("message", "the worker closed this connection")))
         return reply, body
 
     def close(self) -> None:

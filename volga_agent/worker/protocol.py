@@ -10,6 +10,7 @@ numpy only.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import socket
@@ -36,6 +37,11 @@ NP_DTYPES: dict[str, np.dtype[Any]] = {
     "FP64": np.dtype(np.float64),
 }
 DTYPE_NAMES = {v: k for k, v in NP_DTYPES.items()}
+
+# The last frame on every connection a worker closes for a checkpoint: whatever request the peer had sent on
+# it was not run (the worker discarded it unread), so the peer may send it again once the model is awake.
+GOODBYE = {"ok": False, "code": "UNAVAILABLE", "goodbye": True,
+           "message": "the worker paused for a checkpoint before running this request"}
 
 
 class ProtocolError(Exception):
@@ -75,6 +81,23 @@ def send_frame(sock: socket.socket, header: dict[str, Any], payload: Sequence[by
     sock.sendall(PREFIX.pack(len(head), total) + head)
     for part in payload:
         sock.sendall(part)
+
+
+def say_goodbye(sock: socket.socket) -> None:
+    """Hand back a connection whose peer may still be sending: nothing it sent is run, and it is told so.
+
+    Shutting the read side first makes the peer's further writes fail at once (EPIPE); what it wrote before
+    is read and discarded, so the close that follows leaves nothing unread and the peer sees GOODBYE and an
+    orderly end of stream instead of a connection reset.
+    """
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RD)
+        sock.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            while sock.recv(1 << 16):
+                pass
+        sock.settimeout(1.0)
+        send_frame(sock, GOODBYE)
 
 
 def recv_frame(sock: socket.socket) -> Frame:

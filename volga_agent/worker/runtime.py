@@ -4,7 +4,8 @@ It loads one model (ONNX through onnxruntime, or TorchScript / PyTorch through t
 serves inference over an AF_UNIX socket with the frames of `protocol`. It is the process CRIU freezes, so:
 
 - it holds no INET socket, ever (kernels >= 6.16 refuse the socket options CRIU reads on INET sockets);
-- before a CRIU dump it closes every connection, writes `ready-for-checkpoint` in its signal folder and
+- before a CRIU dump it closes every connection (telling each peer, with a goodbye frame, that a request
+  it had just sent was not run), writes `ready-for-checkpoint` in its signal folder and
   waits for `restore-complete` (the pause/resume hooks of Dynamo Snapshot); the process resumes inside
   that wait after a restore, re-seeds its RNGs when asked to, and goes back to serving;
 - it imports nothing of the agent, and torch only for torch models, to stay small and start fast.
@@ -541,6 +542,7 @@ class Worker:
         here; when the dump was abandoned the agent sends the same signal and nothing else happens.
         """
         for conn in list(self.conns):
+            protocol.say_goodbye(conn)
             self.close_conn(conn)
         self.backend.drop_host_copy()
         done = self.signal_dir / RESTORE_COMPLETE
