@@ -176,3 +176,12 @@ def test_request_caught_by_a_checkpoint_is_handed_back_unrun(hot: instance.Insta
     hot._resume_worker(hot.pid)
     hot.client().call("ping")
     assert np.array_equal(hot.infer(x)["probability"], good)
+
+
+def test_worker_holds_no_file_that_other_processes_write(hot: instance.Instance, rundir: pathlib.Path) -> None:
+    """CRIU restores an open file only if it is unchanged since the dump: a worker must not keep a file open
+    that other processes grow, such as onnxruntime's per-user telemetry store under ~/.cache."""
+    assert hot.pid is not None
+    held = [os.readlink(fd) for fd in pathlib.Path(f"/proc/{hot.pid}/fd").iterdir()]
+    files = [p for p in held if p.startswith("/") and p != "/dev/null"]
+    assert files and all(pathlib.Path(p).is_relative_to(rundir) for p in files), held

@@ -43,6 +43,10 @@ LEGAL: dict[Tier, frozenset[Tier]] = {
     Tier.FROZEN: frozenset({Tier.HOT, Tier.SUSPENDED, Tier.COLD}),
 }
 GPU_ONLY = frozenset({Tier.WARM, Tier.SUSPENDED})
+# onnxruntime's telemetry keeps a SQLite store under ~/.cache open, shared by every onnxruntime process of
+# the user: when another process grows its journal between a worker's dump and its restore, CRIU refuses the
+# restore ("has bad size"). A worker holds no file that others write.
+WORKER_ENV = {"ORT_DISABLE_TELEMETRY": "1"}
 MAX_SOCKET_PATH = 107
 
 
@@ -144,7 +148,8 @@ class Instance:
                *([] if self.pid_namespace else ["--no-pidns"]),
                *(["--cpus", ",".join(map(str, self.config.cpus))] if self.config.cpus else []), str(self.logfile), "--",
                sys.executable, "-m", "volga_agent.worker.runtime", str(config_path)]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=self.workdir)
+        out = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=self.workdir,
+                             env={**os.environ, **WORKER_ENV})
         if out.returncode != 0:
             raise WorkerStartError(f"{self.name}: could not start worker: {out.stderr.strip()}")
         return int(out.stdout.strip())
