@@ -14,7 +14,7 @@ import pytest
 
 from volga_agent import bench, instance
 from volga_agent.snapshot import criu, cuda
-from volga_agent.worker import runtime
+from volga_agent.worker import protocol, runtime
 from volga_operator import api
 
 pytestmark = pytest.mark.gpu
@@ -45,6 +45,13 @@ def used_mib() -> float:
     return value
 
 
+def handed_back(inst: instance.Instance, x: dict[str, np.ndarray], tier: str) -> None:
+    """A request sent straight to the worker (as a gateway does) while it sleeps comes back unrun."""
+    with protocol.WorkerClient(inst.config.socket, timeout=10.0) as direct, \
+            pytest.raises(protocol.NotRun, match=tier):
+        direct.infer(x)
+
+
 def test_warm_offloads_weights_and_restores_them(gpu_inst: instance.Instance) -> None:
     x = runtime.sample_inputs(gpu_inst.config.inputs, batch=8, seed=2)
     reference = gpu_inst.infer(x)["y"]
@@ -54,6 +61,7 @@ def test_warm_offloads_weights_and_restores_them(gpu_inst: instance.Instance) ->
         gpu_inst.to(Tier.WARM)
         warm = gpu_inst.client().call("stats").header
         assert warm["offloaded"]
+        handed_back(gpu_inst, x, "WARM")
         assert warm["gpu_allocated_bytes"] <= hot["gpu_allocated_bytes"] - hot["weights_bytes"]
         gpu_inst.wake()
         assert np.array_equal(gpu_inst.infer(x)["y"], reference)
@@ -69,6 +77,7 @@ def test_suspended_holds_no_gpu_memory(gpu_inst: instance.Instance) -> None:
         gpu_inst.to(Tier.SUSPENDED)
         assert driver.state(gpu_inst.pid) is cuda.ProcessState.CHECKPOINTED
         assert used_mib() < before - 200
+        handed_back(gpu_inst, x, "SUSPENDED")  # answered at once, not left waiting on the driver's lock
         gpu_inst.wake()
         assert driver.state(gpu_inst.pid) is cuda.ProcessState.RUNNING
         assert np.array_equal(gpu_inst.infer(x)["y"], reference)

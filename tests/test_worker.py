@@ -178,6 +178,35 @@ def test_request_caught_by_a_checkpoint_is_handed_back_unrun(hot: instance.Insta
     assert np.array_equal(hot.infer(x)["probability"], good)
 
 
+def test_a_sleeping_worker_hands_requests_back_unrun(hot: instance.Instance) -> None:
+    """Before the agent checkpoints a worker's GPU state (SUSPENDED) it tells the worker to sleep: a request
+    that reaches it directly then is handed back (the gateway wakes the model and retries) instead of
+    waiting on the driver's lock. Here on the CPU: the same frames, without the driver."""
+    import asyncio
+
+    from volga_agent.gateway import workers
+
+    x = request(hot)
+    good = hot.infer(x)["probability"]
+    hot.client().call("sleep", tier="SUSPENDED")
+    with pytest.raises(protocol.NotRun, match="SUSPENDED") as err:
+        hot.infer(x)
+    assert err.value.code == "UNAVAILABLE"
+
+    async def through_gateway_connection() -> None:
+        clients = workers.WorkerClients(shm_bytes=2**20)
+        try:
+            with pytest.raises(workers.WorkerGone, match="SUSPENDED; wake it first"):
+                await clients.infer(hot.config.socket, x)
+            hot.client().call("wake")
+            assert np.array_equal((await clients.infer(hot.config.socket, x))["probability"], good)
+        finally:
+            clients.close()
+
+    asyncio.run(through_gateway_connection())
+    assert hot.client().call("stats").header["requests"] == 2  # the unrun requests were not counted
+
+
 def test_worker_holds_no_file_that_other_processes_write(hot: instance.Instance, rundir: pathlib.Path) -> None:
     """CRIU restores an open file only if it is unchanged since the dump: a worker must not keep a file open
     that other processes grow, such as onnxruntime's per-user telemetry store under ~/.cache."""

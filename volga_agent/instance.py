@@ -306,15 +306,22 @@ class Instance:
 
     def _hot_to_suspended(self) -> None:
         assert self.driver is not None and self.pid is not None
+        # Requests that reach the worker directly (gateways) are handed back from now on instead of blocking
+        # on the driver's lock; the gateway then asks for a wake.
+        self.client().call("sleep", tier=Tier.SUSPENDED.value)
         self.disconnect()
-        self.driver.suspend(self.pid)
+        try:
+            self.driver.suspend(self.pid)
+        except cuda.DriverCheckpointError:
+            self.client().call("wake")  # still HOT
+            raise
 
     def _suspended_to_hot(self) -> None:
         assert self.driver is not None and self.pid is not None
         self.driver.resume(self.pid)
         if self._paused:
             self._resume_worker(self.pid)
-            self.client().call("ping")
+        self.client().call("wake")
 
     def _pause(self) -> None:
         """The pause hook: the worker closes its connections and says when it is ready to be dumped."""
@@ -397,7 +404,7 @@ class Instance:
             assert self.driver is not None
             self.driver.resume(pid)
         self._resume_worker(pid)
-        self.client().call("ping")
+        self.client().call("wake")  # an image taken in SUSPENDED holds a worker that was told to sleep
 
     def close(self) -> None:
         """Stop the worker and remove every image this instance owns."""

@@ -94,9 +94,10 @@ class Connection:
             body = await self.reader.readexactly(payload_len) if payload_len else b""
         except (OSError, asyncio.IncompleteReadError) as exc:
             raise WorkerDied(f"worker connection lost mid-request: {exc}") from exc
-        if reply.get("goodbye"):
-            self.writer.close()
-            raise WorkerGone(str(reply.get("message", "the worker closed this connection")))
+        if reply.get("unrun"):
+            if reply.get("goodbye"):
+                self.writer.close()
+            raise WorkerGone(str(reply.get("message", "the worker did not run the request")))
         return reply, body
 
     def close(self) -> None:
@@ -156,7 +157,7 @@ class WorkerClients:
         else:
             reply, body = await conn.call({"op": "infer", "tensors": meta}, parts)
         if not reply.get("ok"):
-            raise protocol.WorkerError(str(reply.get("code", "INTERNAL")), str(reply.get("message", "")))
+            raise protocol.WorkerError.from_reply(reply)
         return protocol.unpack_tensors(reply["tensors"], body)
 
     def forget(self, socket_path: str) -> None:

@@ -38,11 +38,6 @@ NP_DTYPES: dict[str, np.dtype[Any]] = {
 }
 DTYPE_NAMES = {v: k for k, v in NP_DTYPES.items()}
 
-# The last frame on every connection a worker closes for a checkpoint: whatever request the peer had sent on
-# it was not run (the worker discarded it unread), so the peer may send it again once the model is awake.
-GOODBYE = {"ok": False, "code": "UNAVAILABLE", "goodbye": True,
-           "message": "the worker paused for a checkpoint before running this request"}
-
 
 class ProtocolError(Exception):
     """The peer sent something that is not a frame, or went away mid-frame."""
@@ -55,6 +50,31 @@ class WorkerError(Exception):
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+
+    @classmethod
+    def from_reply(cls, header: dict[str, Any]) -> WorkerError:
+        kind = NotRun if header.get("unrun") else cls
+        return kind(str(header.get("code", "INTERNAL")), str(header.get("message", "")))
+
+    def reply(self) -> dict[str, Any]:
+        return {"ok": False, "code": self.code, "message": self.message}
+
+
+class NotRun(WorkerError):
+    """The worker did not run the request: it sleeps in a lower tier (WARM, SUSPENDED) or is pausing for a
+    checkpoint. Nothing happened, so the request can be sent again once the instance is woken."""
+
+    def __init__(self, code: str = "UNAVAILABLE", message: str = "") -> None:
+        super().__init__(code, message)
+
+    def reply(self) -> dict[str, Any]:
+        return {**super().reply(), "unrun": True}
+
+
+# The last frame on every connection a worker closes for a checkpoint: whatever request the peer had sent on
+# it was not run (the worker discarded it unread), so the peer may send it again once the model is awake.
+GOODBYE = {**NotRun(message="the worker paused for a checkpoint before running this request").reply(),
+           "goodbye": True}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,7 +230,7 @@ class WorkerClient:
         send_frame(self.sock, {"op": op, **fields}, payload)
         reply = recv_frame(self.sock)
         if not reply.header.get("ok", False):
-            raise WorkerError(str(reply.header.get("code", "INTERNAL")), str(reply.header.get("message", "")))
+            raise WorkerError.from_reply(reply.header)
         return reply
 
     def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

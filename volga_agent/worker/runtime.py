@@ -418,13 +418,18 @@ class Worker:
         self.restores = 0
         self.restore_warmups_done = 0
         self.generation = 0  # bumped when the process state changes in a way a snapshot must capture (swap)
+        # The tier the agent put this worker in while its process stays up ("" when serving): requests that
+        # reach it then are handed back unrun (NotRun), never half-run against offloaded or locked GPU state.
+        self.asleep = ""
         self.ops: dict[str, Callable[[protocol.Frame], tuple[dict[str, Any], list[memoryview]]]] = {
             "infer": self._op_infer,
-            "ping": lambda f: ({"pid": os.getpid(), "restores": self.restores, "generation": self.generation}, []),
+            "ping": self._op_ping,
             "metadata": self._op_metadata,
             "stats": self._op_stats,
-            "offload": lambda f: (self.backend.offload(), []),
-            "reload": lambda f: (self.backend.reload(), []),
+            "offload": self._op_offload,
+            "reload": self._op_reload,
+            "sleep": self._op_sleep,
+            "wake": self._op_wake,
             "swap": self._op_swap,
             "attach_shm": self._op_attach_shm,
             "rng": lambda f: ({"python": random.random(), "numpy": float(np.random.random())}, []),
@@ -439,7 +444,31 @@ class Worker:
         self.load_seconds = time.perf_counter() - start
         return backend
 
+    def _op_offload(self, frame: protocol.Frame) -> tuple[dict[str, Any], list[memoryview]]:
+        result = self.backend.offload()
+        self.asleep = "WARM"
+        return result, []
+
+    def _op_reload(self, frame: protocol.Frame) -> tuple[dict[str, Any], list[memoryview]]:
+        result = self.backend.reload()
+        self.asleep = ""
+        return result, []
+
+    def _op_sleep(self, frame: protocol.Frame) -> tuple[dict[str, Any], list[memoryview]]:
+        """Sent before the agent checkpoints the GPU state (SUSPENDED), so no request then waits on a lock."""
+        self.asleep = str(frame.header.get("tier") or "asleep")
+        return {}, []
+
+    def _op_wake(self, frame: protocol.Frame) -> tuple[dict[str, Any], list[memoryview]]:
+        self.asleep = ""
+        return self._op_ping(frame)
+
+    def _op_ping(self, frame: protocol.Frame) -> tuple[dict[str, Any], list[memoryview]]:
+        return {"pid": os.getpid(), "restores": self.restores, "generation": self.generation}, []
+
     def _op_infer(self, frame: protocol.Frame) -> tuple[dict[str, Any], list[memoryview]]:
+        if self.asleep:
+            raise protocol.NotRun(message=f"the instance is {self.asleep}; wake it first")
         segment = self.shm.get(self._conn) if frame.header.get("shm") and self._conn else None
         if frame.header.get("shm") and segment is None:
             raise protocol.WorkerError("FAILED_PRECONDITION", "no shared memory attached to this connection")
@@ -526,7 +555,7 @@ class Worker:
             header, parts = handler(frame)
             header = {"ok": True, **header}
         except protocol.WorkerError as exc:
-            header, parts = {"ok": False, "code": exc.code, "message": exc.message}, []
+            header, parts = exc.reply(), []
         except Exception as exc:  # the framework failed on this request: report it, keep serving
             header, parts = {"ok": False, "code": "INTERNAL", "message": f"{type(exc).__name__}: {exc}"}, []
         try:
