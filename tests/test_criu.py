@@ -198,3 +198,26 @@ def test_warmup_cache_ratio_warms_again_after_each_restore(default_spec: api.Mod
         inst.close()
     node_default = instance.worker_config(default_spec, rundir, "cpu", warmup_cache_ratio=1.0)
     assert node_default.restore_warmups == default_spec.runtime.warmup_iterations
+
+
+def test_connection_opened_during_a_freeze_is_handed_back(inst: instance.Instance) -> None:
+    """A gateway that connects while the worker is paused for its dump never got its request in: it is told
+    to retry (WorkerGone), not that the worker died with its request."""
+    import asyncio
+
+    from volga_agent.gateway import workers
+
+    inst.to(Tier.HOT)
+    generation = inst._generation()
+    inst._pause()
+
+    async def connect_then_dump() -> None:
+        opening = asyncio.create_task(workers.Connection.open(inst.config.socket, shm_bytes=2**20))
+        await asyncio.sleep(0.2)  # connected (the listener's backlog), waiting for the paused worker
+        assert not opening.done()
+        await asyncio.to_thread(inst._dump, generation)  # the worker's process ends with the dump
+        with pytest.raises(workers.WorkerGone):
+            await opening
+
+    asyncio.run(connect_then_dump())
+    assert inst.image is not None and inst.pid is None

@@ -52,7 +52,11 @@ class Connection:
             raise WorkerGone(f"cannot connect to {path}: {exc.strerror or exc}") from exc
         conn = cls(reader, writer)
         if shm_bytes > 0:
-            await conn._attach(shm_bytes)
+            try:
+                await conn._attach(shm_bytes)
+            except WorkerDied as exc:  # e.g. connected while the worker paused for a dump: no request sent yet
+                conn.close()
+                raise WorkerGone(f"{path}: closed while attaching shared memory: {exc}") from exc
         return conn
 
     async def _attach(self, size: int) -> None:
@@ -65,12 +69,15 @@ class Connection:
             os.close(fd)
         try:
             header, _ = await self.call({"op": "attach_shm", "path": str(path), "size": size})
-            if header.get("ok"):
-                self.segment = segment
-            else:
-                segment.close()
+        except BaseException:
+            segment.close()
+            raise
         finally:
             path.unlink(missing_ok=True)
+        if header.get("ok"):
+            self.segment = segment
+        else:
+            segment.close()
 
     def usable(self) -> bool:
         """False once the worker closed its end (it does so before every checkpoint)."""
