@@ -146,6 +146,44 @@ def test_frozen_model_wakes_once_for_200_concurrent_requests(up: local.Embedded)
     assert len(outs) == 200 and all(np.array_equal(o, want) for o in outs)
 
 
+def test_freezing_under_steady_traffic_costs_no_request(up: local.Embedded) -> None:
+    """The agent freezes a model while clients keep sending: requests caught by the freeze are handed back
+    unrun and retried after a wake, so every one of them is answered, correctly."""
+    name, x = name_of(up, A), arrays(up, batch=2)
+    want = reference(up, A, x)
+    stop = threading.Event()
+    answers: list[Any] = []
+
+    def client_loop() -> None:
+        client = grpcclient.InferenceServerClient(up.endpoints()["grpc"])
+        try:
+            while not stop.is_set():
+                try:
+                    answers.append(client.infer(A, grpc_inputs(x)).as_numpy("probability"))
+                except InferenceServerException as exc:
+                    answers.append(exc)
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=client_loop) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    freezes = 0
+    try:
+        for _ in range(5):
+            time.sleep(0.3)
+            if up.pool.move_to(name, Tier.FROZEN) is not None:
+                freezes += 1
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(60)
+    errors = [str(a) for a in answers if not isinstance(a, np.ndarray)]
+    assert not errors, (len(errors), errors[:3])
+    assert freezes >= 3 and len(answers) > 50
+    assert all(np.array_equal(a, want) for a in answers)
+
+
 def code_of(exc: InferenceServerException) -> str:
     return str(exc.status())
 

@@ -365,6 +365,7 @@ class Instance:
             raise IllegalTransition(f"{self.name}: FROZEN needs CRIU (scripts/install-criu.sh)")
         generation = self._generation()
         if self._reusable(generation):
+            self._pause()  # hands requests that gateways just sent back unrun, instead of resetting them
             self._kill()
             return "image reused"
         self._pause()
