@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from procs import wait_for
 
 from volga_agent import defaultmodel, instance
 from volga_agent.worker import protocol, runtime
@@ -146,7 +147,6 @@ def test_request_caught_by_a_checkpoint_is_handed_back_unrun(hot: instance.Insta
     """
     import asyncio
     import signal
-    import threading
 
     from volga_agent.gateway import workers
 
@@ -159,20 +159,22 @@ def test_request_caught_by_a_checkpoint_is_handed_back_unrun(hot: instance.Insta
         meta, parts = protocol.pack_tensors(x)
         reply, body = await conn.call({"op": "infer", "tensors": meta}, parts)
         assert np.array_equal(protocol.unpack_tensors(reply["tensors"], body)["probability"], good)
+        agent = hot.client()
         os.kill(hot.pid, signal.SIGSTOP)
         try:
-            pause = threading.Thread(target=hot._pause)
-            pause.start()
             caught = asyncio.create_task(conn.call({"op": "infer", "tensors": meta}, parts))
-            await asyncio.sleep(0.3)  # both frames are in the stopped worker's sockets
+            await asyncio.sleep(0.1)  # the task has written its frame
+            protocol.send_frame(agent.sock, {"op": "prepare_checkpoint"})
         finally:
             os.kill(hot.pid, signal.SIGCONT)
         with pytest.raises(workers.WorkerGone, match="checkpoint"):
             await caught
-        await asyncio.to_thread(pause.join)
+        assert protocol.recv_frame(agent.sock).header["ok"]
         assert not conn.usable()
 
     asyncio.run(scenario())
+    hot.disconnect()
+    wait_for("ready-for-checkpoint", (hot.signals / runtime.READY_FOR_CHECKPOINT).exists, timeout=10, every=0.01)
     hot._resume_worker(hot.pid)
     hot.client().call("ping")
     assert np.array_equal(hot.infer(x)["probability"], good)
