@@ -120,3 +120,27 @@ def test_numa_affinity_pins_to_the_gpus_node(default_spec: api.ModelSpecSpec, ru
     assert p._cpus(default_spec, 0) == ()  # not asked for
     assert p._cpus(numa, None) == ()  # a CPU instance has no GPU to be near
     p.close()
+
+
+@pytest.mark.integration
+def test_half_open_breaker_keeps_its_attempt_for_a_real_restore(rundir: pathlib.Path, criu_engine,
+                                                                default_spec: api.ModelSpecSpec) -> None:
+    """Watch events converge instances all the time; only a wake may take the one half-open attempt."""
+    settings = policy.Settings(max_failures=2, backoff_duration_sec=0.3)
+    p = pool.Pool("n1", rundir / "work", criu_engine.root, settings)
+    try:
+        plan = [desired("ms-0", "ms", default_spec.model_id, Tier.FROZEN)]
+        p.apply(plan, {"ms": default_spec})
+        p.wait_converged(120)
+        for _ in range(2):
+            p.breaker.record_failure(default_spec.model_id, time.monotonic())
+        time.sleep(0.4)
+        assert p.breaker.state(default_spec.model_id, time.monotonic()) is policy.BreakerState.HALF_OPEN
+        for _ in range(3):  # events about the instance, nothing to do
+            p.converge_async("ms-0").result(60)
+        act = p.activate(default_spec.model_id)
+        last = p.slots["ms-0"].inst.history[-1]
+        assert (last.source, last.target, act.fallback) == (Tier.FROZEN, Tier.HOT, False)
+        assert p.breaker.state(default_spec.model_id, time.monotonic()) is policy.BreakerState.CLOSED
+    finally:
+        p.close()

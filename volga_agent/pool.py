@@ -215,7 +215,9 @@ class Pool:
             target = Tier.FROZEN
         if target == Tier.FROZEN and slot.inst.criu is None:
             target = Tier.COLD
-        if target in (Tier.SUSPENDED, Tier.FROZEN) and self.breaker.is_open(slot.inst.spec.model_id, time.monotonic()):
+        # Only an open breaker keeps snapshots off here: the half-open attempt is a wake's (activate) to take.
+        state = self.breaker.state(slot.inst.spec.model_id, time.monotonic())
+        if target in (Tier.SUSPENDED, Tier.FROZEN) and state is policy.BreakerState.OPEN:
             target = Tier.HOT if slot.inst.tier == Tier.HOT else Tier.COLD
         return target
 
@@ -275,7 +277,7 @@ class Pool:
             wake_ms, fallback = 0.0, False
             if source != Tier.HOT:
                 if source in (Tier.SUSPENDED, Tier.FROZEN) and self.breaker.is_open(model_id, time.monotonic()):
-                    inst.to(Tier.COLD)  # restores keep failing for this model: go straight to a cold start
+                    self._move(slot, Tier.COLD)  # restores keep failing for this model: straight to a cold start
                 try:
                     transition = self._move(slot, Tier.HOT)
                 except (instance.WorkerStartError, protocol.WorkerError, protocol.ProtocolError, OSError) as exc:
