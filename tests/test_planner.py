@@ -53,7 +53,7 @@ def test_hardware_filter(kwargs: dict, reason: str) -> None:
 
 def test_other_specs_count_into_load() -> None:
     nodes = [planner.NodeProfile("n0"), planner.NodeProfile("n1")]
-    busy = [planner.Observed(f"other-{i}", "other", "n0", Tier.FROZEN) for i in range(3)]
+    busy = [planner.Observed(f"other-{i}", "other", "n0") for i in range(3)]
     assert planner.plan({"ms": spec(frozen=1)}, nodes, busy).desired[0].node == "n1"
 
 
@@ -69,7 +69,7 @@ def test_a_thousand_specs_on_two_hundred_nodes_spread_evenly() -> None:
 
 
 def test_profile_match_wins_over_load() -> None:
-    busy_h200 = [planner.Observed(f"other-{i}", "other", "gpu-a", Tier.FROZEN) for i in range(5)]
+    busy_h200 = [planner.Observed(f"other-{i}", "other", "gpu-a") for i in range(5)]
     result = planner.plan({"ms": spec(gpu=True, product="NVIDIA H200", frozen=1)}, [A10, H200], busy_h200)
     assert result.desired[0].node == "gpu-a"
 
@@ -82,7 +82,7 @@ def test_instances_spread_over_equal_nodes() -> None:
 
 def test_existing_placements_are_kept_and_lost_nodes_replaced() -> None:
     nodes = [planner.NodeProfile(f"n{i}") for i in range(3)]
-    observed = [planner.Observed("ms-0", "ms", "n2", Tier.FROZEN), planner.Observed("ms-1", "ms", "gone", Tier.FROZEN)]
+    observed = [planner.Observed("ms-0", "ms", "n2"), planner.Observed("ms-1", "ms", "gone")]
     result = planner.plan({"ms": spec(frozen=2)}, nodes, observed)
     placed = {d.name: d.node for d in result.desired}
     assert placed["ms-0"] == "n2"
@@ -91,7 +91,7 @@ def test_existing_placements_are_kept_and_lost_nodes_replaced() -> None:
 
 def test_recency_and_snapshot_size_break_ties() -> None:
     nodes = [planner.NodeProfile("n0"), planner.NodeProfile("n1")]
-    observed = [planner.Observed("x-9", "ms", "n1", Tier.FROZEN, last_used_age_s=5, snapshot_bytes=100)]
+    observed = [planner.Observed("x-9", "ms", "n1", last_used_age_s=5, snapshot_bytes=100)]
     result = planner.plan({"ms": spec(frozen=1)}, nodes, observed)
     assert result.desired[0].node == "n1"
     score_n1 = planner.score(spec(), nodes[1], 0, 1, observed, 100)

@@ -148,3 +148,14 @@ def test_conditions_keep_their_transition_time() -> None:
     first = reconcile.condition("Ready", True, "R", "", [], "t1")
     assert reconcile.condition("Ready", True, "R", "m", [first], "t2")["lastTransitionTime"] == "t1"
     assert reconcile.condition("Ready", False, "R", "", [first], "t2")["lastTransitionTime"] == "t2"
+
+
+def test_observed_ages_come_from_the_agents_last_used() -> None:
+    """The planner's recency score needs how long ago each EMI was used; agents report status.lastUsed."""
+    state = state_with()
+    state.emis[("ns", "ms-0")] = reconcile.EmiRecord("ns", "ms-0", {"modelSpec": "ms", "node": "n1"},
+                                                     {"lastUsed": "2026-01-01T00:00:00Z", "snapshotBytes": 7})
+    state.emis[("ns", "ms-1")] = reconcile.EmiRecord("ns", "ms-1", {"modelSpec": "ms", "node": "n2"}, {})
+    ages = {o.name: (o.node, o.last_used_age_s, o.snapshot_bytes)
+            for o in reconcile.observed(state, "2026-01-01T00:01:30Z")}
+    assert ages == {"ns/ms-0": ("n1", 90.0, 7), "ns/ms-1": ("n2", None, 0)}

@@ -71,7 +71,6 @@ class Observed:
     name: str
     model_spec: str
     node: str
-    target_tier: Tier
     last_used_age_s: float | None = None  # seconds since its last request, None if never used
     snapshot_bytes: int = 0
 

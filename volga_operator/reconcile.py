@@ -108,15 +108,22 @@ def emi_ready(emi: EmiRecord) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in emi.status.get("conditions", ()))
 
 
-def observed(state: State) -> list[planner.Observed]:
+def _unix(stamp: str) -> float | None:
+    try:
+        return datetime.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC).timestamp()
+    except (TypeError, ValueError):
+        return None
+
+
+def observed(state: State, now: str) -> list[planner.Observed]:
+    """The EMIs as the planner sees them; the age of their last use comes from the agents' status.lastUsed."""
     out = []
+    clock = _unix(now)
     for emi in state.emis.values():
-        try:
-            tier = api.Tier(emi.spec.get("targetTier", "FROZEN"))
-        except ValueError:
-            tier = api.Tier.FROZEN
+        used = _unix(emi.status.get("lastUsed") or "")
+        age = None if used is None or clock is None else max(0.0, clock - used)
         out.append(planner.Observed(f"{emi.namespace}/{emi.name}", f"{emi.namespace}/{emi.owner}",
-                                    str(emi.spec.get("node", "")), tier,
+                                    str(emi.spec.get("node", "")), last_used_age_s=age,
                                     snapshot_bytes=int(emi.status.get("snapshotBytes", 0) or 0)))
     return out
 
@@ -156,7 +163,7 @@ def compute(state: State, keys: Iterable[Key], now: str | None = None) -> list[A
             invalid[key] = problem
         else:
             valid[f"{record.namespace}/{record.name}"] = spec
-    result = planner.plan(valid, state.nodes.values(), observed(state))
+    result = planner.plan(valid, state.nodes.values(), observed(state, now))
     by_spec: dict[str, list[planner.Desired]] = {}
     for d in result.desired:
         by_spec.setdefault(d.model_spec, []).append(d)
