@@ -102,8 +102,7 @@ class AgentSync:
         self.gateway_address = gateway_address  # reported in EMI status: where other gateways forward to
         self.gpus = list(found)
         self.report_sec = report_sec
-        burst = max(1, int(writes_per_sec / 10))
-        self.bucket = ratelimit.TokenBucket(writes_per_sec - burst, burst)
+        self.bucket = ratelimit.TokenBucket.within(writes_per_sec)
         self.client = kube.api_client()
         self.custom = kubernetes.client.CustomObjectsApi(self.client)
         self.core = kubernetes.client.CoreV1Api(self.client)

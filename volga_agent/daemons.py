@@ -111,7 +111,8 @@ def agent_main(argv: list[str] | None = None) -> int:
         if args.kube:
             from volga_agent import cluster as cluster_mode
 
-            cluster = cluster_mode.AgentSync(node_pool, args.node, found, gateway_address=args.gateway_address)
+            cluster = cluster_mode.AgentSync(node_pool, args.node, found, settings.api_writes_per_sec,
+                                             gateway_address=args.gateway_address)
             await cluster.start()
         else:
             specs = _specs(args.file)

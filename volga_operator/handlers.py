@@ -37,11 +37,7 @@ class Loop:
         self.state = reconcile.State()
         self.dirty: set[reconcile.Key] = set()
         self.wake = asyncio.Event()
-        # A burst plus the steady rate must stay within the limit in any one-second window.
-        burst = max(1, int(writes_per_sec / 10))
-        self.bucket = ratelimit.TokenBucket(writes_per_sec - burst, burst)
-        self.writes = 0
-        self.errors = 0
+        self.bucket = ratelimit.TokenBucket.within(writes_per_sec)
         self._api: kubernetes.client.CustomObjectsApi | None = None
 
     def touch(self, *keys: reconcile.Key) -> None:
@@ -83,10 +79,8 @@ class Loop:
                 action = queue.get_nowait()
                 try:
                     await ratelimit.write(self.bucket, lambda a=action: asyncio.to_thread(self._do, a))  # type: ignore[misc]
-                    self.writes += 1
                     self._assume(action)
                 except Exception as exc:  # retried already where that helps; the next full pass tries again
-                    self.errors += 1
                     log.warning("%s %s/%s failed: %s", action.verb, action.namespace, action.name, exc)
 
         await asyncio.gather(*(worker() for _ in range(PARALLEL_WRITES)))

@@ -9,7 +9,6 @@ a token: at most `rate` writes per second on average, `burst` at once. A write t
 from __future__ import annotations
 
 import asyncio
-import collections
 import random
 import threading
 import time
@@ -32,9 +31,12 @@ class TokenBucket:
         self._tokens = float(self.burst)
         self._stamp = clock()
         self._lock = threading.Lock()
-        self.taken = 0
-        self._window: collections.deque[float] = collections.deque()
-        self.peak_per_second = 0
+
+    @classmethod
+    def within(cls, limit_per_sec: float) -> TokenBucket:
+        """A bucket whose burst plus steady rate stays within the limit in any one-second window."""
+        burst = max(1, int(limit_per_sec / 10))
+        return cls(limit_per_sec - burst, burst)
 
     def _reserve(self) -> float:
         """Take a token (possibly borrowing from the future); return how long to wait for it."""
@@ -43,14 +45,7 @@ class TokenBucket:
             self._tokens = min(float(self.burst), self._tokens + (now - self._stamp) * self.rate)
             self._stamp = now
             self._tokens -= 1
-            self.taken += 1
-            wait = max(0.0, -self._tokens / self.rate)
-            at = now + wait
-            self._window.append(at)
-            while self._window and self._window[0] <= at - 1.0:
-                self._window.popleft()
-            self.peak_per_second = max(self.peak_per_second, len(self._window))
-            return wait
+            return max(0.0, -self._tokens / self.rate)
 
     def acquire(self) -> None:
         wait = self._reserve()
