@@ -20,7 +20,7 @@ class FakeLink:
         await asyncio.sleep(self.delay)
         if self.fail is not None:
             raise self.fail
-        return router.Route(f"{model_id}-0", model_id, f"/tmp/{model_id}.sock", device_hint or "cpu")
+        return router.Route(f"{model_id}-0", f"/tmp/{model_id}{'-' + device_hint if device_hint else ''}.sock")
 
     async def close(self) -> None:
         pass
@@ -34,7 +34,11 @@ def test_concurrent_requests_share_one_activation() -> None:
         assert link.calls == [("m", "")]
         assert {x.socket for x in routes} == {"/tmp/m.sock"}
         await r.route("m")
-        assert len(link.calls) == 1 and r.hits == 1
+        assert len(link.calls) == 1
+        sample = r.metrics.registry.get_sample_value
+        assert sample("volga_gateway_route_cache_total", {"result": "hit"}) == 1
+        assert sample("volga_gateway_route_cache_total", {"result": "miss"}) == 200
+        assert sample("volga_gateway_activations_total", {"model": "m"}) == 1
 
     asyncio.run(main())
 
@@ -44,7 +48,7 @@ def test_device_hints_are_routed_separately() -> None:
         link = FakeLink()
         r = router.Router(link)
         a, b = await asyncio.gather(r.route("m", "cuda:0"), r.route("m", "cuda:1"))
-        assert (a.device, b.device) == ("cuda:0", "cuda:1")
+        assert (a.socket, b.socket) == ("/tmp/m-cuda:0.sock", "/tmp/m-cuda:1.sock")
         assert sorted(link.calls) == [("m", "cuda:0"), ("m", "cuda:1")]
 
     asyncio.run(main())

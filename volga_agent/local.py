@@ -43,8 +43,7 @@ class LocalAgentLink:
             raise router.UnknownModel(str(exc)) from None
         except pool.ActivationFailed as exc:
             raise router.ActivationFailed(str(exc)) from None
-        i = act.instance
-        return router.Route(i.name, i.model_id, i.socket, i.device, act.woke_from, act.wake_ms, act.fallback)
+        return router.Route(act.instance.name, act.instance.socket)
 
     async def close(self) -> None:
         return None

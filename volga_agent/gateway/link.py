@@ -7,7 +7,6 @@ import grpc
 from volga_agent.gateway import router
 from volga_agent.rpc.volga.v1 import agent_pb2 as pb
 from volga_agent.rpc.volga.v1 import agent_pb2_grpc as pb_grpc
-from volga_operator import api
 
 
 class GrpcAgentLink:
@@ -26,11 +25,7 @@ class GrpcAgentLink:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise TimeoutError(exc.details()) from None
             raise router.ActivationFailed(f"agent {self.address}: {exc.code().name}: {exc.details()}") from None
-        inst = reply.instance
-        name = pb.Tier.Name(reply.woke_from)  # the proto enum shares the API's tier names
-        woke_from = api.Tier(name) if name in api.Tier.__members__ else api.Tier.HOT
-        return router.Route(inst.name, inst.model_id, inst.socket, inst.device, woke_from, reply.wake_ms,
-                            reply.fallback)
+        return router.Route(reply.instance.name, reply.instance.socket)
 
     async def close(self) -> None:
         await self.channel.close()

@@ -16,18 +16,13 @@ import dataclasses
 import time
 from typing import Protocol
 
-from volga_operator import api
+from volga_agent import metrics
 
 
 @dataclasses.dataclass(frozen=True)
 class Route:
     instance: str
-    model_id: str
-    socket: str
-    device: str
-    woke_from: api.Tier = api.Tier.HOT
-    wake_ms: float = 0.0
-    fallback: bool = False
+    socket: str  # the HOT worker's AF_UNIX socket
 
 
 class UnknownModel(LookupError):
@@ -53,22 +48,21 @@ class _Entry:
 
 
 class Router:
-    def __init__(self, link: AgentLink, ttl_sec: float = 60.0) -> None:
+    def __init__(self, link: AgentLink, ttl_sec: float = 60.0, gateway_metrics: metrics.GatewayMetrics | None = None
+                 ) -> None:
         self.link = link
         self.ttl_sec = ttl_sec
+        self.metrics = gateway_metrics or metrics.GatewayMetrics()
         self._cache: dict[tuple[str, str], _Entry] = {}
         self._inflight: dict[tuple[str, str], asyncio.Future[Route]] = {}
-        self.activations = 0
-        self.hits = 0
-        self.misses = 0
 
     async def route(self, model_id: str, device_hint: str = "", timeout_ms: int = 0) -> Route:
         key = (model_id, device_hint)
         entry = self._cache.get(key)
         if entry is not None and entry.expires > time.monotonic():
-            self.hits += 1
+            self.metrics.route_cache.labels("hit").inc()
             return entry.route
-        self.misses += 1
+        self.metrics.route_cache.labels("miss").inc()
         future = self._inflight.get(key)
         if future is None:
             future = asyncio.get_running_loop().create_future()
@@ -79,7 +73,7 @@ class Router:
 
     async def _activate(self, key: tuple[str, str], future: asyncio.Future[Route], timeout_ms: int) -> None:
         try:
-            self.activations += 1
+            self.metrics.activations.labels(key[0]).inc()
             route = await self.link.activate(key[0], key[1], timeout_ms)
             self._cache[key] = _Entry(route, time.monotonic() + self.ttl_sec)
             future.set_result(route)

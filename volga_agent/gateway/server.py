@@ -139,7 +139,7 @@ class Gateway:
         self.catalog = catalog
         self.settings = settings or Settings()
         self.metrics = gateway_metrics or metrics.GatewayMetrics()
-        self.router = router.Router(link, self.settings.cache_ttl_sec)
+        self.router = router.Router(link, self.settings.cache_ttl_sec, self.metrics)
         self.forwarder = remote.Forwarder(self.settings.max_request_bytes)
         self.workers = workers.WorkerClients(self.settings.shm_bytes,
                                              on_zero_copy=self.metrics.zero_copy_latency.observe)
