@@ -59,3 +59,11 @@ def test_oversized_or_garbled_frames() -> None:
     left.sendall(protocol.PREFIX.pack(3, 0) + b"{{{")
     with pytest.raises(protocol.ProtocolError, match="not JSON"):
         protocol.recv_frame(right)
+
+
+def test_modelspec_dtypes_are_the_ones_workers_and_gateways_carry() -> None:
+    """A type the ModelSpec accepts but a worker cannot carry would fail only at the first cold start."""
+    from volga_agent.gateway import oip
+    from volga_operator import api
+
+    assert {t.value for t in api.DType} == set(protocol.NP_DTYPES) == set(oip.NUMPY_DTYPES)

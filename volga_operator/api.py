@@ -51,6 +51,9 @@ class DType(enum.StrEnum):
 
     BOOL = "BOOL"
     UINT8 = "UINT8"
+    UINT16 = "UINT16"
+    UINT32 = "UINT32"
+    UINT64 = "UINT64"
     INT8 = "INT8"
     INT16 = "INT16"
     INT32 = "INT32"
@@ -58,7 +61,6 @@ class DType(enum.StrEnum):
     FP16 = "FP16"
     FP32 = "FP32"
     FP64 = "FP64"
-    BF16 = "BF16"
 
 
 class Precision(enum.StrEnum):

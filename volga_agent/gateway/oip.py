@@ -26,26 +26,14 @@ import numpy as np
 import numpy.typing as npt
 
 from volga_agent.rpc.inference import grpc_service_pb2 as pb
+from volga_agent.worker import protocol
 
 Tensor = npt.NDArray[Any]
 # (name, OIP datatype, shape) as a model declares it; -1 marks a variable dimension.
 TensorSpec = tuple[str, str, Sequence[int]]
 
-# OIP datatype -> numpy dtype, little-endian as on the wire.
-NUMPY_DTYPES: dict[str, np.dtype[Any]] = {
-    "BOOL": np.dtype(np.bool_),
-    "UINT8": np.dtype("<u1"),
-    "UINT16": np.dtype("<u2"),
-    "UINT32": np.dtype("<u4"),
-    "UINT64": np.dtype("<u8"),
-    "INT8": np.dtype("<i1"),
-    "INT16": np.dtype("<i2"),
-    "INT32": np.dtype("<i4"),
-    "INT64": np.dtype("<i8"),
-    "FP16": np.dtype("<f2"),
-    "FP32": np.dtype("<f4"),
-    "FP64": np.dtype("<f8"),
-}
+# OIP datatype -> numpy dtype, little-endian as on the wire: the types the workers carry.
+NUMPY_DTYPES: dict[str, np.dtype[Any]] = {name: dt.newbyteorder("<") for name, dt in protocol.NP_DTYPES.items()}
 # numpy (kind, itemsize) -> OIP datatype; keyed so that a big-endian array still maps to its datatype.
 _DATATYPES: dict[tuple[str, int], str] = {(dt.kind, dt.itemsize): name for name, dt in NUMPY_DTYPES.items()}
 # Datatypes of the protocol that Volga knows but does not serve.

@@ -24,10 +24,14 @@ PREFIX = struct.Struct("<IQ")
 MAX_HEADER = 1 << 20
 MAX_PAYLOAD = 1 << 34
 
-# Open Inference Protocol dtype names <-> numpy.
+# Open Inference Protocol dtype names <-> numpy: the tensor types Volga carries, end to end (the ModelSpec's
+# api.DType names the same set; the gateway reads them little-endian off the wire).
 NP_DTYPES: dict[str, np.dtype[Any]] = {
     "BOOL": np.dtype(np.bool_),
     "UINT8": np.dtype(np.uint8),
+    "UINT16": np.dtype(np.uint16),
+    "UINT32": np.dtype(np.uint32),
+    "UINT64": np.dtype(np.uint64),
     "INT8": np.dtype(np.int8),
     "INT16": np.dtype(np.int16),
     "INT32": np.dtype(np.int32),
