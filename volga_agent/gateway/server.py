@@ -173,19 +173,17 @@ class Gateway:
             try:
                 outputs = await _within(deadline, self.workers.infer(route.socket, inputs), "inference")
                 return spec, outputs
-            except workers.WorkerGone as exc:
-                # Demoted or died since it was routed, before this request reached it: wake again, once.
+            except (workers.WorkerGone, workers.WorkerDied) as exc:
                 self.router.invalidate(model_id)
                 self.workers.forget(route.socket)
+                if isinstance(exc, workers.WorkerDied):
+                    # It died while holding this request (which may be what killed it): fail this one only;
+                    # the next request's activation finds the worker dead and restarts it.
+                    raise oip.error("UNAVAILABLE", f"model {model_id!r}: {exc}; the instance is being "
+                                    "restarted, retry") from None
+                # Demoted or gone before it ran this request: wake again and resend, once.
                 if attempt == 2:
                     raise oip.error("UNAVAILABLE", f"model {model_id!r}: {exc}; retry later") from None
-            except workers.WorkerDied as exc:
-                # It died while holding this request (which may be what killed it): fail this one only; the
-                # next request's activation finds the worker dead and restarts it.
-                self.router.invalidate(model_id)
-                self.workers.forget(route.socket)
-                raise oip.error("UNAVAILABLE", f"model {model_id!r}: {exc}; the instance is being "
-                                "restarted, retry") from None
             except protocol.WorkerError as exc:
                 raise oip.error(exc.code, exc.message) from None
         raise AssertionError("unreachable")

@@ -144,34 +144,41 @@ class WorkerClients:
 
     async def _infer(self, conn: Connection, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         segment = conn.segment
-        meta, parts = protocol.pack_tensors(inputs)
-        if segment is not None and sum(p.nbytes for p in parts) <= len(segment) // 2:
+        if segment is not None:
+            # Inputs in the first half of the segment, the worker's outputs in the second.
+            half = len(segment) // 2
             start = time.perf_counter()
-            view = memoryview(segment)
-            offset = 0
-            for item, part in zip(meta, parts, strict=True):
-                view[offset:offset + part.nbytes] = part
-                item["offset"] = offset
-                offset += -(-part.nbytes // 64) * 64
-            del view
+            with memoryview(segment) as whole, whole[:half] as first_half:
+                meta = protocol.write_shm_tensors(inputs, first_half, 0)
             spent = time.perf_counter() - start
-            reply, body = await conn.call({"op": "infer", "tensors": meta, "shm": True, "out_offset": offset})
-            start = time.perf_counter()
-            if reply.get("ok") and reply.get("shm"):
-                outputs = {k: v.copy() for k, v in protocol.unpack_shm_tensors(reply["tensors"], segment).items()}
-                self.on_zero_copy((spent + time.perf_counter() - start) * 1e3)
-                return outputs
-        else:
-            reply, body = await conn.call({"op": "infer", "tensors": meta}, parts)
+            if meta is not None:
+                reply, body = await conn.call({"op": "infer", "tensors": meta, "shm": True, "out_offset": half})
+                if reply.get("ok") and reply.get("shm"):
+                    start = time.perf_counter()
+                    outputs = {k: v.copy() for k, v in protocol.unpack_shm_tensors(reply["tensors"], segment).items()}
+                    self.on_zero_copy((spent + time.perf_counter() - start) * 1e3)
+                    return outputs
+                return self._unpack(reply, body)
+        meta, parts = protocol.pack_tensors(inputs)
+        reply, body = await conn.call({"op": "infer", "tensors": meta}, parts)
+        return self._unpack(reply, body)
+
+    @staticmethod
+    def _unpack(reply: dict[str, Any], body: bytes) -> dict[str, np.ndarray]:
         if not reply.get("ok"):
             raise protocol.WorkerError.from_reply(reply)
         return protocol.unpack_tensors(reply["tensors"], body)
 
     def forget(self, socket_path: str) -> None:
-        for conn in self._idle.pop(socket_path, []):
+        """Close the idle connections to a worker that went away. Requests still on connections to it keep
+        its slots and give their connections back to the same list, where the next taker drops them."""
+        idle = self._idle.get(socket_path, [])
+        for conn in idle:
             conn.close()
-        self._slots.pop(socket_path, None)
+        idle.clear()
 
     def close(self) -> None:
         for path in list(self._idle):
             self.forget(path)
+        self._idle.clear()
+        self._slots.clear()
