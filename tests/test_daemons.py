@@ -12,7 +12,7 @@ import tritonclient.grpc as grpcclient
 import yaml
 from procs import Daemon, wait_for
 
-from volga_agent import defaultmodel, demo
+from volga_agent import defaultmodel, demo, instance
 from volga_agent.rpc.volga.v1 import agent_pb2, agent_pb2_grpc
 from volga_agent.worker import runtime
 
@@ -41,7 +41,7 @@ def test_agent_and_gateway_processes(tmp_path: pathlib.Path) -> None:
             frozen = wait_for("the pool to freeze its instance", frozen_instances)
             assert frozen[0].model_id == spec.spec.model_id and frozen[0].snapshot_bytes > 0
             client = grpcclient.InferenceServerClient(f"127.0.0.1:{gateway.port('gRPC')}")
-            decls = tuple(runtime.TensorDecl(t.name, t.dtype.value, tuple(t.shape)) for t in spec.spec.inputs)
+            decls = instance.decls(spec.spec.inputs)
             x = runtime.sample_inputs(decls, batch=2, seed=4)
             out = client.infer(spec.spec.model_id, demo.triton_inputs(decls, x)).as_numpy("probability")
             client.close()

@@ -22,7 +22,7 @@ from kubernetes import client as k8s
 from procs import Daemon, wait_for
 from tritonclient.utils import InferenceServerException
 
-from volga_agent import defaultmodel, demo
+from volga_agent import defaultmodel, demo, instance
 from volga_agent.worker import runtime
 from volga_operator.testing import ControlPlane, free_ports
 
@@ -104,8 +104,7 @@ def ready(obj: dict[str, Any]) -> bool:
 
 
 def request(grpc: str, model: str, seed: int = 5, headers: dict[str, str] | None = None) -> np.ndarray:
-    decls = tuple(runtime.TensorDecl(t.name, t.dtype.value, tuple(t.shape))
-                  for t in defaultmodel.ensure().spec.inputs)
+    decls = instance.decls(defaultmodel.ensure().spec.inputs)
     inputs = demo.triton_inputs(decls, runtime.sample_inputs(decls, batch=4, seed=seed))
     client = grpcclient.InferenceServerClient(grpc)
     try:
@@ -120,7 +119,7 @@ def reference(seed: int = 5) -> np.ndarray:
     import onnxruntime
 
     spec = defaultmodel.ensure().spec
-    decls = tuple(runtime.TensorDecl(t.name, t.dtype.value, tuple(t.shape)) for t in spec.inputs)
+    decls = instance.decls(spec.inputs)
     session = onnxruntime.InferenceSession(str(spec.source_path), providers=["CPUExecutionProvider"])
     return session.run(["probability"], runtime.sample_inputs(decls, batch=4, seed=seed))[0]
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from volga_agent import bench_gateway, defaultmodel, demo
+from volga_agent import bench_gateway, defaultmodel, demo, instance
 from volga_agent.worker import runtime
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -37,7 +37,7 @@ def test_up_serves_and_stops_cleanly_on_sigterm(tmp_path: pathlib.Path) -> None:
     snapshots = tmp_path / "snapshots"
     with bench_gateway.volga_up(["--snapshot-dir", str(snapshots)]) as up:
         client = httpclient.InferenceServerClient(up.endpoints["http"].removeprefix("http://"))
-        decls = tuple(runtime.TensorDecl(t.name, t.dtype.value, tuple(t.shape)) for t in spec.inputs)
+        decls = instance.decls(spec.inputs)
         x = runtime.sample_inputs(decls, batch=3, seed=4)
         inputs = demo.triton_inputs(decls, x, httpclient)
         out = client.infer(spec.model_id, inputs).as_numpy("probability")

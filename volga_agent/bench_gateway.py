@@ -27,7 +27,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from volga_agent import bench, defaultmodel, demo
+from volga_agent import bench, defaultmodel, demo, instance
 from volga_agent.rpc.volga.v1 import agent_pb2, agent_pb2_grpc
 from volga_agent.worker import protocol, runtime
 
@@ -97,7 +97,7 @@ def run(rate: float = 500.0, seconds: float = 4.0, rounds: int = 3, protocol_nam
     import tritonclient.http as httpclient
 
     spec = defaultmodel.ensure().spec
-    decls = tuple(runtime.TensorDecl(t.name, t.dtype.value, tuple(t.shape)) for t in spec.inputs)
+    decls = instance.decls(spec.inputs)
     arrays = runtime.sample_inputs(decls, batch=1, seed=9)
     headers = {"x-model-id": spec.model_id}
     progress("starting volga up (default model) ...")

@@ -24,7 +24,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -68,11 +68,13 @@ class Transition:
     detail: str = ""
 
 
+def decls(tensors: Sequence[api.TensorSpec]) -> tuple[runtime.TensorDecl, ...]:
+    """A ModelSpec's tensors as the worker declares them."""
+    return tuple(runtime.TensorDecl(t.name, t.dtype.value, tuple(t.shape)) for t in tensors)
+
+
 def worker_config(spec: api.ModelSpecSpec, workdir: pathlib.Path, device: str, cpus: tuple[int, ...] = (),
                   warmup_cache_ratio: float | None = None) -> runtime.WorkerConfig:
-    def decls(tensors: list[api.TensorSpec]) -> tuple[runtime.TensorDecl, ...]:
-        return tuple(runtime.TensorDecl(t.name, t.dtype.value, tuple(t.shape)) for t in tensors)
-
     return runtime.WorkerConfig(
         model_id=spec.model_id, framework=spec.framework.value, path=str(spec.source_path),
         inputs=decls(spec.inputs), outputs=decls(spec.outputs), socket=str(workdir / "worker.sock"),

@@ -11,7 +11,6 @@ Nothing here imports the agent or the gateway.
 from __future__ import annotations
 
 import enum
-import functools
 import hashlib
 import json
 import pathlib
@@ -211,14 +210,8 @@ class ModelSpecSpec(Model):
 
     def input_hash(self) -> str:
         """SHA-256 of the input schema, as clients send it in `x-input-hash`."""
-        return _schema_hash(tuple((t.name, t.dtype.value, tuple(t.shape)) for t in self.inputs))
-
-
-@functools.lru_cache(maxsize=4096)
-def _schema_hash(inputs: tuple[tuple[str, str, tuple[int, ...]], ...]) -> str:
-    # Cached by content: the gateway checks x-input-hash on every request that sends one.
-    schema = [{"name": name, "dtype": dtype, "shape": list(shape)} for name, dtype, shape in inputs]
-    return hashlib.sha256(json.dumps(schema, separators=(",", ":")).encode()).hexdigest()
+        schema = [{"name": t.name, "dtype": t.dtype.value, "shape": list(t.shape)} for t in self.inputs]
+        return hashlib.sha256(json.dumps(schema, separators=(",", ":")).encode()).hexdigest()
 
 
 class ObjectMeta(pydantic.BaseModel):

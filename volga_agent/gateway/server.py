@@ -29,7 +29,7 @@ import numpy as np
 import prometheus_client as prom
 from aiohttp import web
 
-from volga_agent import metrics
+from volga_agent import instance, metrics
 from volga_agent.gateway import oip, remote, router, workers
 from volga_agent.rpc.inference import grpc_service_pb2 as pb
 from volga_agent.rpc.inference import grpc_service_pb2_grpc as pb_grpc
@@ -113,8 +113,8 @@ class Catalog:
 
     def replace(self, specs: list[api.ModelSpecSpec]) -> None:
         self._models = {s.model_id: s for s in specs}
-        self._decls = {s.model_id: tuple(runtime.TensorDecl(t.name, t.dtype.value, tuple(t.shape)) for t in s.inputs)
-                       for s in specs}
+        self._decls = {s.model_id: instance.decls(s.inputs) for s in specs}
+        self._hashes = {s.model_id: s.input_hash() for s in specs}
 
     def known(self, model_id: str) -> bool:
         return model_id in self._models
@@ -127,6 +127,9 @@ class Catalog:
 
     def decls(self, model_id: str) -> tuple[runtime.TensorDecl, ...]:
         return self._decls[model_id]
+
+    def input_hash(self, model_id: str) -> str:
+        return self._hashes[model_id]
 
     def all(self) -> list[api.ModelSpecSpec]:
         return sorted(self._models.values(), key=lambda s: s.model_id)
@@ -154,9 +157,9 @@ class Gateway:
                     grpc_remaining: float | None = None) -> tuple[api.ModelSpecSpec, dict[str, np.ndarray]]:
         spec = self.catalog.get(model_id)
         claimed = headers.get("x-input-hash")
-        if claimed and claimed.lower() != spec.input_hash():
+        if claimed and claimed.lower() != (schema := self.catalog.input_hash(model_id)):
             raise oip.error("INVALID_ARGUMENT", f"x-input-hash {claimed[:16]}... does not match model {model_id!r} "
-                            f"(its input schema hash is {spec.input_hash()}); the client was built for "
+                            f"(its input schema hash is {schema}); the client was built for "
                             "another version of the model")
         try:
             runtime.check_inputs(self.catalog.decls(model_id), inputs, spec.runtime.max_batch_size)

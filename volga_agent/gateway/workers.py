@@ -133,14 +133,25 @@ class WorkerClients:
             idle = self._idle.setdefault(socket_path, [])
             while idle and not idle[-1].usable():
                 idle.pop().close()
-            conn = idle.pop() if idle else await Connection.open(socket_path, self.shm_bytes)
-            try:
-                outputs = await self._infer(conn, inputs)
-            except BaseException:
-                conn.close()
-                raise
-            idle.append(conn)
-            return outputs
+            if idle:
+                try:
+                    return await self._on(idle.pop(), idle, inputs)
+                except WorkerGone:
+                    # The worker closed its pooled connections since their last use (a checkpoint: it said
+                    # goodbye, unread until now): drop them all and try once on a fresh connection, which
+                    # reaches the worker if it is back, and fails at once if it is not.
+                    self.forget(socket_path)
+            return await self._on(await Connection.open(socket_path, self.shm_bytes), idle, inputs)
+
+    async def _on(self, conn: Connection, idle: list[Connection], inputs: dict[str, np.ndarray]
+                  ) -> dict[str, np.ndarray]:
+        try:
+            outputs = await self._infer(conn, inputs)
+        except BaseException:
+            conn.close()
+            raise
+        idle.append(conn)
+        return outputs
 
     async def _infer(self, conn: Connection, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         segment = conn.segment
