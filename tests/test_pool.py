@@ -33,7 +33,7 @@ def test_device_hint_picks_the_matching_instance(default_spec: api.ModelSpecSpec
     p = pool.Pool("n1", rundir, None)
     cpu = instance.Instance("a", default_spec, rundir / "a", None, None, "cpu")
     gpu = instance.Instance("b", default_spec, rundir / "b", None, None, "cuda:1")
-    p.slots = {"a": pool.Slot(cpu, "ms", Tier.COLD), "b": pool.Slot(gpu, "ms", Tier.COLD)}
+    p.slots = {"a": pool.Slot(cpu, Tier.COLD), "b": pool.Slot(gpu, Tier.COLD)}
     cpu.tier = Tier.FROZEN
     assert p.pick(default_spec.model_id).inst.name == "a"  # faster to wake
     assert p.pick(default_spec.model_id, device_hint="cuda:1").inst.name == "b"

@@ -6,7 +6,7 @@ import pathlib
 
 import pytest
 
-from volga_agent import instance
+from volga_agent import defaultmodel, instance
 from volga_agent.snapshot import cuda
 from volga_operator import api
 
@@ -71,3 +71,11 @@ def test_the_agent_proto_names_tiers_as_the_api_does() -> None:
 
     assert set(agent_pb2.Tier.keys()) - {"TIER_UNSPECIFIED"} == {t.value for t in Tier}
     assert agent_pb2.Tier.Name(server.tier_pb(Tier.SUSPENDED)) == "SUSPENDED"
+
+
+def test_node_reset_rng_default_applies_whatever_the_modelspec_says(tmp_path: pathlib.Path) -> None:
+    spec = defaultmodel.ensure().spec
+    quiet = spec.model_copy(update={"runtime": spec.runtime.model_copy(update={"reset_rng_on_restore": False})})
+    assert instance.worker_config(quiet, tmp_path, "cpu", reset_rng_on_restore=True).reset_rng_on_restore
+    assert not instance.worker_config(quiet, tmp_path, "cpu", reset_rng_on_restore=False).reset_rng_on_restore
+    assert instance.worker_config(spec, tmp_path, "cpu", reset_rng_on_restore=False).reset_rng_on_restore

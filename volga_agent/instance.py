@@ -74,12 +74,17 @@ def decls(tensors: Sequence[api.TensorSpec]) -> tuple[runtime.TensorDecl, ...]:
 
 
 def worker_config(spec: api.ModelSpecSpec, workdir: pathlib.Path, device: str, cpus: tuple[int, ...] = (),
-                  warmup_cache_ratio: float | None = None) -> runtime.WorkerConfig:
+                  warmup_cache_ratio: float | None = None, reset_rng_on_restore: bool = False
+                  ) -> runtime.WorkerConfig:
+    """The worker's configuration from its ModelSpec and the node's defaults: `warmup_cache_ratio` applies
+    where the ModelSpec sets none; `reset_rng_on_restore` makes every restored copy re-seed, whatever the
+    ModelSpec says (otherwise its runtime.resetRngOnRestore decides)."""
     return runtime.WorkerConfig(
         model_id=spec.model_id, framework=spec.framework.value, path=str(spec.source_path),
         inputs=decls(spec.inputs), outputs=decls(spec.outputs), socket=str(workdir / "worker.sock"),
         signal_dir=str(workdir / "signals"), device=device, warmup_iterations=spec.runtime.warmup_iterations,
-        reset_rng_on_restore=spec.runtime.reset_rng_on_restore, intra_op_threads=spec.runtime.intra_op_threads,
+        reset_rng_on_restore=spec.runtime.reset_rng_on_restore or reset_rng_on_restore,
+        intra_op_threads=spec.runtime.intra_op_threads,
         max_batch_size=spec.runtime.max_batch_size,
         cuda_graph_batches=tuple(sorted(int(b) for b in spec.slo.baseline_latency_ms) or (1, 8))
         if spec.hardware.cuda_graphs and device.startswith("cuda") else (),
@@ -102,13 +107,12 @@ class Instance:
                  criu_engine: criu.CriuEngine | None, driver: cuda.DriverCheckpoint | None = None,
                  device: str = "cpu", start_timeout: float = 120.0, pid_namespace: bool | None = None,
                  reuse_image_sec: float = 0.0, lazy_restore: bool = False, cpus: tuple[int, ...] = (),
-                 warmup_cache_ratio: float | None = None) -> None:
+                 warmup_cache_ratio: float | None = None, reset_rng_on_restore: bool = False) -> None:
         self.name = name
         self.spec = spec
         self.workdir = pathlib.Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        # warmup_cache_ratio: the node's default, used when the ModelSpec sets none.
-        self.config = worker_config(spec, self.workdir, device, cpus, warmup_cache_ratio)
+        self.config = worker_config(spec, self.workdir, device, cpus, warmup_cache_ratio, reset_rng_on_restore)
         if len(self.config.socket) > MAX_SOCKET_PATH:
             raise ValueError(f"socket path {self.config.socket} is longer than {MAX_SOCKET_PATH} bytes: "
                              "use a shorter run folder")
@@ -244,7 +248,7 @@ class Instance:
             return Transition(source, target, 0.0, time.time(), detail="already there")
         if target not in LEGAL[source]:
             raise IllegalTransition(f"{self.name}: {source.value} -> {target.value} is not a legal move")
-        if target in GPU_ONLY and (self.driver is None or not self.device.startswith("cuda")):
+        if target in GPU_ONLY and not self.gpu:
             raise IllegalTransition(f"{self.name}: {target.value} needs a GPU and the driver checkpoint API")
         start = time.perf_counter()
         if target == Tier.COLD:
@@ -297,7 +301,9 @@ class Instance:
             self.criu.remove(self.image)
         self.image = None
 
-    def _gpu(self) -> bool:
+    @property
+    def gpu(self) -> bool:
+        """On a GPU with the driver checkpoint API: the WARM and SUSPENDED tiers exist for it."""
         return self.driver is not None and self.device.startswith("cuda")
 
     def _hot_to_warm(self) -> None:
@@ -371,14 +377,14 @@ class Instance:
             self._kill()
             return "image reused"
         self._pause()
-        if self._gpu():
+        if self.gpu:
             assert self.driver is not None and self.pid is not None
             try:
                 self.driver.suspend(self.pid)
             except cuda.DriverCheckpointError:
                 self._resume_worker(self.pid)  # still HOT: the paused worker must serve again
                 raise
-        self._dump(generation, gpu_checkpointed=self._gpu())
+        self._dump(generation, gpu_checkpointed=self.gpu)
         return None
 
     def _suspended_to_frozen(self) -> None:
@@ -403,7 +409,7 @@ class Instance:
 
     def _frozen_to_hot(self) -> None:
         pid = self._restore()
-        if self._gpu():
+        if self.gpu:
             assert self.driver is not None
             self.driver.resume(pid)
         self._resume_worker(pid)

@@ -41,7 +41,8 @@ EVICTION_POLICIES = ("lru", "hybrid")
 GPU_LADDER: tuple[api.Tier, ...] = (api.Tier.HOT, api.Tier.WARM, api.Tier.SUSPENDED, api.Tier.FROZEN,
                                     api.Tier.COLD)
 CPU_LADDER: tuple[api.Tier, ...] = (api.Tier.HOT, api.Tier.FROZEN, api.Tier.COLD)
-_RANK: dict[api.Tier, int] = {tier: rank for rank, tier in enumerate(GPU_LADDER)}
+# Tiers from the fastest to wake (HOT) to the slowest (COLD).
+RANK: dict[api.Tier, int] = {tier: rank for rank, tier in enumerate(GPU_LADDER)}
 
 
 class Reason(enum.StrEnum):
@@ -186,7 +187,7 @@ def ladder(gpu: bool) -> tuple[api.Tier, ...]:
 
 
 def is_colder(tier: api.Tier, than: api.Tier) -> bool:
-    return _RANK[tier] > _RANK[than]
+    return RANK[tier] > RANK[than]
 
 
 def next_tier_down(tier: api.Tier, gpu: bool) -> api.Tier | None:

@@ -36,7 +36,6 @@ from volga_operator import api, planner
 Tier = api.Tier
 log = logging.getLogger(__name__)
 
-WAKE_ORDER = {Tier.HOT: 0, Tier.WARM: 1, Tier.SUSPENDED: 2, Tier.FROZEN: 3, Tier.COLD: 4}
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -88,7 +87,6 @@ class NodeStatus:
 @dataclasses.dataclass
 class Slot:
     inst: instance.Instance
-    spec_name: str
     target: Tier
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     last_wake_ms: float = 0.0
@@ -121,7 +119,7 @@ class Pool:
                 self.driver = cuda.DriverCheckpoint()
             except cuda.DriverCheckpointUnsupported as exc:
                 log.warning("SUSPENDED tier unavailable: %s", exc)
-        self.breaker = policy.CircuitBreaker(self.settings.max_failures, self.settings.backoff_duration_sec)
+        self.breaker = policy.CircuitBreaker.from_settings(self.settings)
         self.slots: dict[str, Slot] = {}
         self.failed: dict[str, str] = {}  # instances that could not even be created, and why
         self._slots_lock = threading.Lock()
@@ -157,13 +155,14 @@ class Pool:
                                              reuse_image_sec=self.settings.snapshot_interval_sec,
                                              lazy_restore=self.settings.lazy_restore,
                                              cpus=self._cpus(spec, want.gpu_index),
-                                             warmup_cache_ratio=self.settings.warmup_cache_ratio)
+                                             warmup_cache_ratio=self.settings.warmup_cache_ratio,
+                                             reset_rng_on_restore=self.settings.reset_rng_on_restore)
                 except (OSError, ValueError) as exc:
                     self.failed[name] = f"{type(exc).__name__}: {exc}"
                     log.error("%s: cannot create instance: %s", name, exc)
                     continue
                 self.failed.pop(name, None)
-                self.slots[name] = Slot(inst, want.model_spec, want.target_tier)
+                self.slots[name] = Slot(inst, want.target_tier)
         for name in mine:
             if name in self.slots:
                 self.converge_async(name)
@@ -210,8 +209,7 @@ class Pool:
 
     def _allowed(self, slot: Slot, target: Tier) -> Tier:
         """The tier we may actually use: no GPU tiers on CPU, no snapshots while the breaker is open."""
-        gpu = slot.inst.device.startswith("cuda") and slot.inst.driver is not None
-        if target in (Tier.WARM, Tier.SUSPENDED) and not gpu:
+        if target in (Tier.WARM, Tier.SUSPENDED) and not slot.inst.gpu:
             target = Tier.FROZEN
         if target == Tier.FROZEN and slot.inst.criu is None:
             target = Tier.COLD
@@ -259,7 +257,7 @@ class Pool:
 
         def rank(slot: Slot) -> tuple[int, int, str]:
             hinted = 0 if not device_hint or device_hint in (slot.inst.device, _product(self.gpus, slot)) else 1
-            return hinted, WAKE_ORDER[slot.inst.tier], slot.inst.name
+            return hinted, policy.RANK[slot.inst.tier], slot.inst.name
 
         return min(slots, key=rank)
 
@@ -335,9 +333,9 @@ class Pool:
             slots = sorted(self.slots.values(), key=lambda s: s.inst.name)
         return [self._info(s) for s in slots if not model_id or s.inst.spec.model_id == model_id]
 
-    def usage(self) -> policy.Usage:
+    def usage(self, views: Sequence[policy.InstanceView] | None = None) -> policy.Usage:
         host = gpu = disk = 0
-        for view in self._views():
+        for view in self._views() if views is None else views:
             host, gpu, disk = host + view.host_bytes, gpu + view.gpu_bytes, disk + view.snapshot_bytes
         return policy.Usage(host, gpu, disk)
 
@@ -356,7 +354,7 @@ class Pool:
             gpu_bytes = slot.gpu_bytes if inst.tier == Tier.HOT else 0
             views.append(policy.InstanceView(
                 name=inst.name, model_id=inst.spec.model_id, tier=inst.tier,
-                gpu=inst.device.startswith("cuda") and inst.driver is not None, last_used=inst.last_used,
+                gpu=inst.gpu, last_used=inst.last_used,
                 host_bytes=host, gpu_bytes=gpu_bytes, snapshot_bytes=inst.image.size_bytes if inst.image else 0,
                 floor_tier=None if slot.target == Tier.COLD else slot.target, busy=slot.lock.locked()))
         return views
@@ -368,7 +366,8 @@ class Pool:
         now = time.monotonic() if now is None else now
         for slot in list(self.slots.values()):
             self._observe(slot)
-        moves = policy.plan_demotions(self._views(), self.settings, now, self.usage())
+        views = self._views()
+        moves = policy.plan_demotions(views, self.settings, now, self.usage(views))
         for move in moves:
             self._executor.submit(self._demote, move)
         self._publish(now)
@@ -405,10 +404,10 @@ class Pool:
         if slot is None:
             return
         with slot.lock:
-            if slot.removed or WAKE_ORDER[slot.inst.tier] >= WAKE_ORDER[move.target]:
+            if slot.removed or not policy.is_colder(move.target, slot.inst.tier):
                 return
             target = self._allowed(slot, move.target)
-            if WAKE_ORDER[target] <= WAKE_ORDER[slot.inst.tier]:
+            if not policy.is_colder(target, slot.inst.tier):
                 return
             try:
                 self._walk(slot, target)
