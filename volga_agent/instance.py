@@ -250,6 +250,8 @@ class Instance:
             raise IllegalTransition(f"{self.name}: {source.value} -> {target.value} is not a legal move")
         if target in GPU_ONLY and not self.gpu:
             raise IllegalTransition(f"{self.name}: {target.value} needs a GPU and the driver checkpoint API")
+        if target == Tier.FROZEN and self.criu is None:
+            raise IllegalTransition(f"{self.name}: FROZEN needs CRIU (scripts/install-criu.sh)")
         start = time.perf_counter()
         if target == Tier.COLD:
             self._to_cold()
@@ -342,8 +344,7 @@ class Instance:
         self._wait_for(self.pid, ready.exists, "ready for checkpoint", 30.0)
 
     def _dump(self, generation: int, gpu_checkpointed: bool = False) -> None:
-        if self.criu is None:
-            raise IllegalTransition(f"{self.name}: FROZEN needs CRIU (scripts/install-criu.sh)")
+        assert self.criu is not None  # to() refuses FROZEN without CRIU
         assert self.pid is not None
         old = self.image
         try:
@@ -369,14 +370,11 @@ class Instance:
                 and time.monotonic() - self._image_taken < self.reuse_image_sec)
 
     def _hot_to_frozen(self) -> str | None:
-        if self.criu is None:
-            raise IllegalTransition(f"{self.name}: FROZEN needs CRIU (scripts/install-criu.sh)")
         generation = self._generation()
+        self._pause()  # requests that gateways just sent are handed back unrun, not reset
         if self._reusable(generation):
-            self._pause()  # hands requests that gateways just sent back unrun, instead of resetting them
             self._kill()
             return "image reused"
-        self._pause()
         if self.gpu:
             assert self.driver is not None and self.pid is not None
             try:
@@ -388,8 +386,6 @@ class Instance:
         return None
 
     def _suspended_to_frozen(self) -> None:
-        if self.criu is None:
-            raise IllegalTransition(f"{self.name}: FROZEN needs CRIU (scripts/install-criu.sh)")
         generation = self._generation()
         self._pause()
         self._dump(generation)
