@@ -11,6 +11,7 @@ import pynvml
 import pytest
 
 from volga_agent import gpus
+from volga_operator import planner
 
 GiB = 1 << 30
 
@@ -104,7 +105,7 @@ def test_discover_on_a_real_gpu() -> None:
         assert gpus.normalize_bus_id(info.pci_bus_id) == info.pci_bus_id
         assert pathlib.Path("/sys/bus/pci/devices", info.pci_bus_id).exists()
         assert info.numa_node >= -1
-    assert gpus.parse_hardware_profile(gpus.hardware_profile(found)) is not None
+    assert gpus.node_profile(found, "n").gpu_count == len(found)
 
 
 def test_discover_swallows_library_not_found(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -210,9 +211,9 @@ def gpu(index: int, product: str = "NVIDIA H200", memory: int = 141 * GiB, numa:
                         numa_node=numa)
 
 
-def test_hardware_profile_annotations() -> None:
+def test_node_profile_annotations() -> None:
     node = [gpu(0, numa=1), gpu(1, memory=80 * GiB, numa=0), gpu(2, numa=1), gpu(3, numa=-1)]
-    assert gpus.hardware_profile(node) == {
+    assert gpus.node_profile(node, "n1").annotations() == {
         "volga.dev/gpu-count": "4",
         "volga.dev/gpu-product": "NVIDIA H200",
         "volga.dev/gpu-memory-bytes": str(80 * GiB),
@@ -226,37 +227,16 @@ def test_hardware_profile_annotations() -> None:
     [gpu(0, numa=1), gpu(1, memory=80 * GiB, numa=0)],
     [gpu(0, product="NVIDIA H200"), gpu(1, product="NVIDIA A100-SXM4-80GB", numa=-1)],
 ])
-def test_hardware_profile_round_trip(node: list[gpus.GpuInfo]) -> None:
-    annotations = {"kubernetes.io/hostname": "n1", **gpus.hardware_profile(node)}
-    profile = gpus.parse_hardware_profile(annotations)
-    assert profile == gpus.HardwareProfile(
+def test_node_profile_round_trip(node: list[gpus.GpuInfo]) -> None:
+    """What the agent publishes is what the operator's planner reads back."""
+    annotations = {"kubernetes.io/hostname": "n1", **gpus.node_profile(node, "n1").annotations()}
+    assert planner.NodeProfile.from_annotations("n1", annotations) == planner.NodeProfile(
+        "n1",
         gpu_count=len(node),
         gpu_product=",".join(sorted({g.product for g in node})),
         gpu_memory_bytes=min((g.memory_total_bytes for g in node), default=0),
         numa_nodes=tuple(sorted({g.numa_node for g in node if g.numa_node >= 0})),
     )
-
-
-def test_parse_hardware_profile_without_annotations_is_none() -> None:
-    assert gpus.parse_hardware_profile({"kubernetes.io/hostname": "n1"}) is None
-
-
-@pytest.mark.parametrize(("change", "message"), [
-    ({"volga.dev/gpu-count": "two"}, r"annotation volga\.dev/gpu-count: 'two' is not an integer"),
-    ({"volga.dev/gpu-memory-bytes": "-5"}, r"annotation volga\.dev/gpu-memory-bytes: must be >= 0"),
-    ({"volga.dev/numa-nodes": "0,x"}, r"annotation volga\.dev/numa-nodes: 'x' is not an integer"),
-])
-def test_parse_hardware_profile_errors_name_the_annotation(change: dict[str, str], message: str) -> None:
-    annotations = {**gpus.hardware_profile([gpu(0)]), **change}
-    with pytest.raises(ValueError, match=message):
-        gpus.parse_hardware_profile(annotations)
-
-
-def test_parse_hardware_profile_rejects_a_partial_profile() -> None:
-    annotations = gpus.hardware_profile([gpu(0)])
-    del annotations["volga.dev/gpu-product"]
-    with pytest.raises(ValueError, match=r"annotation volga\.dev/gpu-product: missing"):
-        gpus.parse_hardware_profile(annotations)
 
 
 def test_numa_cpus_reads_the_cpulist(tmp_path: pathlib.Path) -> None:

@@ -171,9 +171,7 @@ class AgentSync:
     # -- the node's profile --------------------------------------------------------------------------
 
     def _publish_profile(self) -> None:
-        profile = gpus.hardware_profile(self.gpus)
-        profile.setdefault(f"{planner.ANNOTATION_PREFIX}gpu-count", "0")
-        body = {"metadata": {"annotations": profile}}
+        body = {"metadata": {"annotations": gpus.node_profile(self.gpus, self.node).annotations()}}
         delay = 0.5
         while not self._stop.is_set():
             try:

@@ -22,7 +22,7 @@ from typing import Any
 import prometheus_client as prom
 from aiohttp import web
 
-from volga_agent import gpus, local, metrics, policy, pool, server
+from volga_agent import gpus, metrics, policy, pool, server
 from volga_agent.gateway import link
 from volga_agent.gateway import server as gateway_server
 from volga_operator import api, planner
@@ -117,7 +117,7 @@ def agent_main(argv: list[str] | None = None) -> int:
         else:
             specs = _specs(args.file)
             by_name = {s.metadata.name: s.spec for s in specs}
-            plan = planner.plan(by_name, [local.node_profile(found, args.node)])
+            plan = planner.plan(by_name, [gpus.node_profile(found, args.node)])
             node_pool.apply(plan.desired, by_name)
         node_pool.start()
         print(f"volga-agent {args.node}: Agent API {args.host}:{port}, metrics :{args.metrics_port}, "

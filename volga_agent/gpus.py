@@ -1,9 +1,9 @@
-"""GPU discovery through NVML, and the node's hardware profile as annotations.
+"""GPU discovery through NVML, and the node's hardware profile.
 
-The agent calls `discover()` at start to learn which GPUs the node has, and publishes `hardware_profile()`
-as `volga.dev/*` node annotations; the operator reads them back with `parse_hardware_profile()` to match a
-ModelSpec's hardware (GPU product, minimum memory, NUMA affinity) to nodes. Annotation values are flat
-strings so that they survive kubectl and any YAML tool untouched.
+The agent calls `discover()` at start to learn which GPUs the node has, and publishes `node_profile()` as
+`volga.dev/*` node annotations (`planner.NodeProfile.annotations()`); the operator reads them back with
+`planner.NodeProfile.from_annotations()` to match a ModelSpec's hardware (GPU product, minimum memory, NUMA
+affinity) to nodes.
 
 A node without the NVIDIA driver is a normal case (CPU nodes, CI), not an error: `discover()` returns an
 empty list and logs at debug level. NVML reports a GPU's NUMA node only on recent drivers and some systems;
@@ -15,18 +15,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import pathlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Sequence
 
 import pynvml
 
+from volga_operator import planner
+
 log = logging.getLogger(__name__)
-
-ANNOTATION_PREFIX = "volga.dev/"
-GPU_COUNT = ANNOTATION_PREFIX + "gpu-count"
-GPU_PRODUCT = ANNOTATION_PREFIX + "gpu-product"
-GPU_MEMORY_BYTES = ANNOTATION_PREFIX + "gpu-memory-bytes"
-NUMA_NODES = ANNOTATION_PREFIX + "numa-nodes"
-
 
 @dataclasses.dataclass(frozen=True)
 class GpuInfo:
@@ -38,14 +33,6 @@ class GpuInfo:
     driver: str
     pci_bus_id: str  # Linux form, as under /sys/bus/pci/devices: "0000:17:00.0"
     numa_node: int  # -1: unknown
-
-
-@dataclasses.dataclass(frozen=True)
-class HardwareProfile:
-    gpu_count: int
-    gpu_product: str  # comma-separated when a node mixes products; "" without GPUs
-    gpu_memory_bytes: int  # the smallest GPU's, so that a model fitting it fits on any GPU of the node
-    numa_nodes: tuple[int, ...]  # sorted, known nodes only
 
 
 def normalize_bus_id(bus_id: str | bytes) -> str:
@@ -147,42 +134,9 @@ def discover(sysfs_root: str | pathlib.Path = "/sys") -> list[GpuInfo]:
             log.debug("nvmlShutdown failed: %s", exc)
 
 
-def hardware_profile(gpus: Iterable[GpuInfo]) -> dict[str, str]:
-    """Node annotations describing the GPUs for scheduling; the inverse is `parse_hardware_profile`."""
-    gpus = list(gpus)
-    return {
-        GPU_COUNT: str(len(gpus)),
-        GPU_PRODUCT: ",".join(sorted({gpu.product for gpu in gpus})),
-        GPU_MEMORY_BYTES: str(min((gpu.memory_total_bytes for gpu in gpus), default=0)),
-        NUMA_NODES: ",".join(str(node) for node in sorted({gpu.numa_node for gpu in gpus if gpu.numa_node >= 0})),
-    }
-
-
-def parse_hardware_profile(annotations: Mapping[str, str]) -> HardwareProfile | None:
-    """The profile from a node's annotations; None when the node has none (no agent has published one).
-
-    Other annotations are ignored. A partial or malformed profile raises ValueError naming the annotation.
-    """
-    if GPU_COUNT not in annotations:
-        return None
-    for key in (GPU_PRODUCT, GPU_MEMORY_BYTES, NUMA_NODES):
-        if key not in annotations:
-            raise ValueError(f"annotation {key}: missing (a hardware profile has {GPU_COUNT}, {GPU_PRODUCT}, "
-                             f"{GPU_MEMORY_BYTES} and {NUMA_NODES})")
-    numa = annotations[NUMA_NODES].strip()
-    return HardwareProfile(
-        gpu_count=_non_negative(GPU_COUNT, annotations[GPU_COUNT]),
-        gpu_product=annotations[GPU_PRODUCT],
-        gpu_memory_bytes=_non_negative(GPU_MEMORY_BYTES, annotations[GPU_MEMORY_BYTES]),
-        numa_nodes=tuple(sorted({_non_negative(NUMA_NODES, part) for part in numa.split(",")})) if numa else (),
-    )
-
-
-def _non_negative(key: str, text: str) -> int:
-    try:
-        value = int(text.strip())
-    except ValueError:
-        raise ValueError(f"annotation {key}: {text!r} is not an integer") from None
-    if value < 0:
-        raise ValueError(f"annotation {key}: must be >= 0, got {value}")
-    return value
+def node_profile(found: Sequence[GpuInfo], name: str) -> planner.NodeProfile:
+    """The node as the planner sees it: products comma-separated when a node mixes them; the smallest GPU's
+    memory, so that a model fitting it fits on any GPU of the node; the known NUMA nodes."""
+    return planner.NodeProfile(name, len(found), ",".join(sorted({g.product for g in found})),
+                               min((g.memory_total_bytes for g in found), default=0),
+                               tuple(sorted({g.numa_node for g in found if g.numa_node >= 0})))

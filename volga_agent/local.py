@@ -49,13 +49,6 @@ class LocalAgentLink:
         return None
 
 
-def node_profile(found: Sequence[gpus.GpuInfo], name: str = NODE) -> planner.NodeProfile:
-    if not found:
-        return planner.NodeProfile(name)
-    return planner.NodeProfile(name, len(found), found[0].product, min(g.memory_total_bytes for g in found),
-                               tuple(sorted({g.numa_node for g in found if g.numa_node >= 0})))
-
-
 @dataclasses.dataclass(frozen=True)
 class Options:
     host: str = "127.0.0.1"
@@ -86,7 +79,7 @@ class Embedded:
                                                              else None)
         self.agent_metrics = metrics.AgentMetrics()
         self.pool = pool.Pool(NODE, workroot, snapshots, self.options.settings, self.agent_metrics, self.gpus)
-        self.plan = planner.plan(self.specs, [node_profile(self.gpus)])
+        self.plan = planner.plan(self.specs, [gpus.node_profile(self.gpus, NODE)])
         gw_settings = gateway_server.Settings(
             host=self.options.host, http_port=self.options.http_port, grpc_port=self.options.grpc_port,
             metrics_port=self.options.metrics_port, cache_ttl_sec=self.options.settings.gateway_cache_ttl_sec)
