@@ -107,7 +107,7 @@ class AgentSync:
         self.custom = kubernetes.client.CustomObjectsApi(self.client)
         self.core = kubernetes.client.CoreV1Api(self.client)
         self._lock = threading.Lock()
-        self._specs: dict[tuple[str, str], Any] = {}
+        self._specs: dict[str, api.ModelSpecSpec] = {}  # valid ModelSpecs by namespace/name
         self._emis: dict[tuple[str, str], Any] = {}
         self._reported: dict[tuple[str, str], dict[str, Any]] = {}
         self._stop = threading.Event()
@@ -136,8 +136,15 @@ class AgentSync:
     # -- desired state -------------------------------------------------------------------------------
 
     def _on_specs(self, objects: dict[tuple[str, str], Any]) -> None:
+        # Validated here, once per change of the ModelSpecs, not on every EMI event (the agent's own status
+        # reports come back as EMI events).
+        specs: dict[str, api.ModelSpecSpec] = {}
+        for (ns, name), obj in objects.items():
+            parsed, _ = reconcile.validate(obj.get("spec") or {})
+            if parsed is not None:
+                specs[f"{ns}/{name}"] = parsed
         with self._lock:
-            self._specs = objects
+            self._specs = specs
             self._apply()
 
     def _on_emis(self, objects: dict[tuple[str, str], Any]) -> None:
@@ -148,11 +155,7 @@ class AgentSync:
     def _apply(self) -> None:
         if not all(w.synced.is_set() for w in self.watches):
             return  # until both have been listed once, "empty" means "not known yet", not "remove everything"
-        specs: dict[str, api.ModelSpecSpec] = {}
-        for (ns, name), obj in self._specs.items():
-            parsed, _ = reconcile.validate(obj.get("spec") or {})
-            if parsed is not None:
-                specs[f"{ns}/{name}"] = parsed
+        specs = self._specs
         desired = []
         for (ns, name), obj in self._emis.items():
             spec = obj.get("spec") or {}
