@@ -9,6 +9,7 @@ repairs anything a missed event left behind.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime
 from collections.abc import Iterable, Mapping
@@ -54,9 +55,12 @@ class State:
     emis: dict[Key, EmiRecord] = dataclasses.field(default_factory=dict)
     nodes: dict[str, planner.NodeProfile] = dataclasses.field(default_factory=dict)
 
-    def emis_of(self, key: Key) -> list[EmiRecord]:
-        ns, name = key
-        return sorted((e for e in self.emis.values() if e.namespace == ns and e.owner == name), key=lambda e: e.name)
+    def emis_by_owner(self) -> collections.defaultdict[Key, list[EmiRecord]]:
+        """Each ModelSpec's EMIs, by name; one pass over all EMIs (a reconcile pass builds it once)."""
+        owned: collections.defaultdict[Key, list[EmiRecord]] = collections.defaultdict(list)
+        for emi in sorted(self.emis.values(), key=lambda e: e.name):
+            owned[(emi.namespace, emi.owner)].append(emi)
+        return owned
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +147,7 @@ def emi_body(record: SpecRecord, desired: planner.Desired) -> dict[str, Any]:
 def compute(state: State, keys: Iterable[Key], now: str | None = None) -> list[Action]:
     """The writes that bring the given ModelSpecs (and their EMIs) to where they should be."""
     now = now or _now()
+    owned = state.emis_by_owner()
     actions: list[Action] = []
     valid: dict[str, api.ModelSpecSpec] = {}
     invalid: dict[Key, str] = {}
@@ -150,10 +155,10 @@ def compute(state: State, keys: Iterable[Key], now: str | None = None) -> list[A
         record = state.specs.get(key)
         if record is None:
             # The ModelSpec is gone (deleted while we were not looking): its EMIs are orphans.
-            actions += [Action("delete_emi", e.namespace, e.name) for e in state.emis_of(key)]
+            actions += [Action("delete_emi", e.namespace, e.name) for e in owned[key]]
             continue
         if record.deleting:
-            actions += _finalize(state, record)
+            actions += _finalize(record, owned[key])
             continue
         if FINALIZER not in record.finalizers:
             actions.append(Action("patch_spec_meta", record.namespace, record.name,
@@ -170,17 +175,16 @@ def compute(state: State, keys: Iterable[Key], now: str | None = None) -> list[A
     for plan_key in sorted(valid):
         ns, name = plan_key.split("/", 1)
         record = state.specs[(ns, name)]
-        actions += _converge_emis(state, record, by_spec.get(plan_key, []))
-        actions += _status(state, record, valid[plan_key], result.unplaced.get(plan_key), now)
+        actions += _converge_emis(record, owned[(ns, name)], by_spec.get(plan_key, []))
+        actions += _status(record, owned[(ns, name)], valid[plan_key], result.unplaced.get(plan_key), now)
     for (ns, name), problem in sorted(invalid.items()):
         record = state.specs[(ns, name)]
-        actions += [Action("delete_emi", e.namespace, e.name) for e in state.emis_of((ns, name))]
+        actions += [Action("delete_emi", e.namespace, e.name) for e in owned[(ns, name)]]
         actions += _invalid_status(record, problem, now)
     return actions
 
 
-def _finalize(state: State, record: SpecRecord) -> list[Action]:
-    emis = state.emis_of((record.namespace, record.name))
+def _finalize(record: SpecRecord, emis: list[EmiRecord]) -> list[Action]:
     if emis:
         return [Action("delete_emi", e.namespace, e.name) for e in emis]
     if FINALIZER in record.finalizers:
@@ -189,9 +193,9 @@ def _finalize(state: State, record: SpecRecord) -> list[Action]:
     return []
 
 
-def _converge_emis(state: State, record: SpecRecord, desired: list[planner.Desired]) -> list[Action]:
+def _converge_emis(record: SpecRecord, emis: list[EmiRecord], desired: list[planner.Desired]) -> list[Action]:
     actions = []
-    existing = {e.name: e for e in state.emis_of((record.namespace, record.name))}
+    existing = {e.name: e for e in emis}
     for d in desired:
         body = emi_body(record, d)
         name = body["metadata"]["name"]
@@ -214,9 +218,8 @@ def tier_counts(emis: Iterable[EmiRecord]) -> dict[str, int]:
     return counts
 
 
-def _status(state: State, record: SpecRecord, spec: api.ModelSpecSpec, unplaced: str | None,
+def _status(record: SpecRecord, emis: list[EmiRecord], spec: api.ModelSpecSpec, unplaced: str | None,
             now: str) -> list[Action]:
-    emis = state.emis_of((record.namespace, record.name))
     previous = record.status.get("conditions", ())
     ready = [e for e in emis if emi_ready(e)]
     if unplaced:
