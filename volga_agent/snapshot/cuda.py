@@ -19,6 +19,8 @@ import time
 import uuid as uuidlib
 from collections.abc import Sequence
 
+KEEP_TIMINGS = 64  # processes whose last driver phases `DriverCheckpoint.timings` keeps
+
 
 class DriverCheckpointUnsupported(RuntimeError):
     """libcuda is missing or too old for the checkpoint API."""
@@ -88,7 +90,9 @@ class DriverCheckpoint:
                 f"CUDA driver API {self.driver_api} lacks {', '.join(missing)}: the checkpoint API needs "
                 "driver >= 570 (API 12.8); SUSPENDED and GPU FROZEN tiers are unavailable")
         self._check("cuInit", 0, self.lib.cuInit(0))
-        self.timings: dict[int, dict[str, float]] = {}  # the last suspend/resume of each process, by phase
+        # The last suspend/resume of the most recent processes, by phase (benchmarks read it); bounded, since
+        # an agent sees a new process at every cold start.
+        self.timings: dict[int, dict[str, float]] = {}
 
     def _name(self, code: int) -> str:
         ptr = ctypes.c_char_p()
@@ -135,7 +139,10 @@ class DriverCheckpoint:
             self.unlock(pid)
             raise
         end = time.perf_counter()
+        self.timings.pop(pid, None)
         self.timings[pid] = {"lock_ms": (locked - start) * 1e3, "checkpoint_ms": (end - locked) * 1e3}
+        while len(self.timings) > KEEP_TIMINGS:
+            del self.timings[next(iter(self.timings))]
         return end - start
 
     def resume(self, pid: int, gpu_pairs: Sequence[GpuPair] = ()) -> float:
