@@ -296,19 +296,3 @@ class EmiSpec(Model):
     node: str
     gpu: GpuRef | None = None
     target_tier: Tier = Tier.FROZEN
-
-
-class Condition(Model):
-    type: str
-    status: Literal["True", "False", "Unknown"]
-    reason: str = ""
-    message: str = ""
-    last_transition_time: str | None = None
-
-
-class ExecutableModelInstance(Model):
-    api_version: Literal["volga.dev/v1alpha1"] = "volga.dev/v1alpha1"
-    kind: Literal["ExecutableModelInstance"] = "ExecutableModelInstance"
-    metadata: ObjectMeta
-    spec: EmiSpec
-    status: dict[str, Any] | None = None
