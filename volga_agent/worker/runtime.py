@@ -388,11 +388,10 @@ def check_inputs(decls: tuple[TensorDecl, ...], inputs: dict[str, np.ndarray], m
         if dtype != decl.dtype:
             raise protocol.WorkerError("INVALID_ARGUMENT",
                                        f"input {decl.name!r}: dtype {dtype} given, {decl.dtype} expected")
-        expected = ["-1" if d == -1 else str(d) for d in decl.shape]
         if len(array.shape) != len(decl.shape) or any(
                 d != -1 and d != s for d, s in zip(decl.shape, array.shape, strict=True)):
             raise protocol.WorkerError("INVALID_ARGUMENT", f"input {decl.name!r}: shape {list(array.shape)} "
-                                       f"given, [{', '.join(expected)}] expected")
+                                       f"given, [{', '.join(map(str, decl.shape))}] expected")
         if decl.shape and decl.shape[0] == -1 and array.shape[0] > max_batch:
             raise protocol.WorkerError("INVALID_ARGUMENT", f"input {decl.name!r}: batch {array.shape[0]} is "
                                        f"over maxBatchSize {max_batch}")
