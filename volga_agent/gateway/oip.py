@@ -192,7 +192,8 @@ def _reject_shared_memory(params: Mapping[str, Any], where: str) -> None:
 
 
 def _le_bytes(arr: Tensor) -> bytes:
-    """Row-major little-endian bytes of an array (the wire format), copying only when the array is not."""
+    """Row-major little-endian bytes of an array (the wire format): one copy, plus a conversion first when the
+    array is not already contiguous and little-endian."""
     return np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<")).tobytes()
 
 
@@ -479,7 +480,7 @@ def encode_rest_response(
     header = json.dumps(response, separators=(",", ":")).encode()
     if not chunks:
         return header, None
-    return header + b"".join(chunks), len(header)
+    return b"".join([header, *chunks]), len(header)
 
 
 # --- metadata ---------------------------------------------------------------------------------------------------
