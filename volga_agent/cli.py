@@ -190,12 +190,12 @@ def gpu_suite(args: argparse.Namespace, models: pathlib.Path, run: pathlib.Path,
 
 
 def cmd_bench_gateway(args: argparse.Namespace) -> int:
-    from volga_agent import bench_gateway
+    from volga_agent import bench, bench_gateway
 
     report = bench_gateway.run(args.rate, args.seconds, args.rounds, args.protocol,
                                progress=_progress(args.json))
     if args.out:
-        pathlib.Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        bench.write_json(report, pathlib.Path(args.out))
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -204,12 +204,13 @@ def cmd_bench_gateway(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_scale(args: argparse.Namespace) -> int:
+    from volga_agent import bench
     from volga_operator import scale
 
     show = _progress(args.json)
     report = scale.run(args.nodes, args.modelspecs, args.writes_per_sec, progress=show)
     if args.out:
-        pathlib.Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        bench.write_json(report, pathlib.Path(args.out))
     print(json.dumps(report, indent=2) if args.json else
           f"{report['modelspecs']} ModelSpecs on {report['nodes']} nodes: converged in {report['converge_s']} s, "
           f"peak {report['peak_writes_per_s']} writes/s (limit {report['write_limit_per_s']:g})")
