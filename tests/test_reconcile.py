@@ -159,3 +159,17 @@ def test_observed_ages_come_from_the_agents_last_used() -> None:
     ages = {o.name: (o.node, o.last_used_age_s, o.snapshot_bytes)
             for o in reconcile.observed(state, "2026-01-01T00:01:30Z")}
     assert ages == {"ns/ms-0": ("n1", 90.0, 7), "ns/ms-1": ("n2", None, 0)}
+
+
+def test_the_operator_loop_assumes_its_emi_patches() -> None:
+    """A patch that succeeded is reflected at once, so a pass before its watch event does not send it again."""
+    from volga_operator import handlers
+
+    loop = handlers.Loop()
+    loop.state = state_with()
+    apply(loop.state, reconcile.compute(loop.state, [("ns", "ms")], NOW))
+    emi = loop.state.emis[("ns", "ms-0")]
+    loop.state.emis[("ns", "ms-0")] = reconcile.EmiRecord("ns", "ms-0", {**emi.spec, "targetTier": "HOT"}, {})
+    [patch] = [a for a in reconcile.compute(loop.state, [("ns", "ms")], NOW) if a.verb == "patch_emi"]
+    loop._assume(patch)
+    assert [a for a in reconcile.compute(loop.state, [("ns", "ms")], NOW) if a.verb == "patch_emi"] == []

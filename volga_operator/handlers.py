@@ -113,6 +113,8 @@ class Loop:
         key = (action.namespace, action.name)
         if action.verb == "create_emi":
             self.state.emis[key] = reconcile.EmiRecord(action.namespace, action.name, action.body["spec"], {})
+        elif action.verb == "patch_emi" and key in self.state.emis:
+            self.state.emis[key] = dataclasses.replace(self.state.emis[key], spec=action.body["spec"])
         elif action.verb == "delete_emi":
             emi = self.state.emis.pop(key, None)
             if emi is not None:
