@@ -138,7 +138,7 @@ def run(nodes: int = 200, modelspecs: int = 1000, writes_per_sec: float = 200.0,
                 api.GROUP, api.VERSION, "default", "modelspecs", modelspec(i, "/models/model.onnx")),
                 range(modelspecs)))
         created_s = time.monotonic() - start
-        want_emis = 2
+        want_emis = sum(modelspec(0, "")["spec"]["pool"].values())
 
         def converged() -> bool:
             items = cast(dict[str, Any], custom.list_namespaced_custom_object(
@@ -170,9 +170,5 @@ def run(nodes: int = 200, modelspecs: int = 1000, writes_per_sec: float = 200.0,
         }
     finally:
         for proc in reversed(procs):
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            testing.terminate(proc)
         cp.stop()

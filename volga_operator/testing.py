@@ -147,7 +147,8 @@ class Pki:
         self.sa_pub = folder / "sa.pub"
 
     def exists(self) -> bool:
-        files = (self.ca_cert, self.serving_cert, self.serving_key, self.admin_cert, self.admin_key, self.sa_key)
+        files = (self.ca_cert, self.ca_key, self.serving_cert, self.serving_key, self.admin_cert, self.admin_key,
+                 self.sa_key)
         return all(path.exists() for path in (*files, self.sa_pub))
 
     def generate(self) -> None:
@@ -367,11 +368,11 @@ class ControlPlane:
         self._wait("kube-apiserver", self._apiserver, self._apiserver_ready)
 
     def stop_apiserver(self) -> None:
-        _terminate(self._apiserver)
+        terminate(self._apiserver)
         self._apiserver = None
 
     def stop_etcd(self) -> None:
-        _terminate(self._etcd)
+        terminate(self._etcd)
         self._etcd = None
 
     def apiserver_args(self) -> list[str]:
@@ -476,7 +477,7 @@ class ControlPlane:
             if ok:
                 return
             time.sleep(0.2)
-        _terminate(proc)
+        terminate(proc)
         raise self._error(f"{name} was not ready within {self.ready_timeout:.0f}s (last check: {last})")
 
     def _error(self, what: str) -> ControlPlaneError:
@@ -515,7 +516,7 @@ def _alive(proc: subprocess.Popen[bytes] | None) -> bool:
     return proc is not None and proc.poll() is None
 
 
-def _terminate(proc: subprocess.Popen[bytes] | None) -> None:
+def terminate(proc: subprocess.Popen[bytes] | None) -> None:
     if proc is None or proc.poll() is not None:
         return
     proc.terminate()
