@@ -219,15 +219,15 @@ class Pool:
             target = Tier.HOT if slot.inst.tier == Tier.HOT else Tier.COLD
         return target
 
-    def _walk(self, slot: Slot, target: Tier) -> None:
-        """Move along legal edges; COLD -> X goes through HOT (the only way out of COLD)."""
+    def _walk(self, slot: Slot, target: Tier) -> instance.Transition | None:
+        """Move along legal edges (an illegal step goes through HOT, which reaches every tier); the last move."""
         inst = slot.inst
-        if inst.tier == target:
-            return
-        if target not in instance.LEGAL[inst.tier] and inst.tier != Tier.HOT:
-            self._move(slot, Tier.HOT)
+        last = None
+        if inst.tier != target and target not in instance.LEGAL[inst.tier]:
+            last = self._move(slot, Tier.HOT)
         if inst.tier != target:
-            self._move(slot, target)
+            last = self._move(slot, target)
+        return last
 
     def _move(self, slot: Slot, target: Tier) -> instance.Transition:
         inst = slot.inst
@@ -304,11 +304,7 @@ class Pool:
         if slot is None:
             raise UnknownModel(f"no instance {name!r} on node {self.node}")
         with slot.lock:
-            if slot.inst.tier == target:
-                return None
-            before = len(slot.inst.history)
-            self._walk(slot, target)
-            return slot.inst.history[-1] if len(slot.inst.history) > before else None
+            return self._walk(slot, target)
 
     def _worker_died(self, slot: Slot) -> None:
         inst = slot.inst
