@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from volga_agent import instance
+from volga_agent import gpus, instance
 from volga_agent.snapshot import criu, cuda
 from volga_agent.worker import runtime
 from volga_operator import api
@@ -32,15 +32,13 @@ def summarize(samples_s: Sequence[float]) -> dict[str, float | int]:
             "min_ms": round(float(ms.min()), 3), "max_ms": round(float(ms.max()), 3), "n": len(ms)}
 
 
-def gpu_memory_used_mib(index: int) -> float | None:
-    try:
-        import pynvml
+def _gpu(index: int) -> gpus.GpuInfo | None:
+    return next((g for g in gpus.discover() if g.index == index), None)
 
-        pynvml.nvmlInit()
-        used = int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).used)
-        return round(used / 2**20, 1)
-    except Exception:
-        return None
+
+def gpu_memory_used_mib(index: int) -> float | None:
+    gpu = _gpu(index)
+    return None if gpu is None else round(gpu.memory_used_bytes / 2**20, 1)
 
 
 @dataclasses.dataclass
@@ -222,16 +220,8 @@ def burst(models: Sequence[api.ModelSpecSpec], workdir: pathlib.Path, device: st
 
 def device_description(device: str) -> str:
     if device.startswith("cuda"):
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            index = int(device.partition(":")[2] or 0)
-            name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(index))
-            driver = pynvml.nvmlSystemGetDriverVersion()
-            return f"{device} {name} (driver {driver})"
-        except Exception:
-            return device
+        gpu = _gpu(int(device.partition(":")[2] or 0))
+        return device if gpu is None else f"{device} {gpu.product} (driver {gpu.driver})"
     cpu = platform.processor() or platform.machine()
     try:
         for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
