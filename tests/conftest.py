@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import pathlib
+import shutil
 import tempfile
 from collections.abc import Iterator
 
@@ -24,7 +25,8 @@ def rundir() -> Iterator[pathlib.Path]:
 
 
 @pytest.fixture
-def criu_engine(tmp_path_factory: pytest.TempPathFactory) -> criu.CriuEngine:
+def criu_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[criu.CriuEngine]:
     root = pathlib.Path("/dev/shm") if pathlib.Path("/dev/shm").is_dir() else tmp_path_factory.getbasetemp()
     folder = pathlib.Path(tempfile.mkdtemp(prefix="volga-test-", dir=root))
-    return criu.CriuEngine(folder)
+    yield criu.CriuEngine(folder)
+    shutil.rmtree(folder, ignore_errors=True)

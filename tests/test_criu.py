@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import pathlib
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import numpy as np
@@ -221,3 +223,130 @@ def test_connection_opened_during_a_freeze_is_handed_back(inst: instance.Instanc
 
     asyncio.run(connect_then_dump())
     assert inst.image is not None and inst.pid is None
+
+
+def _constant_weight_model(path: pathlib.Path, value: float) -> api.ModelSpecSpec:
+    """y = x @ W with every weight equal to `value`: its bytes are easy to find in a CRIU pages file."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    weights = numpy_helper.from_array(np.full((256, 256), value, dtype=np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "constant",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 256])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 256])], [weights])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return api.ModelSpecSpec.model_validate({
+        "modelId": "constant", "framework": "onnx", "source": f"file://{path}",
+        "inputs": [{"name": "x", "dtype": "FP32", "shape": [-1, 256]}],
+        "outputs": [{"name": "y", "dtype": "FP32", "shape": [-1, 256]}],
+        "runtime": {"warmupIterations": 1, "intraOpThreads": 1}})
+
+
+def _damage_weights(image: criu.Image, value: float, replacement: float) -> int:
+    """Overwrite every page-long run of `value` in the image's memory pages; returns the pages changed."""
+    old, new = np.float32(value).tobytes() * 1024, np.float32(replacement).tobytes() * 1024
+    changed = 0
+    for pages in image.path.glob("pages-*.img"):
+        data = bytearray(pages.read_bytes())
+        start = data.find(old)
+        while start >= 0:
+            data[start:start + len(old)] = new
+            changed += 1
+            start = data.find(old, start + len(old))
+        pages.write_bytes(bytes(data))
+    return changed
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_damaged_image_is_caught_by_the_canary(rundir: pathlib.Path, criu_engine: criu.CriuEngine,
+                                                 tmp_path: pathlib.Path, verify: bool) -> None:
+    """A restore that succeeds but brings back other weights never answers: its canary answer differs, the
+    wake counts as failed and a cold start answers. Without verification the same image answers wrongly."""
+    spec = _constant_weight_model(tmp_path / "constant.onnx", 0.25)
+    inst = instance.Instance("damaged", spec, rundir, criu_engine, verify_restores=verify)
+    try:
+        x = np.ones((2, 256), dtype=np.float32)
+        inst.to(Tier.HOT)
+        reference = inst.infer({"x": x})["y"]
+        assert np.all(reference == 64.0)
+        inst.to(Tier.FROZEN)
+        assert inst.image is not None
+        assert _damage_weights(inst.image, 0.25, 0.5) > 0
+        woke = inst.wake()
+        answer = inst.infer({"x": x})["y"]
+        if verify:
+            assert woke.fallback and "canary" in woke.detail, woke.detail
+            assert inst.restore_failures == 1
+            assert np.array_equal(answer, reference)
+            kept = list((criu_engine.root / criu.FAILED).iterdir())
+            assert len(kept) == 1 and (kept[0] / "worker.log").exists() and (kept[0] / "pstree.img").exists()
+        else:
+            assert not woke.fallback
+            assert not np.array_equal(answer, reference)
+    finally:
+        inst.close()
+
+
+def test_failed_restores_kept_are_bounded(inst: instance.Instance, criu_engine: criu.CriuEngine) -> None:
+    criu_engine.keep_failed = 2
+    inst.to(Tier.HOT)
+    for _ in range(3):
+        inst.to(Tier.FROZEN)
+        assert inst.image is not None
+        (inst.image.path / "pstree.img").write_bytes(b"garbage")
+        assert inst.wake().fallback
+    kept = sorted((criu_engine.root / criu.FAILED).iterdir())
+    assert len(kept) == 2
+    assert all((k / "restore.log").exists() and (k / "worker.log").exists() for k in kept)
+    assert inst.restore_failures == 3
+
+
+def test_a_failed_lazy_restore_is_retried_eagerly(default_spec: api.ModelSpecSpec, rundir: pathlib.Path,
+                                                  criu_engine: criu.CriuEngine,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The image is fine when only the lazy-pages machinery fails: an eager restore of it serves, no cold start."""
+    inst = instance.Instance("lazyfail", default_spec, rundir, criu_engine, lazy_restore=True)
+    try:
+        x = runtime.sample_inputs(inst.config.inputs, batch=2, seed=4)
+        inst.to(Tier.HOT)
+        reference = inst.infer(x)["probability"]
+        inst.to(Tier.FROZEN)
+
+        def no_daemon(image: criu.Image) -> None:
+            raise criu.CriuError("criu lazy-pages did not start")
+        monkeypatch.setattr(criu_engine, "_lazy_pages", no_daemon)
+        woke = inst.wake()
+        assert not woke.fallback and "eager restore instead" in woke.detail
+        assert inst.restore_failures == 0 and inst.lazy_restore_failures == 1
+        assert inst.client().call("ping").header["restores"] == 1
+        assert np.array_equal(inst.infer(x)["probability"], reference)
+    finally:
+        inst.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_many_wakes_under_load_never_fall_back(default_spec: api.ModelSpecSpec, rundir: pathlib.Path,
+                                               criu_engine: criu.CriuEngine, lazy: bool) -> None:
+    """100 FROZEN wakes in a row, the second half with two CPU-bound processes beside them: every wake is a
+    restore (no cold start), and every answer is the first one."""
+    inst = instance.Instance("stress", default_spec, rundir, criu_engine, lazy_restore=lazy)
+    load: list[subprocess.Popen[bytes]] = []
+    try:
+        x = runtime.sample_inputs(inst.config.inputs, batch=4, seed=9)
+        inst.to(Tier.HOT)
+        reference = inst.infer(x)["probability"]
+        for cycle in range(100):
+            if cycle == 50:
+                load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+            inst.to(Tier.FROZEN)
+            woke = inst.wake()
+            assert not woke.fallback and not woke.detail, f"wake {cycle}: {woke.detail}"
+            assert np.array_equal(inst.infer(x)["probability"], reference), f"wake {cycle}"
+        assert inst.restore_failures == 0 and inst.lazy_restore_failures == 0
+        assert criu_engine.lazy_daemon_failures == 0
+    finally:
+        for process in load:
+            process.kill()
+            process.wait()
+        inst.close()

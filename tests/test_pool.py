@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from volga_agent import instance, policy, pool
+from volga_agent.snapshot import criu
 from volga_operator import api, planner
 
 Tier = api.Tier
@@ -26,7 +27,8 @@ def node_pool(rundir: pathlib.Path, criu_engine) -> Iterator[pool.Pool]:
     p = pool.Pool("n1", rundir / "work", criu_engine.root, settings)
     yield p
     p.close()
-    assert not any(criu_engine.root.iterdir()), "snapshots left behind"
+    # Only what failed restores left, kept for inspection on purpose.
+    assert {p.name for p in criu_engine.root.iterdir()} <= {criu.FAILED}, "snapshots left behind"
 
 
 def test_device_hint_picks_the_matching_instance(default_spec: api.ModelSpecSpec, rundir: pathlib.Path) -> None:

@@ -216,3 +216,29 @@ def test_worker_holds_no_file_that_other_processes_write(hot: instance.Instance,
     held = [os.readlink(fd) for fd in pathlib.Path(f"/proc/{hot.pid}/fd").iterdir()]
     files = [p for p in held if p.startswith("/") and p != "/dev/null"]
     assert files and all(pathlib.Path(p).is_relative_to(rundir) for p in files), held
+
+
+@pytest.mark.parametrize("pid_namespace", [True, False], ids=["pidns", "no-pidns"])
+def test_every_worker_thread_blocks_the_wake_signal(default_spec: api.ModelSpecSpec, rundir: pathlib.Path,
+                                                    pid_namespace: bool) -> None:
+    """The wake signal must reach the main thread's sigtimedwait. A thread that does not block it (numpy's BLAS
+    threads start at import, before the worker's code runs) takes it instead: outside a PID namespace (GPU
+    workers) the worker dies of it; as a namespace's init it is dropped. A stray wake signal is harmless."""
+    spec = default_spec.model_copy(update={"runtime": default_spec.runtime.model_copy(update={"intra_op_threads": 2})})
+    inst = instance.Instance("sigmask", spec, rundir, None, pid_namespace=pid_namespace)
+    try:
+        inst.to(Tier.HOT)
+        assert inst.pid is not None
+        bit = 1 << (runtime.WAKE_SIGNAL - 1)
+        threads = list(pathlib.Path(f"/proc/{inst.pid}/task").iterdir())
+        assert len(threads) > 1
+        for task in threads:
+            blocked = next(line for line in (task / "status").read_text().splitlines() if line.startswith("SigBlk:"))
+            assert int(blocked.split()[1], 16) & bit, (task.name, blocked)
+        for _ in range(20):
+            os.kill(inst.pid, runtime.WAKE_SIGNAL)
+        x = request(inst)
+        assert inst.infer(x)["probability"].shape == (4, 1)
+        assert not inst.worker_gone()
+    finally:
+        inst.close()

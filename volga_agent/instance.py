@@ -10,7 +10,13 @@ The tier state machine allows only these moves (anything else raises IllegalTran
 
 WARM and SUSPENDED need a GPU and the driver checkpoint API; on a CPU node the tiers are HOT, FROZEN and
 COLD. Every move is timed and recorded. A wake that fails (a broken image, a worker that does not answer)
-falls back to a cold start, is recorded with `fallback=True` and counted in `restore_failures`.
+falls back to a cold start, is recorded with `fallback=True` and counted in `restore_failures`; what the
+failed restore left is kept under the snapshot root's `failed/` folder. A lazy restore that fails is tried
+once more eagerly from the same image before that.
+
+A restore can also succeed and bring back the wrong state (a damaged image). With `verify_restores`, the
+instance records the model's answer to a fixed canary input before each snapshot and has the restored
+worker answer it again before any request reaches it: a different answer is a failed restore.
 """
 
 from __future__ import annotations
@@ -54,6 +60,10 @@ class IllegalTransition(ValueError):
     pass
 
 
+class CanaryMismatch(RuntimeError):
+    """A restored worker answered the canary differently from the worker that was snapshotted."""
+
+
 class WorkerStartError(RuntimeError):
     """The worker died or did not become ready; the message carries the end of its log."""
 
@@ -93,6 +103,11 @@ def worker_config(spec: api.ModelSpecSpec, workdir: pathlib.Path, device: str, c
                               * spec.runtime.warmup_iterations))
 
 
+# What a failed wake raises: the restore, the driver, the restored worker or its canary answer.
+WAKE_ERRORS = (criu.CriuError, cuda.DriverCheckpointError, WorkerStartError, protocol.ProtocolError,
+               protocol.WorkerError, CanaryMismatch, OSError)
+
+
 def _log_tail(path: pathlib.Path, lines: int = 12) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -107,7 +122,8 @@ class Instance:
                  criu_engine: criu.CriuEngine | None, driver: cuda.DriverCheckpoint | None = None,
                  device: str = "cpu", start_timeout: float = 120.0, pid_namespace: bool | None = None,
                  reuse_image_sec: float = 0.0, lazy_restore: bool = False, cpus: tuple[int, ...] = (),
-                 warmup_cache_ratio: float | None = None, reset_rng_on_restore: bool = False) -> None:
+                 warmup_cache_ratio: float | None = None, reset_rng_on_restore: bool = False,
+                 verify_restores: bool = True) -> None:
         self.name = name
         self.spec = spec
         self.workdir = pathlib.Path(workdir)
@@ -131,10 +147,17 @@ class Instance:
         # still a faithful snapshot: freezing again just drops the process. 0 dumps on every freeze.
         self.reuse_image_sec = reuse_image_sec
         self.lazy_restore = lazy_restore
+        self.verify_restores = verify_restores
+        # (worker generation, digest of its canary answer); None until recorded, or when the model's answer
+        # to the canary is not reproducible and so cannot tell a damaged restore.
+        self._canary: tuple[int, str] | None = None
+        self._canary_usable = True
         self._image_generation = -1
+        self._snapshot_generation = -1  # the worker state last snapshotted, by CRIU or the driver
         self._image_taken = 0.0
         self.history: list[Transition] = []
         self.restore_failures = 0
+        self.lazy_restore_failures = 0  # lazy restores that failed and were served by an eager one
         self.last_used = time.monotonic()
         self._client: protocol.WorkerClient | None = None
         self._paused = False  # the worker waits in its pause hook (after a restore into SUSPENDED)
@@ -261,10 +284,14 @@ class Instance:
             return self._record(source, target, start)
         try:
             detail = getattr(self, f"_{source.value.lower()}_to_{target.value.lower()}")() or ""
-        except (criu.CriuError, cuda.DriverCheckpointError, WorkerStartError, protocol.ProtocolError,
-                protocol.WorkerError, OSError) as exc:
+        except WAKE_ERRORS as exc:
             if target not in (Tier.HOT, Tier.SUSPENDED) or source not in (Tier.FROZEN, Tier.SUSPENDED, Tier.WARM):
                 raise
+            self._keep_failure()
+            if source == Tier.FROZEN and self.lazy_restore:
+                eager = self._eager_retry(target, exc)
+                if eager is not None:
+                    return self._record(source, target, start, detail=eager)
             # A wake failed: whatever is left of the instance goes, and a cold start takes its place.
             self.restore_failures += 1
             log.warning("%s: %s -> %s failed, cold start instead: %s", self.name, source.value, target.value, exc)
@@ -272,6 +299,28 @@ class Instance:
             self._cold_start()
             return self._record(source, Tier.HOT, start, fallback=True, detail=str(exc))
         return self._record(source, target, start, detail=detail)
+
+    def _eager_retry(self, target: Tier, exc: BaseException) -> str | None:
+        """After a failed lazy restore, restore the same image once more with every page read up front."""
+        log.warning("%s: lazy restore failed, restoring eagerly: %s", self.name, exc)
+        self._kill()
+        self.lazy_restore_failures += 1
+        try:
+            if target == Tier.HOT:
+                self._frozen_to_hot(lazy=False)
+            else:
+                self._frozen_to_suspended(lazy=False)
+        except WAKE_ERRORS as again:
+            self._keep_failure()
+            log.warning("%s: eager restore failed too: %s", self.name, again)
+            return None
+        return f"lazy restore failed ({exc}); eager restore instead"
+
+    def _keep_failure(self) -> None:
+        if self.image is not None and self.criu is not None:
+            kept = self.criu.keep_failure(self.image, self.name, (self.logfile,))
+            if kept is not None:
+                log.warning("%s: what the failed restore left is kept in %s", self.name, kept)
 
     def wake(self) -> Transition:
         self.last_used = time.monotonic()
@@ -294,8 +343,44 @@ class Instance:
     def _cold_start(self) -> None:
         pid = self._spawn()
         self.pid = pid
-        self._wait_for(pid, lambda: (self.signals / runtime.READY).exists(), "ready", self.start_timeout)
-        self.client().call("ping")
+        try:
+            self._wait_for(pid, lambda: (self.signals / runtime.READY).exists(), "ready", self.start_timeout)
+            generation = int(self.client().call("ping").header.get("generation", 0))
+            self._record_canary(generation, twice=True)
+        except BaseException:
+            self._kill()  # a worker that did not start is not left behind, nor its zombie
+            raise
+
+    def _record_canary(self, generation: int, twice: bool = False) -> None:
+        """Record the HOT worker's canary answer for its current state (`twice`: check it is reproducible)."""
+        if not self.verify_restores or not self._canary_usable:
+            return
+        if self._canary is not None and self._canary[0] == generation:
+            return
+        try:
+            answers = {self.client().call("canary").header["canary"] for _ in range(2 if twice else 1)}
+        except protocol.WorkerError as exc:
+            answers = set()
+            log.warning("%s: the model cannot answer the canary input (%s)", self.name, exc)
+        if len(answers) != 1:
+            log.warning("%s: restores are not verified: the model's answer to the canary input is not "
+                        "reproducible", self.name)
+            self._canary_usable, self._canary = False, None
+            return
+        self._canary = (generation, answers.pop())
+
+    def _verify(self, header: dict[str, object]) -> None:
+        """Compare a restored worker's canary answer (in its wake reply) with the one recorded."""
+        if self._canary is None or "canary" not in header:
+            return
+        if header["canary"] != self._canary[1]:
+            raise CanaryMismatch(f"{self.name}: the restored worker answers the canary input differently from "
+                                 "the worker that was snapshotted: the snapshot is damaged")
+
+    def _wake_worker(self) -> None:
+        """The restored (or resumed) worker serves again, once its canary answer matches."""
+        verify = self._canary is not None and self._canary[0] == self._snapshot_generation
+        self._verify(self.client().call("wake", canary=verify).header)
 
     def _to_cold(self) -> None:
         self._kill()
@@ -316,6 +401,8 @@ class Instance:
 
     def _hot_to_suspended(self) -> None:
         assert self.driver is not None and self.pid is not None
+        self._snapshot_generation = self._generation()
+        self._record_canary(self._snapshot_generation)
         # Requests that reach the worker directly (gateways) are handed back from now on instead of blocking
         # on the driver's lock; the gateway then asks for a wake.
         self.client().call("sleep", tier=Tier.SUSPENDED.value)
@@ -331,7 +418,7 @@ class Instance:
         self.driver.resume(self.pid)
         if self._paused:
             self._resume_worker(self.pid)
-        self.client().call("wake")
+        self._wake_worker()
 
     def _pause(self) -> None:
         """The pause hook: the worker closes its connections and says when it is ready to be dumped."""
@@ -356,6 +443,7 @@ class Instance:
             self._resume_worker(self.pid)
             raise
         self._image_generation, self._image_taken = generation, time.monotonic()
+        self._snapshot_generation = generation
         self._reap(self.pid)
         self.pid = None
         self._paused = False
@@ -371,6 +459,7 @@ class Instance:
 
     def _hot_to_frozen(self) -> str | None:
         generation = self._generation()
+        self._record_canary(generation)
         self._pause()  # requests that gateways just sent are handed back unrun, not reset
         if self._reusable(generation):
             self._kill()
@@ -390,26 +479,26 @@ class Instance:
         self._pause()
         self._dump(generation)
 
-    def _restore(self) -> int:
+    def _restore(self, lazy: bool | None) -> int:
         if self.image is None or self.criu is None:
             raise criu.CriuError(f"{self.name}: no image to restore")
         pathlib.Path(self.config.socket).unlink(missing_ok=True)
         (self.signals / runtime.RESTORE_COMPLETE).unlink(missing_ok=True)
-        restored = self.criu.restore(self.image, lazy=self.lazy_restore)
+        restored = self.criu.restore(self.image, lazy=self.lazy_restore if lazy is None else lazy)
         self.pid = restored.pid
         return restored.pid
 
-    def _frozen_to_suspended(self) -> None:
-        self._restore()
+    def _frozen_to_suspended(self, lazy: bool | None = None) -> None:
+        self._restore(lazy)
         self._paused = True
 
-    def _frozen_to_hot(self) -> None:
-        pid = self._restore()
+    def _frozen_to_hot(self, lazy: bool | None = None) -> None:
+        pid = self._restore(lazy)
         if self.gpu:
             assert self.driver is not None
             self.driver.resume(pid)
         self._resume_worker(pid)
-        self.client().call("wake")  # an image taken in SUSPENDED holds a worker that was told to sleep
+        self._wake_worker()  # an image taken in SUSPENDED holds a worker that was told to sleep
 
     def close(self) -> None:
         """Stop the worker and remove every image this instance owns."""

@@ -26,6 +26,9 @@ class AgentMetrics:
         self.restore_failures = prom.Counter(
             "volga_snapshot_restore_failures", "Wakes that failed and fell back to a cold start", ["tier", "model"],
             registry=r)
+        self.lazy_restore_failures = prom.Counter(
+            "volga_snapshot_lazy_restore_failures", "Lazy restores that failed and were served by an eager restore",
+            ["model"], registry=r)
         self.activations = prom.Counter(
             "volga_activations", "Activations that woke an instance (not already HOT)", ["tier", "model"], registry=r)
         self.emis_active = prom.Gauge(
@@ -55,6 +58,9 @@ class GatewayMetrics:
         self.zero_copy_latency = prom.Histogram(
             "volga_gateway_zero_copy_latency_ms", "Time to place inputs in and read outputs from shared memory",
             buckets=FAST_MS_BUCKETS, registry=r)
+        self.lazy_restore_failures = prom.Counter(
+            "volga_snapshot_lazy_restore_failures", "Lazy restores that failed and were served by an eager restore",
+            ["model"], registry=r)
         self.activations = prom.Counter(
             "volga_gateway_activations", "Activations the gateway asked for (after single-flight)", ["model"],
             registry=r)

@@ -75,6 +75,11 @@ class Settings:
     snapshot_disk_budget_bytes: int = 0
     # Restore FROZEN images with CRIU lazy pages (userfaultfd): the process runs before its memory is read.
     lazy_restore: bool = False
+    # Before a restored instance answers, it answers a fixed canary input, compared with the answer recorded
+    # before its snapshot: a damaged image then costs a cold start, never a wrong answer.
+    verify_restores: bool = True
+    # Failed restores whose image and logs stay under the snapshot root's failed/ folder, newest first.
+    keep_failed_restores: int = 3
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -90,6 +95,7 @@ class Settings:
             raise ValueError(f"settings.scheduler_eviction_policy: must be one of {', '.join(EVICTION_POLICIES)}, "
                              f"got {self.scheduler_eviction_policy!r}")
         _check_range("max_failures", self.max_failures, low=1)
+        _check_range("keep_failed_restores", self.keep_failed_restores, low=0)
         _check_range("backoff_duration_sec", self.backoff_duration_sec, low=0.0)
         _check_range("api_writes_per_sec", self.api_writes_per_sec, low=0.0, low_open=True)
         for name in ("hot_idle_sec", "warm_idle_sec", "suspended_idle_sec",

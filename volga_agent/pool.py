@@ -110,7 +110,7 @@ class Pool:
         self.criu: criu.CriuEngine | None = None
         if snapshot_root is not None:
             try:
-                self.criu = criu.CriuEngine(snapshot_root)
+                self.criu = criu.CriuEngine(snapshot_root, keep_failed=self.settings.keep_failed_restores)
             except criu.CriuError as exc:
                 log.warning("FROZEN tier unavailable: %s", exc)
         self.driver: cuda.DriverCheckpoint | None = None
@@ -156,7 +156,8 @@ class Pool:
                                              lazy_restore=self.settings.lazy_restore,
                                              cpus=self._cpus(spec, want.gpu_index),
                                              warmup_cache_ratio=self.settings.warmup_cache_ratio,
-                                             reset_rng_on_restore=self.settings.reset_rng_on_restore)
+                                             reset_rng_on_restore=self.settings.reset_rng_on_restore,
+                                             verify_restores=self.settings.verify_restores)
                 except (OSError, ValueError) as exc:
                     self.failed[name] = f"{type(exc).__name__}: {exc}"
                     log.error("%s: cannot create instance: %s", name, exc)
@@ -233,7 +234,10 @@ class Pool:
         inst = slot.inst
         model = inst.spec.model_id
         source = inst.tier
+        lazy_failures = inst.lazy_restore_failures
         transition = inst.to(target)
+        if inst.lazy_restore_failures > lazy_failures:
+            self.metrics.lazy_restore_failures.labels(model).inc()
         ms = transition.seconds * 1e3
         self.metrics.transition_latency.labels(source.value, transition.target.value, model).observe(ms)
         if transition.target == Tier.HOT and source in (Tier.WARM, Tier.SUSPENDED, Tier.FROZEN):

@@ -10,11 +10,15 @@ Facts this code is built on (measured on the target kernels, see DESIGN.md secti
 - A dump is written into a temporary folder beside its final place and renamed when complete, so a
   reader never sees half an image; the engine owns its image folders and removes them.
 - "RLIMIT_NOFILE ... Operation not permitted" in CRIU's log is harmless on unprivileged-resource kernels.
+- What a failed restore leaves (the image, CRIU's logs, the worker's log) is kept under `failed/` for
+  inspection, the newest few only (`keep_failed`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import os
 import pathlib
 import shutil
@@ -24,6 +28,8 @@ import time
 import uuid
 
 DEFAULT_PREFIX = pathlib.Path.home() / ".cache" / "volga" / "criu"
+FAILED = "failed"
+log = logging.getLogger(__name__)
 
 
 class CriuError(RuntimeError):
@@ -73,10 +79,13 @@ def _log_tail(log: pathlib.Path, lines: int = 15) -> str:
 class CriuEngine:
     """Dumps and restores process trees under one snapshot root folder."""
 
-    def __init__(self, root: str | pathlib.Path, criu: str | None = None) -> None:
+    def __init__(self, root: str | pathlib.Path, criu: str | None = None, keep_failed: int = 3) -> None:
         self.root = pathlib.Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.criu = criu or find_criu()
+        self.keep_failed = keep_failed
+        # Lazy-pages daemons that exited with an error: the process they served may have missed pages.
+        self.lazy_daemon_failures = 0
 
     def version(self) -> str:
         out = subprocess.run([self.criu, "--version"], capture_output=True, text=True, check=False)
@@ -89,6 +98,8 @@ class CriuEngine:
 
     def dump(self, pid: int, name: str, leave_running: bool = False) -> Image:
         """Dump the tree rooted at `pid` (killing it unless leave_running) into a new image of `name`."""
+        if name == FAILED:
+            raise ValueError(f"{FAILED!r} is the folder of failed restores, not an image name")
         folder = self.root / name
         folder.mkdir(parents=True, exist_ok=True)
         snapshot_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
@@ -133,8 +144,16 @@ class CriuEngine:
             raise CriuError(f"criu restore of {image.path} failed (exit {out.returncode}):\n"
                             f"{_log_tail(image.path / 'restore.log')}")
         if daemon is not None:
-            threading.Thread(target=daemon.wait, name="lazy-pages-reaper", daemon=True).start()
+            threading.Thread(target=self._reap_lazy_pages, args=(daemon, image), name="lazy-pages-reaper",
+                             daemon=True).start()
         return Restored(int(pidfile.read_text().strip()), seconds)
+
+    def _reap_lazy_pages(self, daemon: subprocess.Popen[bytes], image: Image) -> None:
+        code = daemon.wait()
+        if code != 0:
+            self.lazy_daemon_failures += 1
+            log.warning("criu lazy-pages for %s exited with %d:\n%s", image.path, code,
+                        _log_tail(image.path / "lazy-pages.log"))
 
     def _lazy_pages(self, image: Image) -> subprocess.Popen[bytes]:
         """Start the page server of a lazy restore and wait until it listens (its --status-fd says so)."""
@@ -155,6 +174,29 @@ class CriuEngine:
             os.close(ready)
             if status >= 0:
                 os.close(status)
+
+    def keep_failure(self, image: Image, name: str, extra: tuple[pathlib.Path, ...] = ()) -> pathlib.Path | None:
+        """Keep what a failed restore of `image` leaves, as hard links under failed/ (so removing the image
+        later costs the copy nothing), with `extra` files such as the worker's log; only the newest
+        `keep_failed` failures stay. Returns the folder, or None when failures are not kept."""
+        if self.keep_failed <= 0 or not image.path.is_dir():
+            return None
+        failed = self.root / FAILED
+        folder = failed / f"{name}-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
+
+        def link(source: str, target: str) -> None:
+            if not pathlib.Path(source).is_socket():
+                try:
+                    os.link(source, target)
+                except OSError:
+                    shutil.copy2(source, target)
+        shutil.copytree(image.path, folder, copy_function=link)
+        for path in extra:
+            with contextlib.suppress(OSError):
+                shutil.copy2(path, folder / path.name)
+        for old in sorted(failed.iterdir(), key=lambda p: p.stat().st_mtime)[:-self.keep_failed]:
+            shutil.rmtree(old, ignore_errors=True)
+        return folder
 
     def remove(self, image: Image) -> None:
         shutil.rmtree(image.path, ignore_errors=True)

@@ -14,6 +14,12 @@ cudaErrorOperatingSystem inside a PID namespace whose /proc is the host's). Such
 its original host PID, which must then be free; if it is not, the restore fails and the agent falls back
 to a cold start.
 
+The wake signal (SIGUSR1, `WAKE_SIGNAL`) is blocked before the exec, so the worker starts with it blocked
+and every thread it ever has inherits that, including the ones numpy's BLAS starts while it is imported,
+before the worker's own code runs. The worker's main thread takes the signal with sigtimedwait; a thread that
+did not block it would receive it instead and die of it (outside a PID namespace), or drop it (as a
+namespace's init, which ignores signals it has no handler for).
+
 With `--cpus 0,1,...` the child is pinned to those CPUs before it executes the command, so every thread
 the worker starts (numpy's and the framework's included, some of which start at import) inherits the mask:
 numaAffinity keeps a worker on the NUMA node of its GPU.
@@ -25,10 +31,12 @@ from __future__ import annotations
 
 import ctypes
 import os
+import signal
 import sys
 
 CLONE_NEWPID = 0x20000000
 PR_SET_CHILD_SUBREAPER = 36
+WAKE_SIGNAL = signal.SIGUSR1
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -60,6 +68,7 @@ def main(argv: list[str]) -> int:
     pid = os.fork()
     if pid == 0:
         os.setsid()
+        signal.pthread_sigmask(signal.SIG_BLOCK, [WAKE_SIGNAL])
         if cpus:
             os.sched_setaffinity(0, cpus)
         log = os.open(logfile, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)

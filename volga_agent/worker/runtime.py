@@ -19,6 +19,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
+import hashlib
 import json
 import mmap
 import os
@@ -34,12 +35,15 @@ from typing import Any
 
 import numpy as np
 
-from volga_agent.worker import protocol
+from volga_agent.worker import nsinit, protocol
 
 READY = "ready"
 READY_FOR_CHECKPOINT = "ready-for-checkpoint"
 RESTORE_COMPLETE = "restore-complete"
-WAKE_SIGNAL = signal.SIGUSR1
+# The canary: a fixed input whose answer the agent records before a snapshot and compares after each restore,
+# so that a damaged image is caught before it answers a request.
+CANARY_SEED = 0x5EED
+WAKE_SIGNAL = nsinit.WAKE_SIGNAL
 
 
 @dataclasses.dataclass(frozen=True)
@@ -429,6 +433,7 @@ class Worker:
             "reload": self._op_reload,
             "sleep": self._op_sleep,
             "wake": self._op_wake,
+            "canary": self._op_canary,
             "swap": self._op_swap,
             "attach_shm": self._op_attach_shm,
             "rng": lambda f: ({"python": random.random(), "numpy": float(np.random.random())}, []),
@@ -459,8 +464,25 @@ class Worker:
         return {}, []
 
     def _op_wake(self, frame: protocol.Frame) -> tuple[dict[str, Any], list[memoryview]]:
+        """Serve again; with `canary`, answer the canary first (the agent compares it before any request)."""
         self.asleep = ""
-        return self._op_ping(frame)
+        header, _ = self._op_ping(frame)
+        if frame.header.get("canary"):
+            header["canary"] = self.canary()
+        return header, []
+
+    def _op_canary(self, frame: protocol.Frame) -> tuple[dict[str, Any], list[memoryview]]:
+        return {"canary": self.canary(), "generation": self.generation}, []
+
+    def canary(self) -> str:
+        """A digest of the model's answer to the canary input: equal digests, equal model state."""
+        outputs = self.backend.run(sample_inputs(self.config.inputs, seed=CANARY_SEED))
+        digest = hashlib.sha256()
+        for name in sorted(outputs):
+            array = np.ascontiguousarray(outputs[name])
+            digest.update(f"{name}:{array.dtype.str}:{array.shape};".encode())
+            digest.update(array.tobytes())
+        return digest.hexdigest()
 
     def _op_ping(self, frame: protocol.Frame) -> tuple[dict[str, Any], list[memoryview]]:
         return {"pid": os.getpid(), "restores": self.restores, "generation": self.generation}, []
