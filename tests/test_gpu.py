@@ -137,3 +137,27 @@ def test_in_place_swap_keeps_the_process(gpu_inst: instance.Instance, tmp_path: 
     with pytest.raises(Exception, match="do not fit the loaded architecture"):
         gpu_inst.client().call("swap", path=str(tmp_path / "bad.pt"))
     assert np.array_equal(gpu_inst.infer(x)["y"], after)
+
+
+def test_restores_are_verified_by_the_canary(gpu_inst: instance.Instance) -> None:
+    """On the GPU the model's canary answer is reproducible, so every SUSPENDED and FROZEN wake (eager and lazy)
+    is checked against it, and none fails."""
+    assert gpu_inst.verifies_restores
+    x = runtime.sample_inputs(gpu_inst.config.inputs, batch=8, seed=6)
+    reference = gpu_inst.infer(x)["y"]
+    for tier, lazy in ((Tier.SUSPENDED, False), (Tier.FROZEN, False), (Tier.FROZEN, True), (Tier.FROZEN, True)):
+        gpu_inst.lazy_restore = lazy
+        gpu_inst.to(tier)
+        woke = gpu_inst.wake()
+        assert not woke.fallback and not woke.detail, (tier, lazy, woke.detail)
+        assert np.array_equal(gpu_inst.infer(x)["y"], reference)
+    assert gpu_inst.restore_failures == 0 and gpu_inst.lazy_restore_failures == 0
+
+
+def test_gpu_worker_threads_block_the_wake_signal(gpu_inst: instance.Instance) -> None:
+    """A GPU worker has no PID namespace of its own: a thread that did not block the wake signal would die of it."""
+    assert gpu_inst.pid is not None and not gpu_inst.pid_namespace
+    bit = 1 << (runtime.WAKE_SIGNAL - 1)
+    for task in pathlib.Path(f"/proc/{gpu_inst.pid}/task").iterdir():
+        blocked = next(line for line in (task / "status").read_text().splitlines() if line.startswith("SigBlk:"))
+        assert int(blocked.split()[1], 16) & bit, (task.name, blocked)

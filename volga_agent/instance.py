@@ -389,6 +389,11 @@ class Instance:
         self.image = None
 
     @property
+    def verifies_restores(self) -> bool:
+        """Whether restores of this instance are checked against a recorded canary answer."""
+        return self._canary is not None
+
+    @property
     def gpu(self) -> bool:
         """On a GPU with the driver checkpoint API: the WARM and SUSPENDED tiers exist for it."""
         return self.driver is not None and self.device.startswith("cuda")

@@ -1,0 +1,96 @@
+"""What a worker's memory holds, region by region, in each state a snapshot is taken from.
+
+A CRIU image holds a process's private pages that are present (anonymous memory, written private file
+pages); shared file mappings are recorded by reference. This script starts one worker, reads
+/proc/PID/smaps while it is HOT and again after the CUDA driver has checkpointed it (the state CRIU dumps
+on a GPU node), freezes it, and prints the largest regions beside the image size, so that what the worker
+adds to an image over its weights can be found and dropped.
+
+    python3 bench/image_breakdown.py [--gib 0.1] [--device cuda:0] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import pathlib
+import sys
+import tempfile
+
+from volga_agent import bench, defaultmodel, instance
+from volga_agent.snapshot import criu, cuda
+from volga_operator import api
+
+
+def regions(pid: int) -> dict[str, int]:
+    """Private present bytes by mapping name (anonymous regions named by their size class)."""
+    sizes: collections.Counter[str] = collections.Counter()
+    name = ""
+    for line in pathlib.Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5 and ":" not in fields[0]:
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            path = fields[5] if len(fields) > 5 else ""
+            name = path or f"[anon {_size_class(end - start)}]"
+        elif fields[0] in ("Private_Clean:", "Private_Dirty:"):
+            sizes[name] += int(fields[1]) * 1024
+    return dict(sizes)
+
+
+def _size_class(size: int) -> str:
+    for limit, label in ((2**20, "<1M"), (16 * 2**20, "1-16M"), (128 * 2**20, "16-128M"), (2**30, "128M-1G")):
+        if size < limit:
+            return label
+    return ">=1G"
+
+
+def top(sizes: dict[str, int], n: int = 12) -> list[tuple[str, float]]:
+    return [(name, round(size / 2**20, 1)) for name, size in sorted(sizes.items(), key=lambda kv: -kv[1])[:n]]
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gib", type=float, default=0.1)
+    parser.add_argument("--device", default="cuda:0")
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    work = pathlib.Path(tempfile.mkdtemp(prefix="vib-", dir="/tmp"))
+    gpu = args.device.startswith("cuda")
+    spec: api.ModelSpecSpec = (bench.build_torch_mlp(work / "model.pt", args.gib) if gpu
+                               else defaultmodel.ensure().spec)
+    shm = "/dev/shm" if pathlib.Path("/dev/shm").is_dir() else None
+    engine = criu.CriuEngine(tempfile.mkdtemp(prefix="vib-", dir=shm))
+    driver = cuda.DriverCheckpoint() if gpu else None
+    inst = instance.Instance("breakdown", spec, work / "run", engine, driver, args.device)
+    report: dict[str, object] = {"model": spec.model_id, "device": args.device, "weights_gib": args.gib}
+    try:
+        inst.to(api.Tier.HOT)
+        assert inst.pid is not None
+        hot = regions(inst.pid)
+        report["hot_private_mib"] = round(sum(hot.values()) / 2**20, 1)
+        report["hot_top"] = top(hot)
+        if gpu:
+            inst.to(api.Tier.SUSPENDED)
+            assert inst.pid is not None
+            suspended = regions(inst.pid)
+            report["suspended_private_mib"] = round(sum(suspended.values()) / 2**20, 1)
+            report["suspended_top"] = top(suspended)
+        inst.to(api.Tier.FROZEN)
+        assert inst.image is not None
+        report["image_mib"] = round(inst.image.size_bytes / 2**20, 1)
+        report["image_files_mib"] = top({p.name: p.stat().st_size for p in inst.image.path.iterdir()}, 6)
+        woke = inst.wake()
+        report["wake_ms"] = round(woke.seconds * 1e3, 1)
+        report["wake_fallback"] = woke.fallback
+    finally:
+        inst.close()
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        pathlib.Path(args.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
