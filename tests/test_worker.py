@@ -242,3 +242,26 @@ def test_every_worker_thread_blocks_the_wake_signal(default_spec: api.ModelSpecS
         assert not inst.worker_gone()
     finally:
         inst.close()
+
+
+def _zombie_children() -> list[int]:
+    children = []
+    for task in pathlib.Path(f"/proc/{os.getpid()}/task").iterdir():
+        children += [int(pid) for pid in (task / "children").read_text().split()]
+    return [pid for pid in children
+            if pathlib.Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z")]
+
+
+def test_a_worker_that_fails_to_start_is_reaped(default_spec: api.ModelSpecSpec, rundir: pathlib.Path) -> None:
+    """A model that cannot load: the start fails with the worker's reason, and no <defunct> child stays behind."""
+    broken = rundir / "broken.onnx"
+    broken.write_bytes(b"not a model")
+    spec = default_spec.model_copy(update={"source": f"file://{broken}"})
+    inst = instance.Instance("broken", spec, rundir / "w", None)
+    before = set(_zombie_children())
+    for _ in range(3):
+        with pytest.raises(instance.WorkerStartError, match="worker failed"):
+            inst.to(Tier.HOT)
+        assert inst.tier is Tier.COLD and inst.pid is None
+    assert set(_zombie_children()) <= before
+    inst.close()
