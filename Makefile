@@ -6,7 +6,7 @@ CRIU_PREFIX ?= $(HOME)/.cache/volga/criu
 K8S_BIN ?= $(HOME)/.cache/volga/k8s-bin
 export VOLGA_K8S_BIN := $(K8S_BIN)
 
-.PHONY: setup demo test test-fast test-gpu lint criu tools k8s-bins crds bench-tiers clean
+.PHONY: setup demo test test-fast test-gpu lint criu tools k8s-bins crds bench-tiers images clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,11 +39,15 @@ crds: $(VENV)/.installed
 demo: $(VENV)/.installed criu
 	$(VENV)/bin/volga demo
 
-test: setup lint
+# The operator and agent images, built with buildah on a Debian base made here (cached; see README, Images).
+images:
+	scripts/build-images.sh
+
+test: setup lint images
 	$(PY) -m pytest -m 'not gpu' $(PYTEST_ARGS)
 
 test-fast: $(VENV)/.installed
-	$(PY) -m pytest -m 'not gpu and not integration and not k8s' $(PYTEST_ARGS)
+	$(PY) -m pytest -m 'not gpu and not integration and not k8s and not images' $(PYTEST_ARGS)
 
 # On the GPU machine: the gpu-marked tests (torch, the driver checkpoint API, CRIU).
 test-gpu:

@@ -27,7 +27,9 @@ import threading
 import time
 import uuid
 
-DEFAULT_PREFIX = pathlib.Path.home() / ".cache" / "volga" / "criu"
+# Where scripts/install-criu.sh installs, under the home folder (read only when looking for CRIU: a process
+# whose user has no home, such as a gateway running under a bare UID, imports this module too).
+DEFAULT_PREFIX = pathlib.Path("~/.cache/volga/criu")
 FAILED = "failed"
 log = logging.getLogger(__name__)
 
@@ -52,9 +54,16 @@ class Restored:
     seconds: float
 
 
+def _installed() -> str:
+    try:
+        return str(pathlib.Path(os.environ.get("VOLGA_CRIU_PREFIX", DEFAULT_PREFIX)).expanduser() / "bin" / "criu")
+    except RuntimeError:  # no home folder
+        return ""
+
+
 def find_criu() -> str:
     candidates = [os.environ.get("VOLGA_CRIU", ""),
-                  str(pathlib.Path(os.environ.get("VOLGA_CRIU_PREFIX", DEFAULT_PREFIX)) / "bin" / "criu"),
+                  _installed(),
                   shutil.which("criu") or ""]
     for candidate in candidates:
         if candidate and os.access(candidate, os.X_OK):

@@ -1,0 +1,205 @@
+"""The images as built by `make images` (scripts/build-images.sh), run as their pods run them.
+
+- The operator image's entrypoint, as the chart's UID 10001, reconciles a ModelSpec on a real API server.
+- The CPU agent image's agent (root, as the chart's privileged container) freezes a worker of the default model
+  with the CRIU inside the image and restores it on a request; its gateway, as the chart's UID 65532 in the
+  pod's shared group, answers an unmodified tritonclient with the model's own answer.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import yaml
+from images import Rootfs, have_buildah, image_exists
+from prometheus_client import parser as prom_parser
+
+from volga_agent import defaultmodel, instance
+from volga_agent.worker import runtime
+from volga_operator.testing import ControlPlane, free_ports
+
+pytest_plugins = ["k8s_fixtures"]
+pytestmark = [pytest.mark.images, pytest.mark.slow]
+OPERATOR = "localhost/volga-operator:dev"
+AGENT_CPU = "localhost/volga-agent:dev-cpu"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+GATEWAY_UID = 65532  # charts/volga/values.yaml: gateway.securityContext.runAsUser and gateway.podFsGroup
+
+
+@pytest.fixture(scope="module", autouse=True)
+def images_built() -> None:
+    if not have_buildah():
+        pytest.fail("buildah is missing: run `make images` (scripts/build-images.sh)", pytrace=False)
+    for image in (OPERATOR, AGENT_CPU):
+        if not image_exists(image):
+            pytest.fail(f"{image} is not built: run `make images`", pytrace=False)
+
+
+@pytest.fixture
+def rootfs(request: pytest.FixtureRequest) -> Iterator[Rootfs]:
+    fs = Rootfs(request.param)
+    try:
+        yield fs
+    finally:
+        fs.close()
+
+
+def stop(proc: subprocess.Popen[str], timeout: float = 60.0) -> int:
+    """SIGTERM the command inside (the child of `unshare --fork`) and wait for it, as the kubelet stops a pod."""
+    children = [int(c) for task in pathlib.Path(f"/proc/{proc.pid}/task").iterdir()
+                for c in (task / "children").read_text().split()] if proc.poll() is None else []
+    for child in children:
+        os.kill(child, signal.SIGTERM)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+
+
+def wait_for(what: str, check: Any, timeout: float = 120.0, proc: subprocess.Popen[str] | None = None) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"exited ({proc.returncode}) before {what}")
+        try:
+            result = check()
+        except OSError:
+            result = None
+        if result:
+            return result
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.k8s
+@pytest.mark.parametrize("rootfs", [OPERATOR], indirect=True)
+def test_operator_image_reconciles_a_modelspec(rootfs: Rootfs, control_plane: ControlPlane,
+                                               tmp_path: pathlib.Path) -> None:
+    assert rootfs.user == "10001:10001"
+    control_plane.kubectl("apply", "-f", str(ROOT / "crds"))
+    control_plane.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/modelspecs.volga.dev")
+    kube = tmp_path / "kube"
+    kube.mkdir()
+    shutil.copy(control_plane.kubeconfig, kube / "config")
+    (kube / "config").chmod(0o644)
+    log = (tmp_path / "operator.log").open("w")
+    proc = rootfs.popen(["volga-operator", "--liveness", "", "-v"], binds={kube: "/etc/volga-kube"},
+                        env={"KUBECONFIG": "/etc/volga-kube/config"}, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        spec = {"apiVersion": "volga.dev/v1alpha1", "kind": "ModelSpec",
+                "metadata": {"name": "needs-h200", "namespace": "default"},
+                "spec": {"modelId": "needs-h200", "framework": "onnx", "source": "file:///models/m.onnx",
+                         "inputs": [{"name": "features", "dtype": "FP32", "shape": [-1, 4]}],
+                         "outputs": [{"name": "score", "dtype": "FP32", "shape": [-1, 1]}],
+                         "hardware": {"gpu": True, "gpuProduct": "NVIDIA H200"}, "pool": {"frozen": 1}}}
+        path = tmp_path / "ms.yaml"
+        path.write_text(yaml.safe_dump(spec))
+        applied = control_plane.kubectl("apply", "-f", str(path), check=False)
+        assert applied.returncode == 0, applied.stderr
+
+        def unschedulable() -> dict[str, Any] | None:
+            out = control_plane.kubectl("get", "ms", "needs-h200", "-o", "yaml").stdout
+            ms = yaml.safe_load(out)
+            conditions = ms.get("status", {}).get("conditions", ())
+            return ms if any(c["type"] == "Ready" and c.get("reason") == "Unschedulable" for c in conditions) else None
+
+        ms = wait_for("the operator's Unschedulable condition", unschedulable, proc=proc)
+        assert ms["status"]["observedGeneration"] == ms["metadata"]["generation"]
+        assert "volga.dev/cleanup" in ms["metadata"]["finalizers"]
+        control_plane.kubectl("delete", "ms", "needs-h200", "--timeout=60s")  # the operator removes its finalizer
+    finally:
+        stop(proc)
+        log.close()
+
+
+@pytest.mark.parametrize("rootfs", [AGENT_CPU], indirect=True)
+def test_agent_image_freezes_restores_and_serves(rootfs: Rootfs, tmp_path: pathlib.Path) -> None:
+    assert (rootfs.root / "opt/criu/bin/criu").exists()
+    model = defaultmodel.ensure()
+    models = tmp_path / "models"
+    models.mkdir()
+    shutil.copy(model.spec.source_path, models / "model.onnx")
+    document = defaultmodel.spec_document(pathlib.Path("/models/model.onnx"))
+    specs = tmp_path / "specs"
+    specs.mkdir()
+    (specs / "ctr.yaml").write_text(yaml.safe_dump(document))
+    # The pod's shared workdir: owned by the gateway's group, setgid, as the kubelet makes an fsGroup emptyDir.
+    work = pathlib.Path(tempfile.mkdtemp(prefix="vimg-", dir="/tmp"))
+    os.chown(work, 0, GATEWAY_UID)
+    work.chmod(0o2770)
+    snapshots = f"/dev/shm/{work.name}"
+    agent_port, agent_metrics, http, grpc, gw_metrics = free_ports(5)
+    binds = {models: "/models", specs: "/specs", work: "/run/volga"}
+    agent_log, gateway_log = (tmp_path / "agent.log").open("w"), (tmp_path / "gateway.log").open("w")
+    agent = rootfs.popen(["volga-agent", "-f", "/specs/ctr.yaml", "--node", "image-test", "--host", "127.0.0.1",
+                          "--port", str(agent_port), "--metrics-port", str(agent_metrics), "--workdir", "/run/volga",
+                          "--snapshot-dir", snapshots], user="0:0", umask="0007", binds=binds,
+                         stdout=agent_log, stderr=subprocess.STDOUT)
+    gateway = rootfs.popen(["volga-gateway", "-f", "/specs/ctr.yaml", "--agent", f"127.0.0.1:{agent_port}",
+                            "--host", "127.0.0.1", "--http-port", str(http), "--grpc-port", str(grpc),
+                            "--metrics-port", str(gw_metrics)], user=f"{GATEWAY_UID}:{GATEWAY_UID}",
+                           groups=str(GATEWAY_UID), binds=binds, stdout=gateway_log, stderr=subprocess.STDOUT)
+    try:
+        def agent_metric(name: str, **labels: str) -> float:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{agent_metrics}/metrics", timeout=5).read().decode()
+            return sum(sample.value for family in prom_parser.text_string_to_metric_families(text)
+                       for sample in family.samples
+                       if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()))
+
+        # The pool floor is one FROZEN instance: a cold start, then a CRIU dump inside the image.
+        wait_for("a FROZEN instance", lambda: agent_metric("volga_emis_active_total", tier="FROZEN") == 1,
+                 timeout=180, proc=agent)
+        decls = instance.decls(model.spec.inputs)
+        x = runtime.sample_inputs(decls, batch=4, seed=21)
+        inputs = []
+        for decl in decls:
+            tensor = grpcclient.InferInput(decl.name, list(x[decl.name].shape), decl.dtype)
+            tensor.set_data_from_numpy(x[decl.name])
+            inputs.append(tensor)
+        client = wait_for("the gateway", lambda: _client(grpc), proc=gateway)
+        try:
+            answer = client.infer(model.spec.model_id, inputs, client_timeout=120).as_numpy("probability")
+        finally:
+            client.close()
+        import onnxruntime
+
+        session = onnxruntime.InferenceSession(str(model.spec.source_path), providers=["CPUExecutionProvider"])
+        assert np.array_equal(answer, session.run(["probability"], x)[0])
+        # The answer came from a CRIU restore inside the image, not a cold start.
+        assert agent_metric("volga_snapshot_restore_latency_ms_count", tier="FROZEN") >= 1
+        assert agent_metric("volga_snapshot_restore_failures_total") == 0
+        assert stop(gateway) == 0
+        assert stop(agent) == 0
+    finally:
+        for proc in (gateway, agent):
+            if proc.poll() is None:
+                stop(proc)
+        agent_log.close()
+        gateway_log.close()
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(snapshots, ignore_errors=True)
+
+
+def _client(grpc_port: int) -> grpcclient.InferenceServerClient | None:
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+    try:
+        if client.is_server_ready():
+            return client
+    except Exception:  # not listening yet
+        pass
+    client.close()
+    return None
