@@ -11,7 +11,7 @@ export VOLGA_K8S_BIN := $(K8S_BIN)
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,dev]'
+	$(PY) -m pip install -q -e '.[test,dev,bench]'
 	touch $@
 
 $(CRIU_PREFIX)/bin/criu:
@@ -32,8 +32,8 @@ tools: $(VENV)/.installed
 setup: $(VENV)/.installed criu tools k8s-bins
 
 crds: $(VENV)/.installed
-	$(PY) -m volga_operator.crds --out crds
-	$(PY) -m volga_operator.crds --out charts/volga/crds
+	$(PY) -m volga_operator.api.crds --out crds
+	$(PY) -m volga_operator.api.crds --out charts/volga/crds
 
 # The demo needs only the venv and CRIU (no Kubernetes binaries).
 demo: $(VENV)/.installed criu
@@ -55,10 +55,11 @@ test-gpu:
 
 lint: setup
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy volga_operator volga_agent
+	$(VENV)/bin/mypy volga_operator volga_agent volga_bench
+	$(VENV)/bin/lint-imports
 
 bench-tiers: setup
 	$(VENV)/bin/volga bench tiers --json --out bench/results/tiers-cpu.json
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .import_linter_cache

@@ -18,8 +18,9 @@ import pathlib
 import sys
 import tempfile
 
-from volga_agent import bench, defaultmodel, instance
+from volga_agent import defaultmodel, instance
 from volga_agent.snapshot import criu, cuda
+from volga_bench import tiers
 from volga_operator import api
 
 
@@ -57,7 +58,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     work = pathlib.Path(tempfile.mkdtemp(prefix="vib-", dir="/tmp"))
     gpu = args.device.startswith("cuda")
-    spec: api.ModelSpecSpec = (bench.build_torch_mlp(work / "model.pt", args.gib) if gpu
+    spec: api.ModelSpecSpec = (tiers.build_torch_mlp(work / "model.pt", args.gib) if gpu
                                else defaultmodel.ensure().spec)
     shm = "/dev/shm" if pathlib.Path("/dev/shm").is_dir() else None
     engine = criu.CriuEngine(tempfile.mkdtemp(prefix="vib-", dir=shm))

@@ -1,4 +1,4 @@
-"""pytest fixtures for a real control plane (see volga_operator.testing). A test module enables them with
+"""pytest fixtures for a real control plane (see volga_bench.controlplane). A test module enables them with
 
     pytest_plugins = ["k8s_fixtures"]
 
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 from kubernetes import client as k8s_client
 
-from volga_operator.testing import ControlPlane, ControlPlaneError, MissingBinariesError
+from volga_bench.controlplane import ControlPlane, ControlPlaneError, MissingBinariesError
 
 
 @pytest.fixture(scope="session")

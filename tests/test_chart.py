@@ -1,7 +1,7 @@
 """The Helm chart (charts/volga) and the images' Dockerfiles.
 
 Rendered with the real helm (scripts/build-k8s-bins.sh builds it), linted with the real hadolint and promtool, and
-installed into the real test API server (etcd + kube-apiserver with RBAC on, volga_operator/testing.py), where
+installed into the real test API server (etcd + kube-apiserver with RBAC on, volga_bench/controlplane.py), where
 the agent's and the operator's ServiceAccounts are asked what they may do. Nothing is skipped: a missing tool fails
 the test with the command that installs it.
 """
@@ -24,8 +24,8 @@ import pytest
 import yaml
 
 from volga_agent import metrics, policy
+from volga_bench.controlplane import ControlPlane, bin_dir
 from volga_operator import api
-from volga_operator.testing import ControlPlane, bin_dir
 
 pytest_plugins = ["k8s_fixtures"]
 

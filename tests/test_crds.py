@@ -7,7 +7,8 @@ import pathlib
 import pytest
 import yaml
 
-from volga_operator import api, crds
+from volga_operator import api
+from volga_operator.api import crds
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

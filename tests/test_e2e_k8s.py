@@ -22,9 +22,10 @@ from kubernetes import client as k8s
 from procs import Daemon, wait_for
 from tritonclient.utils import InferenceServerException
 
-from volga_agent import defaultmodel, demo, instance
+from volga_agent import defaultmodel, instance
 from volga_agent.worker import runtime
-from volga_operator.testing import ControlPlane, free_ports
+from volga_bench import harness
+from volga_bench.controlplane import ControlPlane, free_ports
 
 pytest_plugins = ["k8s_fixtures"]
 pytestmark = [pytest.mark.k8s, pytest.mark.integration, pytest.mark.slow]
@@ -105,7 +106,7 @@ def ready(obj: dict[str, Any]) -> bool:
 
 def request(grpc: str, model: str, seed: int = 5, headers: dict[str, str] | None = None) -> np.ndarray:
     decls = instance.decls(defaultmodel.ensure().spec.inputs)
-    inputs = demo.triton_inputs(decls, runtime.sample_inputs(decls, batch=4, seed=seed))
+    inputs = harness.triton_inputs(decls, runtime.sample_inputs(decls, batch=4, seed=seed))
     client = grpcclient.InferenceServerClient(grpc)
     try:
         return client.infer("ignored", inputs, headers={"x-model-id": model, **(headers or {})},

@@ -17,8 +17,9 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from volga_agent import defaultmodel, demo, local
+from volga_agent import defaultmodel, local
 from volga_agent.worker import runtime
+from volga_bench import harness
 from volga_operator import api
 
 # tritonclient.http's __del__ closes its gevent pool from whichever thread collects it, and warns.
@@ -35,7 +36,7 @@ def up() -> Iterator[local.Embedded]:
     doc["spec"]["modelId"] = B
     doc["spec"]["pool"] = {"hot": 1, "frozen": 0}
     second = api.parse_model_spec(doc)
-    bg, embedded = demo.start_embedded([first, second])
+    bg, embedded = harness.start_embedded([first, second])
     bg.call(embedded.wait_converged(), timeout=300)
     yield embedded
     pids = [s.inst.pid for s in embedded.pool.slots.values() if s.inst.pid]

@@ -12,9 +12,10 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from volga_agent import bench, instance
+from volga_agent import instance
 from volga_agent.snapshot import criu, cuda
 from volga_agent.worker import protocol, runtime
+from volga_bench import tiers
 from volga_operator import api
 
 pytestmark = pytest.mark.gpu
@@ -27,7 +28,7 @@ Tier = api.Tier
 
 @pytest.fixture(scope="module")
 def mlp_spec(tmp_path_factory: pytest.TempPathFactory) -> api.ModelSpecSpec:
-    return bench.build_torch_mlp(tmp_path_factory.mktemp("m") / "model.pt", 0.25)
+    return tiers.build_torch_mlp(tmp_path_factory.mktemp("m") / "model.pt", 0.25)
 
 
 @pytest.fixture
@@ -40,7 +41,7 @@ def gpu_inst(mlp_spec: api.ModelSpecSpec, rundir: pathlib.Path,
 
 
 def used_mib() -> float:
-    value = bench.gpu_memory_used_mib(0)
+    value = tiers.gpu_memory_used_mib(0)
     assert value is not None
     return value
 

@@ -14,7 +14,7 @@ from kubernetes import client as k8s_client
 from kubernetes.client import V1ClusterRole, V1ConfigMap, V1Namespace, V1ObjectMeta, V1PolicyRule
 from kubernetes.client.exceptions import ApiException
 
-from volga_operator.testing import ControlPlane, eventually
+from volga_bench.controlplane import ControlPlane, eventually
 
 pytest_plugins = ["k8s_fixtures"]
 pytestmark = [pytest.mark.k8s]

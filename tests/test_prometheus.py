@@ -25,10 +25,11 @@ import pytest
 import tritonclient.grpc as grpcclient
 import yaml
 
-from volga_agent import defaultmodel, demo, local
+from volga_agent import defaultmodel, local
 from volga_agent.worker import runtime
+from volga_bench import harness
+from volga_bench.controlplane import free_ports
 from volga_operator import api
-from volga_operator.testing import free_ports
 
 # tritonclient's __del__ may warn from whichever thread collects it.
 pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
@@ -118,7 +119,7 @@ class Prometheus:
 
 @pytest.fixture(scope="module")
 def up() -> Iterator[local.Embedded]:
-    bg, embedded = demo.start_embedded([defaultmodel.ensure()])
+    bg, embedded = harness.start_embedded([defaultmodel.ensure()])
     try:
         bg.call(embedded.wait_converged(), timeout=300)
         yield embedded
@@ -141,7 +142,7 @@ def test_prometheus_sees_the_restores_performed(up: local.Embedded, prometheus: 
     model = defaultmodel.MODEL_ID
     name = up.pool.instances(model)[0].name
     decls = up.gateway.catalog.decls(model)
-    inputs = demo.triton_inputs(decls, runtime.sample_inputs(decls, batch=4, seed=5))
+    inputs = harness.triton_inputs(decls, runtime.sample_inputs(decls, batch=4, seed=5))
     registry = up.agent_metrics.registry
     frozen = {"tier": api.Tier.FROZEN.value, "model": model}
     client = grpcclient.InferenceServerClient(up.endpoints()["grpc"])

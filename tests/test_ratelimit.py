@@ -2,10 +2,11 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import types
 
 import pytest
 
-from volga_operator import ratelimit
+from volga_operator.kube import ratelimit
 
 
 class Clock:
@@ -65,3 +66,24 @@ def test_write_retries_retryable_errors_only() -> None:
         asyncio.run(ratelimit.write(bucket, invalid, base_delay=0.001))
     with pytest.raises(ValueError, match="rate must be positive"):
         ratelimit.TokenBucket(0)
+
+
+def test_write_sync_gives_up_after_the_last_attempt_with_its_error() -> None:
+    bucket = ratelimit.TokenBucket(1000, 100)
+    calls: list[int] = []
+
+    def down() -> str:
+        calls.append(1)
+        raise Flaky(503)
+
+    with pytest.raises(Flaky):
+        ratelimit.write_sync(bucket, down, base_delay=0.001)
+    assert len(calls) == 6
+
+
+def test_retry_delays_double_up_to_the_cap_jittered_between_half_and_all() -> None:
+    wait = ratelimit._retrying(6, 0.2, 10.0)["wait"]
+    for failures in range(1, 12):
+        full = min(10.0, 0.2 * 2 ** (failures - 1))
+        delays = [wait(types.SimpleNamespace(attempt_number=failures)) for _ in range(50)]
+        assert all(full / 2 <= d <= full for d in delays), (failures, min(delays), max(delays))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from volga_operator import api, planner, reconcile
+from volga_operator.api import conditions, labels
 
 Tier = api.Tier
 NOW = "2026-11-29T00:00:00Z"
@@ -21,7 +22,7 @@ def state_with(spec: dict[str, Any] | None = None, nodes: int = 2, **record: Any
     state = reconcile.State()
     state.nodes = {f"n{i}": planner.NodeProfile(f"n{i}") for i in range(nodes)}
     state.specs[("ns", "ms")] = reconcile.SpecRecord("ns", "ms", "uid-1", 3, spec or spec_body(), {},
-                                                     (reconcile.FINALIZER,), **record)
+                                                     (labels.FINALIZER,), **record)
     return state
 
 
@@ -82,7 +83,7 @@ def test_finalizer_is_added_first() -> None:
     state.specs[("ns", "ms")] = reconcile.SpecRecord("ns", "ms", "u", 1, spec_body(), {})
     actions = reconcile.compute(state, [("ns", "ms")], NOW)
     assert actions[0].verb == "patch_spec_meta"
-    assert actions[0].body == {"metadata": {"finalizers": [reconcile.FINALIZER]}}
+    assert actions[0].body == {"metadata": {"finalizers": [labels.FINALIZER]}}
 
 
 def test_invalid_spec_gets_a_condition_naming_the_field_and_no_emis() -> None:
@@ -145,9 +146,9 @@ def test_node_profiles_need_the_agent_annotation() -> None:
 
 
 def test_conditions_keep_their_transition_time() -> None:
-    first = reconcile.condition("Ready", True, "R", "", [], "t1")
-    assert reconcile.condition("Ready", True, "R", "m", [first], "t2")["lastTransitionTime"] == "t1"
-    assert reconcile.condition("Ready", False, "R", "", [first], "t2")["lastTransitionTime"] == "t2"
+    first = conditions.condition("Ready", True, "R", "", [], "t1")
+    assert conditions.condition("Ready", True, "R", "m", [first], "t2")["lastTransitionTime"] == "t1"
+    assert conditions.condition("Ready", False, "R", "", [first], "t2")["lastTransitionTime"] == "t2"
 
 
 def test_observed_ages_come_from_the_agents_last_used() -> None:

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from volga_agent import bench_gateway, defaultmodel, demo, instance
+from volga_agent import defaultmodel, instance
 from volga_agent.worker import runtime
+from volga_bench import harness
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -35,11 +36,11 @@ def descendants(pid: int) -> set[int]:
 def test_up_serves_and_stops_cleanly_on_sigterm(tmp_path: pathlib.Path) -> None:
     spec = defaultmodel.ensure().spec
     snapshots = tmp_path / "snapshots"
-    with bench_gateway.volga_up(["--snapshot-dir", str(snapshots)]) as up:
+    with harness.volga_up(["--snapshot-dir", str(snapshots)]) as up:
         client = httpclient.InferenceServerClient(up.endpoints["http"].removeprefix("http://"))
         decls = instance.decls(spec.inputs)
         x = runtime.sample_inputs(decls, batch=3, seed=4)
-        inputs = demo.triton_inputs(decls, x, httpclient)
+        inputs = harness.triton_inputs(decls, x, httpclient)
         out = client.infer(spec.model_id, inputs).as_numpy("probability")
         assert out.shape == (3, 1) and np.all((out > 0) & (out < 1))
         client.close()

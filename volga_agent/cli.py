@@ -128,33 +128,51 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    from volga_agent import demo
+BENCH_EXTRA = "pip install 'volga[bench]'"
 
+
+def _no_bench(command: str, exc: ImportError) -> int:
+    """The benches and the demo live in `volga_bench` and need the bench extra (tritonclient, trustme, ...)."""
+    print(f"volga {command}: needs the bench extra, not installed here ({exc}); install it with: {BENCH_EXTRA}",
+          file=sys.stderr)
+    return 2
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    try:
+        from volga_bench import demo
+    except ImportError as exc:
+        return _no_bench("demo", exc)
     return demo.run(cycles=args.cycles, requests=args.requests)
 
 
 def cmd_bench_tiers(args: argparse.Namespace) -> int:
-    from volga_agent import bench, defaultmodel
+    from volga_agent import defaultmodel
 
+    try:
+        from volga_bench import reporting, tiers
+    except ImportError as exc:
+        return _no_bench("bench tiers", exc)
     show = _progress(args.json)
     models = pathlib.Path(args.models) if args.models else defaultmodel.default_cache()
+    snapshots = default_snapshot_dir() / "bench"
     with tempfile.TemporaryDirectory(prefix="volga-") as run:
         if not args.gpu:
             spec = defaultmodel.ensure(models).spec
-            report = bench.bench_tiers(spec, pathlib.Path(run) / "w", default_snapshot_dir() / "bench",
-                                       [Tier.FROZEN], args.n, "cpu", cold_n=args.cold_n, lazy=args.lazy,
-                                       progress=show)
+            report = tiers.bench_tiers(spec, pathlib.Path(run) / "w", snapshots, [Tier.FROZEN], args.n, "cpu",
+                                       cold_n=args.cold_n, lazy=args.lazy, progress=show)
         else:
-            report = gpu_suite(args, models, pathlib.Path(run), show)
+            report = tiers.gpu_suite(models, pathlib.Path(run), snapshots, [float(x) for x in args.sizes.split(",")],
+                                     [Tier(t.upper()) for t in args.tiers.split(",")], args.n, cold_n=args.cold_n,
+                                     lazy=args.lazy, burst_n=args.burst, progress=show)
     if args.out:
-        bench.write_json(report, pathlib.Path(args.out))
+        reporting.write_json(report, pathlib.Path(args.out))
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         for label, part in ([("", report)] if "tiers" in report else report["sizes"].items()):
             print(f"device: {part['device']}; model {part['model']['id']} {label}")
-            print(bench.format_table(part))
+            print(tiers.format_table(part))
             print(f"outputs match: {part['outputs_match']}; restore fallbacks: {part['restore_fallbacks']}")
         if "burst" in report:
             print(f"burst: {report['burst']}")
@@ -162,55 +180,30 @@ def cmd_bench_tiers(args: argparse.Namespace) -> int:
     return 0 if all(p["outputs_match"] and not p["restore_fallbacks"] for p in parts) else 1
 
 
-def gpu_suite(args: argparse.Namespace, models: pathlib.Path, run: pathlib.Path,
-              show: Callable[[str], None]) -> dict[str, Any]:
-    """Copy limits, every size through every tier, and the burst of SUSPENDED wakes, in one run."""
-    import onnxruntime
-
-    from volga_agent import bench
-
-    report: dict[str, Any] = {"device": bench.device_description("cuda:0")}
-    show("copy limits")
-    report["copy_limits"] = bench.copy_limits()
-    report["sizes"] = {}
-    for gib in [float(x) for x in args.sizes.split(",")]:
-        spec = bench.build_torch_mlp(models / f"mlp-{gib:g}gib" / "model.pt", gib)
-        report["sizes"][f"{gib:g}"] = bench.bench_tiers(
-            spec, run / f"w{gib:g}", default_snapshot_dir() / "bench", [Tier(t.upper()) for t in args.tiers.split(",")],
-            args.n, "cuda:0", cold_n=args.cold_n, lazy=args.lazy, progress=show)
-    if args.burst:
-        specs = [bench.build_torch_mlp(models / f"burst-{k}" / "model.pt", 0.0625, seed=k, cuda_graphs=False)
-                 for k in range(args.burst)]
-        report["burst"] = bench.burst(specs, run / "burst", progress=show)
-    providers = onnxruntime.get_available_providers()
-    report["onnx_on_gpu"] = (
-        "measurable: CUDAExecutionProvider present" if "CUDAExecutionProvider" in providers else
-        f"not measured: onnxruntime {onnxruntime.__version__} here offers only {', '.join(providers)}")
-    return report
-
-
 def cmd_bench_gateway(args: argparse.Namespace) -> int:
-    from volga_agent import bench, bench_gateway
-
-    report = bench_gateway.run(args.rate, args.seconds, args.rounds, args.protocol,
-                               progress=_progress(args.json))
+    try:
+        from volga_bench import gateway, reporting
+    except ImportError as exc:
+        return _no_bench("bench gateway", exc)
+    report = gateway.run(args.rate, args.seconds, args.rounds, args.protocol, progress=_progress(args.json))
     if args.out:
-        bench.write_json(report, pathlib.Path(args.out))
+        reporting.write_json(report, pathlib.Path(args.out))
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(bench_gateway.format_report(report))
+        print(gateway.format_report(report))
     return 0
 
 
 def cmd_bench_scale(args: argparse.Namespace) -> int:
-    from volga_agent import bench
-    from volga_operator import scale
-
+    try:
+        from volga_bench import reporting, scale
+    except ImportError as exc:
+        return _no_bench("bench scale", exc)
     show = _progress(args.json)
     report = scale.run(args.nodes, args.modelspecs, args.writes_per_sec, progress=show)
     if args.out:
-        bench.write_json(report, pathlib.Path(args.out))
+        reporting.write_json(report, pathlib.Path(args.out))
     print(json.dumps(report, indent=2) if args.json else
           f"{report['modelspecs']} ModelSpecs on {report['nodes']} nodes: converged in {report['converge_s']} s, "
           f"peak {report['peak_writes_per_s']} writes/s (limit {report['write_limit_per_s']:g})")

@@ -5,9 +5,9 @@
   and reports each instance's tier and conditions back into EMI status in batches, through a token bucket.
 - `CatalogSync` keeps a gateway's model catalog in step with the cluster's ModelSpecs.
 
-Both survive an unreachable API server: watches retry with backoff, and until they succeed the pool keeps
-its instances and the gateway its catalog, so requests for known models keep being routed and woken. Only
-new or changed ModelSpecs wait for the API server to return.
+Both survive an unreachable API server: watches (`kube.watch`) retry with backoff, and until they succeed
+the pool keeps its instances and the gateway its catalog, so requests for known models keep being routed
+and woken. Only new or changed ModelSpecs wait for the API server to return.
 
 The `kubernetes` client is synchronous; each watch runs on its own thread.
 """
@@ -15,79 +15,22 @@ The `kubernetes` client is synchronous; each watch runs on its own thread.
 from __future__ import annotations
 
 import asyncio
-import datetime
 import logging
 import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import kubernetes
-import urllib3
 
 from volga_agent import gpus, pool
 from volga_agent.gateway import server as gateway_server
-from volga_operator import api, kube, planner, ratelimit, reconcile
+from volga_operator import api, planner
+from volga_operator.api import conditions, labels
+from volga_operator.kube import client as kube_client
+from volga_operator.kube import ratelimit, watch
 
 log = logging.getLogger(__name__)
 Tier = api.Tier
-
-
-class Watch:
-    """List + watch one resource forever on a thread; `on_change(objects)` gets the full current set."""
-
-    def __init__(self, name: str, lister: Callable[..., Any], on_change: Callable[[dict[tuple[str, str], Any]], None],
-                 **list_kwargs: Any) -> None:
-        self.name = name
-        self.lister = lister
-        self.on_change = on_change
-        self.list_kwargs = list_kwargs
-        self.objects: dict[tuple[str, str], Any] = {}
-        self.synced = threading.Event()
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._run, name=f"watch-{name}", daemon=True)
-        self.outages = 0
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def stop(self) -> None:
-        self.stopping.set()
-
-    @staticmethod
-    def key(obj: Any) -> tuple[str, str]:
-        meta = obj["metadata"]
-        return meta.get("namespace", ""), meta["name"]
-
-    def _run(self) -> None:
-        delay = 0.5
-        while not self.stopping.is_set():
-            try:
-                listed = self.lister(**self.list_kwargs, _request_timeout=10)
-                self.objects = {self.key(o): o for o in listed["items"]}
-                self.synced.set()
-                self.on_change(dict(self.objects))
-                delay = 0.5
-                version = listed["metadata"]["resourceVersion"]
-                stream = kubernetes.watch.Watch().stream(self.lister, resource_version=version, timeout_seconds=60,
-                                                         _request_timeout=70, **self.list_kwargs)
-                for event in stream:
-                    if self.stopping.is_set():
-                        return
-                    obj = event["object"]
-                    if event["type"] == "DELETED":
-                        self.objects.pop(self.key(obj), None)
-                    elif event["type"] in ("ADDED", "MODIFIED"):
-                        self.objects[self.key(obj)] = obj
-                    else:
-                        break  # ERROR (e.g. resource version too old): list again
-                    self.on_change(dict(self.objects))
-            except (urllib3.exceptions.HTTPError, kubernetes.client.ApiException, OSError) as exc:
-                self.outages += 1
-                log.info("watch %s: API server unreachable (%s); keeping the last state, retrying in %.1f s",
-                         self.name, type(exc).__name__, delay)
-                self.stopping.wait(delay)
-                delay = min(delay * 2, 10.0)
 
 
 def _emi_key(namespace: str, name: str) -> str:
@@ -103,7 +46,7 @@ class AgentSync:
         self.gpus = list(found)
         self.report_sec = report_sec
         self.bucket = ratelimit.TokenBucket.within(writes_per_sec)
-        self.client = kube.api_client()
+        self.client = kube_client.api_client()
         self.custom = kubernetes.client.CustomObjectsApi(self.client)
         self.core = kubernetes.client.CoreV1Api(self.client)
         self._lock = threading.Lock()
@@ -112,11 +55,11 @@ class AgentSync:
         self._reported: dict[tuple[str, str], dict[str, Any]] = {}
         self._stop = threading.Event()
         self.watches = [
-            Watch("modelspecs", self.custom.list_cluster_custom_object, self._on_specs, group=api.GROUP,
+            watch.Watch("modelspecs", self.custom.list_cluster_custom_object, self._on_specs, group=api.GROUP,
                   version=api.VERSION, plural="modelspecs"),
-            Watch("emis", self.custom.list_cluster_custom_object, self._on_emis, group=api.GROUP,
+            watch.Watch("emis", self.custom.list_cluster_custom_object, self._on_emis, group=api.GROUP,
                   version=api.VERSION, plural="executablemodelinstances",
-                  label_selector=f"{reconcile.LABEL_NODE}={node}"),
+                  label_selector=f"{labels.LABEL_NODE}={node}"),
         ]
         self._threads = [threading.Thread(target=self._publish_profile, name="profile", daemon=True),
                          threading.Thread(target=self._report_loop, name="report", daemon=True)]
@@ -140,7 +83,7 @@ class AgentSync:
         # reports come back as EMI events).
         specs: dict[str, api.ModelSpecSpec] = {}
         for (ns, name), obj in objects.items():
-            parsed, _ = reconcile.validate(obj.get("spec") or {})
+            parsed, _ = api.validate_spec(obj.get("spec") or {})
             if parsed is not None:
                 specs[f"{ns}/{name}"] = parsed
         with self._lock:
@@ -175,16 +118,15 @@ class AgentSync:
 
     def _publish_profile(self) -> None:
         body = {"metadata": {"annotations": gpus.node_profile(self.gpus, self.node).annotations()}}
-        delay = 0.5
-        while not self._stop.is_set():
-            try:
-                ratelimit.write_sync(self.bucket, lambda: self.core.patch_node(self.node, body, _request_timeout=10))
-                log.info("published the hardware profile of node %s", self.node)
-                return
-            except (urllib3.exceptions.HTTPError, kubernetes.client.ApiException, OSError) as exc:
-                log.info("node %s: cannot publish its profile yet: %s", self.node, exc)
-                self._stop.wait(delay)
-                delay = min(delay * 2, 30.0)
+
+        def publish() -> None:
+            ratelimit.write_sync(self.bucket, lambda: self.core.patch_node(self.node, body, _request_timeout=10))
+            log.info("published the hardware profile of node %s", self.node)
+
+        def failed(exc: BaseException | None, _delay: float) -> None:
+            log.info("node %s: cannot publish its profile yet: %s", self.node, exc)
+
+        kube_client.until_stopped(publish, self._stop, 0.5, 30.0, failed)
 
     # -- status reports ------------------------------------------------------------------------------
 
@@ -194,7 +136,7 @@ class AgentSync:
         with self._lock:
             emis = dict(self._emis)
         by_instance = {_emi_key(ns, name): (ns, name) for ns, name in emis}
-        now = _iso(time.time())
+        now = conditions.timestamp()
 
         def previous(key: tuple[str, str]) -> list[dict[str, Any]]:
             # What we last wrote, else what the API server holds: transition times survive restarts.
@@ -209,18 +151,18 @@ class AgentSync:
             settled = info.tier in (info.target_tier, Tier.HOT) and not reason
             message = info.state_reason or (f"{info.tier.value}, on the way to {info.target_tier.value}"
                                             if not settled else f"wakes from {info.tier.value}")
-            ready = reconcile.condition("Ready", settled, "Ready" if settled else (reason or "Converging"), message,
-                                        previous(key), now)
+            ready = conditions.condition("Ready", settled, "Ready" if settled else (reason or "Converging"), message,
+                                         previous(key), now)
             out[key] = {"tier": info.tier.value, "snapshotBytes": info.snapshot_bytes, "device": info.device,
                         "gateway": self.gateway_address,
                         "lastWakeMs": round(info.last_wake_ms, 3),
-                        "lastUsed": _iso(info.last_used_unix) if info.last_used_unix else None,
+                        "lastUsed": conditions.timestamp(info.last_used_unix) if info.last_used_unix else None,
                         "conditions": [ready]}
         for name, problem in self.pool.failed.items():
             key = by_instance.get(name)
             if key is not None:
                 out[key] = {"tier": Tier.COLD.value, "conditions": [
-                    reconcile.condition("Ready", False, "CreateFailed", problem, previous(key), now)]}
+                    conditions.condition("Ready", False, "CreateFailed", problem, previous(key), now)]}
         return out
 
     def report_once(self) -> int:
@@ -245,7 +187,7 @@ class AgentSync:
         while not self._stop.wait(self.report_sec):
             try:
                 self.report_once()
-            except (urllib3.exceptions.HTTPError, kubernetes.client.ApiException, OSError) as exc:
+            except kube_client.TRANSIENT as exc:
                 log.info("status report deferred: %s", exc)
 
 
@@ -257,12 +199,12 @@ class CatalogSync:
 
     def __init__(self, catalog: gateway_server.Catalog) -> None:
         self.catalog = catalog
-        self.client = kube.api_client()
+        self.client = kube_client.api_client()
         custom = kubernetes.client.CustomObjectsApi(self.client)
         self.watches = [
-            Watch("modelspecs", custom.list_cluster_custom_object, self._on_specs, group=api.GROUP,
+            watch.Watch("modelspecs", custom.list_cluster_custom_object, self._on_specs, group=api.GROUP,
                   version=api.VERSION, plural="modelspecs"),
-            Watch("emis", custom.list_cluster_custom_object, self._on_emis, group=api.GROUP, version=api.VERSION,
+            watch.Watch("emis", custom.list_cluster_custom_object, self._on_emis, group=api.GROUP, version=api.VERSION,
                   plural="executablemodelinstances"),
         ]
 
@@ -270,7 +212,7 @@ class CatalogSync:
         placements: dict[str, list[gateway_server.Placement]] = {}
         for (_, name), obj in objects.items():
             spec, status = obj.get("spec") or {}, obj.get("status") or {}
-            ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions", ()))
+            ready = conditions.is_true(status.get("conditions", ()))
             placements.setdefault(str(spec.get("modelId", "")), []).append(gateway_server.Placement(
                 name, str(spec.get("node", "")), str(status.get("tier", "")), ready, str(status.get("gateway", ""))))
         self.catalog.set_placements(placements)
@@ -278,7 +220,7 @@ class CatalogSync:
     def _on_specs(self, objects: dict[tuple[str, str], Any]) -> None:
         specs = []
         for obj in objects.values():
-            parsed, _ = reconcile.validate(obj.get("spec") or {})
+            parsed, _ = api.validate_spec(obj.get("spec") or {})
             if parsed is not None:
                 specs.append(parsed)
         self.catalog.replace(specs)
@@ -291,7 +233,3 @@ class CatalogSync:
         for w in self.watches:
             w.stop()
         await asyncio.to_thread(self.client.close)
-
-
-def _iso(unix: float) -> str:
-    return datetime.datetime.fromtimestamp(unix, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

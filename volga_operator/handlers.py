@@ -20,7 +20,10 @@ from typing import Any
 import kopf
 import kubernetes
 
-from volga_operator import api, kube, ratelimit, reconcile
+from volga_operator import api, reconcile
+from volga_operator.api import labels
+from volga_operator.kube import client as kube_client
+from volga_operator.kube import ratelimit
 
 log = logging.getLogger("volga.operator")
 
@@ -50,7 +53,7 @@ class Loop:
     @property
     def api(self) -> kubernetes.client.CustomObjectsApi:
         if self._api is None:
-            self._api = kubernetes.client.CustomObjectsApi(kube.api_client())
+            self._api = kubernetes.client.CustomObjectsApi(kube_client.api_client())
         return self._api
 
     async def run(self) -> None:
@@ -138,8 +141,8 @@ def _loop(memo: kopf.Memo) -> Loop:
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     settings.posting.level = logging.WARNING
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="volga.dev")
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="volga.dev")
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=labels.KOPF_PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=labels.KOPF_PREFIX)
     settings.watching.server_timeout = 300
     loop = Loop()
     memo[LOOP_KEY] = loop

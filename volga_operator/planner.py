@@ -8,7 +8,7 @@ For each ModelSpec:
 
 1. Filter nodes by the hardware profile: a GPU model needs a node with GPUs, of the named product if the spec
    names one, with at least `minMemoryGiB` per GPU; with `numaAffinity`, the node must report NUMA nodes.
-2. Score the eligible nodes (DESIGN.md section 6): hardware profile match 100, recency 30 (the node served
+2. Score the eligible nodes (docs/architecture.md): hardware profile match 100, recency 30 (the node served
    this model lately), smaller snapshot 10 (the node holds a smaller image of it), lower load 5.
 3. Meet the pool floors per tier (hot, warm, suspended, frozen), one EMI per floor slot; a spec whose floors
    are all zero still gets one EMI, kept COLD, so there is somewhere to wake it. Existing EMIs on nodes
@@ -23,11 +23,11 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 
 from volga_operator import api
+from volga_operator.api import labels
 
 Tier = api.Tier
 TIER_ORDER = (Tier.HOT, Tier.WARM, Tier.SUSPENDED, Tier.FROZEN)
 
-ANNOTATION_PREFIX = "volga.dev/"
 SCORE_PROFILE, SCORE_RECENCY, SCORE_SNAPSHOT, SCORE_LOAD = 100, 30, 10, 5
 RECENT_SECONDS = 600.0
 
@@ -44,15 +44,15 @@ class NodeProfile:
     ready: bool = True
 
     def annotations(self) -> dict[str, str]:
-        return {f"{ANNOTATION_PREFIX}gpu-count": str(self.gpu_count),
-                f"{ANNOTATION_PREFIX}gpu-product": self.gpu_product,
-                f"{ANNOTATION_PREFIX}gpu-memory-bytes": str(self.gpu_memory_bytes),
-                f"{ANNOTATION_PREFIX}numa-nodes": ",".join(str(n) for n in self.numa_nodes)}
+        return {f"{labels.ANNOTATION_PREFIX}gpu-count": str(self.gpu_count),
+                f"{labels.ANNOTATION_PREFIX}gpu-product": self.gpu_product,
+                f"{labels.ANNOTATION_PREFIX}gpu-memory-bytes": str(self.gpu_memory_bytes),
+                f"{labels.ANNOTATION_PREFIX}numa-nodes": ",".join(str(n) for n in self.numa_nodes)}
 
     @classmethod
     def from_annotations(cls, name: str, annotations: Mapping[str, str], ready: bool = True) -> NodeProfile:
         def get(key: str) -> str:
-            return annotations.get(f"{ANNOTATION_PREFIX}{key}", "")
+            return annotations.get(f"{labels.ANNOTATION_PREFIX}{key}", "")
 
         def integer(key: str) -> int:
             try:

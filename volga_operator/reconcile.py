@@ -11,16 +11,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import datetime
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from volga_operator import api, planner
-
-FINALIZER = "volga.dev/cleanup"
-LABEL_SPEC = "volga.dev/modelspec"
-LABEL_NODE = "volga.dev/node"
-PROFILE_KEY = f"{planner.ANNOTATION_PREFIX}gpu-count"
+from volga_operator.api import conditions, labels
 
 Key = tuple[str, str]  # (namespace, name)
 
@@ -74,57 +69,27 @@ class Action:
 
 
 def node_profile(name: str, annotations: Mapping[str, str] | None,
-                 conditions: Iterable[Mapping[str, Any]] | None) -> planner.NodeProfile | None:
+                 node_conditions: Iterable[Mapping[str, Any]] | None) -> planner.NodeProfile | None:
     """A node hosts Volga instances only once its agent has published a hardware profile."""
-    if not annotations or PROFILE_KEY not in annotations:
+    if not annotations or labels.PROFILE_KEY not in annotations:
         return None
     ready = True
-    for condition in conditions or ():
+    for condition in node_conditions or ():
         if condition.get("type") == "Ready":
             ready = condition.get("status") == "True"
     return planner.NodeProfile.from_annotations(name, annotations, ready)
 
 
-def validate(spec: Mapping[str, Any]) -> tuple[api.ModelSpecSpec | None, str]:
-    """The typed spec, or None and a message naming each bad field."""
-    try:
-        parsed = api.parse_model_spec({"apiVersion": api.API_VERSION, "kind": "ModelSpec",
-                                       "metadata": {"name": "x"}, "spec": dict(spec)})
-    except api.SpecError as exc:
-        return None, "; ".join(f"{path}: {reason}" for path, reason in exc.problems)
-    return parsed.spec, ""
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def condition(type_: str, ok: bool, reason: str, message: str, previous: Iterable[Mapping[str, Any]],
-              now: str) -> dict[str, Any]:
-    """A condition that keeps its lastTransitionTime while its status does not change."""
-    status = "True" if ok else "False"
-    old = next((c for c in previous if c.get("type") == type_), None)
-    since = old.get("lastTransitionTime", now) if old and old.get("status") == status else now
-    return {"type": type_, "status": status, "reason": reason, "message": message, "lastTransitionTime": since}
-
-
 def emi_ready(emi: EmiRecord) -> bool:
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in emi.status.get("conditions", ()))
-
-
-def _unix(stamp: str) -> float | None:
-    try:
-        return datetime.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC).timestamp()
-    except (TypeError, ValueError):
-        return None
+    return conditions.is_true(emi.status.get("conditions", ()))
 
 
 def observed(state: State, now: str) -> list[planner.Observed]:
     """The EMIs as the planner sees them; the age of their last use comes from the agents' status.lastUsed."""
     out = []
-    clock = _unix(now)
+    clock = conditions.unix(now)
     for emi in state.emis.values():
-        used = _unix(emi.status.get("lastUsed") or "")
+        used = conditions.unix(emi.status.get("lastUsed") or "")
         age = None if used is None or clock is None else max(0.0, clock - used)
         out.append(planner.Observed(f"{emi.namespace}/{emi.name}", f"{emi.namespace}/{emi.owner}",
                                     str(emi.spec.get("node", "")), last_used_age_s=age,
@@ -137,7 +102,7 @@ def emi_body(record: SpecRecord, desired: planner.Desired) -> dict[str, Any]:
     return {
         "apiVersion": api.API_VERSION, "kind": "ExecutableModelInstance",
         "metadata": {"name": name, "namespace": record.namespace,
-                     "labels": {LABEL_SPEC: record.name, LABEL_NODE: desired.node},
+                     "labels": {labels.LABEL_SPEC: record.name, labels.LABEL_NODE: desired.node},
                      "ownerReferences": [{"apiVersion": api.API_VERSION, "kind": "ModelSpec", "name": record.name,
                                           "uid": record.uid, "controller": True, "blockOwnerDeletion": False}]},
         "spec": dataclasses.replace(desired, model_spec=record.name).emi_spec().to_wire(),
@@ -146,7 +111,7 @@ def emi_body(record: SpecRecord, desired: planner.Desired) -> dict[str, Any]:
 
 def compute(state: State, keys: Iterable[Key], now: str | None = None) -> list[Action]:
     """The writes that bring the given ModelSpecs (and their EMIs) to where they should be."""
-    now = now or _now()
+    now = now or conditions.timestamp()
     owned = state.emis_by_owner()
     actions: list[Action] = []
     valid: dict[str, api.ModelSpecSpec] = {}
@@ -160,10 +125,10 @@ def compute(state: State, keys: Iterable[Key], now: str | None = None) -> list[A
         if record.deleting:
             actions += _finalize(record, owned[key])
             continue
-        if FINALIZER not in record.finalizers:
+        if labels.FINALIZER not in record.finalizers:
             actions.append(Action("patch_spec_meta", record.namespace, record.name,
-                                  {"metadata": {"finalizers": [*record.finalizers, FINALIZER]}}))
-        spec, problem = validate(record.spec)
+                                  {"metadata": {"finalizers": [*record.finalizers, labels.FINALIZER]}}))
+        spec, problem = api.validate_spec(record.spec)
         if spec is None:
             invalid[key] = problem
         else:
@@ -187,8 +152,8 @@ def compute(state: State, keys: Iterable[Key], now: str | None = None) -> list[A
 def _finalize(record: SpecRecord, emis: list[EmiRecord]) -> list[Action]:
     if emis:
         return [Action("delete_emi", e.namespace, e.name) for e in emis]
-    if FINALIZER in record.finalizers:
-        kept = [f for f in record.finalizers if f != FINALIZER]
+    if labels.FINALIZER in record.finalizers:
+        kept = [f for f in record.finalizers if f != labels.FINALIZER]
         return [Action("patch_spec_meta", record.namespace, record.name, {"metadata": {"finalizers": kept}})]
     return []
 
@@ -223,12 +188,13 @@ def _status(record: SpecRecord, emis: list[EmiRecord], spec: api.ModelSpecSpec, 
     previous = record.status.get("conditions", ())
     ready = [e for e in emis if emi_ready(e)]
     if unplaced:
-        ready_cond = condition("Ready", False, "Unschedulable", unplaced, previous, now)
+        ready_cond = conditions.condition("Ready", False, "Unschedulable", unplaced, previous, now)
     elif ready:
-        ready_cond = condition("Ready", True, "InstanceReady", f"{len(ready)} of {len(emis)} instance(s) ready",
-                               previous, now)
+        ready_cond = conditions.condition("Ready", True, "InstanceReady",
+                                          f"{len(ready)} of {len(emis)} instance(s) ready", previous, now)
     else:
-        ready_cond = condition("Ready", False, "Pending", f"0 of {len(emis)} instance(s) ready", previous, now)
+        ready_cond = conditions.condition("Ready", False, "Pending", f"0 of {len(emis)} instance(s) ready",
+                                          previous, now)
     status = {
         "observedGeneration": record.generation,
         "inputHash": spec.input_hash(),
@@ -236,9 +202,9 @@ def _status(record: SpecRecord, emis: list[EmiRecord], spec: api.ModelSpecSpec, 
         "tiers": tier_counts(emis),
         "conditions": [
             ready_cond,
-            condition("Valid", True, "Valid", "", previous, now),
-            condition("Placed", not unplaced, "Unschedulable" if unplaced else "Placed", unplaced or "", previous,
-                      now),
+            conditions.condition("Valid", True, "Valid", "", previous, now),
+            conditions.condition("Placed", not unplaced, "Unschedulable" if unplaced else "Placed", unplaced or "",
+                                 previous, now),
         ],
     }
     return [] if _same(record.status, status) else [Action("patch_spec_status", record.namespace, record.name,
@@ -249,8 +215,8 @@ def _invalid_status(record: SpecRecord, problem: str, now: str) -> list[Action]:
     previous = record.status.get("conditions", ())
     status = {
         "observedGeneration": record.generation, "instances": 0, "tiers": tier_counts(()),
-        "conditions": [condition("Ready", False, "InvalidSpec", problem, previous, now),
-                       condition("Valid", False, "InvalidSpec", problem, previous, now)],
+        "conditions": [conditions.condition("Ready", False, "InvalidSpec", problem, previous, now),
+                       conditions.condition("Valid", False, "InvalidSpec", problem, previous, now)],
     }
     return [] if _same(record.status, status) else [Action("patch_spec_status", record.namespace, record.name,
                                                            {"status": status})]

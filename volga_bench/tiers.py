@@ -8,10 +8,7 @@ timed the same way: spawn, load, warm up, first answer.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import pathlib
-import platform
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,23 +18,14 @@ import numpy as np
 from volga_agent import gpus, instance
 from volga_agent.snapshot import criu, cuda
 from volga_agent.worker import runtime
+from volga_bench import reporting
 from volga_operator import api
 
 Tier = api.Tier
 
 
-def summarize(samples_s: Sequence[float]) -> dict[str, float | int]:
-    ms = np.asarray(samples_s) * 1e3
-    return {"p50_ms": round(float(np.percentile(ms, 50)), 3), "p99_ms": round(float(np.percentile(ms, 99)), 3),
-            "min_ms": round(float(ms.min()), 3), "max_ms": round(float(ms.max()), 3), "n": len(ms)}
-
-
-def _gpu(index: int) -> gpus.GpuInfo | None:
-    return next((g for g in gpus.discover() if g.index == index), None)
-
-
 def gpu_memory_used_mib(index: int) -> float | None:
-    gpu = _gpu(index)
+    gpu = next((g for g in gpus.discover() if g.index == index), None)
     return None if gpu is None else round(gpu.memory_used_bytes / 2**20, 1)
 
 
@@ -52,7 +40,8 @@ class TierRun:
     phases: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
     def report(self) -> dict[str, Any]:
-        out: dict[str, Any] = {**summarize(self.wake_s), "enter": summarize(self.enter_s) if self.enter_s else None,
+        out: dict[str, Any] = {**reporting.summarize(self.wake_s),
+                               "enter": reporting.summarize(self.enter_s) if self.enter_s else None,
                                "fallbacks": self.fallbacks, "mismatches": self.mismatches}
         if self.gpu_mib_in_tier is not None:
             out["gpu_used_mib_in_tier"] = self.gpu_mib_in_tier
@@ -135,15 +124,15 @@ def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pa
     finally:
         inst.close()
 
-    cold_p50 = summarize(runs[Tier.COLD].wake_s)["p50_ms"]
+    cold_p50 = reporting.summarize(runs[Tier.COLD].wake_s)["p50_ms"]
     report: dict[str, Any] = {
-        "device": device_description(device),
+        "device": reporting.device_description(device),
         "model": {"id": spec.model_id, "framework": spec.framework.value,
                   "file_bytes": spec.source_path.stat().st_size, "weights_bytes": stats.get("weights_bytes"),
                   "load_seconds": stats.get("load_seconds"), "batch": batch,
                   "cuda_graphs": final.get("cuda_graphs"), "stable_addresses": final.get("stable_addresses")},
         "tiers": {_name(t): r.report() for t, r in runs.items()},
-        "speedup_vs_cold_p50": {_name(t): round(cold_p50 / summarize(r.wake_s)["p50_ms"], 2)
+        "speedup_vs_cold_p50": {_name(t): round(cold_p50 / reporting.summarize(r.wake_s)["p50_ms"], 2)
                                 for t, r in runs.items() if t not in (Tier.COLD, Tier.HOT)},
         "outputs_match": all(r.mismatches == 0 for r in runs.values()),
         "restore_fallbacks": sum(r.fallbacks for r in runs.values()),
@@ -212,25 +201,10 @@ def burst(models: Sequence[api.ModelSpecSpec], workdir: pathlib.Path, device: st
         return {"instances": len(insts), "weights_bytes_each": models[0].source_path.stat().st_size,
                 "all_answered_ms": round(max(together) * 1e3, 1), "first_answered_ms": round(min(together) * 1e3, 1),
                 "sequential_total_ms": round(sequential_total * 1e3, 1),
-                "sequential_each": summarize(sequential)}
+                "sequential_each": reporting.summarize(sequential)}
     finally:
         list(pool.map(lambda i: i.close(), insts))
         pool.shutdown()
-
-
-def device_description(device: str) -> str:
-    if device.startswith("cuda"):
-        gpu = _gpu(int(device.partition(":")[2] or 0))
-        return device if gpu is None else f"{device} {gpu.product} (driver {gpu.driver})"
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"cpu: {cpu} x{os.cpu_count()}"
 
 
 def build_torch_mlp(path: pathlib.Path, weights_gib: float, width: int = 4096, seed: int = 0,
@@ -265,6 +239,26 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
-def write_json(report: dict[str, Any], path: pathlib.Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
+def gpu_suite(models: pathlib.Path, run: pathlib.Path, snapshots: pathlib.Path, sizes: Sequence[float],
+              tiers: Sequence[Tier], n: int, cold_n: int | None = None, lazy: bool = False, burst_n: int = 0,
+              progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """Copy limits, every size through every tier, and the burst of SUSPENDED wakes, in one run."""
+    import onnxruntime
+
+    report: dict[str, Any] = {"device": reporting.device_description("cuda:0")}
+    progress("copy limits")
+    report["copy_limits"] = copy_limits()
+    report["sizes"] = {}
+    for gib in sizes:
+        spec = build_torch_mlp(models / f"mlp-{gib:g}gib" / "model.pt", gib)
+        report["sizes"][f"{gib:g}"] = bench_tiers(spec, run / f"w{gib:g}", snapshots, tiers, n, "cuda:0",
+                                                  cold_n=cold_n, lazy=lazy, progress=progress)
+    if burst_n:
+        specs = [build_torch_mlp(models / f"burst-{k}" / "model.pt", 0.0625, seed=k, cuda_graphs=False)
+                 for k in range(burst_n)]
+        report["burst"] = burst(specs, run / "burst", progress=progress)
+    providers = onnxruntime.get_available_providers()
+    report["onnx_on_gpu"] = (
+        "measurable: CUDAExecutionProvider present" if "CUDAExecutionProvider" in providers else
+        f"not measured: onnxruntime {onnxruntime.__version__} here offers only {', '.join(providers)}")
+    return report

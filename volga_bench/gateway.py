@@ -13,63 +13,19 @@ percentiles is the gateway's cost: protocol decoding, routing, shared memory, an
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import os
-import re
-import signal
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import grpc
 import numpy as np
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
 
-from volga_agent import bench, defaultmodel, demo, instance
+from volga_agent import defaultmodel, instance
 from volga_agent.rpc.volga.v1 import agent_pb2, agent_pb2_grpc
 from volga_agent.worker import protocol, runtime
-
-
-@dataclasses.dataclass
-class UpProcess:
-    proc: subprocess.Popen[str]
-    endpoints: dict[str, str]
-    output: list[str]
-
-
-@contextlib.contextmanager
-def volga_up(extra: list[str] | None = None, timeout: float = 180.0) -> Iterator[UpProcess]:
-    """Run `volga up` on ephemeral ports until it announces its endpoints; stop it with SIGTERM afterwards."""
-    cmd = [sys.executable, "-m", "volga_agent.cli", "up", "--http-port", "0", "--grpc-port", "0",
-           "--metrics-port", "0", "--agent-port", "0", *(extra or [])]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    up = UpProcess(proc, {}, [])
-    try:
-        deadline = time.monotonic() + timeout
-        assert proc.stdout is not None
-        while "agent" not in up.endpoints or "models" not in up.endpoints:
-            line = proc.stdout.readline()
-            if not line:
-                raise RuntimeError("volga up exited:\n" + "".join(up.output[-20:]))
-            up.output.append(line)
-            match = re.match(r"\s+(\w+)\s+(\S+)", line)
-            if match:
-                up.endpoints[match.group(1)] = match.group(2)
-            if time.monotonic() > deadline:
-                raise TimeoutError("volga up did not announce its endpoints")
-        yield up
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            rest, _ = proc.communicate(timeout=60)
-            up.output.extend(rest.splitlines(keepends=True))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+from volga_bench import harness, reporting
 
 
 def paced(rate: float, seconds: float, send: Callable[[], None]) -> list[float]:
@@ -93,15 +49,12 @@ def paced(rate: float, seconds: float, send: Callable[[], None]) -> list[float]:
 
 def run(rate: float = 500.0, seconds: float = 4.0, rounds: int = 3, protocol_name: str = "grpc",
         progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
-    import tritonclient.grpc as grpcclient
-    import tritonclient.http as httpclient
-
     spec = defaultmodel.ensure().spec
     decls = instance.decls(spec.inputs)
     arrays = runtime.sample_inputs(decls, batch=1, seed=9)
     headers = {"x-model-id": spec.model_id}
     progress("starting volga up (default model) ...")
-    with volga_up() as up:
+    with harness.volga_up() as up:
         ep = up.endpoints
         with grpc.insecure_channel(ep["agent"]) as channel:
             stub = agent_pb2_grpc.AgentStub(channel)
@@ -113,7 +66,7 @@ def run(rate: float = 500.0, seconds: float = 4.0, rounds: int = 3, protocol_nam
         else:
             gclient = httpclient.InferenceServerClient(ep["http"].removeprefix("http://"))
             module = httpclient
-        inputs = demo.triton_inputs(decls, arrays, module)
+        inputs = harness.triton_inputs(decls, arrays, module)
         direct = protocol.WorkerClient(socket_path)
         reference = direct.infer(arrays)["probability"]
         mismatches = 0
@@ -140,13 +93,13 @@ def run(rate: float = 500.0, seconds: float = 4.0, rounds: int = 3, protocol_nam
         direct.close()
         gclient.close()
 
-    d, g = bench.summarize(samples["direct"]), bench.summarize(samples["gateway"])
+    d, g = reporting.summarize(samples["direct"]), reporting.summarize(samples["gateway"])
     d["mean_ms"] = round(float(np.mean(samples["direct"]) * 1e3), 3)
     g["mean_ms"] = round(float(np.mean(samples["gateway"]) * 1e3), 3)
     return {
         "rate_rps": rate,
         "protocol": protocol_name,
-        "device": bench.device_description("cpu"),
+        "device": reporting.device_description("cpu"),
         "model": spec.model_id,
         "batch": 1,
         "direct": d,

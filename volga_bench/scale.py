@@ -1,6 +1,6 @@
 """`volga bench scale`: the operator against a real API server with many nodes and ModelSpecs.
 
-It starts etcd + kube-apiserver (`testing.ControlPlane`), kwok to keep `nodes` fake GPU nodes Ready, and the
+It starts etcd + kube-apiserver (`controlplane.ControlPlane`), kwok to keep `nodes` fake GPU nodes Ready, and the
 operator as a separate process, exactly as deployed. Then it creates `modelspecs` ModelSpecs at once (what a
 `kubectl apply -f` of a big folder does) and measures, in the same run:
 
@@ -29,7 +29,9 @@ from typing import Any, cast
 
 from kubernetes import client as k8s
 
-from volga_operator import api, crds, planner, testing
+from volga_bench import controlplane
+from volga_operator import api, planner
+from volga_operator.api import crds
 
 PRODUCT = "NVIDIA H200"
 OPERATOR_RESOURCES = {"executablemodelinstances", "modelspecs"}
@@ -80,7 +82,7 @@ def modelspec(index: int, source: str) -> dict[str, Any]:
 def run(nodes: int = 200, modelspecs: int = 1000, writes_per_sec: float = 200.0,
         progress: Callable[[str], None] = lambda _: None, timeout: float = 600.0) -> dict[str, Any]:
     folder = pathlib.Path(tempfile.mkdtemp(prefix="volga-scale-", dir="/tmp"))
-    cp = testing.ControlPlane()
+    cp = controlplane.ControlPlane()
     procs: list[subprocess.Popen[bytes]] = []
     try:
         progress("starting etcd + kube-apiserver")
@@ -90,7 +92,7 @@ def run(nodes: int = 200, modelspecs: int = 1000, writes_per_sec: float = 200.0,
         for crd in crds.all_crds().values():
             ext.create_custom_resource_definition(crd)  # type: ignore[arg-type]
         env = {**os.environ, "KUBECONFIG": str(cp.kubeconfig)}
-        kwok = testing.bin_dir() / "kwok"
+        kwok = controlplane.bin_dir() / "kwok"
         progress(f"starting kwok and {nodes} fake GPU nodes")
         procs.append(subprocess.Popen(
             [str(kwok), f"--kubeconfig={cp.kubeconfig}", "--manage-all-nodes=false",
@@ -108,7 +110,7 @@ def run(nodes: int = 200, modelspecs: int = 1000, writes_per_sec: float = 200.0,
             conditions = [(n.status.conditions if n.status else None) or [] for n in items]
             return sum(any(c.type == "Ready" and c.status == "True" for c in cs) for cs in conditions)
 
-        kwok_ready = testing.eventually(lambda: ready_nodes() == nodes, timeout=180,
+        kwok_ready = controlplane.eventually(lambda: ready_nodes() == nodes, timeout=180,
                                         what=f"kwok to mark {nodes} nodes Ready")
         progress("starting the operator")
         procs.append(subprocess.Popen(
@@ -148,7 +150,7 @@ def run(nodes: int = 200, modelspecs: int = 1000, writes_per_sec: float = 200.0,
             progress(f"converged {done}/{modelspecs}")
             return done == modelspecs
 
-        testing.eventually(converged, timeout=timeout, what="every ModelSpec to have its EMIs and status")
+        controlplane.eventually(converged, timeout=timeout, what="every ModelSpec to have its EMIs and status")
         converge_s = time.monotonic() - start
         emis = len(cast(dict[str, Any], custom.list_namespaced_custom_object(
             api.GROUP, api.VERSION, "default", "executablemodelinstances"))["items"])
@@ -170,5 +172,5 @@ def run(nodes: int = 200, modelspecs: int = 1000, writes_per_sec: float = 200.0,
         }
     finally:
         for proc in reversed(procs):
-            testing.terminate(proc)
+            controlplane.terminate(proc)
         cp.stop()

@@ -1,0 +1,109 @@
+"""How the demo and the benches run Volga and talk to it: its parts embedded in this process on ephemeral ports
+(`start_embedded`), or `volga up` as a separate process, as a user runs it (`volga_up`); and the tritonclient
+inputs for a model's tensors (`triton_inputs`). The tests use them too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Coroutine, Iterator
+from typing import Any, TypeVar
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+
+from volga_agent import local
+from volga_agent.worker import runtime
+from volga_operator import api
+
+T = TypeVar("T")
+
+
+class Background:
+    """An asyncio loop on a thread, for driving the embedded server from synchronous client code."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="volga-up", daemon=True)
+        self.thread.start()
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=5)
+        self.loop.close()
+
+
+def start_embedded(specs: list[api.ModelSpec], **options: Any) -> tuple[Background, local.Embedded]:
+    """Start `volga up`'s parts on ephemeral ports in a background loop."""
+    defaults: dict[str, Any] = {"http_port": 0, "grpc_port": 0, "metrics_port": 0, "agent_port": 0}
+    bg = Background()
+    embedded = bg.call(_make(specs, local.Options(**{**defaults, **options})))
+    bg.call(embedded.start())
+    return bg, embedded
+
+
+async def _make(specs: list[api.ModelSpec], options: local.Options) -> local.Embedded:
+    return local.Embedded(specs, options)
+
+
+def triton_inputs(decls: tuple[runtime.TensorDecl, ...], arrays: dict[str, np.ndarray],
+                  client_module: Any = grpcclient) -> list[Any]:
+    """tritonclient InferInputs for the arrays (`client_module`: tritonclient.grpc (default) or .http)."""
+    out = []
+    for decl in decls:
+        item = client_module.InferInput(decl.name, list(arrays[decl.name].shape), decl.dtype)
+        item.set_data_from_numpy(arrays[decl.name])
+        out.append(item)
+    return out
+
+
+@dataclasses.dataclass
+class UpProcess:
+    proc: subprocess.Popen[str]
+    endpoints: dict[str, str]
+    output: list[str]
+
+
+@contextlib.contextmanager
+def volga_up(extra: list[str] | None = None, timeout: float = 180.0) -> Iterator[UpProcess]:
+    """Run `volga up` on ephemeral ports until it announces its endpoints; stop it with SIGTERM afterwards."""
+    cmd = [sys.executable, "-m", "volga_agent.cli", "up", "--http-port", "0", "--grpc-port", "0",
+           "--metrics-port", "0", "--agent-port", "0", *(extra or [])]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    up = UpProcess(proc, {}, [])
+    try:
+        deadline = time.monotonic() + timeout
+        assert proc.stdout is not None
+        while "agent" not in up.endpoints or "models" not in up.endpoints:
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError("volga up exited:\n" + "".join(up.output[-20:]))
+            up.output.append(line)
+            match = re.match(r"\s+(\w+)\s+(\S+)", line)
+            if match:
+                up.endpoints[match.group(1)] = match.group(2)
+            if time.monotonic() > deadline:
+                raise TimeoutError("volga up did not announce its endpoints")
+        yield up
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            rest, _ = proc.communicate(timeout=60)
+            up.output.extend(rest.splitlines(keepends=True))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,22 @@
+"""The label, annotation and finalizer names the operator and the agents both write or select on.
+
+One place for them, so that the two sides cannot drift apart (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+from volga_operator import api
+
+PREFIX = f"{api.GROUP}/"
+
+# On a ModelSpec: the operator removes it once the ModelSpec's EMIs are gone.
+FINALIZER = f"{PREFIX}cleanup"
+# On an EMI: the ModelSpec that owns it, and the node it is placed on (each agent watches its own node's).
+LABEL_SPEC = f"{PREFIX}modelspec"
+LABEL_NODE = f"{PREFIX}node"
+# Node annotations: the hardware profile an agent publishes (`planner.NodeProfile.annotations`). A node
+# hosts Volga instances only once it carries PROFILE_KEY.
+ANNOTATION_PREFIX = PREFIX
+PROFILE_KEY = f"{ANNOTATION_PREFIX}gpu-count"
+# kopf's own bookkeeping annotations on the objects it watches.
+KOPF_PREFIX = api.GROUP
