@@ -28,7 +28,7 @@ from prometheus_client import parser as prom_parser
 
 from volga_agent import defaultmodel, instance
 from volga_agent.worker import runtime
-from volga_operator.testing import ControlPlane, free_ports
+from volga_bench.controlplane import ControlPlane, free_ports
 
 pytest_plugins = ["k8s_fixtures"]
 pytestmark = [pytest.mark.images, pytest.mark.slow]
