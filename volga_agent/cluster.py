@@ -26,7 +26,7 @@ import kubernetes
 import urllib3
 
 from volga_agent import gpus, pool
-from volga_agent.gateway import server as gateway_server
+from volga_agent.gateway import catalog as gateway_catalog
 from volga_operator import api, kube, planner, ratelimit, reconcile
 
 log = logging.getLogger(__name__)
@@ -255,7 +255,7 @@ class CatalogSync:
     The last good table stays while the API server is unreachable.
     """
 
-    def __init__(self, catalog: gateway_server.Catalog) -> None:
+    def __init__(self, catalog: gateway_catalog.Catalog) -> None:
         self.catalog = catalog
         self.client = kube.api_client()
         custom = kubernetes.client.CustomObjectsApi(self.client)
@@ -267,11 +267,11 @@ class CatalogSync:
         ]
 
     def _on_emis(self, objects: dict[tuple[str, str], Any]) -> None:
-        placements: dict[str, list[gateway_server.Placement]] = {}
+        placements: dict[str, list[gateway_catalog.Placement]] = {}
         for (_, name), obj in objects.items():
             spec, status = obj.get("spec") or {}, obj.get("status") or {}
             ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions", ()))
-            placements.setdefault(str(spec.get("modelId", "")), []).append(gateway_server.Placement(
+            placements.setdefault(str(spec.get("modelId", "")), []).append(gateway_catalog.Placement(
                 name, str(spec.get("node", "")), str(status.get("tier", "")), ready, str(status.get("gateway", ""))))
         self.catalog.set_placements(placements)
 
