@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from volga_agent import instance, policy, pool
+from volga_agent import errors, instance, policy, pool
 from volga_agent.snapshot import criu
 from volga_operator import api, planner
 
@@ -39,7 +39,7 @@ def test_device_hint_picks_the_matching_instance(default_spec: api.ModelSpecSpec
     cpu.tier = Tier.FROZEN
     assert p.pick(default_spec.model_id).inst.name == "a"  # faster to wake
     assert p.pick(default_spec.model_id, device_hint="cuda:1").inst.name == "b"
-    with pytest.raises(pool.UnknownModel, match="no instance of model 'nope'"):
+    with pytest.raises(errors.UnknownModel, match="no instance of model 'nope'"):
         p.pick("nope")
 
 

@@ -6,7 +6,8 @@ import asyncio
 
 import pytest
 
-from volga_agent.gateway import router
+from volga_agent import errors
+from volga_agent.gateway import links, router
 
 
 class FakeLink:
@@ -15,12 +16,12 @@ class FakeLink:
         self.delay = delay
         self.fail = fail
 
-    async def activate(self, model_id: str, device_hint: str, timeout_ms: int) -> router.Route:
+    async def activate(self, model_id: str, device_hint: str, timeout_ms: int) -> links.Route:
         self.calls.append((model_id, device_hint))
         await asyncio.sleep(self.delay)
         if self.fail is not None:
             raise self.fail
-        return router.Route(f"{model_id}-0", f"/tmp/{model_id}{'-' + device_hint if device_hint else ''}.sock")
+        return links.Route(f"{model_id}-0", f"/tmp/{model_id}{'-' + device_hint if device_hint else ''}.sock")
 
     async def close(self) -> None:
         pass
@@ -71,11 +72,11 @@ def test_ttl_and_invalidate() -> None:
 
 def test_errors_reach_every_waiter_and_are_not_cached() -> None:
     async def main() -> None:
-        link = FakeLink(fail=router.UnknownModel("nope"))
+        link = FakeLink(fail=errors.UnknownModel("nope"))
         r = router.Router(link)
         results = await asyncio.gather(*(r.route("m") for _ in range(5)), return_exceptions=True)
-        assert all(isinstance(x, router.UnknownModel) for x in results)
-        with pytest.raises(router.UnknownModel):
+        assert all(isinstance(x, errors.UnknownModel) for x in results)
+        with pytest.raises(errors.UnknownModel):
             await r.route("m")
         assert len(link.calls) == 2
 
@@ -95,32 +96,32 @@ def test_a_caller_giving_up_does_not_cancel_the_wake() -> None:
 
 
 def test_catalog_knows_where_models_are_placed() -> None:
+    from volga_agent.gateway import catalog as gateway_catalog
     from volga_agent.gateway import oip
-    from volga_agent.gateway import server as gateway_server
     from volga_operator import api
 
     spec = api.ModelSpecSpec.model_validate({
         "modelId": "m", "framework": "onnx", "source": "/m.onnx",
         "inputs": [{"name": "x", "dtype": "FP32", "shape": [-1, 4]}],
         "outputs": [{"name": "y", "dtype": "FP32", "shape": [-1, 1]}]})
-    catalog = gateway_server.Catalog({"m": spec})
+    catalog = gateway_catalog.Catalog({"m": spec})
     assert catalog.ready("m", "node-a") and not catalog.ready("other", "node-a")
     catalog.require_local("m", "node-a")  # placements unknown (embedded mode): nothing to check
-    catalog.set_placements({"m": [gateway_server.Placement("m-0", "node-b", "FROZEN", True)]})
+    catalog.set_placements({"m": [gateway_catalog.Placement("m-0", "node-b", "FROZEN", True)]})
     assert not catalog.ready("m", "node-a") and catalog.ready("m", "node-b")
     with pytest.raises(oip.OipError, match="no instance on node node-a: its instances are on node-b") as err:
         catalog.require_local("m", "node-a")
     assert (err.value.code, err.value.http_status) == ("UNAVAILABLE", 503)
-    catalog.set_placements({"m": [gateway_server.Placement("m-0", "node-a", "FROZEN", False)]})
+    catalog.set_placements({"m": [gateway_catalog.Placement("m-0", "node-a", "FROZEN", False)]})
     catalog.require_local("m", "node-a")
     assert not catalog.ready("m", "node-a")  # placed here, not Ready yet
 
 
 def test_remote_gateways_prefer_ready_hot_instances() -> None:
-    from volga_agent.gateway import server as gateway_server
+    from volga_agent.gateway import catalog as gateway_catalog
 
-    catalog = gateway_server.Catalog()
-    P = gateway_server.Placement
+    catalog = gateway_catalog.Catalog()
+    P = gateway_catalog.Placement
     catalog.set_placements({"m": [
         P("m-0", "node-a", "HOT", True, "a:8001"), P("m-1", "node-b", "FROZEN", True, "b:8001"),
         P("m-2", "node-c", "HOT", True, "c:8001"), P("m-3", "node-d", "HOT", False, "d:8001"),

@@ -97,8 +97,9 @@ def settings_from(args: argparse.Namespace) -> policy.Settings:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    import asyncio
     import logging
+
+    import uvloop
 
     from volga_agent import local
 
@@ -115,13 +116,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                             settings=settings_from(args))
     print(f"volga up: {len(specs)} ModelSpec(s); listening on", flush=True)
     try:
-        import uvloop
-
-        runner: Any = uvloop.run
-    except ImportError:
-        runner = asyncio.run
-    try:
-        runner(local.run(specs, options, lambda line: print(line, flush=True)))
+        uvloop.run(local.run(specs, options, lambda line: print(line, flush=True)))
     except OSError as exc:
         print(f"volga up: {exc}", file=sys.stderr)
         return 1

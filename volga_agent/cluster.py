@@ -23,7 +23,7 @@ from typing import Any
 import kubernetes
 
 from volga_agent import gpus, pool
-from volga_agent.gateway import server as gateway_server
+from volga_agent.gateway import catalog as gateway_catalog
 from volga_operator import api, planner
 from volga_operator.api import conditions, labels
 from volga_operator.kube import client as kube_client
@@ -197,7 +197,7 @@ class CatalogSync:
     The last good table stays while the API server is unreachable.
     """
 
-    def __init__(self, catalog: gateway_server.Catalog) -> None:
+    def __init__(self, catalog: gateway_catalog.Catalog) -> None:
         self.catalog = catalog
         self.client = kube_client.api_client()
         custom = kubernetes.client.CustomObjectsApi(self.client)
@@ -209,11 +209,11 @@ class CatalogSync:
         ]
 
     def _on_emis(self, objects: dict[tuple[str, str], Any]) -> None:
-        placements: dict[str, list[gateway_server.Placement]] = {}
+        placements: dict[str, list[gateway_catalog.Placement]] = {}
         for (_, name), obj in objects.items():
             spec, status = obj.get("spec") or {}, obj.get("status") or {}
             ready = conditions.is_true(status.get("conditions", ()))
-            placements.setdefault(str(spec.get("modelId", "")), []).append(gateway_server.Placement(
+            placements.setdefault(str(spec.get("modelId", "")), []).append(gateway_catalog.Placement(
                 name, str(spec.get("node", "")), str(status.get("tier", "")), ready, str(status.get("gateway", ""))))
         self.catalog.set_placements(placements)
 

@@ -19,12 +19,10 @@ import sys
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-import prometheus_client as prom
-from aiohttp import web
+import uvloop
 
 from volga_agent import gpus, metrics, policy, pool, server
-from volga_agent.gateway import link
-from volga_agent.gateway import server as gateway_server
+from volga_agent.gateway import app, catalog, links
 from volga_operator import api, planner
 
 log = logging.getLogger("volga")
@@ -57,25 +55,8 @@ async def _until_signalled(stop: Callable[[], Awaitable[None]]) -> None:
         await stop()
 
 
-async def serve_metrics(registry: prom.CollectorRegistry, host: str, port: int) -> web.AppRunner:
-    async def handle(_: web.Request) -> web.Response:
-        return web.Response(body=prom.generate_latest(registry), headers={"Content-Type": prom.CONTENT_TYPE_LATEST})
-
-    app = web.Application()
-    app.router.add_get("/metrics", handle)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
-    await runner.setup()
-    await web.TCPSite(runner, host, port, reuse_address=True).start()
-    return runner
-
-
 def _run(main: Coroutine[Any, Any, None]) -> int:
-    try:
-        import uvloop
-
-        uvloop.run(main)
-    except ImportError:
-        asyncio.run(main)
+    uvloop.run(main)
     return 0
 
 
@@ -106,7 +87,7 @@ def agent_main(argv: list[str] | None = None) -> int:
         node_metrics = metrics.AgentMetrics()
         node_pool = pool.Pool(args.node, args.workdir, args.snapshot_dir, settings, node_metrics, found)
         grpc_server, port = await server.serve(node_pool, args.host, args.port)
-        metrics_runner = await serve_metrics(node_metrics.registry, args.host, args.metrics_port)
+        metrics_runner, _ = await metrics.serve([node_metrics.registry], args.host, args.metrics_port)
         cluster: Any = None
         if args.kube:
             from volga_agent import cluster as cluster_mode
@@ -151,19 +132,18 @@ def gateway_main(argv: list[str] | None = None) -> int:
     args = _parse(parser, argv)
 
     async def main() -> None:
-        catalog = gateway_server.Catalog()
-        settings = gateway_server.Settings(node=args.node, host=args.host, http_port=args.http_port,
-                                           grpc_port=args.grpc_port, metrics_port=args.metrics_port,
-                                           cache_ttl_sec=args.cache_ttl_sec)
-        gw = gateway_server.Gateway(catalog, link.GrpcAgentLink(args.agent), settings)
+        models = catalog.Catalog()
+        settings = app.Settings(node=args.node, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
+                                metrics_port=args.metrics_port, cache_ttl_sec=args.cache_ttl_sec)
+        gw = app.Gateway(models, links.GrpcAgentLink(args.agent), settings)
         watcher: Any = None
         if args.kube:
             from volga_agent import cluster as cluster_mode
 
-            watcher = cluster_mode.CatalogSync(catalog)
+            watcher = cluster_mode.CatalogSync(models)
             await watcher.start()
         else:
-            catalog.replace([s.spec for s in _specs(args.file)])
+            models.replace([s.spec for s in _specs(args.file)])
         await gw.start()
         print(f"volga-gateway: HTTP {args.host}:{gw.ports['http']}, gRPC {args.host}:{gw.ports['grpc']}, "
               f"metrics :{gw.ports['metrics']}, agent {args.agent}", flush=True)

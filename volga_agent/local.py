@@ -22,31 +22,11 @@ from collections.abc import Callable, Sequence
 import grpc
 
 from volga_agent import gpus, metrics, policy, pool, server
-from volga_agent.gateway import router
-from volga_agent.gateway import server as gateway_server
+from volga_agent.gateway import app, catalog, links
 from volga_operator import api, planner
 
 log = logging.getLogger(__name__)
 NODE = socket.gethostname() or "local"
-
-
-class LocalAgentLink:
-    """The gateway's link to a pool in the same process."""
-
-    def __init__(self, node_pool: pool.Pool) -> None:
-        self.pool = node_pool
-
-    async def activate(self, model_id: str, device_hint: str, timeout_ms: int) -> router.Route:
-        try:
-            act = await asyncio.to_thread(self.pool.activate, model_id, "", device_hint)
-        except pool.UnknownModel as exc:
-            raise router.UnknownModel(str(exc)) from None
-        except pool.ActivationFailed as exc:
-            raise router.ActivationFailed(str(exc)) from None
-        return router.Route(act.instance.name, act.instance.socket)
-
-    async def close(self) -> None:
-        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,14 +60,19 @@ class Embedded:
         self.agent_metrics = metrics.AgentMetrics()
         self.pool = pool.Pool(NODE, workroot, snapshots, self.options.settings, self.agent_metrics, self.gpus)
         self.plan = planner.plan(self.specs, [gpus.node_profile(self.gpus, NODE)])
-        gw_settings = gateway_server.Settings(
+        gw_settings = app.Settings(
             host=self.options.host, http_port=self.options.http_port, grpc_port=self.options.grpc_port,
             metrics_port=self.options.metrics_port, cache_ttl_sec=self.options.settings.gateway_cache_ttl_sec)
-        self.gateway = gateway_server.Gateway(gateway_server.Catalog({s.model_id: s for s in self.specs.values()}),
-                                              LocalAgentLink(self.pool), gw_settings,
-                                              extra_metrics=[self.agent_metrics.registry])
+        self.gateway = app.Gateway(catalog.Catalog({s.model_id: s for s in self.specs.values()}),
+                                   links.LocalAgentLink(self._activate), gw_settings,
+                                   extra_metrics=[self.agent_metrics.registry])
         self._agent: grpc.aio.Server | None = None
         self.agent_port = 0
+
+    def _activate(self, model_id: str, device_hint: str) -> links.Route:
+        """The gateway's in-process link to the pool."""
+        act = self.pool.activate(model_id, "", device_hint)
+        return links.Route(act.instance.name, act.instance.socket)
 
     def _temp(self, prefix: str, folder: str | None) -> pathlib.Path:
         path = pathlib.Path(tempfile.mkdtemp(prefix=prefix, dir=folder))

@@ -1,4 +1,4 @@
-"""Prometheus metrics of the agent and the gateway (names from DESIGN.md section 5).
+"""Prometheus metrics of the agent and the gateway (names in `docs/architecture.md`), and their `/metrics` endpoint.
 
 Each component gets its own registry, so several agents or gateways can live in one process (tests,
 `volga up`) and each one's HTTP endpoint shows only its own series. Latencies are in milliseconds, as the
@@ -7,7 +7,10 @@ dashboards and alerts read them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import prometheus_client as prom
+from aiohttp import web
 
 LATENCY_MS_BUCKETS = (0.25, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 350, 500, 1000, 2000, 5000, 10000, 30000, 60000)
 FAST_MS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 50)
@@ -69,3 +72,30 @@ class GatewayMetrics:
             registry=r)
         self.route_cache = prom.Counter(
             "volga_gateway_route_cache", "Routing cache lookups", ["result"], registry=r)
+
+
+def app(registries: Sequence[prom.CollectorRegistry]) -> web.Application:
+    """`GET /metrics`: the series of these registries, in Prometheus' text format."""
+
+    async def handle(_: web.Request) -> web.Response:
+        body = b"".join(prom.generate_latest(r) for r in registries)
+        return web.Response(body=body, headers={"Content-Type": prom.CONTENT_TYPE_LATEST})
+
+    metrics_app = web.Application()
+    metrics_app.router.add_get("/metrics", handle)
+    return metrics_app
+
+
+async def listen(http_app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Serve an aiohttp app on host:port (0 picks a free port): its runner (`cleanup()` stops it) and the port."""
+    runner = web.AppRunner(http_app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_address=True)
+    await site.start()
+    sockets = getattr(site._server, "sockets", None) or []
+    return runner, int(sockets[0].getsockname()[1]) if sockets else port
+
+
+async def serve(registries: Sequence[prom.CollectorRegistry], host: str, port: int) -> tuple[web.AppRunner, int]:
+    """The `/metrics` endpoint of these registries on host:port."""
+    return await listen(app(registries), host, port)

@@ -27,8 +27,8 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 
+from volga_agent import errors, instance, metrics, policy
 from volga_agent import gpus as gpu_discovery
-from volga_agent import instance, metrics, policy
 from volga_agent.snapshot import criu, cuda
 from volga_agent.worker import protocol
 from volga_operator import api, planner
@@ -37,14 +37,6 @@ Tier = api.Tier
 log = logging.getLogger(__name__)
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-class UnknownModel(LookupError):
-    """No instance of this model is placed on this node."""
-
-
-class ActivationFailed(RuntimeError):
-    """The instance could not be brought to HOT, not even by a cold start."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,7 +249,7 @@ class Pool:
             slots = [s for s in self.slots.values() if s.inst.spec.model_id == model_id and (not name or
                                                                                           s.inst.name == name)]
         if not slots:
-            raise UnknownModel(f"no instance of model {model_id!r} on node {self.node}")
+            raise errors.UnknownModel(f"no instance of model {model_id!r} on node {self.node}")
 
         def rank(slot: Slot) -> tuple[int, int, str]:
             hinted = 0 if not device_hint or device_hint in (slot.inst.device, _product(self.gpus, slot)) else 1
@@ -271,7 +263,7 @@ class Pool:
         with slot.lock:
             inst = slot.inst
             if slot.removed:
-                raise UnknownModel(f"instance {inst.name} was removed")
+                raise errors.UnknownModel(f"instance {inst.name} was removed")
             source = inst.tier
             if source == Tier.HOT and inst.worker_gone():
                 self._worker_died(slot)
@@ -284,7 +276,7 @@ class Pool:
                     transition = self._move(slot, Tier.HOT)
                 except (instance.WorkerStartError, protocol.WorkerError, protocol.ProtocolError, OSError) as exc:
                     slot.reason = f"ActivationFailed: {exc}"
-                    raise ActivationFailed(f"{inst.name}: {exc}") from exc
+                    raise errors.ActivationFailed(f"{inst.name}: {exc}") from exc
                 wake_ms, fallback = transition.seconds * 1e3, transition.fallback
                 slot.last_wake_ms = wake_ms
                 self.activations += 1
@@ -299,14 +291,14 @@ class Pool:
         with self._slots_lock:
             slot = self.slots.get(name)
         if slot is None:
-            raise UnknownModel(f"no instance {name!r} on node {self.node}")
+            raise errors.UnknownModel(f"no instance {name!r} on node {self.node}")
         slot.inst.last_used = float("-inf")
 
     def move_to(self, name: str, target: Tier) -> instance.Transition | None:
         """Move one instance now (operators' tools, demos, benchmarks); None when it is already there."""
         slot = self.slots.get(name)
         if slot is None:
-            raise UnknownModel(f"no instance {name!r} on node {self.node}")
+            raise errors.UnknownModel(f"no instance {name!r} on node {self.node}")
         with slot.lock:
             return self._walk(slot, target)
 

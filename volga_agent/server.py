@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 
-from volga_agent import pool
+from volga_agent import errors, pool
 from volga_agent.rpc.volga.v1 import agent_pb2 as pb
 from volga_agent.rpc.volga.v1 import agent_pb2_grpc as pb_grpc
 from volga_operator import api
@@ -50,9 +50,9 @@ class AgentService(pb_grpc.AgentServicer):
         except TimeoutError:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 f"{request.model_id}: not awake within {request.timeout_ms} ms (the wake goes on)")
-        except pool.UnknownModel as exc:
+        except errors.UnknownModel as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-        except pool.ActivationFailed as exc:
+        except errors.ActivationFailed as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{exc}; the instance is marked failed, retry later")
         return pb.ActivateResponse(instance=instance_pb(activation.instance), woke_from=tier_pb(activation.woke_from),
                                    wake_ms=activation.wake_ms, fallback=activation.fallback)
@@ -60,7 +60,7 @@ class AgentService(pb_grpc.AgentServicer):
     async def Release(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             self.pool.release(request.instance)
-        except pool.UnknownModel as exc:
+        except errors.UnknownModel as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         return pb.ReleaseResponse()
 

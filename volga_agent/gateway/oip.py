@@ -312,6 +312,16 @@ def decode_grpc_response(resp: pb.ModelInferResponse) -> dict[str, Tensor]:
 # --- REST -------------------------------------------------------------------------------------------------------
 
 
+def rest_header_length(value: str | None) -> int | None:
+    """The `Inference-Header-Content-Length` header of a REST request as a number; None when not sent."""
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise _invalid(f"Inference-Header-Content-Length {value!r} is not a number") from None
+
+
 def decode_rest_request(body: bytes, header_length: int | None) -> RestRequest:
     """A REST inference request: JSON alone, or (Triton's binary tensor extension) a JSON header of
     `header_length` bytes (the `Inference-Header-Content-Length` header) followed by the binary data of the

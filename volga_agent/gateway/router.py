@@ -6,7 +6,7 @@ same future, so a burst of N requests against a FROZEN model wakes it once. A ro
 TTL (`gateway_cache_ttl_sec`) runs out or when a request finds the worker gone (it was demoted or died);
 the next request activates again, which is cheap when the instance is still HOT.
 
-Agents are reached through an `AgentLink`: in-process for `volga up`, over gRPC for the sidecar.
+Agents are reached through a `links.AgentLink`: in-process for `volga up`, over gRPC for the sidecar.
 """
 
 from __future__ import annotations
@@ -14,49 +14,27 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from typing import Protocol
 
 from volga_agent import metrics
-
-
-@dataclasses.dataclass(frozen=True)
-class Route:
-    instance: str
-    socket: str  # the HOT worker's AF_UNIX socket
-
-
-class UnknownModel(LookupError):
-    pass
-
-
-class ActivationFailed(RuntimeError):
-    pass
-
-
-class AgentLink(Protocol):
-    async def activate(self, model_id: str, device_hint: str, timeout_ms: int) -> Route:
-        """Wake the best instance; raise UnknownModel or ActivationFailed."""
-        ...
-
-    async def close(self) -> None: ...
+from volga_agent.gateway import links
 
 
 @dataclasses.dataclass
 class _Entry:
-    route: Route
+    route: links.Route
     expires: float
 
 
 class Router:
-    def __init__(self, link: AgentLink, ttl_sec: float = 60.0, gateway_metrics: metrics.GatewayMetrics | None = None
-                 ) -> None:
+    def __init__(self, link: links.AgentLink, ttl_sec: float = 60.0,
+                 gateway_metrics: metrics.GatewayMetrics | None = None) -> None:
         self.link = link
         self.ttl_sec = ttl_sec
         self.metrics = gateway_metrics or metrics.GatewayMetrics()
         self._cache: dict[tuple[str, str], _Entry] = {}
-        self._inflight: dict[tuple[str, str], asyncio.Future[Route]] = {}
+        self._inflight: dict[tuple[str, str], asyncio.Future[links.Route]] = {}
 
-    async def route(self, model_id: str, device_hint: str = "", timeout_ms: int = 0) -> Route:
+    async def route(self, model_id: str, device_hint: str = "", timeout_ms: int = 0) -> links.Route:
         key = (model_id, device_hint)
         entry = self._cache.get(key)
         if entry is not None and entry.expires > time.monotonic():
@@ -71,7 +49,7 @@ class Router:
         # shield: a caller that gives up (its deadline) must not cancel the activation the others wait for.
         return await asyncio.shield(future)
 
-    async def _activate(self, key: tuple[str, str], future: asyncio.Future[Route], timeout_ms: int) -> None:
+    async def _activate(self, key: tuple[str, str], future: asyncio.Future[links.Route], timeout_ms: int) -> None:
         try:
             self.metrics.activations.labels(key[0]).inc()
             route = await self.link.activate(key[0], key[1], timeout_ms)

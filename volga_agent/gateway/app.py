@@ -1,0 +1,74 @@
+"""The gateway process: its settings, and the start and stop of its three endpoints around one dataplane.
+
+Wire-compatible with an unmodified `tritonclient` (defaults: HTTP 8000, gRPC 8001, metrics 8002). The
+request path is `dataplane.py`; `grpc_service.py` and `rest.py` are its protocol adapters. Everything runs
+on one asyncio loop: grpc.aio for gRPC, aiohttp for REST and /metrics (`docs/architecture.md`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import grpc
+import prometheus_client as prom
+from aiohttp import web
+
+from volga_agent import metrics
+from volga_agent.gateway import catalog, dataplane, grpc_service, links, rest
+from volga_agent.rpc.inference import grpc_service_pb2_grpc as pb_grpc
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    node: str = ""  # this gateway's node: instances elsewhere are not reachable through its agent
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    cache_ttl_sec: float = 60.0
+    max_request_bytes: int = 64 * 2**20
+    shm_bytes: int = 16 * 2**20
+
+
+class Gateway:
+    """One dataplane served over gRPC and REST, with a /metrics endpoint (its own registry and `extra_metrics`)."""
+
+    def __init__(self, models: catalog.Catalog, link: links.AgentLink, settings: Settings | None = None,
+                 gateway_metrics: metrics.GatewayMetrics | None = None,
+                 extra_metrics: list[prom.CollectorRegistry] | None = None) -> None:
+        self.settings = s = settings or Settings()
+        self.dataplane = dataplane.Dataplane(models, link, s.node, s.cache_ttl_sec, s.max_request_bytes, s.shm_bytes,
+                                             gateway_metrics)
+        self.catalog = models
+        self.metrics = self.dataplane.metrics
+        self.extra_metrics = extra_metrics or []
+        self._grpc: grpc.aio.Server | None = None
+        self._runners: list[web.AppRunner] = []
+        self.ports: dict[str, int] = {}
+
+    async def start(self) -> None:
+        s = self.settings
+        options = [("grpc.max_receive_message_length", s.max_request_bytes),
+                   ("grpc.max_send_message_length", s.max_request_bytes), ("grpc.so_reuseport", 0)]
+        self._grpc = grpc.aio.server(options=options)
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(grpc_service.Servicer(self.dataplane), self._grpc)
+        self.ports["grpc"] = self._grpc.add_insecure_port(f"{s.host}:{s.grpc_port}")
+        if self.ports["grpc"] == 0:
+            raise OSError(f"cannot listen on {s.host}:{s.grpc_port} (gRPC)")
+        await self._grpc.start()
+        self.ports["http"] = await self._listen(rest.app(self.dataplane), s.http_port)
+        self.ports["metrics"] = await self._listen(metrics.app([self.metrics.registry, *self.extra_metrics]),
+                                                   s.metrics_port)
+
+    async def _listen(self, http_app: web.Application, port: int) -> int:
+        runner, bound = await metrics.listen(http_app, self.settings.host, port)
+        self._runners.append(runner)
+        return bound
+
+    async def stop(self, grace: float = 2.0) -> None:
+        if self._grpc is not None:
+            await self._grpc.stop(grace)
+        for runner in self._runners:
+            await runner.cleanup()
+        self._runners.clear()
+        await self.dataplane.close()

@@ -1,0 +1,115 @@
+"""The models a gateway can route to, and where their instances are.
+
+The catalog holds each model's ModelSpec (from the local store, or a ModelSpec watch in a cluster), the
+tensors its worker declares and the hash of its input schema; in a cluster an EMI watch adds placements,
+so a gateway knows which models its node holds and which other nodes' gateways to forward to.
+
+The gateway reads the worker's contract (tensor declarations, input checks) here and nowhere else; see
+`docs/architecture.md`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from volga_agent.gateway import oip
+from volga_agent.worker import protocol
+from volga_agent.worker import runtime as contract  # the worker's contract: TensorDecl, check_inputs
+from volga_operator import api
+
+Decls = tuple[contract.TensorDecl, ...]
+
+
+def tensor_decls(tensors: Sequence[api.TensorSpec]) -> Decls:
+    """A ModelSpec's tensors as its worker declares them."""
+    return tuple(contract.TensorDecl(t.name, t.dtype.value, tuple(t.shape)) for t in tensors)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where an instance of a model is, as the cluster's EMIs say (cluster mode only)."""
+
+    instance: str
+    node: str
+    tier: str
+    ready: bool
+    gateway: str = ""  # the gRPC address of that node's gateway, as its agent reports it
+
+
+class Catalog:
+    """The models this gateway can route to (from the local store, or a ModelSpec watch in a cluster)."""
+
+    def __init__(self, specs: Mapping[str, api.ModelSpecSpec] | None = None) -> None:
+        self._models: dict[str, api.ModelSpecSpec] = {}
+        self._decls: dict[str, Decls] = {}
+        self._hashes: dict[str, str] = {}
+        # model id -> its instances in the cluster (an EMI watch fills it); None: not known (no cluster).
+        self._placements: dict[str, tuple[Placement, ...]] | None = None
+        self.replace(list((specs or {}).values()))
+
+    def set_placements(self, placements: Mapping[str, Sequence[Placement]]) -> None:
+        self._placements = {model: tuple(p) for model, p in placements.items()}
+
+    def local(self, model_id: str, node: str) -> tuple[Placement, ...] | None:
+        """This node's instances of the model; None when placements are not known (embedded mode)."""
+        if self._placements is None or not node:
+            return None
+        return tuple(p for p in self._placements.get(model_id, ()) if p.node == node)
+
+    def require_local(self, model_id: str, node: str) -> None:
+        """Fail fast, before any wake, when the cluster placed the model only on other nodes."""
+        here = self.local(model_id, node)
+        if here is None or here:
+            return
+        assert self._placements is not None
+        elsewhere = sorted({p.node for p in self._placements.get(model_id, ())})
+        where = f"its instances are on {', '.join(elsewhere)}" if elsewhere else "it has no instance yet"
+        raise oip.error("UNAVAILABLE", f"model {model_id!r} has no instance on node {node}: {where}; "
+                        "send the request to a gateway on one of those nodes")
+
+    def remote_gateways(self, model_id: str, node: str) -> list[str]:
+        """Gateways of other nodes holding the model: ready HOT instances first, then ready, then any."""
+        if self._placements is None:
+            return []
+        others = [p for p in self._placements.get(model_id, ()) if p.node != node and p.gateway]
+        others.sort(key=lambda p: (not p.ready, p.tier != "HOT", p.node))
+        return list(dict.fromkeys(p.gateway for p in others))
+
+    def ready(self, model_id: str, node: str) -> bool:
+        if model_id not in self._models:
+            return False
+        here = self.local(model_id, node)
+        return here is None or any(p.ready for p in here)
+
+    def replace(self, specs: list[api.ModelSpecSpec]) -> None:
+        self._models = {s.model_id: s for s in specs}
+        self._decls = {s.model_id: tensor_decls(s.inputs) for s in specs}
+        self._hashes = {s.model_id: s.input_hash() for s in specs}
+
+    def known(self, model_id: str) -> bool:
+        return model_id in self._models
+
+    def get(self, model_id: str) -> api.ModelSpecSpec:
+        spec = self._models.get(model_id)
+        if spec is None:
+            raise oip.error("NOT_FOUND", f"unknown model {model_id!r}: no ModelSpec has this modelId")
+        return spec
+
+    def decls(self, model_id: str) -> Decls:
+        return self._decls[model_id]
+
+    def input_hash(self, model_id: str) -> str:
+        return self._hashes[model_id]
+
+    def check_inputs(self, model_id: str, inputs: dict[str, np.ndarray]) -> None:
+        """Names, dtypes, shapes and batch size against the model's declaration, as its worker checks them."""
+        try:
+            contract.check_inputs(self.decls(model_id), inputs, self.get(model_id).runtime.max_batch_size)
+        except protocol.WorkerError as exc:
+            raise oip.error(exc.code, exc.message) from None
+
+    def all(self) -> list[api.ModelSpecSpec]:
+        return sorted(self._models.values(), key=lambda s: s.model_id)

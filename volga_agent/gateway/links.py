@@ -1,0 +1,113 @@
+"""How a gateway reaches what serves a model: its node's agent (in-process or over gRPC), or another gateway.
+
+The router asks an `AgentLink` to wake a model and gets a `Route` to a HOT worker's socket. Two links
+implement it: `GrpcAgentLink` for the sidecar (the agent's gRPC API) and `LocalAgentLink` for `volga up`
+(a pool in the same process, given as a callable so the gateway does not import the pool). Both raise
+`errors.UnknownModel` and `errors.ActivationFailed`.
+
+`Forwarder` is the third way out: for a model placed only on other nodes, it passes the request on to one
+of their gateways over gRPC, once. Forwarded requests carry `x-volga-forwarded` and are never forwarded
+again (`docs/architecture.md`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Protocol
+
+import grpc
+import numpy as np
+
+from volga_agent import errors
+from volga_agent.gateway import oip
+from volga_agent.rpc.inference import grpc_service_pb2_grpc as oip_grpc
+from volga_agent.rpc.volga.v1 import agent_pb2 as agent_pb
+from volga_agent.rpc.volga.v1 import agent_pb2_grpc as agent_grpc
+
+FORWARDED = "x-volga-forwarded"
+PASSED_ON = ("x-input-hash", "x-device-hint")
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    instance: str
+    socket: str  # the HOT worker's AF_UNIX socket
+
+
+class AgentLink(Protocol):
+    async def activate(self, model_id: str, device_hint: str, timeout_ms: int) -> Route:
+        """Wake the best instance; raise errors.UnknownModel or errors.ActivationFailed."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class GrpcAgentLink:
+    """The agent's gRPC API (the sidecar case)."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address)
+        self.stub = agent_grpc.AgentStub(self.channel)
+
+    async def activate(self, model_id: str, device_hint: str, timeout_ms: int) -> Route:
+        request = agent_pb.ActivateRequest(model_id=model_id, device_hint=device_hint, timeout_ms=timeout_ms)
+        try:
+            reply = await self.stub.Activate(request, timeout=timeout_ms / 1e3 if timeout_ms else None)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                raise errors.UnknownModel(exc.details()) from None
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise TimeoutError(exc.details()) from None
+            raise errors.ActivationFailed(f"agent {self.address}: {exc.code().name}: {exc.details()}") from None
+        return Route(reply.instance.name, reply.instance.socket)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class LocalAgentLink:
+    """A pool in the same process (`volga up`): `activate(model_id, device_hint)` blocks, so it runs in a thread."""
+
+    def __init__(self, activate: Callable[[str, str], Route]) -> None:
+        self._activate = activate
+
+    async def activate(self, model_id: str, device_hint: str, timeout_ms: int) -> Route:
+        return await asyncio.to_thread(self._activate, model_id, device_hint)
+
+    async def close(self) -> None:
+        return None
+
+
+class Forwarder:
+    """Other nodes' gateways, one gRPC channel each."""
+
+    def __init__(self, max_message_bytes: int = 64 * 2**20) -> None:
+        self.max_message_bytes = max_message_bytes
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _stub(self, address: str) -> oip_grpc.GRPCInferenceServiceStub:
+        channel = self._channels.get(address)
+        if channel is None:
+            options = [("grpc.max_receive_message_length", self.max_message_bytes),
+                       ("grpc.max_send_message_length", self.max_message_bytes)]
+            channel = self._channels[address] = grpc.aio.insecure_channel(address, options=options)
+        return oip_grpc.GRPCInferenceServiceStub(channel)
+
+    async def infer(self, address: str, model_id: str, inputs: Mapping[str, np.ndarray], headers: Mapping[str, str],
+                    origin: str, timeout: float | None) -> dict[str, np.ndarray]:
+        metadata = [("x-model-id", model_id), (FORWARDED, origin or "unknown")]
+        metadata += [(k, headers[k]) for k in PASSED_ON if headers.get(k)]
+        try:
+            response = await self._stub(address).ModelInfer(oip.encode_grpc_request(model_id, inputs),
+                                                            metadata=metadata, timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise oip.error(exc.code().name, f"forwarded to the gateway at {address}: {exc.details()}") from None
+        return oip.decode_grpc_response(response)
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
