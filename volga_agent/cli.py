@@ -17,7 +17,6 @@ import pathlib
 import sys
 import tempfile
 from collections.abc import Callable
-from typing import Any
 
 import yaml
 
