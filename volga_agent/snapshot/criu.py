@@ -1,6 +1,6 @@
 """CRIU engine: freeze a worker's whole process tree into an image folder and restore it.
 
-Facts this code is built on (measured on the target kernels, see DESIGN.md section 4):
+Facts this code is built on (measured on the target kernels; docs/architecture.md, Tiers):
 
 - CRIU 4.x is needed (3.17 fails on current vDSO layouts). `scripts/install-criu.sh` installs it into a
   private root; this module finds it through `VOLGA_CRIU`, the install prefix, or PATH.
