@@ -48,10 +48,32 @@ class Image:
     dump_seconds: float
 
 
+class LazyPages:
+    """The lazy-pages daemon of one restore. Until it has delivered every page and exited, part of the process's
+    memory exists only in the image: a dump taken then would miss those pages (the kernel reports them as never
+    touched) and the next restore would bring them back as zeros."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.exit_code: int | None = None
+
+    def wait(self, pid: int, timeout: float) -> None:
+        if not self.done.wait(timeout):
+            raise CriuError(f"pid {pid}: the lazy-pages daemon has not delivered every page after {timeout:g} s")
+        if self.exit_code != 0:
+            raise CriuError(f"pid {pid}: the lazy-pages daemon failed (exit {self.exit_code}): pages may be missing")
+
+
 @dataclasses.dataclass(frozen=True)
 class Restored:
     pid: int
     seconds: float
+    lazy_pages: LazyPages | None = None
+
+    def wait_for_pages(self, timeout: float) -> None:
+        """Return once the restored process holds all of its memory (at once for eager restores)."""
+        if self.lazy_pages is not None:
+            self.lazy_pages.wait(self.pid, timeout)
 
 
 def _installed() -> str:
@@ -152,13 +174,17 @@ class CriuEngine:
                 daemon.wait()
             raise CriuError(f"criu restore of {image.path} failed (exit {out.returncode}):\n"
                             f"{_log_tail(image.path / 'restore.log')}")
+        pages = None
         if daemon is not None:
-            threading.Thread(target=self._reap_lazy_pages, args=(daemon, image), name="lazy-pages-reaper",
+            pages = LazyPages()
+            threading.Thread(target=self._reap_lazy_pages, args=(daemon, image, pages), name="lazy-pages-reaper",
                              daemon=True).start()
-        return Restored(int(pidfile.read_text().strip()), seconds)
+        return Restored(int(pidfile.read_text().strip()), seconds, pages)
 
-    def _reap_lazy_pages(self, daemon: subprocess.Popen[bytes], image: Image) -> None:
+    def _reap_lazy_pages(self, daemon: subprocess.Popen[bytes], image: Image, pages: LazyPages) -> None:
         code = daemon.wait()
+        pages.exit_code = code
+        pages.done.set()
         if code != 0:
             self.lazy_daemon_failures += 1
             log.warning("criu lazy-pages for %s exited with %d:\n%s", image.path, code,
