@@ -13,7 +13,7 @@ import pytest
 
 from volga_agent import instance
 from volga_agent.snapshot import criu
-from volga_agent.worker import runtime
+from volga_agent.worker import contract
 from volga_operator import api
 
 pytestmark = pytest.mark.integration
@@ -35,7 +35,7 @@ def test_criu_is_4x(criu_engine: criu.CriuEngine) -> None:
 
 
 def test_freeze_thaw_many_times_identical_outputs(inst: instance.Instance, criu_engine: criu.CriuEngine) -> None:
-    x = runtime.sample_inputs(inst.config.inputs, batch=32, seed=5)
+    x = contract.sample_inputs(inst.config.inputs, batch=32, seed=5)
     inst.to(Tier.HOT)
     reference = inst.infer(x)["probability"]
     pids = set()
@@ -104,7 +104,7 @@ def test_rng_reseeded_after_restore(default_spec: api.ModelSpecSpec, rundir: pat
 
 
 def test_broken_image_falls_back_to_cold_start(inst: instance.Instance) -> None:
-    x = runtime.sample_inputs(inst.config.inputs, batch=2, seed=1)
+    x = contract.sample_inputs(inst.config.inputs, batch=2, seed=1)
     inst.to(Tier.HOT)
     reference = inst.infer(x)["probability"]
     inst.to(Tier.FROZEN)
@@ -118,7 +118,7 @@ def test_broken_image_falls_back_to_cold_start(inst: instance.Instance) -> None:
 
 
 def test_failed_dump_keeps_the_worker_serving(inst: instance.Instance, monkeypatch: pytest.MonkeyPatch) -> None:
-    x = runtime.sample_inputs(inst.config.inputs, batch=2, seed=1)
+    x = contract.sample_inputs(inst.config.inputs, batch=2, seed=1)
     inst.to(Tier.HOT)
     reference = inst.infer(x)["probability"]
     assert inst.criu is not None
@@ -144,7 +144,7 @@ def test_fresh_image_is_reused_until_the_worker_changes(default_spec: api.ModelS
 
     inst = instance.Instance("reuse", default_spec, rundir, criu_engine, reuse_image_sec=300)
     try:
-        x = runtime.sample_inputs(inst.config.inputs, batch=2, seed=8)
+        x = contract.sample_inputs(inst.config.inputs, batch=2, seed=8)
         inst.to(Tier.HOT)
         reference = inst.infer(x)["probability"]
         first = inst.to(Tier.FROZEN)
@@ -170,7 +170,7 @@ def test_lazy_restore_answers_the_same(default_spec: api.ModelSpecSpec, rundir: 
     """CRIU lazy pages (userfaultfd): the restored worker pulls its pages on demand and answers the same."""
     inst = instance.Instance("lazy", default_spec, rundir, criu_engine, lazy_restore=True)
     try:
-        x = runtime.sample_inputs(inst.config.inputs, batch=16, seed=3)
+        x = contract.sample_inputs(inst.config.inputs, batch=16, seed=3)
         inst.to(Tier.HOT)
         reference = inst.infer(x)["probability"]
         for _ in range(3):
@@ -307,7 +307,7 @@ def test_a_failed_lazy_restore_is_retried_eagerly(default_spec: api.ModelSpecSpe
     """The image is fine when only the lazy-pages machinery fails: an eager restore of it serves, no cold start."""
     inst = instance.Instance("lazyfail", default_spec, rundir, criu_engine, lazy_restore=True)
     try:
-        x = runtime.sample_inputs(inst.config.inputs, batch=2, seed=4)
+        x = contract.sample_inputs(inst.config.inputs, batch=2, seed=4)
         inst.to(Tier.HOT)
         reference = inst.infer(x)["probability"]
         inst.to(Tier.FROZEN)
@@ -333,7 +333,7 @@ def test_many_wakes_under_load_never_fall_back(default_spec: api.ModelSpecSpec, 
     inst = instance.Instance("stress", default_spec, rundir, criu_engine, lazy_restore=lazy)
     load: list[subprocess.Popen[bytes]] = []
     try:
-        x = runtime.sample_inputs(inst.config.inputs, batch=4, seed=9)
+        x = contract.sample_inputs(inst.config.inputs, batch=4, seed=9)
         inst.to(Tier.HOT)
         reference = inst.infer(x)["probability"]
         for cycle in range(100):

@@ -18,7 +18,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from volga_agent import defaultmodel, demo, local
-from volga_agent.worker import runtime
+from volga_agent.worker import contract
 from volga_operator import api
 
 # tritonclient.http's __del__ closes its gevent pool from whichever thread collects it, and warns.
@@ -50,7 +50,7 @@ def name_of(up: local.Embedded, model: str) -> str:
 
 
 def arrays(up: local.Embedded, model: str = A, batch: int = 4) -> dict[str, np.ndarray]:
-    return runtime.sample_inputs(up.gateway.catalog.decls(model), batch=batch, seed=21)
+    return contract.sample_inputs(up.gateway.catalog.decls(model), batch=batch, seed=21)
 
 
 def grpc_inputs(x: dict[str, np.ndarray], module: Any = grpcclient) -> list[Any]:

@@ -29,7 +29,7 @@ import numpy as np
 
 from volga_agent import bench, defaultmodel, demo, instance
 from volga_agent.rpc.volga.v1 import agent_pb2, agent_pb2_grpc
-from volga_agent.worker import protocol, runtime
+from volga_agent.worker import contract, protocol
 
 
 @dataclasses.dataclass
@@ -98,7 +98,7 @@ def run(rate: float = 500.0, seconds: float = 4.0, rounds: int = 3, protocol_nam
 
     spec = defaultmodel.ensure().spec
     decls = instance.decls(spec.inputs)
-    arrays = runtime.sample_inputs(decls, batch=1, seed=9)
+    arrays = contract.sample_inputs(decls, batch=1, seed=9)
     headers = {"x-model-id": spec.model_id}
     progress("starting volga up (default model) ...")
     with volga_up() as up:

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from volga_agent import bench, defaultmodel, local
-from volga_agent.worker import runtime
+from volga_agent.worker import contract
 from volga_operator import api
 
 Tier = api.Tier
@@ -53,7 +53,7 @@ async def _make(specs: list[api.ModelSpec], options: local.Options) -> local.Emb
     return local.Embedded(specs, options)
 
 
-def triton_inputs(decls: tuple[runtime.TensorDecl, ...], arrays: dict[str, np.ndarray],
+def triton_inputs(decls: tuple[contract.TensorDecl, ...], arrays: dict[str, np.ndarray],
                   client_module: Any = None) -> list[Any]:
     """tritonclient InferInputs for the arrays (`client_module`: tritonclient.grpc (default) or .http)."""
     if client_module is None:
@@ -84,7 +84,7 @@ def run(cycles: int = 5, requests: int = 300, say: Callable[[str], None] = print
         name = embedded.pool.instances(model)[0].name
         client = grpcclient.InferenceServerClient(ep["grpc"])
         decls = embedded.gateway.catalog.decls(model)
-        inputs = triton_inputs(decls, runtime.sample_inputs(decls, batch=16, seed=3))  # built once, outside the timing
+        inputs = triton_inputs(decls, contract.sample_inputs(decls, batch=16, seed=3))  # built once, outside the timing
         headers = {"x-model-id": model}
         reference: np.ndarray | None = None
         same = True

@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from volga_agent.snapshot import criu, cuda
-from volga_agent.worker import nsinit, protocol, runtime
+from volga_agent.worker import contract, nsinit, protocol
 from volga_operator import api
 
 Tier = api.Tier
@@ -78,18 +78,18 @@ class Transition:
     detail: str = ""
 
 
-def decls(tensors: Sequence[api.TensorSpec]) -> tuple[runtime.TensorDecl, ...]:
+def decls(tensors: Sequence[api.TensorSpec]) -> tuple[contract.TensorDecl, ...]:
     """A ModelSpec's tensors as the worker declares them."""
-    return tuple(runtime.TensorDecl(t.name, t.dtype.value, tuple(t.shape)) for t in tensors)
+    return tuple(contract.TensorDecl(t.name, t.dtype.value, tuple(t.shape)) for t in tensors)
 
 
 def worker_config(spec: api.ModelSpecSpec, workdir: pathlib.Path, device: str, cpus: tuple[int, ...] = (),
                   warmup_cache_ratio: float | None = None, reset_rng_on_restore: bool = False
-                  ) -> runtime.WorkerConfig:
+                  ) -> contract.WorkerConfig:
     """The worker's configuration from its ModelSpec and the node's defaults: `warmup_cache_ratio` applies
     where the ModelSpec sets none; `reset_rng_on_restore` makes every restored copy re-seed, whatever the
     ModelSpec says (otherwise its runtime.resetRngOnRestore decides)."""
-    return runtime.WorkerConfig(
+    return contract.WorkerConfig(
         model_id=spec.model_id, framework=spec.framework.value, path=str(spec.source_path),
         inputs=decls(spec.inputs), outputs=decls(spec.outputs), socket=str(workdir / "worker.sock"),
         signal_dir=str(workdir / "signals"), device=device, warmup_iterations=spec.runtime.warmup_iterations,
@@ -176,7 +176,7 @@ class Instance:
         cmd = [sys.executable, "-m", "volga_agent.worker.nsinit",
                *([] if self.pid_namespace else ["--no-pidns"]),
                *(["--cpus", ",".join(map(str, self.config.cpus))] if self.config.cpus else []), str(self.logfile), "--",
-               sys.executable, "-m", "volga_agent.worker.runtime", str(config_path)]
+               sys.executable, "-m", "volga_agent.worker.serve", str(config_path)]
         out = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=self.workdir,
                              env={**os.environ, **WORKER_ENV})
         if out.returncode != 0:
@@ -253,8 +253,8 @@ class Instance:
     def _resume_worker(self, pid: int) -> None:
         """Tell a paused (or restored) worker to carry on serving: the restore-complete hook."""
         self._paused = False
-        (self.signals / runtime.RESTORE_COMPLETE).write_text(str(time.time()))
-        os.kill(pid, runtime.WAKE_SIGNAL)
+        (self.signals / contract.RESTORE_COMPLETE).write_text(str(time.time()))
+        os.kill(pid, contract.WAKE_SIGNAL)
 
     # -- tiers ---------------------------------------------------------------------------------------
 
@@ -344,7 +344,7 @@ class Instance:
         pid = self._spawn()
         self.pid = pid
         try:
-            self._wait_for(pid, lambda: (self.signals / runtime.READY).exists(), "ready", self.start_timeout)
+            self._wait_for(pid, lambda: (self.signals / contract.READY).exists(), "ready", self.start_timeout)
             generation = int(self.client().call("ping").header.get("generation", 0))
             self._record_canary(generation, twice=True)
         except BaseException:
@@ -432,7 +432,7 @@ class Instance:
             return
         self.client().call("prepare_checkpoint")
         self.disconnect()
-        ready = self.signals / runtime.READY_FOR_CHECKPOINT
+        ready = self.signals / contract.READY_FOR_CHECKPOINT
         self._wait_for(self.pid, ready.exists, "ready for checkpoint", 30.0)
 
     def _dump(self, generation: int, gpu_checkpointed: bool = False) -> None:
@@ -488,7 +488,7 @@ class Instance:
         if self.image is None or self.criu is None:
             raise criu.CriuError(f"{self.name}: no image to restore")
         pathlib.Path(self.config.socket).unlink(missing_ok=True)
-        (self.signals / runtime.RESTORE_COMPLETE).unlink(missing_ok=True)
+        (self.signals / contract.RESTORE_COMPLETE).unlink(missing_ok=True)
         restored = self.criu.restore(self.image, lazy=self.lazy_restore if lazy is None else lazy)
         self.pid = restored.pid
         return restored.pid

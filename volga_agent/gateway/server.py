@@ -33,7 +33,7 @@ from volga_agent import instance, metrics
 from volga_agent.gateway import oip, remote, router, workers
 from volga_agent.rpc.inference import grpc_service_pb2 as pb
 from volga_agent.rpc.inference import grpc_service_pb2_grpc as pb_grpc
-from volga_agent.worker import protocol, runtime
+from volga_agent.worker import contract, protocol
 from volga_operator import api
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class Catalog:
 
     def __init__(self, specs: Mapping[str, api.ModelSpecSpec] | None = None) -> None:
         self._models: dict[str, api.ModelSpecSpec] = {}
-        self._decls: dict[str, tuple[runtime.TensorDecl, ...]] = {}
+        self._decls: dict[str, tuple[contract.TensorDecl, ...]] = {}
         # model id -> its instances in the cluster (an EMI watch fills it); None: not known (no cluster).
         self._placements: dict[str, tuple[Placement, ...]] | None = None
         self.replace(list((specs or {}).values()))
@@ -125,7 +125,7 @@ class Catalog:
             raise oip.error("NOT_FOUND", f"unknown model {model_id!r}: no ModelSpec has this modelId")
         return spec
 
-    def decls(self, model_id: str) -> tuple[runtime.TensorDecl, ...]:
+    def decls(self, model_id: str) -> tuple[contract.TensorDecl, ...]:
         return self._decls[model_id]
 
     def input_hash(self, model_id: str) -> str:
@@ -162,7 +162,7 @@ class Gateway:
                             f"(its input schema hash is {schema}); the client was built for "
                             "another version of the model")
         try:
-            runtime.check_inputs(self.catalog.decls(model_id), inputs, spec.runtime.max_batch_size)
+            contract.check_inputs(self.catalog.decls(model_id), inputs, spec.runtime.max_batch_size)
         except protocol.WorkerError as exc:
             raise oip.error(exc.code, exc.message) from None
         deadline = _deadline(headers.get("x-timeout-ms"), grpc_remaining)
