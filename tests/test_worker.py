@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from procs import wait_for
 
-from volga_agent import defaultmodel, instance
+from volga_agent import defaultmodel, instance, process
 from volga_agent.worker import contract, protocol
 from volga_operator import api
 
@@ -97,7 +97,7 @@ def test_model_that_fails_to_load(default_spec: api.ModelSpecSpec, rundir: pathl
     broken = rundir / "broken.onnx"
     broken.write_bytes(b"this is not onnx")
     inst = instance.Instance("b", default_spec.model_copy(update={"source": str(broken)}), rundir / "i", None)
-    with pytest.raises(instance.WorkerStartError, match="worker failed"):
+    with pytest.raises(process.WorkerStartError, match="worker failed"):
         inst.to(Tier.HOT)
     inst.close()
 

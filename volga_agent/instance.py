@@ -1,6 +1,7 @@
 """One executable model instance (EMI): a worker process and the tier it is in.
 
-The tier state machine allows only these moves (anything else raises IllegalTransition):
+The tier state machine allows only these moves, the entries of `MOVES` (anything else raises
+IllegalTransition):
 
     COLD      -> HOT                              spawn, load, warm up
     HOT       -> WARM | SUSPENDED | FROZEN | COLD
@@ -17,42 +18,30 @@ once more eagerly from the same image before that.
 A restore can also succeed and bring back the wrong state (a damaged image). With `verify_restores`, the
 instance records the model's answer to a fixed canary input before each snapshot and has the restored
 worker answer it again before any request reaches it: a different answer is a failed restore.
+
+Starting, watching and reaping the worker process is `process`'s; see docs/architecture.md.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
 import pathlib
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from volga_agent import process
 from volga_agent.snapshot import criu, cuda
-from volga_agent.worker import contract, nsinit, protocol
+from volga_agent.worker import contract, protocol
 from volga_operator import api
 
 Tier = api.Tier
 log = logging.getLogger(__name__)
 
-LEGAL: dict[Tier, frozenset[Tier]] = {
-    Tier.COLD: frozenset({Tier.HOT}),
-    Tier.HOT: frozenset({Tier.WARM, Tier.SUSPENDED, Tier.FROZEN, Tier.COLD}),
-    Tier.WARM: frozenset({Tier.HOT, Tier.COLD}),
-    Tier.SUSPENDED: frozenset({Tier.HOT, Tier.FROZEN, Tier.COLD}),
-    Tier.FROZEN: frozenset({Tier.HOT, Tier.SUSPENDED, Tier.COLD}),
-}
 GPU_ONLY = frozenset({Tier.WARM, Tier.SUSPENDED})
-# onnxruntime's telemetry keeps a SQLite store under ~/.cache open, shared by every onnxruntime process of
-# the user: when another process grows its journal between a worker's dump and its restore, CRIU refuses the
-# restore ("has bad size"). A worker holds no file that others write.
-WORKER_ENV = {"ORT_DISABLE_TELEMETRY": "1"}
 MAX_SOCKET_PATH = 107
 
 
@@ -62,10 +51,6 @@ class IllegalTransition(ValueError):
 
 class CanaryMismatch(RuntimeError):
     """A restored worker answered the canary differently from the worker that was snapshotted."""
-
-
-class WorkerStartError(RuntimeError):
-    """The worker died or did not become ready; the message carries the end of its log."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,15 +89,8 @@ def worker_config(spec: api.ModelSpecSpec, workdir: pathlib.Path, device: str, c
 
 
 # What a failed wake raises: the restore, the driver, the restored worker or its canary answer.
-WAKE_ERRORS = (criu.CriuError, cuda.DriverCheckpointError, WorkerStartError, protocol.ProtocolError,
+WAKE_ERRORS = (criu.CriuError, cuda.DriverCheckpointError, process.WorkerStartError, protocol.ProtocolError,
                protocol.WorkerError, CanaryMismatch, OSError)
-
-
-def _log_tail(path: pathlib.Path, lines: int = 12) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
 
 
 class Instance:
@@ -166,78 +144,18 @@ class Instance:
 
     # -- worker process ------------------------------------------------------------------------------
 
-    def _spawn(self) -> int:
-        self.signals.mkdir(parents=True, exist_ok=True)
-        for leftover in self.signals.iterdir():
-            leftover.unlink()
-        config_path = self.workdir / "config.json"
-        config_path.write_text(self.config.to_json())
-        nsinit.become_subreaper()
-        cmd = [sys.executable, "-m", "volga_agent.worker.nsinit",
-               *([] if self.pid_namespace else ["--no-pidns"]),
-               *(["--cpus", ",".join(map(str, self.config.cpus))] if self.config.cpus else []), str(self.logfile), "--",
-               sys.executable, "-m", "volga_agent.worker.serve", str(config_path)]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=self.workdir,
-                             env={**os.environ, **WORKER_ENV})
-        if out.returncode != 0:
-            raise WorkerStartError(f"{self.name}: could not start worker: {out.stderr.strip()}")
-        return int(out.stdout.strip())
-
-    def _alive(self, pid: int) -> bool:
-        try:
-            done, _ = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            return os.path.exists(f"/proc/{pid}") and not _is_zombie(pid)
-        return done == 0
-
-    def _exited(self, pid: int, grace: float) -> bool:
-        """Whether the worker is gone; a process whose socket just closed may need a moment to exit."""
-        deadline = time.monotonic() + grace
-        while self._alive(pid):
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.005)
-        return True
-
     def worker_gone(self) -> bool:
         """Whether the worker this instance counts on (HOT, WARM or SUSPENDED) has exited."""
-        return self.pid is not None and self._exited(self.pid, grace=0)
+        return self.pid is not None and process.exited(self.pid, grace=0)
 
     def _wait_for(self, pid: int, predicate: Callable[[], bool], what: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        delay = 0.0005
-        while not predicate():
-            if (self.signals / "failed").exists():
-                raise WorkerStartError(f"{self.name}: worker failed: {(self.signals / 'failed').read_text()}")
-            if not self._alive(pid):
-                raise WorkerStartError(f"{self.name}: worker exited before {what}:\n{_log_tail(self.logfile)}")
-            if time.monotonic() > deadline:
-                raise WorkerStartError(f"{self.name}: worker not {what} after {timeout:.0f} s")
-            time.sleep(delay)
-            delay = min(delay * 2, 0.01)
-
-    def _reap(self, pid: int, timeout: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                done, _ = os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if done:
-                return
-            time.sleep(0.002)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, 0)
+        process.wait_for(self.name, pid, predicate, what, timeout, self.signals, self.logfile)
 
     def _kill(self) -> None:
         self.disconnect()
         self._paused = False
         if self.pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGKILL)
-            self._reap(self.pid)
+            process.kill(self.pid)
             self.pid = None
 
     def client(self) -> protocol.WorkerClient:
@@ -266,26 +184,22 @@ class Instance:
         return t
 
     def to(self, target: Tier) -> Transition:
+        """Make the move from the current tier to `target` that `MOVES` holds; a failed wake cold-starts."""
         source = self.tier
         if target == source:
             return Transition(source, target, 0.0, time.time(), detail="already there")
-        if target not in LEGAL[source]:
+        move = MOVES.get((source, target))
+        if move is None:
             raise IllegalTransition(f"{self.name}: {source.value} -> {target.value} is not a legal move")
         if target in GPU_ONLY and not self.gpu:
             raise IllegalTransition(f"{self.name}: {target.value} needs a GPU and the driver checkpoint API")
         if target == Tier.FROZEN and self.criu is None:
             raise IllegalTransition(f"{self.name}: FROZEN needs CRIU (scripts/install-criu.sh)")
         start = time.perf_counter()
-        if target == Tier.COLD:
-            self._to_cold()
-            return self._record(source, target, start)
-        if target == Tier.HOT and source == Tier.COLD:
-            self._cold_start()
-            return self._record(source, target, start)
         try:
-            detail = getattr(self, f"_{source.value.lower()}_to_{target.value.lower()}")() or ""
+            detail = move.run(self) or ""
         except WAKE_ERRORS as exc:
-            if target not in (Tier.HOT, Tier.SUSPENDED) or source not in (Tier.FROZEN, Tier.SUSPENDED, Tier.WARM):
+            if not move.wake:
                 raise
             self._keep_failure()
             if source == Tier.FROZEN and self.lazy_restore:
@@ -334,14 +248,14 @@ class Instance:
             return self.client().infer(inputs)
         except (OSError, protocol.ProtocolError) as exc:
             self.disconnect()
-            if self.pid is not None and self._exited(self.pid, grace=0.5):
+            if self.pid is not None and process.exited(self.pid, grace=0.5):
                 self.pid = None
                 self.tier = Tier.COLD
                 self.history.append(Transition(Tier.HOT, Tier.COLD, 0.0, time.time(), detail="worker died"))
             raise protocol.WorkerError("UNAVAILABLE", f"{self.name}: worker connection lost: {exc}") from exc
 
     def _cold_start(self) -> None:
-        pid = self._spawn()
+        pid = process.spawn(self.name, self.config, self.workdir, self.logfile, self.pid_namespace)
         self.pid = pid
         try:
             self._wait_for(pid, lambda: (self.signals / contract.READY).exists(), "ready", self.start_timeout)
@@ -449,7 +363,7 @@ class Instance:
             raise
         self._image_generation, self._image_taken = generation, time.monotonic()
         self._snapshot_generation = generation
-        self._reap(self.pid)
+        process.reap(self.pid)
         self.pid = None
         self._paused = False
         if old is not None:
@@ -513,8 +427,34 @@ class Instance:
         self.tier = Tier.COLD
 
 
-def _is_zombie(pid: int) -> bool:
-    try:
-        return pathlib.Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z")
-    except (OSError, IndexError):
-        return True
+
+@dataclasses.dataclass(frozen=True)
+class Move:
+    """One legal tier move: the method that makes it, and whether it is a wake (a failure of which falls back
+    to a cold start, after an eager retry where a lazy restore failed)."""
+
+    run: Callable[[Instance], str | None]
+    wake: bool = False
+
+
+# The tier machine: every legal move and the method that makes it. A move's method returns a detail to
+# record, or None.
+MOVES: dict[tuple[Tier, Tier], Move] = {
+    (Tier.COLD, Tier.HOT): Move(Instance._cold_start),
+    (Tier.HOT, Tier.WARM): Move(Instance._hot_to_warm),
+    (Tier.HOT, Tier.SUSPENDED): Move(Instance._hot_to_suspended),
+    (Tier.HOT, Tier.FROZEN): Move(Instance._hot_to_frozen),
+    (Tier.HOT, Tier.COLD): Move(Instance._to_cold),
+    (Tier.WARM, Tier.HOT): Move(Instance._warm_to_hot, wake=True),
+    (Tier.WARM, Tier.COLD): Move(Instance._to_cold),
+    (Tier.SUSPENDED, Tier.HOT): Move(Instance._suspended_to_hot, wake=True),
+    (Tier.SUSPENDED, Tier.FROZEN): Move(Instance._suspended_to_frozen),
+    (Tier.SUSPENDED, Tier.COLD): Move(Instance._to_cold),
+    (Tier.FROZEN, Tier.HOT): Move(Instance._frozen_to_hot, wake=True),
+    (Tier.FROZEN, Tier.SUSPENDED): Move(Instance._frozen_to_suspended, wake=True),
+    (Tier.FROZEN, Tier.COLD): Move(Instance._to_cold),
+}
+# The targets each tier can move to (the pool walks through HOT to reach the others).
+LEGAL: dict[Tier, frozenset[Tier]] = {
+    tier: frozenset(target for source, target in MOVES if source == tier) for tier in Tier
+}
