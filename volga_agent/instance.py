@@ -427,7 +427,6 @@ class Instance:
         self.tier = Tier.COLD
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Move:
     """One legal tier move: the method that makes it, and whether it is a wake (a failure of which falls back
@@ -437,8 +436,8 @@ class Move:
     wake: bool = False
 
 
-# The tier machine: every legal move and the method that makes it. A move's method returns a detail to
-# record, or None.
+# The tier machine: every legal move and the method that makes it (the module docstring draws it). A move's
+# method returns a detail to record, or None.
 MOVES: dict[tuple[Tier, Tier], Move] = {
     (Tier.COLD, Tier.HOT): Move(Instance._cold_start),
     (Tier.HOT, Tier.WARM): Move(Instance._hot_to_warm),
