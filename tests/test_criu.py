@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
+import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -13,7 +17,7 @@ import pytest
 
 from volga_agent import instance
 from volga_agent.snapshot import criu
-from volga_agent.worker import runtime
+from volga_agent.worker import contract
 from volga_operator import api
 
 pytestmark = pytest.mark.integration
@@ -35,7 +39,7 @@ def test_criu_is_4x(criu_engine: criu.CriuEngine) -> None:
 
 
 def test_freeze_thaw_many_times_identical_outputs(inst: instance.Instance, criu_engine: criu.CriuEngine) -> None:
-    x = runtime.sample_inputs(inst.config.inputs, batch=32, seed=5)
+    x = contract.sample_inputs(inst.config.inputs, batch=32, seed=5)
     inst.to(Tier.HOT)
     reference = inst.infer(x)["probability"]
     pids = set()
@@ -104,7 +108,7 @@ def test_rng_reseeded_after_restore(default_spec: api.ModelSpecSpec, rundir: pat
 
 
 def test_broken_image_falls_back_to_cold_start(inst: instance.Instance) -> None:
-    x = runtime.sample_inputs(inst.config.inputs, batch=2, seed=1)
+    x = contract.sample_inputs(inst.config.inputs, batch=2, seed=1)
     inst.to(Tier.HOT)
     reference = inst.infer(x)["probability"]
     inst.to(Tier.FROZEN)
@@ -118,7 +122,7 @@ def test_broken_image_falls_back_to_cold_start(inst: instance.Instance) -> None:
 
 
 def test_failed_dump_keeps_the_worker_serving(inst: instance.Instance, monkeypatch: pytest.MonkeyPatch) -> None:
-    x = runtime.sample_inputs(inst.config.inputs, batch=2, seed=1)
+    x = contract.sample_inputs(inst.config.inputs, batch=2, seed=1)
     inst.to(Tier.HOT)
     reference = inst.infer(x)["probability"]
     assert inst.criu is not None
@@ -144,7 +148,7 @@ def test_fresh_image_is_reused_until_the_worker_changes(default_spec: api.ModelS
 
     inst = instance.Instance("reuse", default_spec, rundir, criu_engine, reuse_image_sec=300)
     try:
-        x = runtime.sample_inputs(inst.config.inputs, batch=2, seed=8)
+        x = contract.sample_inputs(inst.config.inputs, batch=2, seed=8)
         inst.to(Tier.HOT)
         reference = inst.infer(x)["probability"]
         first = inst.to(Tier.FROZEN)
@@ -170,7 +174,7 @@ def test_lazy_restore_answers_the_same(default_spec: api.ModelSpecSpec, rundir: 
     """CRIU lazy pages (userfaultfd): the restored worker pulls its pages on demand and answers the same."""
     inst = instance.Instance("lazy", default_spec, rundir, criu_engine, lazy_restore=True)
     try:
-        x = runtime.sample_inputs(inst.config.inputs, batch=16, seed=3)
+        x = contract.sample_inputs(inst.config.inputs, batch=16, seed=3)
         inst.to(Tier.HOT)
         reference = inst.infer(x)["probability"]
         for _ in range(3):
@@ -307,7 +311,7 @@ def test_a_failed_lazy_restore_is_retried_eagerly(default_spec: api.ModelSpecSpe
     """The image is fine when only the lazy-pages machinery fails: an eager restore of it serves, no cold start."""
     inst = instance.Instance("lazyfail", default_spec, rundir, criu_engine, lazy_restore=True)
     try:
-        x = runtime.sample_inputs(inst.config.inputs, batch=2, seed=4)
+        x = contract.sample_inputs(inst.config.inputs, batch=2, seed=4)
         inst.to(Tier.HOT)
         reference = inst.infer(x)["probability"]
         inst.to(Tier.FROZEN)
@@ -333,7 +337,7 @@ def test_many_wakes_under_load_never_fall_back(default_spec: api.ModelSpecSpec, 
     inst = instance.Instance("stress", default_spec, rundir, criu_engine, lazy_restore=lazy)
     load: list[subprocess.Popen[bytes]] = []
     try:
-        x = runtime.sample_inputs(inst.config.inputs, batch=4, seed=9)
+        x = contract.sample_inputs(inst.config.inputs, batch=4, seed=9)
         inst.to(Tier.HOT)
         reference = inst.infer(x)["probability"]
         for cycle in range(100):
@@ -349,4 +353,51 @@ def test_many_wakes_under_load_never_fall_back(default_spec: api.ModelSpecSpec, 
         for process in load:
             process.kill()
             process.wait()
+        inst.close()
+
+
+def test_a_lazily_restored_worker_is_frozen_only_with_all_its_pages(default_spec: api.ModelSpecSpec,
+                                                                     rundir: pathlib.Path,
+                                                                     criu_engine: criu.CriuEngine,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lazy-pages daemon streams a restored worker's memory in the background. A freeze that dumped the
+    worker before it had every page made an image without them, whose restore then crashed in CPython's
+    allocator. The page server is slowed down here (stopped 95% of the time) so that the freeze right after
+    the lazy wake comes while pages are still pending."""
+    started: list[subprocess.Popen[bytes]] = []
+    lazy_pages = criu_engine._lazy_pages
+
+    def slow_lazy_pages(image: criu.Image) -> subprocess.Popen[bytes]:
+        daemon = lazy_pages(image)
+        started.append(daemon)
+
+        def throttle() -> None:
+            while daemon.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(daemon.pid, signal.SIGSTOP)
+                    time.sleep(0.02)
+                    os.kill(daemon.pid, signal.SIGCONT)
+                    time.sleep(0.001)
+        threading.Thread(target=throttle, daemon=True).start()
+        return daemon
+
+    monkeypatch.setattr(criu_engine, "_lazy_pages", slow_lazy_pages)
+    inst = instance.Instance("pending", default_spec, rundir, criu_engine, lazy_restore=True)
+    try:
+        x = contract.sample_inputs(inst.config.inputs, batch=4, seed=12)
+        inst.to(Tier.HOT)
+        reference = inst.infer(x)["probability"]
+        inst.to(Tier.FROZEN)
+        assert not inst.wake().fallback
+        assert started and started[-1].poll() is None, "the page server should still be streaming"
+        inst.to(Tier.FROZEN)  # waits for the remaining pages
+        assert started[-1].poll() == 0
+        inst.lazy_restore = False
+        woke = inst.wake()
+        assert not woke.fallback, woke.detail
+        for seed in range(20):  # allocate and collect: a heap with zeroed pages crashes here
+            inst.infer(contract.sample_inputs(inst.config.inputs, batch=64, seed=seed))
+        assert np.array_equal(inst.infer(x)["probability"], reference)
+        assert inst.restore_failures == 0
+    finally:
         inst.close()

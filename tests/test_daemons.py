@@ -14,7 +14,7 @@ from procs import Daemon, wait_for
 
 from volga_agent import defaultmodel, instance
 from volga_agent.rpc.volga.v1 import agent_pb2, agent_pb2_grpc
-from volga_agent.worker import runtime
+from volga_agent.worker import contract
 from volga_bench import harness
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -43,7 +43,7 @@ def test_agent_and_gateway_processes(tmp_path: pathlib.Path) -> None:
             assert frozen[0].model_id == spec.spec.model_id and frozen[0].snapshot_bytes > 0
             client = grpcclient.InferenceServerClient(f"127.0.0.1:{gateway.port('gRPC')}")
             decls = instance.decls(spec.spec.inputs)
-            x = runtime.sample_inputs(decls, batch=2, seed=4)
+            x = contract.sample_inputs(decls, batch=2, seed=4)
             out = client.infer(spec.spec.model_id, harness.triton_inputs(decls, x)).as_numpy("probability")
             client.close()
             assert out.shape == (2, 1) and np.all((out > 0) & (out < 1))

@@ -23,7 +23,7 @@ from procs import Daemon, wait_for
 from tritonclient.utils import InferenceServerException
 
 from volga_agent import defaultmodel, instance
-from volga_agent.worker import runtime
+from volga_agent.worker import contract
 from volga_bench import harness
 from volga_bench.controlplane import ControlPlane, free_ports
 
@@ -106,7 +106,7 @@ def ready(obj: dict[str, Any]) -> bool:
 
 def request(grpc: str, model: str, seed: int = 5, headers: dict[str, str] | None = None) -> np.ndarray:
     decls = instance.decls(defaultmodel.ensure().spec.inputs)
-    inputs = harness.triton_inputs(decls, runtime.sample_inputs(decls, batch=4, seed=seed))
+    inputs = harness.triton_inputs(decls, contract.sample_inputs(decls, batch=4, seed=seed))
     client = grpcclient.InferenceServerClient(grpc)
     try:
         return client.infer("ignored", inputs, headers={"x-model-id": model, **(headers or {})},
@@ -122,7 +122,7 @@ def reference(seed: int = 5) -> np.ndarray:
     spec = defaultmodel.ensure().spec
     decls = instance.decls(spec.inputs)
     session = onnxruntime.InferenceSession(str(spec.source_path), providers=["CPUExecutionProvider"])
-    return session.run(["probability"], runtime.sample_inputs(decls, batch=4, seed=seed))[0]
+    return session.run(["probability"], contract.sample_inputs(decls, batch=4, seed=seed))[0]
 
 
 def test_apply_wake_outage_delete(control_plane: ControlPlane, cluster: dict[str, Any],

@@ -18,7 +18,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from volga_agent import defaultmodel, local
-from volga_agent.worker import runtime
+from volga_agent.worker import contract
 from volga_bench import harness
 from volga_operator import api
 
@@ -51,7 +51,7 @@ def name_of(up: local.Embedded, model: str) -> str:
 
 
 def arrays(up: local.Embedded, model: str = A, batch: int = 4) -> dict[str, np.ndarray]:
-    return runtime.sample_inputs(up.gateway.catalog.decls(model), batch=batch, seed=21)
+    return contract.sample_inputs(up.gateway.catalog.decls(model), batch=batch, seed=21)
 
 
 def grpc_inputs(x: dict[str, np.ndarray], module: Any = grpcclient) -> list[Any]:

@@ -14,7 +14,7 @@ import pytest
 
 from volga_agent import instance
 from volga_agent.snapshot import criu, cuda
-from volga_agent.worker import protocol, runtime
+from volga_agent.worker import contract, protocol
 from volga_bench import tiers
 from volga_operator import api
 
@@ -54,7 +54,7 @@ def handed_back(inst: instance.Instance, x: dict[str, np.ndarray], tier: str) ->
 
 
 def test_warm_offloads_weights_and_restores_them(gpu_inst: instance.Instance) -> None:
-    x = runtime.sample_inputs(gpu_inst.config.inputs, batch=8, seed=2)
+    x = contract.sample_inputs(gpu_inst.config.inputs, batch=8, seed=2)
     reference = gpu_inst.infer(x)["y"]
     hot = gpu_inst.client().call("stats").header
     assert hot["gpu_allocated_bytes"] >= hot["weights_bytes"] > 0.2 * 2**30
@@ -69,7 +69,7 @@ def test_warm_offloads_weights_and_restores_them(gpu_inst: instance.Instance) ->
 
 
 def test_suspended_holds_no_gpu_memory(gpu_inst: instance.Instance) -> None:
-    x = runtime.sample_inputs(gpu_inst.config.inputs, batch=8, seed=2)
+    x = contract.sample_inputs(gpu_inst.config.inputs, batch=8, seed=2)
     reference = gpu_inst.infer(x)["y"]
     driver = gpu_inst.driver
     assert driver is not None and gpu_inst.pid is not None
@@ -85,8 +85,8 @@ def test_suspended_holds_no_gpu_memory(gpu_inst: instance.Instance) -> None:
 
 
 def test_warm_keeps_addresses_so_cuda_graphs_replay(gpu_inst: instance.Instance) -> None:
-    graph_batch = runtime.sample_inputs(gpu_inst.config.inputs, batch=8, seed=4)  # captured at load
-    eager_batch = runtime.sample_inputs(gpu_inst.config.inputs, batch=3, seed=4)
+    graph_batch = contract.sample_inputs(gpu_inst.config.inputs, batch=8, seed=4)  # captured at load
+    eager_batch = contract.sample_inputs(gpu_inst.config.inputs, batch=3, seed=4)
     hot = gpu_inst.client().call("stats").header
     assert hot["stable_addresses"] and hot["cuda_graphs"] == [8]
     want_graph, want_eager = gpu_inst.infer(graph_batch)["y"], gpu_inst.infer(eager_batch)["y"]
@@ -102,7 +102,7 @@ def test_warm_keeps_addresses_so_cuda_graphs_replay(gpu_inst: instance.Instance)
 
 
 def test_frozen_gpu_worker_thaws_with_identical_outputs(gpu_inst: instance.Instance) -> None:
-    x = runtime.sample_inputs(gpu_inst.config.inputs, batch=8, seed=2)
+    x = contract.sample_inputs(gpu_inst.config.inputs, batch=8, seed=2)
     reference = gpu_inst.infer(x)["y"]
     gpu_inst.to(Tier.WARM)  # leaves a pinned host copy of the weights behind
     gpu_inst.wake()
@@ -124,7 +124,7 @@ def test_frozen_gpu_worker_thaws_with_identical_outputs(gpu_inst: instance.Insta
 
 
 def test_in_place_swap_keeps_the_process(gpu_inst: instance.Instance, tmp_path: pathlib.Path) -> None:
-    x = runtime.sample_inputs(gpu_inst.config.inputs, batch=4, seed=3)
+    x = contract.sample_inputs(gpu_inst.config.inputs, batch=4, seed=3)
     before = gpu_inst.infer(x)["y"]
     module = torch.load(gpu_inst.spec.source_path, weights_only=False)
     state = {k: v * 0.5 for k, v in module.state_dict().items()}
@@ -144,7 +144,7 @@ def test_restores_are_verified_by_the_canary(gpu_inst: instance.Instance) -> Non
     """On the GPU the model's canary answer is reproducible, so every SUSPENDED and FROZEN wake (eager and lazy)
     is checked against it, and none fails."""
     assert gpu_inst.verifies_restores
-    x = runtime.sample_inputs(gpu_inst.config.inputs, batch=8, seed=6)
+    x = contract.sample_inputs(gpu_inst.config.inputs, batch=8, seed=6)
     reference = gpu_inst.infer(x)["y"]
     for tier, lazy in ((Tier.SUSPENDED, False), (Tier.FROZEN, False), (Tier.FROZEN, True), (Tier.FROZEN, True)):
         gpu_inst.lazy_restore = lazy
@@ -158,7 +158,7 @@ def test_restores_are_verified_by_the_canary(gpu_inst: instance.Instance) -> Non
 def test_gpu_worker_threads_block_the_wake_signal(gpu_inst: instance.Instance) -> None:
     """A GPU worker has no PID namespace of its own: a thread that did not block the wake signal would die of it."""
     assert gpu_inst.pid is not None and not gpu_inst.pid_namespace
-    bit = 1 << (runtime.WAKE_SIGNAL - 1)
+    bit = 1 << (contract.WAKE_SIGNAL - 1)
     for task in pathlib.Path(f"/proc/{gpu_inst.pid}/task").iterdir():
         blocked = next(line for line in (task / "status").read_text().splitlines() if line.startswith("SigBlk:"))
         assert int(blocked.split()[1], 16) & bit, (task.name, blocked)

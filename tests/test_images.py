@@ -27,7 +27,7 @@ from images import Rootfs, have_buildah, image_exists
 from prometheus_client import parser as prom_parser
 
 from volga_agent import defaultmodel, instance
-from volga_agent.worker import runtime
+from volga_agent.worker import contract
 from volga_bench.controlplane import ControlPlane, free_ports
 
 pytest_plugins = ["k8s_fixtures"]
@@ -164,7 +164,7 @@ def test_agent_image_freezes_restores_and_serves(rootfs: Rootfs, tmp_path: pathl
         wait_for("a FROZEN instance", lambda: agent_metric("volga_emis_active_total", tier="FROZEN") == 1,
                  timeout=180, proc=agent)
         decls = instance.decls(model.spec.inputs)
-        x = runtime.sample_inputs(decls, batch=4, seed=21)
+        x = contract.sample_inputs(decls, batch=4, seed=21)
         inputs = []
         for decl in decls:
             tensor = grpcclient.InferInput(decl.name, list(x[decl.name].shape), decl.dtype)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 
+import pydantic
 import pytest
 
 from volga_agent import policy
@@ -326,7 +326,7 @@ def test_settings_errors_name_the_field(data: dict[str, object], message: str) -
 
 
 def test_settings_are_frozen() -> None:
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
         policy.Settings().max_failures = 1  # type: ignore[misc]
 
 

@@ -26,7 +26,7 @@ import tritonclient.grpc as grpcclient
 import yaml
 
 from volga_agent import defaultmodel, local
-from volga_agent.worker import runtime
+from volga_agent.worker import contract
 from volga_bench import harness
 from volga_bench.controlplane import free_ports
 from volga_operator import api
@@ -142,7 +142,7 @@ def test_prometheus_sees_the_restores_performed(up: local.Embedded, prometheus: 
     model = defaultmodel.MODEL_ID
     name = up.pool.instances(model)[0].name
     decls = up.gateway.catalog.decls(model)
-    inputs = harness.triton_inputs(decls, runtime.sample_inputs(decls, batch=4, seed=5))
+    inputs = harness.triton_inputs(decls, contract.sample_inputs(decls, batch=4, seed=5))
     registry = up.agent_metrics.registry
     frozen = {"tier": api.Tier.FROZEN.value, "model": model}
     client = grpcclient.InferenceServerClient(up.endpoints()["grpc"])

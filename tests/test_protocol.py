@@ -61,6 +61,35 @@ def test_oversized_or_garbled_frames() -> None:
         protocol.recv_frame(right)
 
 
+
+def test_async_face_shares_the_layout_and_the_limits() -> None:
+    """Frames written on asyncio streams read back on a blocking socket and the other way round."""
+    import asyncio
+
+    async def scenario() -> None:
+        mine, theirs = socket.socketpair(socket.AF_UNIX)
+        reader, writer = await asyncio.open_unix_connection(sock=mine)
+        payload = [memoryview(np.arange(100, dtype=np.int32)).cast("B")]
+        await protocol.write_frame(writer, {"op": "y"}, payload)
+        frame = await asyncio.to_thread(protocol.recv_frame, theirs)
+        assert frame.header == {"op": "y"} and bytes(frame.payload) == bytes(payload[0])
+        await asyncio.to_thread(protocol.send_frame, theirs, {"ok": True}, payload)
+        back = await protocol.read_frame(reader)
+        assert back.header == {"ok": True} and np.array_equal(np.frombuffer(back.payload, np.int32), np.arange(100))
+        theirs.sendall(protocol.PREFIX.pack(3, 0) + b"[1]")
+        with pytest.raises(protocol.ProtocolError, match="not a JSON object"):
+            await protocol.read_frame(reader)
+        theirs.sendall(protocol.PREFIX.pack(0, protocol.MAX_PAYLOAD + 1))
+        with pytest.raises(protocol.ProtocolError, match="too large"):
+            await protocol.read_frame(reader)
+        theirs.sendall(protocol.PREFIX.pack(10, 0) + b"{}")
+        theirs.close()
+        with pytest.raises(protocol.ProtocolError, match="closed after 2 of 10 bytes"):
+            await protocol.read_frame(reader)
+        writer.close()
+
+    asyncio.run(scenario())
+
 def test_modelspec_dtypes_are_the_ones_workers_and_gateways_carry() -> None:
     """A type the ModelSpec accepts but a worker cannot carry would fail only at the first cold start."""
     from volga_agent.gateway import oip

@@ -12,7 +12,7 @@ import pytest
 import tritonclient.http as httpclient
 
 from volga_agent import defaultmodel, instance
-from volga_agent.worker import runtime
+from volga_agent.worker import contract
 from volga_bench import harness
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -39,7 +39,7 @@ def test_up_serves_and_stops_cleanly_on_sigterm(tmp_path: pathlib.Path) -> None:
     with harness.volga_up(["--snapshot-dir", str(snapshots)]) as up:
         client = httpclient.InferenceServerClient(up.endpoints["http"].removeprefix("http://"))
         decls = instance.decls(spec.inputs)
-        x = runtime.sample_inputs(decls, batch=3, seed=4)
+        x = contract.sample_inputs(decls, batch=3, seed=4)
         inputs = harness.triton_inputs(decls, x, httpclient)
         out = client.infer(spec.model_id, inputs).as_numpy("probability")
         assert out.shape == (3, 1) and np.all((out > 0) & (out < 1))

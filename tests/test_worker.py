@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from procs import wait_for
 
-from volga_agent import defaultmodel, instance
-from volga_agent.worker import protocol, runtime
+from volga_agent import defaultmodel, instance, process
+from volga_agent.worker import contract, protocol
 from volga_operator import api
 
 pytestmark = pytest.mark.integration
@@ -28,7 +28,7 @@ def hot(default_spec: api.ModelSpecSpec, rundir: pathlib.Path) -> Iterator[insta
 
 
 def request(inst: instance.Instance, batch: int = 4) -> dict[str, np.ndarray]:
-    return runtime.sample_inputs(inst.config.inputs, batch=batch, seed=11)
+    return contract.sample_inputs(inst.config.inputs, batch=batch, seed=11)
 
 
 def test_serves_and_is_deterministic(hot: instance.Instance) -> None:
@@ -97,7 +97,7 @@ def test_model_that_fails_to_load(default_spec: api.ModelSpecSpec, rundir: pathl
     broken = rundir / "broken.onnx"
     broken.write_bytes(b"this is not onnx")
     inst = instance.Instance("b", default_spec.model_copy(update={"source": str(broken)}), rundir / "i", None)
-    with pytest.raises(instance.WorkerStartError, match="worker failed"):
+    with pytest.raises(process.WorkerStartError, match="worker failed"):
         inst.to(Tier.HOT)
     inst.close()
 
@@ -174,7 +174,7 @@ def test_request_caught_by_a_checkpoint_is_handed_back_unrun(hot: instance.Insta
 
     asyncio.run(scenario())
     hot.disconnect()
-    wait_for("ready-for-checkpoint", (hot.signals / runtime.READY_FOR_CHECKPOINT).exists, timeout=10, every=0.01)
+    wait_for("ready-for-checkpoint", (hot.signals / contract.READY_FOR_CHECKPOINT).exists, timeout=10, every=0.01)
     hot._resume_worker(hot.pid)
     hot.client().call("ping")
     assert np.array_equal(hot.infer(x)["probability"], good)
@@ -229,14 +229,14 @@ def test_every_worker_thread_blocks_the_wake_signal(default_spec: api.ModelSpecS
     try:
         inst.to(Tier.HOT)
         assert inst.pid is not None
-        bit = 1 << (runtime.WAKE_SIGNAL - 1)
+        bit = 1 << (contract.WAKE_SIGNAL - 1)
         threads = list(pathlib.Path(f"/proc/{inst.pid}/task").iterdir())
         assert len(threads) > 1
         for task in threads:
             blocked = next(line for line in (task / "status").read_text().splitlines() if line.startswith("SigBlk:"))
             assert int(blocked.split()[1], 16) & bit, (task.name, blocked)
         for _ in range(20):
-            os.kill(inst.pid, runtime.WAKE_SIGNAL)
+            os.kill(inst.pid, contract.WAKE_SIGNAL)
         x = request(inst)
         assert inst.infer(x)["probability"].shape == (4, 1)
         assert not inst.worker_gone()

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import yaml
 
-from volga_agent import policy
+from volga_agent import policy, ports
 from volga_operator import api
 
 Tier = api.Tier
@@ -221,10 +221,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("up", help="agent + gateway + local ModelSpec store, no Kubernetes")
     p.add_argument("-f", "--file", action="append", help="ModelSpec YAML file or folder (default: the embedded model)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--http-port", type=int, default=8000)
-    p.add_argument("--grpc-port", type=int, default=8001)
-    p.add_argument("--metrics-port", type=int, default=8002)
-    p.add_argument("--agent-port", type=int, default=8010, help="Agent gRPC API (-1: off)")
+    p.add_argument("--http-port", type=int, default=ports.DEFAULT.http_port)
+    p.add_argument("--grpc-port", type=int, default=ports.DEFAULT.grpc_port)
+    p.add_argument("--metrics-port", type=int, default=ports.DEFAULT.metrics_port)
+    p.add_argument("--agent-port", type=int, default=ports.DEFAULT.agent_port, help="Agent gRPC API (-1: off)")
     p.add_argument("--snapshot-dir", help="where CRIU images go (default: a folder on /dev/shm)")
     p.add_argument("--idle-sec", type=float,
                    help="idle seconds before an instance goes down a tier (on a CPU node: HOT -> FROZEN)")

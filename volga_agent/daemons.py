@@ -21,7 +21,7 @@ from typing import Any
 
 import uvloop
 
-from volga_agent import gpus, metrics, policy, pool, server
+from volga_agent import gpus, metrics, policy, pool, ports, server
 from volga_agent.gateway import app, catalog, links
 from volga_operator import api, planner
 
@@ -66,11 +66,11 @@ def agent_main(argv: list[str] | None = None) -> int:
     parser.add_argument("-f", "--file", action="append", help="static ModelSpecs (no Kubernetes)")
     parser.add_argument("--kube", action="store_true", help="cluster mode: drive the EMIs of this node")
     parser.add_argument("--host", default=os.environ.get("VOLGA_LISTEN", "127.0.0.1"))
-    parser.add_argument("--port", type=int, default=8010, help="Agent gRPC API")
+    parser.add_argument("--port", type=int, default=ports.DEFAULT.agent_port, help="Agent gRPC API")
     parser.add_argument("--metrics-port", type=int, default=8012)
     parser.add_argument("--workdir", default=os.environ.get("VOLGA_WORKDIR", "/run/volga"))
     parser.add_argument("--snapshot-dir", default=os.environ.get("VOLGA_SNAPSHOT_DIR", "/dev/shm/volga"))
-    parser.add_argument("--settings", help="YAML/JSON file of agent settings (DESIGN.md section 6 names)")
+    parser.add_argument("--settings", help="YAML/JSON file of agent settings (camelCase names; docs/architecture.md)")
     parser.add_argument("--gateway-address", default=os.environ.get("VOLGA_GATEWAY_ADDRESS", ""),
                         help="this node's gateway (gRPC host:port), reported in EMI status so other gateways can "
                              "forward requests for this node's models")
@@ -124,9 +124,9 @@ def gateway_main(argv: list[str] | None = None) -> int:
     parser.add_argument("-f", "--file", action="append", help="static ModelSpecs (no Kubernetes)")
     parser.add_argument("--kube", action="store_true", help="cluster mode: route every ModelSpec of the cluster")
     parser.add_argument("--host", default=os.environ.get("VOLGA_LISTEN", "0.0.0.0"))
-    parser.add_argument("--http-port", type=int, default=8000)
-    parser.add_argument("--grpc-port", type=int, default=8001)
-    parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument("--http-port", type=int, default=ports.DEFAULT.http_port)
+    parser.add_argument("--grpc-port", type=int, default=ports.DEFAULT.grpc_port)
+    parser.add_argument("--metrics-port", type=int, default=ports.DEFAULT.metrics_port)
     parser.add_argument("--cache-ttl-sec", type=float, default=60.0)
     parser.add_argument("-v", "--verbose", action="store_true")
     args = _parse(parser, argv)

@@ -1,6 +1,7 @@
 """One executable model instance (EMI): a worker process and the tier it is in.
 
-The tier state machine allows only these moves (anything else raises IllegalTransition):
+The tier state machine allows only these moves, the entries of `MOVES` (anything else raises
+IllegalTransition):
 
     COLD      -> HOT                              spawn, load, warm up
     HOT       -> WARM | SUSPENDED | FROZEN | COLD
@@ -17,42 +18,30 @@ once more eagerly from the same image before that.
 A restore can also succeed and bring back the wrong state (a damaged image). With `verify_restores`, the
 instance records the model's answer to a fixed canary input before each snapshot and has the restored
 worker answer it again before any request reaches it: a different answer is a failed restore.
+
+Starting, watching and reaping the worker process is `process`'s; see docs/architecture.md.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
 import pathlib
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from volga_agent import process
 from volga_agent.snapshot import criu, cuda
-from volga_agent.worker import nsinit, protocol, runtime
+from volga_agent.worker import contract, protocol
 from volga_operator import api
 
 Tier = api.Tier
 log = logging.getLogger(__name__)
 
-LEGAL: dict[Tier, frozenset[Tier]] = {
-    Tier.COLD: frozenset({Tier.HOT}),
-    Tier.HOT: frozenset({Tier.WARM, Tier.SUSPENDED, Tier.FROZEN, Tier.COLD}),
-    Tier.WARM: frozenset({Tier.HOT, Tier.COLD}),
-    Tier.SUSPENDED: frozenset({Tier.HOT, Tier.FROZEN, Tier.COLD}),
-    Tier.FROZEN: frozenset({Tier.HOT, Tier.SUSPENDED, Tier.COLD}),
-}
 GPU_ONLY = frozenset({Tier.WARM, Tier.SUSPENDED})
-# onnxruntime's telemetry keeps a SQLite store under ~/.cache open, shared by every onnxruntime process of
-# the user: when another process grows its journal between a worker's dump and its restore, CRIU refuses the
-# restore ("has bad size"). A worker holds no file that others write.
-WORKER_ENV = {"ORT_DISABLE_TELEMETRY": "1"}
 MAX_SOCKET_PATH = 107
 
 
@@ -62,10 +51,6 @@ class IllegalTransition(ValueError):
 
 class CanaryMismatch(RuntimeError):
     """A restored worker answered the canary differently from the worker that was snapshotted."""
-
-
-class WorkerStartError(RuntimeError):
-    """The worker died or did not become ready; the message carries the end of its log."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,18 +63,18 @@ class Transition:
     detail: str = ""
 
 
-def decls(tensors: Sequence[api.TensorSpec]) -> tuple[runtime.TensorDecl, ...]:
+def decls(tensors: Sequence[api.TensorSpec]) -> tuple[contract.TensorDecl, ...]:
     """A ModelSpec's tensors as the worker declares them."""
-    return tuple(runtime.TensorDecl(t.name, t.dtype.value, tuple(t.shape)) for t in tensors)
+    return tuple(contract.TensorDecl(t.name, t.dtype.value, tuple(t.shape)) for t in tensors)
 
 
 def worker_config(spec: api.ModelSpecSpec, workdir: pathlib.Path, device: str, cpus: tuple[int, ...] = (),
                   warmup_cache_ratio: float | None = None, reset_rng_on_restore: bool = False
-                  ) -> runtime.WorkerConfig:
+                  ) -> contract.WorkerConfig:
     """The worker's configuration from its ModelSpec and the node's defaults: `warmup_cache_ratio` applies
     where the ModelSpec sets none; `reset_rng_on_restore` makes every restored copy re-seed, whatever the
     ModelSpec says (otherwise its runtime.resetRngOnRestore decides)."""
-    return runtime.WorkerConfig(
+    return contract.WorkerConfig(
         model_id=spec.model_id, framework=spec.framework.value, path=str(spec.source_path),
         inputs=decls(spec.inputs), outputs=decls(spec.outputs), socket=str(workdir / "worker.sock"),
         signal_dir=str(workdir / "signals"), device=device, warmup_iterations=spec.runtime.warmup_iterations,
@@ -103,16 +88,12 @@ def worker_config(spec: api.ModelSpecSpec, workdir: pathlib.Path, device: str, c
                               * spec.runtime.warmup_iterations))
 
 
+# How long a freeze waits for a lazily restored worker's remaining pages (the lazy-pages daemon streams them in
+# the background at the page-fault rate: about a second per GB).
+LAZY_PAGES_TIMEOUT_SEC = 120.0
 # What a failed wake raises: the restore, the driver, the restored worker or its canary answer.
-WAKE_ERRORS = (criu.CriuError, cuda.DriverCheckpointError, WorkerStartError, protocol.ProtocolError,
+WAKE_ERRORS = (criu.CriuError, cuda.DriverCheckpointError, process.WorkerStartError, protocol.ProtocolError,
                protocol.WorkerError, CanaryMismatch, OSError)
-
-
-def _log_tail(path: pathlib.Path, lines: int = 12) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
 
 
 class Instance:
@@ -161,83 +142,24 @@ class Instance:
         self.last_used = time.monotonic()
         self._client: protocol.WorkerClient | None = None
         self._paused = False  # the worker waits in its pause hook (after a restore into SUSPENDED)
+        self._restored: criu.Restored | None = None  # the CRIU restore the running worker came from
         if not spec.source_path.exists():
             raise FileNotFoundError(f"spec.source: model file {spec.source_path} does not exist")
 
     # -- worker process ------------------------------------------------------------------------------
 
-    def _spawn(self) -> int:
-        self.signals.mkdir(parents=True, exist_ok=True)
-        for leftover in self.signals.iterdir():
-            leftover.unlink()
-        config_path = self.workdir / "config.json"
-        config_path.write_text(self.config.to_json())
-        nsinit.become_subreaper()
-        cmd = [sys.executable, "-m", "volga_agent.worker.nsinit",
-               *([] if self.pid_namespace else ["--no-pidns"]),
-               *(["--cpus", ",".join(map(str, self.config.cpus))] if self.config.cpus else []), str(self.logfile), "--",
-               sys.executable, "-m", "volga_agent.worker.runtime", str(config_path)]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=self.workdir,
-                             env={**os.environ, **WORKER_ENV})
-        if out.returncode != 0:
-            raise WorkerStartError(f"{self.name}: could not start worker: {out.stderr.strip()}")
-        return int(out.stdout.strip())
-
-    def _alive(self, pid: int) -> bool:
-        try:
-            done, _ = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            return os.path.exists(f"/proc/{pid}") and not _is_zombie(pid)
-        return done == 0
-
-    def _exited(self, pid: int, grace: float) -> bool:
-        """Whether the worker is gone; a process whose socket just closed may need a moment to exit."""
-        deadline = time.monotonic() + grace
-        while self._alive(pid):
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.005)
-        return True
-
     def worker_gone(self) -> bool:
         """Whether the worker this instance counts on (HOT, WARM or SUSPENDED) has exited."""
-        return self.pid is not None and self._exited(self.pid, grace=0)
+        return self.pid is not None and process.exited(self.pid, grace=0)
 
     def _wait_for(self, pid: int, predicate: Callable[[], bool], what: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        delay = 0.0005
-        while not predicate():
-            if (self.signals / "failed").exists():
-                raise WorkerStartError(f"{self.name}: worker failed: {(self.signals / 'failed').read_text()}")
-            if not self._alive(pid):
-                raise WorkerStartError(f"{self.name}: worker exited before {what}:\n{_log_tail(self.logfile)}")
-            if time.monotonic() > deadline:
-                raise WorkerStartError(f"{self.name}: worker not {what} after {timeout:.0f} s")
-            time.sleep(delay)
-            delay = min(delay * 2, 0.01)
-
-    def _reap(self, pid: int, timeout: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                done, _ = os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if done:
-                return
-            time.sleep(0.002)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, 0)
+        process.wait_for(self.name, pid, predicate, what, timeout, self.signals, self.logfile)
 
     def _kill(self) -> None:
         self.disconnect()
-        self._paused = False
+        self._paused, self._restored = False, None
         if self.pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGKILL)
-            self._reap(self.pid)
+            process.kill(self.pid)
             self.pid = None
 
     def client(self) -> protocol.WorkerClient:
@@ -253,8 +175,8 @@ class Instance:
     def _resume_worker(self, pid: int) -> None:
         """Tell a paused (or restored) worker to carry on serving: the restore-complete hook."""
         self._paused = False
-        (self.signals / runtime.RESTORE_COMPLETE).write_text(str(time.time()))
-        os.kill(pid, runtime.WAKE_SIGNAL)
+        (self.signals / contract.RESTORE_COMPLETE).write_text(str(time.time()))
+        os.kill(pid, contract.WAKE_SIGNAL)
 
     # -- tiers ---------------------------------------------------------------------------------------
 
@@ -266,26 +188,22 @@ class Instance:
         return t
 
     def to(self, target: Tier) -> Transition:
+        """Make the move from the current tier to `target` that `MOVES` holds; a failed wake cold-starts."""
         source = self.tier
         if target == source:
             return Transition(source, target, 0.0, time.time(), detail="already there")
-        if target not in LEGAL[source]:
+        move = MOVES.get((source, target))
+        if move is None:
             raise IllegalTransition(f"{self.name}: {source.value} -> {target.value} is not a legal move")
         if target in GPU_ONLY and not self.gpu:
             raise IllegalTransition(f"{self.name}: {target.value} needs a GPU and the driver checkpoint API")
         if target == Tier.FROZEN and self.criu is None:
             raise IllegalTransition(f"{self.name}: FROZEN needs CRIU (scripts/install-criu.sh)")
         start = time.perf_counter()
-        if target == Tier.COLD:
-            self._to_cold()
-            return self._record(source, target, start)
-        if target == Tier.HOT and source == Tier.COLD:
-            self._cold_start()
-            return self._record(source, target, start)
         try:
-            detail = getattr(self, f"_{source.value.lower()}_to_{target.value.lower()}")() or ""
+            detail = move.run(self) or ""
         except WAKE_ERRORS as exc:
-            if target not in (Tier.HOT, Tier.SUSPENDED) or source not in (Tier.FROZEN, Tier.SUSPENDED, Tier.WARM):
+            if not move.wake:
                 raise
             self._keep_failure()
             if source == Tier.FROZEN and self.lazy_restore:
@@ -334,17 +252,17 @@ class Instance:
             return self.client().infer(inputs)
         except (OSError, protocol.ProtocolError) as exc:
             self.disconnect()
-            if self.pid is not None and self._exited(self.pid, grace=0.5):
+            if self.pid is not None and process.exited(self.pid, grace=0.5):
                 self.pid = None
                 self.tier = Tier.COLD
                 self.history.append(Transition(Tier.HOT, Tier.COLD, 0.0, time.time(), detail="worker died"))
             raise protocol.WorkerError("UNAVAILABLE", f"{self.name}: worker connection lost: {exc}") from exc
 
     def _cold_start(self) -> None:
-        pid = self._spawn()
+        pid = process.spawn(self.name, self.config, self.workdir, self.logfile, self.pid_namespace)
         self.pid = pid
         try:
-            self._wait_for(pid, lambda: (self.signals / runtime.READY).exists(), "ready", self.start_timeout)
+            self._wait_for(pid, lambda: (self.signals / contract.READY).exists(), "ready", self.start_timeout)
             generation = int(self.client().call("ping").header.get("generation", 0))
             self._record_canary(generation, twice=True)
         except BaseException:
@@ -432,7 +350,7 @@ class Instance:
             return
         self.client().call("prepare_checkpoint")
         self.disconnect()
-        ready = self.signals / runtime.READY_FOR_CHECKPOINT
+        ready = self.signals / contract.READY_FOR_CHECKPOINT
         self._wait_for(self.pid, ready.exists, "ready for checkpoint", 30.0)
 
     def _dump(self, generation: int, gpu_checkpointed: bool = False) -> None:
@@ -449,7 +367,7 @@ class Instance:
             raise
         self._image_generation, self._image_taken = generation, time.monotonic()
         self._snapshot_generation = generation
-        self._reap(self.pid)
+        process.reap(self.pid)
         self.pid = None
         self._paused = False
         if old is not None:
@@ -462,7 +380,15 @@ class Instance:
         return (self.image is not None and generation == self._image_generation
                 and time.monotonic() - self._image_taken < self.reuse_image_sec)
 
+    def _await_pages(self) -> None:
+        """A worker restored lazily is dumped only once it holds all of its memory again: pages still in the
+        old image would be missing from the new one, and come back as zeros (a corrupt heap) after its restore."""
+        if self._restored is not None:
+            self._restored.wait_for_pages(LAZY_PAGES_TIMEOUT_SEC)
+            self._restored = None
+
     def _hot_to_frozen(self) -> str | None:
+        self._await_pages()
         generation = self._generation()
         self._record_canary(generation)
         self._pause()  # requests that gateways just sent are handed back unrun, not reset
@@ -480,6 +406,7 @@ class Instance:
         return None
 
     def _suspended_to_frozen(self) -> None:
+        self._await_pages()
         generation = self._generation()
         self._pause()
         self._dump(generation)
@@ -488,9 +415,9 @@ class Instance:
         if self.image is None or self.criu is None:
             raise criu.CriuError(f"{self.name}: no image to restore")
         pathlib.Path(self.config.socket).unlink(missing_ok=True)
-        (self.signals / runtime.RESTORE_COMPLETE).unlink(missing_ok=True)
+        (self.signals / contract.RESTORE_COMPLETE).unlink(missing_ok=True)
         restored = self.criu.restore(self.image, lazy=self.lazy_restore if lazy is None else lazy)
-        self.pid = restored.pid
+        self.pid, self._restored = restored.pid, restored
         return restored.pid
 
     def _frozen_to_suspended(self, lazy: bool | None = None) -> None:
@@ -513,8 +440,33 @@ class Instance:
         self.tier = Tier.COLD
 
 
-def _is_zombie(pid: int) -> bool:
-    try:
-        return pathlib.Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z")
-    except (OSError, IndexError):
-        return True
+@dataclasses.dataclass(frozen=True)
+class Move:
+    """One legal tier move: the method that makes it, and whether it is a wake (a failure of which falls back
+    to a cold start, after an eager retry where a lazy restore failed)."""
+
+    run: Callable[[Instance], str | None]
+    wake: bool = False
+
+
+# The tier machine: every legal move and the method that makes it (the module docstring draws it). A move's
+# method returns a detail to record, or None.
+MOVES: dict[tuple[Tier, Tier], Move] = {
+    (Tier.COLD, Tier.HOT): Move(Instance._cold_start),
+    (Tier.HOT, Tier.WARM): Move(Instance._hot_to_warm),
+    (Tier.HOT, Tier.SUSPENDED): Move(Instance._hot_to_suspended),
+    (Tier.HOT, Tier.FROZEN): Move(Instance._hot_to_frozen),
+    (Tier.HOT, Tier.COLD): Move(Instance._to_cold),
+    (Tier.WARM, Tier.HOT): Move(Instance._warm_to_hot, wake=True),
+    (Tier.WARM, Tier.COLD): Move(Instance._to_cold),
+    (Tier.SUSPENDED, Tier.HOT): Move(Instance._suspended_to_hot, wake=True),
+    (Tier.SUSPENDED, Tier.FROZEN): Move(Instance._suspended_to_frozen),
+    (Tier.SUSPENDED, Tier.COLD): Move(Instance._to_cold),
+    (Tier.FROZEN, Tier.HOT): Move(Instance._frozen_to_hot, wake=True),
+    (Tier.FROZEN, Tier.SUSPENDED): Move(Instance._frozen_to_suspended, wake=True),
+    (Tier.FROZEN, Tier.COLD): Move(Instance._to_cold),
+}
+# The targets each tier can move to (the pool walks through HOT to reach the others).
+LEGAL: dict[Tier, frozenset[Tier]] = {
+    tier: frozenset(target for source, target in MOVES if source == tier) for tier in Tier
+}

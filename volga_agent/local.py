@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from volga_agent import gpus, metrics, policy, pool, server
+from volga_agent import gpus, metrics, policy, pool, ports, server
 from volga_agent.gateway import app, catalog, links
 from volga_operator import api, planner
 
@@ -30,12 +30,10 @@ NODE = socket.gethostname() or "local"
 
 
 @dataclasses.dataclass(frozen=True)
-class Options:
+class Options(ports.Ports):
+    """`volga up`'s options: its ports (the gateway's and the Agent API's), where it keeps its files, its settings."""
+
     host: str = "127.0.0.1"
-    http_port: int = 8000
-    grpc_port: int = 8001
-    metrics_port: int = 8002
-    agent_port: int = 8010
     workroot: pathlib.Path | None = None
     snapshot_root: pathlib.Path | None = None
     settings: policy.Settings = dataclasses.field(default_factory=policy.Settings)

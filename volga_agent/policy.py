@@ -30,13 +30,18 @@ import collections
 import dataclasses
 import difflib
 import enum
-import math
 import threading
+import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Annotated, Any, Literal
+
+import pydantic
+from pydantic import alias_generators
 
 from volga_operator import api
 
-EVICTION_POLICIES = ("lru", "hybrid")
+EvictionPolicy = Literal["lru", "hybrid"]
+EVICTION_POLICIES: tuple[str, ...] = typing.get_args(EvictionPolicy)
 
 GPU_LADDER: tuple[api.Tier, ...] = (api.Tier.HOT, api.Tier.WARM, api.Tier.SUSPENDED, api.Tier.FROZEN,
                                     api.Tier.COLD)
@@ -54,53 +59,56 @@ class Reason(enum.StrEnum):
     SNAPSHOT_DISK_BUDGET = "SnapshotDiskBudget"
 
 
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    """Node agent settings. Names follow DESIGN.md section 6; budgets of 0 mean unlimited."""
+NonNegative = Annotated[float, pydantic.Field(ge=0)]
+Bytes = Annotated[int, pydantic.Field(ge=0)]
 
-    snapshot_interval_sec: float = 30.0
-    warmup_cache_ratio: float = 0.0
-    gateway_cache_ttl_sec: float = 60.0
-    scheduler_eviction_policy: str = "lru"
+
+class Settings(pydantic.BaseModel):
+    """Node agent settings (see docs/architecture.md); budgets of 0 mean unlimited.
+
+    camelCase keys (the chart's settings.yaml) and snake_case names are both accepted; types are strict (a
+    string is not a number, a boolean not an integer), and `from_mapping` words every error as
+    `settings.NAME: reason`.
+    """
+
+    model_config = pydantic.ConfigDict(alias_generator=alias_generators.to_camel, populate_by_name=True,
+                                       extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+    snapshot_interval_sec: Annotated[float, pydantic.Field(gt=0)] = 30.0
+    warmup_cache_ratio: Annotated[float, pydantic.Field(ge=0, le=1)] = 0.0
+    gateway_cache_ttl_sec: NonNegative = 60.0
+    scheduler_eviction_policy: EvictionPolicy = "lru"
     reset_rng_on_restore: bool = True
     numa_affinity: bool = False
-    max_failures: int = 5
-    backoff_duration_sec: float = 600.0
-    api_writes_per_sec: float = 200.0
-    hot_idle_sec: float = 60.0
-    warm_idle_sec: float = 300.0
-    suspended_idle_sec: float = 900.0
-    host_memory_budget_bytes: int = 0
-    gpu_memory_budget_bytes: int = 0
-    snapshot_disk_budget_bytes: int = 0
+    max_failures: Annotated[int, pydantic.Field(ge=1)] = 5
+    backoff_duration_sec: NonNegative = 600.0
+    api_writes_per_sec: Annotated[float, pydantic.Field(gt=0)] = 200.0
+    hot_idle_sec: NonNegative = 60.0
+    warm_idle_sec: NonNegative = 300.0
+    suspended_idle_sec: NonNegative = 900.0
+    host_memory_budget_bytes: Bytes = 0
+    gpu_memory_budget_bytes: Bytes = 0
+    snapshot_disk_budget_bytes: Bytes = 0
     # Restore FROZEN images with CRIU lazy pages (userfaultfd): the process runs before its memory is read.
     lazy_restore: bool = False
     # Before a restored instance answers, it answers a fixed canary input, compared with the answer recorded
     # before its snapshot: a damaged image then costs a cold start, never a wrong answer.
     verify_restores: bool = True
     # Failed restores whose image and logs stay under the snapshot root's failed/ folder, newest first.
-    keep_failed_restores: int = 3
+    keep_failed_restores: Annotated[int, pydantic.Field(ge=0)] = 3
 
-    def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            _check_type(field.name, str(field.type), value)
-            if field.type == "float":
-                # Normalise ints so that equal settings compare and print equal.
-                object.__setattr__(self, field.name, float(value))
-        _check_range("snapshot_interval_sec", self.snapshot_interval_sec, low=0.0, low_open=True)
-        _check_range("warmup_cache_ratio", self.warmup_cache_ratio, low=0.0, high=1.0)
-        _check_range("gateway_cache_ttl_sec", self.gateway_cache_ttl_sec, low=0.0)
-        if self.scheduler_eviction_policy not in EVICTION_POLICIES:
-            raise ValueError(f"settings.scheduler_eviction_policy: must be one of {', '.join(EVICTION_POLICIES)}, "
-                             f"got {self.scheduler_eviction_policy!r}")
-        _check_range("max_failures", self.max_failures, low=1)
-        _check_range("keep_failed_restores", self.keep_failed_restores, low=0)
-        _check_range("backoff_duration_sec", self.backoff_duration_sec, low=0.0)
-        _check_range("api_writes_per_sec", self.api_writes_per_sec, low=0.0, low_open=True)
-        for name in ("hot_idle_sec", "warm_idle_sec", "suspended_idle_sec",
-                     "host_memory_budget_bytes", "gpu_memory_budget_bytes", "snapshot_disk_budget_bytes"):
-            _check_range(name, getattr(self, name), low=0)
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _once(cls, data: Any) -> Any:
+        """A setting given both by its name and by its camelCase alias is refused, not silently resolved."""
+        if isinstance(data, Mapping):
+            for name, field in cls.model_fields.items():
+                if name in data and field.alias in data and field.alias != name:
+                    raise ValueError(f"settings.{name}: given twice (as {name!r} and {field.alias!r})")
+        return data
+
+    @pydantic.model_validator(mode="after")
+    def _thresholds_in_order(self) -> Settings:
         # Thresholds count from the same last_used, so a colder tier must not come sooner than a hotter one.
         if self.warm_idle_sec < self.hot_idle_sec:
             raise ValueError(f"settings.warm_idle_sec: must be >= hot_idle_sec ({self.hot_idle_sec:g}), "
@@ -108,52 +116,41 @@ class Settings:
         if self.suspended_idle_sec < self.warm_idle_sec:
             raise ValueError(f"settings.suspended_idle_sec: must be >= warm_idle_sec ({self.warm_idle_sec:g}), "
                              f"got {self.suspended_idle_sec:g}")
+        return self
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, object]) -> Settings:
-        """Build from a config mapping with snake_case or camelCase keys; unknown keys are rejected."""
-        names = {field.name: field.name for field in dataclasses.fields(cls)}
-        names.update({_camel(name): name for name in list(names)})
-        kwargs: dict[str, object] = {}
-        for key, value in data.items():
-            name = names.get(key) if isinstance(key, str) else None
-            if name is None:
-                hint = difflib.get_close_matches(str(key), list(names), n=1)
-                suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
-                raise ValueError(f"settings.{key}: unknown setting{suggestion}")
-            if name in kwargs:
-                raise ValueError(f"settings.{name}: given twice (as {name!r} and {_camel(name)!r})")
-            kwargs[name] = value
-        return cls(**kwargs)  # type: ignore[arg-type]  # __post_init__ checks every type
+        """Build from a config mapping with snake_case or camelCase keys; ValueError names each bad setting."""
+        try:
+            return cls.model_validate(data)
+        except pydantic.ValidationError as exc:
+            raise ValueError("; ".join(_explain(cls, error) for error in exc.errors())) from None
 
 
-def _camel(name: str) -> str:
-    head, *rest = name.split("_")
-    return head + "".join(part.title() for part in rest)
+_KINDS = {"int_type": "an integer", "float_type": "a finite number", "finite_number": "a finite number",
+          "bool_type": "a boolean", "string_type": "a string"}
+_BOUNDS = {"greater_than": ("gt", ">"), "greater_than_equal": ("ge", ">="), "less_than_equal": ("le", "<=")}
 
 
-_KINDS = {"bool": "a boolean", "int": "an integer", "float": "a finite number", "str": "a string"}
-
-
-def _check_type(name: str, annotation: str, value: object) -> None:
-    # bool is an int subclass: reject it for numbers, or `max_failures: true` would pass as 1.
-    if annotation == "bool":
-        ok = isinstance(value, bool)
-    elif annotation == "int":
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif annotation == "float":
-        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    else:
-        ok = isinstance(value, str)
-    if not ok:
-        raise ValueError(f"settings.{name}: must be {_KINDS[annotation]}, got {value!r}")
-
-
-def _check_range(name: str, value: float, low: float, high: float | None = None, low_open: bool = False) -> None:
-    if value < low or (low_open and value == low):
-        raise ValueError(f"settings.{name}: must be {'>' if low_open else '>='} {low:g}, got {value:g}")
-    if high is not None and value > high:
-        raise ValueError(f"settings.{name}: must be <= {high:g}, got {value:g}")
+def _explain(model: type[pydantic.BaseModel], error: Any) -> str:
+    """One pydantic error as `settings.NAME: reason`, NAME being the setting's snake_case name."""
+    kind, loc, value = error["type"], error["loc"], error.get("input")
+    if not loc:  # a model validator's message names its setting already
+        return str(error["ctx"]["error"]) if kind == "value_error" else f"settings: {error['msg']}"
+    names = {field.alias or name: name for name, field in model.model_fields.items()}
+    key = ".".join(str(part) for part in loc)
+    name = names.get(key, key)
+    if kind == "extra_forbidden":
+        hint = difflib.get_close_matches(key, [*names, *names.values()], n=1)
+        return f"settings.{key}: unknown setting" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+    if kind in _KINDS:
+        return f"settings.{name}: must be {_KINDS[kind]}, got {value!r}"
+    if kind in _BOUNDS:
+        bound, sign = _BOUNDS[kind]
+        return f"settings.{name}: must be {sign} {error['ctx'][bound]:g}, got {value:g}"
+    if kind == "literal_error":
+        return f"settings.{name}: must be one of {', '.join(EVICTION_POLICIES)}, got {value!r}"
+    return f"settings.{name}: {error['msg']}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 
-from volga_agent import errors, instance, metrics, policy
+from volga_agent import errors, instance, metrics, policy, process
 from volga_agent import gpus as gpu_discovery
 from volga_agent.snapshot import criu, cuda
 from volga_agent.worker import protocol
@@ -274,7 +274,7 @@ class Pool:
                     self._move(slot, Tier.COLD)  # restores keep failing for this model: straight to a cold start
                 try:
                     transition = self._move(slot, Tier.HOT)
-                except (instance.WorkerStartError, protocol.WorkerError, protocol.ProtocolError, OSError) as exc:
+                except (process.WorkerStartError, protocol.WorkerError, protocol.ProtocolError, OSError) as exc:
                     slot.reason = f"ActivationFailed: {exc}"
                     raise errors.ActivationFailed(f"{inst.name}: {exc}") from exc
                 wake_ms, fallback = transition.seconds * 1e3, transition.fallback

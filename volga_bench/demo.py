@@ -14,7 +14,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 
 from volga_agent import defaultmodel
-from volga_agent.worker import runtime
+from volga_agent.worker import contract
 from volga_bench import harness, reporting
 from volga_operator import api
 
@@ -36,7 +36,7 @@ def run(cycles: int = 5, requests: int = 300, say: Callable[[str], None] = print
         client = grpcclient.InferenceServerClient(ep["grpc"])
         decls = embedded.gateway.catalog.decls(model)
         # Built once, outside the timing.
-        inputs = harness.triton_inputs(decls, runtime.sample_inputs(decls, batch=16, seed=3))
+        inputs = harness.triton_inputs(decls, contract.sample_inputs(decls, batch=16, seed=3))
         headers = {"x-model-id": model}
         reference: np.ndarray | None = None
         same = True

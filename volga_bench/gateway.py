@@ -24,7 +24,7 @@ import tritonclient.http as httpclient
 
 from volga_agent import defaultmodel, instance
 from volga_agent.rpc.volga.v1 import agent_pb2, agent_pb2_grpc
-from volga_agent.worker import protocol, runtime
+from volga_agent.worker import contract, protocol
 from volga_bench import harness, reporting
 
 
@@ -51,7 +51,7 @@ def run(rate: float = 500.0, seconds: float = 4.0, rounds: int = 3, protocol_nam
         progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     spec = defaultmodel.ensure().spec
     decls = instance.decls(spec.inputs)
-    arrays = runtime.sample_inputs(decls, batch=1, seed=9)
+    arrays = contract.sample_inputs(decls, batch=1, seed=9)
     headers = {"x-model-id": spec.model_id}
     progress("starting volga up (default model) ...")
     with harness.volga_up() as up:

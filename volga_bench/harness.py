@@ -22,7 +22,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 
 from volga_agent import local
-from volga_agent.worker import runtime
+from volga_agent.worker import contract
 from volga_operator import api
 
 T = TypeVar("T")
@@ -58,7 +58,7 @@ async def _make(specs: list[api.ModelSpec], options: local.Options) -> local.Emb
     return local.Embedded(specs, options)
 
 
-def triton_inputs(decls: tuple[runtime.TensorDecl, ...], arrays: dict[str, np.ndarray],
+def triton_inputs(decls: tuple[contract.TensorDecl, ...], arrays: dict[str, np.ndarray],
                   client_module: Any = grpcclient) -> list[Any]:
     """tritonclient InferInputs for the arrays (`client_module`: tritonclient.grpc (default) or .http)."""
     out = []

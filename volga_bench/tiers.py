@@ -17,7 +17,7 @@ import numpy as np
 
 from volga_agent import gpus, instance
 from volga_agent.snapshot import criu, cuda
-from volga_agent.worker import runtime
+from volga_agent.worker import contract
 from volga_bench import reporting
 from volga_operator import api
 
@@ -64,7 +64,7 @@ def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pa
     engine = criu.CriuEngine(snapshot_dir) if Tier.FROZEN in tiers else None
     inst = instance.Instance(f"bench-{spec.model_id}", spec, workdir, engine, driver, device,
                              reuse_image_sec=float("inf"))
-    inputs = runtime.sample_inputs(inst.config.inputs, batch=batch, seed=1)
+    inputs = contract.sample_inputs(inst.config.inputs, batch=batch, seed=1)
     gpu_index = int(device.partition(":")[2] or 0) if device.startswith("cuda") else None
     reference: dict[str, np.ndarray] | None = None
     runs: dict[Tier | str, TierRun] = {Tier.COLD: TierRun(), **{t: TierRun() for t in tiers}}
@@ -180,7 +180,7 @@ def burst(models: Sequence[api.ModelSpecSpec], workdir: pathlib.Path, device: st
     try:
         progress(f"burst: starting {len(insts)} instances")
         list(pool.map(lambda i: i.to(Tier.HOT), insts))
-        inputs = [runtime.sample_inputs(i.config.inputs, batch=8, seed=2) for i in insts]
+        inputs = [contract.sample_inputs(i.config.inputs, batch=8, seed=2) for i in insts]
         refs = [i.infer(x) for i, x in zip(insts, inputs, strict=True)]
 
         def wake(k: int, t0: float) -> float:

@@ -16,8 +16,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from volga_agent.gateway import oip
-from volga_agent.worker import protocol
-from volga_agent.worker import runtime as contract  # the worker's contract: TensorDecl, check_inputs
+from volga_agent.worker import contract, protocol
 from volga_operator import api
 
 Decls = tuple[contract.TensorDecl, ...]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import mmap
 import os
 import pathlib
@@ -84,23 +83,16 @@ class Connection:
         return not self.reader.at_eof() and not self.writer.is_closing()
 
     async def call(self, header: dict[str, Any],
-                   payload: list[memoryview] | None = None) -> tuple[dict[str, Any], bytes]:
-        head = json.dumps(header, separators=(",", ":")).encode()
-        total = sum(p.nbytes for p in payload or ())
+                   payload: list[memoryview] | None = None) -> tuple[dict[str, Any], bytes | memoryview]:
         try:
-            self.writer.write(protocol.PREFIX.pack(len(head), total) + head)
-            for part in payload or ():
-                self.writer.write(part)
-            await self.writer.drain()
+            await protocol.write_frame(self.writer, header, payload or ())
         except OSError as exc:
             raise WorkerGone(f"worker connection lost: {exc}") from exc
         try:
-            prefix = await self.reader.readexactly(protocol.PREFIX.size)
-            head_len, payload_len = protocol.PREFIX.unpack(prefix)
-            reply = json.loads(await self.reader.readexactly(head_len))
-            body = await self.reader.readexactly(payload_len) if payload_len else b""
-        except (OSError, asyncio.IncompleteReadError) as exc:
+            frame = await protocol.read_frame(self.reader)
+        except (OSError, protocol.ProtocolError) as exc:
             raise WorkerDied(f"worker connection lost mid-request: {exc}") from exc
+        reply, body = frame.header, frame.payload
         if reply.get("unrun"):
             if reply.get("goodbye"):
                 self.writer.close()
@@ -175,7 +167,7 @@ class WorkerClients:
         return self._unpack(reply, body)
 
     @staticmethod
-    def _unpack(reply: dict[str, Any], body: bytes) -> dict[str, np.ndarray]:
+    def _unpack(reply: dict[str, Any], body: bytes | memoryview) -> dict[str, np.ndarray]:
         if not reply.get("ok"):
             raise protocol.WorkerError.from_reply(reply)
         return protocol.unpack_tensors(reply["tensors"], body)

@@ -1,11 +1,16 @@
-"""Frames between the agent and a worker over an AF_UNIX stream socket.
+"""Frames between the agent (or a gateway) and a worker over an AF_UNIX stream socket.
 
 A frame is a fixed 12-byte prefix (header length u32, payload length u64, little-endian), a JSON header
 and a raw payload. Tensors travel in the payload, back to back, described by the header's `tensors` list
 (name, dtype, shape, nbytes) in order, so no tensor is ever encoded as text.
 
+One codec, two faces sharing the prefix layout and the size limits: `send_frame`/`recv_frame` on a blocking
+socket (the worker, the agent's `WorkerClient`) and `write_frame`/`read_frame` on asyncio streams (the
+gateway). A frame over the limits, a header that is not a JSON object or a stream that ends mid-frame is a
+`ProtocolError` on either face.
+
 This module is imported by the worker, the process that gets frozen: it uses the standard library and
-numpy only.
+numpy only, and does not import asyncio (the async face only needs the streams it is given).
 """
 
 from __future__ import annotations
@@ -16,9 +21,12 @@ import json
 import socket
 import struct
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import asyncio
 
 PREFIX = struct.Struct("<IQ")
 MAX_HEADER = 1 << 20
@@ -87,6 +95,34 @@ class Frame:
     payload: bytes | memoryview = b""
 
 
+def _encode(header: dict[str, Any], payload: Sequence[bytes | memoryview]) -> bytes:
+    """The prefix and the header of a frame; its payload parts follow as they are."""
+    head = json.dumps(header, separators=(",", ":")).encode()
+    total = sum(memoryview(p).nbytes for p in payload)
+    return PREFIX.pack(len(head), total) + head
+
+
+def _sizes(prefix: bytes | bytearray) -> tuple[int, int]:
+    """Header and payload lengths from a frame's prefix, within the limits."""
+    head_len, payload_len = PREFIX.unpack(prefix)
+    if head_len > MAX_HEADER or payload_len > MAX_PAYLOAD:
+        raise ProtocolError(f"frame too large: header {head_len} bytes, payload {payload_len} bytes")
+    return int(head_len), int(payload_len)
+
+
+def _decode(head: bytes | bytearray) -> dict[str, Any]:
+    try:
+        header = json.loads(head)
+    except ValueError as exc:
+        raise ProtocolError(f"header is not JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError("header is not a JSON object")
+    return header
+
+
+# -- blocking sockets ------------------------------------------------------------------------------------
+
+
 def _recv_exact(sock: socket.socket, size: int) -> bytearray:
     buf = bytearray(size)
     view = memoryview(buf)
@@ -100,9 +136,7 @@ def _recv_exact(sock: socket.socket, size: int) -> bytearray:
 
 
 def send_frame(sock: socket.socket, header: dict[str, Any], payload: Sequence[bytes | memoryview] = ()) -> None:
-    head = json.dumps(header, separators=(",", ":")).encode()
-    total = sum(memoryview(p).nbytes for p in payload)
-    sock.sendall(PREFIX.pack(len(head), total) + head)
+    sock.sendall(_encode(header, payload))
     for part in payload:
         sock.sendall(part)
 
@@ -125,17 +159,41 @@ def say_goodbye(sock: socket.socket) -> None:
 
 
 def recv_frame(sock: socket.socket) -> Frame:
-    head_len, payload_len = PREFIX.unpack(_recv_exact(sock, PREFIX.size))
-    if head_len > MAX_HEADER or payload_len > MAX_PAYLOAD:
-        raise ProtocolError(f"frame too large: header {head_len} bytes, payload {payload_len} bytes")
-    try:
-        header = json.loads(_recv_exact(sock, head_len))
-    except ValueError as exc:
-        raise ProtocolError(f"header is not JSON: {exc}") from None
-    if not isinstance(header, dict):
-        raise ProtocolError("header is not a JSON object")
+    head_len, payload_len = _sizes(_recv_exact(sock, PREFIX.size))
+    header = _decode(_recv_exact(sock, head_len))
     payload = memoryview(_recv_exact(sock, payload_len)) if payload_len else memoryview(b"")
     return Frame(header, payload)
+
+
+# -- asyncio streams -------------------------------------------------------------------------------------
+
+
+async def write_frame(writer: asyncio.StreamWriter, header: dict[str, Any],
+                      payload: Sequence[bytes | memoryview] = ()) -> None:
+    """Send one frame and wait until the stream has taken it (OSError when the peer is gone)."""
+    writer.write(_encode(header, payload))
+    for part in payload:
+        writer.write(part)
+    await writer.drain()
+
+
+async def _read_exact(reader: asyncio.StreamReader, size: int) -> bytes:
+    try:
+        return await reader.readexactly(size)
+    except EOFError as exc:  # asyncio.IncompleteReadError
+        got, want = len(getattr(exc, "partial", b"")), getattr(exc, "expected", size)
+        raise ProtocolError(f"connection closed after {got} of {want} bytes") from None
+
+
+async def read_frame(reader: asyncio.StreamReader) -> Frame:
+    """Read one frame, under the same limits as `recv_frame` (OSError when the connection breaks)."""
+    head_len, payload_len = _sizes(await _read_exact(reader, PREFIX.size))
+    header = _decode(await _read_exact(reader, head_len))
+    payload = await _read_exact(reader, payload_len) if payload_len else b""
+    return Frame(header, payload)
+
+
+# -- tensors ---------------------------------------------------------------------------------------------
 
 
 def pack_tensors(tensors: dict[str, np.ndarray]) -> tuple[list[dict[str, Any]], list[memoryview]]:

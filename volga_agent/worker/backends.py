@@ -1,0 +1,298 @@
+"""The model frameworks a worker can serve: ONNX through onnxruntime, TorchScript and PyTorch through torch.
+
+A backend is one loaded model. It runs inference and does what a tier move needs inside the process (WARM:
+weights to pinned host memory and back; before a CRIU dump: drop host-side copies). torch is imported only
+for torch models, so an ONNX worker stays small and starts fast.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+import pathlib
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from volga_agent.worker import contract, protocol
+
+
+class Backend(abc.ABC):
+    """One loaded model. Subclasses implement run(); tier moves the framework cannot do raise WorkerError."""
+
+    @abc.abstractmethod
+    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Outputs by name for inputs that `check_inputs` accepted."""
+
+    def offload(self) -> dict[str, Any]:
+        raise protocol.WorkerError("FAILED_PRECONDITION", "this framework has no WARM tier (weights on GPU)")
+
+    def reload(self) -> dict[str, Any]:
+        raise protocol.WorkerError("FAILED_PRECONDITION", "this framework has no WARM tier (weights on GPU)")
+
+    def swap(self, path: str) -> None:
+        raise protocol.WorkerError("UNIMPLEMENTED", "this framework cannot swap weights in place")
+
+    def drop_host_copy(self) -> None:  # noqa: B027 (a hook: backends without host caches need nothing)
+        """Free host-side caches before a checkpoint; the default backend keeps none."""
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+
+class OnnxBackend(Backend):
+    def __init__(self, config: contract.WorkerConfig) -> None:
+        import onnxruntime as ort
+
+        self._ort = ort
+        self.config = config
+        self.providers: list[Any] = ["CPUExecutionProvider"]
+        if config.device.startswith("cuda"):
+            if "CUDAExecutionProvider" not in ort.get_available_providers():
+                raise RuntimeError("device is cuda but this onnxruntime has no CUDAExecutionProvider "
+                                   "(install onnxruntime-gpu)")
+            index = int(config.device.partition(":")[2] or 0)
+            self.providers = [("CUDAExecutionProvider", {"device_id": index}), "CPUExecutionProvider"]
+        self.session = self._open(config.path)
+
+    def _open(self, path: str) -> Any:
+        options = self._ort.SessionOptions()
+        if self.config.intra_op_threads:
+            options.intra_op_num_threads = self.config.intra_op_threads
+        # Spinning intra-op threads burn a core each between requests; on a node shared by many models the
+        # core is worth more than the microseconds spinning saves.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        session = self._ort.InferenceSession(path, options, providers=self.providers)
+        have = {i.name for i in session.get_inputs()}
+        want = {t.name for t in self.config.inputs}
+        if have != want:
+            raise RuntimeError(f"model {path} has inputs {sorted(have)}, the ModelSpec declares {sorted(want)}")
+        return session
+
+    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        names = [t.name for t in self.config.outputs]
+        results = self.session.run(names, inputs)
+        return dict(zip(names, results, strict=True))
+
+    def swap(self, path: str) -> None:
+        self.session = self._open(path)
+
+
+class TorchBackend(Backend):
+    """TorchScript or eager PyTorch. Parameters and buffers live in one flat arena, so WARM is one large copy.
+
+    On a GPU the arena is a CUDA virtual-memory range (`vmm.Arena`): going WARM releases its physical pages
+    but keeps its addresses, so CUDA graphs captured at load (`hardware.cudaGraphs`) replay after a wake.
+    Without the VMM API the arena is an ordinary tensor, re-allocated on wake (graphs are then not used).
+    The pinned host copy is registered memory this backend owns, so it can be freed before a CRIU dump.
+    """
+
+    ALIGN = 256
+
+    def __init__(self, config: contract.WorkerConfig) -> None:
+        import torch
+
+        self.torch = torch
+        self.config = config
+        self.device = torch.device(config.device)
+        if config.framework == "torchscript":
+            module = torch.jit.load(config.path, map_location="cpu")
+        elif config.path.endswith(".py"):
+            namespace: dict[str, Any] = {"__file__": config.path, "__name__": "volga_user_model"}
+            exec(compile(pathlib.Path(config.path).read_text(), config.path, "exec"), namespace)
+            module = namespace["build_model"]()
+        else:
+            module = torch.load(config.path, map_location="cpu", weights_only=False)
+        self.module = module.eval()
+        tensors = [*self.module.parameters(), *self.module.buffers()]
+        # (tensor, dtype, shape, offset): fixed at load, since an offloaded tensor no longer has its shape.
+        self.layout: list[tuple[Any, Any, tuple[int, ...], int]] = []
+        offset = 0
+        for t in tensors:
+            self.layout.append((t, t.dtype, tuple(t.shape), offset))
+            offset += -(-t.numel() * t.element_size() // self.ALIGN) * self.ALIGN
+        self.nbytes = offset
+        self.host: Any = None
+        self._host_buffer: Any = None
+        self.offloaded = False
+        self.vmm: Any = None
+        if self.device.type == "cuda":
+            from volga_agent.worker import vmm
+
+            torch.cuda.set_device(self.device)
+            torch.cuda.init()
+            torch.empty(1, device=self.device)  # make the primary context current on this thread
+        if self.device.type == "cuda" and os.environ.get("VOLGA_VMM", "1") != "0":
+            try:
+                self.vmm = vmm.Arena(self.nbytes, self.device.index or 0)
+            except (OSError, vmm.VmmError) as exc:
+                print(f"CUDA VMM unavailable ({exc}); WARM re-allocates weights", file=sys.stderr)
+        self.arena: Any = (self.vmm.tensor(torch) if self.vmm is not None else
+                           torch.empty(self.nbytes, dtype=torch.uint8, device=self.device))
+        self._bind(self.arena, copy=True)  # straight from host memory into the arena: one copy on the GPU
+        self.module.to(self.device)  # anything that is neither parameter nor buffer
+        self.graphs: dict[int, tuple[Any, list[Any], Any]] = {}
+        if self.device.type == "cuda" and self.vmm is not None:
+            for batch in config.cuda_graph_batches:
+                self._capture(batch)
+
+    def _bind(self, arena: Any, copy: bool) -> None:
+        """Point every parameter and buffer at its slice of one flat device buffer."""
+        for t, dtype, shape, offset in self.layout:
+            size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            view = arena[offset:offset + size].view(dtype).view(shape)
+            if copy:
+                view.copy_(t.data)
+            t.data = view
+
+    def _capture(self, batch: int) -> None:
+        """Capture the forward pass for one batch size; replays read inputs from static buffers."""
+        torch = self.torch
+        static = []
+        for decl in self.config.inputs:
+            if any(d == -1 for d in decl.shape[1:]):
+                return  # only the batch dimension may vary in a captured graph
+            shape = (batch, *decl.shape[1:]) if decl.shape and decl.shape[0] == -1 else decl.shape
+            static.append(torch.zeros(shape, dtype=torch.from_numpy(np.zeros(0, protocol.NP_DTYPES[decl.dtype])).dtype,
+                                      device=self.device))
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.no_grad(), torch.cuda.stream(side):
+            for _ in range(3):
+                self.module(*static)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(graph):
+            out = self.module(*static)
+        self.graphs[batch] = (graph, static, out)
+
+    def _outputs(self, result: Any) -> dict[str, np.ndarray]:
+        if isinstance(result, dict):
+            values = [result[t.name] for t in self.config.outputs]
+        elif isinstance(result, (tuple, list)):
+            values = list(result)
+        else:
+            values = [result]
+        names = [t.name for t in self.config.outputs]
+        if len(values) != len(names):
+            raise protocol.WorkerError("INTERNAL", f"model returned {len(values)} outputs, spec has {len(names)}")
+        return {n: v.detach().cpu().numpy() for n, v in zip(names, values, strict=True)}
+
+    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        torch = self.torch
+        if self.offloaded:
+            raise protocol.WorkerError("FAILED_PRECONDITION", "weights are offloaded (WARM): reload first")
+        arrays = [np.ascontiguousarray(inputs[t.name]) for t in self.config.inputs]
+        batch = arrays[0].shape[0] if arrays and arrays[0].ndim else -1
+        captured = self.graphs.get(batch)
+        if captured is not None and all(a.shape == s.shape for a, s in zip(arrays, captured[1], strict=True)):
+            graph, static, out = captured
+            for array, buffer in zip(arrays, static, strict=True):
+                buffer.copy_(torch.from_numpy(array), non_blocking=True)
+            graph.replay()
+            return self._outputs(out)
+        args = [torch.from_numpy(a).to(self.device, non_blocking=True) for a in arrays]
+        with torch.inference_mode():
+            return self._outputs(self.module(*args))
+
+    def _pinned(self) -> Any:
+        """Host memory for the weights, pinned by registration so that freeing it really frees it."""
+        torch = self.torch
+        if self.host is None:
+            buffer = np.empty(self.nbytes, dtype=np.uint8)
+            if self.device.type == "cuda":
+                code = torch.cuda.cudart().cudaHostRegister(buffer.ctypes.data, self.nbytes, 0)
+                if int(code) != 0:
+                    raise protocol.WorkerError("RESOURCE_EXHAUSTED", f"cudaHostRegister failed ({code})")
+            self._host_buffer = buffer
+            self.host = torch.from_numpy(buffer)
+        return self.host
+
+    def drop_host_copy(self) -> None:
+        """Free the pinned copy (before a CRIU dump, whose image would otherwise carry the weights twice)."""
+        if self.host is None or self.offloaded:
+            return
+        if self.device.type == "cuda":
+            self.torch.cuda.cudart().cudaHostUnregister(self._host_buffer.ctypes.data)
+        self.host = None
+        self._host_buffer = None
+
+    def offload(self) -> dict[str, Any]:
+        torch = self.torch
+        if self.offloaded:
+            return {"nbytes": self.nbytes, "already": True}
+        start = time.perf_counter()
+        self._pinned().copy_(self.arena)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if self.vmm is not None:
+            self.vmm.unmap()  # physical pages go, the addresses (and the views on them) stay
+        else:
+            empty = torch.empty(0, device=self.device)
+            for t, *_ in self.layout:
+                t.data = empty
+            self.arena = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        self.offloaded = True
+        return {"nbytes": self.nbytes, "seconds": time.perf_counter() - start}
+
+    def reload(self) -> dict[str, Any]:
+        torch = self.torch
+        if not self.offloaded:
+            return {"nbytes": self.nbytes, "already": True}
+        start = time.perf_counter()
+        if self.vmm is not None:
+            for index in range(len(self.vmm.chunks)):
+                # Map chunk i+1 on the CPU while the copy engine fills chunk i.
+                offset, size = self.vmm.map_chunk(index)
+                end = min(offset + size, self.nbytes)
+                if offset < end:
+                    self.arena[offset:end].copy_(self.host[offset:end], non_blocking=True)
+        else:
+            arena = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+            arena.copy_(self.host, non_blocking=True)
+            self._bind(arena, copy=False)
+            self.arena = arena
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.offloaded = False
+        return {"nbytes": self.nbytes, "seconds": time.perf_counter() - start}
+
+    def swap(self, path: str) -> None:
+        torch = self.torch
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        current = self.module.state_dict()
+        problems = [f"{k}: missing" for k in current if k not in state]
+        problems += [f"{k}: unexpected" for k in state if k not in current]
+        problems += [f"{k}: shape {tuple(state[k].shape)} != {tuple(v.shape)}"
+                     for k, v in current.items() if k in state and state[k].shape != v.shape]
+        if problems:
+            raise protocol.WorkerError("INVALID_ARGUMENT", "weights do not fit the loaded architecture: "
+                                       + "; ".join(problems[:5]))
+        if self.offloaded:
+            raise protocol.WorkerError("FAILED_PRECONDITION", "weights are offloaded (WARM): reload first")
+        with torch.no_grad():
+            for key, value in current.items():
+                value.copy_(state[key])  # in place: same addresses, so captured graphs see the new weights
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"weights_bytes": self.nbytes, "offloaded": self.offloaded,
+                               "cuda_graphs": sorted(self.graphs), "stable_addresses": self.vmm is not None,
+                               "weights_ptr": int(self.arena.data_ptr()) if self.arena is not None else 0,
+                               "host_copy_bytes": self.nbytes if self.host is not None else 0}
+        if self.device.type == "cuda":
+            mapped = self.vmm.size if self.vmm is not None and self.vmm.mapped else 0
+            out["gpu_allocated_bytes"] = int(self.torch.cuda.memory_allocated(self.device)) + mapped
+        return out
+
+
+def load_backend(config: contract.WorkerConfig) -> Backend:
+    if config.framework == "onnx":
+        return OnnxBackend(config)
+    if config.framework in ("torchscript", "pytorch"):
+        return TorchBackend(config)
+    raise ValueError(f"framework {config.framework!r} is not one of onnx, torchscript, pytorch")
+

@@ -1,0 +1,107 @@
+"""What the agent and a worker agree on: the worker's configuration, its tensors, and its signal files.
+
+The agent writes a `WorkerConfig` as JSON and starts the worker with it; the two then talk through frames
+(`protocol`) and through files in the worker's signal folder, named here. Inputs are checked against the
+declared tensors (`check_inputs`) by the worker and by the gateway, before they reach a framework.
+
+Like everything under `volga_agent.worker`, this imports nothing of the agent: the worker is the process
+that gets frozen (see docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+
+from volga_agent.worker import nsinit, protocol
+
+# Files in the signal folder: the worker writes READY once loaded (or FAILED with the reason) and
+# READY_FOR_CHECKPOINT when paused; the agent writes RESTORE_COMPLETE and sends WAKE_SIGNAL to resume it.
+READY = "ready"
+FAILED = "failed"
+READY_FOR_CHECKPOINT = "ready-for-checkpoint"
+RESTORE_COMPLETE = "restore-complete"
+# The canary: a fixed input whose answer the agent records before a snapshot and compares after each restore,
+# so that a damaged image is caught before it answers a request.
+CANARY_SEED = 0x5EED
+WAKE_SIGNAL = nsinit.WAKE_SIGNAL
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorDecl:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerConfig:
+    """What a worker needs to know, written by the agent as JSON (the worker does not parse ModelSpecs)."""
+
+    model_id: str
+    framework: str
+    path: str
+    inputs: tuple[TensorDecl, ...]
+    outputs: tuple[TensorDecl, ...]
+    socket: str
+    signal_dir: str
+    device: str = "cpu"
+    warmup_iterations: int = 3
+    reset_rng_on_restore: bool = True
+    intra_op_threads: int = 0
+    max_batch_size: int = 256
+    cuda_graph_batches: tuple[int, ...] = ()
+    cpus: tuple[int, ...] = ()  # CPUs the launcher pinned the worker to (nsinit --cpus); () leaves it free
+    restore_warmups: int = 0  # warmup iterations run again after each restore (warmupCacheRatio)
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerConfig:
+        raw = json.loads(text)
+        raw["cuda_graph_batches"] = tuple(raw.get("cuda_graph_batches", ()))
+        raw["cpus"] = tuple(raw.get("cpus", ()))
+        raw["inputs"] = tuple(TensorDecl(t["name"], t["dtype"], tuple(t["shape"])) for t in raw["inputs"])
+        raw["outputs"] = tuple(TensorDecl(t["name"], t["dtype"], tuple(t["shape"])) for t in raw["outputs"])
+        return cls(**raw)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+
+def sample_inputs(decls: tuple[TensorDecl, ...], batch: int = 1, seed: int = 0) -> dict[str, np.ndarray]:
+    """Deterministic inputs of the declared shapes (-1 -> batch); integer inputs are small indices."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for decl in decls:
+        shape = tuple(batch if d == -1 else d for d in decl.shape)
+        dtype = protocol.NP_DTYPES[decl.dtype]
+        if dtype.kind in "iu":
+            out[decl.name] = rng.integers(0, 100, size=shape).astype(dtype)
+        elif dtype.kind == "b":
+            out[decl.name] = rng.integers(0, 2, size=shape).astype(dtype)
+        else:
+            out[decl.name] = rng.standard_normal(shape).astype(dtype)
+    return out
+
+
+def check_inputs(decls: tuple[TensorDecl, ...], inputs: dict[str, np.ndarray], max_batch: int) -> None:
+    """Reject inputs that do not match the ModelSpec before they reach the framework."""
+    want = {d.name for d in decls}
+    if set(inputs) != want:
+        missing, extra = sorted(want - set(inputs)), sorted(set(inputs) - want)
+        raise protocol.WorkerError("INVALID_ARGUMENT", f"inputs missing {missing}, unexpected {extra}")
+    for decl in decls:
+        array = inputs[decl.name]
+        dtype = protocol.DTYPE_NAMES.get(array.dtype)
+        if dtype != decl.dtype:
+            raise protocol.WorkerError("INVALID_ARGUMENT",
+                                       f"input {decl.name!r}: dtype {dtype} given, {decl.dtype} expected")
+        if len(array.shape) != len(decl.shape) or any(
+                d != -1 and d != s for d, s in zip(decl.shape, array.shape, strict=True)):
+            raise protocol.WorkerError("INVALID_ARGUMENT", f"input {decl.name!r}: shape {list(array.shape)} "
+                                       f"given, [{', '.join(map(str, decl.shape))}] expected")
+        if decl.shape and decl.shape[0] == -1 and array.shape[0] > max_batch:
+            raise protocol.WorkerError("INVALID_ARGUMENT", f"input {decl.name!r}: batch {array.shape[0]} is "
+                                       f"over maxBatchSize {max_batch}")
+

@@ -1,0 +1,301 @@
+"""The worker: the model-server process that Volga keeps in tiers and checkpoints.
+
+It loads one model (`backends`), warms it up, and serves inference over an AF_UNIX socket with the frames
+of `protocol`. It is the process CRIU freezes, so:
+
+- it holds no INET socket, ever (kernels >= 6.16 refuse the socket options CRIU reads on INET sockets);
+- before a CRIU dump it closes every connection (telling each peer, with a goodbye frame, that a request
+  it had just sent was not run), writes `ready-for-checkpoint` in its signal folder and
+  waits for `restore-complete` (the pause/resume hooks of Dynamo Snapshot); the process resumes inside
+  that wait after a restore, re-seeds its RNGs when asked to, and goes back to serving;
+- it imports nothing of the agent (only `volga_agent.worker`), and torch only for torch models, to stay
+  small and start fast.
+
+Run as `python -m volga_agent.worker.serve CONFIG.json`; the agent starts it through `nsinit` so that it
+is the init of its own PID namespace, which CRIU restores with it and so never collides with other PIDs.
+See docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import mmap
+import os
+import pathlib
+import random
+import selectors
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from volga_agent.worker import backends, contract, protocol
+
+
+class Worker:
+    """One loaded model served on the config's socket until the process is killed (or frozen)."""
+
+    def __init__(self, config: contract.WorkerConfig) -> None:
+        self.config = config
+        self.signal_dir = pathlib.Path(config.signal_dir)
+        self.started = time.time()
+        self.load_seconds = 0.0
+        self.backend = self._load()
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        pathlib.Path(config.socket).unlink(missing_ok=True)
+        self.listener.bind(config.socket)
+        self.listener.listen(64)
+        self.conns: list[socket.socket] = []
+        self.selector = selectors.PollSelector()
+        # Shared-memory segments attached by co-located gateways, one per connection; dropped with it.
+        self.shm: dict[socket.socket, mmap.mmap] = {}
+        self._conn: socket.socket | None = None
+        self.requests = 0
+        self.restores = 0
+        self.restore_warmups_done = 0
+        self.generation = 0  # bumped when the process state changes in a way a snapshot must capture (swap)
+        # The tier the agent put this worker in while its process stays up ("" when serving): requests that
+        # reach it then are handed back unrun (NotRun), never half-run against offloaded or locked GPU state.
+        self.asleep = ""
+        self.ops: dict[str, Callable[[protocol.Frame], tuple[dict[str, Any], list[memoryview]]]] = {
+            "infer": self._op_infer,
+            "ping": self._op_ping,
+            "metadata": self._op_metadata,
+            "stats": self._op_stats,
+            "offload": self._op_offload,
+            "reload": self._op_reload,
+            "sleep": self._op_sleep,
+            "wake": self._op_wake,
+            "canary": self._op_canary,
+            "swap": self._op_swap,
+            "attach_shm": self._op_attach_shm,
+            "rng": lambda f: ({"python": random.random(), "numpy": float(np.random.random())}, []),
+        }
+
+    def _load(self) -> Any:
+        start = time.perf_counter()
+        backend = backends.load_backend(self.config)
+        warm = contract.sample_inputs(self.config.inputs)
+        for _ in range(self.config.warmup_iterations):
+            backend.run(warm)
+        self.load_seconds = time.perf_counter() - start
+        return backend
+
+    def _op_offload(self, frame: protocol.Frame) -> tuple[dict[str, Any], list[memoryview]]:
+        result = self.backend.offload()
+        self.asleep = "WARM"
+        return result, []
+
+    def _op_reload(self, frame: protocol.Frame) -> tuple[dict[str, Any], list[memoryview]]:
+        result = self.backend.reload()
+        self.asleep = ""
+        return result, []
+
+    def _op_sleep(self, frame: protocol.Frame) -> tuple[dict[str, Any], list[memoryview]]:
+        """Sent before the agent checkpoints the GPU state (SUSPENDED), so no request then waits on a lock."""
+        self.asleep = str(frame.header.get("tier") or "asleep")
+        return {}, []
+
+    def _op_wake(self, frame: protocol.Frame) -> tuple[dict[str, Any], list[memoryview]]:
+        """Serve again; with `canary`, answer the canary first (the agent compares it before any request)."""
+        self.asleep = ""
+        header, _ = self._op_ping(frame)
+        if frame.header.get("canary"):
+            header["canary"] = self.canary()
+        return header, []
+
+    def _op_canary(self, frame: protocol.Frame) -> tuple[dict[str, Any], list[memoryview]]:
+        return {"canary": self.canary(), "generation": self.generation}, []
+
+    def canary(self) -> str:
+        """A digest of the model's answer to the canary input: equal digests, equal model state."""
+        outputs = self.backend.run(contract.sample_inputs(self.config.inputs, seed=contract.CANARY_SEED))
+        digest = hashlib.sha256()
+        for name in sorted(outputs):
+            array = np.ascontiguousarray(outputs[name])
+            digest.update(f"{name}:{array.dtype.str}:{array.shape};".encode())
+            digest.update(array.tobytes())
+        return digest.hexdigest()
+
+    def _op_ping(self, frame: protocol.Frame) -> tuple[dict[str, Any], list[memoryview]]:
+        return {"pid": os.getpid(), "restores": self.restores, "generation": self.generation}, []
+
+    def _op_infer(self, frame: protocol.Frame) -> tuple[dict[str, Any], list[memoryview]]:
+        if self.asleep:
+            raise protocol.NotRun(message=f"the instance is {self.asleep}; wake it first")
+        segment = self.shm.get(self._conn) if frame.header.get("shm") and self._conn else None
+        if frame.header.get("shm") and segment is None:
+            raise protocol.WorkerError("FAILED_PRECONDITION", "no shared memory attached to this connection")
+        if segment is not None:
+            inputs = protocol.unpack_shm_tensors(frame.header.get("tensors", []), segment)
+        else:
+            inputs = protocol.unpack_tensors(frame.header.get("tensors", []), frame.payload)
+        contract.check_inputs(self.config.inputs, inputs, self.config.max_batch_size)
+        outputs = self.backend.run(inputs)
+        del inputs
+        self.requests += 1
+        if segment is not None:
+            meta = protocol.write_shm_tensors(outputs, segment, int(frame.header.get("out_offset", 0)))
+            if meta is not None:
+                return {"tensors": meta, "shm": True}, []
+        meta, parts = protocol.pack_tensors(outputs)
+        return {"tensors": meta}, parts
+
+    def _op_attach_shm(self, frame: protocol.Frame) -> tuple[dict[str, Any], list[memoryview]]:
+        path, size = frame.header.get("path"), frame.header.get("size")
+        if not isinstance(path, str) or not isinstance(size, int) or size <= 0:
+            raise protocol.WorkerError("INVALID_ARGUMENT", "attach_shm needs a path and a positive size")
+        if self._conn is None:
+            raise protocol.WorkerError("INTERNAL", "no connection")
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as exc:
+            raise protocol.WorkerError("INVALID_ARGUMENT", f"attach_shm: {path}: {exc.strerror}") from None
+        try:
+            self._detach(self._conn)
+            self.shm[self._conn] = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        return {"size": size}, []
+
+    def _detach(self, conn: socket.socket) -> None:
+        segment = self.shm.pop(conn, None)
+        if segment is not None:
+            with contextlib.suppress(BufferError):  # a view is still alive; the mapping goes with the process
+                segment.close()
+
+    def close_conn(self, conn: socket.socket) -> None:
+        self._detach(conn)
+        if conn in self.conns:
+            self.conns.remove(conn)
+            self.selector.unregister(conn)
+        conn.close()
+
+    def _op_metadata(self, frame: protocol.Frame) -> tuple[dict[str, Any], list[memoryview]]:
+        decl = [dataclasses.asdict(t) for t in self.config.inputs], [dataclasses.asdict(t) for t in self.config.outputs]
+        return {"model_id": self.config.model_id, "framework": self.config.framework,
+                "inputs": decl[0], "outputs": decl[1], "device": self.config.device}, []
+
+    def _op_stats(self, frame: protocol.Frame) -> tuple[dict[str, Any], list[memoryview]]:
+        return {"requests": self.requests, "restores": self.restores, "load_seconds": self.load_seconds,
+                "restore_warmups": self.restore_warmups_done,
+                **self.backend.stats()}, []
+
+    def _op_swap(self, frame: protocol.Frame) -> tuple[dict[str, Any], list[memoryview]]:
+        path = frame.header.get("path")
+        if not isinstance(path, str) or not os.path.exists(path):
+            raise protocol.WorkerError("INVALID_ARGUMENT", f"swap: path {path!r} does not exist")
+        start = time.perf_counter()
+        self.backend.swap(path)
+        self.generation += 1
+        return {"seconds": time.perf_counter() - start, "generation": self.generation}, []
+
+    def handle(self, conn: socket.socket) -> bool:
+        """Serve one frame; False when the connection is gone or the worker paused for a checkpoint."""
+        try:
+            frame = protocol.recv_frame(conn)
+        except (protocol.ProtocolError, OSError):
+            return False
+        op = frame.header.get("op")
+        if op == "prepare_checkpoint":
+            protocol.send_frame(conn, {"ok": True})
+            self.pause_for_checkpoint()
+            return False
+        handler = self.ops.get(str(op))
+        self._conn = conn
+        try:
+            if handler is None:
+                raise protocol.WorkerError("UNIMPLEMENTED", f"unknown op {op!r}")
+            header, parts = handler(frame)
+            header = {"ok": True, **header}
+        except protocol.WorkerError as exc:
+            header, parts = exc.reply(), []
+        except Exception as exc:  # the framework failed on this request: report it, keep serving
+            header, parts = {"ok": False, "code": "INTERNAL", "message": f"{type(exc).__name__}: {exc}"}, []
+        try:
+            protocol.send_frame(conn, header, parts)
+        except OSError:
+            return False
+        return True
+
+    def pause_for_checkpoint(self) -> None:
+        """Close every connection, say we are ready, and wait for the agent's restore-complete signal.
+
+        A CRIU dump taken now holds only the listener and files. After a restore the process continues
+        here; when the dump was abandoned the agent sends the same signal and nothing else happens.
+        """
+        for conn in list(self.conns):
+            protocol.say_goodbye(conn)
+            self.close_conn(conn)
+        self.backend.drop_host_copy()
+        done = self.signal_dir / contract.RESTORE_COMPLETE
+        (self.signal_dir / contract.READY_FOR_CHECKPOINT).write_text(str(os.getpid()))
+        while not done.exists():
+            signal.sigtimedwait([contract.WAKE_SIGNAL], 0.05)
+        done.unlink(missing_ok=True)
+        (self.signal_dir / contract.READY_FOR_CHECKPOINT).unlink(missing_ok=True)
+        self.restores += 1
+        if self.config.reset_rng_on_restore:
+            reseed_rngs()
+        if self.config.restore_warmups:
+            warm = contract.sample_inputs(self.config.inputs)
+            for _ in range(self.config.restore_warmups):
+                self.backend.run(warm)
+            self.restore_warmups_done += self.config.restore_warmups
+
+    def serve(self) -> None:
+        ready = {"pid": os.getpid(), "load_seconds": self.load_seconds}
+        (self.signal_dir / contract.READY).write_text(json.dumps(ready))
+        # poll(2), not epoll: the selector holds no kernel object, so a checkpoint has none to carry.
+        self.selector.register(self.listener, selectors.EVENT_READ)
+        while True:
+            for key, _ in self.selector.select():
+                sock = key.fileobj
+                assert isinstance(sock, socket.socket)
+                if sock is self.listener:
+                    conn, _ = self.listener.accept()
+                    self.conns.append(conn)
+                    self.selector.register(conn, selectors.EVENT_READ)
+                elif sock in self.conns and not self.handle(sock):
+                    self.close_conn(sock)
+
+
+def reseed_rngs() -> None:
+    """A restored process would replay the RNG stream it was frozen with; give every copy its own."""
+    seed = int.from_bytes(os.urandom(8), "little")
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.manual_seed(seed)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m volga_agent.worker.serve CONFIG.json", file=sys.stderr)
+        return 2
+    # Block the wake signal before any framework thread exists, so every thread inherits the mask and
+    # sigtimedwait in the main thread receives it.
+    signal.pthread_sigmask(signal.SIG_BLOCK, [contract.WAKE_SIGNAL])
+    # As the init of its PID namespace the worker ignores SIGTERM unless it handles it.
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    config = contract.WorkerConfig.from_json(pathlib.Path(argv[0]).read_text())
+    try:
+        worker = Worker(config)
+    except Exception as exc:
+        (pathlib.Path(config.signal_dir) / contract.FAILED).write_text(f"{type(exc).__name__}: {exc}")
+        raise
+    worker.serve()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
