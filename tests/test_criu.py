@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pathlib
-import signal
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -356,33 +352,31 @@ def test_many_wakes_under_load_never_fall_back(default_spec: api.ModelSpecSpec, 
         inst.close()
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs: one for the worker, one starved")
 def test_a_lazily_restored_worker_is_frozen_only_with_all_its_pages(default_spec: api.ModelSpecSpec,
                                                                      rundir: pathlib.Path,
                                                                      criu_engine: criu.CriuEngine,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """The lazy-pages daemon streams a restored worker's memory in the background. A freeze that dumped the
     worker before it had every page made an image without them, whose restore then crashed in CPython's
-    allocator. The page server is slowed down here (stopped 95% of the time) so that the freeze right after
-    the lazy wake comes while pages are still pending."""
+    allocator. Here the page server is starved (SCHED_IDLE on a CPU that a busy process holds, the worker on
+    another), so the freeze right after the lazy wake comes while pages are still pending."""
+    starved, worker_cpu = sorted(os.sched_getaffinity(0))[:2]
     started: list[subprocess.Popen[bytes]] = []
     lazy_pages = criu_engine._lazy_pages
 
-    def slow_lazy_pages(image: criu.Image) -> subprocess.Popen[bytes]:
+    def starved_lazy_pages(image: criu.Image) -> subprocess.Popen[bytes]:
         daemon = lazy_pages(image)
+        os.sched_setaffinity(daemon.pid, {starved})
+        os.sched_setscheduler(daemon.pid, os.SCHED_IDLE, os.sched_param(0))
         started.append(daemon)
-
-        def throttle() -> None:
-            while daemon.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(daemon.pid, signal.SIGSTOP)
-                    time.sleep(0.02)
-                    os.kill(daemon.pid, signal.SIGCONT)
-                    time.sleep(0.001)
-        threading.Thread(target=throttle, daemon=True).start()
         return daemon
 
-    monkeypatch.setattr(criu_engine, "_lazy_pages", slow_lazy_pages)
-    inst = instance.Instance("pending", default_spec, rundir, criu_engine, lazy_restore=True)
+    monkeypatch.setattr(criu_engine, "_lazy_pages", starved_lazy_pages)
+    inst = instance.Instance("pending", default_spec, rundir, criu_engine, lazy_restore=True, cpus=(worker_cpu,))
+    busy = f"import os; os.sched_setaffinity(0, {{{starved}}})\nwhile True: pass"
+    hog = subprocess.Popen([sys.executable, "-c", busy])
     try:
         x = contract.sample_inputs(inst.config.inputs, batch=4, seed=12)
         inst.to(Tier.HOT)
@@ -392,6 +386,7 @@ def test_a_lazily_restored_worker_is_frozen_only_with_all_its_pages(default_spec
         assert started and started[-1].poll() is None, "the page server should still be streaming"
         inst.to(Tier.FROZEN)  # waits for the remaining pages
         assert started[-1].poll() == 0
+        hog.kill()
         inst.lazy_restore = False
         woke = inst.wake()
         assert not woke.fallback, woke.detail
@@ -400,4 +395,6 @@ def test_a_lazily_restored_worker_is_frozen_only_with_all_its_pages(default_spec
         assert np.array_equal(inst.infer(x)["probability"], reference)
         assert inst.restore_failures == 0
     finally:
+        hog.kill()
+        hog.wait()
         inst.close()
