@@ -15,6 +15,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from google.protobuf import descriptor_pb2
 from tritonclient.grpc import _utils as triton_grpc_utils
+from tritonclient.grpc import model_config_pb2 as triton_config_pb
 from tritonclient.grpc import service_pb2 as triton_pb
 
 from volga_agent.gateway import oip
@@ -73,13 +74,30 @@ def _message_proto(file: Any, name: str) -> descriptor_pb2.DescriptorProto:
     return proto
 
 
-@pytest.mark.parametrize("name", sorted(pb.DESCRIPTOR.message_types_by_name))
+# Messages of Triton's model_config.proto, of which ours carry a subset of the fields.
+CONFIG_MESSAGES = {"ModelConfig", "ModelInput", "ModelOutput"}
+
+
+@pytest.mark.parametrize("name", sorted(set(pb.DESCRIPTOR.message_types_by_name) - CONFIG_MESSAGES))
 def test_message_descriptor_matches_triton(name: str) -> None:
     assert name in triton_pb.DESCRIPTOR.message_types_by_name, f"{name} is not a Triton message"
     ours, theirs = _message_proto(pb.DESCRIPTOR, name), _message_proto(triton_pb.DESCRIPTOR, name)
     # Field by field first for a readable diff, then everything (map entries, oneofs, options).
     assert _field_rows(ours) == _field_rows(theirs)
     assert ours == theirs
+
+
+@pytest.mark.parametrize("name", sorted(CONFIG_MESSAGES))
+def test_model_config_messages_are_a_subset_of_triton(name: str) -> None:
+    ours, theirs = _message_proto(pb.DESCRIPTOR, name), _message_proto(triton_config_pb.DESCRIPTOR, name)
+    theirs_rows = set(_field_rows(theirs))
+    assert [row for row in _field_rows(ours) if row not in theirs_rows] == []
+
+
+def test_data_type_enum_matches_triton() -> None:
+    ours = pb.DESCRIPTOR.enum_types_by_name["DataType"]
+    theirs = triton_config_pb.DESCRIPTOR.enum_types_by_name["DataType"]
+    assert [(v.name, v.number) for v in ours.values] == [(v.name, v.number) for v in theirs.values]
 
 
 def test_service_methods_match_triton() -> None:
@@ -89,7 +107,8 @@ def test_service_methods_match_triton() -> None:
     assert ours.full_name == theirs.full_name == "inference.GRPCInferenceService"
     names = [m.name for m in ours.methods]
     assert names == [
-        "ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer", "RepositoryIndex"
+        "ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer", "RepositoryIndex",
+        "ModelConfig",
     ]
     for method in ours.methods:
         a, b = descriptor_pb2.MethodDescriptorProto(), descriptor_pb2.MethodDescriptorProto()
@@ -501,3 +520,98 @@ def test_forwarding_codec_round_trips() -> None:
     del response.raw_output_contents[:]
     with pytest.raises(oip.OipError, match="0 raw outputs for 1 outputs"):
         oip.decode_grpc_response(response)
+
+
+# --- hostile bodies, non-finite values, compression, model configuration ----------------------------------------
+
+
+def test_rest_deeply_nested_json_is_a_client_error() -> None:
+    for body in (b"[" * 100_000 + b"]" * 100_000,
+                 b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": ' + b"[" * 50_000 + b"1"
+                 + b"]" * 50_000 + b"}]}"):
+        with raises_invalid(r"the request JSON nests too deeply") as info:
+            oip.decode_rest_request(body, None)
+        check_invalid(info)
+
+
+@pytest.mark.parametrize("shape", [[0, 2**62], [2**41], [2**21, 2**21, 0]])
+def test_huge_shapes_are_client_errors(shape: list[int]) -> None:
+    body = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": shape, "data": []}]}).encode()
+    with raises_invalid(r"input 'x': shape .* is too large") as info:
+        oip.decode_rest_request(body, None)
+    check_invalid(info)
+    req = grpc_request("FP32", shape)
+    with raises_invalid(r"input 'x': shape .* is too large") as info:
+        oip.decode_grpc_request(req)
+    check_invalid(info)
+
+
+def test_rest_json_outputs_carry_non_finite_floats_as_strings() -> None:
+    y = np.array([[np.nan, np.inf, -np.inf, 1.5]], np.float32)
+    body, header_length = oip.encode_rest_response("m", "1", None, {"y": y, "i": np.arange(2)}, None, False)
+    assert header_length is None
+    doc = json.loads(body, parse_constant=lambda token: pytest.fail(f"bare {token} in the JSON"))
+    assert doc["outputs"][0]["data"] == ["NaN", "Infinity", "-Infinity", 1.5]
+    got = triton_http_result(body, None).as_numpy("y")
+    assert got.dtype == np.float32 and np.isnan(got[0, 0]) and list(got[0, 1:]) == [np.inf, -np.inf, 1.5]
+    # ... and read back as inputs, as are the bare tokens Python's json writes.
+    for data in ('["NaN", "Infinity", "-Infinity", 1.5]', "[NaN, Infinity, -Infinity, 1.5]"):
+        request = f'{{"inputs": [{{"name": "y", "datatype": "FP64", "shape": [4], "data": {data}}}]}}'.encode()
+        x = oip.decode_rest_request(request, None).inputs["y"]
+        assert np.isnan(x[0]) and list(x[1:]) == [np.inf, -np.inf, 1.5]
+    with raises_invalid(r"input 'y': INT32 data must be integers"):
+        oip.decode_rest_request(b'{"inputs": [{"name": "y", "datatype": "INT32", "shape": [1], "data": ["NaN"]}]}',
+                                None)
+
+
+def test_rest_request_decoded_with_yielding_number_parsers_is_the_same() -> None:
+    body, header_length = triton_http_request({"a": (sample("FP32", (3, 4)), False),
+                                               "b": (sample("INT64", (5,)), False), "c": (sample("FP64", (2,)), True)})
+    plain = oip.decode_rest_request(body, header_length)
+    slow = oip.decode_rest_request(body, header_length, yielding=True)
+    for name in ("a", "b", "c"):
+        assert_same(slow.inputs[name], plain.inputs[name])
+
+
+def test_content_encodings() -> None:
+    import gzip
+    import zlib
+
+    data = b'{"inputs": []}' * 100
+    assert oip.decode_content(data, None, 10**6) == data
+    assert oip.decode_content(data, "identity", 10**6) == data
+    assert oip.decode_content(gzip.compress(data), "gzip", 10**6) == data
+    assert oip.decode_content(zlib.compress(data), "deflate", 10**6) == data
+    raw = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+    assert oip.decode_content(raw.compress(data) + raw.flush(), "Deflate", 10**6) == data
+    cases = [(data, "gzip", "not valid gzip data"), (gzip.compress(data)[:-12], "gzip", "truncated"),
+             (gzip.compress(data) + b"junk", "gzip", "4 bytes follow the compressed stream"),
+             (b"plain", "deflate", "not valid deflate data")]
+    for body, encoding, match in cases:
+        with raises_invalid(match) as info:
+            oip.decode_content(body, encoding, 10**6)
+        check_invalid(info)
+    with pytest.raises(oip.OipError, match="decompresses to over 1000 bytes") as err:
+        oip.decode_content(gzip.compress(b"0" * 10**7), "gzip", 1000)
+    assert (err.value.code, err.value.http_status) == ("RESOURCE_EXHAUSTED", 413)
+    with pytest.raises(oip.OipError, match="Content-Encoding 'br' is not supported") as err:
+        oip.decode_content(b"x", "br", 1000)
+    assert (err.value.code, err.value.http_status) == ("INVALID_ARGUMENT", 415)
+
+
+def test_model_config_read_by_tritonclient() -> None:
+    inputs = [("dense", "FP32", [13]), ("ids", "INT64", [-1])]
+    outputs = [("p", "FP16", [1])]
+    resp = oip.model_config_grpc("m", "onnxruntime_onnx", "onnxruntime", 64, inputs, outputs)
+    theirs = triton_pb.ModelConfigResponse.FromString(resp.SerializeToString()).config
+    assert (theirs.name, theirs.platform, theirs.backend, theirs.max_batch_size) == (
+        "m", "onnxruntime_onnx", "onnxruntime", 64)
+    assert [(i.name, triton_config_pb.DataType.Name(i.data_type), list(i.dims)) for i in theirs.input] == [
+        ("dense", "TYPE_FP32", [13]), ("ids", "TYPE_INT64", [-1])]
+    assert [(o.name, triton_config_pb.DataType.Name(o.data_type), list(o.dims)) for o in theirs.output] == [
+        ("p", "TYPE_FP16", [1])]
+    rest = oip.model_config_rest("m", "onnxruntime_onnx", "onnxruntime", 64, inputs, outputs)
+    assert rest == {"name": "m", "platform": "onnxruntime_onnx", "backend": "onnxruntime", "max_batch_size": 64,
+                    "input": [{"name": "dense", "data_type": "TYPE_FP32", "dims": [13]},
+                              {"name": "ids", "data_type": "TYPE_INT64", "dims": [-1]}],
+                    "output": [{"name": "p", "data_type": "TYPE_FP16", "dims": [1]}]}

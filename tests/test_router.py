@@ -128,3 +128,26 @@ def test_remote_gateways_prefer_ready_hot_instances() -> None:
         P("m-4", "node-e", "HOT", True, "")]})
     assert catalog.remote_gateways("m", "node-a") == ["c:8001", "b:8001", "d:8001"]
     assert catalog.remote_gateways("other", "node-a") == []
+
+
+def test_made_up_device_hints_do_not_grow_the_cache() -> None:
+    async def main() -> None:
+        link = FakeLink(delay=0)
+        r = router.Router(link, max_routes=8)
+        for i in range(100):
+            await r.route("m", f"hint-{i}")
+        assert r.cached() == 8
+        first = len(link.calls)
+        await r.route("m", "hint-99")  # among the most recent: still cached
+        assert len(link.calls) == first
+        await r.route("m", "hint-0")  # evicted long ago: activates again
+        assert len(link.calls) == first + 1 and r.cached() == 8
+        # A hit refreshes a route's place: after 7 new hints, hint-0 (used just now) is still there.
+        await r.route("m", "hint-0")
+        for i in range(100, 107):
+            await r.route("m", f"hint-{i}")
+        calls = len(link.calls)
+        await r.route("m", "hint-0")
+        assert len(link.calls) == calls
+
+    asyncio.run(main())

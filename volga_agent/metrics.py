@@ -8,6 +8,7 @@ dashboards and alerts read them.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import prometheus_client as prom
 from aiohttp import web
@@ -86,9 +87,10 @@ def app(registries: Sequence[prom.CollectorRegistry]) -> web.Application:
     return metrics_app
 
 
-async def listen(http_app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Serve an aiohttp app on host:port (0 picks a free port): its runner (`cleanup()` stops it) and the port."""
-    runner = web.AppRunner(http_app, access_log=None, handle_signals=False)
+async def listen(http_app: web.Application, host: str, port: int, **options: Any) -> tuple[web.AppRunner, int]:
+    """Serve an aiohttp app on host:port (0 picks a free port): its runner (`cleanup()` stops it) and the port.
+    `options` go to the runner's request handler (e.g. auto_decompress)."""
+    runner = web.AppRunner(http_app, access_log=None, handle_signals=False, **options)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)
     await site.start()

@@ -114,6 +114,7 @@ class Pool:
         self.breaker = policy.CircuitBreaker.from_settings(self.settings)
         self.slots: dict[str, Slot] = {}
         self.failed: dict[str, str] = {}  # instances that could not even be created, and why
+        self._failed_specs: dict[str, api.ModelSpecSpec] = {}  # ... and their ModelSpecs
         self._slots_lock = threading.Lock()
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pool")
         self._pending: dict[str, concurrent.futures.Future[None]] = {}
@@ -152,9 +153,11 @@ class Pool:
                                              verify_restores=self.settings.verify_restores)
                 except (OSError, ValueError) as exc:
                     self.failed[name] = f"{type(exc).__name__}: {exc}"
+                    self._failed_specs[name] = spec
                     log.error("%s: cannot create instance: %s", name, exc)
                     continue
                 self.failed.pop(name, None)
+                self._failed_specs.pop(name, None)
                 self.slots[name] = Slot(inst, want.target_tier)
         for name in mine:
             if name in self.slots:
@@ -320,10 +323,17 @@ class Pool:
             last_wake_ms=slot.last_wake_ms, input_hash=inst.spec.input_hash(), state_reason=slot.reason,
             target_tier=slot.target)
 
-    def instances(self, model_id: str = "") -> list[InstanceInfo]:
+    def instances(self, model_id: str = "", include_failed: bool = False) -> list[InstanceInfo]:
+        """Every instance (of one model); with `include_failed`, also those that could not be created, as COLD
+        with the reason."""
         with self._slots_lock:
             slots = sorted(self.slots.values(), key=lambda s: s.inst.name)
-        return [self._info(s) for s in slots if not model_id or s.inst.spec.model_id == model_id]
+            failed = [(n, self._failed_specs[n], why) for n, why in sorted(self.failed.items())
+                      if include_failed and n in self._failed_specs]
+        infos = [self._info(s) for s in slots if not model_id or s.inst.spec.model_id == model_id]
+        return infos + [InstanceInfo(name, spec.model_id, spec.version, Tier.COLD, "", "", self.node, 0, 0.0, 0.0,
+                                     spec.input_hash(), f"cannot create the instance: {why}", Tier.COLD)
+                        for name, spec, why in failed if not model_id or spec.model_id == model_id]
 
     def usage(self, views: Sequence[policy.InstanceView] | None = None) -> policy.Usage:
         host = gpu = disk = 0

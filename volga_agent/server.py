@@ -79,7 +79,8 @@ class AgentService(pb_grpc.AgentServicer):
             circuit_open=bool(status.open_circuits))
 
     async def ListInstances(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return pb.ListInstancesResponse(instances=[instance_pb(i) for i in self.pool.instances(request.model_id)])
+        infos = self.pool.instances(request.model_id, include_failed=True)
+        return pb.ListInstancesResponse(instances=[instance_pb(i) for i in infos])
 
 
 async def serve(node_pool: pool.Pool, host: str, port: int) -> tuple[grpc.aio.Server, int]:

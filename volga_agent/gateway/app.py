@@ -8,6 +8,7 @@ on one asyncio loop: grpc.aio for gRPC, aiohttp for REST and /metrics (`docs/arc
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import grpc
 import prometheus_client as prom
@@ -56,12 +57,12 @@ class Gateway:
         if self.ports["grpc"] == 0:
             raise OSError(f"cannot listen on {s.host}:{s.grpc_port} (gRPC)")
         await self._grpc.start()
-        self.ports["http"] = await self._listen(rest.app(self.dataplane), s.http_port)
+        self.ports["http"] = await self._listen(rest.app(self.dataplane), s.http_port, **rest.RUNNER_OPTIONS)
         self.ports["metrics"] = await self._listen(metrics.app([self.metrics.registry, *self.extra_metrics]),
                                                    s.metrics_port)
 
-    async def _listen(self, http_app: web.Application, port: int) -> int:
-        runner, bound = await metrics.listen(http_app, self.settings.host, port)
+    async def _listen(self, http_app: web.Application, port: int, **options: Any) -> int:
+        runner, bound = await metrics.listen(http_app, self.settings.host, port, **options)
         self._runners.append(runner)
         return bound
 

@@ -14,17 +14,24 @@ One inference request goes:
    UNAVAILABLE / 503.
 
 Failures are `oip.OipError`s (a gRPC status name and its HTTP status); `observe` maps the links' errors to
-them and counts every request by model, protocol and outcome. The metadata answers (model state, platform,
-tensor specs) are built here too, so both adapters give the same ones. See `docs/architecture.md`.
+them, anything unexpected to INTERNAL and a client that went away to CANCELLED, and counts every request by
+model, protocol and outcome. Decoding a large body runs in a thread (`off_loop`) so that it does not hold up
+the other requests on the event loop.
+
+The metadata answers (model state from what the agent reports, platform, tensor specs, a Triton-style model
+configuration) are built here too, so both adapters give the same ones. See `docs/architecture.md`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
+import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import numpy as np
 
@@ -34,12 +41,17 @@ from volga_agent.worker import protocol
 from volga_operator import api
 
 T = TypeVar("T")
+P = ParamSpec("P")
+log = logging.getLogger(__name__)
 
 SERVER_NAME = "volga"
 SERVER_VERSION = "0.1.0"
-EXTENSIONS = ("binary_tensor_data", "model_repository", "volga_wake_on_request")
+EXTENSIONS = ("binary_tensor_data", "model_repository", "model_configuration", "volga_wake_on_request")
 UNKNOWN_MODEL_LABEL = "_unknown"
 PLATFORMS = {"onnx": "onnxruntime_onnx", "torchscript": "pytorch_libtorch", "pytorch": "pytorch"}
+BACKENDS = {"onnx": "onnxruntime", "torchscript": "pytorch", "pytorch": "pytorch"}
+# Bodies at least this large are decoded in a thread; smaller ones cost less to decode than the hand-off.
+OFF_LOOP_BYTES = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,12 +64,29 @@ class ModelMetadata:
 
 
 @dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A model's configuration as Triton describes one (model_config.proto), derived from its ModelSpec."""
+
+    name: str
+    platform: str
+    backend: str
+    max_batch_size: int  # > 0: every tensor's first dimension is the batch, and is left out of dims
+    inputs: tuple[oip.TensorSpec, ...]
+    outputs: tuple[oip.TensorSpec, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelState:
     """One entry of the repository index."""
 
     name: str
     version: str
     state: str  # READY or UNAVAILABLE
+    reason: str = ""  # the tiers of its instances, and why it is UNAVAILABLE
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "READY"
 
 
 def headers(pairs: Iterable[tuple[str, Any]]) -> dict[str, str]:
@@ -88,17 +117,56 @@ class Dataplane:
 
     # -- metadata ------------------------------------------------------------------------------------
 
-    def model_ready(self, model: str) -> bool:
-        return self.catalog.ready(model, self.node)
+    async def model_ready(self, model: str) -> bool:
+        return self.catalog.known(model) and (await self.model_state(self.catalog.get(model))).ready
+
+    async def model_state(self, spec: api.ModelSpecSpec) -> ModelState:
+        """READY when some instance of the model can serve, as far as the catalog (cluster placements) and the
+        agent (its instances: tier, and why the last start or wake failed) know; the reason says the tiers."""
+        model = spec.model_id
+
+        def unavailable(reason: str) -> ModelState:
+            return ModelState(model, spec.version, "UNAVAILABLE", reason)
+
+        if not self.catalog.ready(model, self.node):
+            here = self.catalog.local(model, self.node) or ()
+            return unavailable(f"{_tiers(p.tier for p in here)}: not Ready yet" if here
+                               else f"no instance on node {self.node}")
+        try:
+            states = await self.router.link.instances(model)
+        except ConnectionError as exc:
+            return unavailable(f"cannot reach the agent: {exc}")
+        if states is None:  # the link cannot tell: the catalog's word
+            return ModelState(model, spec.version, "READY")
+        if not states:
+            return unavailable("the agent has no instance of the model")
+        tiers = _tiers(s.tier for s in states)
+        if all(s.down for s in states):
+            why = "; ".join(dict.fromkeys(f"{s.name}: {s.reason}" for s in states))
+            return unavailable(f"{tiers}; {why}")
+        return ModelState(model, spec.version, "READY", tiers)
 
     def model_metadata(self, model: str) -> ModelMetadata:
         spec = self.catalog.get(model)
         return ModelMetadata(spec.model_id, (spec.version,), PLATFORMS[spec.framework.value],
                              _tensor_specs(spec.inputs), _tensor_specs(spec.outputs))
 
-    def repository_index(self) -> list[ModelState]:
-        return [ModelState(s.model_id, s.version, "READY" if self.model_ready(s.model_id) else "UNAVAILABLE")
-                for s in self.catalog.all()]
+    def model_config(self, model: str) -> ModelConfig:
+        """Triton's convention: with max_batch_size > 0 the batch dimension (the first, -1 in the ModelSpec)
+        is implicit; a model whose tensors do not all start with -1 is not batched (max_batch_size 0)."""
+        spec = self.catalog.get(model)
+        tensors = [*spec.inputs, *spec.outputs]
+        batched = all(t.shape and t.shape[0] == -1 for t in tensors)
+        skip = 1 if batched else 0
+
+        def specs(items: Iterable[api.TensorSpec]) -> tuple[oip.TensorSpec, ...]:
+            return tuple((t.name, t.dtype.value, list(t.shape[skip:])) for t in items)
+
+        return ModelConfig(spec.model_id, PLATFORMS[spec.framework.value], BACKENDS[spec.framework.value],
+                           spec.runtime.max_batch_size if batched else 0, specs(spec.inputs), specs(spec.outputs))
+
+    async def repository_index(self) -> list[ModelState]:
+        return list(await asyncio.gather(*(self.model_state(s) for s in self.catalog.all())))
 
     # -- inference -----------------------------------------------------------------------------------
 
@@ -155,6 +223,12 @@ class Dataplane:
             return await call()
         except oip.OipError as exc:
             code = exc.code
+            if code == "CANCELLED":
+                log.info("%s request for %r: %s", proto, model, exc.message)
+            raise
+        except asyncio.CancelledError:
+            code = "CANCELLED"  # the client went away (gRPC cancels the handler)
+            log.info("%s request for %r: cancelled by the client", proto, model)
             raise
         except errors.UnknownModel as exc:
             code = "NOT_FOUND"
@@ -162,6 +236,10 @@ class Dataplane:
         except errors.ActivationFailed as exc:
             code = "UNAVAILABLE"
             raise oip.error(code, f"could not wake model {model!r}: {exc}") from None
+        except Exception as exc:
+            code = "INTERNAL"
+            log.exception("%s request for %r failed unexpectedly", proto, model)
+            raise oip.error(code, f"internal error: {type(exc).__name__}: {str(exc)[:200]}") from None
         finally:
             # Names clients make up must not become label values: one series per known model only.
             label = model if self.catalog.known(model) else UNKNOWN_MODEL_LABEL
@@ -175,15 +253,35 @@ class Dataplane:
         await self.router.link.close()
 
 
+async def off_loop(size: int, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    """`fn(*args, **kwargs)` (a decode or an encode of `size` bytes): in a thread when large, inline when not."""
+    if size < OFF_LOOP_BYTES:
+        return fn(*args, **kwargs)
+    return await asyncio.to_thread(fn, *args, **kwargs)
+
+
+def _tiers(tiers: Iterable[str]) -> str:
+    """'FROZEN (1 instance)', 'HOT (1 instance), COLD (2 instances)': fastest to wake first."""
+    counts = collections.Counter(tiers)
+    order = [t.value for t in api.Tier]
+    return ", ".join(f"{t} ({n} instance{'s' if n > 1 else ''})"
+                     for t, n in sorted(counts.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else 9))
+
+
+# Far beyond any wake or inference; a larger x-timeout-ms is refused rather than overflowing the arithmetic.
+MAX_TIMEOUT_MS = 86_400_000
+
+
 def _deadline(timeout_ms: str | None, grpc_remaining: float | None) -> float | None:
     budget = grpc_remaining
     if timeout_ms:
         try:
             value = float(timeout_ms)
         except ValueError:
-            raise oip.error("INVALID_ARGUMENT", f"x-timeout-ms {timeout_ms!r} is not a number") from None
-        if value <= 0:
-            raise oip.error("INVALID_ARGUMENT", f"x-timeout-ms must be positive, got {timeout_ms}")
+            raise oip.error("INVALID_ARGUMENT", f"x-timeout-ms {timeout_ms[:40]!r} is not a number") from None
+        if not math.isfinite(value) or not 0 < value <= MAX_TIMEOUT_MS:
+            raise oip.error("INVALID_ARGUMENT", f"x-timeout-ms must be a number of milliseconds above 0 and at "
+                            f"most {MAX_TIMEOUT_MS} (a day), got {timeout_ms[:40]!r}")
         budget = value / 1e3 if budget is None else min(budget, value / 1e3)
     return None if budget is None else time.monotonic() + budget
 

@@ -1,12 +1,15 @@
 """The gateway's gRPC adapter: `inference.GRPCInferenceService` (what tritonclient.grpc calls) over the dataplane.
 
 Each method decodes its request with `oip`, asks the dataplane and encodes the answer; an `oip.OipError`
-aborts the call with its status. Nothing here decides anything (`docs/architecture.md`).
+aborts the call with its status, and anything unexpected with INTERNAL and a short message (grpc's own
+fallback would be UNKNOWN with a traceback). Nothing here decides anything (`docs/architecture.md`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import grpc
 
@@ -14,9 +17,35 @@ from volga_agent.gateway import dataplane, oip
 from volga_agent.rpc.inference import grpc_service_pb2 as pb
 from volga_agent.rpc.inference import grpc_service_pb2_grpc as pb_grpc
 
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
 
 def _headers(context: grpc.aio.ServicerContext) -> dict[str, str]:
     return dataplane.headers(context.invocation_metadata() or ())
+
+
+async def _answer(context: grpc.aio.ServicerContext, what: str, make: Callable[[], Awaitable[T]]) -> T:
+    """`make()`, with an OipError as its status and anything unexpected as INTERNAL (logged once)."""
+    try:
+        return await make()
+    except oip.OipError as exc:
+        await context.abort(grpc.StatusCode[exc.code], exc.message)
+    except Exception as exc:
+        log.exception("gRPC %s failed unexpectedly", what)
+        await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {str(exc)[:200]}")
+    raise AssertionError("unreachable: abort raises")
+
+
+def _payload_bytes(request: Any) -> int:
+    """The tensor bytes a ModelInfer request carries (raw contents, or 8 bytes a typed value at most)."""
+    size = sum(len(raw) for raw in request.raw_input_contents)
+    for tensor in request.inputs:
+        if tensor.HasField("contents"):
+            c = tensor.contents
+            size += 8 * (len(c.bool_contents) + len(c.int_contents) + len(c.int64_contents) + len(c.uint_contents)
+                         + len(c.uint64_contents) + len(c.fp32_contents) + len(c.fp64_contents))
+    return size
 
 
 class Servicer(pb_grpc.GRPCInferenceServiceServicer):
@@ -34,27 +63,42 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
                                          extensions=list(dataplane.EXTENSIONS))
 
     async def ModelReady(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return pb.ModelReadyResponse(ready=self.plane.model_ready(dataplane.model_id(_headers(context), request.name)))
+        async def make() -> Any:
+            model = dataplane.model_id(_headers(context), request.name)
+            return pb.ModelReadyResponse(ready=await self.plane.model_ready(model))
+
+        return await _answer(context, "ModelReady", make)
 
     async def ModelMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        try:
+        async def make() -> Any:
             m = self.plane.model_metadata(dataplane.model_id(_headers(context), request.name))
-        except oip.OipError as exc:
-            await context.abort(grpc.StatusCode[exc.code], exc.message)
-        return oip.model_metadata_grpc(m.name, m.versions, m.platform, m.inputs, m.outputs)
+            return oip.model_metadata_grpc(m.name, m.versions, m.platform, m.inputs, m.outputs)
+
+        return await _answer(context, "ModelMetadata", make)
+
+    async def ModelConfig(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def make() -> Any:
+            c = self.plane.model_config(dataplane.model_id(_headers(context), request.name))
+            return oip.model_config_grpc(c.name, c.platform, c.backend, c.max_batch_size, c.inputs, c.outputs)
+
+        return await _answer(context, "ModelConfig", make)
 
     async def RepositoryIndex(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        response = pb.RepositoryIndexResponse()
-        for m in self.plane.repository_index():
-            response.models.add(name=m.name, version=m.version, state=m.state)
-        return response
+        async def make() -> Any:
+            response = pb.RepositoryIndexResponse()
+            for m in await self.plane.repository_index():
+                if m.ready or not request.ready:
+                    response.models.add(name=m.name, version=m.version, state=m.state, reason=m.reason)
+            return response
+
+        return await _answer(context, "RepositoryIndex", make)
 
     async def ModelInfer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         headers = _headers(context)
         model = dataplane.model_id(headers, request.model_name)
 
         async def call() -> Any:
-            inputs, requested = oip.decode_grpc_request(request)
+            inputs, requested = await dataplane.off_loop(_payload_bytes(request), oip.decode_grpc_request, request)
             spec, outputs = await self.plane.infer(model, headers, inputs, context.time_remaining())
             return oip.encode_grpc_response(spec.model_id, spec.version, request.id,
                                             oip.select_outputs(outputs, requested))

@@ -5,6 +5,9 @@ implement it: `GrpcAgentLink` for the sidecar (the agent's gRPC API) and `LocalA
 (a pool in the same process, given as a callable so the gateway does not import the pool). Both raise
 `errors.UnknownModel` and `errors.ActivationFailed`.
 
+Both links also say what the agent knows of a model's instances (`instances`: tier and the reason the agent
+recorded, e.g. a worker that could not start), which the gateway's readiness answers are built from.
+
 `Forwarder` is the third way out: for a model placed only on other nodes, it passes the request on to one
 of their gateways over gRPC, once. Forwarded requests carry `x-volga-forwarded` and are never forwarded
 again (`docs/architecture.md`).
@@ -14,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import grpc
@@ -25,6 +28,7 @@ from volga_agent.gateway import oip
 from volga_agent.rpc.inference import grpc_service_pb2_grpc as oip_grpc
 from volga_agent.rpc.volga.v1 import agent_pb2 as agent_pb
 from volga_agent.rpc.volga.v1 import agent_pb2_grpc as agent_grpc
+from volga_operator import api
 
 FORWARDED = "x-volga-forwarded"
 PASSED_ON = ("x-input-hash", "x-device-hint")
@@ -36,9 +40,40 @@ class Route:
     socket: str  # the HOT worker's AF_UNIX socket
 
 
+@dataclasses.dataclass(frozen=True)
+class InstanceState:
+    """One instance of a model as its agent reports it."""
+
+    name: str
+    tier: str  # HOT, WARM, SUSPENDED, FROZEN or COLD
+    reason: str = ""  # what the agent recorded about its last move, empty when it went well
+
+    @property
+    def down(self) -> bool:
+        """No worker, and the agent's last attempt to start or wake one failed: a request would fail too."""
+        return self.tier == api.Tier.COLD.value and bool(self.reason)
+
+
+class AgentInstance(Protocol):
+    """What `LocalAgentLink` reads of the pool's instance views (`pool.InstanceInfo` has these fields)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def tier(self) -> api.Tier: ...
+
+    @property
+    def state_reason(self) -> str: ...
+
+
 class AgentLink(Protocol):
     async def activate(self, model_id: str, device_hint: str, timeout_ms: int) -> Route:
         """Wake the best instance; raise errors.UnknownModel or errors.ActivationFailed."""
+        ...
+
+    async def instances(self, model_id: str) -> list[InstanceState] | None:
+        """The agent's instances of the model; None when this link cannot tell. ConnectionError: no agent."""
         ...
 
     async def close(self) -> None: ...
@@ -64,18 +99,33 @@ class GrpcAgentLink:
             raise errors.ActivationFailed(f"agent {self.address}: {exc.code().name}: {exc.details()}") from None
         return Route(reply.instance.name, reply.instance.socket)
 
+    async def instances(self, model_id: str) -> list[InstanceState] | None:
+        try:
+            reply = await self.stub.ListInstances(agent_pb.ListInstancesRequest(model_id=model_id), timeout=5.0)
+        except grpc.aio.AioRpcError as exc:
+            raise ConnectionError(f"agent {self.address}: {exc.code().name}: {exc.details()}") from None
+        return [InstanceState(i.name, agent_pb.Tier.Name(i.tier), i.state_reason) for i in reply.instances]
+
     async def close(self) -> None:
         await self.channel.close()
 
 
 class LocalAgentLink:
-    """A pool in the same process (`volga up`): `activate(model_id, device_hint)` blocks, so it runs in a thread."""
+    """A pool in the same process (`volga up`): `activate(model_id, device_hint)` blocks, so it runs in a thread;
+    `instances(model_id)` (the pool's instance views, failed ones included) is quick and runs inline."""
 
-    def __init__(self, activate: Callable[[str, str], Route]) -> None:
+    def __init__(self, activate: Callable[[str, str], Route],
+                 instances: Callable[[str], Sequence[AgentInstance]] | None = None) -> None:
         self._activate = activate
+        self._instances = instances
 
     async def activate(self, model_id: str, device_hint: str, timeout_ms: int) -> Route:
         return await asyncio.to_thread(self._activate, model_id, device_hint)
+
+    async def instances(self, model_id: str) -> list[InstanceState] | None:
+        if self._instances is None:
+            return None
+        return [InstanceState(i.name, i.tier.value, i.state_reason) for i in self._instances(model_id)]
 
     async def close(self) -> None:
         return None

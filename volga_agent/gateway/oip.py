@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -89,9 +90,13 @@ class OipError(Exception):
         return f"OipError({self.code!r}, {self.http_status}, {self.message!r})"
 
 
-# gRPC status -> the REST status the same failure gets.
+# gRPC status -> the REST status the same failure gets (499: the client went away, as nginx counts it).
 HTTP_STATUS = {"INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "NOT_FOUND": 404, "RESOURCE_EXHAUSTED": 413,
-               "INTERNAL": 500, "UNIMPLEMENTED": 501, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504}
+               "CANCELLED": 499, "INTERNAL": 500, "UNIMPLEMENTED": 501, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504}
+# A tensor larger than this (counting a 0 dimension as 1) is refused before numpy is asked to shape it.
+MAX_ELEMENTS = 2**40
+# Non-finite floats in JSON data, as the protobuf JSON mapping writes them: JSON has no NaN or Infinity.
+_NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
 
 def error(code: str, message: str) -> OipError:
@@ -149,6 +154,8 @@ def _shape(dims: Sequence[Any], where: str) -> tuple[int, ...]:
         if d < 0:
             raise _invalid(f"{where}: shape {list(dims)} has a negative dimension")
         shape.append(d)
+    if math.prod(max(d, 1) for d in shape) > MAX_ELEMENTS:
+        raise _invalid(f"{where}: shape {list(dims)} is too large (over {MAX_ELEMENTS} elements)")
     return tuple(shape)
 
 
@@ -168,20 +175,25 @@ def _checked_array(values: Sequence[Any], dtype: np.dtype[Any], shape: tuple[int
     if len(values) != count:
         raise _invalid(f"{where}: {len(values)} values, but shape {list(shape)} needs {count}")
     datatype = oip_datatype(dtype, where)
-    # Python-level checks: numpy would silently turn 1.5 into 1, True into 1 or 300 into 44 for INT8.
+    # Python-level checks: numpy would silently turn 1.5 into 1, True into 1 or 300 into 44 for INT8. The set
+    # of value types is one C-level pass; bool is its own type, so it never passes for an int.
+    types = set(map(type, values))
     if dtype.kind == "b":
-        if not all(isinstance(v, bool) for v in values):
+        if not types <= {bool}:
             raise _invalid(f"{where}: {datatype} data must be true/false values")
     elif dtype.kind in "iu":
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        if not types <= {int}:
             raise _invalid(f"{where}: {datatype} data must be integers")
         if count:
             info = np.iinfo(dtype)
             lo, hi = min(values), max(values)
             if lo < info.min or hi > info.max:
                 raise _invalid(f"{where}: value {lo if lo < info.min else hi} is out of range for {datatype}")
-    elif not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
-        raise _invalid(f"{where}: {datatype} data must be numbers")
+    elif not types <= {int, float}:
+        if not types <= {int, float, str}:
+            raise _invalid(f"{where}: {datatype} data must be numbers")
+        # `_flatten` lets through only the strings of _NON_FINITE.
+        values = [_NON_FINITE[v] if isinstance(v, str) else v for v in values]
     return np.array(values, dtype=dtype).reshape(shape)
 
 
@@ -319,16 +331,64 @@ def rest_header_length(value: str | None) -> int | None:
     try:
         return int(value)
     except ValueError:
-        raise _invalid(f"Inference-Header-Content-Length {value!r} is not a number") from None
+        raise _invalid(f"Inference-Header-Content-Length {value[:40]!r} is not a number") from None
 
 
-def decode_rest_request(body: bytes, header_length: int | None) -> RestRequest:
+def decode_content(body: bytes, encoding: str | None, limit: int) -> bytes:
+    """A request body as its `Content-Encoding` header says: identity, gzip or deflate (zlib, or raw deflate).
+
+    A compressed body must be whole and well-formed, and decompress to at most `limit` bytes (RESOURCE_EXHAUSTED
+    past that, without decompressing further). zlib releases the GIL, so a large body can be decoded in a thread.
+    """
+    name = (encoding or "identity").strip().lower()
+    if name == "identity":
+        return body
+    if name in ("gzip", "x-gzip"):
+        return _inflate(body, 16 + zlib.MAX_WBITS, name, limit)
+    if name == "deflate":
+        try:
+            return _inflate(body, zlib.MAX_WBITS, name, limit)
+        except OipError as exc:
+            if exc.code != INVALID_ARGUMENT:
+                raise
+            return _inflate(body, -zlib.MAX_WBITS, name, limit)  # raw deflate, as some clients send it
+    raise OipError(INVALID_ARGUMENT, 415, f"Content-Encoding {encoding!r} is not supported; send gzip, deflate "
+                                          "or an uncompressed body")
+
+
+def _inflate(body: bytes, wbits: int, name: str, limit: int) -> bytes:
+    inflater = zlib.decompressobj(wbits)
+    try:
+        data = inflater.decompress(body, limit + 1)
+    except zlib.error as exc:
+        raise _invalid(f"Content-Encoding {name}: the body is not valid {name} data ({exc})") from None
+    if len(data) > limit:
+        raise error("RESOURCE_EXHAUSTED", f"Content-Encoding {name}: the body decompresses to over {limit} bytes")
+    if not inflater.eof:
+        raise _invalid(f"Content-Encoding {name}: the body ends before its compressed stream does (truncated)")
+    if inflater.unused_data:
+        raise _invalid(f"Content-Encoding {name}: {len(inflater.unused_data)} bytes follow the compressed stream")
+    return data
+
+
+def _python_float(text: str) -> float:
+    return float(text)
+
+
+def _python_int(text: str) -> int:
+    return int(text)
+
+
+def decode_rest_request(body: bytes, header_length: int | None, yielding: bool = False) -> RestRequest:
     """A REST inference request: JSON alone, or (Triton's binary tensor extension) a JSON header of
     `header_length` bytes (the `Inference-Header-Content-Length` header) followed by the binary data of the
     inputs whose parameters carry `binary_data_size`, back to back in input order.
 
     Returns the inputs by name, the requested outputs with their binary flag (None: all outputs), the request
     id and the default binary flag (request parameter `binary_data_output`) for outputs not requested by name.
+
+    `yielding` (for a large body decoded in a thread) parses numbers through Python functions: slower, but the
+    interpreter can hand the GIL to the event loop between numbers, which C-level `json.loads` never does.
     """
     if header_length is None:
         header, binary = body, memoryview(b"")
@@ -337,9 +397,14 @@ def decode_rest_request(body: bytes, header_length: int | None) -> RestRequest:
             raise _invalid(f"Inference-Header-Content-Length is {header_length}, but the body has {len(body)} bytes")
         header, binary = body[:header_length], memoryview(body)[header_length:]
     try:
-        request = json.loads(header)
+        if yielding:
+            request = json.loads(header, parse_float=_python_float, parse_int=_python_int)
+        else:
+            request = json.loads(header)
     except (UnicodeDecodeError, ValueError) as e:
         raise _invalid(f"the request JSON is malformed: {e}") from None
+    except RecursionError:
+        raise _invalid("the request JSON nests too deeply (arrays or objects within each other)") from None
     if not isinstance(request, dict):
         raise _invalid("the request JSON must be an object with an `inputs` list")
 
@@ -443,7 +508,7 @@ def _flatten(data: Any, where: str) -> list[Any]:
             if isinstance(item, list):
                 stack.append(iter(item))
                 break
-            if not isinstance(item, bool | int | float):
+            if not isinstance(item, bool | int | float) and not (isinstance(item, str) and item in _NON_FINITE):
                 raise _invalid(f"{where}: `data` holds {json.dumps(item)[:40]}, which is not a number or true/false")
             flat.append(item)
         else:
@@ -481,16 +546,27 @@ def encode_rest_response(
             desc["parameters"] = {"binary_data_size": len(data)}
             chunks.append(data)
         else:
-            desc["data"] = arr.reshape(-1).tolist()
+            desc["data"] = _json_data(arr)
         descs.append(desc)
     response: dict[str, Any] = {"model_name": model_name, "model_version": model_version}
     if request_id:
         response["id"] = request_id
     response["outputs"] = descs
-    header = json.dumps(response, separators=(",", ":")).encode()
+    header = json.dumps(response, separators=(",", ":"), allow_nan=False).encode()
     if not chunks:
         return header, None
     return b"".join([header, *chunks]), len(header)
+
+
+def _json_data(arr: Tensor) -> list[Any]:
+    """A tensor's values as a flat JSON list. JSON has no NaN or Infinity: those are written as the strings
+    "NaN", "Infinity" and "-Infinity", as the protobuf JSON mapping does (tritonclient's `as_numpy` reads them
+    back as floats), never as the bare tokens Python's json would write."""
+    flat = arr.reshape(-1)
+    if arr.dtype.kind != "f" or np.isfinite(flat).all():
+        return flat.tolist()
+    return [v if math.isfinite(v) else "NaN" if math.isnan(v) else "Infinity" if v > 0 else "-Infinity"
+            for v in flat.tolist()]
 
 
 # --- metadata ---------------------------------------------------------------------------------------------------
@@ -518,3 +594,35 @@ def model_metadata_rest(
         "inputs": [{"name": n, "datatype": d, "shape": list(s)} for n, d, s in inputs],
         "outputs": [{"name": n, "datatype": d, "shape": list(s)} for n, d, s in outputs],
     }
+
+
+def config_datatype(datatype: str) -> str:
+    """A model configuration's data type (Triton's DataType enum name) for an OIP datatype: FP32 -> TYPE_FP32."""
+    return f"TYPE_{'STRING' if datatype == 'BYTES' else datatype}"
+
+
+def model_config_grpc(
+    name: str, platform: str, backend: str, max_batch_size: int, inputs: Sequence[TensorSpec],
+    outputs: Sequence[TensorSpec],
+) -> pb.ModelConfigResponse:
+    """A gRPC ModelConfig response: the fields of Triton's ModelConfig a ModelSpec fills. Tensor dims are
+    given as the configuration has them (without the batch dimension when max_batch_size > 0)."""
+    config = pb.ModelConfig(name=name, platform=platform, backend=backend, max_batch_size=max_batch_size)
+    for tname, datatype, dims in inputs:
+        config.input.add(name=tname, data_type=pb.DataType.Value(config_datatype(datatype)), dims=list(dims))
+    for tname, datatype, dims in outputs:
+        config.output.add(name=tname, data_type=pb.DataType.Value(config_datatype(datatype)), dims=list(dims))
+    return pb.ModelConfigResponse(config=config)
+
+
+def model_config_rest(
+    name: str, platform: str, backend: str, max_batch_size: int, inputs: Sequence[TensorSpec],
+    outputs: Sequence[TensorSpec],
+) -> dict[str, Any]:
+    """The REST (`GET /v2/models/{name}/config`) form of `model_config_grpc`: Triton's JSON, dims as numbers."""
+
+    def tensors(specs: Sequence[TensorSpec]) -> list[dict[str, Any]]:
+        return [{"name": n, "data_type": config_datatype(d), "dims": list(s)} for n, d, s in specs]
+
+    return {"name": name, "platform": platform, "backend": backend, "max_batch_size": max_batch_size,
+            "input": tensors(inputs), "output": tensors(outputs)}

@@ -2,13 +2,26 @@
 
 Each handler decodes its request with `oip`, asks the dataplane and encodes the answer; an `oip.OipError`
 becomes its HTTP status with a JSON `error` body. Nothing here decides anything (`docs/architecture.md`).
+
+Bodies arrive as sent: the server runs without aiohttp's automatic decompression (`RUNNER_OPTIONS`), so a
+gzip or deflate body is checked and decompressed here (`oip.decode_content`), within the body size limit. Every
+handler answers anything unexpected with a short 500, and a client that goes away is logged in one line.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
 from aiohttp import web
 
 from volga_agent.gateway import dataplane, oip
+
+log = logging.getLogger(__name__)
+# How the REST server's runner is set up: bodies are decompressed by `oip.decode_content`, not by aiohttp.
+RUNNER_OPTIONS: dict[str, Any] = {"auto_decompress": False}
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def _error(exc: oip.OipError) -> web.Response:
@@ -21,6 +34,38 @@ def _model(request: web.Request, headers: dict[str, str] | None = None) -> str:
     return dataplane.model_id(headers, request.match_info["model"])
 
 
+def _last_resort(handler: Handler) -> Handler:
+    """The handler, with anything it did not expect answered by a short 500 (logged once with its traceback)."""
+
+    async def guarded(request: web.Request) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except web.HTTPException:
+            raise
+        except ConnectionResetError as exc:
+            log.info("%s %s: the client went away: %s", request.method, request.path, exc)
+            return web.Response(status=499)
+        except Exception as exc:
+            log.exception("%s %s failed unexpectedly", request.method, request.path)
+            return _error(oip.error("INTERNAL", f"internal error: {type(exc).__name__}: {str(exc)[:200]}"))
+
+    return guarded
+
+
+async def _body(request: web.Request, plane: dataplane.Dataplane, headers: dict[str, str]) -> bytes:
+    """The request body, decompressed as its Content-Encoding says."""
+    try:
+        body = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise oip.error("RESOURCE_EXHAUSTED", f"request body over {plane.max_request_bytes} bytes") from None
+    except ConnectionResetError as exc:  # the client went away while sending
+        raise oip.error("CANCELLED", f"the client went away while sending the body: {exc}") from None
+    encoding = headers.get("content-encoding")
+    if encoding is None:
+        return body
+    return await dataplane.off_loop(len(body), oip.decode_content, body, encoding, plane.max_request_bytes)
+
+
 def app(plane: dataplane.Dataplane) -> web.Application:
     async def live(_: web.Request) -> web.Response:
         return web.Response(status=200)
@@ -30,7 +75,7 @@ def app(plane: dataplane.Dataplane) -> web.Application:
                                   "extensions": list(dataplane.EXTENSIONS)})
 
     async def model_ready(request: web.Request) -> web.Response:
-        return web.Response(status=200 if plane.model_ready(_model(request)) else 400)
+        return web.Response(status=200 if await plane.model_ready(_model(request)) else 400)
 
     async def model_metadata(request: web.Request) -> web.Response:
         try:
@@ -39,24 +84,33 @@ def app(plane: dataplane.Dataplane) -> web.Application:
             return _error(exc)
         return web.json_response(oip.model_metadata_rest(m.name, m.versions, m.platform, m.inputs, m.outputs))
 
+    async def model_config(request: web.Request) -> web.Response:
+        try:
+            c = plane.model_config(_model(request))
+        except oip.OipError as exc:
+            return _error(exc)
+        return web.json_response(oip.model_config_rest(c.name, c.platform, c.backend, c.max_batch_size, c.inputs,
+                                                       c.outputs))
+
     async def repository_index(_: web.Request) -> web.Response:
-        return web.json_response([{"name": m.name, "version": m.version, "state": m.state}
-                                  for m in plane.repository_index()])
+        return web.json_response([{"name": m.name, "version": m.version, "state": m.state, "reason": m.reason}
+                                  for m in await plane.repository_index()])
 
     async def infer(request: web.Request) -> web.Response:
         headers = dataplane.headers(request.headers.items())
         model = _model(request, headers)
 
         async def call() -> web.Response:
-            try:
-                body = await request.read()
-            except web.HTTPRequestEntityTooLarge:
-                raise oip.error("RESOURCE_EXHAUSTED", f"request body over {plane.max_request_bytes} bytes") from None
+            body = await _body(request, plane, headers)
             length = oip.rest_header_length(headers.get("inference-header-content-length"))
-            decoded = oip.decode_rest_request(body, length)
+            # A large JSON body is decoded in a thread, parsing numbers in Python so the loop gets the GIL.
+            decoded = await dataplane.off_loop(len(body), oip.decode_rest_request, body, length,
+                                               yielding=len(body) >= dataplane.OFF_LOOP_BYTES)
             spec, outputs = await plane.infer(model, headers, decoded.inputs)
-            payload, json_length = oip.encode_rest_response(spec.model_id, spec.version, decoded.request_id, outputs,
-                                                            decoded.outputs, decoded.binary_default)
+            size = sum(v.nbytes for v in outputs.values())
+            payload, json_length = await dataplane.off_loop(
+                size, oip.encode_rest_response, spec.model_id, spec.version, decoded.request_id, outputs,
+                decoded.outputs, decoded.binary_default)
             if json_length is None:
                 return web.Response(body=payload, headers={"Content-Type": "application/json"})
             return web.Response(body=payload, headers={"Content-Type": "application/octet-stream",
@@ -68,12 +122,12 @@ def app(plane: dataplane.Dataplane) -> web.Application:
             return _error(exc)
 
     web_app = web.Application(client_max_size=plane.max_request_bytes)
-    web_app.router.add_get("/v2/health/live", live)
-    web_app.router.add_get("/v2/health/ready", live)
-    web_app.router.add_get("/v2", server_metadata)
+    routes: list[tuple[str, str, Handler]] = [
+        ("GET", "/v2/health/live", live), ("GET", "/v2/health/ready", live), ("GET", "/v2", server_metadata),
+        ("POST", "/v2/repository/index", repository_index)]
     for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
-        web_app.router.add_get(prefix, model_metadata)
-        web_app.router.add_get(f"{prefix}/ready", model_ready)
-        web_app.router.add_post(f"{prefix}/infer", infer)
-    web_app.router.add_post("/v2/repository/index", repository_index)
+        routes += [("GET", prefix, model_metadata), ("GET", f"{prefix}/ready", model_ready),
+                   ("GET", f"{prefix}/config", model_config), ("POST", f"{prefix}/infer", infer)]
+    for method, path, handler in routes:
+        web_app.router.add_route(method, path, _last_resort(handler))
     return web_app
