@@ -176,10 +176,14 @@ def test_model_config_grpc_and_http(g: grpcclient.InferenceServerClient, h: http
 # --- readiness -------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["agent-grpc", "in-process"])
+@pytest.fixture(scope="module", params=["agent-grpc", "in-process", "volga-up"])
 def gateway(request: pytest.FixtureRequest, stack: tuple[harness.Background, local.Embedded]) -> Iterator[app.Gateway]:
-    """A gateway that asks the agent about instances: over the Agent API (the sidecar), or in-process."""
+    """A gateway that asks the agent about instances: over the Agent API (the sidecar), in-process, or the one
+    `volga up` itself serves."""
     bg, embedded = stack
+    if request.param == "volga-up":
+        yield embedded.gateway
+        return
 
     async def make() -> app.Gateway:  # on the loop it serves from: grpc.aio channels belong to one loop
         link: links.AgentLink

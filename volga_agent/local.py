@@ -62,7 +62,7 @@ class Embedded:
             host=self.options.host, http_port=self.options.http_port, grpc_port=self.options.grpc_port,
             metrics_port=self.options.metrics_port, cache_ttl_sec=self.options.settings.gateway_cache_ttl_sec)
         self.gateway = app.Gateway(catalog.Catalog({s.model_id: s for s in self.specs.values()}),
-                                   links.LocalAgentLink(self._activate), gw_settings,
+                                   links.LocalAgentLink(self._activate, self._instances), gw_settings,
                                    extra_metrics=[self.agent_metrics.registry])
         self._agent: grpc.aio.Server | None = None
         self.agent_port = 0
@@ -71,6 +71,9 @@ class Embedded:
         """The gateway's in-process link to the pool."""
         act = self.pool.activate(model_id, "", device_hint)
         return links.Route(act.instance.name, act.instance.socket)
+
+    def _instances(self, model_id: str) -> list[pool.InstanceInfo]:
+        return self.pool.instances(model_id, include_failed=True)
 
     def _temp(self, prefix: str, folder: str | None) -> pathlib.Path:
         path = pathlib.Path(tempfile.mkdtemp(prefix=prefix, dir=folder))
