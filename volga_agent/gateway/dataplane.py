@@ -42,6 +42,8 @@ from volga_operator import api
 
 T = TypeVar("T")
 P = ParamSpec("P")
+# Sends of one request that workers may hand back unrun (paused for a checkpoint, asleep) before it fails.
+UNRUN_ATTEMPTS = 4
 log = logging.getLogger(__name__)
 
 SERVER_NAME = "volga"
@@ -184,7 +186,7 @@ class Dataplane:
         if here is not None and not here:
             return spec, await self._forward(model, request_headers, inputs, deadline)
         hint = request_headers.get("x-device-hint", "")
-        for attempt in (1, 2):
+        for attempt in range(1, UNRUN_ATTEMPTS + 1):
             route = await _within(deadline, self.router.route(model, hint, _ms_left(deadline)), "waking an instance")
             try:
                 return spec, await _within(deadline, self.workers.infer(route.socket, inputs), "inference")
@@ -196,8 +198,9 @@ class Dataplane:
                     # the next request's activation finds the worker dead and restarts it.
                     raise oip.error("UNAVAILABLE", f"model {model!r}: {exc}; the instance is being "
                                     "restarted, retry") from None
-                # Demoted or gone before it ran this request: wake again and resend, once.
-                if attempt == 2:
+                # Demoted or gone before it ran this request: wake again and resend. A model demoted again
+                # while the resend waits (freezes in quick succession) hands it back again: bounded retries.
+                if attempt == UNRUN_ATTEMPTS:
                     raise oip.error("UNAVAILABLE", f"model {model!r}: {exc}; retry later") from None
             except protocol.WorkerError as exc:
                 raise oip.error(exc.code, exc.message) from None
