@@ -35,7 +35,10 @@ def crds(control_plane: ControlPlane) -> None:
 def custom(crds: None, kube_client: k8s_client.ApiClient) -> Iterator[tuple[k8s_client.CustomObjectsApi, str]]:
     namespace = f"vt-{uuid.uuid4().hex[:8]}"  # left in place: no namespace controller runs
     k8s_client.CoreV1Api(kube_client).create_namespace(V1Namespace(metadata=V1ObjectMeta(name=namespace)))
-    yield k8s_client.CustomObjectsApi(kube_client), namespace
+    objects = k8s_client.CustomObjectsApi(kube_client)
+    yield objects, namespace
+    # The control plane is shared: an operator started by a later test would place what is left here.
+    objects.delete_collection_namespaced_custom_object(api.GROUP, api.VERSION, namespace, "modelspecs")
 
 
 def modelspec(name: str = "m", **spec: Any) -> dict[str, Any]:

@@ -212,3 +212,14 @@ def test_up_serves_a_spec_that_leaves_its_signature_out(tmp_path: pathlib.Path) 
         out = client.infer(default.model_id, harness.triton_inputs(decls, x, httpclient)).as_numpy("probability")
         assert out.shape == (2, 1) and np.all((out > 0) & (out < 1))
         client.close()
+
+
+def test_inspect_infers_output_shapes_the_file_leaves_out(tmp_path: pathlib.Path) -> None:
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = tmp_path / "relu.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), model)
+    out = volga("inspect", str(model))
+    assert out.returncode == 0, out.stderr
+    assert yaml.safe_load(out.stdout)["spec"]["outputs"] == [{"name": "y", "dtype": "FP32", "shape": [-1, 3]}]

@@ -12,6 +12,7 @@ ModelSpec in the cluster keeps its spec as written and each node fills it when i
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import pathlib
@@ -82,6 +83,11 @@ def _read_onnx(path: str, mtime_ns: int, size: int) -> ModelSignature:
     except Exception as exc:  # onnx raises protobuf's DecodeError, ValueError and others on a file not its own
         hint = " (it looks like a TorchScript/PyTorch archive)" if _is_zip(path) else ""
         raise api.SpecError(path, [("spec.source", f"{path} is not an ONNX model{hint}: {exc}")]) from None
+    if any(not o.type.tensor_type.HasField("shape") for o in model.graph.output):
+        # Exporters often leave output shapes out; ONNX's shape inference can usually say them.
+        # A graph inference cannot follow leaves the outputs without a rank.
+        with contextlib.suppress(Exception):
+            model = onnx.shape_inference.infer_shapes(model)
     graph = model.graph
     weights = {i.name for i in graph.initializer} | {s.values.name for s in graph.sparse_initializer}
 
@@ -101,8 +107,11 @@ def _read_onnx(path: str, mtime_ns: int, size: int) -> ModelSignature:
 
 
 def _is_zip(path: str) -> bool:
-    with open(path, "rb") as f:
-        return f.read(4) == b"PK\x03\x04"
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"PK\x03\x04"
+    except OSError:
+        return False
 
 
 def _tensor_specs(field: str, tensors: tuple[ModelTensor, ...]) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
