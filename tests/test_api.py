@@ -8,13 +8,13 @@ import yaml
 
 from volga_agent import cli, defaultmodel
 from volga_operator import api
+from volga_operator.api import signature
 
 
 @pytest.fixture
-def document(tmp_path: pathlib.Path) -> dict:
-    model = tmp_path / "model.onnx"
-    model.write_bytes(b"x")
-    return defaultmodel.spec_document(model)
+def document() -> dict:
+    # The embedded default model's real file: validation opens it.
+    return defaultmodel.spec_document(defaultmodel.ensure().spec.source_path)
 
 
 def problems(doc: dict) -> list[tuple[str, str]]:
@@ -125,3 +125,122 @@ def test_pool_floor(document: dict) -> None:
     spec = api.parse_model_spec(document).spec
     assert spec.pool.floor(api.Tier.FROZEN) == 1
     assert spec.pool.floor(api.Tier.COLD) == 0
+
+
+def found_at(doc: dict) -> dict[str, str]:
+    return dict(problems(doc))
+
+
+def test_dims_are_positive_integers_or_minus_one(document: dict) -> None:
+    document["spec"]["inputs"][0]["shape"] = [True, 13]
+    assert "boolean" in found_at(document)["spec.inputs[0].shape[0]"]
+    document["spec"]["inputs"][0]["shape"] = [None, 13]
+    assert "write -1 for a dimension of any size" in found_at(document)["spec.inputs[0].shape[0]"]
+    document["spec"]["inputs"][0]["shape"] = ["batch", 13]
+    assert "write -1" in found_at(document)["spec.inputs[0].shape[0]"]
+    for big in (10**12, 2**70, 2**31):
+        document["spec"]["inputs"][0]["shape"] = [-1, big]
+        assert "at most 2147483647" in found_at(document)["spec.inputs[0].shape"]
+    document["spec"]["inputs"][0]["shape"] = [-1, 2**31 - 1]
+    assert api.parse_model_spec(document).spec.inputs[0].shape == [-1, 2**31 - 1]
+
+
+@pytest.mark.parametrize("name", ["a\x00b", "tab\there", "new\nline", "x\u202eevil", "\u2066iso", "del\x7f"])
+def test_tensor_names_without_control_or_bidi_characters(document: dict, name: str) -> None:
+    document["spec"]["outputs"][0]["name"] = name
+    assert "control characters" in found_at(document)["spec.outputs[0].name"]
+
+
+@pytest.mark.parametrize("name", ["/etc/passwd", "../..", "..", "Upper", "a_b", "-a", "a" * 64, "a/b"])
+def test_names_and_model_ids_are_dns_names(document: dict, name: str) -> None:
+    document["metadata"]["name"] = name
+    document["spec"]["modelId"] = name
+    found = found_at(document)
+    assert "DNS-1123" in found["metadata.name"] and "DNS-1123" in found["spec.modelId"]
+
+
+def test_dns_names_accepted(document: dict) -> None:
+    document["metadata"]["name"] = "a" * 63
+    document["spec"]["modelId"] = "resnet-50.v2"
+    assert api.parse_model_spec(document).spec.model_id == "resnet-50.v2"
+
+
+def test_pool_floors_are_capped(document: dict) -> None:
+    document["spec"]["pool"] = {"hot": 65, "frozen": True}
+    found = found_at(document)
+    assert "65 is more than 64" in found["spec.pool.hot"]
+    assert "boolean" in found["spec.pool.frozen"]
+    document["spec"]["pool"] = {"hot": 64, "warm": 64, "suspended": 64, "frozen": 64}
+    assert api.parse_model_spec(document).spec.pool.floor(api.Tier.HOT) == 64
+
+
+def test_onnx_signature_may_be_left_out(document: dict) -> None:
+    del document["spec"]["inputs"], document["spec"]["outputs"]
+    spec = api.parse_model_spec(document)
+    assert not spec.spec.has_signature and spec.spec.input_hash() == ""
+    wire = spec.to_wire()
+    assert "inputs" not in wire["spec"] and "outputs" not in wire["spec"]
+    assert api.parse_model_spec(wire) == spec  # written back, read back
+    spec, problem = api.validate_spec(wire["spec"])
+    assert problem == "" and spec is not None and spec.inputs == []
+
+
+@pytest.mark.parametrize("framework", ["torchscript", "pytorch"])
+def test_other_frameworks_must_write_their_signature(document: dict, framework: str) -> None:
+    document["spec"]["framework"] = framework
+    del document["spec"]["outputs"]
+    assert "carries no tensor signature" in found_at(document)["spec.outputs"]
+
+
+def test_fill_reads_the_signature_from_the_onnx_file(document: dict) -> None:
+    written = api.parse_model_spec(document).spec
+    del document["spec"]["inputs"], document["spec"]["outputs"]
+    filled = signature.fill(api.parse_model_spec(document).spec)
+    # The default model's batch dimension is symbolic ("batch"): -1 here, as the hand-written spec says.
+    assert filled.inputs == written.inputs and filled.outputs == written.outputs
+    assert filled.input_hash() == written.input_hash()
+    assert signature.check(filled) == []
+
+
+def test_fill_keeps_a_written_signature_without_opening_the_file(document: dict) -> None:
+    document["spec"]["source"] = "/nonexistent/model.onnx"
+    spec = api.parse_model_spec(document).spec
+    assert signature.fill(spec) is spec
+
+
+def test_fill_names_a_missing_file(document: dict) -> None:
+    document["spec"]["source"] = "/nonexistent/model.onnx"
+    del document["spec"]["inputs"]
+    with pytest.raises(api.SpecError) as err:
+        signature.fill(api.parse_model_spec(document).spec)
+    assert err.value.problems == [("spec.source", "model file /nonexistent/model.onnx does not exist")]
+
+
+def test_check_names_each_mismatch(document: dict) -> None:
+    spec = document["spec"]
+    spec["inputs"][0]["name"] = "image"
+    spec["inputs"][1]["dtype"] = "FP32"
+    spec["inputs"][1]["shape"] = [-1, 27]
+    spec["outputs"][0]["shape"] = [-1, 1, 1]
+    found = signature.check(api.parse_model_spec(document).spec)
+    assert ("spec.inputs[0].name", "the model has no input 'image' (it has 'dense', 'sparse')") in found
+    assert ("spec.inputs[1].dtype", "the model declares INT64, the spec FP32") in found
+    assert ("spec.inputs[1].shape[1]", "the model fixes this dimension at 26, the spec 27") in found
+    assert ("spec.outputs[0].shape", "rank 2 in the model, 3 here") in found
+    assert any(path == "spec.inputs" and "'dense'" in reason and "missing" in reason for path, reason in found)
+
+
+def test_check_accepts_any_size_for_symbolic_dims(document: dict) -> None:
+    document["spec"]["inputs"][0]["shape"] = [32, 13]  # the model's batch dimension is symbolic
+    document["spec"]["inputs"][1]["shape"] = [-1, -1]  # -1 for the model's fixed 26 is fine
+    assert signature.check(api.parse_model_spec(document).spec) == []
+
+
+def test_repeated_names_and_model_ids_name_both_places(document: dict) -> None:
+    first = api.parse_model_spec(document)
+    document["spec"]["modelId"] = "other"
+    same_name = api.parse_model_spec(document)
+    errors = api.repeated([("a.yaml", first), ("b.yaml", same_name), ("c.yaml#1", first)])
+    assert [e.source for e in errors] == ["b.yaml", "c.yaml#1"]
+    assert errors[0].problems == [("metadata.name", "'ctr-default' is already used by the ModelSpec in a.yaml")]
+    assert dict(errors[1].problems)["spec.modelId"] == "'ctr-default' is already used by the ModelSpec in a.yaml"

@@ -174,3 +174,13 @@ def test_the_operator_loop_assumes_its_emi_patches() -> None:
     [patch] = [a for a in reconcile.compute(loop.state, [("ns", "ms")], NOW) if a.verb == "patch_emi"]
     loop._assume(patch)
     assert [a for a in reconcile.compute(loop.state, [("ns", "ms")], NOW) if a.verb == "patch_emi"] == []
+
+
+def test_a_spec_that_leaves_its_signature_out_is_placed_as_written() -> None:
+    # The operator cannot open node-local model files: it places the spec, and the nodes read the signature.
+    body = spec_body()
+    del body["inputs"], body["outputs"]
+    actions = reconcile.compute(state_with(body), [("ns", "ms")], NOW)
+    assert verbs(actions) == [("create_emi", "ms-0"), ("patch_spec_status", "ms")]
+    status = actions[1].body["status"]
+    assert status["inputHash"] == "" and {c["type"]: c["status"] for c in status["conditions"]}["Valid"] == "True"

@@ -1,6 +1,8 @@
 """`volga`: the command line.
 
-    volga validate -f spec.yaml       check ModelSpecs; errors name the field path and the reason
+    volga validate -f spec.yaml       check ModelSpecs (and their signatures against ONNX files); errors name the
+                                      field path and the reason
+    volga inspect MODEL.onnx          print a ready ModelSpec for an ONNX file, its signature read from the file
     volga up [-f SPECS]               agent + gateway + local ModelSpec store on this machine
     volga demo                        the embedded default model through the gateway, every tier timed
     volga bench tiers [--gpu] [--json] cold start vs each tier's wake -> first answer, in one run
@@ -22,6 +24,7 @@ import yaml
 
 from volga_agent import policy, ports
 from volga_operator import api
+from volga_operator.api import signature
 
 Tier = api.Tier
 
@@ -37,9 +40,10 @@ def default_snapshot_dir() -> pathlib.Path:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     failed = 0
+    labelled: list[tuple[str, api.ModelSpec]] = []
     for target in args.file:
         try:
-            specs = api.load_model_specs(target)
+            found = api.load_labelled(target)
         except api.SpecError as exc:
             print(exc, file=sys.stderr)
             failed += 1
@@ -48,17 +52,45 @@ def cmd_validate(args: argparse.Namespace) -> int:
             print(f"{target}: {exc.strerror}", file=sys.stderr)
             failed += 1
             continue
-        for spec in specs:
-            problems = []
-            if not args.schema_only and not spec.spec.source_path.exists():
-                problems.append(f"  spec.source: model file {spec.spec.source_path} does not exist")
+        labelled += found
+        for label, spec in found:
+            problems: list[tuple[str, str]] = []
+            if not args.schema_only:
+                spec, problems = _against_model(spec)
             if problems:
-                print(f"{target}: ModelSpec {spec.metadata.name}: invalid\n" + "\n".join(problems), file=sys.stderr)
+                print(f"{label}: ModelSpec {spec.metadata.name}: invalid\n"
+                      + "\n".join(f"  {path}: {reason}" for path, reason in problems), file=sys.stderr)
                 failed += 1
-            else:
-                print(f"{target}: ModelSpec {spec.metadata.name} ({spec.spec.model_id}, "
-                      f"{spec.spec.framework.value}) is valid; input hash {spec.spec.input_hash()[:16]}...")
+                continue
+            digest = (f"input hash {spec.spec.input_hash()[:16]}..." if spec.spec.has_signature else
+                      "inputs and outputs to be read from the model file")
+            print(f"{label}: ModelSpec {spec.metadata.name} ({spec.spec.model_id}, "
+                  f"{spec.spec.framework.value}) is valid; {digest}")
+    for repeat in api.repeated(labelled):
+        print(repeat, file=sys.stderr)
+        failed += 1
     return 1 if failed else 0
+
+
+def _against_model(spec: api.ModelSpec) -> tuple[api.ModelSpec, list[tuple[str, str]]]:
+    """The written signature held to the model file, or the one left out read from it."""
+    if spec.spec.has_signature:
+        return spec, signature.check(spec.spec)
+    try:
+        return spec.model_copy(update={"spec": signature.fill(spec.spec)}), []
+    except api.SpecError as exc:
+        return spec, exc.problems
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    try:
+        document = signature.inspect_document(pathlib.Path(args.model))
+    except api.SpecError as exc:
+        print(f"volga inspect: {args.model}:\n" + "\n".join(f"  {path}: {reason}" for path, reason in exc.problems),
+              file=sys.stderr)
+        return 1
+    print(yaml.safe_dump(document, sort_keys=False, default_flow_style=None, allow_unicode=True), end="")
+    return 0
 
 
 def cmd_build_model(args: argparse.Namespace) -> int:
@@ -77,13 +109,23 @@ def _progress(quiet: bool) -> Callable[[str], None]:
 
 
 def load_specs(files: list[str] | None) -> list[api.ModelSpec]:
+    """The ModelSpecs in `files` (the embedded default without), inputs and outputs they leave out read from
+    their model files; SpecError for the first problem, a name or model id used twice included."""
     from volga_agent import defaultmodel
 
     if not files:
         return [defaultmodel.ensure()]
-    specs: list[api.ModelSpec] = []
+    labelled: list[tuple[str, api.ModelSpec]] = []
     for target in files:
-        specs.extend(api.load_model_specs(target))
+        labelled += api.load_labelled(target)
+    if repeats := api.repeated(labelled):
+        raise repeats[0]
+    specs = []
+    for label, spec in labelled:
+        try:
+            specs.append(spec.model_copy(update={"spec": signature.fill(spec.spec)}))
+        except api.SpecError as exc:
+            raise api.SpecError(label, exc.problems) from None
     return specs
 
 
@@ -211,8 +253,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("validate", help="validate ModelSpec files")
     p.add_argument("-f", "--file", action="append", required=True, help="YAML file or folder (repeatable)")
     p.add_argument("--schema-only", action="store_true",
-                   help="do not check that model files exist here (specs for files that live on the nodes)")
+                   help="do not open the model files (specs for files that live on the nodes)")
     p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("inspect", help="print a ready ModelSpec for an ONNX model file")
+    p.add_argument("model", help="the .onnx file")
+    p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("build-model", help="build the embedded default model, print its ModelSpec")
     p.add_argument("--out", help="model folder (default ~/.cache/volga/models)")

@@ -6,8 +6,9 @@ runtime options from them. Field names on the wire are camelCase (Kubernetes con
 are snake_case.
 
 The package is the contract between the operator and the node side (docs/architecture.md): the types here,
-the CRDs generated from them (`crds`), status conditions (`conditions`) and the label, annotation and
-finalizer names both sides use (`labels`). It imports nothing else of Volga.
+the CRDs generated from them (`crds`), status conditions (`conditions`), the label, annotation and finalizer
+names both sides use (`labels`), and a model file's tensor signature (`signature`: an ONNX ModelSpec may leave
+its inputs and outputs out, and whoever can open the file fills them). It imports nothing else of Volga.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import hashlib
 import json
 import pathlib
 import re
+import unicodedata
 from collections.abc import Iterable, Mapping
 from typing import Annotated, Any, Literal
 
@@ -28,7 +30,22 @@ GROUP = "volga.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 
-_MODEL_ID = re.compile(r"^[a-z0-9]([-a-z0-9_.]{0,61}[a-z0-9])?$")
+# Kubernetes names (DNS-1123 subdomains). ModelSpec names are also label values on their EMIs, so they keep to
+# a label value's 63 characters; model ids name files and URLs on the nodes, and keep to the same rule.
+_DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+_MODEL_ID = re.compile(_DNS_SUBDOMAIN)
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+MAX_NAME = 63
+NAME_RULE = (f"must be 1-{MAX_NAME} lowercase letters, digits, '-' or '.', starting and ending with a letter or "
+             "digit (a DNS-1123 subdomain, as Kubernetes names are; not a path)")
+# The largest dimension a spec may write: a tensor dimension is a 32-bit signed size in every runtime Volga serves.
+MAX_DIM = 2**31 - 1
+# Pool floors above this are a typo more often than a plan (and each floor is a process on some node).
+MAX_FLOOR = 64
+# Control characters (NUL included) and the bidirectional marks and overrides that make a name display as
+# another: a tensor name is printed in errors, logs and metrics, and must read as what it is.
+_BIDI = "\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069"
+_TENSOR_NAME_PATTERN = r"^[^\x00-\x1f\x7f-\x9f\x{061C}\x{200E}\x{200F}\x{202A}-\x{202E}\x{2066}-\x{2069}]*$"
 
 
 class Framework(enum.StrEnum):
@@ -86,15 +103,63 @@ class Model(pydantic.BaseModel):
         return self.model_dump(by_alias=True, mode="json", exclude_none=True)
 
 
+def _show(value: Any) -> str:
+    """A value as YAML spells it (true, null), for messages about what was written."""
+    return json.dumps(value) if isinstance(value, bool | None | int | float) else repr(value)
+
+
+def _dim(value: Any) -> Any:
+    # Before pydantic's int: it would read `true` as 1 and say nothing useful about `null`.
+    if isinstance(value, bool):
+        raise ValueError(f"{_show(value)} is a boolean, not a size: write a positive integer, or -1 for any size")
+    if value is None or isinstance(value, str):
+        raise ValueError(f"{_show(value)} is not a size: write -1 for a dimension of any size (what a model "
+                         "calls a symbolic dimension, such as 'batch'), or a positive integer")
+    if not isinstance(value, int):
+        raise ValueError(f"{_show(value)} is not a size: write a positive integer, or -1 for any size")
+    return value
+
+
+def _no_bool(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError(f"{_show(value)} is a boolean: write a number")
+    return value
+
+
+Dim = Annotated[int, pydantic.BeforeValidator(_dim)]
+Count = Annotated[int, pydantic.BeforeValidator(_no_bool)]
+
+
+def bad_characters(text: str) -> list[str]:
+    """The control and bidirectional-override characters in `text`, as U+XXXX."""
+    return [f"U+{ord(c):04X}" for c in text if unicodedata.category(c) == "Cc" or c in _BIDI]
+
+
 class TensorSpec(Model):
     """One input or output tensor. A dimension of -1 accepts any size (the batch dimension, usually)."""
 
-    name: Annotated[str, pydantic.Field(min_length=1, max_length=128)]
-    dtype: DType
-    shape: Annotated[list[int], pydantic.Field(min_length=0, max_length=8, json_schema_extra={
-        "items": {"type": "integer", "minimum": -1},
-        "x-kubernetes-validations": [{"rule": "self.all(d, d == -1 || d > 0)",
-                                      "message": "dimensions must be positive, or -1 for any size"}]})]
+    name: str = pydantic.Field(
+        min_length=1, max_length=128, json_schema_extra={"pattern": _TENSOR_NAME_PATTERN},
+        description="the tensor's name in the model file, as requests name it; 1-128 characters, no control or "
+                    "bidirectional-override characters")
+    dtype: DType = pydantic.Field(description="element type, named as the Open Inference Protocol names them "
+                                              "(FP32, INT64, BOOL, ...)")
+    shape: list[Dim] = pydantic.Field(
+        min_length=0, max_length=8,
+        description=f"dimensions, at most 8: each a positive size (at most {MAX_DIM}, 2^31-1) or -1 for any size "
+                    "(the batch dimension, a symbolic dimension of the model); [] for a scalar",
+        json_schema_extra={
+            "items": {"type": "integer", "minimum": -1, "maximum": MAX_DIM},
+            "x-kubernetes-validations": [{"rule": "self.all(d, d == -1 || d > 0)",
+                                          "message": "dimensions must be positive, or -1 for any size"}]})
+
+    @pydantic.field_validator("name")
+    @classmethod
+    def _name(cls, name: str) -> str:
+        if bad := bad_characters(name):
+            raise ValueError(f"must not contain control characters, NUL or bidirectional-override characters "
+                             f"(found {', '.join(dict.fromkeys(bad))})")
+        return name
 
     @pydantic.field_validator("shape")
     @classmethod
@@ -102,32 +167,63 @@ class TensorSpec(Model):
         for dim in shape:
             if dim == 0 or dim < -1:
                 raise ValueError(f"dimension {dim} is not allowed: use a positive size or -1 for any size")
+            if dim > MAX_DIM:
+                raise ValueError(f"dimension {dim} is too large: at most {MAX_DIM} (2^31-1), or -1 for any size")
         return shape
 
 
 class Hardware(Model):
-    gpu_product: str | None = pydantic.Field(default=None, description="e.g. 'NVIDIA H200'; empty: any GPU")
-    min_memory_gi_b: Annotated[float, pydantic.Field(ge=0, alias="minMemoryGiB")] = 0.0
-    precision: Precision = Precision.FP32
-    cuda_graphs: bool = False
-    numa_affinity: bool = False
-    gpu: bool = pydantic.Field(default=False, description="run on a GPU (CUDA); CPU otherwise")
+    """What a node must offer to host the model; the operator places instances only where it does."""
+
+    gpu_product: str | None = pydantic.Field(
+        default=None, max_length=256,
+        description="GPU product the model needs, matched case-insensitively as a part of the node's product name "
+                    "(e.g. 'NVIDIA H200'); only with gpu: true. Default: unset, any GPU")
+    min_memory_gi_b: float = pydantic.Field(
+        default=0.0, ge=0, alias="minMemoryGiB",
+        description="GPU memory the node's GPUs must have, in GiB (2^30 bytes); only with gpu: true. Default: 0, "
+                    "no minimum")
+    precision: Precision = pydantic.Field(
+        default=Precision.FP32,
+        description="precision the model's weights are in (fp32, fp16, bf16, int8); recorded, Volga does not "
+                    "convert weights. Default: fp32")
+    cuda_graphs: bool = pydantic.Field(
+        default=False,
+        description="capture CUDA graphs for the batch sizes named in slo.baselineLatencyMs (1 and 8 when none) "
+                    "at warm-up; only on a GPU. Default: false")
+    numa_affinity: bool = pydantic.Field(
+        default=False,
+        description="pin the worker to the CPUs of the NUMA node its GPU hangs off; only nodes that publish their "
+                    "NUMA layout are eligible. Default: false")
+    gpu: bool = pydantic.Field(default=False, description="run on a GPU (CUDA); CPU otherwise. Default: false")
 
 
 class Targets(Model):
-    latency_ms: Annotated[float, pydantic.Field(gt=0)] | None = None
-    throughput_rps: Annotated[float, pydantic.Field(gt=0)] | None = None
+    """Service targets, recorded with the model (not yet acted on by placement)."""
+
+    latency_ms: Annotated[float, pydantic.Field(gt=0)] | None = pydantic.Field(
+        default=None, description="target p99 latency per request, in milliseconds (> 0). Default: unset")
+    throughput_rps: Annotated[float, pydantic.Field(gt=0)] | None = pydantic.Field(
+        default=None, description="target throughput, in requests per second (> 0). Default: unset")
 
 
 class Slo(Model):
     """The three-part SLO contract: baseline latency per batch size, interference tolerance, recovery."""
 
     baseline_latency_ms: dict[str, Annotated[float, pydantic.Field(gt=0)]] = pydantic.Field(
-        default_factory=dict, description="batch size -> p99 latency in ms when running alone", max_length=64,
+        default_factory=dict, max_length=64,
+        description="batch size -> p99 latency in milliseconds when the model runs alone, at most 64 entries; "
+                    "the batch sizes also choose the CUDA graphs captured (hardware.cudaGraphs). Default: empty",
         json_schema_extra={"x-kubernetes-validations": [
             {"rule": "self.all(k, k.matches('^[1-9][0-9]{0,5}$'))", "message": "keys must be batch sizes"}]})
-    interference_tolerance_pct: Annotated[float, pydantic.Field(ge=0, le=1000)] = 20.0
-    recovery_deadline_ms: Annotated[float, pydantic.Field(gt=0)] = 1000.0
+    interference_tolerance_pct: float = pydantic.Field(
+        default=20.0, ge=0, le=1000,
+        description="how much slower than the baseline the model may run beside others, in percent (0-1000). "
+                    "Default: 20")
+    recovery_deadline_ms: float = pydantic.Field(
+        default=1000.0, gt=0,
+        description="how long the model may stay out of its SLO before it must recover, in milliseconds (> 0). "
+                    "Default: 1000")
 
     @pydantic.field_validator("baseline_latency_ms")
     @classmethod
@@ -138,13 +234,27 @@ class Slo(Model):
         return value
 
 
+def _floor(tier: str, default: int) -> Any:
+    return pydantic.Field(
+        default=default, ge=0, json_schema_extra={"maximum": MAX_FLOOR},
+        description=f"instances of this model kept in the {tier} tier across the cluster, 0-{MAX_FLOOR}. "
+                    f"Default: {default}")
+
+
 class Pool(Model):
     """Pool floors: how many instances of this model to keep in each tier, across the cluster."""
 
-    hot: Annotated[int, pydantic.Field(ge=0, le=1024)] = 0
-    warm: Annotated[int, pydantic.Field(ge=0, le=1024)] = 0
-    suspended: Annotated[int, pydantic.Field(ge=0, le=1024)] = 0
-    frozen: Annotated[int, pydantic.Field(ge=0, le=1024)] = 1
+    hot: Count = _floor("HOT", 0)
+    warm: Count = _floor("WARM", 0)
+    suspended: Count = _floor("SUSPENDED", 0)
+    frozen: Count = _floor("FROZEN", 1)
+
+    @pydantic.field_validator("hot", "warm", "suspended", "frozen")
+    @classmethod
+    def _cap(cls, value: int) -> int:
+        if value > MAX_FLOOR:
+            raise ValueError(f"{value} is more than {MAX_FLOOR}, the most instances a pool keeps in one tier")
+        return value
 
     def floor(self, tier: Tier) -> int:
         return {Tier.HOT: self.hot, Tier.WARM: self.warm, Tier.SUSPENDED: self.suspended,
@@ -152,42 +262,83 @@ class Pool(Model):
 
 
 class Runtime(Model):
-    warmup_iterations: Annotated[int, pydantic.Field(ge=0, le=10_000)] = 3
-    warmup_cache_ratio: Annotated[float, pydantic.Field(
-        ge=0.0, le=1.0, description="share of the warmup iterations run again after each restore, before the "
-                                    "first request: brings back caches (and lazily restored pages) at wake cost")] = 0.0
-    reset_rng_on_restore: bool = True
-    intra_op_threads: Annotated[int, pydantic.Field(ge=0, le=256)] = 0
-    max_batch_size: Annotated[int, pydantic.Field(ge=1, le=65_536)] = 256
+    """How the worker runs the model."""
+
+    warmup_iterations: int = pydantic.Field(
+        default=3, ge=0, le=10_000,
+        description="inferences on sample inputs after loading, before the first snapshot and the first request "
+                    "(0-10000). Default: 3")
+    warmup_cache_ratio: float = pydantic.Field(
+        default=0.0, ge=0.0, le=1.0,
+        description="share of the warmup iterations run again after each restore, before the first request: brings "
+                    "back caches (and lazily restored pages) at wake cost (0-1; 0 leaves it to the node's "
+                    "setting). Default: 0")
+    reset_rng_on_restore: bool = pydantic.Field(
+        default=True,
+        description="re-seed the worker's random number generators after every restore, so that copies restored "
+                    "from one image do not share random streams. Default: true")
+    intra_op_threads: int = pydantic.Field(
+        default=0, ge=0, le=256,
+        description="threads one operator may use (0-256; 0: the runtime's default). Default: 0")
+    max_batch_size: int = pydantic.Field(
+        default=256, ge=1, le=65_536,
+        description="the largest batch (first dimension) a request may send, in samples (1-65536). Default: 256")
 
 
 _UNIQUE_NAMES = "self.all(a, self.filter(b, b.name == a.name).size() == 1)"
+_SIGNATURE_READ = "self.framework == 'onnx' || (has(self.inputs) && has(self.outputs))"
+NO_SIGNATURE = ("a {framework} file carries no tensor signature (names, dtypes and shapes) to read: write inputs and "
+                "outputs in the spec (only ONNX signatures are read from the model file)")
+
+
+def _tensors(kind: str) -> Any:
+    return pydantic.Field(
+        default_factory=list, min_length=1, max_length=64,
+        description=f"the model's {kind} tensors, 1-64, names unique. Default (ONNX only): read from the model "
+                    "file where the file is (`volga up`, `volga validate`, the agent on its node), with symbolic "
+                    "dimensions as -1",
+        json_schema_extra={"x-kubernetes-validations": [
+            {"rule": _UNIQUE_NAMES, "message": f"{kind} names must be unique"}]})
 
 
 class ModelSpecSpec(Model):
-    model_id: str = pydantic.Field(max_length=63, json_schema_extra={"pattern": _MODEL_ID.pattern})
-    framework: Framework
-    source: str = pydantic.Field(description="file:// URI or local path of the model file", min_length=1,
-                                 max_length=4096, json_schema_extra={"pattern": "^(file://.+|[^:]+)$"})
-    version: str = pydantic.Field(default="1", min_length=1, max_length=64)
-    inputs: Annotated[list[TensorSpec], pydantic.Field(min_length=1, max_length=64, json_schema_extra={
-        "x-kubernetes-validations": [{"rule": _UNIQUE_NAMES, "message": "input names must be unique"}]})]
-    outputs: Annotated[list[TensorSpec], pydantic.Field(min_length=1, max_length=64, json_schema_extra={
-        "x-kubernetes-validations": [{"rule": _UNIQUE_NAMES, "message": "output names must be unique"}]})]
-    hardware: Hardware = pydantic.Field(default_factory=Hardware)
-    targets: Targets = pydantic.Field(default_factory=Targets)
-    slo: Slo = pydantic.Field(default_factory=Slo)
-    pool: Pool = pydantic.Field(default_factory=Pool)
-    runtime: Runtime = pydantic.Field(default_factory=Runtime)
+    """What a model is and how Volga keeps it: its file, tensors, hardware, SLO, pool floors and runtime."""
+
+    model_config = pydantic.ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        {"rule": _SIGNATURE_READ, "message": NO_SIGNATURE.format(framework="torchscript or pytorch")}]})
+
+    model_id: str = pydantic.Field(
+        json_schema_extra={"maxLength": MAX_NAME, "pattern": _MODEL_ID.pattern},
+        description=f"the model's name in requests (the Open Inference Protocol's model name, or x-model-id); "
+                    f"1-{MAX_NAME} lowercase letters, digits, '-' or '.' (a DNS-1123 subdomain), unique")
+    framework: Framework = pydantic.Field(description="how the file is loaded: onnx (onnxruntime), torchscript "
+                                                      "(torch.jit.load) or pytorch")
+    source: str = pydantic.Field(
+        min_length=1, max_length=4096, json_schema_extra={"pattern": "^(file://.+|[^:]+)$"},
+        description="file:// URI or local path of the model file on the node (at most 4096 characters); a "
+                    "relative path is relative to the ModelSpec file (`volga up`)")
+    version: str = pydantic.Field(default="1", min_length=1, max_length=64,
+                                  description="the model's version as the protocol reports it. Default: '1'")
+    inputs: list[TensorSpec] = _tensors("input")
+    outputs: list[TensorSpec] = _tensors("output")
+    hardware: Hardware = pydantic.Field(default_factory=Hardware, description=(
+        "what a node must offer: GPU or CPU, GPU product and memory, NUMA affinity. Default: a CPU"))
+    targets: Targets = pydantic.Field(default_factory=Targets, description=(
+        "service targets (latency, throughput), recorded. Default: none"))
+    slo: Slo = pydantic.Field(default_factory=Slo, description=(
+        "the SLO contract: baseline latency per batch size, interference tolerance, recovery deadline"))
+    pool: Pool = pydantic.Field(default_factory=Pool, description=(
+        f"how many instances to keep in each tier across the cluster, 0-{MAX_FLOOR} per tier. Default: 1 FROZEN"))
+    runtime: Runtime = pydantic.Field(default_factory=Runtime, description=(
+        "how the worker runs the model: warm-up, threads, batch size, re-seeding after restores"))
     chain: list[str] = pydantic.Field(default_factory=list, max_length=16,
-                                      description="model ids called after this one")
+                                      description="model ids called after this one, at most 16. Default: none")
 
     @pydantic.field_validator("model_id")
     @classmethod
     def _model_id(cls, value: str) -> str:
-        if not _MODEL_ID.match(value):
-            raise ValueError("must be 1-63 lowercase letters, digits, '-', '_' or '.', starting and ending "
-                             "with a letter or digit")
+        if len(value) > MAX_NAME or not _MODEL_ID.match(value):
+            raise ValueError(NAME_RULE)
         return value
 
     @pydantic.field_validator("source")
@@ -198,7 +349,13 @@ class ModelSpecSpec(Model):
         return value
 
     @pydantic.model_validator(mode="after")
-    def _unique_names(self) -> ModelSpecSpec:
+    def _signature(self) -> ModelSpecSpec:
+        if self.framework is not Framework.ONNX:
+            for field, tensors in (("inputs", self.inputs), ("outputs", self.outputs)):
+                if not tensors:
+                    raise pydantic.ValidationError.from_exception_data("ModelSpecSpec", [{
+                        "type": "value_error", "loc": (field,), "input": None,
+                        "ctx": {"error": ValueError(NO_SIGNATURE.format(framework=self.framework.value))}}])
         for field, tensors in (("inputs", self.inputs), ("outputs", self.outputs)):
             names = [t.name for t in tensors]
             dupes = sorted({n for n in names if names.count(n) > 1})
@@ -206,12 +363,28 @@ class ModelSpecSpec(Model):
                 raise ValueError(f"{field}: tensor names must be unique, repeated: {', '.join(dupes)}")
         return self
 
+    @pydantic.model_serializer(mode="wrap")
+    def _omit_unread(self, handler: pydantic.SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Inputs and outputs left out stay out: [] would be refused when the document is read back.
+        data: dict[str, Any] = handler(self)
+        for field in ("inputs", "outputs"):
+            if data.get(field) == []:
+                del data[field]
+        return data
+
+    @property
+    def has_signature(self) -> bool:
+        """False while inputs or outputs are left out, to be read from the model file (`signature.fill`)."""
+        return bool(self.inputs) and bool(self.outputs)
+
     @property
     def source_path(self) -> pathlib.Path:
         return pathlib.Path(self.source.removeprefix("file://"))
 
     def input_hash(self) -> str:
-        """SHA-256 of the input schema, as clients send it in `x-input-hash`."""
+        """SHA-256 of the input schema, as clients send it in `x-input-hash`; "" while the inputs are unread."""
+        if not self.inputs:
+            return ""
         schema = [{"name": t.name, "dtype": t.dtype.value, "shape": list(t.shape)} for t in self.inputs]
         return hashlib.sha256(json.dumps(schema, separators=(",", ":")).encode()).hexdigest()
 
@@ -219,8 +392,23 @@ class ModelSpecSpec(Model):
 class ObjectMeta(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="allow", frozen=True)
 
-    name: Annotated[str, pydantic.Field(min_length=1, max_length=253)]
+    name: str
     namespace: str | None = None
+
+    @pydantic.field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if len(value) > MAX_NAME or not _MODEL_ID.match(value):
+            raise ValueError(NAME_RULE)
+        return value
+
+    @pydantic.field_validator("namespace")
+    @classmethod
+    def _namespace(cls, value: str | None) -> str | None:
+        if value is not None and (len(value) > MAX_NAME or not _DNS_LABEL.match(value)):
+            raise ValueError(f"must be 1-{MAX_NAME} lowercase letters, digits or '-', starting and ending with a "
+                             "letter or digit (a DNS-1123 label)")
+        return value
 
 
 class ModelSpec(Model):
@@ -248,6 +436,19 @@ def _field_path(loc: Iterable[int | str]) -> str:
     return path or "(document)"
 
 
+def problems_of(exc: pydantic.ValidationError, prefix: Iterable[int | str] = ()) -> list[tuple[str, str]]:
+    """(field path, reason) for each error pydantic found; `prefix` is where the validated value sits."""
+    found = []
+    for err in exc.errors():
+        reason = err["msg"]
+        if err["type"] == "extra_forbidden":
+            reason = "unknown field"
+        elif err["type"] == "value_error" and "error" in err.get("ctx", {}):
+            reason = str(err["ctx"]["error"])  # our own message, without pydantic's "Value error, "
+        found.append((_field_path([*prefix, *err["loc"]]), reason))
+    return found
+
+
 def parse_model_spec(document: Any, source: str = "<input>") -> ModelSpec:
     """Validate one decoded document; raise SpecError naming each bad field and why."""
     if not isinstance(document, dict):
@@ -255,17 +456,14 @@ def parse_model_spec(document: Any, source: str = "<input>") -> ModelSpec:
     try:
         return ModelSpec.model_validate(document)
     except pydantic.ValidationError as exc:
-        problems = []
-        for err in exc.errors():
-            reason = err["msg"]
-            if err["type"] == "extra_forbidden":
-                reason = "unknown field"
-            problems.append((_field_path(err["loc"]), reason))
-        raise SpecError(source, problems) from None
+        raise SpecError(source, problems_of(exc)) from None
 
 
 def validate_spec(spec: Mapping[str, Any]) -> tuple[ModelSpecSpec | None, str]:
-    """A ModelSpec's `spec` as found in the cluster: the typed spec, or None and a message naming each bad field."""
+    """A ModelSpec's `spec` as found in the cluster: the typed spec, or None and a message naming each bad field.
+
+    The spec stays as written: inputs and outputs left out are read from the model file by whoever can open it
+    (`signature.fill`, on the node)."""
     try:
         parsed = parse_model_spec({"apiVersion": API_VERSION, "kind": "ModelSpec", "metadata": {"name": "x"},
                                    "spec": dict(spec)})
@@ -274,8 +472,9 @@ def validate_spec(spec: Mapping[str, Any]) -> tuple[ModelSpecSpec | None, str]:
     return parsed.spec, ""
 
 
-def load_model_specs(path: str | pathlib.Path) -> list[ModelSpec]:
-    """Load every ModelSpec in a YAML file (multi-document) or a folder of them."""
+def load_labelled(path: str | pathlib.Path) -> list[tuple[str, ModelSpec]]:
+    """Every ModelSpec in a YAML file (multi-document) or a folder of them, each with where it was found
+    (`file`, or `file#index` in a multi-document file)."""
     path = pathlib.Path(path)
     files = sorted(p for p in path.iterdir() if p.suffix in (".yaml", ".yml")) if path.is_dir() else [path]
     specs = []
@@ -291,20 +490,110 @@ def load_model_specs(path: str | pathlib.Path) -> list[ModelSpec]:
                 # Relative model paths are relative to the file that names them.
                 resolved = (file.parent / spec.spec.source_path).resolve()
                 spec = spec.model_copy(update={"spec": spec.spec.model_copy(update={"source": str(resolved)})})
-            specs.append(spec)
+            specs.append((label, spec))
     return specs
 
 
+def load_model_specs(path: str | pathlib.Path) -> list[ModelSpec]:
+    """Load every ModelSpec in a YAML file (multi-document) or a folder of them."""
+    return [spec for _, spec in load_labelled(path)]
+
+
+def repeated(labelled: Iterable[tuple[str, ModelSpec]]) -> list[SpecError]:
+    """A ModelSpec whose metadata.name or modelId an earlier one already uses, naming both places: in one store
+    (`volga up`, a namespace) each must be unique."""
+    first: dict[tuple[str, str], str] = {}
+    errors = []
+    for label, spec in labelled:
+        found = []
+        for path, value in (("metadata.name", spec.metadata.name), ("spec.modelId", spec.spec.model_id)):
+            if (path, value) in first:
+                found.append((path, f"{value!r} is already used by the ModelSpec in {first[path, value]}"))
+            else:
+                first[path, value] = label
+        if found:
+            errors.append(SpecError(label, found))
+    return errors
+
+
 class GpuRef(Model):
-    index: Annotated[int, pydantic.Field(ge=0)]
-    uuid: str = ""
+    """The GPU of the node an instance runs on."""
+
+    index: int = pydantic.Field(ge=0, description="the GPU's index on its node, as CUDA numbers it (>= 0)")
+    uuid: str = pydantic.Field(default="", description="the GPU's UUID, where known. Default: ''")
 
 
 class EmiSpec(Model):
     """Desired state of one instance: which model, where, and the tier the pool wants it in."""
 
-    model_spec: str = pydantic.Field(description="name of the owning ModelSpec")
-    model_id: str
-    node: str
-    gpu: GpuRef | None = None
-    target_tier: Tier = Tier.FROZEN
+    model_spec: str = pydantic.Field(description="name of the owning ModelSpec, in the same namespace")
+    model_id: str = pydantic.Field(description="the owning ModelSpec's spec.modelId")
+    node: str = pydantic.Field(description="the node the instance is placed on; that node's agent runs it")
+    gpu: GpuRef | None = pydantic.Field(default=None, description="the GPU it runs on. Default: unset, a CPU "
+                                                                  "instance")
+    target_tier: Tier = pydantic.Field(default=Tier.FROZEN, description=(
+        "the tier the pool wants the instance to rest in (HOT, WARM, SUSPENDED, FROZEN or COLD); a request wakes it "
+        "to HOT, idleness brings it back. Default: FROZEN"))
+
+
+# Status: written by the operator (ModelSpec) and the agents (EMI), read by people and by the other side. The
+# models exist for the CRDs' schemas and descriptions; the writers build plain mappings (`conditions`).
+
+class Condition(Model):
+    """One Kubernetes-style condition."""
+
+    type: str = pydantic.Field(description="Ready, Valid or Placed")
+    status: Literal["True", "False", "Unknown"] = pydantic.Field(description="True, False or Unknown")
+    reason: str | None = pydantic.Field(default=None, description="one CamelCase word saying why")
+    message: str | None = pydantic.Field(default=None, description="why, for people")
+    last_transition_time: str | None = pydantic.Field(
+        default=None, json_schema_extra={"format": "date-time"},
+        description="when the status last changed, RFC 3339 in UTC")
+    observed_generation: int | None = pydantic.Field(
+        default=None, description="the object's metadata.generation the condition was written for")
+
+
+def _conditions() -> Any:
+    return pydantic.Field(default=None, description="Ready (and for a ModelSpec Valid and Placed), with why",
+                          json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})
+
+
+class TierCounts(Model):
+    """Instances per tier."""
+
+    hot: int | None = pydantic.Field(default=None, alias="HOT", description="instances HOT")
+    warm: int | None = pydantic.Field(default=None, alias="WARM", description="instances WARM")
+    suspended: int | None = pydantic.Field(default=None, alias="SUSPENDED", description="instances SUSPENDED")
+    frozen: int | None = pydantic.Field(default=None, alias="FROZEN", description="instances FROZEN")
+    cold: int | None = pydantic.Field(default=None, alias="COLD", description="instances COLD")
+
+
+class ModelSpecStatus(Model):
+    """What the operator last made of a ModelSpec."""
+
+    observed_generation: int | None = pydantic.Field(
+        default=None, description="the metadata.generation this status was written for")
+    conditions: list[Condition] | None = _conditions()
+    input_hash: str | None = pydantic.Field(
+        default=None, description="SHA-256 (hex) of the input schema, as clients send it in x-input-hash; empty "
+                                  "while the inputs are to be read from the model file on the nodes")
+    tiers: TierCounts | None = pydantic.Field(default=None, description="the model's instances per tier")
+    instances: int | None = pydantic.Field(default=None, description="the model's instances (EMIs)")
+
+
+class EmiStatus(Model):
+    """What the instance's agent last reported."""
+
+    tier: Tier | None = pydantic.Field(default=None, description="the tier the instance is in now")
+    conditions: list[Condition] | None = _conditions()
+    snapshot_id: str | None = pydantic.Field(default=None, description="the instance's latest snapshot image")
+    snapshot_bytes: int | None = pydantic.Field(default=None, description="size of that image, in bytes")
+    last_used: str | None = pydantic.Field(default=None, description="when a request last reached the instance, "
+                                                                     "RFC 3339 in UTC")
+    last_wake_ms: float | None = pydantic.Field(default=None, description="how long the last wake took (to an "
+                                                                          "answering HOT instance), in milliseconds")
+    device: str | None = pydantic.Field(default=None, description="where it runs: cpu, or cuda:N")
+    observed_generation: int | None = pydantic.Field(
+        default=None, description="the metadata.generation this status was written for")
+    gateway: str | None = pydantic.Field(default=None, description="gRPC address of the gateway on the instance's "
+                                                                   "node")

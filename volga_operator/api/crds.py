@@ -73,29 +73,39 @@ def structural(schema: dict[str, Any], defs: dict[str, Any] | None = None) -> di
 
 def spec_schema(model: type[pydantic.BaseModel]) -> dict[str, Any]:
     schema = structural(model.model_json_schema(by_alias=True, mode="validation"))
-    schema.pop("description", None)
+    schema["description"] = _first_line(model)
     return schema
 
 
-def _status_schema(properties: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "object", "x-kubernetes-preserve-unknown-fields": True, "properties": properties}
+def status_schema(model: type[pydantic.BaseModel]) -> dict[str, Any]:
+    """A status written by Volga: optional fields without null or defaults (the API server would fill those in
+    on every write), and room for fields a newer writer adds."""
+    schema = _strip(structural(model.model_json_schema(by_alias=True, mode="validation")), {"nullable", "default"})
+    schema["description"] = _first_line(model)
+    schema["x-kubernetes-preserve-unknown-fields"] = True
+    return schema
 
 
-CONDITIONS = {
-    "type": "array",
-    "x-kubernetes-list-type": "map",
-    "x-kubernetes-list-map-keys": ["type"],
-    "items": {"type": "object", "required": ["type", "status"], "properties": {
-        "type": {"type": "string"}, "status": {"type": "string", "enum": ["True", "False", "Unknown"]},
-        "reason": {"type": "string"}, "message": {"type": "string"},
-        "lastTransitionTime": {"type": "string", "format": "date-time"},
-        "observedGeneration": {"type": "integer"}}},
-}
-TIER_COUNTS = {"type": "object", "properties": {t.value: {"type": "integer"} for t in api.Tier}}
+def _first_line(model: type[pydantic.BaseModel]) -> str:
+    return (model.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
+
+
+def _strip(schema: dict[str, Any], keys: set[str]) -> dict[str, Any]:
+    out = {k: v for k, v in schema.items() if k not in keys}
+    if "properties" in out:
+        out["properties"] = {name: _strip(sub, keys) for name, sub in out["properties"].items()}
+    if isinstance(out.get("items"), dict):
+        out["items"] = _strip(out["items"], keys)
+    return out
 
 
 def _crd(plural: str, kind: str, short: str, spec: dict[str, Any], status: dict[str, Any],
-         columns: list[dict[str, Any]], description: str) -> dict[str, Any]:
+         columns: list[dict[str, Any]], description: str, rules: list[dict[str, str]] | None = None
+         ) -> dict[str, Any]:
+    root: dict[str, Any] = {"type": "object", "description": description, "required": ["spec"],
+                            "properties": {"spec": spec, "status": status}}
+    if rules:
+        root["x-kubernetes-validations"] = rules
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
@@ -111,12 +121,7 @@ def _crd(plural: str, kind: str, short: str, spec: dict[str, Any], status: dict[
                 "storage": True,
                 "subresources": {"status": {}},
                 "additionalPrinterColumns": columns,
-                "schema": {"openAPIV3Schema": {
-                    "type": "object",
-                    "description": description,
-                    "required": ["spec"],
-                    "properties": {"spec": spec, "status": status},
-                }},
+                "schema": {"openAPIV3Schema": root},
             }],
         },
     }
@@ -126,10 +131,12 @@ def ready_column() -> dict[str, Any]:
     return {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'}
 
 
+# The API server already holds names to DNS-1123 subdomains; a ModelSpec's name is also a label value on its EMIs.
+NAME_RULE = {"rule": f"size(self.metadata.name) <= {api.MAX_NAME}",
+             "message": f"metadata.name: at most {api.MAX_NAME} characters (it labels the ModelSpec's EMIs)"}
+
+
 def modelspec_crd() -> dict[str, Any]:
-    status = _status_schema({
-        "observedGeneration": {"type": "integer"}, "conditions": CONDITIONS, "inputHash": {"type": "string"},
-        "tiers": TIER_COUNTS, "instances": {"type": "integer"}})
     columns = [{"name": "Model", "type": "string", "jsonPath": ".spec.modelId"},
                {"name": "Framework", "type": "string", "jsonPath": ".spec.framework"},
                ready_column(),
@@ -138,16 +145,12 @@ def modelspec_crd() -> dict[str, Any]:
                {"name": "Suspended", "type": "integer", "jsonPath": ".status.tiers.SUSPENDED", "priority": 1},
                {"name": "Frozen", "type": "integer", "jsonPath": ".status.tiers.FROZEN"},
                {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}]
-    return _crd("modelspecs", "ModelSpec", "ms", spec_schema(api.ModelSpecSpec), status, columns,
-                "A model Volga keeps ready in snapshot tiers: its file, tensors, hardware, SLO and pool floors.")
+    return _crd("modelspecs", "ModelSpec", "ms", spec_schema(api.ModelSpecSpec), status_schema(api.ModelSpecStatus),
+                columns, "A model Volga keeps ready in snapshot tiers: its file, tensors, hardware, SLO and pool "
+                "floors.", [NAME_RULE])
 
 
 def emi_crd() -> dict[str, Any]:
-    status = _status_schema({
-        "tier": {"type": "string", "enum": [t.value for t in api.Tier]}, "conditions": CONDITIONS,
-        "snapshotId": {"type": "string"}, "snapshotBytes": {"type": "integer"}, "lastUsed": {"type": "string"},
-        "lastWakeMs": {"type": "number"}, "device": {"type": "string"}, "observedGeneration": {"type": "integer"},
-        "gateway": {"type": "string", "description": "gRPC address of the gateway on the instance's node"}})
     columns = [{"name": "Model", "type": "string", "jsonPath": ".spec.modelId"},
                {"name": "Node", "type": "string", "jsonPath": ".spec.node"},
                {"name": "Target", "type": "string", "jsonPath": ".spec.targetTier"},
@@ -155,8 +158,8 @@ def emi_crd() -> dict[str, Any]:
                ready_column(),
                {"name": "Wake ms", "type": "number", "jsonPath": ".status.lastWakeMs", "priority": 1},
                {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}]
-    return _crd("executablemodelinstances", "ExecutableModelInstance", "emi", spec_schema(api.EmiSpec), status,
-                columns, "One instance of a model on one node, and the tier it rests in.")
+    return _crd("executablemodelinstances", "ExecutableModelInstance", "emi", spec_schema(api.EmiSpec),
+                status_schema(api.EmiStatus), columns, "One instance of a model on one node, and the tier it rests in.")
 
 
 def all_crds() -> dict[str, dict[str, Any]]:
