@@ -115,18 +115,7 @@ def load_specs(files: list[str] | None) -> list[api.ModelSpec]:
 
     if not files:
         return [defaultmodel.ensure()]
-    labelled: list[tuple[str, api.ModelSpec]] = []
-    for target in files:
-        labelled += api.load_labelled(target)
-    if repeats := api.repeated(labelled):
-        raise repeats[0]
-    specs = []
-    for label, spec in labelled:
-        try:
-            specs.append(spec.model_copy(update={"spec": signature.fill(spec.spec)}))
-        except api.SpecError as exc:
-            raise api.SpecError(label, exc.problems) from None
-    return specs
+    return signature.load_files(files)
 
 
 def settings_from(args: argparse.Namespace) -> policy.Settings:

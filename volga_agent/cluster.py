@@ -25,12 +25,25 @@ import kubernetes
 from volga_agent import gpus, pool
 from volga_agent.gateway import catalog as gateway_catalog
 from volga_operator import api, planner
-from volga_operator.api import conditions, labels
+from volga_operator.api import conditions, labels, signature
 from volga_operator.kube import client as kube_client
 from volga_operator.kube import ratelimit, watch
 
 log = logging.getLogger(__name__)
 Tier = api.Tier
+
+
+def _with_signature(key: str, obj: Any) -> api.ModelSpecSpec | None:
+    """A valid ModelSpec with the inputs and outputs it leaves out read from its model file (on this node), or
+    None (logged): the operator keeps specs as written, since only the nodes can read the model files."""
+    parsed, _ = api.validate_spec(obj.get("spec") or {})
+    if parsed is None:
+        return None
+    try:
+        return signature.fill(parsed)
+    except api.SpecError as exc:
+        log.warning("ModelSpec %s: %s", key, exc)
+        return None
 
 
 def _emi_key(namespace: str, name: str) -> str:
@@ -83,7 +96,7 @@ class AgentSync:
         # reports come back as EMI events).
         specs: dict[str, api.ModelSpecSpec] = {}
         for (ns, name), obj in objects.items():
-            parsed, _ = api.validate_spec(obj.get("spec") or {})
+            parsed = _with_signature(f"{ns}/{name}", obj)
             if parsed is not None:
                 specs[f"{ns}/{name}"] = parsed
         with self._lock:
@@ -219,8 +232,8 @@ class CatalogSync:
 
     def _on_specs(self, objects: dict[tuple[str, str], Any]) -> None:
         specs = []
-        for obj in objects.values():
-            parsed, _ = api.validate_spec(obj.get("spec") or {})
+        for (ns, name), obj in objects.items():
+            parsed = _with_signature(f"{ns}/{name}", obj)
             if parsed is not None:
                 specs.append(parsed)
         self.catalog.replace(specs)

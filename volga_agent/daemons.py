@@ -24,6 +24,7 @@ import uvloop
 from volga_agent import gpus, metrics, policy, pool, ports, server
 from volga_agent.gateway import app, catalog, links
 from volga_operator import api, planner
+from volga_operator.api import signature
 
 log = logging.getLogger("volga")
 
@@ -38,10 +39,7 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.
 
 
 def _specs(files: list[str]) -> list[api.ModelSpec]:
-    specs: list[api.ModelSpec] = []
-    for target in files:
-        specs.extend(api.load_model_specs(target))
-    return specs
+    return signature.load_files(files)
 
 
 async def _until_signalled(stop: Callable[[], Awaitable[None]]) -> None:

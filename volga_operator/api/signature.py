@@ -227,3 +227,20 @@ def inspect_document(path: pathlib.Path) -> dict[str, Any]:
     document["spec"]["outputs"] = [t.to_wire() for t in spec.outputs]
     document["spec"]["pool"] = {"frozen": 1}
     return document
+
+
+def load_files(files: list[str]) -> list[api.ModelSpec]:
+    """The ModelSpecs in `files` (YAML files or folders), inputs and outputs they leave out read from their model
+    files; SpecError for the first problem, a name or model id used twice included (naming both files)."""
+    labelled: list[tuple[str, api.ModelSpec]] = []
+    for target in files:
+        labelled += api.load_labelled(target)
+    if repeats := api.repeated(labelled):
+        raise repeats[0]
+    specs = []
+    for label, spec in labelled:
+        try:
+            specs.append(spec.model_copy(update={"spec": fill(spec.spec)}))
+        except api.SpecError as exc:
+            raise api.SpecError(label, exc.problems) from None
+    return specs
