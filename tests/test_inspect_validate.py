@@ -16,7 +16,7 @@ import yaml
 from onnx import TensorProto, helper, numpy_helper
 
 from volga_agent import defaultmodel, instance
-from volga_agent.worker import runtime
+from volga_agent.worker import contract
 from volga_bench import harness
 
 
@@ -208,7 +208,7 @@ def test_up_serves_a_spec_that_leaves_its_signature_out(tmp_path: pathlib.Path) 
         assert [i["name"] for i in meta["inputs"]] == ["dense", "sparse"]
         assert [i["shape"] for i in meta["inputs"]] == [[-1, 13], [-1, 26]]
         decls = instance.decls(default.inputs)
-        x = runtime.sample_inputs(decls, batch=2, seed=4)
+        x = contract.sample_inputs(decls, batch=2, seed=4)
         out = client.infer(default.model_id, harness.triton_inputs(decls, x, httpclient)).as_numpy("probability")
         assert out.shape == (2, 1) and np.all((out > 0) & (out < 1))
         client.close()
