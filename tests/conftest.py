@@ -6,8 +6,10 @@ import tempfile
 from collections.abc import Iterator
 
 import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
 
-from volga_agent import defaultmodel
+from volga_agent import defaultmodel, local
 from volga_agent.snapshot import criu
 from volga_operator import api
 
@@ -30,3 +32,18 @@ def criu_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[criu.CriuE
     folder = pathlib.Path(tempfile.mkdtemp(prefix="volga-test-", dir=root))
     yield criu.CriuEngine(folder)
     shutil.rmtree(folder, ignore_errors=True)
+
+
+# Clients of the gateway of a module's `up` fixture (a running `volga_agent.local.Embedded`).
+@pytest.fixture
+def g(up: local.Embedded) -> Iterator[grpcclient.InferenceServerClient]:
+    client = grpcclient.InferenceServerClient(up.endpoints()["grpc"])
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def h(up: local.Embedded) -> Iterator[httpclient.InferenceServerClient]:
+    client = httpclient.InferenceServerClient(up.endpoints()["http"].removeprefix("http://"))
+    yield client
+    client.close()

@@ -71,20 +71,6 @@ def reference(up: local.Embedded, model: str, x: dict[str, np.ndarray]) -> np.nd
         return direct.infer(x)["probability"]
 
 
-@pytest.fixture
-def g(up: local.Embedded) -> Iterator[grpcclient.InferenceServerClient]:
-    client = grpcclient.InferenceServerClient(up.endpoints()["grpc"])
-    yield client
-    client.close()
-
-
-@pytest.fixture
-def h(up: local.Embedded) -> Iterator[httpclient.InferenceServerClient]:
-    client = httpclient.InferenceServerClient(up.endpoints()["http"].removeprefix("http://"))
-    yield client
-    client.close()
-
-
 def test_server_and_model_metadata_grpc(g: grpcclient.InferenceServerClient) -> None:
     assert g.is_server_live() and g.is_server_ready()
     assert g.is_model_ready(A) and not g.is_model_ready("nope")

@@ -79,20 +79,6 @@ def up(stack: tuple[harness.Background, local.Embedded]) -> local.Embedded:
     return stack[1]
 
 
-@pytest.fixture
-def g(up: local.Embedded) -> Iterator[grpcclient.InferenceServerClient]:
-    client = grpcclient.InferenceServerClient(up.endpoints()["grpc"])
-    yield client
-    client.close()
-
-
-@pytest.fixture
-def h(up: local.Embedded) -> Iterator[httpclient.InferenceServerClient]:
-    client = httpclient.InferenceServerClient(up.endpoints()["http"].removeprefix("http://"))
-    yield client
-    client.close()
-
-
 X = np.array([[-1.0, 0.0, 4.0], [1.0, 2.0, 0.25]], np.float32)
 
 

@@ -260,7 +260,7 @@ def test_a_worker_that_fails_to_start_is_reaped(default_spec: api.ModelSpecSpec,
     inst = instance.Instance("broken", spec, rundir / "w", None)
     before = set(_zombie_children())
     for _ in range(3):
-        with pytest.raises(instance.WorkerStartError, match="worker failed"):
+        with pytest.raises(process.WorkerStartError, match="worker failed"):
             inst.to(Tier.HOT)
         assert inst.tier is Tier.COLD and inst.pid is None
     assert set(_zombie_children()) <= before
