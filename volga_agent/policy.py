@@ -92,7 +92,7 @@ class Settings(pydantic.BaseModel):
     # Restore FROZEN images with CRIU lazy pages (userfaultfd): the process runs before its memory is read.
     lazy_restore: bool = False
     # Before a restored instance answers, it answers a fixed canary input, compared with the answer recorded
-    # before its snapshot: a damaged image then costs a cold start, never a wrong answer.
+    # before its snapshot: an image damaged where that answer depends on it costs a cold start, not wrong answers.
     verify_restores: bool = True
     # Failed restores whose image and logs stay under the snapshot root's failed/ folder, newest first.
     keep_failed_restores: Annotated[int, pydantic.Field(ge=0)] = 3
