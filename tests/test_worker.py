@@ -265,3 +265,35 @@ def test_a_worker_that_fails_to_start_is_reaped(default_spec: api.ModelSpecSpec,
         assert inst.tier is Tier.COLD and inst.pid is None
     assert set(_zombie_children()) <= before
     inst.close()
+
+
+def test_rank_0_tensors_keep_their_shape(rundir: pathlib.Path) -> None:
+    """A scalar input (shape []) reaches the model as a scalar, and a scalar output comes back as one: the frame
+    packing used to turn them into shape [1], which the worker's own input check then refused."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    path = rundir / "scaled.onnx"
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["x", "scale"], ["y"]), helper.make_node("ReduceSum", ["y"], ["total"], keepdims=0)],
+        "scaled", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4]),
+                   helper.make_tensor_value_info("scale", TensorProto.FLOAT, [])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4]),
+         helper.make_tensor_value_info("total", TensorProto.FLOAT, [])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    spec = api.ModelSpecSpec.model_validate({
+        "modelId": "scaled", "framework": "onnx", "source": f"file://{path}",
+        "inputs": [{"name": "x", "dtype": "FP32", "shape": [-1, 4]}, {"name": "scale", "dtype": "FP32", "shape": []}],
+        "outputs": [{"name": "y", "dtype": "FP32", "shape": [-1, 4]}, {"name": "total", "dtype": "FP32", "shape": []}],
+        "runtime": {"warmupIterations": 1}})
+    meta, parts = protocol.pack_tensors({"scale": np.array(2.5, dtype=np.float32)})
+    assert meta[0]["shape"] == [] and protocol.unpack_tensors(meta, b"".join(parts))["scale"].shape == ()
+    inst = instance.Instance("scaled", spec, rundir / "w", None)
+    try:
+        inst.to(Tier.HOT)
+        x = np.arange(8, dtype=np.float32).reshape(2, 4)
+        out = inst.infer({"x": x, "scale": np.array(2.5, dtype=np.float32)})
+        assert np.array_equal(out["y"], x * 2.5)
+        assert out["total"].shape == () and out["total"] == np.float32((x * 2.5).sum())
+    finally:
+        inst.close()

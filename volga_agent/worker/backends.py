@@ -184,7 +184,7 @@ class TorchBackend(Backend):
         torch = self.torch
         if self.offloaded:
             raise protocol.WorkerError("FAILED_PRECONDITION", "weights are offloaded (WARM): reload first")
-        arrays = [np.ascontiguousarray(inputs[t.name]) for t in self.config.inputs]
+        arrays = [protocol.contiguous(inputs[t.name]) for t in self.config.inputs]
         batch = arrays[0].shape[0] if arrays and arrays[0].ndim else -1
         captured = self.graphs.get(batch)
         if captured is not None and all(a.shape == s.shape for a, s in zip(arrays, captured[1], strict=True)):

@@ -196,10 +196,16 @@ async def read_frame(reader: asyncio.StreamReader) -> Frame:
 # -- tensors ---------------------------------------------------------------------------------------------
 
 
+def contiguous(array: np.ndarray) -> np.ndarray:
+    """C-contiguous, keeping the shape: np.ascontiguousarray turns a rank-0 (scalar) array into shape (1,)."""
+    array = np.asarray(array)
+    return array if array.flags.c_contiguous else np.ascontiguousarray(array)
+
+
 def pack_tensors(tensors: dict[str, np.ndarray]) -> tuple[list[dict[str, Any]], list[memoryview]]:
     meta, parts = [], []
     for name, array in tensors.items():
-        array = np.ascontiguousarray(array)
+        array = contiguous(array)
         dtype = DTYPE_NAMES.get(array.dtype)
         if dtype is None:
             raise WorkerError("INVALID_ARGUMENT", f"tensor {name!r}: dtype {array.dtype} is not supported")
