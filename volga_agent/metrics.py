@@ -62,9 +62,6 @@ class GatewayMetrics:
         self.zero_copy_latency = prom.Histogram(
             "volga_gateway_zero_copy_latency_ms", "Time to place inputs in and read outputs from shared memory",
             buckets=FAST_MS_BUCKETS, registry=r)
-        self.lazy_restore_failures = prom.Counter(
-            "volga_snapshot_lazy_restore_failures", "Lazy restores that failed and were served by an eager restore",
-            ["model"], registry=r)
         self.activations = prom.Counter(
             "volga_gateway_activations", "Activations the gateway asked for (after single-flight)", ["model"],
             registry=r)

@@ -10,8 +10,9 @@ One inference request goes:
 4. `x-timeout-ms` (and the gRPC deadline) bound wake + inference -> DEADLINE_EXCEEDED / 504;
 5. a model placed only on other nodes goes to one of their gateways (`links.Forwarder`), once;
 6. the router gives a HOT instance (single-flight activation), the worker answers over AF_UNIX with the
-   tensors in shared memory; a worker that went away is retried once through a fresh activation, then
-   UNAVAILABLE / 503.
+   tensors in shared memory; a request a worker handed back unrun (it paused for a checkpoint, or sleeps) is
+   resent after a fresh activation, up to `UNRUN_ATTEMPTS` sends; a worker that died holding the request, or
+   a request handed back that often, is UNAVAILABLE / 503.
 
 Failures are `oip.OipError`s (a gRPC status name and its HTTP status); `observe` maps the links' errors to
 them, anything unexpected to INTERNAL and a client that went away to CANCELLED, and counts every request by
@@ -101,8 +102,9 @@ def model_id(request_headers: Mapping[str, str], name: str) -> str:
     return request_headers.get("x-model-id") or name
 
 
-def _tensor_specs(tensors: Iterable[api.TensorSpec]) -> tuple[oip.TensorSpec, ...]:
-    return tuple((t.name, t.dtype.value, list(t.shape)) for t in tensors)
+def _tensor_specs(tensors: Iterable[api.TensorSpec], skip: int = 0) -> tuple[oip.TensorSpec, ...]:
+    """(name, dtype, dims) of each tensor, without its first `skip` dimensions."""
+    return tuple((t.name, t.dtype.value, list(t.shape[skip:])) for t in tensors)
 
 
 class Dataplane:
@@ -160,12 +162,9 @@ class Dataplane:
         tensors = [*spec.inputs, *spec.outputs]
         batched = all(t.shape and t.shape[0] == -1 for t in tensors)
         skip = 1 if batched else 0
-
-        def specs(items: Iterable[api.TensorSpec]) -> tuple[oip.TensorSpec, ...]:
-            return tuple((t.name, t.dtype.value, list(t.shape[skip:])) for t in items)
-
         return ModelConfig(spec.model_id, PLATFORMS[spec.framework.value], BACKENDS[spec.framework.value],
-                           spec.runtime.max_batch_size if batched else 0, specs(spec.inputs), specs(spec.outputs))
+                           spec.runtime.max_batch_size if batched else 0, _tensor_specs(spec.inputs, skip),
+                           _tensor_specs(spec.outputs, skip))
 
     async def repository_index(self) -> list[ModelState]:
         return list(await asyncio.gather(*(self.model_state(s) for s in self.catalog.all())))

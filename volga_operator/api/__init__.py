@@ -131,7 +131,7 @@ Count = Annotated[int, pydantic.BeforeValidator(_no_bool)]
 
 
 def bad_characters(text: str) -> list[str]:
-    """The control and bidirectional-override characters in `text`, as U+XXXX."""
+    """The control and bidirectional-override characters in `text`, each written as its code point (U+202E)."""
     return [f"U+{ord(c):04X}" for c in text if unicodedata.category(c) == "Cc" or c in _BIDI]
 
 
