@@ -1,13 +1,17 @@
 """The model frameworks a worker can serve: ONNX through onnxruntime, TorchScript and PyTorch through torch.
 
 A backend is one loaded model. It runs inference and does what a tier move needs inside the process (WARM:
-weights to pinned host memory and back; before a CRIU dump: drop host-side copies). torch is imported only
-for torch models, so an ONNX worker stays small and starts fast.
+weights to pinned host memory and back; before a CRIU dump: drop host-side copies, or park the weights in a
+file mapping that the image records by reference). torch is imported only for torch models, so an ONNX worker
+stays small and starts fast.
 """
 
 from __future__ import annotations
 
 import abc
+import concurrent.futures
+import ctypes
+import mmap
 import os
 import pathlib
 import sys
@@ -37,6 +41,14 @@ class Backend(abc.ABC):
 
     def drop_host_copy(self) -> None:  # noqa: B027 (a hook: backends without host caches need nothing)
         """Free host-side caches before a checkpoint; the default backend keeps none."""
+
+    def park(self, path: str) -> bool:
+        """Before a checkpoint: move the weights into a new shared mapping of the file `path`, out of the
+        process's own memory, so a CRIU image records them by reference. False when this backend cannot."""
+        return False
+
+    def unpark(self) -> None:  # noqa: B027 (a hook: only backends that park need it)
+        """After a restore (or an abandoned dump): bring parked weights back and drop the file mapping."""
 
     def stats(self) -> dict[str, Any]:
         return {}
@@ -117,6 +129,7 @@ class TorchBackend(Backend):
         self.host: Any = None
         self._host_buffer: Any = None
         self.offloaded = False
+        self._parked: mmap.mmap | None = None  # the file mapping the weights are parked in, until unpark()
         self.vmm: Any = None
         if self.device.type == "cuda":
             from volga_agent.worker import vmm
@@ -214,17 +227,19 @@ class TorchBackend(Backend):
         """Free the pinned copy (before a CRIU dump, whose image would otherwise carry the weights twice)."""
         if self.host is None or self.offloaded:
             return
-        if self.device.type == "cuda":
-            self.torch.cuda.cudart().cudaHostUnregister(self._host_buffer.ctypes.data)
-        self.host = None
-        self._host_buffer = None
+        self._unregister_host()
 
     def offload(self) -> dict[str, Any]:
-        torch = self.torch
         if self.offloaded:
             return {"nbytes": self.nbytes, "already": True}
         start = time.perf_counter()
         self._pinned().copy_(self.arena)
+        self._release_device()
+        return {"nbytes": self.nbytes, "seconds": time.perf_counter() - start}
+
+    def _release_device(self) -> None:
+        """Free the weights' device memory once a host copy holds them."""
+        torch = self.torch
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if self.vmm is not None:
@@ -237,7 +252,50 @@ class TorchBackend(Backend):
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
         self.offloaded = True
-        return {"nbytes": self.nbytes, "seconds": time.perf_counter() - start}
+
+    def park(self, path: str) -> bool:
+        """On a GPU, copy the weights into a new MAP_SHARED mapping of `path` and free them on the device.
+
+        The driver's checkpoint then holds only the context, and CRIU records the file mapping by reference
+        (its pages stay in the file, not in the image); `unpark` copies them back after the restore.
+        """
+        if self.device.type != "cuda" or self._parked is not None:
+            return False
+        torch = self.torch
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, self.nbytes)
+            mapping = mmap.mmap(fd, self.nbytes, mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        parked = torch.frombuffer(mapping, dtype=torch.uint8)
+        parked.copy_(self.host if self.offloaded else self.arena)
+        if not self.offloaded:
+            self._release_device()
+        self._unregister_host()
+        self.host, self._parked = parked, mapping
+        torch.cuda.empty_cache()  # cached blocks would go into the driver's checkpoint too
+        return True
+
+    def unpark(self) -> None:
+        if self._parked is None:
+            return
+        mapping, self._parked = self._parked, None
+        # A restored mapping has no page tables yet: fault it in from several threads, which the machine does
+        # several times faster than one copy touching it page by page.
+        populate(int(self.host.data_ptr()), self.nbytes)
+        self.reload()
+        self.host = None  # the last view: the mapping can close
+        try:
+            mapping.close()
+        except BufferError:  # a view outlived the copy: the mapping stays until it goes (and a dump carries it)
+            print("parked weights: a view still holds the file mapping", file=sys.stderr)
+
+    def _unregister_host(self) -> None:
+        if self._host_buffer is not None and self.device.type == "cuda":
+            self.torch.cuda.cudart().cudaHostUnregister(self._host_buffer.ctypes.data)
+        self.host = None
+        self._host_buffer = None
 
     def reload(self) -> dict[str, Any]:
         torch = self.torch
@@ -282,11 +340,30 @@ class TorchBackend(Backend):
         out: dict[str, Any] = {"weights_bytes": self.nbytes, "offloaded": self.offloaded,
                                "cuda_graphs": sorted(self.graphs), "stable_addresses": self.vmm is not None,
                                "weights_ptr": int(self.arena.data_ptr()) if self.arena is not None else 0,
-                               "host_copy_bytes": self.nbytes if self.host is not None else 0}
+                               "host_copy_bytes": self.nbytes if self.host is not None else 0,
+                               "parked": self._parked is not None}
         if self.device.type == "cuda":
             mapped = self.vmm.size if self.vmm is not None and self.vmm.mapped else 0
             out["gpu_allocated_bytes"] = int(self.torch.cuda.memory_allocated(self.device)) + mapped
         return out
+
+
+MADV_POPULATE_READ = 22  # Linux 5.14
+
+
+def populate(address: int, nbytes: int, threads: int = 8, chunk: int = 64 * 2**20) -> None:
+    """Fault in a mapping's pages from several threads (madvise(MADV_POPULATE_READ) releases the GIL); a
+    kernel without it leaves the faults to the first reader."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    page = mmap.PAGESIZE
+    start, end = address - address % page, address + nbytes
+
+    def one(offset: int) -> int:
+        return int(libc.madvise(offset, min(chunk, end - offset), MADV_POPULATE_READ))
+
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, range(start, end, chunk)))
 
 
 def load_backend(config: contract.WorkerConfig) -> Backend:
