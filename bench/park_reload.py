@@ -2,8 +2,9 @@
 
 The restored worker's mapping has no page tables; the first reader faults every page. This compares, per size:
 the copy limit (pinned host memory), a pageable copy straight from the fresh mapping, the same after faulting the
-mapping in from 1, 8 or 16 threads (madvise MADV_POPULATE_READ), and registering the mapping with CUDA (pinning)
-before the copy. On the GPU machine:
+mapping in from 1, 8 or 16 threads (madvise MADV_POPULATE_READ), registering the mapping with CUDA (pinning)
+before the copy, and what a parked worker does (`volga_agent.worker.pinning`: chunks pinned from several threads,
+each copied once pinned). On the GPU machine:
     python3 bench/park_reload.py --gib 0.1,2 [--out FILE.json]
 """
 
@@ -20,7 +21,7 @@ import time
 
 import torch
 
-from volga_agent.worker import backends
+from volga_agent.worker import pinning
 
 
 def fresh(path: pathlib.Path, nbytes: int) -> mmap.mmap:
@@ -65,7 +66,7 @@ def measure(gib: float, folder: pathlib.Path, repeat: int) -> dict[str, object]:
             host = torch.frombuffer(m, dtype=torch.uint8)
             t0 = now()
             if threads:
-                backends.populate(host.data_ptr(), nbytes, threads)
+                pinning.populate(host.data_ptr(), nbytes, threads)
             t1 = now()
             target.copy_(host, non_blocking=True)
             t2 = now()
@@ -78,7 +79,7 @@ def measure(gib: float, folder: pathlib.Path, repeat: int) -> dict[str, object]:
         host = torch.frombuffer(m, dtype=torch.uint8)
         cudart = torch.cuda.cudart()
         t0 = now()
-        backends.populate(host.data_ptr(), nbytes, 8)
+        pinning.populate(host.data_ptr(), nbytes, 8)
         t1 = now()
         cudart.cudaHostRegister(host.data_ptr(), nbytes, 0)
         t2 = now()
@@ -88,9 +89,22 @@ def measure(gib: float, folder: pathlib.Path, repeat: int) -> dict[str, object]:
         record("populate8_register_copy_ms", t3 - t0)
         record("register_ms", t2 - t1)
         record("registered_copy_ms", t3 - t2)
-        same = bool(torch.equal(target, device))
         del host
         m.close()
+        for threads in (4, 8, 16):  # what a parked worker's wake does: pin chunks from threads, copy each when pinned
+            m = fresh(path, nbytes)
+            host = torch.frombuffer(m, dtype=torch.uint8)
+            target.zero_()
+            t0 = now()
+            with pinning.Pinned(host.data_ptr(), nbytes, threads=threads) as pinned:
+                for offset, size in pinned.chunks():
+                    target[offset:offset + size].copy_(host[offset:offset + size], non_blocking=True)
+                t1 = now()
+            record(f"chunks{threads}_copy_ms", t1 - t0)
+            record(f"chunks{threads}_unpin_ms", now() - t1)
+            same = bool(torch.equal(target, device))
+            del host
+            m.close()
     path.unlink()
     summary: dict[str, object] = {k: {"median": sorted(v)[len(v) // 2], "all": v} for k, v in out.items()}
     summary["identical"] = same

@@ -9,8 +9,6 @@ stays small and starts fast.
 from __future__ import annotations
 
 import abc
-import concurrent.futures
-import ctypes
 import mmap
 import os
 import pathlib
@@ -20,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from volga_agent.worker import contract, protocol
+from volga_agent.worker import contract, pinning, protocol
 
 
 class Backend(abc.ABC):
@@ -281,10 +279,22 @@ class TorchBackend(Backend):
         if self._parked is None:
             return
         mapping, self._parked = self._parked, None
-        # A restored mapping has no page tables yet: fault it in from several threads, which the machine does
-        # several times faster than one copy touching it page by page.
-        populate(int(self.host.data_ptr()), self.nbytes)
-        self.reload()
+        torch = self.torch
+        if self.vmm is not None:
+            self.vmm.map()
+        else:
+            self.arena = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+            self._bind(self.arena, copy=False)
+        try:
+            with pinning.Pinned(int(self.host.data_ptr()), self.nbytes) as pinned:
+                for offset, size in pinned.chunks():
+                    self.arena[offset:offset + size].copy_(self.host[offset:offset + size], non_blocking=True)
+                torch.cuda.synchronize(self.device)
+        except pinning.PinError as exc:  # pageable, slower: the copy faults the mapping in itself
+            print(f"parked weights: {exc}; copying from pageable memory", file=sys.stderr)
+            self.arena.copy_(self.host)
+            torch.cuda.synchronize(self.device)
+        self.offloaded = False
         self.host = None  # the last view: the mapping can close
         try:
             mapping.close()
@@ -346,24 +356,6 @@ class TorchBackend(Backend):
             mapped = self.vmm.size if self.vmm is not None and self.vmm.mapped else 0
             out["gpu_allocated_bytes"] = int(self.torch.cuda.memory_allocated(self.device)) + mapped
         return out
-
-
-MADV_POPULATE_READ = 22  # Linux 5.14
-
-
-def populate(address: int, nbytes: int, threads: int = 8, chunk: int = 64 * 2**20) -> None:
-    """Fault in a mapping's pages from several threads (madvise(MADV_POPULATE_READ) releases the GIL); a
-    kernel without it leaves the faults to the first reader."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    page = mmap.PAGESIZE
-    start, end = address - address % page, address + nbytes
-
-    def one(offset: int) -> int:
-        return int(libc.madvise(offset, min(chunk, end - offset), MADV_POPULATE_READ))
-
-    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-        list(pool.map(one, range(start, end, chunk)))
 
 
 def load_backend(config: contract.WorkerConfig) -> Backend:
