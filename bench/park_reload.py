@@ -50,8 +50,8 @@ def measure(gib: float, folder: pathlib.Path, repeat: int) -> dict[str, object]:
     del host
     m.close()
     target = torch.empty_like(device)
-    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    pinned.copy_(device)
+    page_locked = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    page_locked.copy_(device)
     out: dict[str, list[float]] = {}
 
     def record(name: str, ms: float) -> None:
@@ -59,7 +59,7 @@ def measure(gib: float, folder: pathlib.Path, repeat: int) -> dict[str, object]:
 
     for _ in range(repeat):
         t0 = now()
-        target.copy_(pinned, non_blocking=True)
+        target.copy_(page_locked, non_blocking=True)
         record("pinned_copy_ms", now() - t0)
         for threads in (0, 1, 8, 16):
             m = fresh(path, nbytes)

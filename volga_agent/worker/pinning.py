@@ -4,9 +4,9 @@ Weights parked in a file mapping come back after a CRIU restore as a mapping wit
 GPU from such (pageable) memory runs at a fraction of the copy engine's speed; pinning it first
 (`cuMemHostRegister`) lets the copy engine read it directly, but pinning faults in and locks every page, which
 one thread does at the machine's page-fault rate. Here each chunk is faulted in (madvise MADV_POPULATE_READ) and
-registered by one of several threads, and the caller copies each chunk as soon as it is pinned: the wake then
-costs about the pinning spread over the threads, plus the last chunk's copy. `bench/park_reload.py` measures
-the alternatives on a GPU machine.
+registered by one of a few threads (4: more contend in the driver), and the caller copies each chunk as soon as
+it is pinned. `bench/park_reload.py` measures the alternatives on a GPU machine; on the H200 a 2 GiB mapping
+comes back in 131-153 ms this way, against 338-457 ms pageable and 39 ms from memory pinned beforehand.
 
 ctypes calls release the GIL, so the threads really run at once. The driver API needs the caller's CUDA context
 current in each thread; the process must have one (PyTorch makes it on first use).
@@ -50,7 +50,7 @@ class Pinned:
     """`with Pinned(address, nbytes) as pinned: for offset, size in pinned.chunks(): copy...` pins the range
     in chunks from `threads` threads, yields each chunk (in order) once pinned, and unpins all on exit."""
 
-    def __init__(self, address: int, nbytes: int, threads: int = 8, chunk: int = CHUNK_BYTES,
+    def __init__(self, address: int, nbytes: int, threads: int = 4, chunk: int = CHUNK_BYTES,
                  library: str = "libcuda.so.1") -> None:
         self.lib = ctypes.CDLL(library)
         self.address, self.nbytes, self.threads, self.chunk = address, nbytes, threads, chunk
