@@ -59,7 +59,8 @@ def declared(config: contract.WorkerConfig, index: int, seed: int = 0) -> dict[s
 
 
 def from_file(config: contract.WorkerConfig) -> list[dict[str, np.ndarray]]:
-    """The samples of the .npz warm-up file: arrays named as the inputs (one sample) or 'K/NAME' (sample K)."""
+    """The samples of the .npz warm-up file: arrays named as the inputs (one sample) or 'K/NAME' (sample K); an
+    input a sample leaves out gets made-up values of its declared shape."""
     try:
         with np.load(config.warmup_file, allow_pickle=False) as archive:
             arrays = {key: archive[key] for key in archive.files}
@@ -70,7 +71,8 @@ def from_file(config: contract.WorkerConfig) -> list[dict[str, np.ndarray]]:
         index, _, name = key.partition("/")
         number, name = (int(index), name) if index.isdigit() and name else (0, key)
         samples.setdefault(number, {})[name] = array
-    return [samples[k] for k in sorted(samples)]
+    made_up = contract.sample_inputs(config.inputs)
+    return [{**{d.name: made_up[d.name] for d in config.inputs}, **samples[k]} for k in sorted(samples)]
 
 
 def samples(config: contract.WorkerConfig, seed: int = 0) -> list[Sample]:

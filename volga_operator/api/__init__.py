@@ -359,7 +359,7 @@ class Runtime(Model):
         default=None, min_length=1, max_length=4096, json_schema_extra={"pattern": "^(file://.+|[^:]+)$"},
         description="an .npz file of real inputs to warm up with, run after the warmup samples: arrays named as "
                     "the inputs (one sample), or 'K/NAME' for sample K; a relative path is relative to the "
-                    "ModelSpec file (`volga up`). Default: unset")
+                    "ModelSpec file (`volga up`); inputs a sample leaves out get made-up values. Default: unset")
 
     @property
     def warmup_path(self) -> pathlib.Path | None:
@@ -512,7 +512,9 @@ def warmup_problems(spec: ModelSpecSpec) -> list[tuple[tuple[int | str, ...], st
 
 
 def _dtype_problem(dtype: DType, given: WarmupInput) -> str:
-    numbers = [*(given.values or ()), *([given.fill] if given.fill is not None else [])]
+    # Values arrive as floats (JSON numbers): 2.0 reads back as the 2 that was written.
+    numbers = [int(v) if float(v).is_integer() else v
+               for v in [*(given.values or ()), *([given.fill] if given.fill is not None else [])]]
     if dtype is DType.BOOL:
         bad = [v for v in numbers if v not in (0, 1)]
         return f"{_show(bad[0])} is not a boolean (write 0 or 1)" if bad else (
