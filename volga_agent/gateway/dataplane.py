@@ -141,8 +141,8 @@ class Dataplane:
         except ConnectionError as exc:
             return unavailable(f"cannot reach the agent: {exc}")
         if states is None:  # the link cannot tell: the catalog's word, with the tiers its placements say
-            here = self.catalog.local(model, self.node)
-            return ModelState(model, spec.version, "READY", _tiers(p.tier for p in here) if here else "")
+            placed = self.catalog.local(model, self.node)
+            return ModelState(model, spec.version, "READY", _tiers(p.tier for p in placed) if placed else "")
         if not states:
             return unavailable("the agent has no instance of the model")
         tiers = _tiers(s.tier for s in states)
