@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from volga_agent.worker import backends, contract, protocol
+from volga_agent.worker import backends, contract, protocol, warmup
 
 
 class Worker:
@@ -82,9 +82,8 @@ class Worker:
     def _load(self) -> Any:
         start = time.perf_counter()
         backend = backends.load_backend(self.config)
-        warm = contract.sample_inputs(self.config.inputs)
-        for _ in range(self.config.warmup_iterations):
-            backend.run(warm)
+        self.warm = warmup.samples(self.config)
+        warmup.run(backend.run, self.warm, self.config.warmup_iterations)
         self.load_seconds = time.perf_counter() - start
         return backend
 
@@ -116,7 +115,7 @@ class Worker:
 
     def canary(self) -> str:
         """A digest of the model's answer to the canary input: equal digests, equal model state."""
-        outputs = self.backend.run(contract.sample_inputs(self.config.inputs, seed=contract.CANARY_SEED))
+        outputs = self.backend.run(warmup.canary(self.config))
         digest = hashlib.sha256()
         for name in sorted(outputs):
             array = np.asarray(outputs[name])
@@ -248,9 +247,7 @@ class Worker:
         if self.config.reset_rng_on_restore:
             reseed_rngs()
         if self.config.restore_warmups:
-            warm = contract.sample_inputs(self.config.inputs)
-            for _ in range(self.config.restore_warmups):
-                self.backend.run(warm)
+            warmup.run(self.backend.run, self.warm, self.config.restore_warmups)
             self.restore_warmups_done += self.config.restore_warmups
 
     def serve(self) -> None:
