@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from volga_agent import process
+from volga_agent import process, warmup
 from volga_agent.snapshot import criu, cuda
 from volga_agent.worker import contract, protocol
 from volga_operator import api
@@ -74,7 +74,7 @@ def worker_config(spec: api.ModelSpecSpec, workdir: pathlib.Path, device: str, c
     """The worker's configuration from its ModelSpec and the node's defaults: `warmup_cache_ratio` applies
     where the ModelSpec sets none; `reset_rng_on_restore` makes every restored copy re-seed, whatever the
     ModelSpec says (otherwise its runtime.resetRngOnRestore decides)."""
-    return contract.WorkerConfig(
+    return warmup.configure(contract.WorkerConfig(
         model_id=spec.model_id, framework=spec.framework.value, path=str(spec.source_path),
         inputs=decls(spec.inputs), outputs=decls(spec.outputs), socket=str(workdir / "worker.sock"),
         signal_dir=str(workdir / "signals"), device=device, warmup_iterations=spec.runtime.warmup_iterations,
@@ -85,7 +85,7 @@ def worker_config(spec: api.ModelSpecSpec, workdir: pathlib.Path, device: str, c
         if spec.hardware.cuda_graphs and device.startswith("cuda") else (),
         cpus=cpus,
         restore_warmups=round((spec.runtime.warmup_cache_ratio or warmup_cache_ratio or 0.0)
-                              * spec.runtime.warmup_iterations))
+                              * spec.runtime.warmup_iterations)), spec)
 
 
 # The folder under the snapshot root for parked GPU weights (a name no ModelSpec can have).

@@ -291,7 +291,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         worker = Worker(config)
     except Exception as exc:
-        (pathlib.Path(config.signal_dir) / contract.FAILED).write_text(f"{type(exc).__name__}: {exc}")
+        # Written whole, then renamed: the agent reads the reason as soon as the file exists.
+        failed = pathlib.Path(config.signal_dir) / contract.FAILED
+        failed.with_suffix(".tmp").write_text(f"{type(exc).__name__}: {exc}")
+        failed.with_suffix(".tmp").replace(failed)
         raise
     worker.serve()
     return 0
