@@ -384,6 +384,15 @@ def test_a_lazily_restored_worker_is_frozen_only_with_all_its_pages(default_spec
         inst.to(Tier.FROZEN)
         assert not inst.wake().fallback
         assert started and started[-1].poll() is None, "the page server should still be streaming"
+        await_pages = inst._await_pages
+
+        def unstarved_await_pages() -> None:
+            # Once the freeze waits for the pages, the page server may run again: a machine busy with other
+            # work would otherwise leave an idle-class daemon no time at all.
+            os.sched_setscheduler(started[-1].pid, os.SCHED_OTHER, os.sched_param(0))
+            await_pages()
+
+        monkeypatch.setattr(inst, "_await_pages", unstarved_await_pages)
         inst.to(Tier.FROZEN)  # waits for the remaining pages
         assert started[-1].poll() == 0
         hog.kill()
