@@ -189,8 +189,9 @@ class Decider:
                 active.append(model)
             if view.awake and track.idle >= s.autonomy_idle_windows:
                 idle.append(model)
+            # The margin: windows differ in length by rounding, and a constant slope must not count as rising.
             if (not view.awake and len(rates) == 3 and rate >= s.autonomy_preload_min_rate
-                    and rates[2] > rates[1] and rates[2] - rates[1] > rates[1] - rates[0]):
+                    and rates[2] > rates[1] and (rates[2] - rates[1]) - (rates[1] - rates[0]) > 1e-9 * rate):
                 accelerating.append(model)
             p99 = load.p99_ms if load is not None else None
             if p99 is None or not view.baselines:
