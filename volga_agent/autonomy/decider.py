@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from collections.abc import Mapping, Sequence
 
 from volga_agent import policy
@@ -93,6 +94,15 @@ class ModelView:
     awake: bool = False
     gpu: bool = False
     max_batch: int = 256
+    # The tolerance as (below this other load, pct) steps, the last one unbounded: read on every window.
+    steps: tuple[tuple[float, float], ...] = dataclasses.field(init=False, repr=False, compare=False)
+    uncapped: float = dataclasses.field(init=False, repr=False, compare=False)  # the baseline without a cap
+
+    def __post_init__(self) -> None:
+        steps = tuple((math.inf if step.below_load_pct is None else step.below_load_pct, step.pct)
+                      for step in self.slo.interference_tolerance or ())
+        object.__setattr__(self, "steps", steps or ((math.inf, self.slo.interference_tolerance_pct),))
+        object.__setattr__(self, "uncapped", baseline(self.baselines, self.max_batch) if self.baselines else 0.0)
 
     @classmethod
     def of(cls, spec: api.ModelSpecSpec, awake: bool, gpu: bool) -> ModelView:
@@ -125,10 +135,11 @@ class Decision:
 class _Track:
     """Per model, between windows."""
 
-    __slots__ = ("idle", "rates", "violating", "violation_start")
+    __slots__ = ("idle", "rate1", "rate2", "seen", "violating", "violation_start")
 
     def __init__(self) -> None:
-        self.rates: tuple[float, ...] = ()
+        self.rate1 = self.rate2 = 0.0  # the arrival rates of the window before last, and of the last
+        self.seen = 0  # windows seen, up to 2
         self.idle = 0
         self.violating = 0
         self.violation_start = 0.0
@@ -170,34 +181,51 @@ class Decider:
         active: list[str] = []  # awake, or with traffic
         idle: list[str] = []
         past_deadline = False
+        util = window.util_pct
+        idle_after = s.autonomy_idle_windows
+        min_rate = s.autonomy_preload_min_rate
+        caps = self.caps
         for model, view in views.items():
             track = tracks.get(model)
             if track is None:
                 track = tracks[model] = _Track()
             load = loads.get(model)
-            arrivals = load.arrivals if load is not None else 0
-            rate = arrivals / seconds
-            rates = track.rates = (*track.rates[-2:], rate)
-            if arrivals == 0 and (load is None or load.queue_depth == 0):
+            if load is None:
+                arrivals, p99, other = 0, None, util
                 track.idle += 1
             else:
-                track.idle = 0
-            own = load.completed / total_completed if load is not None and total_completed else 0.0
-            other = window.util_pct * (1.0 - own)
-            tol = tolerance[model] = view.slo.tolerance_pct(other)
-            if view.awake or arrivals:
+                arrivals, p99 = load.arrivals, load.p99_ms
+                other = util * (1.0 - load.completed / total_completed) if total_completed else util
+                if arrivals or load.queue_depth:
+                    track.idle = 0
+                else:
+                    track.idle += 1
+            pct = view.steps[-1][1]
+            for below, step_pct in view.steps:
+                if other < below:
+                    pct = step_pct
+                    break
+            tolerance[model] = pct
+            rate = arrivals / seconds
+            if view.awake:
                 active.append(model)
-            if view.awake and track.idle >= s.autonomy_idle_windows:
-                idle.append(model)
-            # The margin: windows differ in length by rounding, and a constant slope must not count as rising.
-            if (not view.awake and len(rates) == 3 and rate >= s.autonomy_preload_min_rate
-                    and rates[2] > rates[1] and (rates[2] - rates[1]) - (rates[1] - rates[0]) > 1e-9 * rate):
-                accelerating.append(model)
-            p99 = load.p99_ms if load is not None else None
+                if track.idle >= idle_after:
+                    idle.append(model)
+            else:
+                if arrivals:
+                    active.append(model)
+                # The margin: windows differ in length by rounding, and a constant slope must not count as rising.
+                if (track.seen == 2 and rate >= min_rate and rate > track.rate2
+                        and (rate - track.rate2) - (track.rate2 - track.rate1) > 1e-9 * rate):
+                    accelerating.append(model)
+            track.rate1, track.rate2 = track.rate2, rate
+            if track.seen < 2:
+                track.seen += 1
             if p99 is None or not view.baselines:
                 track.violating = 0
                 continue
-            limit = baseline(view.baselines, self.caps.get(model, view.max_batch)) * (1.0 + tol / 100.0)
+            cap = caps.get(model) if caps else None
+            limit = (view.uncapped if cap is None else baseline(view.baselines, cap)) * (1.0 + pct / 100.0)
             if p99 <= limit:
                 track.violating = 0
                 continue
@@ -209,7 +237,7 @@ class Decider:
             past_deadline = past_deadline or late
             violations.append(Violation(model, p99, limit, other, track.violating, violating_ms, late))
             if path is not None:
-                path.append(f"{model}: p99 {p99:.3f} ms > {limit:.3f} ms (tolerance {tol:g}% at other load "
+                path.append(f"{model}: p99 {p99:.3f} ms > {limit:.3f} ms (tolerance {pct:g}% at other load "
                             f"{other:.1f}%), {track.violating} windows, {violating_ms:.0f} ms"
                             + (" past its recovery deadline" if late else ""))
 
@@ -262,21 +290,17 @@ class Decider:
 
     def _optimize(self, views: Mapping[str, ModelView], tolerance: Mapping[str, float],
                   violations: Sequence[Violation], idle: Sequence[str], actions: list[Action]) -> None:
-        violating = {v.model for v in violations}
-        lowered: set[str] = set()
-        for victim in sorted(violating, key=lambda m: (tolerance[m], m)):
-            floor = tolerance[victim]
-            best: str | None = None
-            for model, view in views.items():
-                if (model in violating or model in lowered or not view.awake or tolerance[model] < floor
-                        or self.caps.get(model, view.max_batch) <= 1):
+        caps = self.caps
+        if violations:
+            violating = {v.model for v in violations}
+            # Co-runners that may give way, the most tolerant first; each gives way once per window.
+            donors = sorted((m for m, v in views.items() if v.awake and m not in violating
+                             and caps.get(m, v.max_batch) > 1), key=lambda m: (-tolerance[m], m))
+            for victim in sorted(violating, key=lambda m: (tolerance[m], m)):
+                if not donors or tolerance[donors[0]] < tolerance[victim]:
                     continue
-                if best is None or (tolerance[model], best) > (tolerance[best], model):
-                    best = model
-            if best is not None:
-                cap = max(1, self.caps.get(best, views[best].max_batch) // 2)
-                self.caps[best] = cap
-                lowered.add(best)
+                best = donors.pop(0)
+                cap = caps[best] = max(1, caps.get(best, views[best].max_batch) // 2)
                 actions.append(LowerBatchCap(best, cap))
         if idle:
             least = min(tolerance[m] for m, v in views.items() if v.awake)

@@ -251,8 +251,8 @@ class Slo(Model):
             if not key.isdigit() or int(key) < 1:
                 raise ValueError(f"key {key!r} must be a batch size (a positive integer)")
         return value
-    interference_tolerance: list[ToleranceStep] = pydantic.Field(
-        default_factory=list, max_length=8,
+    interference_tolerance: list[ToleranceStep] | None = pydantic.Field(
+        default=None, max_length=8,
         description="the tolerance piecewise by the load of the node's other models, at most 8 steps in ascending "
                     "belowLoadPct, the last without it (e.g. [{belowLoadPct: 50, pct: 15}, {pct: 50}]); when "
                     "given it replaces interferenceTolerancePct. Default: none",
@@ -268,7 +268,7 @@ class Slo(Model):
 
     @pydantic.model_validator(mode="after")
     def _steps(self) -> Slo:
-        steps = self.interference_tolerance
+        steps = self.interference_tolerance or []
         problems: list[tuple[tuple[int | str, ...], str]] = []
         previous = 0.0
         for index, step in enumerate(steps):
@@ -291,7 +291,7 @@ class Slo(Model):
 
     def tolerance_pct(self, other_load_pct: float) -> float:
         """The tolerance while the node's other models load it by `other_load_pct` percent."""
-        for step in self.interference_tolerance:
+        for step in self.interference_tolerance or ():
             if step.below_load_pct is None or other_load_pct < step.below_load_pct:
                 return step.pct
         return self.interference_tolerance_pct
