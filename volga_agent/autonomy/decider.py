@@ -21,7 +21,7 @@ the other models' share of the completed requests; `api.Slo.tolerance_pct`).
 Actions by state:
 
     PRELOAD     Preload each model not awake whose arrival rate is at least autonomy_preload_min_rate and rises
-                faster than in the window before (positive slope and acceleration over three windows)
+                faster than in the window before (positive slope and acceleration of its arrivals over three windows)
     OPTIMIZE    for each violating model (least tolerant first), halve the batch cap of the most tolerant awake
                 co-runner that is not violating itself; Demote idle models other than the least tolerant
     EMERGENCY   Shed and Demote the most tolerant model with traffic not shed yet, one per window; the least
@@ -135,10 +135,10 @@ class Decision:
 class _Track:
     """Per model, between windows."""
 
-    __slots__ = ("idle", "rate1", "rate2", "seen", "violating", "violation_start")
+    __slots__ = ("arrivals1", "arrivals2", "idle", "seen", "violating", "violation_start")
 
     def __init__(self) -> None:
-        self.rate1 = self.rate2 = 0.0  # the arrival rates of the window before last, and of the last
+        self.arrivals1 = self.arrivals2 = 0  # arrivals in the window before last, and in the last
         self.seen = 0  # windows seen, up to 2
         self.idle = 0
         self.violating = 0
@@ -206,7 +206,6 @@ class Decider:
                     pct = step_pct
                     break
             tolerance[model] = pct
-            rate = arrivals / seconds
             if view.awake:
                 active.append(model)
                 if track.idle >= idle_after:
@@ -214,11 +213,13 @@ class Decider:
             else:
                 if arrivals:
                     active.append(model)
-                # The margin: windows differ in length by rounding, and a constant slope must not count as rising.
-                if (track.seen == 2 and rate >= min_rate and rate > track.rate2
-                        and (rate - track.rate2) - (track.rate2 - track.rate1) > 1e-9 * rate):
+                rate = arrivals / seconds
+                # Slope and acceleration in arrivals per window (windows are of one length but for jitter, which
+                # would make a flat rate look like it wobbles up and down).
+                if (track.seen == 2 and rate >= min_rate and arrivals > track.arrivals2
+                        and arrivals - track.arrivals2 > track.arrivals2 - track.arrivals1):
                     accelerating.append(model)
-            track.rate1, track.rate2 = track.rate2, rate
+            track.arrivals1, track.arrivals2 = track.arrivals2, arrivals
             if track.seen < 2:
                 track.seen += 1
             if p99 is None or not view.baselines:
