@@ -10,6 +10,9 @@
     volga bench tiers [--gpu] [--json] cold start vs each tier's wake -> first answer, in one run
     volga bench gateway [--json]      the gateway's added latency vs calling the worker directly
     volga build-model [--out DIR]     build the embedded default model and print its ModelSpec
+    volga calibrate -f SPEC [--write] measure the model's p99 alone per batch size on this node; --write puts the
+                                      baselines into the ModelSpec file
+    volga bench decide [--json]       the autonomy decider's cost per window (2-64 models), the sampler's jitter
 """
 
 from __future__ import annotations
@@ -253,6 +256,62 @@ def cmd_bench_scale(args: argparse.Namespace) -> int:
     return 0 if report["peak_writes_per_s"] <= report["write_limit_per_s"] else 1
 
 
+def _batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: write batch sizes as positive integers, e.g. 1,8") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: write batch sizes as positive integers, e.g. 1,8")
+    return sizes
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from volga_agent import calibrate
+
+    try:
+        labelled = api.load_labelled(args.file)
+    except (api.SpecError, OSError) as exc:
+        print(f"volga calibrate: {exc}", file=sys.stderr)
+        return 2
+    chosen = [(label, s) for label, s in labelled if not args.name or s.metadata.name == args.name]
+    if len(chosen) != 1:
+        names = ", ".join(s.metadata.name for _, s in labelled)
+        print(f"volga calibrate: {args.file}: " + (f"no ModelSpec named {args.name!r} (found {names})" if args.name
+              else f"{len(labelled)} ModelSpecs ({names}): choose one with --name"), file=sys.stderr)
+        return 2
+    label, spec = chosen[0]
+    try:
+        filled = signature.fill(spec.spec)
+    except api.SpecError as exc:
+        print(f"volga calibrate: {exc}", file=sys.stderr)
+        return 2
+    device = args.device or ("cuda:0" if filled.hardware.gpu else "cpu")
+    try:
+        result = calibrate.measure(filled, args.batch_sizes, args.iterations, device, progress=_progress(args.json))
+    except ValueError as exc:
+        print(f"volga calibrate: {label}: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result.to_wire(), indent=2) if args.json else calibrate.table(result))
+    if args.write:
+        calibrate.write(pathlib.Path(args.file), spec.metadata.name, result)
+        if not args.json:
+            print(f"wrote spec.slo.baselineLatencyMs and spec.slo.baselineFor into {args.file}")
+    return 0
+
+
+def cmd_bench_decide(args: argparse.Namespace) -> int:
+    try:
+        from volga_bench import decide, reporting
+    except ImportError as exc:
+        return _no_bench("bench decide", exc)
+    report = decide.run(args.windows, args.sample_seconds, args.period_ms, progress=_progress(args.json))
+    if args.out:
+        reporting.write_json(report, pathlib.Path(args.out))
+    print(json.dumps(report, indent=2) if args.json else decide.format_report(report))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="volga", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -331,6 +390,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--out")
     p.set_defaults(func=cmd_bench_scale)
+
+    p = bench.add_parser("decide", help="the autonomy decider's cost per window and the sampler's jitter")
+    p.add_argument("--windows", type=int, default=3000, help="windows decided per model count")
+    p.add_argument("--sample-seconds", type=float, default=2.0, help="how long to run the sampler (0: not)")
+    p.add_argument("--period-ms", type=float, default=10.0, help="the sampler's period")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--out")
+    p.set_defaults(func=cmd_bench_decide)
+
+    p = sub.add_parser("calibrate", help="measure a model's baselines on this node (p99 alone per batch size)")
+    p.add_argument("-f", "--file", required=True, help="the ModelSpec YAML file")
+    p.add_argument("--name", help="which ModelSpec of a multi-document file (metadata.name)")
+    p.add_argument("--batch-sizes", type=_batch_sizes, default=[1, 8], help="comma-separated (default 1,8)")
+    p.add_argument("--iterations", type=int, default=200, help="timed requests per batch size")
+    p.add_argument("--device", help="cpu or cuda:N (default: cuda:0 for a GPU ModelSpec, cpu otherwise)")
+    p.add_argument("--write", action="store_true", help="write the baselines into the file, tagged with the "
+                                                        "version and input hash")
+    p.add_argument("--json", action="store_true", help="print the calibration as the ModelSpec status holds it")
+    p.set_defaults(func=cmd_calibrate)
     return parser
 
 

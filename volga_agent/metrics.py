@@ -48,6 +48,24 @@ class AgentMetrics:
             "volga_worker_deaths", "Workers found dead while HOT", ["model"], registry=r)
         self.snapshot_bytes = prom.Gauge(
             "volga_snapshot_disk_used_bytes", "Bytes of CRIU images on this node", registry=r)
+        # The node autonomy loop (volga_agent/autonomy).
+        self.autonomy_state = prom.Gauge(
+            "volga_autonomy_state", "1 for the autonomy loop's current state (PRELOAD, ACCEPT, OPTIMIZE, EMERGENCY)",
+            ["state"], registry=r)
+        self.autonomy_decisions = prom.Counter(
+            "volga_autonomy_decisions", "Actions the autonomy loop decided, by action", ["action"], registry=r)
+        self.slo_violating_windows = prom.Counter(
+            "volga_slo_violating_windows", "Windows whose p99 exceeded the model's baseline x (1 + tolerance)",
+            ["model"], registry=r)
+        self.slo_past_deadline = prom.Gauge(
+            "volga_slo_past_recovery_deadline", "1 while a model has violated its SLO for longer than its "
+            "recoveryDeadlineMs", ["model"], registry=r)
+        self.sample_jitter = prom.Histogram(
+            "volga_autonomy_sample_jitter_ms", "How late each node sample came against its period",
+            buckets=FAST_MS_BUCKETS, registry=r)
+        self.decision_latency = prom.Histogram(
+            "volga_autonomy_decision_latency_us", "Time to decide one window, in microseconds",
+            buckets=(5, 10, 20, 50, 100, 200, 500, 1000, 5000), registry=r)
 
 
 class GatewayMetrics:

@@ -96,6 +96,26 @@ class Settings(pydantic.BaseModel):
     verify_restores: bool = True
     # Failed restores whose image and logs stay under the snapshot root's failed/ folder, newest first.
     keep_failed_restores: Annotated[int, pydantic.Field(ge=0)] = 3
+    # The node autonomy loop (volga_agent/autonomy): a sample every autonomy_sample_ms, a decision per window of
+    # autonomy_window_samples samples; a state changes after autonomy_hysteresis_windows windows agree.
+    autonomy_sample_ms: Annotated[float, pydantic.Field(gt=0, le=10_000)] = 10.0
+    autonomy_window_samples: Annotated[int, pydantic.Field(ge=1, le=1000)] = 10
+    autonomy_hysteresis_windows: Annotated[int, pydantic.Field(ge=1, le=100)] = 3
+    # Memory watermarks, in percent of the node's GPU memory (host memory on a CPU node): below preload the loop
+    # may wake models ahead of their requests; from optimize on it trims batch caps and demotes idle models;
+    # from emergency on it sheds the most tolerant models.
+    autonomy_preload_below_pct: Annotated[float, pydantic.Field(ge=0, le=100)] = 40.0
+    autonomy_optimize_above_pct: Annotated[float, pydantic.Field(ge=0, le=100)] = 70.0
+    autonomy_emergency_above_pct: Annotated[float, pydantic.Field(ge=0, le=100)] = 85.0
+    # A model not awake is preloaded when its arrival rate (requests/s over a window) is at least this and both
+    # its slope and its acceleration over the last three windows are positive.
+    autonomy_preload_min_rate: NonNegative = 1.0
+    # Windows without arrivals after which an awake model counts as idle (OPTIMIZE may demote it).
+    autonomy_idle_windows: Annotated[int, pydantic.Field(ge=1)] = 3
+    # What shed requests are told to wait before retrying.
+    autonomy_shed_retry_after_ms: Annotated[int, pydantic.Field(ge=0)] = 1000
+    # Log each decision's full context (inputs, path, actions), at most every 100 ms.
+    autonomy_debug: bool = False
 
     @pydantic.model_validator(mode="before")
     @classmethod
@@ -116,6 +136,16 @@ class Settings(pydantic.BaseModel):
         if self.suspended_idle_sec < self.warm_idle_sec:
             raise ValueError(f"settings.suspended_idle_sec: must be >= warm_idle_sec ({self.warm_idle_sec:g}), "
                              f"got {self.suspended_idle_sec:g}")
+        return self
+
+    @pydantic.model_validator(mode="after")
+    def _watermarks_in_order(self) -> Settings:
+        if self.autonomy_optimize_above_pct < self.autonomy_preload_below_pct:
+            raise ValueError(f"settings.autonomy_optimize_above_pct: must be >= autonomy_preload_below_pct "
+                             f"({self.autonomy_preload_below_pct:g}), got {self.autonomy_optimize_above_pct:g}")
+        if self.autonomy_emergency_above_pct < self.autonomy_optimize_above_pct:
+            raise ValueError(f"settings.autonomy_emergency_above_pct: must be >= autonomy_optimize_above_pct "
+                             f"({self.autonomy_optimize_above_pct:g}), got {self.autonomy_emergency_above_pct:g}")
         return self
 
     @classmethod

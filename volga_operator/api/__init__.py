@@ -207,6 +207,25 @@ class Targets(Model):
         default=None, description="target throughput, in requests per second (> 0). Default: unset")
 
 
+class ToleranceStep(Model):
+    """A step of a piecewise tolerance: `pct` while the other load is below `belowLoadPct` (the last: the rest)."""
+
+    below_load_pct: float | None = pydantic.Field(
+        default=None, gt=0, le=100,
+        description="the step holds while the load of the node's other models is below this, in percent of the "
+                    "node's GPU (CPU on a CPU node) utilisation (0-100, exclusive of 0); left out on the last step")
+    pct: float = pydantic.Field(ge=0, le=1000, description="the tolerance in this step, in percent (0-1000)")
+
+
+class BaselineTag(Model):
+    """What a ModelSpec's baselines were measured for: `volga calibrate --write` writes it."""
+
+    version: str = pydantic.Field(min_length=1, max_length=64, description="spec.version when measured")
+    input_hash: str = pydantic.Field(max_length=64, description="the input hash (SHA-256, hex) when measured")
+    device: str = pydantic.Field(default="", max_length=256,
+                                 description="where: cpu, or the GPU's product name. Default: ''")
+
+
 class Slo(Model):
     """The three-part SLO contract: baseline latency per batch size, interference tolerance, recovery."""
 
@@ -232,6 +251,58 @@ class Slo(Model):
             if not key.isdigit() or int(key) < 1:
                 raise ValueError(f"key {key!r} must be a batch size (a positive integer)")
         return value
+    interference_tolerance: list[ToleranceStep] | None = pydantic.Field(
+        default=None, max_length=8,
+        description="the tolerance piecewise by the load of the node's other models, at most 8 steps in ascending "
+                    "belowLoadPct, the last without it (e.g. [{belowLoadPct: 50, pct: 15}, {pct: 50}]); when "
+                    "given it replaces interferenceTolerancePct. Default: none",
+        json_schema_extra={"x-kubernetes-validations": [
+            {"rule": "self.size() == 0 || (!has(self[self.size() - 1].belowLoadPct) && "
+                     "self.filter(s, !has(s.belowLoadPct)).size() == 1)",
+             "message": "only the last step leaves belowLoadPct out"}]})
+    baseline_for: BaselineTag | None = pydantic.Field(
+        default=None,
+        description="the version and input hash the baselines were measured for (volga calibrate --write); a "
+                    "ModelSpec of another version or input hash has no baselines until calibrated again. "
+                    "Default: unset, the baselines hold for any version")
+
+    @pydantic.model_validator(mode="after")
+    def _steps(self) -> Slo:
+        steps = self.interference_tolerance or []
+        problems: list[tuple[tuple[int | str, ...], str]] = []
+        previous = 0.0
+        for index, step in enumerate(steps):
+            last = index == len(steps) - 1
+            where: tuple[int | str, ...] = ("interferenceTolerance", index, "belowLoadPct")
+            if last and step.below_load_pct is not None:
+                problems.append((where, "the last step covers the rest of the load: leave belowLoadPct out"))
+            elif not last and step.below_load_pct is None:
+                problems.append((where, "required on every step but the last"))
+            elif step.below_load_pct is not None:
+                if step.below_load_pct <= previous:
+                    problems.append((where, f"{step.below_load_pct:g} must be above the previous step's "
+                                            f"{previous:g} (steps go in ascending load)"))
+                previous = step.below_load_pct
+        if problems:
+            raise pydantic.ValidationError.from_exception_data("Slo", [
+                {"type": "value_error", "loc": loc, "input": None, "ctx": {"error": ValueError(reason)}}
+                for loc, reason in problems])
+        return self
+
+    def tolerance_pct(self, other_load_pct: float) -> float:
+        """The tolerance while the node's other models load it by `other_load_pct` percent."""
+        for step in self.interference_tolerance or ():
+            if step.below_load_pct is None or other_load_pct < step.below_load_pct:
+                return step.pct
+        return self.interference_tolerance_pct
+
+    def baselines_for(self, version: str, input_hash: str) -> dict[int, float]:
+        """Batch size -> baseline p99 in milliseconds; empty when they were measured for another version or input
+        hash (a new version invalidates them)."""
+        tag = self.baseline_for
+        if tag is not None and (tag.version != version or tag.input_hash != input_hash):
+            return {}
+        return {int(size): ms for size, ms in self.baseline_latency_ms.items()}
 
 
 def _floor(tier: str, default: int) -> Any:
@@ -712,6 +783,34 @@ class TierCounts(Model):
     cold: int | None = pydantic.Field(default=None, alias="COLD", description="instances COLD")
 
 
+class BatchProfile(Model):
+    """One batch size as measured alone on a device."""
+
+    batch_size: int = pydantic.Field(ge=1, description="samples per request")
+    p50_ms: float = pydantic.Field(ge=0, description="median latency, in milliseconds")
+    p99_ms: float = pydantic.Field(ge=0, description="p99 latency (the baseline), in milliseconds")
+    memory_bytes: int = pydantic.Field(ge=0, description="the worker's peak memory at this batch size (host RSS "
+                                                         "on a CPU, GPU memory allocated on a GPU), in bytes")
+    throughput_per_sec: float = pydantic.Field(ge=0, description="samples per second, one request at a time")
+
+
+class Calibration(Model):
+    """Baselines and a node profile measured on one device kind (`volga calibrate`)."""
+
+    device: str = pydantic.Field(min_length=1, max_length=256, description="cpu, or the GPU's product name")
+    version: str = pydantic.Field(description="spec.version measured")
+    input_hash: str = pydantic.Field(description="the input hash measured")
+    measured_at: str = pydantic.Field(default="", description="when, RFC 3339 in UTC")
+    node: str = pydantic.Field(default="", description="the node measured on")
+    iterations: int = pydantic.Field(default=0, ge=0, description="timed requests per batch size")
+    batches: list[BatchProfile] = pydantic.Field(default_factory=list, max_length=64,
+                                                 description="per batch size, ascending")
+
+    def baselines(self) -> dict[str, float]:
+        """batch size -> p99 ms, as slo.baselineLatencyMs writes it."""
+        return {str(b.batch_size): b.p99_ms for b in self.batches}
+
+
 class ModelSpecStatus(Model):
     """What the operator last made of a ModelSpec."""
 
@@ -723,6 +822,10 @@ class ModelSpecStatus(Model):
                                   "while the inputs are to be read from the model file on the nodes")
     tiers: TierCounts | None = pydantic.Field(default=None, description="the model's instances per tier")
     instances: int | None = pydantic.Field(default=None, description="the model's instances (EMIs)")
+    calibrated: list[Calibration] | None = pydantic.Field(
+        default=None, max_length=64,
+        description="baselines measured per device (GPU product, or cpu), with the node profile",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["device"]})
 
 
 class EmiStatus(Model):

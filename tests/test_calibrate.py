@@ -1,0 +1,87 @@
+"""`volga calibrate` on the default model with a real worker, `--write` into a ModelSpec file, and `volga bench
+decide` printing its keys."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from volga_agent import defaultmodel
+from volga_operator import api
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def volga(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "volga_agent.cli", *args], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+@pytest.fixture
+def spec_file(tmp_path: pathlib.Path) -> pathlib.Path:
+    document = defaultmodel.ensure().to_wire()
+    path = tmp_path / "model.yaml"
+    path.write_text("# kept: a comment about this model\n" + yaml.safe_dump(document, sort_keys=False))
+    return path
+
+
+@pytest.mark.integration
+def test_calibrate_measures_with_a_real_worker_and_writes_tagged_baselines(spec_file: pathlib.Path) -> None:
+    before = spec_file.read_text()
+    out = volga("calibrate", "-f", str(spec_file), "--batch-sizes", "1,4", "--iterations", "30", "--json", "--write")
+    assert out.returncode == 0, out.stderr
+    calibration = api.Calibration.model_validate(json.loads(out.stdout))
+    spec = defaultmodel.ensure().spec
+    assert (calibration.device, calibration.version, calibration.input_hash) == ("cpu", "1", spec.input_hash())
+    assert [b.batch_size for b in calibration.batches] == [1, 4]
+    for b in calibration.batches:
+        assert 0 < b.p50_ms <= b.p99_ms and b.memory_bytes > 50 * 2**20 and b.throughput_per_sec > 0
+
+    after = spec_file.read_text()
+    assert after.startswith("# kept: a comment about this model\n")
+    written = api.load_model_specs(spec_file)[0]
+    assert written.spec.model_copy(update={"slo": spec.slo}) == spec  # nothing else changed
+    slo = written.spec.slo
+    assert slo.baseline_latency_ms == {"1": calibration.batches[0].p99_ms, "4": calibration.batches[1].p99_ms}
+    assert slo.baseline_for == api.BaselineTag(version="1", input_hash=spec.input_hash(), device="cpu")
+    assert slo.baselines_for("1", spec.input_hash()) == {1: calibration.batches[0].p99_ms,
+                                                         4: calibration.batches[1].p99_ms}
+    assert slo.baselines_for("2", spec.input_hash()) == {}  # a new version invalidates them
+    assert before.count("\n") < after.count("\n")
+
+
+def test_calibrate_refuses_bad_input(spec_file: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    out = volga("calibrate", "-f", str(spec_file), "--batch-sizes", "0,8")
+    assert out.returncode == 2 and "--batch-sizes: '0,8': write batch sizes as positive integers" in out.stderr
+    out = volga("calibrate", "-f", str(spec_file), "--batch-sizes", "1024")
+    assert out.returncode == 2 and "[1024] above spec.runtime.maxBatchSize (256)" in out.stderr
+    two = tmp_path / "two.yaml"
+    first = yaml.safe_load(spec_file.read_text())
+    second = {**first, "metadata": {"name": "other"}, "spec": {**first["spec"], "modelId": "other"}}
+    two.write_text(yaml.safe_dump_all([first, second]))
+    out = volga("calibrate", "-f", str(two))
+    assert out.returncode == 2 and "2 ModelSpecs (ctr-default, other): choose one with --name" in out.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({**first, "spec": {**first["spec"], "slo": {"interferenceTolerance": [{"pct": 5},
+                                                                                                       {"pct": 9}]}}}))
+    out = volga("calibrate", "-f", str(bad))
+    assert out.returncode == 2
+    assert "spec.slo.interferenceTolerance[0].belowLoadPct: required on every step but the last" in out.stderr
+
+
+def test_bench_decide_prints_its_numbers() -> None:
+    out = volga("bench", "decide", "--json", "--windows", "300", "--sample-seconds", "0.3")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["budget_p99_us"] == 50
+    assert [r["models"] for r in report["decide"]] == [2, 4, 8, 16, 32, 64]
+    for r in report["decide"]:
+        assert {"p50_us", "p99_us", "max_us", "decisions", "within_budget", "states", "actions"} <= set(r)
+        assert r["decisions"] == 300
+    assert {"jitter_p50_ms", "jitter_p99_ms", "samples", "period_ms", "probe"} <= set(report["sampler"])

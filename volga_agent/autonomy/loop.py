@@ -1,0 +1,241 @@
+"""The node autonomy loop: the sampler's windows through the decider, and the decisions applied.
+
+Wakes (`Preload`) and demotions (`Demote`) go to the pool (`Pool.activate`, `Pool.move_to`) on a small thread pool
+of their own, one at a time per model, so that a CRIU restore never holds up the next decision. Batch caps and
+shedding go to the gateway, which the loop knows only as the `Gateway` protocol: the gateway's data plane
+provides those four methods, and the autonomy package imports nothing of the gateway (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Protocol
+
+from volga_agent import errors, metrics, policy, pool
+from volga_agent.autonomy import decider, sampler
+from volga_agent.autonomy import window as windows
+from volga_operator import api
+
+log = logging.getLogger(__name__)
+DEBUG_EVERY_S = 0.1
+
+
+class Gateway(Protocol):
+    """What the loop needs of the node's gateway."""
+
+    def set_batch_cap(self, model: str, cap: int | None) -> None: ...
+
+    def shed(self, model: str, retry_after_ms: int) -> None: ...
+
+    def unshed(self, model: str) -> None: ...
+
+    def drain_load(self) -> Mapping[str, windows.LoadReading]: ...
+
+
+class Actuator(Protocol):
+    """Where decisions take effect."""
+
+    def preload(self, model: str) -> None: ...
+
+    def demote(self, model: str, tier: api.Tier) -> None: ...
+
+    def set_batch_cap(self, model: str, cap: int | None) -> None: ...
+
+    def shed(self, model: str, retry_after_ms: int) -> None: ...
+
+    def unshed(self, model: str) -> None: ...
+
+
+class PoolActuator:
+    """Wakes and demotions through the pool (in the background, one in flight per model); batch caps and shedding
+    through the gateway, when there is one."""
+
+    def __init__(self, node_pool: pool.Pool, gateway: Gateway | None = None, workers: int = 2) -> None:
+        self.pool = node_pool
+        self.gateway = gateway
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="autonomy")
+        self._busy: set[str] = set()
+        self._lock = threading.Lock()
+
+    def _once(self, model: str, work: Callable[[], None]) -> None:
+        with self._lock:
+            if model in self._busy:
+                return
+            self._busy.add(model)
+
+        def run() -> None:
+            try:
+                work()
+            except Exception as exc:  # the loop goes on; the pool counts and reports the failure
+                log.warning("autonomy: %s: %s", model, exc)
+            finally:
+                with self._lock:
+                    self._busy.discard(model)
+
+        self._executor.submit(run)
+
+    def preload(self, model: str) -> None:
+        self._once(model, lambda: self._wake(model))
+
+    def _wake(self, model: str) -> None:
+        try:
+            self.pool.activate(model)
+        except errors.UnknownModel:
+            return
+
+    def demote(self, model: str, tier: api.Tier) -> None:
+        def move() -> None:
+            for info in self.pool.instances(model):
+                if info.tier == api.Tier.HOT:
+                    self.pool.move_to(info.name, tier)
+
+        self._once(model, move)
+
+    def set_batch_cap(self, model: str, cap: int | None) -> None:
+        if self.gateway is not None:
+            self.gateway.set_batch_cap(model, cap)
+
+    def shed(self, model: str, retry_after_ms: int) -> None:
+        if self.gateway is not None:
+            self.gateway.shed(model, retry_after_ms)
+
+    def unshed(self, model: str) -> None:
+        if self.gateway is not None:
+            self.gateway.unshed(model)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+def apply(action: decider.Action, actuator: Actuator) -> None:
+    match action:
+        case decider.Preload(model):
+            actuator.preload(model)
+        case decider.Demote(model, tier):
+            actuator.demote(model, tier)
+        case decider.LowerBatchCap(model, cap):
+            actuator.set_batch_cap(model, cap)
+        case decider.RestoreBatchCap(model):
+            actuator.set_batch_cap(model, None)
+        case decider.Shed(model, retry_after_ms):
+            actuator.shed(model, retry_after_ms)
+        case decider.Unshed(model):
+            actuator.unshed(model)
+
+
+class Views:
+    """The decider's view of each model on the node, rebuilt from the pool for every window (the baselines that
+    hold for a ModelSpec are worked out once per ModelSpec)."""
+
+    def __init__(self, node_pool: pool.Pool) -> None:
+        self.pool = node_pool
+        self._cache: dict[str, tuple[api.ModelSpecSpec, decider.ModelView]] = {}
+
+    def __call__(self) -> dict[str, decider.ModelView]:
+        awake: dict[str, bool] = {}
+        gpu: dict[str, bool] = {}
+        specs: dict[str, api.ModelSpecSpec] = {}
+        for slot in list(self.pool.slots.values()):
+            inst = slot.inst
+            model = inst.spec.model_id
+            specs[model] = inst.spec
+            awake[model] = awake.get(model, False) or inst.tier == api.Tier.HOT
+            gpu[model] = gpu.get(model, False) or inst.gpu
+        views = {}
+        for model, spec in specs.items():
+            cached = self._cache.get(model)
+            if cached is None or cached[0] is not spec:
+                cached = self._cache[model] = (spec, decider.ModelView.of(spec, False, False))
+            base = cached[1]
+            views[model] = decider.ModelView(model, base.slo, base.baselines, awake[model], gpu[model],
+                                             base.max_batch)
+        for gone in set(self._cache) - set(specs):
+            del self._cache[gone]
+        return views
+
+
+class Loop:
+    def __init__(self, node_pool: pool.Pool, gateway: Gateway | None = None, settings: policy.Settings | None = None,
+                 agent_metrics: metrics.AgentMetrics | None = None, probe: sampler.Probe | None = None,
+                 actuator: Actuator | None = None) -> None:
+        self.settings = settings or node_pool.settings
+        self.metrics = agent_metrics or node_pool.metrics
+        s = self.settings
+        self.sampler = sampler.Sampler(probe or sampler.probe_for_node(),
+                                       gateway.drain_load if gateway is not None else sampler.no_load,
+                                       s.autonomy_sample_ms, s.autonomy_window_samples,
+                                       on_jitter=self.metrics.sample_jitter.observe)
+        self.decider = decider.Decider(s)
+        self._owned_actuator = actuator is None
+        self.actuator: Actuator = actuator if actuator is not None else PoolActuator(node_pool, gateway)
+        self.views = Views(node_pool)
+        self.decisions: collections.deque[decider.Decision] = collections.deque(maxlen=1000)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_debug = float("-inf")
+        self._state_seen: decider.State | None = None
+
+    def start(self) -> None:
+        self.sampler.start()
+        self._thread = threading.Thread(target=self._run, name="autonomy-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.sampler.stop()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self._owned_actuator and isinstance(self.actuator, PoolActuator):
+            self.actuator.close()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                built = self.sampler.windows.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            try:
+                self.step(built)
+            except Exception:
+                log.exception("autonomy decision failed")
+
+    def step(self, built: windows.Window) -> decider.Decision:
+        """Decide one window and apply what was decided."""
+        views = self.views()
+        now = time.monotonic()
+        explain = self.settings.autonomy_debug and now - self._last_debug >= DEBUG_EVERY_S
+        started = time.perf_counter()
+        decision = self.decider.decide(built, views, explain)
+        self.metrics.decision_latency.observe((time.perf_counter() - started) * 1e6)
+        if explain:
+            self._last_debug = now
+            log.info("autonomy decision: inputs: memory %.1f%%, util %.1f%%, %d models with load %s, views %s; "
+                     "path: %s", built.memory_pct, built.util_pct, len(built.models), dict(built.models),
+                     {m: (v.awake, v.baselines) for m, v in views.items()}, " | ".join(decision.path))
+        self.decisions.append(decision)
+        self._publish(decision, views)
+        for action in decision.actions:
+            apply(action, self.actuator)
+        return decision
+
+    def _publish(self, decision: decider.Decision, views: Mapping[str, decider.ModelView]) -> None:
+        m = self.metrics
+        if decision.state != self._state_seen:
+            for state in decider.State:
+                m.autonomy_state.labels(state.value).set(int(state == decision.state))
+            self._state_seen = decision.state
+        for action in decision.actions:
+            m.autonomy_decisions.labels(type(action).__name__).inc()
+        late = set()
+        for violation in decision.violations:
+            m.slo_violating_windows.labels(violation.model).inc()
+            if violation.past_deadline:
+                late.add(violation.model)
+        for model in views:
+            m.slo_past_deadline.labels(model).set(int(model in late))
