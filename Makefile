@@ -11,7 +11,7 @@ export VOLGA_K8S_BIN := $(K8S_BIN)
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,dev,bench]'
+	$(PY) -m pip install -q -e '.[test,dev,bench,peers]'
 	touch $@
 
 $(CRIU_PREFIX)/bin/criu:

@@ -9,6 +9,7 @@
     volga demo                        the embedded default model through the gateway, every tier timed
     volga bench tiers [--gpu] [--json] cold start vs each tier's wake -> first answer, in one run
     volga bench gateway [--json]      the gateway's added latency vs calling the worker directly
+    volga bench peers [--json]        Volga's gateway beside KServe's ModelServer: same model, same client
     volga build-model [--out DIR]     build the embedded default model and print its ModelSpec
     volga calibrate -f SPEC [--write] measure the model's p99 alone per batch size on this node; --write puts the
                                       baselines into the ModelSpec file
@@ -241,6 +242,25 @@ def cmd_bench_gateway(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_peers(args: argparse.Namespace) -> int:
+    try:
+        from volga_bench import peers, reporting
+    except ImportError as exc:
+        return _no_bench("bench peers", exc)
+    settings = peers.Settings(requests=args.requests, warmup=args.warmup, seconds=args.seconds,
+                              concurrency=tuple(args.clients), cold_starts=args.cold_starts, wakes=args.wakes,
+                              idle_sec=args.idle_sec, kserve_python=args.kserve_python or "")
+    try:
+        report = peers.run(settings, progress=_progress(args.json))
+    except peers.KServeMissing as exc:
+        print(f"volga bench peers: {exc}", file=sys.stderr)
+        return 2
+    if args.out:
+        reporting.write_json(report, pathlib.Path(args.out))
+    print(json.dumps(report, indent=2) if args.json else peers.format_report(report))
+    return 0 if report["volga"]["outputs_match"] and report["kserve"]["outputs_match"] else 1
+
+
 def cmd_bench_scale(args: argparse.Namespace) -> int:
     try:
         from volga_bench import reporting, scale
@@ -382,6 +402,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--out")
     p.set_defaults(func=cmd_bench_gateway)
+
+    p = bench.add_parser("peers", help="Volga's gateway beside KServe's ModelServer: same model, same client")
+    p.add_argument("--requests", type=int, default=2000, help="HOT requests of the one client")
+    p.add_argument("--warmup", type=int, default=200, help="requests before any timing, per server")
+    p.add_argument("--seconds", type=float, default=6.0, help="per concurrency level")
+    p.add_argument("--clients", type=int, nargs="+", default=[8, 32], help="concurrency levels (batch 1)")
+    p.add_argument("--cold-starts", type=int, default=3, help="KServe process starts")
+    p.add_argument("--wakes", type=int, default=5, help="Volga FROZEN wakes")
+    p.add_argument("--idle-sec", type=float, default=2.0, help="volga up --idle-sec: back to FROZEN between wakes")
+    p.add_argument("--kserve-python", help="the interpreter that runs KServe (default: $VOLGA_KSERVE_PYTHON, "
+                   "else this one, with the peers extra)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--out")
+    p.set_defaults(func=cmd_bench_peers)
 
     p = bench.add_parser("scale", help="the operator on a real API server with kwok nodes and many ModelSpecs")
     p.add_argument("--nodes", type=int, default=200)

@@ -1,0 +1,422 @@
+"""`volga bench peers`: Volga's gateway side by side with KServe's ModelServer: the same model, the same client.
+
+Volga's other benches compare it with its own tiers; users compare it with what they run today. KServe's Python
+ModelServer (Open Inference Protocol v2 over REST and gRPC) is the closest peer that runs on one machine. This
+bench runs, one after the other, in one run:
+
+- KServe: `kserve_onnx.py` (a small `kserve.Model` serving the ONNX model with onnxruntime under the same session
+  settings as Volga's worker), started `cold_starts` times; each time from process start to the first correct
+  answer (before any pod scheduling or image pull a cluster adds), the last one then serves the steady state;
+- Volga: `volga up` with the default model (as a user runs it, a separate process): the steady state, then
+  FROZEN wakes to the first answer (the instance goes back to FROZEN after `--idle-sec` between wakes).
+
+The steady state is the same for both: an unmodified tritonclient over gRPC at batch 1; HOT p50/p99 with one
+client sending `requests` requests back to back, then the throughput of 8 and 32 clients (threads, each its own
+client, closed loop) for `seconds` each. Every answer is compared with onnxruntime run directly in this process
+on the same inputs. The model alone in-process (no server) is measured too, as the floor both stand on.
+
+KServe comes from the `peers` extra (the last KServe release that installs beside the project's grpcio and
+protobuf pins) or from any interpreter given with `kserve_python` (a separate virtual environment with a newer
+KServe, which needs newer grpcio and protobuf): the server is that interpreter running `kserve_onnx.py`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+import onnxruntime as ort
+import tritonclient.grpc as grpcclient
+
+from volga_agent import defaultmodel, instance
+from volga_agent.rpc.volga.v1 import agent_pb2, agent_pb2_grpc
+from volga_agent.worker import contract
+from volga_bench import harness, reporting
+from volga_operator import api
+
+OUTPUT = "probability"
+# Run as a script by the interpreter that has KServe (it may be another virtual environment's).
+KSERVE_SERVER = pathlib.Path(__file__).with_name("kserve_onnx.py")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    requests: int = 2000  # HOT, one client, back to back
+    warmup: int = 200  # requests before any timing, per server
+    seconds: float = 6.0  # per concurrency level
+    concurrency: tuple[int, ...] = (8, 32)
+    cold_starts: int = 3  # KServe process starts
+    wakes: int = 5  # Volga FROZEN wakes
+    idle_sec: float = 2.0  # `volga up --idle-sec`: how soon an idle instance goes back to FROZEN
+    kserve_python: str = ""  # the interpreter that runs KServe; "" finds one (`find_kserve`)
+
+
+class KServeMissing(RuntimeError):
+    """No interpreter with KServe to run the peer with."""
+
+
+def find_kserve(given: str = "") -> str:
+    """The interpreter that runs KServe: `given`, else $VOLGA_KSERVE_PYTHON, else this one when it has kserve."""
+    for candidate in (given, os.environ.get("VOLGA_KSERVE_PYTHON", "")):
+        if candidate:
+            if shutil.which(candidate) is None:
+                raise KServeMissing(f"--kserve-python {candidate}: no such interpreter")
+            return candidate
+    if _has_kserve(sys.executable):
+        return sys.executable
+    raise KServeMissing("KServe is not installed here: pip install 'volga[peers]', or give --kserve-python (or "
+                        "VOLGA_KSERVE_PYTHON) an interpreter that has kserve and onnxruntime")
+
+
+def _has_kserve(python: str) -> bool:
+    import importlib.util
+
+    return python == sys.executable and importlib.util.find_spec("kserve") is not None
+
+
+def versions(python: str) -> dict[str, str]:
+    """kserve, onnxruntime, grpcio and protobuf as installed for `python`."""
+    code = ("import importlib.metadata as m, json; print(json.dumps({p: m.version(p) for p in "
+            "('kserve', 'onnxruntime', 'grpcio', 'protobuf')}))")
+    out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    if out.returncode != 0:
+        raise KServeMissing(f"{python} cannot report its KServe version: {out.stderr.strip()[-300:]}")
+    import json
+
+    return dict(json.loads(out.stdout))
+
+
+# -- the client side, the same for both -----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    model: str
+    decls: tuple[contract.TensorDecl, ...]
+    arrays: dict[str, np.ndarray]
+    reference: np.ndarray  # onnxruntime run directly on `arrays`
+
+    def inputs(self) -> list[Any]:
+        return harness.triton_inputs(self.decls, self.arrays)
+
+
+@dataclasses.dataclass
+class Checker:
+    """Counts answers that differ from the reference (onnxruntime run directly) and requests that failed."""
+
+    reference: np.ndarray
+    mismatches: int = 0
+    errors: int = 0
+    max_abs_diff: float = 0.0
+    first_error: str = ""
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def answer(self, result: Any) -> None:
+        out = result.as_numpy(OUTPUT)
+        same = out is not None and out.shape == self.reference.shape
+        diff = float(np.max(np.abs(out - self.reference))) if same else float("inf")
+        with self.lock:
+            self.max_abs_diff = max(self.max_abs_diff, diff)
+            # The same onnxruntime and settings give the same bits; another onnxruntime (a peer's own virtual
+            # environment) may round differently in the last place.
+            self.mismatches += int(not (same and np.allclose(out, self.reference, rtol=1e-5, atol=1e-7)))
+
+    def failed(self, exc: Exception) -> None:
+        with self.lock:
+            self.errors += 1
+            self.first_error = self.first_error or f"{type(exc).__name__}: {exc}"[:300]
+
+    def report(self) -> dict[str, Any]:
+        return {"outputs_match": self.mismatches == 0 and self.errors == 0, "mismatches": self.mismatches,
+                "errors": self.errors, "max_abs_diff": self.max_abs_diff,
+                **({"first_error": self.first_error} if self.first_error else {})}
+
+
+def hot(address: str, work: Workload, settings: Settings, check: Checker) -> dict[str, Any]:
+    """One client, requests back to back: p50/p99 of each request as the client sees it."""
+    client = grpcclient.InferenceServerClient(address)
+    inputs = work.inputs()
+    try:
+        for _ in range(settings.warmup):
+            check.answer(client.infer(work.model, inputs))
+        latencies = []
+        for _ in range(settings.requests):
+            start = time.perf_counter()
+            result = client.infer(work.model, inputs)
+            latencies.append(time.perf_counter() - start)
+            check.answer(result)
+    finally:
+        client.close()
+    return reporting.summarize(latencies)
+
+
+def throughput(address: str, work: Workload, clients: int, seconds: float, check: Checker) -> float:
+    """`clients` threads, each with its own tritonclient, closed loop for `seconds`: answers per second."""
+    window: list[float] = []  # when the timed window ends, set as the last thread reaches the barrier
+    ready = threading.Barrier(clients + 1, action=lambda: window.append(time.perf_counter() + seconds))
+    counts = [0] * clients
+
+    def client_loop(i: int) -> None:
+        client = grpcclient.InferenceServerClient(address)
+        inputs = work.inputs()
+        try:
+            for _ in range(3):  # the channel and the server's first calls, outside the window
+                client.infer(work.model, inputs)
+            ready.wait()
+            while time.perf_counter() < window[0]:
+                try:
+                    check.answer(client.infer(work.model, inputs))
+                    counts[i] += 1
+                except grpcclient.InferenceServerException as exc:
+                    check.failed(exc)
+        except Exception as exc:
+            check.failed(exc)
+            ready.abort()
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=client_loop, args=(i,), daemon=True) for i in range(clients)]
+    for t in threads:
+        t.start()
+    try:
+        ready.wait(timeout=120)
+    except threading.BrokenBarrierError:
+        raise RuntimeError(f"the {clients} clients could not start: {check.first_error}") from None
+    for t in threads:
+        t.join()
+    return round(sum(counts) / (time.perf_counter() - (window[0] - seconds)), 1)
+
+
+def steady_state(address: str, work: Workload, settings: Settings, check: Checker,
+                 progress: Callable[[str], None]) -> dict[str, Any]:
+    progress(f"  HOT: one client, {settings.requests} requests")
+    one = hot(address, work, settings, check)
+    out: dict[str, Any] = {"hot_p50_ms": one["p50_ms"], "hot_p99_ms": one["p99_ms"], "hot": one}
+    for clients in settings.concurrency:
+        progress(f"  {clients} clients for {settings.seconds:g} s")
+        out[f"conc{clients}_rps"] = throughput(address, work, clients, settings.seconds, check)
+    return out
+
+
+def first_answer(address: str, work: Workload, started: float, alive: Callable[[], bool],
+                 check: Checker, timeout: float = 180.0) -> float:
+    """Seconds from `started` to the first correct answer at `address`, trying every few milliseconds.
+
+    Each try uses a fresh client once the port accepts connections, so gRPC's reconnect backoff (a second and
+    more) never stands between a server that is up and the answer.
+    """
+    host, _, port = address.rpartition(":")
+    deadline = started + timeout
+    while time.perf_counter() < deadline:
+        if not alive():
+            raise RuntimeError(f"the server at {address} exited before it answered")
+        try:
+            socket.create_connection((host, int(port)), timeout=1.0).close()
+        except OSError:
+            time.sleep(0.002)
+            continue
+        client = grpcclient.InferenceServerClient(address)
+        try:
+            result = client.infer(work.model, work.inputs())
+            elapsed = time.perf_counter() - started
+            check.answer(result)
+            return elapsed
+        except grpcclient.InferenceServerException:
+            time.sleep(0.002)
+        finally:
+            client.close()
+    raise TimeoutError(f"no answer from {address} within {timeout:g} s")
+
+
+# -- the servers -----------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def kserve_server(python: str, model_path: pathlib.Path, model: str, threads: int, log: pathlib.Path
+                  ) -> Iterator[tuple[subprocess.Popen[bytes], str, float]]:
+    """KServe's ModelServer on free ports: (process, gRPC address, when it was started)."""
+    grpc_port, http_port = _free_port(), _free_port()
+    cmd = [python, str(KSERVE_SERVER), "--model_name", model, "--model_path", str(model_path),
+           "--intra_op_threads", str(threads), "--http_port", str(http_port), "--grpc_port", str(grpc_port)]
+    with log.open("ab") as out:
+        started = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": ""})
+    try:
+        yield proc, f"127.0.0.1:{grpc_port}", started
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def run_kserve(python: str, model_path: pathlib.Path, work: Workload, threads: int, settings: Settings,
+               logdir: pathlib.Path, progress: Callable[[str], None]) -> dict[str, Any]:
+    check = Checker(work.reference)
+    colds: list[float] = []
+    out: dict[str, Any] = {}
+    log = logdir / "kserve.log"
+    for i in range(max(1, settings.cold_starts)):
+        progress(f"KServe: start {i + 1}/{settings.cold_starts}, process start -> first answer")
+        with kserve_server(python, model_path, work.model, threads, log) as (proc, address, started):
+            colds.append(first_answer(address, work, started, lambda: proc.poll() is None, check))
+            if i == max(1, settings.cold_starts) - 1:
+                out = steady_state(address, work, settings, check, progress)
+    cold = reporting.summarize(colds)
+    return {**out, "cold_start_ms": cold["p50_ms"], "cold_start": cold, **check.report()}
+
+
+def _tier(stub: agent_pb2_grpc.AgentStub, model: str) -> str:
+    reply = stub.ListInstances(agent_pb2.ListInstancesRequest(model_id=model), timeout=10)
+    return ",".join(agent_pb2.Tier.Name(i.tier) for i in reply.instances)
+
+
+def _wait_tier(stub: agent_pb2_grpc.AgentStub, model: str, tier: str, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while (now := _tier(stub, model)) != tier:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{model} did not reach {tier} within {timeout:g} s (it is {now})")
+        time.sleep(0.02)
+
+
+def run_volga(work: Workload, settings: Settings, progress: Callable[[str], None]) -> dict[str, Any]:
+    check = Checker(work.reference)
+    progress("Volga: starting volga up (default model; cold start, then freeze) ...")
+    with harness.volga_up(["--idle-sec", f"{settings.idle_sec:g}"]) as up, \
+            grpc.insecure_channel(up.endpoints["agent"]) as channel:
+        stub = agent_pb2_grpc.AgentStub(channel)
+        address = up.endpoints["grpc"]
+        client = grpcclient.InferenceServerClient(address)
+        inputs = work.inputs()
+        wakes: list[float] = []
+        out: dict[str, Any] = {}
+        try:
+            for i in range(max(1, settings.wakes)):
+                _wait_tier(stub, work.model, api.Tier.FROZEN.value)
+                progress(f"Volga: FROZEN wake {i + 1}/{settings.wakes} -> first answer")
+                start = time.perf_counter()
+                result = client.infer(work.model, inputs)
+                wakes.append(time.perf_counter() - start)
+                check.answer(result)
+                if i == 0:
+                    # The steady state right after the first wake, before the instance idles back to FROZEN.
+                    out = steady_state(address, work, settings, check, progress)
+        finally:
+            client.close()
+    wake = reporting.summarize(wakes)
+    return {**out, "frozen_wake_ms": wake["p50_ms"], "frozen_wake": wake, **check.report()}
+
+
+# -- dynamic batching ------------------------------------------------------------------------------------------
+# The batched comparison goes here once Volga's gateway batches requests (spec.runtime.dynamicBatching): the
+# same `steady_state` against `volga up -f` a copy of the default ModelSpec with dynamicBatching on, beside
+# KServe (which batches only through its separate agent container, so it stays unbatched), reported under
+# "volga_batched".
+
+
+# -- the run ---------------------------------------------------------------------------------------------------
+
+
+def model_alone(model_path: pathlib.Path, arrays: dict[str, np.ndarray], threads: int, n: int
+                ) -> tuple[np.ndarray, dict[str, Any]]:
+    """onnxruntime run directly in this process (the reference answer) and its latency: the floor under both."""
+    options = ort.SessionOptions()
+    if threads:
+        options.intra_op_num_threads = threads
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    session = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
+    reference = session.run([OUTPUT], arrays)[0]
+    for _ in range(50):
+        session.run([OUTPUT], arrays)
+    latencies = []
+    for _ in range(n):
+        start = time.perf_counter()
+        session.run([OUTPUT], arrays)
+        latencies.append(time.perf_counter() - start)
+    return reference, reporting.summarize(latencies)
+
+
+def run(settings: Settings | None = None, progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    settings = settings or Settings()
+    python = find_kserve(settings.kserve_python)
+    peer_versions = versions(python)
+    spec = defaultmodel.ensure().spec
+    model_path = pathlib.Path(spec.source.removeprefix("file://"))
+    threads = spec.runtime.intra_op_threads or 0
+    decls = instance.decls(spec.inputs)
+    arrays = contract.sample_inputs(decls, batch=1, seed=9)
+    reference, alone = model_alone(model_path, arrays, threads, settings.requests)
+    work = Workload(spec.model_id, decls, arrays, reference)
+    load_start = os.getloadavg()
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="volga-peers-") as logdir:
+        kserve = run_kserve(python, model_path, work, threads, settings, pathlib.Path(logdir), progress)
+        volga = run_volga(work, settings, progress)
+    load_end = os.getloadavg()
+    first = settings.concurrency[0] if settings.concurrency else None
+    return {
+        "volga": volga,
+        "kserve": kserve,
+        "model_alone": alone,
+        "volga_vs_kserve": {
+            "hot_p50_ratio": round(volga["hot_p50_ms"] / kserve["hot_p50_ms"], 3),
+            **({f"conc{first}_ratio": round(volga[f"conc{first}_rps"] / kserve[f"conc{first}_rps"], 2)}
+               if first else {}),
+            "wake_vs_cold_start": round(kserve["cold_start_ms"] / volga["frozen_wake_ms"], 1),
+        },
+        "model": spec.model_id,
+        "batch": 1,
+        "intra_op_threads": threads,
+        "client": f"tritonclient.grpc {_version('tritonclient')}",
+        "kserve_versions": peer_versions,
+        "volga_versions": {p: _version(p) for p in ("onnxruntime", "grpcio", "protobuf")},
+        "device": reporting.device_description("cpu"),
+        "settings": {**dataclasses.asdict(settings), "kserve_python": python},
+        "load_avg_1m": [round(load_start[0], 2), round(load_end[0], 2)],
+        "wall_s": round(time.perf_counter() - started, 1),
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def _version(package: str) -> str:
+    import importlib.metadata
+
+    return importlib.metadata.version(package)
+
+
+def format_report(report: dict[str, Any]) -> str:
+    v, k = report["volga"], report["kserve"]
+    conc = [key for key in v if key.startswith("conc") and key.endswith("_rps")]
+    rows = [("HOT p50 ms (1 client)", "hot_p50_ms"), ("HOT p99 ms (1 client)", "hot_p99_ms"),
+            *((f"{key[4:-4]} clients, requests/s", key) for key in conc)]
+    lines = [f"{report['model']}, batch 1, {report['intra_op_threads']} intra-op thread(s); {report['device']}; "
+             f"KServe {report['kserve_versions']['kserve']}; load average {report['load_avg_1m']}",
+             f"{'':<28}{'Volga':>12}{'KServe':>12}"]
+    lines += [f"{label:<28}{v[key]:>12.2f}{k[key]:>12.2f}" for label, key in rows]
+    lines.append(f"{'first answer ms':<28}{v['frozen_wake_ms']:>12.1f}{k['cold_start_ms']:>12.1f}"
+                 "   (Volga: FROZEN wake; KServe: process start)")
+    lines.append(f"model alone in-process: p50 {report['model_alone']['p50_ms']:.3f} ms, "
+                 f"p99 {report['model_alone']['p99_ms']:.3f} ms; outputs match onnxruntime: "
+                 f"Volga {v['outputs_match']}, KServe {k['outputs_match']}")
+    return "\n".join(lines)
