@@ -287,9 +287,12 @@ def run_kserve(python: str, model_path: pathlib.Path, work: Workload, threads: i
     return {**out, "cold_start_ms": cold["p50_ms"], "cold_start": cold, **check.report()}
 
 
+def _instances(stub: agent_pb2_grpc.AgentStub, model: str) -> list[Any]:
+    return list(stub.ListInstances(agent_pb2.ListInstancesRequest(model_id=model), timeout=10).instances)
+
+
 def _tier(stub: agent_pb2_grpc.AgentStub, model: str) -> str:
-    reply = stub.ListInstances(agent_pb2.ListInstancesRequest(model_id=model), timeout=10)
-    return ",".join(agent_pb2.Tier.Name(i.tier) for i in reply.instances)
+    return ",".join(agent_pb2.Tier.Name(i.tier) for i in _instances(stub, model))
 
 
 def _wait_tier(stub: agent_pb2_grpc.AgentStub, model: str, tier: str, timeout: float = 180.0) -> None:
@@ -310,6 +313,7 @@ def run_volga(work: Workload, settings: Settings, progress: Callable[[str], None
         client = grpcclient.InferenceServerClient(address)
         inputs = work.inputs()
         wakes: list[float] = []
+        agent_wakes: list[float] = []  # the agent's own restore + canary check, inside each wake
         out: dict[str, Any] = {}
         try:
             for i in range(max(1, settings.wakes)):
@@ -319,13 +323,15 @@ def run_volga(work: Workload, settings: Settings, progress: Callable[[str], None
                 result = client.infer(work.model, inputs)
                 wakes.append(time.perf_counter() - start)
                 check.answer(result)
+                agent_wakes.append(max(i.last_wake_ms for i in _instances(stub, work.model)) / 1e3)
                 if i == 0:
                     # The steady state right after the first wake, before the instance idles back to FROZEN.
                     out = steady_state(address, work, settings, check, progress)
         finally:
             client.close()
     wake = reporting.summarize(wakes)
-    return {**out, "frozen_wake_ms": wake["p50_ms"], "frozen_wake": wake, **check.report()}
+    return {**out, "frozen_wake_ms": wake["p50_ms"], "frozen_wake": wake,
+            "frozen_wake_in_agent": reporting.summarize(agent_wakes), **check.report()}
 
 
 # -- dynamic batching ------------------------------------------------------------------------------------------

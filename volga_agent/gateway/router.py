@@ -35,6 +35,8 @@ class Router:
         self.ttl_sec = ttl_sec
         self.metrics = gateway_metrics or metrics.GatewayMetrics()
         self.max_routes = max_routes
+        self._hits = self.metrics.route_cache.labels("hit")  # looked up once: labels() locks and hashes
+        self._misses = self.metrics.route_cache.labels("miss")
         self._cache: collections.OrderedDict[tuple[str, str], _Entry] = collections.OrderedDict()
         self._inflight: dict[tuple[str, str], asyncio.Future[links.Route]] = {}
 
@@ -43,9 +45,9 @@ class Router:
         entry = self._cache.get(key)
         if entry is not None and entry.expires > time.monotonic():
             self._cache.move_to_end(key)
-            self.metrics.route_cache.labels("hit").inc()
+            self._hits.inc()
             return entry.route
-        self.metrics.route_cache.labels("miss").inc()
+        self._misses.inc()
         future = self._inflight.get(key)
         if future is None:
             future = asyncio.get_running_loop().create_future()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import socket
 import struct
 from collections.abc import Sequence
@@ -49,6 +50,8 @@ NP_DTYPES: dict[str, np.dtype[Any]] = {
     "FP64": np.dtype(np.float64),
 }
 DTYPE_NAMES = {v: k for k, v in NP_DTYPES.items()}
+# One encoder for every header: json.dumps with any option builds a new encoder on each call.
+_HEADER_ENCODER = json.JSONEncoder(separators=(",", ":"))
 
 
 class ProtocolError(Exception):
@@ -97,8 +100,8 @@ class Frame:
 
 def _encode(header: dict[str, Any], payload: Sequence[bytes | memoryview]) -> bytes:
     """The prefix and the header of a frame; its payload parts follow as they are."""
-    head = json.dumps(header, separators=(",", ":")).encode()
-    total = sum(memoryview(p).nbytes for p in payload)
+    head = _HEADER_ENCODER.encode(header).encode()
+    total = sum(memoryview(p).nbytes for p in payload) if payload else 0
     return PREFIX.pack(len(head), total) + head
 
 
@@ -112,7 +115,7 @@ def _sizes(prefix: bytes | bytearray) -> tuple[int, int]:
 
 def _decode(head: bytes | bytearray) -> dict[str, Any]:
     try:
-        header = json.loads(head)
+        header = json.loads(head.decode())
     except ValueError as exc:
         raise ProtocolError(f"header is not JSON: {exc}") from None
     if not isinstance(header, dict):
@@ -215,36 +218,41 @@ def pack_tensors(tensors: dict[str, np.ndarray]) -> tuple[list[dict[str, Any]], 
     return meta, parts
 
 
+def _tensor(item: Any, view: memoryview, offset: int) -> tuple[str, np.ndarray]:
+    """One described tensor: a view of `view` from `offset` on. WorkerError(INVALID_ARGUMENT) when inconsistent."""
+    try:
+        name, dtype_name, shape, nbytes = item["name"], item["dtype"], item["shape"], int(item["nbytes"])
+    except (KeyError, TypeError, ValueError):
+        raise WorkerError("INVALID_ARGUMENT", f"tensor descriptor {item!r} lacks name/dtype/shape/nbytes") from None
+    dtype = NP_DTYPES.get(dtype_name)
+    if dtype is None:
+        raise WorkerError("INVALID_ARGUMENT", f"tensor {name!r}: unknown dtype {dtype_name!r}")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise WorkerError("INVALID_ARGUMENT", f"tensor {name!r}: shape {shape!r} is not a list of sizes")
+    expected = math.prod(shape) * dtype.itemsize
+    if expected != nbytes or offset + nbytes > view.nbytes:
+        raise WorkerError("INVALID_ARGUMENT",
+                          f"tensor {name!r}: {nbytes} bytes given, shape {shape} of {dtype_name} needs {expected}")
+    return name, np.frombuffer(view, dtype=dtype, count=nbytes // dtype.itemsize, offset=offset).reshape(shape)
+
+
 def unpack_tensors(meta: list[dict[str, Any]], payload: bytes | memoryview) -> dict[str, np.ndarray]:
     """Views into the payload, no copies. Raises WorkerError(INVALID_ARGUMENT) on inconsistent metadata."""
     out: dict[str, np.ndarray] = {}
     offset = 0
     view = memoryview(payload)
     for item in meta:
-        try:
-            name, dtype_name, shape, nbytes = item["name"], item["dtype"], item["shape"], int(item["nbytes"])
-        except (KeyError, TypeError, ValueError):
-            raise WorkerError("INVALID_ARGUMENT",
-                              f"tensor descriptor {item!r} lacks name/dtype/shape/nbytes") from None
-        dtype = NP_DTYPES.get(dtype_name)
-        if dtype is None:
-            raise WorkerError("INVALID_ARGUMENT", f"tensor {name!r}: unknown dtype {dtype_name!r}")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise WorkerError("INVALID_ARGUMENT", f"tensor {name!r}: shape {shape!r} is not a list of sizes")
-        expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if expected != nbytes or offset + nbytes > view.nbytes:
-            raise WorkerError("INVALID_ARGUMENT",
-                              f"tensor {name!r}: {nbytes} bytes given, shape {shape} of {dtype_name} needs "
-                              f"{expected}")
-        out[name] = np.frombuffer(view[offset:offset + nbytes], dtype=dtype).reshape(shape)
-        offset += nbytes
+        name, array = _tensor(item, view, offset)
+        out[name] = array
+        offset += array.nbytes
     return out
 
 
 def unpack_shm_tensors(meta: list[dict[str, Any]], segment: Any) -> dict[str, np.ndarray]:
     """Views into a shared-memory segment (zero-copy); each descriptor carries its `offset`."""
     out: dict[str, np.ndarray] = {}
-    size = len(segment)
+    view = memoryview(segment)
+    size = view.nbytes
     for item in meta:
         try:
             offset = int(item["offset"])
@@ -254,7 +262,8 @@ def unpack_shm_tensors(meta: list[dict[str, Any]], segment: Any) -> dict[str, np
         if offset < 0 or nbytes < 0 or offset + nbytes > size:
             raise WorkerError("INVALID_ARGUMENT", f"tensor {item.get('name')!r}: bytes {offset}..{offset + nbytes} "
                               f"are outside the {size}-byte segment")
-        out.update(unpack_tensors([item], memoryview(segment)[offset:offset + nbytes]))
+        name, array = _tensor(item, view, offset)
+        out[name] = array
     return out
 
 
