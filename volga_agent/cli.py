@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import pathlib
@@ -226,6 +227,28 @@ def cmd_bench_tiers(args: argparse.Namespace) -> int:
     return 0 if all(p["outputs_match"] and not p["restore_fallbacks"] for p in parts) else 1
 
 
+def cmd_bench_endtoend(args: argparse.Namespace) -> int:
+    try:
+        from volga_bench import endtoend, reporting
+    except ImportError as exc:
+        return _no_bench("bench endtoend", exc)
+    show = _progress(args.json)
+    with tempfile.TemporaryDirectory(prefix="volga-") as run:
+        if args.gpu:
+            cases = endtoend.architectures(pathlib.Path(args.models or run), args.architectures.split(","),
+                                           args.precisions.split(","))
+            tiers = [Tier(t.upper()) for t in args.tiers.split(",")] if args.tiers else list(endtoend.GPU_TIERS)
+        else:
+            cases = [endtoend.default_case()]
+            tiers = [Tier(t.upper()) for t in args.tiers.split(",")] if args.tiers else list(endtoend.CPU_TIERS)
+        report = asyncio.run(endtoend.run(cases, tiers, args.n, progress=show))
+    report["device"] = reporting.device_description("cuda:0" if args.gpu else "cpu")
+    if args.out:
+        reporting.write_json(report, pathlib.Path(args.out))
+    print(json.dumps(report, indent=2) if args.json else endtoend.format_table(report))
+    return 0 if all(not m["mismatches"] for m in report["models"].values()) else 1
+
+
 def cmd_bench_gateway(args: argparse.Namespace) -> int:
     try:
         from volga_bench import gateway, reporting
@@ -373,6 +396,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the JSON report")
     p.add_argument("--out", help="also write the JSON report to this file")
     p.set_defaults(func=cmd_bench_tiers)
+
+    p = bench.add_parser("endtoend", help="each tier's first answer through `volga up`'s gateway (tritonclient)")
+    p.add_argument("--gpu", action="store_true", help="ResNet-50, BERT-base, GPT-2-medium on cuda:0 (random weights)")
+    p.add_argument("--architectures", default="resnet50,bert,gpt2", help="with --gpu: which, comma-separated")
+    p.add_argument("--precisions", default="fp32,fp16", help="with --gpu: fp32, fp16 or both")
+    p.add_argument("--tiers", help="tiers to wake from (default: warm,suspended,frozen,cold on a GPU; frozen,cold)")
+    p.add_argument("--models", help="where the GPU models are built (default: a temporary folder)")
+    p.add_argument("-n", type=int, default=3, help="wakes per tier")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--out")
+    p.set_defaults(func=cmd_bench_endtoend)
 
     p = bench.add_parser("gateway", help="gateway vs direct worker calls at a fixed request rate")
     p.add_argument("--rate", type=float, default=500.0, help="requests per second")
