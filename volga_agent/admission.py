@@ -37,6 +37,8 @@ def check_source(spec: api.ModelSpecSpec, roots: Sequence[str], allow_model_code
     try:
         resolved = path.resolve(strict=True)
         mode = resolved.stat().st_mode
+    except FileNotFoundError:
+        raise ValueError(f"{where}: model file {path} does not exist") from None
     except (OSError, RuntimeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise ValueError(f"{where}: cannot be opened: {reason}") from None
