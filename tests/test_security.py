@@ -137,6 +137,20 @@ def test_volga_up_defaults_its_model_roots_to_the_spec_folders(tmp_path: pathlib
     assert cli.settings_from(args).model_roots == (str(specs),) and cli.settings_from(args).allow_model_code
 
 
+def test_instance_folders_stay_inside_the_pools_roots(models: pathlib.Path, rundir: pathlib.Path) -> None:
+    spec = spec_at(str(models / "m.onnx")).spec
+    p = pool.Pool("n1", rundir / "work", None)
+    try:
+        names = ["../escaped", "a/b", "..", "/abs", "ok.name-1"]
+        p.apply([planner.Desired(name, "m", "m", "n1", Tier.COLD) for name in names], {"m": spec})
+        assert set(p.slots) == {"ok.name-1"}
+        for name in names[:-1]:
+            assert p.failed[name].startswith(f"ValueError: instance name {name!r}: must be"), p.failed[name]
+    finally:
+        p.close()
+    assert not (rundir / "escaped").exists() and not (rundir / "work" / "a").exists()
+
+
 # --- caps ----------------------------------------------------------------------------------------------------------
 
 

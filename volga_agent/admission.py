@@ -10,6 +10,7 @@ The pool asks `check_source` before it creates an instance, so a refusal is the 
 from __future__ import annotations
 
 import pathlib
+import re
 import stat
 from collections.abc import Sequence
 
@@ -21,6 +22,7 @@ MODEL_CODE_FRAMEWORKS = frozenset({api.Framework.PYTORCH})
 # The memory one instance is assumed to need when the cap is taken from the machine (a small CPU worker's RSS).
 INSTANCE_MEMORY_ESTIMATE = 256 * 2**20
 MEMINFO = pathlib.Path("/proc/meminfo")
+INSTANCE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
 def check_source(spec: api.ModelSpecSpec, roots: Sequence[str], allow_model_code: bool) -> pathlib.Path:
@@ -48,6 +50,13 @@ def check_source(spec: api.ModelSpecSpec, roots: Sequence[str], allow_model_code
     if not stat.S_ISREG(mode):
         raise ValueError(f"{where}: resolves to {resolved}, which is not a regular file")
     return resolved
+
+
+def check_instance_name(name: str) -> None:
+    """ValueError unless `name` is a DNS-1123 subdomain: the instance's folders (workdir, snapshots) are named
+    after it, so it must never leave their roots ('/', '..')."""
+    if len(name) > api.MAX_NAME or not INSTANCE_NAME.match(name):
+        raise ValueError(f"instance name {name!r}: {api.NAME_RULE}")
 
 
 def check_count(placed: int, settings: policy.Settings) -> None:

@@ -144,6 +144,7 @@ class Pool:
                 spec = specs[want.model_spec]
                 device = f"cuda:{want.gpu_index}" if spec.hardware.gpu and want.gpu_index is not None else "cpu"
                 try:
+                    admission.check_instance_name(name)
                     admission.check_source(spec, s.model_roots, s.allow_model_code)
                     if s.max_instances and len(self.slots) >= s.max_instances:
                         raise ValueError(f"settings.max_instances: this node runs at most {s.max_instances} instances")
