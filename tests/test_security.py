@@ -145,7 +145,7 @@ def test_instance_folders_stay_inside_the_pools_roots(models: pathlib.Path, rund
         p.apply([planner.Desired(name, "m", "m", "n1", Tier.COLD) for name in names], {"m": spec})
         assert set(p.slots) == {"ok.name-1"}
         for name in names[:-1]:
-            assert p.failed[name].startswith(f"ValueError: instance name {name!r}: must be"), p.failed[name]
+            assert p.failed[name].startswith(f"ValueError: instance name {name!r}: must be a DNS-1123"), p.failed[name]
     finally:
         p.close()
     assert not (rundir / "escaped").exists() and not (rundir / "work" / "a").exists()

@@ -55,8 +55,9 @@ def check_source(spec: api.ModelSpecSpec, roots: Sequence[str], allow_model_code
 def check_instance_name(name: str) -> None:
     """ValueError unless `name` is a DNS-1123 subdomain: the instance's folders (workdir, snapshots) are named
     after it, so it must never leave their roots ('/', '..')."""
-    if len(name) > api.MAX_NAME or not INSTANCE_NAME.match(name):
-        raise ValueError(f"instance name {name!r}: {api.NAME_RULE}")
+    if len(name) > 253 or not INSTANCE_NAME.match(name):  # EMI keys join a namespace and a name with '.'
+        raise ValueError(f"instance name {name!r}: must be a DNS-1123 subdomain of at most 253 characters "
+                         "(lowercase letters, digits, '-' and '.'), not a path")
 
 
 def check_count(placed: int, settings: policy.Settings) -> None:
