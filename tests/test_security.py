@@ -350,6 +350,7 @@ def test_the_gateway_wants_a_token_over_rest(guarded: local.Embedded) -> None:
     with pytest.raises(urllib.error.HTTPError) as http_err:
         urllib.request.urlopen(f"{url}/v2/models/{model}", timeout=10)
     assert http_err.value.code == 401 and http_err.value.headers["WWW-Authenticate"] == 'Bearer realm="volga"'
+    http_err.value.close()
     request = urllib.request.Request(f"{url}/v2/models/{model}", headers={"Authorization": f"Bearer {TOKEN}"})
     assert urllib.request.urlopen(request, timeout=10).status == 200
     assert urllib.request.urlopen(f"{url}/v2/health/live", timeout=10).status == 200
