@@ -129,8 +129,20 @@ def settings_from(args: argparse.Namespace) -> policy.Settings:
     idle = args.idle_sec
     overrides = {k: v for k, v in {"hot_idle_sec": idle, "warm_idle_sec": idle, "suspended_idle_sec": idle,
                                    "scheduler_eviction_policy": args.eviction_policy,
-                                   "lazy_restore": args.lazy_restore or None}.items() if v is not None}
-    return policy.Settings.from_mapping(overrides)
+                                   "lazy_restore": args.lazy_restore or None,
+                                   "allow_model_code": args.allow_model_code or None,
+                                   "max_instances": args.max_instances}.items() if v is not None}
+    return policy.Settings.from_mapping({**overrides, "model_roots": model_roots(args)})
+
+
+def model_roots(args: argparse.Namespace) -> tuple[str, ...]:
+    """Where `volga up` lets model sources point: --model-root, else the folders of the ModelSpec files and the
+    folder of the built models (`volga build-model`)."""
+    from volga_agent import admission, defaultmodel
+
+    if args.model_root:
+        return tuple(str(pathlib.Path(root).resolve()) for root in args.model_root)
+    return (*admission.spec_folders(args.file or []), str(defaultmodel.default_cache()))
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -147,13 +159,24 @@ def cmd_up(args: argparse.Namespace) -> int:
     except (api.SpecError, OSError) as exc:
         print(exc, file=sys.stderr)
         return 2
+    from volga_agent import auth
+
+    try:
+        tokens = auth.Tokens.from_file(args.token_file) if args.token_file else None
+        settings = settings_from(args)
+    except (OSError, ValueError) as exc:
+        print(f"volga up: {exc}", file=sys.stderr)
+        return 2
     options = local.Options(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                             metrics_port=args.metrics_port, agent_port=args.agent_port,
                             snapshot_root=pathlib.Path(args.snapshot_dir) if args.snapshot_dir else None,
-                            settings=settings_from(args))
+                            settings=settings, tokens=tokens)
     print(f"volga up: {len(specs)} ModelSpec(s); listening on", flush=True)
     try:
         uvloop.run(local.run(specs, options, lambda line: print(line, flush=True)))
+    except ValueError as exc:  # what the node refuses before starting anything (too many instances)
+        print(f"volga up: {exc}", file=sys.stderr)
+        return 2
     except OSError as exc:
         print(f"volga up: {exc}", file=sys.stderr)
         return 1
@@ -365,6 +388,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="idle seconds before an instance goes down a tier (on a CPU node: HOT -> FROZEN)")
     p.add_argument("--lazy-restore", action="store_true", help="restore FROZEN images with CRIU lazy pages")
     p.add_argument("--eviction-policy", choices=["lru", "hybrid"])
+    p.add_argument("--model-root", action="append",
+                   help="folder model sources must lie in (repeatable; default: the ModelSpec files' folders and "
+                        "~/.cache/volga/models)")
+    p.add_argument("--allow-model-code", action="store_true",
+                   help="load pytorch models, which run code when loaded (a .py file, or a pickled module)")
+    p.add_argument("--max-instances", type=int, help="instances this node runs at most (default: from its memory)")
+    p.add_argument("--token-file", help="bearer tokens (one a line) the gateway requires, but for health checks")
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=cmd_up)
 

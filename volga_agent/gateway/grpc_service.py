@@ -19,6 +19,8 @@ from volga_agent.rpc.inference import grpc_service_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+# Health checks answer without a token (auth.GrpcAuth), so probes need none.
+OPEN_METHODS = ("/inference.GRPCInferenceService/ServerLive", "/inference.GRPCInferenceService/ServerReady")
 
 
 def _headers(context: grpc.aio.ServicerContext) -> dict[str, str]:

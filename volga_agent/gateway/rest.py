@@ -16,12 +16,15 @@ from typing import Any
 
 from aiohttp import web
 
+from volga_agent import auth
 from volga_agent.gateway import dataplane, oip
 
 log = logging.getLogger(__name__)
 # How the REST server's runner is set up: bodies are decompressed by `oip.decode_content`, not by aiohttp.
 RUNNER_OPTIONS: dict[str, Any] = {"auto_decompress": False}
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# Health checks answer without a token (auth.rest_middleware), so probes need none.
+OPEN_PREFIXES = ("/v2/health/",)
 
 
 def _error(exc: oip.OipError) -> web.Response:
@@ -66,7 +69,7 @@ async def _body(request: web.Request, plane: dataplane.Dataplane, headers: dict[
     return await dataplane.off_loop(len(body), oip.decode_content, body, encoding, plane.max_request_bytes)
 
 
-def app(plane: dataplane.Dataplane) -> web.Application:
+def app(plane: dataplane.Dataplane, tokens: auth.Tokens | None = None) -> web.Application:
     async def live(_: web.Request) -> web.Response:
         return web.Response(status=200)
 
@@ -121,7 +124,8 @@ def app(plane: dataplane.Dataplane) -> web.Application:
         except oip.OipError as exc:
             return _error(exc)
 
-    web_app = web.Application(client_max_size=plane.max_request_bytes)
+    middlewares = [auth.rest_middleware(tokens, OPEN_PREFIXES)] if tokens is not None else []
+    web_app = web.Application(client_max_size=plane.max_request_bytes, middlewares=middlewares)
     routes: list[tuple[str, str, Handler]] = [
         ("GET", "/v2/health/live", live), ("GET", "/v2/health/ready", live), ("GET", "/v2", server_metadata),
         ("POST", "/v2/repository/index", repository_index)]
