@@ -87,13 +87,6 @@ def up(toy_path: pathlib.Path) -> Iterator[local.Embedded]:
     bg.close()
 
 
-@pytest.fixture
-def hc(up: local.Embedded) -> Iterator[httpclient.InferenceServerClient]:
-    client = httpclient.InferenceServerClient(up.endpoints()["http"].removeprefix("http://"), concurrency=8)
-    yield client
-    client.close()
-
-
 def session(path: pathlib.Path) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
@@ -126,38 +119,40 @@ def triton_inputs(x: dict[str, np.ndarray], module: Any) -> list[Any]:
 Result = dict[str, np.ndarray] | InferenceServerException
 
 
-def fire(g: grpcclient.InferenceServerClient, h: httpclient.InferenceServerClient, model: str,
+def fire(up: local.Embedded, g: grpcclient.InferenceServerClient, model: str,
          requests: list[tuple[str, dict[str, np.ndarray]]], outputs: tuple[str, ...],
          headers: dict[str, str] | None = None) -> list[Callable[[], Result]]:
-    """Send each (protocol, inputs) without waiting for the answers; one `result()` per request."""
+    """Send each (protocol, inputs) without waiting for the answers; one `result()` per request. gRPC requests
+    go out on `g` (async_infer); each REST request on its own client in its own thread (tritonclient.http's
+    async_infer sends nothing until the calling thread yields to gevent)."""
     results: list[Callable[[], Result]] = []
     for proto, x in requests:
+        box: list[Result] = []
+        done = threading.Event()
+
+        def keep(result: Any, error: Any, box: list[Result] = box, done: threading.Event = done) -> None:
+            box.append(error if error is not None else {n: result.as_numpy(n) for n in outputs})
+            done.set()
+
         if proto == "grpc":
-            box: list[Result] = []
-            done = threading.Event()
-
-            def callback(result: Any, error: Any, box: list[Result] = box, done: threading.Event = done) -> None:
-                box.append(error if error is not None else {n: result.as_numpy(n) for n in outputs})
-                done.set()
-
-            g.async_infer(model, triton_inputs(x, grpcclient), callback, headers=headers)
-
-            def grpc_result(box: list[Result] = box, done: threading.Event = done) -> Result:
-                assert done.wait(120)
-                return box[0]
-
-            results.append(grpc_result)
+            g.async_infer(model, triton_inputs(x, grpcclient), keep, headers=headers)
         else:
-            pending = h.async_infer(model, triton_inputs(x, httpclient), headers=headers)
-
-            def http_result(pending: Any = pending) -> Result:
+            def send(x: dict[str, np.ndarray] = x, keep: Callable[[Any, Any], None] = keep) -> None:
+                client = httpclient.InferenceServerClient(up.endpoints()["http"].removeprefix("http://"))
                 try:
-                    answer = pending.get_result(timeout=120)
+                    keep(client.infer(model, triton_inputs(x, httpclient), headers=headers), None)
                 except InferenceServerException as exc:
-                    return exc
-                return {n: answer.as_numpy(n) for n in outputs}
+                    keep(None, exc)
+                finally:
+                    client.close()
 
-            results.append(http_result)
+            threading.Thread(target=send, daemon=True).start()
+
+        def result(box: list[Result] = box, done: threading.Event = done) -> Result:
+            assert done.wait(120)
+            return box[0]
+
+        results.append(result)
     return results
 
 
@@ -187,11 +182,11 @@ def wait_queued(up: local.Embedded, model: str, count: int) -> None:
 
 
 def test_requests_are_batched_and_each_client_gets_its_own_rows(
-        up: local.Embedded, g: grpcclient.InferenceServerClient, hc: httpclient.InferenceServerClient) -> None:
+        up: local.Embedded, g: grpcclient.InferenceServerClient) -> None:
     ort_ctr = session(defaultmodel.ensure().spec.source_path)
     inputs = [ctr_inputs(1, 1), ctr_inputs(2, 2), ctr_inputs(1, 3)]  # 4 rows: the preferred batch size
     before = batches(up, CTR)
-    results = [r() for r in fire(g, hc, CTR, [("grpc", inputs[0]), ("http", inputs[1]), ("grpc", inputs[2])],
+    results = [r() for r in fire(up, g, CTR, [("grpc", inputs[0]), ("http", inputs[1]), ("grpc", inputs[2])],
                                  ("probability",))]
     assert since(before, batches(up, CTR)) == (1, 4, 3)  # one worker call of 4 rows carried the 3 requests
     for x, got in zip(inputs, results, strict=True):
@@ -200,14 +195,14 @@ def test_requests_are_batched_and_each_client_gets_its_own_rows(
 
 
 def test_different_shapes_are_not_mixed(up: local.Embedded, g: grpcclient.InferenceServerClient,
-                                        hc: httpclient.InferenceServerClient, toy_path: pathlib.Path) -> None:
+                                        toy_path: pathlib.Path) -> None:
     ort_toy = session(toy_path)
     plane = up.gateway.dataplane
     plane.set_batch_cap(TOY, 2)
     try:
         inputs = [toy_inputs(1, 3, 1), toy_inputs(1, 5, 2), toy_inputs(1, 3, 3), toy_inputs(1, 5, 4)]
         before = batches(up, TOY)
-        results = [r() for r in fire(g, hc, TOY, [("grpc", inputs[0]), ("grpc", inputs[1]), ("http", inputs[2]),
+        results = [r() for r in fire(up, g, TOY, [("grpc", inputs[0]), ("grpc", inputs[1]), ("http", inputs[2]),
                                                   ("http", inputs[3])], ("y", "g"))]
     finally:
         plane.set_batch_cap(TOY, None)
@@ -218,14 +213,13 @@ def test_different_shapes_are_not_mixed(up: local.Embedded, g: grpcclient.Infere
         assert got["y"].shape == x["x"].shape and all(np.array_equal(got[k], want[k]) for k in want)
 
 
-def test_a_failed_batch_fails_every_request_in_it(up: local.Embedded, g: grpcclient.InferenceServerClient,
-                                                  hc: httpclient.InferenceServerClient) -> None:
+def test_a_failed_batch_fails_every_request_in_it(up: local.Embedded, g: grpcclient.InferenceServerClient) -> None:
     plane = up.gateway.dataplane
     plane.set_batch_cap(TOY, 2)
     try:
         before = batches(up, TOY)
         good, bad = toy_inputs(1, 4, 5), toy_inputs(1, 4, 6, bad=True)
-        results = [r() for r in fire(g, hc, TOY, [("grpc", good), ("grpc", bad)], ("y", "g"))]
+        results = [r() for r in fire(up, g, TOY, [("grpc", good), ("grpc", bad)], ("y", "g"))]
     finally:
         plane.set_batch_cap(TOY, None)
     assert since(before, batches(up, TOY))[0] == 1
@@ -236,13 +230,13 @@ def test_a_failed_batch_fails_every_request_in_it(up: local.Embedded, g: grpccli
 
 
 def test_a_full_queue_answers_resource_exhausted_and_429(
-        up: local.Embedded, g: grpcclient.InferenceServerClient, hc: httpclient.InferenceServerClient,
+        up: local.Embedded, g: grpcclient.InferenceServerClient,
         h: httpclient.InferenceServerClient, toy_path: pathlib.Path) -> None:
     ort_toy = session(toy_path)
     plane = up.gateway.dataplane
     queued = [toy_inputs(1, 2, 10 + i) for i in range(4)]  # maxQueueSize 4; 4 rows cannot fill the cap of 256
     before = batches(up, TOY)
-    waiting = fire(g, hc, TOY, [("grpc", x) for x in queued], ("y", "g"))
+    waiting = fire(up, g, TOY, [("grpc", x) for x in queued], ("y", "g"))
     wait_queued(up, TOY, 4)
     with pytest.raises(InferenceServerException, match="queue is full") as err:
         g.infer(TOY, triton_inputs(toy_inputs(1, 2, 20), grpcclient))
@@ -262,20 +256,19 @@ def test_a_full_queue_answers_resource_exhausted_and_429(
         assert np.array_equal(got["y"], ort_toy.run(["y"], x)[0])
 
 
-def test_set_batch_cap(up: local.Embedded, g: grpcclient.InferenceServerClient,
-                       hc: httpclient.InferenceServerClient) -> None:
+def test_set_batch_cap(up: local.Embedded, g: grpcclient.InferenceServerClient) -> None:
     plane = up.gateway.dataplane
     ort_ctr = session(defaultmodel.ensure().spec.source_path)
     inputs = [ctr_inputs(1, 30 + i) for i in range(4)]
     plane.set_batch_cap(CTR, 2)  # under the preferred size 4: batches of 2
     try:
         before = batches(up, CTR)
-        capped = [r() for r in fire(g, hc, CTR, [("grpc", x) for x in inputs], ("probability",))]
+        capped = [r() for r in fire(up, g, CTR, [("grpc", x) for x in inputs], ("probability",))]
         assert since(before, batches(up, CTR)) == (2, 4, 4)
     finally:
         plane.set_batch_cap(CTR, None)
     before = batches(up, CTR)  # the spec's again: one batch of the preferred size 4
-    restored = [r() for r in fire(g, hc, CTR, [("http", x) for x in inputs], ("probability",))]
+    restored = [r() for r in fire(up, g, CTR, [("http", x) for x in inputs], ("probability",))]
     assert since(before, batches(up, CTR)) == (1, 4, 4)
     for x, a, b in zip(inputs, capped, restored, strict=True):
         assert isinstance(a, dict) and isinstance(b, dict), (a, b)
@@ -341,11 +334,10 @@ def test_shed_and_unshed(up: local.Embedded, g: grpcclient.InferenceServerClient
         plane.shed(CTR, -1)
 
 
-def test_drain_load(up: local.Embedded, g: grpcclient.InferenceServerClient,
-                    hc: httpclient.InferenceServerClient) -> None:
+def test_drain_load(up: local.Embedded, g: grpcclient.InferenceServerClient) -> None:
     plane = up.gateway.dataplane
     plane.drain_load()
-    waiting = fire(g, hc, TOY, [("grpc", toy_inputs(1, 2, 60 + i)) for i in range(3)], ("y",))
+    waiting = fire(up, g, TOY, [("grpc", toy_inputs(1, 2, 60 + i)) for i in range(3)], ("y",))
     wait_queued(up, TOY, 3)
     seen: list[dict[str, Any]] = []
     reader = threading.Thread(target=lambda: seen.append(plane.drain_load()))  # from another thread

@@ -185,6 +185,8 @@ class Batcher:
                 break
             taken.append(r)
             total += r.rows
+            if total >= cap:
+                break
         full = full or total >= cap
         if not (full or expired or total >= (preferred[-1] if preferred else cap)):
             return []
