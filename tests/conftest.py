@@ -4,14 +4,19 @@ import pathlib
 import shutil
 import tempfile
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
-import tritonclient.grpc as grpcclient
-import tritonclient.http as httpclient
 
-from volga_agent import defaultmodel, local
+from volga_agent import defaultmodel
 from volga_agent.snapshot import criu
 from volga_operator import api
+
+if TYPE_CHECKING:  # the GPU machine runs its tests without the gateway's clients
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    from volga_agent import local
 
 
 @pytest.fixture(scope="session")
@@ -37,6 +42,8 @@ def criu_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[criu.CriuE
 # Clients of the gateway of a module's `up` fixture (a running `volga_agent.local.Embedded`).
 @pytest.fixture
 def g(up: local.Embedded) -> Iterator[grpcclient.InferenceServerClient]:
+    import tritonclient.grpc as grpcclient
+
     client = grpcclient.InferenceServerClient(up.endpoints()["grpc"])
     yield client
     client.close()
@@ -44,6 +51,8 @@ def g(up: local.Embedded) -> Iterator[grpcclient.InferenceServerClient]:
 
 @pytest.fixture
 def h(up: local.Embedded) -> Iterator[httpclient.InferenceServerClient]:
+    import tritonclient.http as httpclient
+
     client = httpclient.InferenceServerClient(up.endpoints()["http"].removeprefix("http://"))
     yield client
     client.close()

@@ -162,3 +162,49 @@ def test_gpu_worker_threads_block_the_wake_signal(gpu_inst: instance.Instance) -
     for task in pathlib.Path(f"/proc/{gpu_inst.pid}/task").iterdir():
         blocked = next(line for line in (task / "status").read_text().splitlines() if line.startswith("SigBlk:"))
         assert int(blocked.split()[1], 16) & bit, (task.name, blocked)
+
+
+def _maps(pid: int, path: pathlib.Path) -> bool:
+    return str(path) in pathlib.Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_frozen_weights_wait_outside_the_image(mlp_spec: api.ModelSpecSpec, rundir: pathlib.Path,
+                                               criu_engine: criu.CriuEngine) -> None:
+    """Frozen from HOT, a GPU worker parks its weights in a file beside the images: the image is smaller by about
+    the weights than the same worker's image without parking, the answers after each wake (eager, lazy, through
+    SUSPENDED) are the same, the woken worker no longer maps the file, and the file goes with the instance."""
+    sizes = {}
+    for park in (False, True):
+        inst = instance.Instance(f"mlp-park-{int(park)}", mlp_spec, rundir / str(park), criu_engine,
+                                 cuda.DriverCheckpoint(), "cuda:0", park_weights=park)
+        try:
+            inst.to(Tier.HOT)
+            x = contract.sample_inputs(inst.config.inputs, batch=8, seed=7)
+            reference = inst.infer(x)["y"]
+            weights = int(inst.client().call("stats").header["weights_bytes"])
+            inst.to(Tier.FROZEN)
+            assert inst.image is not None
+            sizes[park] = inst.image.size_bytes
+            assert inst.parked_bytes == (weights if park else 0)
+            for lazy in (False, True):
+                inst.lazy_restore = lazy
+                woke = inst.wake()
+                assert not woke.fallback, woke.detail
+                assert np.array_equal(inst.infer(x)["y"], reference)
+                stats = inst.client().call("stats").header
+                assert not stats["parked"] and not stats["offloaded"]
+                if park:
+                    assert inst.pid is not None and inst._parked is not None
+                    assert not _maps(inst.pid, inst._parked)
+                inst.reuse_image_sec = float("inf")  # the second freeze keeps the image (and its parked file)
+                inst.to(Tier.FROZEN)
+            inst.to(Tier.SUSPENDED)  # restored into SUSPENDED: the worker maps the parked file until it wakes
+            if park:
+                assert inst.pid is not None and inst._parked is not None and _maps(inst.pid, inst._parked)
+            inst.to(Tier.HOT)
+            assert np.array_equal(inst.infer(x)["y"], reference)
+            folder = inst.parked_dir
+        finally:
+            inst.close()
+        assert folder is not None and not folder.exists()
+    assert sizes[False] - sizes[True] > 0.9 * weights, sizes

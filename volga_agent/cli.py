@@ -4,6 +4,8 @@
                                       field path and the reason
     volga inspect MODEL.onnx          print a ready ModelSpec for an ONNX file, its signature read from the file
     volga up [-f SPECS]               agent + gateway + local ModelSpec store on this machine
+    volga status [--agent ADDR | --cluster [--kubeconfig F] [--namespace NS]] [--json]
+                                      per model: instances, tiers, last use and wake, snapshot image sizes
     volga demo                        the embedded default model through the gateway, every tier timed
     volga bench tiers [--gpu] [--json] cold start vs each tier's wake -> first answer, in one run
     volga bench gateway [--json]      the gateway's added latency vs calling the worker directly
@@ -76,11 +78,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def _against_model(spec: api.ModelSpec) -> tuple[api.ModelSpec, list[tuple[str, str]]]:
     """The written signature held to the model file, or the one left out read from it."""
     if spec.spec.has_signature:
-        return spec, signature.check(spec.spec)
+        return spec, signature.check(spec.spec) + signature.warmup_file_problems(spec.spec)
     try:
-        return spec.model_copy(update={"spec": signature.fill(spec.spec)}), []
+        filled = signature.fill(spec.spec)
     except api.SpecError as exc:
         return spec, exc.problems
+    return spec.model_copy(update={"spec": filled}), signature.warmup_file_problems(filled)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -151,6 +154,21 @@ def cmd_up(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"volga up: {exc}", file=sys.stderr)
         return 1
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from volga_agent import overview
+
+    try:
+        if args.cluster or args.kubeconfig or args.namespace or args.context:
+            models = overview.from_cluster(args.kubeconfig, args.namespace, args.context)
+        else:
+            models = overview.from_agent(args.agent)
+    except overview.SourceError as exc:
+        print(f"volga status: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps({"models": [m.to_json() for m in models]}, indent=2) if args.json else overview.table(models))
     return 0
 
 
@@ -271,6 +289,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eviction-policy", choices=["lru", "hybrid"])
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("status", help="per model: instances, tiers, last use and wake, snapshot image sizes")
+    p.add_argument("--agent", default=f"127.0.0.1:{ports.DEFAULT.agent_port}",
+                   help="Agent API address of a running `volga up` (default %(default)s)")
+    p.add_argument("--cluster", action="store_true", help="read ModelSpecs and EMIs from the cluster instead")
+    p.add_argument("--kubeconfig", help="kubeconfig file (implies --cluster; default: in-cluster, then ~/.kube/config)")
+    p.add_argument("--context", help="kubeconfig context (implies --cluster)")
+    p.add_argument("--namespace", "-n", help="one namespace (implies --cluster; default: all namespaces)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("demo", help="the default model through the gateway: cold start, each tier's wake, steady state")
     p.add_argument("--cycles", type=int, default=5, help="wakes per tier")

@@ -88,6 +88,8 @@ def worker_config(spec: api.ModelSpecSpec, workdir: pathlib.Path, device: str, c
                               * spec.runtime.warmup_iterations))
 
 
+# The folder under the snapshot root for parked GPU weights (a name no ModelSpec can have).
+PARKED = ".parked"
 # How long a freeze waits for a lazily restored worker's remaining pages (the lazy-pages daemon streams them in
 # the background at the page-fault rate: about a second per GB).
 LAZY_PAGES_TIMEOUT_SEC = 120.0
@@ -104,7 +106,7 @@ class Instance:
                  device: str = "cpu", start_timeout: float = 120.0, pid_namespace: bool | None = None,
                  reuse_image_sec: float = 0.0, lazy_restore: bool = False, cpus: tuple[int, ...] = (),
                  warmup_cache_ratio: float | None = None, reset_rng_on_restore: bool = False,
-                 verify_restores: bool = True) -> None:
+                 verify_restores: bool = True, park_weights: bool = True) -> None:
         self.name = name
         self.spec = spec
         self.workdir = pathlib.Path(workdir)
@@ -129,6 +131,10 @@ class Instance:
         self.reuse_image_sec = reuse_image_sec
         self.lazy_restore = lazy_restore
         self.verify_restores = verify_restores
+        # A GPU worker frozen from HOT parks its weights in a file beside the images (`parked_dir`), which its
+        # image maps by reference: the image and its restore then carry only the process and the CUDA context.
+        self.park_weights = park_weights
+        self._parked: pathlib.Path | None = None  # the parked weights the current image maps
         # (worker generation, digest of its canary answer); None until recorded, or when the model's answer
         # to the canary is not reproducible and so cannot tell a damaged restore.
         self._canary: tuple[int, str] | None = None
@@ -305,6 +311,7 @@ class Instance:
         if self.image is not None and self.criu is not None:
             self.criu.remove(self.image)
         self.image = None
+        self._drop_parked()
 
     @property
     def verifies_restores(self) -> bool:
@@ -343,17 +350,22 @@ class Instance:
             self._resume_worker(self.pid)
         self._wake_worker()
 
-    def _pause(self) -> None:
+    @property
+    def parked_dir(self) -> pathlib.Path | None:
+        """Where this instance's GPU weights wait while it is FROZEN (beside the snapshot images)."""
+        return self.criu.root / PARKED / self.name if self.criu is not None else None
+
+    def _pause(self, park: pathlib.Path | None = None) -> None:
         """The pause hook: the worker closes its connections and says when it is ready to be dumped."""
         assert self.pid is not None
         if self._paused:
             return
-        self.client().call("prepare_checkpoint")
+        self.client().call("prepare_checkpoint", park=str(park) if park is not None else "")
         self.disconnect()
         ready = self.signals / contract.READY_FOR_CHECKPOINT
         self._wait_for(self.pid, ready.exists, "ready for checkpoint", 30.0)
 
-    def _dump(self, generation: int, gpu_checkpointed: bool = False) -> None:
+    def _dump(self, generation: int, gpu_checkpointed: bool = False, parked: pathlib.Path | None = None) -> None:
         assert self.criu is not None  # to() refuses FROZEN without CRIU
         assert self.pid is not None
         old = self.image
@@ -363,8 +375,12 @@ class Instance:
             # The dump was abandoned: give the GPU state back if we took it, and carry on serving.
             if gpu_checkpointed and self.driver is not None:
                 self.driver.resume(self.pid)
-            self._resume_worker(self.pid)
+            self._resume_worker(self.pid)  # the worker copies parked weights back from its mapping
+            if parked is not None:
+                parked.unlink(missing_ok=True)  # no image maps it; the worker's mapping outlives the name
             raise
+        if parked is not None:
+            self._drop_parked(keep=parked)
         self._image_generation, self._image_taken = generation, time.monotonic()
         self._snapshot_generation = generation
         process.reap(self.pid)
@@ -391,25 +407,55 @@ class Instance:
         self._await_pages()
         generation = self._generation()
         self._record_canary(generation)
-        self._pause()  # requests that gateways just sent are handed back unrun, not reset
-        if self._reusable(generation):
+        reuse = self._reusable(generation)
+        park = self._park_path(generation) if self.gpu and self.park_weights and not reuse else None
+        self._pause(park)  # requests that gateways just sent are handed back unrun, not reset
+        if reuse:
             self._kill()
             return "image reused"
+        parked = park if park is not None and park.exists() else None
         if self.gpu:
             assert self.driver is not None and self.pid is not None
             try:
                 self.driver.suspend(self.pid)
             except cuda.DriverCheckpointError:
                 self._resume_worker(self.pid)  # still HOT: the paused worker must serve again
+                if parked is not None:
+                    parked.unlink(missing_ok=True)
                 raise
-        self._dump(generation, gpu_checkpointed=self.gpu)
+        self._dump(generation, gpu_checkpointed=self.gpu, parked=parked)
         return None
+
+    def _park_path(self, generation: int) -> pathlib.Path:
+        assert self.parked_dir is not None
+        self.parked_dir.mkdir(parents=True, exist_ok=True)
+        return self.parked_dir / f"weights-{generation}-{os.urandom(4).hex()}.bin"
+
+    def _drop_parked(self, keep: pathlib.Path | None = None) -> None:
+        """Remove parked weights that no image maps any more (all of them with no `keep`)."""
+        self._parked = keep
+        folder = self.parked_dir
+        if folder is None or not folder.is_dir():
+            return
+        for path in folder.iterdir():
+            if path != keep:
+                path.unlink(missing_ok=True)
+        if keep is None:
+            folder.rmdir()
+
+    @property
+    def parked_bytes(self) -> int:
+        """The size of the weights the current image maps from outside itself (0 when none)."""
+        return self._parked.stat().st_size if self._parked is not None and self._parked.exists() else 0
 
     def _suspended_to_frozen(self) -> None:
         self._await_pages()
         generation = self._generation()
+        restored = self._paused  # a worker restored into SUSPENDED still maps the weights its image parked
         self._pause()
         self._dump(generation)
+        if not restored:
+            self._drop_parked()
 
     def _restore(self, lazy: bool | None) -> int:
         if self.image is None or self.criu is None:

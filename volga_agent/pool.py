@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 
-from volga_agent import errors, instance, metrics, policy, process
+from volga_agent import errors, instance, metrics, policy, process, warmup
 from volga_agent import gpus as gpu_discovery
 from volga_agent.snapshot import criu, cuda
 from volga_agent.worker import protocol
@@ -151,6 +151,7 @@ class Pool:
                                              warmup_cache_ratio=self.settings.warmup_cache_ratio,
                                              reset_rng_on_restore=self.settings.reset_rng_on_restore,
                                              verify_restores=self.settings.verify_restores)
+                    inst.config = warmup.configure(inst.config, spec)
                 except (OSError, ValueError) as exc:
                     self.failed[name] = f"{type(exc).__name__}: {exc}"
                     self._failed_specs[name] = spec

@@ -37,6 +37,7 @@ class TierRun:
     mismatches: int = 0
     gpu_mib_in_tier: float | None = None
     image_bytes: int | None = None
+    parked_bytes: int | None = None  # weights the image maps from a file beside it (GPU FROZEN)
     phases: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
     def report(self) -> dict[str, Any]:
@@ -47,6 +48,8 @@ class TierRun:
             out["gpu_used_mib_in_tier"] = self.gpu_mib_in_tier
         if self.image_bytes is not None:
             out["image_bytes"] = self.image_bytes
+        if self.parked_bytes:
+            out["parked_bytes"] = self.parked_bytes
         if self.phases:
             out["phases_p50_ms"] = {k: round(float(np.median(v)), 3) for k, v in sorted(self.phases.items())}
         return out
@@ -111,6 +114,7 @@ def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pa
                     run.gpu_mib_in_tier = gpu_memory_used_mib(gpu_index)
                 if tier == Tier.FROZEN and inst.image is not None:
                     run.image_bytes = inst.image.size_bytes
+                    run.parked_bytes = inst.parked_bytes
                 pid = inst.pid
                 start = time.perf_counter()
                 woke = inst.wake()

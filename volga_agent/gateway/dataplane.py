@@ -233,8 +233,9 @@ class Dataplane:
             states = await self.router.link.instances(model)
         except ConnectionError as exc:
             return unavailable(f"cannot reach the agent: {exc}")
-        if states is None:  # the link cannot tell: the catalog's word
-            return ModelState(model, spec.version, "READY")
+        if states is None:  # the link cannot tell: the catalog's word, with the tiers its placements say
+            placed = self.catalog.local(model, self.node)
+            return ModelState(model, spec.version, "READY", _tiers(p.tier for p in placed) if placed else "")
         if not states:
             return unavailable("the agent has no instance of the model")
         tiers = _tiers(s.tier for s in states)

@@ -1,13 +1,15 @@
 """The model frameworks a worker can serve: ONNX through onnxruntime, TorchScript and PyTorch through torch.
 
 A backend is one loaded model. It runs inference and does what a tier move needs inside the process (WARM:
-weights to pinned host memory and back; before a CRIU dump: drop host-side copies). torch is imported only
-for torch models, so an ONNX worker stays small and starts fast.
+weights to pinned host memory and back; before a CRIU dump: drop host-side copies, or park the weights in a
+file mapping that the image records by reference). torch is imported only for torch models, so an ONNX worker
+stays small and starts fast.
 """
 
 from __future__ import annotations
 
 import abc
+import mmap
 import os
 import pathlib
 import sys
@@ -16,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from volga_agent.worker import contract, protocol
+from volga_agent.worker import contract, pinning, protocol
 
 
 class Backend(abc.ABC):
@@ -37,6 +39,14 @@ class Backend(abc.ABC):
 
     def drop_host_copy(self) -> None:  # noqa: B027 (a hook: backends without host caches need nothing)
         """Free host-side caches before a checkpoint; the default backend keeps none."""
+
+    def park(self, path: str) -> bool:
+        """Before a checkpoint: move the weights into a new shared mapping of the file `path`, out of the
+        process's own memory, so a CRIU image records them by reference. False when this backend cannot."""
+        return False
+
+    def unpark(self) -> None:  # noqa: B027 (a hook: only backends that park need it)
+        """After a restore (or an abandoned dump): bring parked weights back and drop the file mapping."""
 
     def stats(self) -> dict[str, Any]:
         return {}
@@ -117,6 +127,7 @@ class TorchBackend(Backend):
         self.host: Any = None
         self._host_buffer: Any = None
         self.offloaded = False
+        self._parked: mmap.mmap | None = None  # the file mapping the weights are parked in, until unpark()
         self.vmm: Any = None
         if self.device.type == "cuda":
             from volga_agent.worker import vmm
@@ -214,17 +225,19 @@ class TorchBackend(Backend):
         """Free the pinned copy (before a CRIU dump, whose image would otherwise carry the weights twice)."""
         if self.host is None or self.offloaded:
             return
-        if self.device.type == "cuda":
-            self.torch.cuda.cudart().cudaHostUnregister(self._host_buffer.ctypes.data)
-        self.host = None
-        self._host_buffer = None
+        self._unregister_host()
 
     def offload(self) -> dict[str, Any]:
-        torch = self.torch
         if self.offloaded:
             return {"nbytes": self.nbytes, "already": True}
         start = time.perf_counter()
         self._pinned().copy_(self.arena)
+        self._release_device()
+        return {"nbytes": self.nbytes, "seconds": time.perf_counter() - start}
+
+    def _release_device(self) -> None:
+        """Free the weights' device memory once a host copy holds them."""
+        torch = self.torch
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if self.vmm is not None:
@@ -237,7 +250,62 @@ class TorchBackend(Backend):
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
         self.offloaded = True
-        return {"nbytes": self.nbytes, "seconds": time.perf_counter() - start}
+
+    def park(self, path: str) -> bool:
+        """On a GPU, copy the weights into a new MAP_SHARED mapping of `path` and free them on the device.
+
+        The driver's checkpoint then holds only the context, and CRIU records the file mapping by reference
+        (its pages stay in the file, not in the image); `unpark` copies them back after the restore.
+        """
+        if self.device.type != "cuda" or self._parked is not None:
+            return False
+        torch = self.torch
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, self.nbytes)
+            mapping = mmap.mmap(fd, self.nbytes, mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        parked = torch.frombuffer(mapping, dtype=torch.uint8)
+        parked.copy_(self.host if self.offloaded else self.arena)
+        if not self.offloaded:
+            self._release_device()
+        self._unregister_host()
+        self.host, self._parked = parked, mapping
+        torch.cuda.empty_cache()  # cached blocks would go into the driver's checkpoint too
+        return True
+
+    def unpark(self) -> None:
+        if self._parked is None:
+            return
+        mapping, self._parked = self._parked, None
+        torch = self.torch
+        if self.vmm is not None:
+            self.vmm.map()
+        else:
+            self.arena = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+            self._bind(self.arena, copy=False)
+        try:
+            with pinning.Pinned(int(self.host.data_ptr()), self.nbytes) as pinned:
+                for offset, size in pinned.chunks():
+                    self.arena[offset:offset + size].copy_(self.host[offset:offset + size], non_blocking=True)
+                torch.cuda.synchronize(self.device)
+        except pinning.PinError as exc:  # pageable, slower: the copy faults the mapping in itself
+            print(f"parked weights: {exc}; copying from pageable memory", file=sys.stderr)
+            self.arena.copy_(self.host)
+            torch.cuda.synchronize(self.device)
+        self.offloaded = False
+        self.host = None  # the last view: the mapping can close
+        try:
+            mapping.close()
+        except BufferError:  # a view outlived the copy: the mapping stays until it goes (and a dump carries it)
+            print("parked weights: a view still holds the file mapping", file=sys.stderr)
+
+    def _unregister_host(self) -> None:
+        if self._host_buffer is not None and self.device.type == "cuda":
+            self.torch.cuda.cudart().cudaHostUnregister(self._host_buffer.ctypes.data)
+        self.host = None
+        self._host_buffer = None
 
     def reload(self) -> dict[str, Any]:
         torch = self.torch
@@ -282,7 +350,8 @@ class TorchBackend(Backend):
         out: dict[str, Any] = {"weights_bytes": self.nbytes, "offloaded": self.offloaded,
                                "cuda_graphs": sorted(self.graphs), "stable_addresses": self.vmm is not None,
                                "weights_ptr": int(self.arena.data_ptr()) if self.arena is not None else 0,
-                               "host_copy_bytes": self.nbytes if self.host is not None else 0}
+                               "host_copy_bytes": self.nbytes if self.host is not None else 0,
+                               "parked": self._parked is not None}
         if self.device.type == "cuda":
             mapped = self.vmm.size if self.vmm is not None and self.vmm.mapped else 0
             out["gpu_allocated_bytes"] = int(self.torch.cuda.memory_allocated(self.device)) + mapped

@@ -37,6 +37,26 @@ class TensorDecl:
 
 
 @dataclasses.dataclass(frozen=True)
+class WarmupTensor:
+    """One input of a declared warm-up sample: its shape and a fill value, a [low, high) range or literal values
+    (none of them: made-up values, as the default warm-up uses)."""
+
+    name: str
+    shape: tuple[int, ...]
+    fill: float | None = None
+    low: float | None = None
+    high: float | None = None
+    values: tuple[float, ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupSample:
+    """The inputs of one declared warm-up inference (inputs left out get made-up values)."""
+
+    tensors: tuple[WarmupTensor, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class WorkerConfig:
     """What a worker needs to know, written by the agent as JSON (the worker does not parse ModelSpecs)."""
 
@@ -55,6 +75,8 @@ class WorkerConfig:
     cuda_graph_batches: tuple[int, ...] = ()
     cpus: tuple[int, ...] = ()  # CPUs the launcher pinned the worker to (nsinit --cpus); () leaves it free
     restore_warmups: int = 0  # warmup iterations run again after each restore (warmupCacheRatio)
+    warmup: tuple[WarmupSample, ...] = ()  # declared warm-up samples (runtime.warmup); () runs made-up inputs
+    warmup_file: str = ""  # an .npz of real inputs run after the declared samples (runtime.warmupFile)
 
     @classmethod
     def from_json(cls, text: str) -> WorkerConfig:
@@ -63,6 +85,10 @@ class WorkerConfig:
         raw["cpus"] = tuple(raw.get("cpus", ()))
         raw["inputs"] = tuple(TensorDecl(t["name"], t["dtype"], tuple(t["shape"])) for t in raw["inputs"])
         raw["outputs"] = tuple(TensorDecl(t["name"], t["dtype"], tuple(t["shape"])) for t in raw["outputs"])
+        raw["warmup"] = tuple(WarmupSample(tuple(
+            WarmupTensor(**{**t, "shape": tuple(t["shape"]),
+                            "values": None if t.get("values") is None else tuple(t["values"])})
+            for t in sample["tensors"])) for sample in raw.get("warmup", ()))
         return cls(**raw)
 
     def to_json(self) -> str:

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from volga_agent.worker import backends, contract, protocol
+from volga_agent.worker import backends, contract, protocol, warmup
 
 
 class Worker:
@@ -82,9 +82,8 @@ class Worker:
     def _load(self) -> Any:
         start = time.perf_counter()
         backend = backends.load_backend(self.config)
-        warm = contract.sample_inputs(self.config.inputs)
-        for _ in range(self.config.warmup_iterations):
-            backend.run(warm)
+        self.warm = warmup.samples(self.config)
+        warmup.run(backend.run, self.warm, self.config.warmup_iterations)
         self.load_seconds = time.perf_counter() - start
         return backend
 
@@ -116,7 +115,7 @@ class Worker:
 
     def canary(self) -> str:
         """A digest of the model's answer to the canary input: equal digests, equal model state."""
-        outputs = self.backend.run(contract.sample_inputs(self.config.inputs, seed=contract.CANARY_SEED))
+        outputs = self.backend.run(warmup.canary(self.config))
         digest = hashlib.sha256()
         for name in sorted(outputs):
             array = np.asarray(outputs[name])
@@ -206,7 +205,7 @@ class Worker:
         op = frame.header.get("op")
         if op == "prepare_checkpoint":
             protocol.send_frame(conn, {"ok": True})
-            self.pause_for_checkpoint()
+            self.pause_for_checkpoint(str(frame.header.get("park") or ""))
             return False
         handler = self.ops.get(str(op))
         self._conn = conn
@@ -225,29 +224,30 @@ class Worker:
             return False
         return True
 
-    def pause_for_checkpoint(self) -> None:
+    def pause_for_checkpoint(self, park: str = "") -> None:
         """Close every connection, say we are ready, and wait for the agent's restore-complete signal.
 
         A CRIU dump taken now holds only the listener and files. After a restore the process continues
-        here; when the dump was abandoned the agent sends the same signal and nothing else happens.
+        here; when the dump was abandoned the agent sends the same signal and nothing else happens. With
+        `park` (a file path the agent chose), GPU weights wait in that file instead of the image.
         """
         for conn in list(self.conns):
             protocol.say_goodbye(conn)
             self.close_conn(conn)
-        self.backend.drop_host_copy()
+        if not (park and self.backend.park(park)):
+            self.backend.drop_host_copy()
         done = self.signal_dir / contract.RESTORE_COMPLETE
         (self.signal_dir / contract.READY_FOR_CHECKPOINT).write_text(str(os.getpid()))
         while not done.exists():
             signal.sigtimedwait([contract.WAKE_SIGNAL], 0.05)
         done.unlink(missing_ok=True)
         (self.signal_dir / contract.READY_FOR_CHECKPOINT).unlink(missing_ok=True)
+        self.backend.unpark()
         self.restores += 1
         if self.config.reset_rng_on_restore:
             reseed_rngs()
         if self.config.restore_warmups:
-            warm = contract.sample_inputs(self.config.inputs)
-            for _ in range(self.config.restore_warmups):
-                self.backend.run(warm)
+            warmup.run(self.backend.run, self.warm, self.config.restore_warmups)
             self.restore_warmups_done += self.config.restore_warmups
 
     def serve(self) -> None:

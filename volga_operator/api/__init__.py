@@ -307,6 +307,71 @@ _PREFERRED_FIT = ("!has(self.dynamicBatching) || !has(self.dynamicBatching.prefe
                   "self.dynamicBatching.preferredBatchSizes.all(s, s <= (has(self.maxBatchSize) ? "
                   "self.maxBatchSize : 256))")
 
+# A warm-up tensor is allocated in the worker: more elements than this is a typo more often than a plan.
+MAX_WARMUP_ELEMENTS = 2**27
+
+
+class WarmupInput(Model):
+    """One input of a warm-up sample: a shape (filled, drawn from a range, or made up) or literal values."""
+
+    model_config = pydantic.ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        {"rule": "[has(self.fill), has(self.range), has(self.values)].filter(x, x).size() <= 1",
+         "message": "give one of fill, range and values"},
+        {"rule": "has(self.shape) || has(self.values)", "message": "shape is required (unless values are given)"}]})
+
+    shape: list[Annotated[int, pydantic.BeforeValidator(_no_bool)]] | None = pydantic.Field(
+        default=None, max_length=8,
+        description="the input's shape in this sample, every dimension a size (0 or more, no -1); [] for a "
+                    "scalar. Default: [len(values)] with values, required otherwise",
+        json_schema_extra={"items": {"type": "integer", "minimum": 0, "maximum": MAX_DIM}})
+    fill: float | None = pydantic.Field(default=None, description="one value for every element. Default: unset")
+    value_range: list[float] | None = pydantic.Field(
+        default=None, alias="range", min_length=2, max_length=2,
+        description="[low, high): values drawn uniformly (integers for integer inputs), with a fixed seed. "
+                    "Default: unset")
+    values: list[float] | None = pydantic.Field(
+        default=None, max_length=65_536,
+        description="literal values, flat in row-major order (at most 65536; 0 and 1 for BOOL); with shape, as "
+                    "many as its elements. Default: unset")
+
+    @pydantic.model_validator(mode="after")
+    def _one_source(self) -> WarmupInput:
+        given = [name for name, value in (("fill", self.fill), ("range", self.value_range), ("values", self.values))
+                 if value is not None]
+        if len(given) > 1:
+            raise ValueError(f"give one of fill, range and values, not {' and '.join(given)}")
+        if self.shape is None and self.values is None:
+            raise ValueError("shape is required (unless values are given)")
+        for dim in self.shape or ():
+            if dim < 0 or dim > MAX_DIM:
+                raise ValueError(f"shape: dimension {dim} is not a size (0 to {MAX_DIM})")
+        elements = self.elements
+        if self.values is not None and self.shape is not None and len(self.values) != elements:
+            raise ValueError(f"{len(self.values)} values given for shape {self.shape}, which has {elements} elements")
+        if elements > MAX_WARMUP_ELEMENTS:
+            raise ValueError(f"shape {self.shape} has {elements} elements, more than {MAX_WARMUP_ELEMENTS}")
+        if self.value_range is not None and not self.value_range[0] < self.value_range[1]:
+            raise ValueError(f"range {self.value_range}: low must be below high")
+        return self
+
+    @property
+    def resolved_shape(self) -> list[int]:
+        return list(self.shape) if self.shape is not None else [len(self.values or ())]
+
+    @property
+    def elements(self) -> int:
+        count = 1
+        for dim in self.resolved_shape:
+            count *= dim
+        return count
+
+
+class WarmupSample(Model):
+    """One warm-up inference: inputs by name; an input left out gets made-up values of its declared shape."""
+
+    inputs: dict[str, WarmupInput] = pydantic.Field(
+        min_length=1, max_length=64, description="input name -> its shape and values in this sample, 1-64 inputs")
+
 
 class Runtime(Model):
     """How the worker runs the model."""
@@ -346,6 +411,21 @@ class Runtime(Model):
                                f"{', '.join(map(str, over))} over runtime.maxBatchSize {self.max_batch_size}: "
                                "a preferred batch size must be at most the largest batch")
         return self
+    warmup: list[WarmupSample] = pydantic.Field(
+        default_factory=list, max_length=64,
+        description="warm-up samples, at most 64, each run warmupIterations times after loading and before the "
+                    "first snapshot, so every shape listed is warm in the image; the first one is also the canary "
+                    "that checks restores. Default: one sample of made-up values (-1 dimensions as 1, integers "
+                    "0-99)")
+    warmup_file: str | None = pydantic.Field(
+        default=None, min_length=1, max_length=4096, json_schema_extra={"pattern": "^(file://.+|[^:]+)$"},
+        description="an .npz file of real inputs to warm up with, run after the warmup samples: arrays named as "
+                    "the inputs (one sample), or 'K/NAME' for sample K; a relative path is relative to the "
+                    "ModelSpec file (`volga up`); inputs a sample leaves out get made-up values. Default: unset")
+
+    @property
+    def warmup_path(self) -> pathlib.Path | None:
+        return pathlib.Path(self.warmup_file.removeprefix("file://")) if self.warmup_file else None
 
 
 _UNIQUE_NAMES = "self.all(a, self.filter(b, b.name == a.name).size() == 1)"
@@ -438,6 +518,10 @@ class ModelSpecSpec(Model):
             if unbatched:
                 raise _field_error("ModelSpecSpec", ("runtime", "dynamicBatching", "enabled"),
                                    NOT_BATCHED.format(which="; ".join(unbatched)))
+        if problems := warmup_problems(self):
+            raise pydantic.ValidationError.from_exception_data("ModelSpecSpec", [
+                {"type": "value_error", "loc": loc, "input": None, "ctx": {"error": ValueError(reason)}}
+                for loc, reason in problems])
         return self
 
     @property
@@ -469,6 +553,60 @@ class ModelSpecSpec(Model):
             return ""
         schema = [{"name": t.name, "dtype": t.dtype.value, "shape": list(t.shape)} for t in self.inputs]
         return hashlib.sha256(json.dumps(schema, separators=(",", ":")).encode()).hexdigest()
+
+
+def _shape_text(shape: Iterable[int]) -> str:
+    return "[" + ", ".join(map(str, shape)) + "]"
+
+
+def warmup_problems(spec: ModelSpecSpec) -> list[tuple[tuple[int | str, ...], str]]:
+    """(field location, reason) for each warm-up sample input that the declared inputs refuse: an unknown name,
+    another rank, a size where the input fixes another, values its dtype cannot hold, a batch over maxBatchSize.
+    [] while the inputs are still to be read from the model file."""
+    by_name = {t.name: t for t in spec.inputs}
+    if not by_name:
+        return []
+    problems: list[tuple[tuple[int | str, ...], str]] = []
+    for index, sample in enumerate(spec.runtime.warmup):
+        for name, given in sample.inputs.items():
+            loc: tuple[int | str, ...] = ("runtime", "warmup", index, "inputs", name)
+            decl = by_name.get(name)
+            if decl is None:
+                problems.append((loc, f"the model has no input {name!r} (it has "
+                                      f"{', '.join(repr(n) for n in by_name)})"))
+                continue
+            shape = given.resolved_shape
+            if len(shape) != len(decl.shape):
+                problems.append((loc, f"shape {_shape_text(shape)} has rank {len(shape)}; input {name!r} has rank "
+                                      f"{len(decl.shape)} ({_shape_text(decl.shape)})"))
+                continue
+            fixed = [f"dimension {j} is {g}, the input fixes it at {d}"
+                     for j, (d, g) in enumerate(zip(decl.shape, shape, strict=True)) if d != -1 and d != g]
+            if fixed:
+                problems.append((loc, f"shape {_shape_text(shape)} does not fit input {name!r} "
+                                      f"{_shape_text(decl.shape)}: {'; '.join(fixed)}"))
+            elif decl.shape and decl.shape[0] == -1 and shape[0] > spec.runtime.max_batch_size:
+                problems.append((loc, f"batch {shape[0]} is over runtime.maxBatchSize {spec.runtime.max_batch_size}"))
+            if reason := _dtype_problem(decl.dtype, given):
+                problems.append((loc, f"input {name!r} is {decl.dtype.value}: {reason}"))
+    return problems
+
+
+def _dtype_problem(dtype: DType, given: WarmupInput) -> str:
+    # Values arrive as floats (JSON numbers): 2.0 reads back as the 2 that was written.
+    numbers = [int(v) if float(v).is_integer() else v
+               for v in [*(given.values or ()), *([given.fill] if given.fill is not None else [])]]
+    if dtype is DType.BOOL:
+        bad = [v for v in numbers if v not in (0, 1)]
+        return f"{_show(bad[0])} is not a boolean (write 0 or 1)" if bad else (
+            "a range does not apply (write fill or values)" if given.value_range is not None else "")
+    if dtype.value.startswith(("INT", "UINT")):
+        bad = [v for v in [*numbers, *(given.value_range or ())] if not float(v).is_integer()]
+        if bad:
+            return f"{_show(bad[0])} is not an integer"
+        if dtype.value.startswith("UINT") and any(v < 0 for v in [*numbers, *(given.value_range or ())]):
+            return "negative values do not fit an unsigned type"
+    return ""
 
 
 class ObjectMeta(pydantic.BaseModel):
@@ -572,6 +710,11 @@ def load_labelled(path: str | pathlib.Path) -> list[tuple[str, ModelSpec]]:
                 # Relative model paths are relative to the file that names them.
                 resolved = (file.parent / spec.spec.source_path).resolve()
                 spec = spec.model_copy(update={"spec": spec.spec.model_copy(update={"source": str(resolved)})})
+            warmup = spec.spec.runtime.warmup_path
+            if warmup is not None and not warmup.is_absolute():
+                # Like the model file, a warm-up file is relative to the file that names it.
+                runtime = spec.spec.runtime.model_copy(update={"warmup_file": str((file.parent / warmup).resolve())})
+                spec = spec.model_copy(update={"spec": spec.spec.model_copy(update={"runtime": runtime})})
             specs.append((label, spec))
     return specs
 

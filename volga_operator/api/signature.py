@@ -150,9 +150,51 @@ def fill(spec: api.ModelSpecSpec) -> api.ModelSpecSpec:
     try:
         return api.ModelSpecSpec.model_validate(wire)
     except pydantic.ValidationError as exc:
-        # What the file declares, but a spec may not say (a name with control characters, a rank above 8, ...).
-        raise api.SpecError(str(path), [(p, f"read from the model file: {r}")
+        # What the file declares, but a spec may not say; or a warm-up sample the signature read refuses.
+        raise api.SpecError(str(path), [(p, r if p.startswith("spec.runtime") else f"read from the model file: {r}")
                                         for p, r in api.problems_of(exc, ("spec",))]) from None
+
+
+def warmup_file_problems(spec: api.ModelSpecSpec) -> list[tuple[str, str]]:
+    """(field path, reason) for each way runtime.warmupFile disagrees with the spec's inputs: a missing or
+    unreadable file, an array named for no input, or one of another dtype or shape. [] without a warm-up file
+    (or while the inputs are unread)."""
+    path = spec.runtime.warmup_path
+    if path is None or not spec.inputs:
+        return []
+    import numpy as np
+
+    at = "spec.runtime.warmupFile"
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            arrays = {key: archive[key] for key in archive.files}
+    except (OSError, ValueError) as exc:
+        return [(at, f"cannot read {path} as an .npz file of arrays: {exc}")]
+    by_name = {t.name: t for t in spec.inputs}
+    problems = []
+    for key, array in arrays.items():
+        index, _, name = key.partition("/")
+        name = name if index.isdigit() and name else key
+        decl = by_name.get(name)
+        if decl is None:
+            problems.append((at, f"{path}: array {key!r} names no input (the inputs are "
+                                 f"{', '.join(repr(n) for n in by_name)}; name arrays as inputs, or 'K/NAME')"))
+            continue
+        dtype = api.DType(_NP_DTYPES[array.dtype.str[1:]]) if array.dtype.str[1:] in _NP_DTYPES else None
+        if dtype is not decl.dtype:
+            problems.append((at, f"{path}: array {key!r} is {array.dtype}, input {name!r} is {decl.dtype.value}"))
+        shape = list(array.shape)
+        if len(shape) != len(decl.shape) or any(d != -1 and d != g for d, g in zip(decl.shape, shape, strict=False)):
+            problems.append((at, f"{path}: array {key!r} has shape {shape}, input {name!r} takes "
+                                 f"[{', '.join(map(str, decl.shape))}]"))
+    if not problems and not arrays:
+        problems.append((at, f"{path} holds no arrays"))
+    return problems
+
+
+# numpy's type codes (without byte order) -> the protocol's dtype names.
+_NP_DTYPES = {"b1": "BOOL", "u1": "UINT8", "u2": "UINT16", "u4": "UINT32", "u8": "UINT64", "i1": "INT8", "i2": "INT16",
+              "i4": "INT32", "i8": "INT64", "f2": "FP16", "f4": "FP32", "f8": "FP64"}
 
 
 def check(spec: api.ModelSpecSpec) -> list[tuple[str, str]]:
@@ -240,7 +282,10 @@ def load_files(files: list[str]) -> list[api.ModelSpec]:
     specs = []
     for label, spec in labelled:
         try:
-            specs.append(spec.model_copy(update={"spec": fill(spec.spec)}))
+            filled = fill(spec.spec)
         except api.SpecError as exc:
             raise api.SpecError(label, exc.problems) from None
+        if problems := warmup_file_problems(filled):
+            raise api.SpecError(label, problems)
+        specs.append(spec.model_copy(update={"spec": filled}))
     return specs
