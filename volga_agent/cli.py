@@ -9,6 +9,7 @@
     volga demo                        the embedded default model through the gateway, every tier timed
     volga bench tiers [--gpu] [--json] cold start vs each tier's wake -> first answer, in one run
     volga bench gateway [--json]      the gateway's added latency vs calling the worker directly
+    volga bench gateway --batching    batch 1 vs dynamic batching in the gateway: throughput at equal p99
     volga build-model [--out DIR]     build the embedded default model and print its ModelSpec
     volga calibrate -f SPEC [--write] measure the model's p99 alone per batch size on this node; --write puts the
                                       baselines into the ModelSpec file
@@ -277,14 +278,17 @@ def cmd_bench_gateway(args: argparse.Namespace) -> int:
         from volga_bench import gateway, reporting
     except ImportError as exc:
         return _no_bench("bench gateway", exc)
-    report = gateway.run(args.rate, args.seconds, args.rounds, args.protocol, progress=_progress(args.json))
+    if args.batching:
+        report = gateway.run_batching(args.clients, args.seconds, args.queue_delay_us, progress=_progress(args.json))
+    else:
+        report = gateway.run(args.rate, args.seconds, args.rounds, args.protocol, progress=_progress(args.json))
     if args.out:
         reporting.write_json(report, pathlib.Path(args.out))
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(gateway.format_report(report))
-    return 0
+        print(gateway.format_batching(report) if args.batching else gateway.format_report(report))
+    return 0 if not args.batching or report["outputs_match"] else 1
 
 
 def cmd_bench_scale(args: argparse.Namespace) -> int:
@@ -445,6 +449,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
     p.add_argument("--json", action="store_true")
     p.add_argument("--out")
+    p.add_argument("--batching", action="store_true",
+                   help="batch 1 vs dynamic batching, closed-loop clients: throughput at equal p99 (gRPC)")
+    p.add_argument("--clients", type=int, default=8, help="concurrent clients of the batch-1 run (with --batching)")
+    p.add_argument("--queue-delay-us", type=int, default=0,
+                   help="maxQueueDelayMicroseconds of the batched model (with --batching)")
     p.set_defaults(func=cmd_bench_gateway)
 
     p = bench.add_parser("scale", help="the operator on a real API server with kwok nodes and many ModelSpecs")

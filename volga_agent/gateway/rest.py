@@ -11,6 +11,7 @@ handler answers anything unexpected with a short 500, and a client that goes awa
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -28,7 +29,12 @@ OPEN_PREFIXES = ("/v2/health/",)
 
 
 def _error(exc: oip.OipError) -> web.Response:
-    return web.Response(status=exc.http_status, body=oip.rest_error_body(exc), content_type="application/json")
+    """The error's status and JSON body; a refusal that says when to retry (a shed model) adds Retry-After, in
+    whole seconds rounded up."""
+    retry_after_ms = getattr(exc, "retry_after_ms", None)
+    extra = {} if retry_after_ms is None else {"Retry-After": str(math.ceil(retry_after_ms / 1000))}
+    return web.Response(status=exc.http_status, body=oip.rest_error_body(exc), content_type="application/json",
+                        headers=extra)
 
 
 def _model(request: web.Request, headers: dict[str, str] | None = None) -> str:
@@ -92,8 +98,7 @@ def app(plane: dataplane.Dataplane, tokens: auth.Tokens | None = None) -> web.Ap
             c = plane.model_config(_model(request))
         except oip.OipError as exc:
             return _error(exc)
-        return web.json_response(oip.model_config_rest(c.name, c.platform, c.backend, c.max_batch_size, c.inputs,
-                                                       c.outputs))
+        return web.json_response(dataplane.config_rest(c))
 
     async def repository_index(_: web.Request) -> web.Response:
         return web.json_response([{"name": m.name, "version": m.version, "state": m.state, "reason": m.reason}
