@@ -185,8 +185,10 @@ class Hardware(Model):
                     "no minimum")
     precision: Precision = pydantic.Field(
         default=Precision.FP32,
-        description="precision the model's weights are in (fp32, fp16, bf16, int8); recorded, Volga does not "
-                    "convert weights. Default: fp32")
+        description="precision a PyTorch or TorchScript model runs in: fp16 and bf16 cast its floating-point weights "
+                    "at load, and its floating-point inputs and outputs at the edges (they keep their declared "
+                    "dtypes); fp32 runs the file as it is. int8 is recorded only (quantize the file itself); ONNX "
+                    "files carry their own types. Default: fp32")
     cuda_graphs: bool = pydantic.Field(
         default=False,
         description="capture CUDA graphs for the batch sizes named in slo.baselineLatencyMs (1 and 8 when none) "
