@@ -202,8 +202,9 @@ def test_chart_crds_are_the_generated_ones() -> None:
 
 
 def test_default_values_render_the_core_objects_only(default: Rendered) -> None:
+    # The Secret is the gateway's own ServiceAccount token (gateway-rbac.yaml).
     assert default.kinds() == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "DaemonSet",
-                               "Service", "ConfigMap", "NetworkPolicy"}
+                               "Service", "ConfigMap", "NetworkPolicy", "Secret"}
     assert ("ConfigMap", "volga-dashboard") not in default.by_key
     for doc in default.docs:
         labels = doc["metadata"]["labels"]
@@ -251,9 +252,10 @@ def test_host_paths_are_read_only_unless_written(values: str, request: pytest.Fi
     rendered: Rendered = request.getfixturevalue(values)
     pod = rendered.agent_pod()
     volumes = {v["name"]: v for v in pod["volumes"]}
-    # The gateway mounts no host path and no claim: only the pod's emptyDirs.
+    # The gateway mounts no host path and no claim: only the pod's emptyDirs, and its own API token.
     for mount in rendered.container("gateway")["volumeMounts"]:
-        assert set(volumes[mount["name"]]) == {"name", "emptyDir"}, mount
+        assert set(volumes[mount["name"]]) == ({"name", "secret"} if mount["name"] == "gateway-api-token" else
+                                               {"name", "emptyDir"}), mount
     # The agent writes only its snapshot folder on the host; other host paths are read-only.
     for mount in rendered.container("agent")["volumeMounts"]:
         volume = volumes[mount["name"]]
@@ -398,7 +400,8 @@ def test_services_and_network_policy(default: Rendered) -> None:
     declared = {p["name"] for c in default.agent_pod()["containers"] for p in c["ports"]}
     assert {p["targetPort"] for p in gateway["ports"] + agent["ports"]} <= declared
     # The Agent gRPC API (8010) is not admitted from outside the pod.
-    policy_ports = {p["port"] for p in default.get("NetworkPolicy", "volga-agent")["spec"]["ingress"][0]["ports"]}
+    policy_ports = {p["port"] for rule in default.get("NetworkPolicy", "volga-agent")["spec"]["ingress"]
+                    for p in rule["ports"]}
     assert policy_ports == {8000, 8001, 8002, 8012}
 
 
@@ -636,3 +639,132 @@ def test_service_accounts_can_do_what_they_need_and_no_more(
     wrong = [" ".join(c) + " -> no" for c in allowed if not can_i(installed, account, *c)]
     wrong += [" ".join(c) + " -> yes" for c in forbidden if can_i(installed, account, *c)]
     assert not wrong, f"{account}: " + "; ".join(wrong)
+
+
+# --- what each container may reach (docs/security.md) --------------------------------------------------------------
+
+GATEWAY_RULES = {
+    ("volga.dev", "modelspecs"): {"get", "list", "watch"},
+    ("volga.dev", "executablemodelinstances"): {"get", "list", "watch"},
+}
+TOKEN_PATH = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+def mounts_of(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {m["mountPath"]: m for m in container["volumeMounts"]}
+
+
+@pytest.mark.parametrize("values", ["default", "gpu"])
+def test_the_pods_token_reaches_the_agent_container_only(values: str, request: pytest.FixtureRequest) -> None:
+    rendered: Rendered = request.getfixturevalue(values)
+    pod = rendered.agent_pod()
+    assert pod["automountServiceAccountToken"] is False
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    agent, gateway = rendered.container("agent"), rendered.container("gateway")
+    token = mounts_of(agent)[TOKEN_PATH]
+    assert token["readOnly"] is True
+    sources = volumes[token["name"]]["projected"]["sources"]
+    assert sources[0]["serviceAccountToken"]["path"] == "token"
+    assert {"key": "ca.crt", "path": "ca.crt"} in sources[1]["configMap"]["items"]
+    # The gateway reads the API as its own ServiceAccount, which may read ModelSpecs and EMIs and nothing else.
+    own = mounts_of(gateway)[TOKEN_PATH]
+    assert own["name"] != token["name"] and volumes[own["name"]]["secret"]["secretName"] == "volga-gateway-token"
+    assert not any(m["name"] == token["name"] for m in gateway["volumeMounts"])
+    secret = rendered.get("Secret", "volga-gateway-token")
+    assert secret["type"] == "kubernetes.io/service-account-token"
+    assert secret["metadata"]["annotations"]["kubernetes.io/service-account.name"] == "volga-gateway"
+    assert rendered.get("ServiceAccount", "volga-gateway")["automountServiceAccountToken"] is False
+    assert rules_of(rendered.get("ClusterRole", "volga-gateway")) == GATEWAY_RULES
+    binding = rendered.get("ClusterRoleBinding", "volga-gateway")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "volga-gateway", "namespace": NAMESPACE}]
+
+
+def test_the_agent_writes_only_where_it_must(default: Rendered) -> None:
+    pod = default.agent_pod()
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    agent = default.container("agent")
+    assert agent["securityContext"]["readOnlyRootFilesystem"] is True
+    writable = {path: volumes[m["name"]] for path, m in mounts_of(agent).items() if not m.get("readOnly")}
+    assert set(writable) == {"/run/volga", "/dev/shm", "/var/lib/volga/snapshots", "/tmp", "/var/lib/volga/home"}
+    for path, volume in writable.items():
+        assert "emptyDir" in volume or path == "/var/lib/volga/snapshots", (path, volume)
+    env = {e["name"]: e.get("value") for e in agent["env"]}
+    assert env["HOME"] == "/var/lib/volga/home" and env["TMPDIR"] == "/tmp"
+    # The Agent API stays on the pod's loopback: no port of the pod, no probe on it.
+    assert "--agent-host=127.0.0.1" in agent["args"]
+    assert all(p["containerPort"] != 8010 for c in pod["containers"] for p in c["ports"])
+    assert agent["readinessProbe"]["httpGet"]["port"] == "agent-metrics"
+    writable_root = template("--set", "agent.readOnlyRootFilesystem=false")
+    assert writable_root.container("agent")["securityContext"]["readOnlyRootFilesystem"] is False
+    assert "scratch" not in {v["name"] for v in writable_root.agent_pod()["volumes"]}
+
+
+def test_gateway_authentication_and_tls_come_from_secrets() -> None:
+    assert not any(a.startswith(("--token-file", "--tls")) for a in template().container("gateway")["args"])
+    rendered = template("--set", "gateway.auth.existingSecret=gateway-tokens", "--set",
+                        "gateway.tls.existingSecret=gateway-tls", "--set", "gateway.tls.clientAuth=true")
+    gateway = rendered.container("gateway")
+    volumes = {v["name"]: v for v in rendered.agent_pod()["volumes"]}
+    args = gateway["args"]
+    assert "--token-file=/etc/volga/gateway-auth/tokens" in args
+    assert {"--tls-cert=/etc/volga/gateway-tls/tls.crt", "--tls-key=/etc/volga/gateway-tls/tls.key",
+            "--tls-client-ca=/etc/volga/gateway-tls/ca.crt"} <= set(args)
+    for path, secret in (("/etc/volga/gateway-auth", "gateway-tokens"), ("/etc/volga/gateway-tls", "gateway-tls")):
+        mount = mounts_of(gateway)[path]
+        assert mount["readOnly"] is True and volumes[mount["name"]]["secret"]["secretName"] == secret
+        assert path not in mounts_of(rendered.container("agent"))
+    # The gateway's securityContext is unchanged by it: unprivileged.
+    assert gateway["securityContext"]["runAsNonRoot"] is True and gateway["securityContext"]["capabilities"] == {
+        "drop": ["ALL"]}
+
+
+def test_network_policy_admits_metrics_from_monitoring_and_restricts_egress(default: Rendered) -> None:
+    spec = default.get("NetworkPolicy", "volga-agent")["spec"]
+    assert spec["policyTypes"] == ["Ingress", "Egress"]
+    gateway_rule, metrics_rule = spec["ingress"]
+    assert {p["port"] for p in gateway_rule["ports"]} == {8000, 8001} and "from" not in gateway_rule
+    assert {p["port"] for p in metrics_rule["ports"]} == {8002, 8012}
+    assert metrics_rule["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name":
+                                                                             "monitoring"}}}]
+    dns, api_server, peers = spec["egress"]
+    assert {(p["port"], p["protocol"]) for p in dns["ports"]} == {(53, "UDP"), (53, "TCP")}
+    assert dns["to"][0]["podSelector"] == {"matchLabels": {"k8s-app": "kube-dns"}}
+    assert {p["port"] for p in api_server["ports"]} == {443, 6443}
+    assert [p["port"] for p in peers["ports"]] == [8001]
+    assert peers["to"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "agent"
+
+    narrowed = template("--set", "networkPolicy.metrics.namespace=observability", "--set-json",
+                        'networkPolicy.from=[{"namespaceSelector":{"matchLabels":{"team":"ml"}}}]', "--set-json",
+                        'networkPolicy.egress.apiServer=[{"ipBlock":{"cidr":"10.0.0.1/32"}}]')
+    spec = narrowed.get("NetworkPolicy", "volga-agent")["spec"]
+    assert spec["ingress"][0]["from"] == [{"namespaceSelector": {"matchLabels": {"team": "ml"}}}]
+    assert spec["ingress"][1]["from"][0]["namespaceSelector"]["matchLabels"] == {
+        "kubernetes.io/metadata.name": "observability"}
+    assert spec["egress"][1]["to"] == [{"ipBlock": {"cidr": "10.0.0.1/32"}}]
+    open_egress = template("--set", "networkPolicy.egress.enabled=false").get("NetworkPolicy", "volga-agent")
+    assert open_egress["spec"]["policyTypes"] == ["Ingress"] and "egress" not in open_egress["spec"]
+
+
+def test_model_sources_are_confined_to_the_models_volume(default: Rendered) -> None:
+    text = default.get("ConfigMap", "volga-agent-settings")["data"]["settings.yaml"]
+    settings = policy.Settings.from_mapping(yaml.safe_load(text))
+    assert settings.model_roots == ("/var/lib/volga/models",) and settings.allow_model_code is False
+    assert settings.max_instances == 0 and settings.host_memory_fraction == 0.8  # taken from the node
+    moved = template("--set", "agent.models.hostPath=/data/models").get("ConfigMap", "volga-agent-settings")
+    assert policy.Settings.from_mapping(yaml.safe_load(moved["data"]["settings.yaml"])).model_roots == (
+        "/data/models",)
+
+
+GATEWAY_ALLOWED = [("list", "modelspecs.volga.dev", "-A"), ("watch", "executablemodelinstances.volga.dev", "-A")]
+GATEWAY_FORBIDDEN = [("patch", "nodes"), ("get", "nodes"), ("get", "secrets", "-A"),
+                     ("patch", "executablemodelinstances.volga.dev", "--subresource=status"), ("*", "*")]
+
+
+@pytest.mark.k8s
+def test_the_gateway_account_only_reads(installed: ControlPlane) -> None:
+    wrong = [" ".join(c) + " -> no" for c in GATEWAY_ALLOWED if not can_i(installed, "volga-gateway", *c)]
+    wrong += [" ".join(c) + " -> yes" for c in GATEWAY_FORBIDDEN if can_i(installed, "volga-gateway", *c)]
+    assert not wrong, "volga-gateway: " + "; ".join(wrong)
+    secret = json.loads(installed.kubectl("get", "secret", "volga-gateway-token", "-n", NAMESPACE, "-o",
+                                          "json").stdout)
+    assert secret["type"] == "kubernetes.io/service-account-token"

@@ -48,7 +48,7 @@ def staged(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 def http(staged: pathlib.Path) -> Iterator[str]:
     """`volga up` serving both examples' ModelSpec files; its REST address."""
     cmd = [sys.executable, "-m", "volga_agent.cli", "up", "--http-port", "0", "--grpc-port", "0", "--metrics-port",
-           "0", "--agent-port", "-1", "-f", str(staged / "pytorch" / "modelspec.yaml"),
+           "0", "--agent-port", "-1", "--allow-model-code", "-f", str(staged / "pytorch" / "modelspec.yaml"),
            "-f", str(staged / "torchscript" / "modelspec.yaml")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -302,4 +302,4 @@ def test_shared_memory_is_used_and_leaves_no_files(up: local.Embedded, g: grpccl
     before = up.gateway.metrics.zero_copy_latency._sum.get()  # type: ignore[attr-defined]
     g.infer(A, grpc_inputs(arrays(up)))
     assert up.gateway.metrics.zero_copy_latency._sum.get() > before  # type: ignore[attr-defined]
-    assert not list(pathlib.Path("/dev/shm").glob(f"volga-gw-{os.getpid()}-*"))
+    assert not list(pathlib.Path("/dev/shm").glob(f"volga-shm-{os.getpid()}-*"))

@@ -208,3 +208,32 @@ def test_frozen_weights_wait_outside_the_image(mlp_spec: api.ModelSpecSpec, rund
             inst.close()
         assert folder is not None and not folder.exists()
     assert sizes[False] - sizes[True] > 0.9 * weights, sizes
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_precision_casts_the_weights_and_keeps_the_declared_dtypes(mlp_spec: api.ModelSpecSpec, precision: str,
+                                                                   rundir: pathlib.Path,
+                                                                   criu_engine: criu.CriuEngine) -> None:
+    """hardware.precision fp16/bf16: half the weight bytes on the GPU, answers close to fp32 in the declared FP32,
+    and the same answer after a FROZEN wake."""
+    half = mlp_spec.model_copy(update={"hardware": mlp_spec.hardware.model_copy(
+        update={"precision": api.Precision(precision)})})
+    full = instance.Instance("mlp-fp32", mlp_spec, rundir / "fp32", criu_engine, cuda.DriverCheckpoint(), "cuda:0")
+    inst = instance.Instance(f"mlp-{precision}", half, rundir / precision, criu_engine, cuda.DriverCheckpoint(),
+                             "cuda:0")
+    try:
+        full.to(Tier.HOT)
+        inst.to(Tier.HOT)
+        x = contract.sample_inputs(inst.config.inputs, batch=8, seed=11)
+        reference, answer = full.infer(x)["y"], inst.infer(x)["y"]
+        assert answer.dtype == np.float32 and answer.shape == reference.shape
+        assert not np.array_equal(answer, reference)  # it really ran in the lower precision
+        np.testing.assert_allclose(answer, reference, rtol=0.05, atol=0.05)
+        weights = int(inst.client().call("stats").header["weights_bytes"])
+        assert weights * 2 == int(full.client().call("stats").header["weights_bytes"])
+        inst.to(Tier.FROZEN)
+        assert not inst.wake().fallback
+        assert np.array_equal(inst.infer(x)["y"], answer)
+    finally:
+        inst.close()
+        full.close()

@@ -9,6 +9,7 @@
     volga demo                        the embedded default model through the gateway, every tier timed
     volga bench tiers [--gpu] [--json] cold start vs each tier's wake -> first answer, in one run
     volga bench gateway [--json]      the gateway's added latency vs calling the worker directly
+    volga bench gateway --batching    batch 1 vs dynamic batching in the gateway: throughput at equal p99
     volga bench peers [--json]        Volga's gateway beside KServe's ModelServer: same model, same client
     volga build-model [--out DIR]     build the embedded default model and print its ModelSpec
     volga calibrate -f SPEC [--write] measure the model's p99 alone per batch size on this node; --write puts the
@@ -19,6 +20,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import pathlib
@@ -129,8 +131,20 @@ def settings_from(args: argparse.Namespace) -> policy.Settings:
     idle = args.idle_sec
     overrides = {k: v for k, v in {"hot_idle_sec": idle, "warm_idle_sec": idle, "suspended_idle_sec": idle,
                                    "scheduler_eviction_policy": args.eviction_policy,
-                                   "lazy_restore": args.lazy_restore or None}.items() if v is not None}
-    return policy.Settings.from_mapping(overrides)
+                                   "lazy_restore": args.lazy_restore or None,
+                                   "allow_model_code": args.allow_model_code or None,
+                                   "max_instances": args.max_instances}.items() if v is not None}
+    return policy.Settings.from_mapping({**overrides, "model_roots": model_roots(args)})
+
+
+def model_roots(args: argparse.Namespace) -> tuple[str, ...]:
+    """Where `volga up` lets model sources point: --model-root, else the folders of the ModelSpec files and the
+    folder of the built models (`volga build-model`)."""
+    from volga_agent import admission, defaultmodel
+
+    if args.model_root:
+        return tuple(str(pathlib.Path(root).resolve()) for root in args.model_root)
+    return (*admission.spec_folders(args.file or []), str(defaultmodel.default_cache()))
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -147,13 +161,24 @@ def cmd_up(args: argparse.Namespace) -> int:
     except (api.SpecError, OSError) as exc:
         print(exc, file=sys.stderr)
         return 2
+    from volga_agent import auth
+
+    try:
+        tokens = auth.Tokens.from_file(args.token_file) if args.token_file else None
+        settings = settings_from(args)
+    except (OSError, ValueError) as exc:
+        print(f"volga up: {exc}", file=sys.stderr)
+        return 2
     options = local.Options(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                             metrics_port=args.metrics_port, agent_port=args.agent_port,
                             snapshot_root=pathlib.Path(args.snapshot_dir) if args.snapshot_dir else None,
-                            settings=settings_from(args))
+                            settings=settings, tokens=tokens)
     print(f"volga up: {len(specs)} ModelSpec(s); listening on", flush=True)
     try:
         uvloop.run(local.run(specs, options, lambda line: print(line, flush=True)))
+    except ValueError as exc:  # what the node refuses before starting anything (too many instances)
+        print(f"volga up: {exc}", file=sys.stderr)
+        return 2
     except OSError as exc:
         print(f"volga up: {exc}", file=sys.stderr)
         return 1
@@ -227,19 +252,44 @@ def cmd_bench_tiers(args: argparse.Namespace) -> int:
     return 0 if all(p["outputs_match"] and not p["restore_fallbacks"] for p in parts) else 1
 
 
+def cmd_bench_endtoend(args: argparse.Namespace) -> int:
+    try:
+        from volga_bench import endtoend, reporting
+    except ImportError as exc:
+        return _no_bench("bench endtoend", exc)
+    show = _progress(args.json)
+    with tempfile.TemporaryDirectory(prefix="volga-") as run:
+        if args.gpu:
+            cases = endtoend.architectures(pathlib.Path(args.models or run), args.architectures.split(","),
+                                           args.precisions.split(","))
+            tiers = [Tier(t.upper()) for t in args.tiers.split(",")] if args.tiers else list(endtoend.GPU_TIERS)
+        else:
+            cases = [endtoend.default_case()]
+            tiers = [Tier(t.upper()) for t in args.tiers.split(",")] if args.tiers else list(endtoend.CPU_TIERS)
+        report = asyncio.run(endtoend.run(cases, tiers, args.n, progress=show))
+    report["device"] = reporting.device_description("cuda:0" if args.gpu else "cpu")
+    if args.out:
+        reporting.write_json(report, pathlib.Path(args.out))
+    print(json.dumps(report, indent=2) if args.json else endtoend.format_table(report))
+    return 0 if all(not m["mismatches"] for m in report["models"].values()) else 1
+
+
 def cmd_bench_gateway(args: argparse.Namespace) -> int:
     try:
         from volga_bench import gateway, reporting
     except ImportError as exc:
         return _no_bench("bench gateway", exc)
-    report = gateway.run(args.rate, args.seconds, args.rounds, args.protocol, progress=_progress(args.json))
+    if args.batching:
+        report = gateway.run_batching(args.clients, args.seconds, args.queue_delay_us, progress=_progress(args.json))
+    else:
+        report = gateway.run(args.rate, args.seconds, args.rounds, args.protocol, progress=_progress(args.json))
     if args.out:
         reporting.write_json(report, pathlib.Path(args.out))
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(gateway.format_report(report))
-    return 0
+        print(gateway.format_batching(report) if args.batching else gateway.format_report(report))
+    return 0 if not args.batching or report["outputs_match"] else 1
 
 
 def cmd_bench_peers(args: argparse.Namespace) -> int:
@@ -362,6 +412,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="idle seconds before an instance goes down a tier (on a CPU node: HOT -> FROZEN)")
     p.add_argument("--lazy-restore", action="store_true", help="restore FROZEN images with CRIU lazy pages")
     p.add_argument("--eviction-policy", choices=["lru", "hybrid"])
+    p.add_argument("--model-root", action="append",
+                   help="folder model sources must lie in (repeatable; default: the ModelSpec files' folders and "
+                        "~/.cache/volga/models)")
+    p.add_argument("--allow-model-code", action="store_true",
+                   help="load pytorch models, which run code when loaded (a .py file, or a pickled module)")
+    p.add_argument("--max-instances", type=int, help="instances this node runs at most (default: from its memory)")
+    p.add_argument("--token-file", help="bearer tokens (one a line) the gateway requires, but for health checks")
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=cmd_up)
 
@@ -394,6 +451,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="also write the JSON report to this file")
     p.set_defaults(func=cmd_bench_tiers)
 
+    p = bench.add_parser("endtoend", help="each tier's first answer through `volga up`'s gateway (tritonclient)")
+    p.add_argument("--gpu", action="store_true", help="ResNet-50, BERT-base, GPT-2-medium on cuda:0 (random weights)")
+    p.add_argument("--architectures", default="resnet50,bert,gpt2", help="with --gpu: which, comma-separated")
+    p.add_argument("--precisions", default="fp32,fp16", help="with --gpu: fp32, fp16 or both")
+    p.add_argument("--tiers", help="tiers to wake from (default: warm,suspended,frozen,cold on a GPU; frozen,cold)")
+    p.add_argument("--models", help="where the GPU models are built (default: a temporary folder)")
+    p.add_argument("-n", type=int, default=3, help="wakes per tier")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--out")
+    p.set_defaults(func=cmd_bench_endtoend)
+
     p = bench.add_parser("gateway", help="gateway vs direct worker calls at a fixed request rate")
     p.add_argument("--rate", type=float, default=500.0, help="requests per second")
     p.add_argument("--seconds", type=float, default=4.0, help="per side and round")
@@ -401,6 +469,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
     p.add_argument("--json", action="store_true")
     p.add_argument("--out")
+    p.add_argument("--batching", action="store_true",
+                   help="batch 1 vs dynamic batching, closed-loop clients: throughput at equal p99 (gRPC)")
+    p.add_argument("--clients", type=int, default=8, help="concurrent clients of the batch-1 run (with --batching)")
+    p.add_argument("--queue-delay-us", type=int, default=0,
+                   help="maxQueueDelayMicroseconds of the batched model (with --batching)")
     p.set_defaults(func=cmd_bench_gateway)
 
     p = bench.add_parser("peers", help="Volga's gateway beside KServe's ModelServer: same model, same client")

@@ -21,12 +21,15 @@ from typing import Any
 
 import uvloop
 
-from volga_agent import gpus, metrics, policy, pool, ports, server
+from volga_agent import admission, auth, defaultmodel, gpus, metrics, policy, pool, ports, server
 from volga_agent.gateway import app, catalog, links
 from volga_operator import api, planner
 from volga_operator.api import signature
 
 log = logging.getLogger("volga")
+# Where `volga-agent --kube` lets ModelSpec sources point unless settings.model_roots says otherwise: the chart's
+# models volume and the folder `volga build-model` writes.
+DEFAULT_MODEL_ROOTS = ("/var/lib/volga/models", str(defaultmodel.default_cache()))
 
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
@@ -63,8 +66,14 @@ def agent_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--node", default=os.environ.get("NODE_NAME") or socket.gethostname())
     parser.add_argument("-f", "--file", action="append", help="static ModelSpecs (no Kubernetes)")
     parser.add_argument("--kube", action="store_true", help="cluster mode: drive the EMIs of this node")
-    parser.add_argument("--host", default=os.environ.get("VOLGA_LISTEN", "127.0.0.1"))
-    parser.add_argument("--port", type=int, default=ports.DEFAULT.agent_port, help="Agent gRPC API")
+    parser.add_argument("--host", default=os.environ.get("VOLGA_LISTEN", "127.0.0.1"), help="metrics address")
+    parser.add_argument("--port", type=int, default=ports.DEFAULT.agent_port, help="Agent gRPC API (-1: none)")
+    parser.add_argument("--agent-host", default="127.0.0.1",
+                        help="Agent gRPC API address; other than loopback only with --token-file")
+    parser.add_argument("--socket", default=os.environ.get("VOLGA_AGENT_SOCKET", ""),
+                        help="also serve the Agent gRPC API on this UNIX socket")
+    parser.add_argument("--token-file", default=os.environ.get("VOLGA_AGENT_TOKEN_FILE", ""),
+                        help="bearer tokens (one a line) every Agent API call must carry")
     parser.add_argument("--metrics-port", type=int, default=8012)
     parser.add_argument("--workdir", default=os.environ.get("VOLGA_WORKDIR", "/run/volga"))
     parser.add_argument("--snapshot-dir", default=os.environ.get("VOLGA_SNAPSHOT_DIR", "/dev/shm/volga"))
@@ -79,12 +88,19 @@ def agent_main(argv: list[str] | None = None) -> int:
         import yaml
 
         settings = policy.Settings.from_mapping(yaml.safe_load(pathlib.Path(args.settings).read_text()) or {})
+    if args.kube and not settings.model_roots:
+        # ModelSpecs from the API server name files on this node: only Volga's model folders by default.
+        settings = settings.model_copy(update={"model_roots": DEFAULT_MODEL_ROOTS})
+    settings = admission.node_settings(settings)
+    tokens = auth.Tokens.from_file(args.token_file) if args.token_file else None
+    if tokens is None and not auth.is_loopback(args.agent_host):
+        parser.error(f"--agent-host {args.agent_host}: the Agent API leaves loopback only with --token-file")
 
     async def main() -> None:
         found = gpus.discover()
         node_metrics = metrics.AgentMetrics()
         node_pool = pool.Pool(args.node, args.workdir, args.snapshot_dir, settings, node_metrics, found)
-        grpc_server, port = await server.serve(node_pool, args.host, args.port)
+        grpc_server, port = await server.serve(node_pool, args.agent_host, args.port, args.socket, tokens)
         metrics_runner, _ = await metrics.serve([node_metrics.registry], args.host, args.metrics_port)
         cluster: Any = None
         if args.kube:
@@ -99,7 +115,8 @@ def agent_main(argv: list[str] | None = None) -> int:
             plan = planner.plan(by_name, [gpus.node_profile(found, args.node)])
             node_pool.apply(plan.desired, by_name)
         node_pool.start()
-        print(f"volga-agent {args.node}: Agent API {args.host}:{port}, metrics :{args.metrics_port}, "
+        where = ", ".join([f"{args.agent_host}:{port}"] * (port >= 0) + [args.socket] * bool(args.socket))
+        print(f"volga-agent {args.node}: Agent API {where}, metrics :{args.metrics_port}, "
               f"{len(found)} GPU(s)", flush=True)
 
         async def stop() -> None:
@@ -121,19 +138,35 @@ def gateway_main(argv: list[str] | None = None) -> int:
                         help="this node (cluster mode): models placed only elsewhere are answered UNAVAILABLE")
     parser.add_argument("-f", "--file", action="append", help="static ModelSpecs (no Kubernetes)")
     parser.add_argument("--kube", action="store_true", help="cluster mode: route every ModelSpec of the cluster")
-    parser.add_argument("--host", default=os.environ.get("VOLGA_LISTEN", "0.0.0.0"))
+    parser.add_argument("--host", default=os.environ.get("VOLGA_LISTEN", "127.0.0.1"))
     parser.add_argument("--http-port", type=int, default=ports.DEFAULT.http_port)
     parser.add_argument("--grpc-port", type=int, default=ports.DEFAULT.grpc_port)
     parser.add_argument("--metrics-port", type=int, default=ports.DEFAULT.metrics_port)
     parser.add_argument("--cache-ttl-sec", type=float, default=60.0)
+    parser.add_argument("--token-file", default=os.environ.get("VOLGA_GATEWAY_TOKEN_FILE", ""),
+                        help="bearer tokens (one a line) that clients must send, but for health checks")
+    parser.add_argument("--agent-token-file", default=os.environ.get("VOLGA_AGENT_TOKEN_FILE", ""),
+                        help="the token this gateway sends to the Agent API (its first line)")
+    parser.add_argument("--tls-cert", default="", help="gRPC over TLS: the server certificate (PEM)")
+    parser.add_argument("--tls-key", default="", help="gRPC over TLS: the server key (PEM)")
+    parser.add_argument("--tls-client-ca", default="", help="gRPC mutual TLS: the CA of client certificates (PEM)")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = _parse(parser, argv)
+    if bool(args.tls_cert) != bool(args.tls_key):
+        parser.error("--tls-cert and --tls-key go together")
+    tokens = auth.Tokens.from_file(args.token_file) if args.token_file else None
+    agent_token = auth.Tokens.from_file(args.agent_token_file).values[0].decode() if args.agent_token_file else ""
+    if not auth.is_loopback(args.host) and tokens is None:
+        log.warning("volga-gateway listens on %s without authentication: anyone who reaches it may call every "
+                    "model (--token-file; docs/security.md)", args.host)
 
     async def main() -> None:
         models = catalog.Catalog()
         settings = app.Settings(node=args.node, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
-                                metrics_port=args.metrics_port, cache_ttl_sec=args.cache_ttl_sec)
-        gw = app.Gateway(models, links.GrpcAgentLink(args.agent), settings)
+                                metrics_port=args.metrics_port, cache_ttl_sec=args.cache_ttl_sec, tokens=tokens,
+                                tls_cert_file=args.tls_cert, tls_key_file=args.tls_key,
+                                tls_client_ca_file=args.tls_client_ca)
+        gw = app.Gateway(models, links.GrpcAgentLink(args.agent, agent_token), settings)
         watcher: Any = None
         if args.kube:
             from volga_agent import cluster as cluster_mode

@@ -83,7 +83,7 @@ def worker_config(spec: api.ModelSpecSpec, workdir: pathlib.Path, device: str, c
         max_batch_size=spec.runtime.max_batch_size,
         cuda_graph_batches=tuple(sorted(int(b) for b in spec.slo.baseline_latency_ms) or (1, 8))
         if spec.hardware.cuda_graphs and device.startswith("cuda") else (),
-        cpus=cpus,
+        cpus=cpus, precision=spec.hardware.precision.value,
         restore_warmups=round((spec.runtime.warmup_cache_ratio or warmup_cache_ratio or 0.0)
                               * spec.runtime.warmup_iterations)), spec)
 

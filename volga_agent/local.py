@@ -21,12 +21,13 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from volga_agent import gpus, metrics, policy, pool, ports, server
+from volga_agent import admission, auth, gpus, metrics, policy, pool, ports, server
 from volga_agent.gateway import app, catalog, links
 from volga_operator import api, planner
 
 log = logging.getLogger(__name__)
 NODE = socket.gethostname() or "local"
+AGENT_HOST = "127.0.0.1"  # the Agent API wakes and releases instances: never beyond loopback here
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +39,7 @@ class Options(ports.Ports):
     snapshot_root: pathlib.Path | None = None
     settings: policy.Settings = dataclasses.field(default_factory=policy.Settings)
     tick_sec: float = 1.0
+    tokens: auth.Tokens | None = None  # bearer tokens the gateway requires (the Agent API stays on loopback)
 
 
 class Embedded:
@@ -51,16 +53,19 @@ class Embedded:
             raise ValueError(f"metadata.name must be unique; repeated: {', '.join(dupes)}")
         self.specs = {s.metadata.name: s.spec for s in specs}
         self.gpus = gpus.discover()
+        self.settings = admission.node_settings(self.options.settings)
+        self.plan = planner.plan(self.specs, [gpus.node_profile(self.gpus, NODE)])
+        admission.check_count(sum(d.node == NODE for d in self.plan.desired), self.settings)
         self._owned: list[pathlib.Path] = []
         workroot = self.options.workroot or self._temp("volga-run-", "/tmp")
         snapshots = self.options.snapshot_root or self._temp("volga-", "/dev/shm" if pathlib.Path("/dev/shm").is_dir()
                                                              else None)
         self.agent_metrics = metrics.AgentMetrics()
-        self.pool = pool.Pool(NODE, workroot, snapshots, self.options.settings, self.agent_metrics, self.gpus)
-        self.plan = planner.plan(self.specs, [gpus.node_profile(self.gpus, NODE)])
+        self.pool = pool.Pool(NODE, workroot, snapshots, self.settings, self.agent_metrics, self.gpus)
         gw_settings = app.Settings(
             host=self.options.host, http_port=self.options.http_port, grpc_port=self.options.grpc_port,
-            metrics_port=self.options.metrics_port, cache_ttl_sec=self.options.settings.gateway_cache_ttl_sec)
+            metrics_port=self.options.metrics_port, cache_ttl_sec=self.options.settings.gateway_cache_ttl_sec,
+            tokens=self.options.tokens)
         self.gateway = app.Gateway(catalog.Catalog({s.model_id: s for s in self.specs.values()}),
                                    links.LocalAgentLink(self._activate, self._instances), gw_settings,
                                    extra_metrics=[self.agent_metrics.registry])
@@ -86,8 +91,11 @@ class Embedded:
         self.pool.apply(self.plan.desired, self.specs)
         self.pool.start(self.options.tick_sec)
         await self.gateway.start()
+        if not auth.is_loopback(self.options.host):
+            log.warning("the gateway listens on %s%s; the Agent API stays on %s", self.options.host,
+                        "" if self.options.tokens else " without authentication (--token-file)", AGENT_HOST)
         if self.options.agent_port >= 0:
-            self._agent, self.agent_port = await server.serve(self.pool, self.options.host, self.options.agent_port)
+            self._agent, self.agent_port = await server.serve(self.pool, AGENT_HOST, self.options.agent_port)
 
     async def wait_converged(self, timeout: float = 300.0) -> None:
         await asyncio.to_thread(self.pool.wait_converged, timeout)
@@ -104,7 +112,7 @@ class Embedded:
         host = self.options.host
         ports = self.gateway.ports
         return {"http": f"http://{host}:{ports['http']}", "grpc": f"{host}:{ports['grpc']}",
-                "metrics": f"http://{host}:{ports['metrics']}/metrics", "agent": f"{host}:{self.agent_port}"}
+                "metrics": f"http://{host}:{ports['metrics']}/metrics", "agent": f"{AGENT_HOST}:{self.agent_port}"}
 
 
 async def run(specs: Sequence[api.ModelSpec], options: Options, announce: Callable[[str], None] = print) -> None:

@@ -15,6 +15,7 @@ from aiohttp import web
 
 LATENCY_MS_BUCKETS = (0.25, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 350, 500, 1000, 2000, 5000, 10000, 30000, 60000)
 FAST_MS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 50)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384, 65536)
 
 
 class AgentMetrics:
@@ -88,6 +89,18 @@ class GatewayMetrics:
             registry=r)
         self.route_cache = prom.Counter(
             "volga_gateway_route_cache", "Routing cache lookups", ["result"], registry=r)
+        self.batch_size = prom.Histogram(
+            "volga_gateway_batch_size", "Requests' rows (first dimension) per worker call of a dynamically "
+            "batched model", ["model"], buckets=BATCH_BUCKETS, registry=r)
+        self.batch_requests = prom.Histogram(
+            "volga_gateway_batch_requests", "Requests per worker call of a dynamically batched model", ["model"],
+            buckets=BATCH_BUCKETS, registry=r)
+        self.queue_delay = prom.Histogram(
+            "volga_gateway_queue_delay_ms", "Time a request of a dynamically batched model waited in its queue",
+            ["model"], buckets=LATENCY_MS_BUCKETS, registry=r)
+        self.shed = prom.Counter(
+            "volga_gateway_shed_requests", "Requests refused at once while their model was shed", ["model"],
+            registry=r)
 
 
 def app(registries: Sequence[prom.CollectorRegistry]) -> web.Application:

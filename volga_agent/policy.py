@@ -116,6 +116,15 @@ class Settings(pydantic.BaseModel):
     autonomy_shed_retry_after_ms: Annotated[int, pydantic.Field(ge=0)] = 1000
     # Log each decision's full context (inputs, path, actions), at most every 100 ms.
     autonomy_debug: bool = False
+    # Folders ModelSpec sources must resolve inside (symlinks followed); empty: anywhere. `volga up` and
+    # `volga-agent --kube` fill it in (docs/security.md).
+    model_roots: Annotated[tuple[str, ...], pydantic.Strict(False)] = ()
+    # Load models that run code when loaded (framework pytorch: a .py file, or a pickled module).
+    allow_model_code: bool = False
+    # Instances this node runs at most; 0: one per 256 MiB of the machine's memory (the node daemons).
+    max_instances: Annotated[int, pydantic.Field(ge=0)] = 0
+    # With host_memory_budget_bytes 0, the node daemons budget this share of the machine's memory; 0: no budget.
+    host_memory_fraction: Annotated[float, pydantic.Field(ge=0, le=1)] = 0.8
 
     @pydantic.model_validator(mode="before")
     @classmethod

@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 
-from volga_agent import errors, instance, metrics, policy, process
+from volga_agent import admission, errors, instance, metrics, policy, process
 from volga_agent import gpus as gpu_discovery
 from volga_agent.snapshot import criu, cuda
 from volga_agent.worker import protocol
@@ -134,6 +134,7 @@ class Pool:
                      if name not in mine or slot.inst.spec != specs[mine[name].model_spec]]
         for name in stale:
             self.remove(name)  # gone from the plan, or its ModelSpec changed: replace it
+        s = self.settings
         with self._slots_lock:
             for name, want in mine.items():
                 slot = self.slots.get(name)
@@ -143,6 +144,10 @@ class Pool:
                 spec = specs[want.model_spec]
                 device = f"cuda:{want.gpu_index}" if spec.hardware.gpu and want.gpu_index is not None else "cpu"
                 try:
+                    admission.check_instance_name(name)
+                    admission.check_source(spec, s.model_roots, s.allow_model_code)
+                    if s.max_instances and len(self.slots) >= s.max_instances:
+                        raise ValueError(f"settings.max_instances: this node runs at most {s.max_instances} instances")
                     inst = instance.Instance(name, spec, self.workroot / name, self.criu,
                                              self.driver if device != "cpu" else None, device,
                                              reuse_image_sec=self.settings.snapshot_interval_sec,

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import pathlib
 from typing import Any
 
 import grpc
 
-from volga_agent import errors, pool
+from volga_agent import auth, errors, pool
 from volga_agent.rpc.volga.v1 import agent_pb2 as pb
 from volga_agent.rpc.volga.v1 import agent_pb2_grpc as pb_grpc
 from volga_operator import api
@@ -83,11 +84,24 @@ class AgentService(pb_grpc.AgentServicer):
         return pb.ListInstancesResponse(instances=[instance_pb(i) for i in infos])
 
 
-async def serve(node_pool: pool.Pool, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    server = grpc.aio.server()
+async def serve(node_pool: pool.Pool, host: str, port: int, socket_path: str = "",
+                tokens: auth.Tokens | None = None) -> tuple[grpc.aio.Server, int]:
+    """The Agent API on host:port (port -1: no TCP port) and on the UNIX socket `socket_path` (if given); the
+    server and its TCP port. Without `tokens` it listens on loopback only (ValueError otherwise): whoever reaches
+    it can wake and release every instance of the node. With them, every call needs one (docs/security.md)."""
+    if port >= 0 and tokens is None and not auth.is_loopback(host):
+        raise ValueError(f"the Agent API listens on {host} only with a token (--token-file): anyone who reaches it "
+                         "can wake and release this node's instances")
+    server = grpc.aio.server(interceptors=[auth.GrpcAuth(tokens)] if tokens is not None else None)
     pb_grpc.add_AgentServicer_to_server(AgentService(node_pool), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port} (agent gRPC)")
+    bound = -1
+    if port >= 0:
+        bound = server.add_insecure_port(f"{host}:{port}")
+        if bound == 0:
+            raise OSError(f"cannot listen on {host}:{port} (agent gRPC)")
+    if socket_path:
+        pathlib.Path(socket_path).unlink(missing_ok=True)
+        if server.add_insecure_port(f"unix:{socket_path}") == 0:
+            raise OSError(f"cannot listen on {socket_path} (agent gRPC)")
     await server.start()
     return server, bound

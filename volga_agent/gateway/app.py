@@ -8,13 +8,14 @@ on one asyncio loop: grpc.aio for gRPC, aiohttp for REST and /metrics (`docs/arc
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 from typing import Any
 
 import grpc
 import prometheus_client as prom
 from aiohttp import web
 
-from volga_agent import metrics
+from volga_agent import auth, metrics
 from volga_agent.gateway import catalog, dataplane, grpc_service, links, rest
 from volga_agent.rpc.inference import grpc_service_pb2_grpc as pb_grpc
 
@@ -29,6 +30,12 @@ class Settings:
     cache_ttl_sec: float = 60.0
     max_request_bytes: int = 64 * 2**20
     shm_bytes: int = 16 * 2**20
+    tokens: auth.Tokens | None = None  # bearer tokens every call but health checks must carry (gRPC and REST)
+    # gRPC over TLS: the server's certificate and key (PEM files); with a client CA, clients must present a
+    # certificate it signed (mTLS).
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_client_ca_file: str = ""
 
 
 class Gateway:
@@ -51,13 +58,18 @@ class Gateway:
         s = self.settings
         options = [("grpc.max_receive_message_length", s.max_request_bytes),
                    ("grpc.max_send_message_length", s.max_request_bytes), ("grpc.so_reuseport", 0)]
-        self._grpc = grpc.aio.server(options=options)
+        interceptors = [auth.GrpcAuth(s.tokens, grpc_service.OPEN_METHODS)] if s.tokens is not None else None
+        self._grpc = grpc.aio.server(options=options, interceptors=interceptors)
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(grpc_service.Servicer(self.dataplane), self._grpc)
-        self.ports["grpc"] = self._grpc.add_insecure_port(f"{s.host}:{s.grpc_port}")
+        address = f"{s.host}:{s.grpc_port}"
+        if s.tls_cert_file:
+            self.ports["grpc"] = self._grpc.add_secure_port(address, _server_credentials(s))
+        else:
+            self.ports["grpc"] = self._grpc.add_insecure_port(address)
         if self.ports["grpc"] == 0:
             raise OSError(f"cannot listen on {s.host}:{s.grpc_port} (gRPC)")
         await self._grpc.start()
-        self.ports["http"] = await self._listen(rest.app(self.dataplane), s.http_port, **rest.RUNNER_OPTIONS)
+        self.ports["http"] = await self._listen(rest.app(self.dataplane, s.tokens), s.http_port, **rest.RUNNER_OPTIONS)
         self.ports["metrics"] = await self._listen(metrics.app([self.metrics.registry, *self.extra_metrics]),
                                                    s.metrics_port)
 
@@ -73,3 +85,10 @@ class Gateway:
             await runner.cleanup()
         self._runners.clear()
         await self.dataplane.close()
+
+
+def _server_credentials(s: Settings) -> grpc.ServerCredentials:
+    """TLS for the gRPC port from PEM files; with a client CA, mutual TLS."""
+    ca = pathlib.Path(s.tls_client_ca_file).read_bytes() if s.tls_client_ca_file else None
+    pair = (pathlib.Path(s.tls_key_file).read_bytes(), pathlib.Path(s.tls_cert_file).read_bytes())
+    return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)

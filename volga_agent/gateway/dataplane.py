@@ -9,6 +9,7 @@ One inference request goes:
    batch) -> INVALID_ARGUMENT;
 4. `x-timeout-ms` (and the gRPC deadline) bound wake + inference -> DEADLINE_EXCEEDED / 504;
 5. a model placed only on other nodes goes to one of their gateways (`links.Forwarder`), once;
+   a model with `runtime.dynamicBatching` waits in its batcher's queue (`batcher.py`) and runs with others;
 6. the router gives a HOT instance (single-flight activation), the worker answers over AF_UNIX with the
    tensors in shared memory; a request a worker handed back unrun (it paused for a checkpoint, or sleeps) is
    resent after a fresh activation, up to `UNRUN_ATTEMPTS` sends; a worker that died holding the request, or
@@ -18,6 +19,11 @@ Failures are `oip.OipError`s (a gRPC status name and its HTTP status); `observe`
 them, anything unexpected to INTERNAL and a client that went away to CANCELLED, and counts every request by
 model, protocol and outcome. Decoding a large body runs in a thread (`off_loop`) so that it does not hold up
 the other requests on the event loop.
+
+A node's autonomy loop steers the gateway through four calls, safe from any thread: `set_batch_cap` (the most
+rows a batch of a model takes), `shed` / `unshed` (refuse a model's requests at once, RESOURCE_EXHAUSTED / 429
+with a retry hint) and `drain_load` (each model's arrivals, completions, latencies and queue since the last
+call, as `ModelLoad`s).
 
 The metadata answers (model state from what the agent reports, platform, tensor specs, a Triton-style model
 configuration) are built here too, so both adapters give the same ones. See `docs/architecture.md`.
@@ -30,6 +36,7 @@ import collections
 import dataclasses
 import logging
 import math
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, ParamSpec, TypeVar
@@ -37,7 +44,7 @@ from typing import Any, ParamSpec, TypeVar
 import numpy as np
 
 from volga_agent import errors, metrics
-from volga_agent.gateway import catalog, links, oip, router, workers
+from volga_agent.gateway import batcher, catalog, links, oip, router, workers
 from volga_agent.worker import protocol
 from volga_operator import api
 
@@ -55,6 +62,8 @@ PLATFORMS = {"onnx": "onnxruntime_onnx", "torchscript": "pytorch_libtorch", "pyt
 BACKENDS = {"onnx": "onnxruntime", "torchscript": "pytorch", "pytorch": "pytorch"}
 # Bodies at least this large are decoded in a thread; smaller ones cost less to decode than the hand-off.
 OFF_LOOP_BYTES = 1 << 20
+# Latencies a model keeps for `drain_load` between two calls (the latest ones), so an undrained gateway stays small.
+MAX_LOAD_LATENCIES = 65_536
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +76,15 @@ class ModelMetadata:
 
 
 @dataclasses.dataclass(frozen=True)
+class DynamicBatchingConfig:
+    """Triton's ModelDynamicBatching, as far as a ModelSpec's runtime.dynamicBatching fills it."""
+
+    preferred_batch_size: tuple[int, ...]
+    max_queue_delay_microseconds: int
+    max_queue_size: int
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """A model's configuration as Triton describes one (model_config.proto), derived from its ModelSpec."""
 
@@ -76,6 +94,28 @@ class ModelConfig:
     max_batch_size: int  # > 0: every tensor's first dimension is the batch, and is left out of dims
     inputs: tuple[oip.TensorSpec, ...]
     outputs: tuple[oip.TensorSpec, ...]
+    dynamic_batching: DynamicBatchingConfig | None = None  # set when the gateway batches the model's requests
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelLoad:
+    """One model's requests since the previous `Dataplane.drain_load` (counts from the adapters' view: a request
+    arrives when its call starts, before its body is decoded)."""
+
+    arrivals: int  # requests that arrived, shed ones included
+    completed: int  # requests answered (any status) other than shed ones
+    queue_depth: int  # now: requests arrived and not yet answered (queued, waking the model, or running)
+    latencies_ms: tuple[float, ...]  # end-to-end latency of each completed request (the latest 65536 at most)
+    shed: int  # requests refused at once because the model was shed
+
+
+@dataclasses.dataclass
+class _Load:
+    arrivals: int = 0
+    completed: int = 0
+    shed: int = 0
+    latencies_ms: collections.deque[float] = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=MAX_LOAD_LATENCIES))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +158,59 @@ class Dataplane:
         self.router = router.Router(link, cache_ttl_sec, self.metrics)
         self.forwarder = links.Forwarder(max_request_bytes)
         self.workers = workers.WorkerClients(shm_bytes, on_zero_copy=self.metrics.zero_copy_latency.observe)
+        self.batchers: dict[str, batcher.Batcher] = {}
+        # What the autonomy calls set, from any thread: guarded by one lock, held only for a few dict operations.
+        self._lock = threading.Lock()
+        self._caps: dict[str, int] = {}
+        self._shed: dict[str, int] = {}  # model -> retry hint, in milliseconds
+        self._loads: dict[str, _Load] = {}
+        self._outstanding: dict[str, int] = {}
+
+    # -- control (a node's autonomy loop; any thread) ------------------------------------------------
+
+    def set_batch_cap(self, model: str, cap: int | None) -> None:
+        """The most rows a batch of the model takes from now on (at most runtime.maxBatchSize; preferred sizes
+        above it are skipped); None: back to the spec's. No effect on a model without dynamic batching."""
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise ValueError(f"batch cap of model {model!r} must be a positive number of rows or None, got {cap!r}")
+        self._require(model)
+        with self._lock:
+            if cap is None:
+                self._caps.pop(model, None)
+            else:
+                self._caps[model] = cap
+            found = self.batchers.get(model)
+        if found is not None:
+            found.set_cap(cap)
+
+    def shed(self, model: str, retry_after_ms: int) -> None:
+        """Refuse the model's requests at once (RESOURCE_EXHAUSTED / 429) until `unshed`, with a hint to retry
+        after `retry_after_ms` (REST Retry-After in whole seconds, rounded up; gRPC trailer retry-after-ms)."""
+        if isinstance(retry_after_ms, bool) or not isinstance(retry_after_ms, int) or retry_after_ms < 0:
+            raise ValueError(f"retry_after_ms of model {model!r} must be a number of milliseconds >= 0, "
+                             f"got {retry_after_ms!r}")
+        self._require(model)
+        with self._lock:
+            self._shed[model] = retry_after_ms
+
+    def unshed(self, model: str) -> None:
+        with self._lock:
+            self._shed.pop(model, None)
+
+    def drain_load(self) -> dict[str, ModelLoad]:
+        """Each known model's load since the previous call (and its queue now); the counts start again."""
+        with self._lock:
+            loads, self._loads = self._loads, {}
+            outstanding = dict(self._outstanding)
+        models = {s.model_id for s in self.catalog.all()} | set(loads)
+        empty = _Load()
+        return {m: ModelLoad(load.arrivals, load.completed, outstanding.get(m, 0), tuple(load.latencies_ms),
+                             load.shed)
+                for m in models for load in (loads.get(m, empty),)}
+
+    def _require(self, model: str) -> None:
+        if not self.catalog.known(model):
+            raise errors.UnknownModel(f"unknown model {model!r}: no ModelSpec has this modelId")
 
     # -- metadata ------------------------------------------------------------------------------------
 
@@ -163,9 +256,12 @@ class Dataplane:
         tensors = [*spec.inputs, *spec.outputs]
         batched = all(t.shape and t.shape[0] == -1 for t in tensors)
         skip = 1 if batched else 0
+        b = spec.runtime.dynamic_batching
+        dynamic = DynamicBatchingConfig(tuple(b.preferred_batch_sizes), b.max_queue_delay_microseconds,
+                                        b.max_queue_size) if b.enabled and batched else None
         return ModelConfig(spec.model_id, PLATFORMS[spec.framework.value], BACKENDS[spec.framework.value],
                            spec.runtime.max_batch_size if batched else 0, _tensor_specs(spec.inputs, skip),
-                           _tensor_specs(spec.outputs, skip))
+                           _tensor_specs(spec.outputs, skip), dynamic)
 
     async def repository_index(self) -> list[ModelState]:
         return list(await asyncio.gather(*(self.model_state(s) for s in self.catalog.all())))
@@ -186,10 +282,32 @@ class Dataplane:
         if here is not None and not here:
             return spec, await self._forward(model, request_headers, inputs, deadline)
         hint = request_headers.get("x-device-hint", "")
+        if spec.runtime.dynamic_batching.enabled and spec.batches:
+            return spec, await self._batcher(spec).submit(inputs, hint, deadline)
+        return spec, await self._run(model, inputs, hint, deadline)
+
+    def _batcher(self, spec: api.ModelSpecSpec) -> batcher.Batcher:
+        model, policy = spec.model_id, batcher.Policy.of(spec)
+        with self._lock:
+            found = self.batchers.get(model)
+            if found is None:
+                async def run(inputs: dict[str, np.ndarray], hint: str, deadline: float | None
+                              ) -> dict[str, np.ndarray]:
+                    return await self._run(model, inputs, hint, deadline)
+
+                found = self.batchers[model] = batcher.Batcher(model, policy, run, self.metrics,
+                                                                self._caps.get(model))
+        if found.policy != policy:
+            found.set_policy(policy)
+        return found
+
+    async def _run(self, model: str, inputs: dict[str, np.ndarray], hint: str, deadline: float | None
+                   ) -> dict[str, np.ndarray]:
+        """One worker call (a request, or a batch of them): wake, send, and resend what comes back unrun."""
         for attempt in range(1, UNRUN_ATTEMPTS + 1):
             route = await _within(deadline, self.router.route(model, hint, _ms_left(deadline)), "waking an instance")
             try:
-                return spec, await _within(deadline, self.workers.infer(route.socket, inputs), "inference")
+                return await _within(deadline, self.workers.infer(route.socket, inputs), "inference")
             except (workers.WorkerGone, workers.WorkerDied) as exc:
                 self.router.invalidate(model)
                 self.workers.forget(route.socket)
@@ -219,10 +337,25 @@ class Dataplane:
         return outputs
 
     async def observe(self, model: str, proto: str, call: Callable[[], Awaitable[T]]) -> T:
-        """Run one request of an adapter: the links' errors become OipErrors, and the outcome is counted."""
+        """Run one request of an adapter: the links' errors become OipErrors, and the outcome is counted. A request
+        for a shed model is refused here, before its body is decoded."""
         start = time.perf_counter()
         code = "OK"
+        known = self.catalog.known(model)
+        with self._lock:
+            retry_after_ms = self._shed.get(model) if known else None
+            if known:
+                load = self._loads.setdefault(model, _Load())
+                load.arrivals += 1
+                if retry_after_ms is None:
+                    self._outstanding[model] = self._outstanding.get(model, 0) + 1
+                else:
+                    load.shed += 1
         try:
+            if retry_after_ms is not None:
+                self.metrics.shed.labels(model).inc()
+                raise batcher.Overloaded(f"model {model!r} is shedding load; retry after {retry_after_ms} ms",
+                                         retry_after_ms)
             return await call()
         except oip.OipError as exc:
             code = exc.code
@@ -245,15 +378,48 @@ class Dataplane:
             raise oip.error(code, f"internal error: {type(exc).__name__}: {str(exc)[:200]}") from None
         finally:
             # Names clients make up must not become label values: one series per known model only.
-            label = model if self.catalog.known(model) else UNKNOWN_MODEL_LABEL
+            label = model if known else UNKNOWN_MODEL_LABEL
+            elapsed_ms = (time.perf_counter() - start) * 1e3
             self.metrics.requests.labels(label, proto, code).inc()
             if code == "OK":
-                self.metrics.latency.labels(label, proto).observe((time.perf_counter() - start) * 1e3)
+                self.metrics.latency.labels(label, proto).observe(elapsed_ms)
+            if known and retry_after_ms is None:
+                with self._lock:
+                    self._outstanding[model] -= 1
+                    load = self._loads.setdefault(model, _Load())
+                    load.completed += 1
+                    load.latencies_ms.append(elapsed_ms)
 
     async def close(self) -> None:
+        for b in list(self.batchers.values()):
+            await b.close()
         self.workers.close()
         await self.forwarder.close()
         await self.router.link.close()
+
+
+def config_grpc(c: ModelConfig) -> Any:
+    """The gRPC ModelConfig response of a model's configuration."""
+    response = oip.model_config_grpc(c.name, c.platform, c.backend, c.max_batch_size, c.inputs, c.outputs)
+    if c.dynamic_batching is not None:
+        d = response.config.dynamic_batching
+        d.preferred_batch_size.extend(c.dynamic_batching.preferred_batch_size)
+        d.max_queue_delay_microseconds = c.dynamic_batching.max_queue_delay_microseconds
+        d.default_queue_policy.max_queue_size = c.dynamic_batching.max_queue_size
+    return response
+
+
+def config_rest(c: ModelConfig) -> dict[str, Any]:
+    """The REST (`GET /v2/models/{name}/config`) form of `config_grpc`, as Triton writes it."""
+    body = oip.model_config_rest(c.name, c.platform, c.backend, c.max_batch_size, c.inputs, c.outputs)
+    if c.dynamic_batching is not None:
+        d = c.dynamic_batching
+        body["dynamic_batching"] = {
+            "preferred_batch_size": list(d.preferred_batch_size),
+            "max_queue_delay_microseconds": d.max_queue_delay_microseconds, "preserve_ordering": False,
+            "default_queue_policy": {"timeout_action": "REJECT", "default_timeout_microseconds": 0,
+                                     "allow_timeout_override": False, "max_queue_size": d.max_queue_size}}
+    return body
 
 
 async def off_loop(size: int, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:

@@ -19,6 +19,8 @@ from volga_agent.rpc.inference import grpc_service_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+# Health checks answer without a token (auth.GrpcAuth), so probes need none.
+OPEN_METHODS = ("/inference.GRPCInferenceService/ServerLive", "/inference.GRPCInferenceService/ServerReady")
 
 
 def _headers(context: grpc.aio.ServicerContext) -> dict[str, str]:
@@ -78,8 +80,7 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelConfig(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         async def make() -> Any:
-            c = self.plane.model_config(dataplane.model_id(_headers(context), request.name))
-            return oip.model_config_grpc(c.name, c.platform, c.backend, c.max_batch_size, c.inputs, c.outputs)
+            return dataplane.config_grpc(self.plane.model_config(dataplane.model_id(_headers(context), request.name)))
 
         return await _answer(context, "ModelConfig", make)
 
@@ -106,4 +107,10 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
         try:
             return await self.plane.observe(model, "grpc", call)
         except oip.OipError as exc:
-            await context.abort(grpc.StatusCode[exc.code], exc.message)
+            await context.abort(grpc.StatusCode[exc.code], exc.message, trailing_metadata=_retry_hint(exc))
+
+
+def _retry_hint(exc: oip.OipError) -> tuple[tuple[str, str], ...]:
+    """The trailer `retry-after-ms` of a refusal that says when to retry (a shed model)."""
+    retry_after_ms = getattr(exc, "retry_after_ms", None)
+    return () if retry_after_ms is None else (("retry-after-ms", str(retry_after_ms)),)

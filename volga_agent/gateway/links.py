@@ -31,7 +31,7 @@ from volga_agent.rpc.volga.v1 import agent_pb2_grpc as agent_grpc
 from volga_operator import api
 
 FORWARDED = "x-volga-forwarded"
-PASSED_ON = ("x-input-hash", "x-device-hint")
+PASSED_ON = ("x-input-hash", "x-device-hint", "authorization")  # the gateways of a cluster share tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,15 +82,17 @@ class AgentLink(Protocol):
 class GrpcAgentLink:
     """The agent's gRPC API (the sidecar case)."""
 
-    def __init__(self, address: str) -> None:
-        self.address = address
+    def __init__(self, address: str, token: str = "") -> None:
+        self.address = address  # host:port, or unix:PATH
         self.channel = grpc.aio.insecure_channel(address)
         self.stub = agent_grpc.AgentStub(self.channel)
+        self.metadata = [("authorization", f"Bearer {token}")] if token else None
 
     async def activate(self, model_id: str, device_hint: str, timeout_ms: int) -> Route:
         request = agent_pb.ActivateRequest(model_id=model_id, device_hint=device_hint, timeout_ms=timeout_ms)
         try:
-            reply = await self.stub.Activate(request, timeout=timeout_ms / 1e3 if timeout_ms else None)
+            reply = await self.stub.Activate(request, timeout=timeout_ms / 1e3 if timeout_ms else None,
+                                             metadata=self.metadata)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 raise errors.UnknownModel(exc.details()) from None
@@ -101,7 +103,8 @@ class GrpcAgentLink:
 
     async def instances(self, model_id: str) -> list[InstanceState] | None:
         try:
-            reply = await self.stub.ListInstances(agent_pb.ListInstancesRequest(model_id=model_id), timeout=5.0)
+            reply = await self.stub.ListInstances(agent_pb.ListInstancesRequest(model_id=model_id), timeout=5.0,
+                                                  metadata=self.metadata)
         except grpc.aio.AioRpcError as exc:
             raise ConnectionError(f"agent {self.address}: {exc.code().name}: {exc.details()}") from None
         return [InstanceState(i.name, agent_pb.Tier.Name(i.tier), i.state_reason) for i in reply.instances]

@@ -11,21 +11,30 @@ handler answers anything unexpected with a short 500, and a client that goes awa
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
+from volga_agent import auth
 from volga_agent.gateway import dataplane, oip
 
 log = logging.getLogger(__name__)
 # How the REST server's runner is set up: bodies are decompressed by `oip.decode_content`, not by aiohttp.
 RUNNER_OPTIONS: dict[str, Any] = {"auto_decompress": False}
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# Health checks answer without a token (auth.rest_middleware), so probes need none.
+OPEN_PREFIXES = ("/v2/health/",)
 
 
 def _error(exc: oip.OipError) -> web.Response:
-    return web.Response(status=exc.http_status, body=oip.rest_error_body(exc), content_type="application/json")
+    """The error's status and JSON body; a refusal that says when to retry (a shed model) adds Retry-After, in
+    whole seconds rounded up."""
+    retry_after_ms = getattr(exc, "retry_after_ms", None)
+    extra = {} if retry_after_ms is None else {"Retry-After": str(math.ceil(retry_after_ms / 1000))}
+    return web.Response(status=exc.http_status, body=oip.rest_error_body(exc), content_type="application/json",
+                        headers=extra)
 
 
 def _model(request: web.Request, headers: dict[str, str] | None = None) -> str:
@@ -66,7 +75,7 @@ async def _body(request: web.Request, plane: dataplane.Dataplane, headers: dict[
     return await dataplane.off_loop(len(body), oip.decode_content, body, encoding, plane.max_request_bytes)
 
 
-def app(plane: dataplane.Dataplane) -> web.Application:
+def app(plane: dataplane.Dataplane, tokens: auth.Tokens | None = None) -> web.Application:
     async def live(_: web.Request) -> web.Response:
         return web.Response(status=200)
 
@@ -89,8 +98,7 @@ def app(plane: dataplane.Dataplane) -> web.Application:
             c = plane.model_config(_model(request))
         except oip.OipError as exc:
             return _error(exc)
-        return web.json_response(oip.model_config_rest(c.name, c.platform, c.backend, c.max_batch_size, c.inputs,
-                                                       c.outputs))
+        return web.json_response(dataplane.config_rest(c))
 
     async def repository_index(_: web.Request) -> web.Response:
         return web.json_response([{"name": m.name, "version": m.version, "state": m.state, "reason": m.reason}
@@ -121,7 +129,8 @@ def app(plane: dataplane.Dataplane) -> web.Application:
         except oip.OipError as exc:
             return _error(exc)
 
-    web_app = web.Application(client_max_size=plane.max_request_bytes)
+    middlewares = [auth.rest_middleware(tokens, OPEN_PREFIXES)] if tokens is not None else []
+    web_app = web.Application(client_max_size=plane.max_request_bytes, middlewares=middlewares)
     routes: list[tuple[str, str, Handler]] = [
         ("GET", "/v2/health/live", live), ("GET", "/v2/health/ready", live), ("GET", "/v2", server_metadata),
         ("POST", "/v2/repository/index", repository_index)]

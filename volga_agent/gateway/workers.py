@@ -1,6 +1,8 @@
 """Asynchronous connections from the gateway to co-located workers, with tensors in shared memory.
 
-Each connection owns a shared-memory segment (a file in /dev/shm that both sides map). The gateway writes
+Each connection owns a shared-memory segment (a file in /dev/shm that both sides map). The worker names it
+(`shm_token`: a random name for that connection alone), the gateway creates it, the worker maps it only if it
+is that name, a regular file, and owned by the gateway's user (docs/security.md). The gateway writes
 the request's tensors into it once, the worker reads them in place (no copy through the socket), writes
 its outputs after them, and only a small JSON header crosses the socket. The segment file is unlinked as
 soon as the worker has mapped it, so nothing is left behind if either side dies; the worker drops its
@@ -13,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import mmap
 import os
 import pathlib
@@ -27,7 +28,7 @@ import numpy as np
 from volga_agent.worker import protocol
 
 SHM_DIR = pathlib.Path("/dev/shm") if pathlib.Path("/dev/shm").is_dir() else pathlib.Path(tempfile.gettempdir())
-_counter = itertools.count()
+SHM_PREFIX = "volga-shm-"  # the names workers give segments (worker/serve.py)
 
 
 class WorkerGone(ConnectionError):
@@ -59,8 +60,13 @@ class Connection:
         return conn
 
     async def _attach(self, size: int) -> None:
-        path = SHM_DIR / f"volga-gw-{os.getpid()}-{next(_counter)}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        # The worker names the segment (a random name for this connection alone); we create it, it maps it.
+        header, _ = await self.call({"op": "shm_token", "owner": os.getpid()})
+        named = header.get("path")
+        path = pathlib.Path(named) if header.get("ok") and isinstance(named, str) else None
+        if path is None or path.parent != SHM_DIR or not path.name.startswith(SHM_PREFIX):
+            return  # a worker that offers no segment here: tensors travel in the frames
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             os.ftruncate(fd, size)
             segment = mmap.mmap(fd, size)

@@ -115,7 +115,9 @@ class TorchBackend(Backend):
             module = namespace["build_model"]()
         else:
             module = torch.load(config.path, map_location="cpu", weights_only=False)
-        self.module = module.eval()
+        # hardware.precision: the weights in that dtype; floating inputs and outputs converted at the edges.
+        self.dtype: Any = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.precision)
+        self.module = module.eval() if self.dtype is None else module.eval().to(self.dtype)
         tensors = [*self.module.parameters(), *self.module.buffers()]
         # (tensor, dtype, shape, offset): fixed at load, since an offloaded tensor no longer has its shape.
         self.layout: list[tuple[Any, Any, tuple[int, ...], int]] = []
@@ -166,8 +168,7 @@ class TorchBackend(Backend):
             if any(d == -1 for d in decl.shape[1:]):
                 return  # only the batch dimension may vary in a captured graph
             shape = (batch, *decl.shape[1:]) if decl.shape and decl.shape[0] == -1 else decl.shape
-            static.append(torch.zeros(shape, dtype=torch.from_numpy(np.zeros(0, protocol.NP_DTYPES[decl.dtype])).dtype,
-                                      device=self.device))
+            static.append(torch.zeros(shape, dtype=self._input_dtype(decl), device=self.device))
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.no_grad(), torch.cuda.stream(side):
@@ -179,6 +180,10 @@ class TorchBackend(Backend):
             out = self.module(*static)
         self.graphs[batch] = (graph, static, out)
 
+    def _input_dtype(self, decl: contract.TensorDecl) -> Any:
+        declared = self.torch.from_numpy(np.zeros(0, protocol.NP_DTYPES[decl.dtype])).dtype
+        return self.dtype if self.dtype is not None and declared.is_floating_point else declared
+
     def _outputs(self, result: Any) -> dict[str, np.ndarray]:
         if isinstance(result, dict):
             values = [result[t.name] for t in self.config.outputs]
@@ -189,7 +194,12 @@ class TorchBackend(Backend):
         names = [t.name for t in self.config.outputs]
         if len(values) != len(names):
             raise protocol.WorkerError("INTERNAL", f"model returned {len(values)} outputs, spec has {len(names)}")
-        return {n: v.detach().cpu().numpy() for n, v in zip(names, values, strict=True)}
+        out = {}
+        for decl, value in zip(self.config.outputs, values, strict=True):
+            if self.dtype is not None and value.is_floating_point():
+                value = value.to(self.torch.from_numpy(np.zeros(0, protocol.NP_DTYPES[decl.dtype])).dtype)
+            out[decl.name] = value.detach().cpu().numpy()
+        return out
 
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         torch = self.torch
@@ -205,6 +215,8 @@ class TorchBackend(Backend):
             graph.replay()
             return self._outputs(out)
         args = [torch.from_numpy(a).to(self.device, non_blocking=True) for a in arrays]
+        if self.dtype is not None:
+            args = [a.to(self.dtype) if a.is_floating_point() else a for a in args]
         with torch.inference_mode():
             return self._outputs(self.module(*args))
 

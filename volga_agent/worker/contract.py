@@ -75,6 +75,7 @@ class WorkerConfig:
     cuda_graph_batches: tuple[int, ...] = ()
     cpus: tuple[int, ...] = ()  # CPUs the launcher pinned the worker to (nsinit --cpus); () leaves it free
     restore_warmups: int = 0  # warmup iterations run again after each restore (warmupCacheRatio)
+    precision: str = "fp32"  # fp16/bf16: torch models run in that dtype (hardware.precision)
     warmup: tuple[WarmupSample, ...] = ()  # declared warm-up samples (runtime.warmup); () runs made-up inputs
     warmup_file: str = ""  # an .npz of real inputs run after the declared samples (runtime.warmupFile)
 

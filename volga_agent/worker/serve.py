@@ -26,10 +26,14 @@ import mmap
 import os
 import pathlib
 import random
+import secrets
 import selectors
 import signal
 import socket
+import stat
+import struct
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +41,18 @@ from typing import Any
 import numpy as np
 
 from volga_agent.worker import backends, contract, protocol, warmup
+
+# Segments attached by gateways: files in SHM_DIR named by the worker (SHM_PREFIX + a random token).
+SHM_DIR = pathlib.Path("/dev/shm") if pathlib.Path("/dev/shm").is_dir() else pathlib.Path(tempfile.gettempdir())
+SHM_PREFIX = "volga-shm-"
+# Ops that move the worker between tiers or change its model: the agent's alone (a peer of the same user, or
+# root); a gateway under another user may only ask for inference.
+CONTROL_OPS = frozenset({"prepare_checkpoint", "offload", "reload", "sleep", "wake", "swap"})
+
+
+def _trusted(conn: socket.socket) -> bool:
+    _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return uid in (0, os.geteuid())
 
 
 class Worker:
@@ -56,6 +72,8 @@ class Worker:
         self.selector = selectors.PollSelector()
         # Shared-memory segments attached by co-located gateways, one per connection; dropped with it.
         self.shm: dict[socket.socket, mmap.mmap] = {}
+        # The one segment path each connection may attach: named by this worker with a random token (shm_token).
+        self.shm_offers: dict[socket.socket, pathlib.Path] = {}
         self._conn: socket.socket | None = None
         self.requests = 0
         self.restores = 0
@@ -75,6 +93,7 @@ class Worker:
             "wake": self._op_wake,
             "canary": self._op_canary,
             "swap": self._op_swap,
+            "shm_token": self._op_shm_token,
             "attach_shm": self._op_attach_shm,
             "rng": lambda f: ({"python": random.random(), "numpy": float(np.random.random())}, []),
         }
@@ -147,17 +166,40 @@ class Worker:
         meta, parts = protocol.pack_tensors(outputs)
         return {"tensors": meta}, parts
 
+    def _op_shm_token(self, frame: protocol.Frame) -> tuple[dict[str, Any], list[memoryview]]:
+        """Name the segment this connection may attach: a fresh random name in SHM_DIR, for the peer to create."""
+        if self._conn is None:
+            raise protocol.WorkerError("INTERNAL", "no connection")
+        owner = frame.header.get("owner", 0)  # the peer's PID, so that its segments are easy to tell apart
+        if not isinstance(owner, int) or isinstance(owner, bool) or owner < 0:
+            raise protocol.WorkerError("INVALID_ARGUMENT", "shm_token: owner must be a non-negative integer")
+        path = SHM_DIR / f"{SHM_PREFIX}{owner}-{secrets.token_hex(16)}"
+        self.shm_offers[self._conn] = path
+        return {"path": str(path)}, []
+
     def _op_attach_shm(self, frame: protocol.Frame) -> tuple[dict[str, Any], list[memoryview]]:
+        """Map the segment named by this connection's shm_token: a regular file (no link followed) that the
+        peer owns and that is at least `size` bytes. Anything else is refused before a byte is mapped."""
         path, size = frame.header.get("path"), frame.header.get("size")
         if not isinstance(path, str) or not isinstance(size, int) or size <= 0:
             raise protocol.WorkerError("INVALID_ARGUMENT", "attach_shm needs a path and a positive size")
         if self._conn is None:
             raise protocol.WorkerError("INTERNAL", "no connection")
+        offered = self.shm_offers.pop(self._conn, None)
+        if offered is None or path != str(offered):
+            raise protocol.WorkerError("PERMISSION_DENIED", f"attach_shm: {path!r} is not the segment this "
+                                       "connection was given (shm_token)")
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as exc:
             raise protocol.WorkerError("INVALID_ARGUMENT", f"attach_shm: {path}: {exc.strerror}") from None
         try:
+            info = os.fstat(fd)
+            _, peer_uid, _ = struct.unpack("3i", self._conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                      struct.calcsize("3i")))
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != peer_uid or info.st_size < size:
+                raise protocol.WorkerError("PERMISSION_DENIED", f"attach_shm: {path}: not a regular file of "
+                                           f"{size} bytes or more owned by the peer (uid {peer_uid})")
             self._detach(self._conn)
             self.shm[self._conn] = mmap.mmap(fd, size)
         finally:
@@ -165,6 +207,7 @@ class Worker:
         return {"size": size}, []
 
     def _detach(self, conn: socket.socket) -> None:
+        self.shm_offers.pop(conn, None)
         segment = self.shm.pop(conn, None)
         if segment is not None:
             with contextlib.suppress(BufferError):  # a view is still alive; the mapping goes with the process
@@ -203,6 +246,13 @@ class Worker:
         except (protocol.ProtocolError, OSError):
             return False
         op = frame.header.get("op")
+        if op in CONTROL_OPS and not _trusted(conn):
+            try:
+                protocol.send_frame(conn, protocol.WorkerError(
+                    "PERMISSION_DENIED", f"{op}: only the agent's user may move this worker").reply())
+            except OSError:
+                return False
+            return True
         if op == "prepare_checkpoint":
             protocol.send_frame(conn, {"ok": True})
             self.pause_for_checkpoint(str(frame.header.get("park") or ""))

@@ -185,8 +185,10 @@ class Hardware(Model):
                     "no minimum")
     precision: Precision = pydantic.Field(
         default=Precision.FP32,
-        description="precision the model's weights are in (fp32, fp16, bf16, int8); recorded, Volga does not "
-                    "convert weights. Default: fp32")
+        description="precision a PyTorch or TorchScript model runs in: fp16 and bf16 cast its floating-point weights "
+                    "at load, and its floating-point inputs and outputs at the edges (they keep their declared "
+                    "dtypes); fp32 runs the file as it is. int8 is recorded only (quantize the file itself); ONNX "
+                    "files carry their own types. Default: fp32")
     cuda_graphs: bool = pydantic.Field(
         default=False,
         description="capture CUDA graphs for the batch sizes named in slo.baselineLatencyMs (1 and 8 when none) "
@@ -332,6 +334,52 @@ class Pool(Model):
                 Tier.FROZEN: self.frozen, Tier.COLD: 0}[tier]
 
 
+MAX_BATCH = 65_536
+
+
+def _field_error(model: str, loc: tuple[str, ...], message: str) -> pydantic.ValidationError:
+    """A validation error at `loc` (below the model that raises it), with our own message."""
+    return pydantic.ValidationError.from_exception_data(model, [{
+        "type": "value_error", "loc": loc, "input": None, "ctx": {"error": ValueError(message)}}])
+
+
+class DynamicBatching(Model):
+    """Dynamic batching in the gateway, as Triton's dynamic batcher does it: requests for the model wait a short
+    while in a bounded queue and run together, concatenated along their first dimension (the batch)."""
+
+    enabled: bool = pydantic.Field(
+        default=False,
+        description="batch requests in the gateway; only for models whose every input and output has the batch "
+                    "as its first dimension (-1). Default: false")
+    preferred_batch_sizes: list[Annotated[int, pydantic.Field(ge=1, le=MAX_BATCH)]] = pydantic.Field(
+        default_factory=list, max_length=16,
+        description="batch sizes (in samples, rows of the first dimension) the gateway prefers to send, each at "
+                    "most runtime.maxBatchSize, at most 16, no repeats; empty: any size up to "
+                    "runtime.maxBatchSize. Default: empty",
+        json_schema_extra={"x-kubernetes-validations": [
+            {"rule": "self.all(a, self.filter(b, b == a).size() == 1)",
+             "message": "preferred batch sizes must not repeat"}]})
+    max_queue_delay_microseconds: int = pydantic.Field(
+        default=0, ge=0, le=10_000_000,
+        description="how long a request may wait for others to join its batch, in microseconds (0-10000000, "
+                    "10 s); 0 sends what is queued as soon as the model is free. Default: 0")
+    max_queue_size: int = pydantic.Field(
+        default=1024, ge=1, le=1_000_000,
+        description="requests that may wait in the model's queue (1-1000000); past it a request is refused "
+                    "with RESOURCE_EXHAUSTED (HTTP 429). Default: 1024")
+
+    @pydantic.field_validator("preferred_batch_sizes")
+    @classmethod
+    def _unique(cls, sizes: list[int]) -> list[int]:
+        if dupes := sorted({s for s in sizes if sizes.count(s) > 1}):
+            raise ValueError(f"preferred batch sizes must not repeat, repeated: {', '.join(map(str, dupes))}")
+        return sorted(sizes)
+
+
+_PREFERRED_FIT = ("!has(self.dynamicBatching) || !has(self.dynamicBatching.preferredBatchSizes) || "
+                  "self.dynamicBatching.preferredBatchSizes.all(s, s <= (has(self.maxBatchSize) ? "
+                  "self.maxBatchSize : 256))")
+
 # A warm-up tensor is allocated in the worker: more elements than this is a typo more often than a plan.
 MAX_WARMUP_ELEMENTS = 2**27
 
@@ -401,6 +449,9 @@ class WarmupSample(Model):
 class Runtime(Model):
     """How the worker runs the model."""
 
+    model_config = pydantic.ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        {"rule": _PREFERRED_FIT, "message": "dynamicBatching.preferredBatchSizes must be at most maxBatchSize"}]})
+
     warmup_iterations: int = pydantic.Field(
         default=3, ge=0, le=10_000,
         description="inferences on sample inputs after loading, before the first snapshot and the first request "
@@ -420,6 +471,19 @@ class Runtime(Model):
     max_batch_size: int = pydantic.Field(
         default=256, ge=1, le=65_536,
         description="the largest batch (first dimension) a request may send, in samples (1-65536). Default: 256")
+    dynamic_batching: DynamicBatching = pydantic.Field(
+        default_factory=DynamicBatching,
+        description="batching of requests in the gateway (enabled, preferred sizes, queue delay and size). "
+                    "Default: off")
+
+    @pydantic.model_validator(mode="after")
+    def _preferred_fit(self) -> Runtime:
+        over = [s for s in self.dynamic_batching.preferred_batch_sizes if s > self.max_batch_size]
+        if over:
+            raise _field_error("Runtime", ("dynamicBatching", "preferredBatchSizes"),
+                               f"{', '.join(map(str, over))} over runtime.maxBatchSize {self.max_batch_size}: "
+                               "a preferred batch size must be at most the largest batch")
+        return self
     warmup: list[WarmupSample] = pydantic.Field(
         default_factory=list, max_length=64,
         description="warm-up samples, at most 64, each run warmupIterations times after loading and before the "
@@ -439,6 +503,12 @@ class Runtime(Model):
 
 _UNIQUE_NAMES = "self.all(a, self.filter(b, b.name == a.name).size() == 1)"
 _SIGNATURE_READ = "self.framework == 'onnx' || (has(self.inputs) && has(self.outputs))"
+_BATCH_FIRST = ("!has(self.runtime) || !has(self.runtime.dynamicBatching) || "
+                "!has(self.runtime.dynamicBatching.enabled) || !self.runtime.dynamicBatching.enabled || "
+                "((!has(self.inputs) || self.inputs.all(t, size(t.shape) > 0 && t.shape[0] == -1)) && "
+                "(!has(self.outputs) || self.outputs.all(t, size(t.shape) > 0 && t.shape[0] == -1)))")
+NOT_BATCHED = ("dynamic batching needs every input and output to have the batch as its first dimension (-1); "
+               "{which}")
 NO_SIGNATURE = ("a {framework} file carries no tensor signature (names, dtypes and shapes) to read: write inputs and "
                 "outputs in the spec (only ONNX signatures are read from the model file)")
 
@@ -457,7 +527,8 @@ class ModelSpecSpec(Model):
     """What a model is and how Volga keeps it: its file, tensors, hardware, SLO, pool floors and runtime."""
 
     model_config = pydantic.ConfigDict(json_schema_extra={"x-kubernetes-validations": [
-        {"rule": _SIGNATURE_READ, "message": NO_SIGNATURE.format(framework="torchscript or pytorch")}]})
+        {"rule": _SIGNATURE_READ, "message": NO_SIGNATURE.format(framework="torchscript or pytorch")},
+        {"rule": _BATCH_FIRST, "message": NOT_BATCHED.format(which="a tensor's shape does not start with -1")}]})
 
     model_id: str = pydantic.Field(
         json_schema_extra={"maxLength": MAX_NAME, "pattern": _MODEL_ID.pattern},
@@ -513,11 +584,23 @@ class ModelSpecSpec(Model):
             dupes = sorted({n for n in names if names.count(n) > 1})
             if dupes:
                 raise ValueError(f"{field}: tensor names must be unique, repeated: {', '.join(dupes)}")
+        if self.runtime.dynamic_batching.enabled:
+            unbatched = [f"{field}[{i}] {t.name!r} has shape {t.shape}"
+                         for field, tensors in (("inputs", self.inputs), ("outputs", self.outputs))
+                         for i, t in enumerate(tensors) if not t.shape or t.shape[0] != -1]
+            if unbatched:
+                raise _field_error("ModelSpecSpec", ("runtime", "dynamicBatching", "enabled"),
+                                   NOT_BATCHED.format(which="; ".join(unbatched)))
         if problems := warmup_problems(self):
             raise pydantic.ValidationError.from_exception_data("ModelSpecSpec", [
                 {"type": "value_error", "loc": loc, "input": None, "ctx": {"error": ValueError(reason)}}
                 for loc, reason in problems])
         return self
+
+    @property
+    def batches(self) -> bool:
+        """Every input and output has the batch as its first dimension (-1): requests can be concatenated."""
+        return self.has_signature and all(t.shape and t.shape[0] == -1 for t in [*self.inputs, *self.outputs])
 
     @pydantic.model_serializer(mode="wrap")
     def _omit_unread(self, handler: pydantic.SerializerFunctionWrapHandler) -> dict[str, Any]:

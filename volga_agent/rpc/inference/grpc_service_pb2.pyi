@@ -313,18 +313,50 @@ class ModelOutput(_message.Message):
     dims: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, name: _Optional[str] = ..., data_type: _Optional[_Union[DataType, str]] = ..., dims: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class ModelQueuePolicy(_message.Message):
+    __slots__ = ("timeout_action", "default_timeout_microseconds", "allow_timeout_override", "max_queue_size")
+    class TimeoutAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        REJECT: _ClassVar[ModelQueuePolicy.TimeoutAction]
+        DELAY: _ClassVar[ModelQueuePolicy.TimeoutAction]
+    REJECT: ModelQueuePolicy.TimeoutAction
+    DELAY: ModelQueuePolicy.TimeoutAction
+    TIMEOUT_ACTION_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_TIMEOUT_MICROSECONDS_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_TIMEOUT_OVERRIDE_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    timeout_action: ModelQueuePolicy.TimeoutAction
+    default_timeout_microseconds: int
+    allow_timeout_override: bool
+    max_queue_size: int
+    def __init__(self, timeout_action: _Optional[_Union[ModelQueuePolicy.TimeoutAction, str]] = ..., default_timeout_microseconds: _Optional[int] = ..., allow_timeout_override: bool = ..., max_queue_size: _Optional[int] = ...) -> None: ...
+
+class ModelDynamicBatching(_message.Message):
+    __slots__ = ("preferred_batch_size", "max_queue_delay_microseconds", "preserve_ordering", "default_queue_policy")
+    PREFERRED_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUE_DELAY_MICROSECONDS_FIELD_NUMBER: _ClassVar[int]
+    PRESERVE_ORDERING_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_QUEUE_POLICY_FIELD_NUMBER: _ClassVar[int]
+    preferred_batch_size: _containers.RepeatedScalarFieldContainer[int]
+    max_queue_delay_microseconds: int
+    preserve_ordering: bool
+    default_queue_policy: ModelQueuePolicy
+    def __init__(self, preferred_batch_size: _Optional[_Iterable[int]] = ..., max_queue_delay_microseconds: _Optional[int] = ..., preserve_ordering: bool = ..., default_queue_policy: _Optional[_Union[ModelQueuePolicy, _Mapping]] = ...) -> None: ...
+
 class ModelConfig(_message.Message):
-    __slots__ = ("name", "platform", "backend", "max_batch_size", "input", "output")
+    __slots__ = ("name", "platform", "backend", "max_batch_size", "input", "output", "dynamic_batching")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PLATFORM_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     INPUT_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    DYNAMIC_BATCHING_FIELD_NUMBER: _ClassVar[int]
     name: str
     platform: str
     backend: str
     max_batch_size: int
     input: _containers.RepeatedCompositeFieldContainer[ModelInput]
     output: _containers.RepeatedCompositeFieldContainer[ModelOutput]
-    def __init__(self, name: _Optional[str] = ..., platform: _Optional[str] = ..., backend: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., input: _Optional[_Iterable[_Union[ModelInput, _Mapping]]] = ..., output: _Optional[_Iterable[_Union[ModelOutput, _Mapping]]] = ...) -> None: ...
+    dynamic_batching: ModelDynamicBatching
+    def __init__(self, name: _Optional[str] = ..., platform: _Optional[str] = ..., backend: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., input: _Optional[_Iterable[_Union[ModelInput, _Mapping]]] = ..., output: _Optional[_Iterable[_Union[ModelOutput, _Mapping]]] = ..., dynamic_batching: _Optional[_Union[ModelDynamicBatching, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,419 @@
+"""What a ModelSpec may make a node open and run, who may call the Agent API and the gateway, and how many
+instances a node starts (docs/security.md). The real pool, the real servers, an unmodified tritonclient."""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+import trustme
+import yaml
+from tritonclient.utils import InferenceServerException
+
+from volga_agent import admission, auth, defaultmodel, local, policy, pool, server
+from volga_agent.gateway import app, catalog, links
+from volga_agent.rpc.volga.v1 import agent_pb2, agent_pb2_grpc
+from volga_agent.worker import contract
+from volga_bench import harness
+from volga_operator import api, planner
+
+# tritonclient.http's __del__ closes its gevent pool from whichever thread collects it, and warns.
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+Tier = api.Tier
+TOKEN = "s3cret-token-for-tests"
+
+
+def spec_at(source: str, name: str = "m", framework: str = "onnx", **extra: Any) -> api.ModelSpec:
+    doc: dict[str, Any] = defaultmodel.spec_document(pathlib.Path("/x"))
+    doc["metadata"]["name"] = name
+    doc["spec"].update({"modelId": name, "source": source, "framework": framework, **extra})
+    return api.parse_model_spec(doc)
+
+
+@pytest.fixture
+def models(tmp_path: pathlib.Path, default_spec: api.ModelSpecSpec) -> pathlib.Path:
+    root = tmp_path / "models"
+    root.mkdir()
+    shutil.copy(default_spec.source_path, root / "m.onnx")
+    return root
+
+
+@pytest.fixture
+def token_file(tmp_path: pathlib.Path) -> pathlib.Path:
+    path = tmp_path / "tokens"
+    path.write_text(f"# one token a line\n{TOKEN}\n\nanother-token\n")
+    return path
+
+
+# --- model sources -------------------------------------------------------------------------------------------------
+
+
+def test_model_sources_resolve_inside_the_model_roots(models: pathlib.Path, tmp_path: pathlib.Path,
+                                                      rundir: pathlib.Path, caplog: pytest.LogCaptureFixture) -> None:
+    outside = tmp_path / "outside.onnx"
+    shutil.copy(models / "m.onnx", outside)
+    (models / "link.onnx").symlink_to(outside)
+    (models / "inner-link.onnx").symlink_to(models / "m.onnx")
+    (models / "folder.onnx").mkdir()
+    (models / "build.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
+    cases = {
+        "inside": (f"file://{models}/m.onnx", "onnx", ""),
+        "inner-link": (f"{models}/inner-link.onnx", "onnx", ""),
+        "passwd": ("/etc/passwd", "onnx", "resolves to /etc/passwd, outside the model roots"),
+        "dotdot": (f"{models}/../outside.onnx", "onnx", f"resolves to {outside}, outside the model roots"),
+        "link": (f"{models}/link.onnx", "onnx", f"resolves to {outside}, outside the model roots"),
+        "folder": (f"{models}/folder.onnx", "onnx", "which is not a regular file"),
+        "missing": (f"{models}/nope.onnx", "onnx", f"model file {models}/nope.onnx does not exist"),
+        "relative": ("m.onnx", "onnx", "must be an absolute path on the node"),
+        "code": (f"{models}/build.py", "pytorch", "this node does not allow model code; use onnx or torchscript, "
+                                                  "or allow it with settings.allow_model_code"),
+    }
+    specs = {name: spec_at(source, name, framework).spec for name, (source, framework, _) in cases.items()}
+    desired = [planner.Desired(name, name, name, "n1", Tier.COLD) for name in cases]
+    p = pool.Pool("n1", rundir, None, policy.Settings(model_roots=(str(models),)))
+    try:
+        p.apply(desired, specs)
+        reasons = {i.name: i.state_reason for i in p.instances(include_failed=True)}
+        created = set(p.slots)
+    finally:
+        p.close()
+    for name, (_, _, reason) in cases.items():
+        # The recorded reason is shortened in the middle (paths here are long); the log has it whole.
+        assert (reasons[name].startswith("cannot create the instance: ValueError: spec.source: ") and reason
+                in reasons[name]) if reason else reasons[name] == "", (name, reasons[name])
+    assert f"spec.source: {models}/link.onnx: resolves to {outside}, outside the model roots ({models})" in caplog.text
+    assert created == {"inside", "inner-link"}
+    assert not (tmp_path / "ran").exists()
+
+    allowed = pool.Pool("n1", rundir, None, policy.Settings(model_roots=(str(models),), allow_model_code=True))
+    try:
+        allowed.apply([planner.Desired("code", "code", "code", "n1", Tier.COLD)], {"code": specs["code"]})
+        assert set(allowed.slots) == {"code"} and not allowed.failed
+    finally:
+        allowed.close()
+
+
+@pytest.mark.integration
+def test_a_refused_source_is_the_models_readiness_reason(models: pathlib.Path) -> None:
+    refused = spec_at("/etc/passwd", "passwd")
+    bg, up = harness.start_embedded([refused], settings=policy.Settings(model_roots=(str(models),)))
+    try:
+        client = httpclient.InferenceServerClient(up.endpoints()["http"].removeprefix("http://"))
+        assert not client.is_model_ready("passwd")
+        [entry] = client.get_model_repository_index()
+        assert entry["state"] == "UNAVAILABLE" and "spec.source: /etc/passwd: resolves to /etc/passwd, outside the " \
+            "model roots" in entry["reason"], entry
+        client.close()
+    finally:
+        bg.call(up.stop(), timeout=60)
+        bg.close()
+
+
+def test_volga_up_defaults_its_model_roots_to_the_spec_folders(tmp_path: pathlib.Path) -> None:
+    from volga_agent import cli
+
+    specs = tmp_path / "specs"
+    specs.mkdir()
+    (specs / "a.yaml").write_text("")
+    args = cli.build_parser().parse_args(["up", "-f", str(specs / "a.yaml"), "-f", str(tmp_path)])
+    settings = cli.settings_from(args)
+    assert settings.model_roots == (str(tmp_path), str(specs), str(defaultmodel.default_cache()))
+    assert settings.allow_model_code is False
+    args = cli.build_parser().parse_args(["up", "--model-root", str(specs), "--allow-model-code"])
+    assert cli.settings_from(args).model_roots == (str(specs),) and cli.settings_from(args).allow_model_code
+
+
+def test_instance_folders_stay_inside_the_pools_roots(models: pathlib.Path, rundir: pathlib.Path) -> None:
+    spec = spec_at(str(models / "m.onnx")).spec
+    p = pool.Pool("n1", rundir / "work", None)
+    try:
+        names = ["../escaped", "a/b", "..", "/abs", "ok.name-1"]
+        p.apply([planner.Desired(name, "m", "m", "n1", Tier.COLD) for name in names], {"m": spec})
+        assert set(p.slots) == {"ok.name-1"}
+        for name in names[:-1]:
+            assert p.failed[name].startswith(f"ValueError: instance name {name!r}: must be a DNS-1123"), p.failed[name]
+    finally:
+        p.close()
+    assert not (rundir / "escaped").exists() and not (rundir / "work" / "a").exists()
+
+
+# --- caps ----------------------------------------------------------------------------------------------------------
+
+
+def test_node_defaults_come_from_the_machine() -> None:
+    total = admission.mem_total()
+    meminfo = dict(line.split(":", 1) for line in pathlib.Path("/proc/meminfo").read_text().splitlines())
+    assert total == int(meminfo["MemTotal"].split()[0]) * 1024 > 0
+    settings = admission.node_settings(policy.Settings(), total=64 * 2**30)
+    assert settings.host_memory_budget_bytes == int(0.8 * 64 * 2**30) and settings.max_instances == 256
+    kept = admission.node_settings(policy.Settings(host_memory_budget_bytes=2**30, max_instances=7), total=2**40)
+    assert (kept.host_memory_budget_bytes, kept.max_instances) == (2**30, 7)
+    none = admission.node_settings(policy.Settings(host_memory_fraction=0), total=2**40)
+    assert none.host_memory_budget_bytes == 0
+
+
+def test_the_pool_starts_no_more_instances_than_the_cap(models: pathlib.Path, rundir: pathlib.Path) -> None:
+    spec = spec_at(str(models / "m.onnx")).spec
+    p = pool.Pool("n1", rundir, None, policy.Settings(max_instances=2))
+    try:
+        p.apply([planner.Desired(f"m-{i}", "m", "m", "n1", Tier.COLD) for i in range(3)], {"m": spec})
+        assert sorted(p.slots) == ["m-0", "m-1"]
+        assert p.failed == {"m-2": "ValueError: settings.max_instances: this node runs at most 2 instances"}
+    finally:
+        p.close()
+
+
+def many_hot(folder: pathlib.Path, model: pathlib.Path, count: int) -> pathlib.Path:
+    docs = []
+    for i in range(count):
+        doc = spec_at(str(model), f"m{i}").to_wire()
+        doc["spec"]["pool"] = {"hot": api.MAX_FLOOR, "frozen": 0}
+        docs.append(doc)
+    path = folder / "many.yaml"
+    path.write_text(yaml.safe_dump_all(docs))
+    return path
+
+
+@pytest.mark.parametrize("cap", [None, 100])
+def test_volga_up_refuses_more_hot_instances_than_the_cap(models: pathlib.Path, cap: int | None) -> None:
+    default_cap = admission.node_settings(policy.Settings()).max_instances
+    count = (cap or default_cap) // api.MAX_FLOOR + 1
+    path = many_hot(models, models / "m.onnx", count)
+    extra = ["--max-instances", str(cap)] if cap else []
+    out = subprocess.run([sys.executable, "-m", "volga_agent.cli", "up", "-f", str(path), "--http-port", "0",
+                          "--grpc-port", "0", "--metrics-port", "0", "--agent-port", "-1", *extra],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"volga up: {count * api.MAX_FLOOR} instances are placed on this node, more than " \
+        f"settings.max_instances ({cap or default_cap})" in out.stderr
+    assert "  models" not in out.stdout  # nothing started
+
+
+# --- the Agent API -------------------------------------------------------------------------------------------------
+
+
+def test_the_agent_api_wants_a_token(token_file: pathlib.Path, rundir: pathlib.Path) -> None:
+    node_pool = pool.Pool("n1", rundir / "w", None)
+    sock = str(rundir / "agent.sock")
+
+    async def scenario() -> None:
+        with pytest.raises(ValueError, match=r"the Agent API listens on 0\.0\.0\.0 only with a token"):
+            await server.serve(node_pool, "0.0.0.0", 0)
+        srv, port = await server.serve(node_pool, "127.0.0.1", 0, sock, auth.Tokens.from_file(token_file))
+        try:
+            for target in (f"127.0.0.1:{port}", f"unix:{sock}"):
+                async with grpc.aio.insecure_channel(target) as channel:
+                    stub = agent_pb2_grpc.AgentStub(channel)
+                    for metadata in (None, [("authorization", "Bearer wrong")], [("authorization", TOKEN)]):
+                        with pytest.raises(grpc.aio.AioRpcError) as err:
+                            await stub.Status(agent_pb2.StatusRequest(), metadata=metadata)
+                        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                        assert "a bearer token is required" in (err.value.details() or "")
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await stub.Activate(agent_pb2.ActivateRequest(model_id="m"))
+                    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                    for token in (TOKEN, "another-token"):
+                        reply = await stub.Status(agent_pb2.StatusRequest(), metadata=auth.call_credentials(token))
+                        assert reply.node == "n1"
+                    link = links.GrpcAgentLink(target, TOKEN)
+                    assert await link.instances("m") == []
+                    await link.close()
+        finally:
+            await srv.stop(0)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        node_pool.close()
+
+
+def test_volga_agent_keeps_its_api_on_loopback_without_a_token(tmp_path: pathlib.Path) -> None:
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump(spec_at("/nope.onnx").to_wire()))
+    out = subprocess.run([sys.executable, "-m", "volga_agent.daemons", "-f", str(spec), "--agent-host", "0.0.0.0",
+                          "--workdir", str(tmp_path / "w")], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "--agent-host 0.0.0.0: the Agent API leaves loopback only with --token-file" in out.stderr
+
+
+def outward_address() -> str:
+    """An address of this machine other than loopback."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect(("192.0.2.1", 9))  # picks the route's source address; no packet is sent
+        address = str(probe.getsockname()[0])
+    if address.startswith("127."):
+        pytest.fail("this machine has no address other than loopback", pytrace=False)
+    return address
+
+
+def reachable(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=5).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.integration
+def test_volga_up_host_warns_and_never_exposes_the_agent_api(default_spec: api.ModelSpecSpec,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    spec = spec_at(str(default_spec.source_path), pool={"hot": 0, "frozen": 0})
+    bg, up = harness.start_embedded([spec], host="0.0.0.0")
+    try:
+        agent_port = int(up.endpoints()["agent"].rpartition(":")[2])
+        assert up.endpoints()["agent"] == f"127.0.0.1:{agent_port}"
+        assert "listens on 0.0.0.0 without authentication (--token-file); the Agent API stays on 127.0.0.1" \
+            in caplog.text
+        address = outward_address()
+        assert reachable(address, up.gateway.ports["grpc"]) and reachable("127.0.0.1", agent_port)
+        assert not reachable(address, agent_port)
+    finally:
+        bg.call(up.stop(), timeout=60)
+        bg.close()
+
+
+# --- the gateway ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def guarded() -> Iterator[local.Embedded]:
+    with tempfile.NamedTemporaryFile("w", prefix="volga-tokens-") as tokens:
+        tokens.write(TOKEN + "\n")
+        tokens.flush()
+        spec = defaultmodel.ensure()
+        bg, up = harness.start_embedded([spec], tokens=auth.Tokens.from_file(tokens.name))
+        bg.call(up.wait_converged(), timeout=300)
+        yield up
+        bg.call(up.stop(), timeout=60)
+        bg.close()
+
+
+BEARER = {"authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.mark.integration
+def test_the_gateway_wants_a_token_over_grpc(guarded: local.Embedded) -> None:
+    model = defaultmodel.MODEL_ID
+    x = contract.sample_inputs(guarded.gateway.catalog.decls(model), batch=2, seed=8)
+    client = grpcclient.InferenceServerClient(guarded.endpoints()["grpc"])
+    try:
+        assert client.is_server_live() and client.is_server_ready()  # health checks need no token
+        inputs = harness.triton_inputs(guarded.gateway.catalog.decls(model), x)
+        for call in (lambda h: client.infer(model, inputs, headers=h),
+                     lambda h: client.get_model_metadata(model, headers=h),
+                     lambda h: client.is_model_ready(model, headers=h)):
+            for headers in (None, {"authorization": "Bearer nope"}, {"authorization": TOKEN}):
+                with pytest.raises(InferenceServerException) as err:
+                    call(headers)
+                assert err.value.status() == "StatusCode.UNAUTHENTICATED", err.value
+        out = client.infer(model, inputs, headers=BEARER).as_numpy("probability")
+        assert out.shape == (2, 1) and np.all((out > 0) & (out < 1))
+        assert client.is_model_ready(model, headers=BEARER)
+    finally:
+        client.close()
+
+
+@pytest.mark.integration
+def test_the_gateway_wants_a_token_over_rest(guarded: local.Embedded) -> None:
+    model = defaultmodel.MODEL_ID
+    decls = guarded.gateway.catalog.decls(model)
+    x = contract.sample_inputs(decls, batch=2, seed=9)
+    url = guarded.endpoints()["http"]
+    client = httpclient.InferenceServerClient(url.removeprefix("http://"))
+    try:
+        assert client.is_server_live() and client.is_server_ready()
+        inputs = harness.triton_inputs(decls, x, httpclient)
+        with pytest.raises(InferenceServerException) as err:
+            client.infer(model, inputs)
+        assert "a bearer token is required" in str(err.value)
+        with pytest.raises(InferenceServerException):
+            client.get_model_metadata(model, headers={"authorization": "Bearer nope"})
+        out = client.infer(model, inputs, headers=BEARER).as_numpy("probability")
+        assert out.shape == (2, 1)
+        assert client.get_model_metadata(model, headers=BEARER)["name"] == model
+    finally:
+        client.close()
+    with pytest.raises(urllib.error.HTTPError) as http_err:
+        urllib.request.urlopen(f"{url}/v2/models/{model}", timeout=10)
+    assert http_err.value.code == 401 and http_err.value.headers["WWW-Authenticate"] == 'Bearer realm="volga"'
+    http_err.value.close()
+    request = urllib.request.Request(f"{url}/v2/models/{model}", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert urllib.request.urlopen(request, timeout=10).status == 200
+    assert urllib.request.urlopen(f"{url}/v2/health/live", timeout=10).status == 200
+
+
+def test_tokens_files_and_headers() -> None:
+    tokens = auth.Tokens((b"abc", b"def"))
+    assert tokens.accepts("Bearer abc") and tokens.accepts("bearer def") and tokens.accepts("  Bearer  abc ")
+    for header in (None, "", "abc", "Bearer", "Bearer ab", "Bearer abcd", "Basic abc"):
+        assert not tokens.accepts(header), header
+    with tempfile.NamedTemporaryFile("w") as empty:
+        empty.write("# nothing\n\n")
+        empty.flush()
+        with pytest.raises(ValueError, match="no token in the file"):
+            auth.Tokens.from_file(empty.name)
+
+
+def test_the_gateway_speaks_mutual_tls(tmp_path: pathlib.Path) -> None:
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    client_cert = ca.issue_cert("client@volga")
+    files = {}
+    for name, blob in (("ca", ca.cert_pem), ("key", cert.private_key_pem), ("cert", cert.cert_chain_pems[0]),
+                       ("client-key", client_cert.private_key_pem), ("client-cert", client_cert.cert_chain_pems[0])):
+        files[name] = tmp_path / f"{name}.pem"
+        blob.write_to_path(str(files[name]))
+    settings = app.Settings(http_port=0, grpc_port=0, metrics_port=0, tls_cert_file=str(files["cert"]),
+                            tls_key_file=str(files["key"]), tls_client_ca_file=str(files["ca"]))
+    bg = harness.Background()
+    gateway = app.Gateway(catalog.Catalog(), links.LocalAgentLink(lambda model, hint: links.Route("", "")), settings)
+    bg.call(gateway.start())
+    url = f"localhost:{gateway.ports['grpc']}"
+    try:
+        trusted = grpcclient.InferenceServerClient(url, ssl=True, root_certificates=str(files["ca"]),
+                                                   private_key=str(files["client-key"]),
+                                                   certificate_chain=str(files["client-cert"]))
+        assert trusted.is_server_live()
+        trusted.close()
+        anonymous = grpcclient.InferenceServerClient(url, ssl=True, root_certificates=str(files["ca"]))
+        with pytest.raises(InferenceServerException):
+            anonymous.is_server_live()
+        anonymous.close()
+        plain = grpcclient.InferenceServerClient(url)
+        with pytest.raises(InferenceServerException):
+            plain.is_server_live()
+        plain.close()
+    finally:
+        bg.call(gateway.stop(), timeout=30)
+        bg.close()
+
+
+def test_the_gateway_daemon_warns_without_authentication_beyond_loopback(tmp_path: pathlib.Path) -> None:
+    assert auth.is_loopback("127.0.0.1") and auth.is_loopback("localhost") and auth.is_loopback("::1")
+    assert not auth.is_loopback("0.0.0.0") and not auth.is_loopback("192.0.2.2") and not auth.is_loopback("::")
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump(spec_at("/nope.onnx").to_wire()))
+    command = [sys.executable, "-c", "import sys; from volga_agent import daemons; sys.exit(daemons.gateway_main())",
+               "-f", str(spec), "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"]
+    for extra, warned in (([], False), (["--host", "0.0.0.0"], True)):
+        proc = subprocess.Popen([*command, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+        assert line.startswith("volga-gateway: HTTP " + ("0.0.0.0" if warned else "127.0.0.1")), line + err
+        assert ("volga-gateway listens on 0.0.0.0 without authentication" in err) is warned, err

@@ -1,0 +1,187 @@
+"""Each tier's first answer through `volga up`'s gateway, for real model architectures.
+
+`volga bench tiers` times an instance's wakes from inside the agent. This bench is what a client sees: one
+`volga up` (agent, gateway and pool in one process) serves every model; for each model and tier the instance
+is moved to the tier, and one request sent with an unmodified tritonclient over gRPC wakes it. The time from
+send to answer is the first-answer latency; the agent's own wake time is reported beside it, and every answer is
+compared bit for bit with the model's HOT answer through the same gateway.
+
+On the GPU machine, `architectures()` builds a ResNet-50 (torchvision), a BERT-base encoder and a GPT-2-medium
+sized decoder (transformers), with random weights, in fp32 and fp16, as TorchScript files: nothing is downloaded.
+    python3 -m volga_agent.cli bench endtoend --gpu [--models resnet50,bert,gpt2] [-n 3] [--out FILE]
+Without `--gpu` the default CTR model runs through HOT, FROZEN and COLD on the CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import pathlib
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from volga_agent import defaultmodel, local, policy
+from volga_agent.worker import contract
+from volga_bench import reporting
+from volga_operator import api
+
+Tier = api.Tier
+GPU_TIERS = (Tier.WARM, Tier.SUSPENDED, Tier.FROZEN, Tier.COLD)
+CPU_TIERS = (Tier.FROZEN, Tier.COLD)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One model: its ModelSpec and the request sent to it."""
+
+    spec: api.ModelSpec
+    inputs: dict[str, np.ndarray]
+    weights_bytes: int = 0
+
+
+def _spec(name: str, source: pathlib.Path, inputs: list[dict[str, Any]], outputs: list[dict[str, Any]],
+          precision: str, gpu: bool) -> api.ModelSpec:
+    return api.ModelSpec.model_validate({
+        "apiVersion": "volga.dev/v1alpha1", "kind": "ModelSpec", "metadata": {"name": name},
+        "spec": {"modelId": name, "framework": "torchscript", "source": str(source), "inputs": inputs,
+                 "outputs": outputs, "hardware": {"gpu": gpu, "precision": precision},
+                 "pool": {"hot": 1, "frozen": 0}, "runtime": {"warmupIterations": 2}}})
+
+
+def architectures(folder: pathlib.Path, names: Sequence[str] = ("resnet50", "bert", "gpt2"),
+                  precisions: Sequence[str] = ("fp32", "fp16")) -> list[Case]:
+    """Real architectures with random weights, traced to TorchScript on the GPU (torch, torchvision, transformers)."""
+    import torch
+
+    folder.mkdir(parents=True, exist_ok=True)
+
+    class First(torch.nn.Module):  # type: ignore[misc,unused-ignore]
+        """A transformers model's first output (its hidden states), so the traced file returns one tensor."""
+
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.inner(ids)[0]
+
+    def build(name: str) -> tuple[torch.nn.Module, torch.Tensor, str, list[int]]:
+        torch.manual_seed(0)
+        if name == "resnet50":
+            import torchvision
+
+            return torchvision.models.resnet50(), torch.randn(1, 3, 224, 224), "logits", [-1, 1000]
+        import transformers
+
+        if name == "bert":
+            config = transformers.BertConfig(torchscript=True)
+            return First(transformers.BertModel(config)), torch.randint(0, 30000, (1, 128)), "hidden", [-1, 128, 768]
+        if name == "gpt2":
+            config = transformers.GPT2Config(n_layer=24, n_embd=1024, n_head=16, torchscript=True)
+            return First(transformers.GPT2Model(config)), torch.randint(0, 50000, (1, 64)), "hidden", [-1, 64, 1024]
+        raise ValueError(f"unknown architecture {name!r}: resnet50, bert or gpt2")
+
+    cases = []
+    for name in names:
+        module, example, output, out_shape = build(name)
+        for precision in precisions:
+            half = precision == "fp16"
+            model = (module.half() if half else module.float()).eval().cuda()
+            x = example.half() if half and example.is_floating_point() else example
+            path = folder / f"{name}-{precision}.pt"
+            with torch.no_grad():
+                torch.jit.trace(model, x.cuda()).save(str(path))
+            weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+            in_dtype = "INT64" if not x.is_floating_point() else ("FP16" if half else "FP32")
+            spec = _spec(f"{name}-{precision}", path, [{"name": "x", "dtype": in_dtype, "shape": [-1, *x.shape[1:]]}],
+                         [{"name": output, "dtype": "FP16" if half else "FP32", "shape": out_shape}], precision, True)
+            cases.append(Case(spec, {"x": x.numpy()}, weights))
+        del module
+    torch.cuda.empty_cache()
+    return cases
+
+
+def default_case() -> Case:
+    spec = defaultmodel.ensure()
+    spec = spec.model_copy(update={"spec": spec.spec.model_copy(update={"pool": api.Pool(hot=1, frozen=0)})})
+    decls = tuple(contract.TensorDecl(t.name, t.dtype.value, tuple(t.shape)) for t in spec.spec.inputs)
+    return Case(spec, contract.sample_inputs(decls, batch=1, seed=0))
+
+
+async def run(cases: Sequence[Case], tiers: Sequence[Tier], n: int, settings: policy.Settings | None = None,
+              progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """Serve every case in one `volga up`, and time each tier's first answer through the gateway."""
+    import tritonclient.grpc as grpcclient
+
+    # The pool's loop does not run (tick_sec): only the bench moves instances, and only requests wake them.
+    options = local.Options(settings=settings or policy.Settings(), tick_sec=3600.0, http_port=0, grpc_port=0,
+                            metrics_port=0, agent_port=-1)
+    up = local.Embedded([c.spec for c in cases], options)
+    await up.start()
+    report: dict[str, Any] = {"models": {}}
+    try:
+        await up.wait_converged()
+        client = grpcclient.InferenceServerClient(up.endpoints()["grpc"])
+
+        def ask(case: Case) -> dict[str, np.ndarray]:
+            request = []
+            for name, value in case.inputs.items():
+                tensor = grpcclient.InferInput(name, list(value.shape), _triton_dtype(value.dtype))
+                tensor.set_data_from_numpy(value)
+                request.append(tensor)
+            result = client.infer(case.spec.spec.model_id, request)
+            return {t.name: result.as_numpy(t.name) for t in case.spec.spec.outputs}
+
+        for case in cases:
+            model = case.spec.spec.model_id
+            name = up.pool.instances(model)[0].name
+            reference = await asyncio.to_thread(ask, case)
+            row: dict[str, Any] = {"weights_bytes": case.weights_bytes, "mismatches": 0}
+            hot: list[float] = []
+            for _ in range(n):
+                start = time.perf_counter()
+                await asyncio.to_thread(ask, case)
+                hot.append(time.perf_counter() - start)
+            row["hot"] = reporting.summarize(hot)
+            for tier in tiers:
+                first, woke, entered = [], [], []
+                for i in range(n if tier != Tier.COLD else max(1, n // 2)):
+                    progress(f"{model}: {tier.value} {i + 1}/{n}")
+                    move = await asyncio.to_thread(up.pool.move_to, name, tier)
+                    if move is not None:
+                        entered.append(move.seconds)
+                    start = time.perf_counter()
+                    answer = await asyncio.to_thread(ask, case)
+                    first.append(time.perf_counter() - start)
+                    info = up.pool.instances(model)[0]
+                    woke.append(info.last_wake_ms / 1e3)
+                    row["mismatches"] += int(any(not np.array_equal(answer[k], reference[k]) for k in reference))
+                row[tier.value.lower()] = {"first_answer": reporting.summarize(first),
+                                           "agent_wake": reporting.summarize(woke),
+                                           "enter": reporting.summarize(entered) if entered else None}
+            row["restore_failures"] = up.pool.slots[name].inst.restore_failures
+            report["models"][model] = row
+        client.close()
+    finally:
+        await up.stop()
+    return report
+
+
+def _triton_dtype(dtype: np.dtype[Any]) -> str:
+    return {"float32": "FP32", "float16": "FP16", "int64": "INT64", "int32": "INT32"}[np.dtype(dtype).name]
+
+
+def format_table(report: dict[str, Any]) -> str:
+    rows = [f"{'model':<14} {'tier':<10} {'first answer p50 ms':>20} {'p99 ms':>9} {'agent wake p50 ms':>18}"]
+    for model, row in report["models"].items():
+        rows.append(f"{model:<14} {'hot':<10} {row['hot']['p50_ms']:>20.1f} {row['hot']['p99_ms']:>9.1f}")
+        for tier in ("warm", "suspended", "frozen", "cold"):
+            if tier in row:
+                r = row[tier]
+                rows.append(f"{'':<14} {tier:<10} {r['first_answer']['p50_ms']:>20.1f} "
+                            f"{r['first_answer']['p99_ms']:>9.1f} {r['agent_wake']['p50_ms']:>18.1f}")
+        rows.append(f"{'':<14} mismatches {row['mismatches']}, restore failures {row['restore_failures']}")
+    return "\n".join(rows)
