@@ -38,6 +38,8 @@ def test_bench_peers_prints_both_sides_in_json() -> None:
     assert volga["frozen_wake"]["n"] == 2 and kserve["cold_start"]["n"] == 1
     assert volga["hot"]["n"] == kserve["hot"]["n"] == 40
     assert report["kserve_versions"]["kserve"]
+    batched = report["volga_batched"]  # the default model with dynamic batching in the gateway
+    assert batched["conc8_rps"] > 0 and batched["hot"]["n"] == 40 and batched["outputs_match"]
 
 
 def test_bench_peers_names_a_missing_kserve_interpreter() -> None:

@@ -299,7 +299,8 @@ def cmd_bench_peers(args: argparse.Namespace) -> int:
         return _no_bench("bench peers", exc)
     settings = peers.Settings(requests=args.requests, warmup=args.warmup, seconds=args.seconds,
                               concurrency=tuple(args.clients), cold_starts=args.cold_starts, wakes=args.wakes,
-                              idle_sec=args.idle_sec, kserve_python=args.kserve_python or "")
+                              idle_sec=args.idle_sec, kserve_python=args.kserve_python or "",
+                              batched=not args.no_batched)
     try:
         report = peers.run(settings, progress=_progress(args.json))
     except peers.KServeMissing as exc:
@@ -486,6 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--idle-sec", type=float, default=2.0, help="volga up --idle-sec: back to FROZEN between wakes")
     p.add_argument("--kserve-python", help="the interpreter that runs KServe (default: $VOLGA_KSERVE_PYTHON, "
                    "else this one, with the peers extra)")
+    p.add_argument("--no-batched", action="store_true", help="leave out Volga with dynamic batching")
     p.add_argument("--json", action="store_true")
     p.add_argument("--out")
     p.set_defaults(func=cmd_bench_peers)

@@ -8,7 +8,8 @@ bench runs, one after the other, in one run:
   settings as Volga's worker), started `cold_starts` times; each time from process start to the first correct
   answer (before any pod scheduling or image pull a cluster adds), the last one then serves the steady state;
 - Volga: `volga up` with the default model (as a user runs it, a separate process): the steady state, then
-  FROZEN wakes to the first answer (the instance goes back to FROZEN after `--idle-sec` between wakes).
+  FROZEN wakes to the first answer (the instance goes back to FROZEN after `--idle-sec` between wakes);
+- Volga with dynamic batching in the gateway (`spec.runtime.dynamicBatching`): the same steady state.
 
 The steady state is the same for both: an unmodified tritonclient over gRPC at batch 1; HOT p50/p99 with one
 client sending `requests` requests back to back, then the throughput of 8 and 32 clients (threads, each its own
@@ -40,6 +41,7 @@ import grpc
 import numpy as np
 import onnxruntime as ort
 import tritonclient.grpc as grpcclient
+import yaml
 
 from volga_agent import defaultmodel, instance
 from volga_agent.rpc.volga.v1 import agent_pb2, agent_pb2_grpc
@@ -62,6 +64,7 @@ class Settings:
     wakes: int = 5  # Volga FROZEN wakes
     idle_sec: float = 2.0  # `volga up --idle-sec`: how soon an idle instance goes back to FROZEN
     kserve_python: str = ""  # the interpreter that runs KServe; "" finds one (`find_kserve`)
+    batched: bool = True  # also Volga with dynamic batching in the gateway (`run_volga_batched`)
 
 
 class KServeMissing(RuntimeError):
@@ -335,10 +338,26 @@ def run_volga(work: Workload, settings: Settings, progress: Callable[[str], None
 
 
 # -- dynamic batching ------------------------------------------------------------------------------------------
-# The batched comparison goes here once Volga's gateway batches requests (spec.runtime.dynamicBatching): the
-# same `steady_state` against `volga up -f` a copy of the default ModelSpec with dynamicBatching on, beside
-# KServe (which batches only through its separate agent container, so it stays unbatched), reported under
-# "volga_batched".
+
+
+def run_volga_batched(work: Workload, settings: Settings, folder: pathlib.Path,
+                      progress: Callable[[str], None]) -> dict[str, Any]:
+    """The same steady state against `volga up` serving the default model with dynamic batching in the gateway
+    (`spec.runtime.dynamicBatching`, no added queue delay), HOT. KServe has no batcher in its ModelServer (it
+    batches through a separate agent container), so it has no batched counterpart here."""
+    doc: dict[str, Any] = defaultmodel.spec_document(pathlib.Path(defaultmodel.ensure().spec.source_path))
+    doc["spec"]["pool"] = {"hot": 1, "frozen": 0}
+    doc["spec"]["runtime"]["dynamicBatching"] = {"enabled": True, "maxQueueDelayMicroseconds": 0,
+                                                 "maxQueueSize": 4096}
+    api.parse_model_spec(doc)
+    path = folder / "batched.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    check = Checker(work.reference)
+    progress("Volga, dynamic batching: starting volga up -f (the default model, batched, HOT) ...")
+    with harness.volga_up(["-f", str(path)]) as up, grpc.insecure_channel(up.endpoints["agent"]) as channel:
+        _wait_tier(agent_pb2_grpc.AgentStub(channel), work.model, api.Tier.HOT.value)
+        out = steady_state(up.endpoints["grpc"], work, settings, check, progress)
+    return {**out, **check.report()}
 
 
 # -- the run ---------------------------------------------------------------------------------------------------
@@ -379,11 +398,13 @@ def run(settings: Settings | None = None, progress: Callable[[str], None] = lamb
     with tempfile.TemporaryDirectory(prefix="volga-peers-") as logdir:
         kserve = run_kserve(python, model_path, work, threads, settings, pathlib.Path(logdir), progress)
         volga = run_volga(work, settings, progress)
+        batched = run_volga_batched(work, settings, pathlib.Path(logdir), progress) if settings.batched else None
     load_end = os.getloadavg()
     first = settings.concurrency[0] if settings.concurrency else None
     return {
         "volga": volga,
         "kserve": kserve,
+        **({"volga_batched": batched} if batched else {}),
         "model_alone": alone,
         "volga_vs_kserve": {
             "hot_p50_ratio": round(volga["hot_p50_ms"] / kserve["hot_p50_ms"], 3),
@@ -416,10 +437,12 @@ def format_report(report: dict[str, Any]) -> str:
     conc = [key for key in v if key.startswith("conc") and key.endswith("_rps")]
     rows = [("HOT p50 ms (1 client)", "hot_p50_ms"), ("HOT p99 ms (1 client)", "hot_p99_ms"),
             *((f"{key[4:-4]} clients, requests/s", key) for key in conc)]
+    b = report.get("volga_batched")
     lines = [f"{report['model']}, batch 1, {report['intra_op_threads']} intra-op thread(s); {report['device']}; "
              f"KServe {report['kserve_versions']['kserve']}; load average {report['load_avg_1m']}",
              f"{'':<28}{'Volga':>12}{'KServe':>12}"]
-    lines += [f"{label:<28}{v[key]:>12.2f}{k[key]:>12.2f}" for label, key in rows]
+    lines[-1] += f"{'Volga batched':>16}" if b else ""
+    lines += [f"{label:<28}{v[key]:>12.2f}{k[key]:>12.2f}" + (f"{b[key]:>16.2f}" if b else "") for label, key in rows]
     lines.append(f"{'first answer ms':<28}{v['frozen_wake_ms']:>12.1f}{k['cold_start_ms']:>12.1f}"
                  "   (Volga: FROZEN wake; KServe: process start)")
     lines.append(f"model alone in-process: p50 {report['model_alone']['p50_ms']:.3f} ms, "
