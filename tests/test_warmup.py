@@ -151,7 +151,8 @@ def test_a_model_that_refuses_made_up_inputs_reaches_frozen_with_declared_ones(t
             document("vad-file", {"warmupFile": "speech.npz"}),
             document("vad-bad-sample", {"warmup": [*GOOD, bad_sample]})]
     (tmp_path / "vad.yaml").write_text(yaml.safe_dump_all(docs))
-    with harness.volga_up(["-f", str(tmp_path / "vad.yaml")]) as up:
+    # The model file lives in the installed package, outside the spec's folder (the default model root).
+    with harness.volga_up(["-f", str(tmp_path / "vad.yaml"), "--model-root", str(SILERO.parent)]) as up:
         def settled() -> dict[str, dict[str, Any]] | None:
             now = status(up)
             done = all(m["tiers"].get("FROZEN") or (m["instanceList"] and m["instanceList"][0]["reason"])
