@@ -122,7 +122,8 @@ def settings_from(args: argparse.Namespace) -> policy.Settings:
     idle = args.idle_sec
     overrides = {k: v for k, v in {"hot_idle_sec": idle, "warm_idle_sec": idle, "suspended_idle_sec": idle,
                                    "scheduler_eviction_policy": args.eviction_policy,
-                                   "lazy_restore": args.lazy_restore or None}.items() if v is not None}
+                                   "lazy_restore": args.lazy_restore or None,
+                                   "criu_timeout_floor_sec": args.criu_timeout_sec}.items() if v is not None}
     return policy.Settings.from_mapping(overrides)
 
 
@@ -265,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="idle seconds before an instance goes down a tier (on a CPU node: HOT -> FROZEN)")
     p.add_argument("--lazy-restore", action="store_true", help="restore FROZEN images with CRIU lazy pages")
     p.add_argument("--eviction-policy", choices=["lru", "hybrid"])
+    p.add_argument("--criu-timeout-sec", type=float,
+                   help="seconds a CRIU call may take before it is killed, plus 10 per GiB it moves (default 10)")
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=cmd_up)
 

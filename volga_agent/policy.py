@@ -96,6 +96,10 @@ class Settings(pydantic.BaseModel):
     verify_restores: bool = True
     # Failed restores whose image and logs stay under the snapshot root's failed/ folder, newest first.
     keep_failed_restores: Annotated[int, pydantic.Field(ge=0)] = 3
+    # Every CRIU call (dump, restore, lazy-pages start, check) is killed with its whole process tree after
+    # criu_timeout_floor_sec plus criu_timeout_sec_per_gib per GiB it moves; a restore killed so is a failed one.
+    criu_timeout_floor_sec: Annotated[float, pydantic.Field(gt=0)] = 10.0
+    criu_timeout_sec_per_gib: NonNegative = 10.0
 
     @pydantic.model_validator(mode="before")
     @classmethod
