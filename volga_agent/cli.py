@@ -7,6 +7,7 @@
     volga demo                        the embedded default model through the gateway, every tier timed
     volga bench tiers [--gpu] [--json] cold start vs each tier's wake -> first answer, in one run
     volga bench gateway [--json]      the gateway's added latency vs calling the worker directly
+    volga bench faults [--json]       `volga up` under traffic through injected faults: wrong answers, hangs, leaks
     volga build-model [--out DIR]     build the embedded default model and print its ModelSpec
 """
 
@@ -124,6 +125,11 @@ def settings_from(args: argparse.Namespace) -> policy.Settings:
                                    "scheduler_eviction_policy": args.eviction_policy,
                                    "lazy_restore": args.lazy_restore or None,
                                    "criu_timeout_floor_sec": args.criu_timeout_sec}.items() if v is not None}
+    for item in args.set or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set {item}: expected NAME=VALUE")
+        overrides[key.strip()] = yaml.safe_load(value)
     return policy.Settings.from_mapping(overrides)
 
 
@@ -141,10 +147,15 @@ def cmd_up(args: argparse.Namespace) -> int:
     except (api.SpecError, OSError) as exc:
         print(exc, file=sys.stderr)
         return 2
+    try:
+        settings = settings_from(args)
+    except ValueError as exc:
+        print(f"volga up: {exc}", file=sys.stderr)
+        return 2
     options = local.Options(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                             metrics_port=args.metrics_port, agent_port=args.agent_port,
                             snapshot_root=pathlib.Path(args.snapshot_dir) if args.snapshot_dir else None,
-                            settings=settings_from(args))
+                            settings=settings)
     print(f"volga up: {len(specs)} ModelSpec(s); listening on", flush=True)
     try:
         uvloop.run(local.run(specs, options, lambda line: print(line, flush=True)))
@@ -236,6 +247,18 @@ def cmd_bench_scale(args: argparse.Namespace) -> int:
     return 0 if report["peak_writes_per_s"] <= report["write_limit_per_s"] else 1
 
 
+def cmd_bench_faults(args: argparse.Namespace) -> int:
+    try:
+        from volga_bench import faults, reporting
+    except ImportError as exc:
+        return _no_bench("bench faults", exc)
+    report = faults.run(args.rate, progress=_progress(args.json))
+    if args.out:
+        reporting.write_json(report, pathlib.Path(args.out))
+    print(json.dumps(report, indent=2) if args.json else faults.format_table(report))
+    return 0 if not (report["wrong_total"] or report["hangs_total"] or report["leaked_total"]) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="volga", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -268,6 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eviction-policy", choices=["lru", "hybrid"])
     p.add_argument("--criu-timeout-sec", type=float,
                    help="seconds a CRIU call may take before it is killed, plus 10 per GiB it moves (default 10)")
+    p.add_argument("--set", action="append", metavar="NAME=VALUE",
+                   help="an agent setting (snake_case or camelCase name; docs/architecture.md), repeatable")
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=cmd_up)
 
@@ -298,6 +323,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--out")
     p.set_defaults(func=cmd_bench_gateway)
+
+    p = bench.add_parser("faults", help="volga up under traffic: corrupt and truncated images, killed workers "
+                         "and agents, a full snapshot disk")
+    p.add_argument("--rate", type=float, default=20.0, help="requests per second")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--out")
+    p.set_defaults(func=cmd_bench_faults)
 
     p = bench.add_parser("scale", help="the operator on a real API server with kwok nodes and many ModelSpecs")
     p.add_argument("--nodes", type=int, default=200)
