@@ -146,7 +146,7 @@ def _infer_in_background(address: str) -> None:
 
 
 def _workers(pid: int) -> list[int]:
-    return [p for p in process.tree(pid)[1:] if "volga_agent.worker.serve" in faults.cmdline(p)]
+    return faults.workers(pid)
 
 
 @pytest.mark.integration
@@ -204,10 +204,10 @@ def test_the_next_start_cleans_up_after_a_killed_up(during: str) -> None:
         up.wait_tier("FROZEN")
         if during == "restore":
             _infer_in_background(up.grpc_address)
+            found = faults.wait_for_child(up.pid, ("criu", during), timeout=60)
         else:
             _infer(up.grpc_address)
-            up.agent.Release(faults.agent_pb2.ReleaseRequest(instance=up.instance().name), timeout=30)
-        found = faults.wait_for_child(up.pid, ("criu", during), timeout=60)
+            found = up.release_until_dump(timeout=60)
         assert found is not None, f"criu {during} was not seen"
     finally:
         up.kill()

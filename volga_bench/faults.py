@@ -83,6 +83,12 @@ def carrying(token: str) -> list[int]:
     return found
 
 
+def workers(pid: int) -> list[int]:
+    """The worker processes under `pid` (not the nsinit launcher that starts one, whose arguments name it too)."""
+    return [child for child in process.tree(pid)[1:]
+            if "volga_agent.worker.serve" in cmdline(child) and "nsinit" not in cmdline(child) and running(child)]
+
+
 def wait_for_child(pid: int, words: tuple[str, ...], timeout: float, every: float = 0.002) -> int | None:
     """The first descendant of `pid` whose command line holds all `words` (polled), or None after `timeout`."""
     deadline = time.monotonic() + timeout
@@ -155,10 +161,30 @@ class UpRun:
             time.sleep(0.05)
         raise TimeoutError(f"the instance did not reach {tier}; it is {TIERS[self.instance().tier]}")
 
-    def freeze(self, timeout: float = 120.0) -> Any:
-        """Release the instance (idle from now on): the next policy tick freezes it."""
+    def release(self) -> None:
+        """The instance counts as idle from now on: the next policy tick freezes it (unless that tick sees a
+        request newer than the release, which counts as a use: `freeze` and `release_until_dump` release again)."""
         self.agent.Release(agent_pb2.ReleaseRequest(instance=self.instance().name), timeout=30)
-        return self.wait_tier("FROZEN", timeout)
+
+    def freeze(self, timeout: float = 120.0) -> Any:
+        deadline = time.monotonic() + timeout
+        while True:
+            self.release()
+            try:
+                return self.wait_tier("FROZEN", 3.0)
+            except TimeoutError:
+                if time.monotonic() > deadline:
+                    raise
+
+    def release_until_dump(self, timeout: float = 120.0) -> int | None:
+        """Release until a criu dump of the instance runs; its PID (None after `timeout`)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.release()
+            found = wait_for_child(self.pid, ("criu", "dump"), timeout=3.0)
+            if found is not None:
+                return found
+        return None
 
     def image(self) -> pathlib.Path:
         """The instance's one published image folder."""
@@ -356,7 +382,7 @@ def run(rate: float = 20.0, settle_s: float = 3.0, progress: Callable[[str], Non
 
     progress("worker_sigkill: killing the HOT worker under traffic ...")
     up.wait_tier("HOT")
-    [worker] = [p for p in process.tree(up.pid)[1:] if "volga_agent.worker.serve" in cmdline(p)]
+    [worker] = workers(up.pid)
     start, failures = time.monotonic(), up.restore_failures()
     os.kill(worker, signal.SIGKILL)
     record("worker_sigkill", start, up, failures)
@@ -368,8 +394,9 @@ def run(rate: float = 20.0, settle_s: float = 3.0, progress: Callable[[str], Non
                 up.freeze()
         if words[1] == "dump":
             traffic.paused.set()
-            up.agent.Release(agent_pb2.ReleaseRequest(instance=up.instance().name), timeout=30)
-        found = wait_for_child(up.pid, words, timeout=120)
+            found = up.release_until_dump()
+        else:
+            found = wait_for_child(up.pid, words, timeout=120)
         start = time.monotonic()
         up.kill()
         killed.append(up)
@@ -400,7 +427,7 @@ def run(rate: float = 20.0, settle_s: float = 3.0, progress: Callable[[str], Non
                 while True:
                     f.write(b"\0" * 2**20)
             start = time.monotonic()
-            up.agent.Release(agent_pb2.ReleaseRequest(instance=up.instance().name), timeout=30)
+            up.release()
             deadline = time.monotonic() + 60
             while not up.instance().state_reason and time.monotonic() < deadline:
                 time.sleep(0.05)
