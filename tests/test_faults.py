@@ -160,12 +160,14 @@ def test_workers_die_with_a_killed_up(spec_file: pathlib.Path, how: str) -> None
         if how == "restored":
             up.wait_tier("FROZEN")
         _infer(up.grpc_address)
-        [worker] = _workers(up.pid)
+        found = _workers(up.pid)
+        assert found
         if how == "restored":
             assert up.instance().last_wake_ms > 0
     finally:
         up.kill()
-    wait_for("the worker to die with its agent", lambda: not faults.running(worker), timeout=30, every=0.05)
+    wait_for("the workers to die with their agent", lambda: not any(faults.running(w) for w in found), timeout=30,
+             every=0.05)
 
 
 @pytest.mark.integration
@@ -219,3 +221,24 @@ def test_the_next_start_cleans_up_after_a_killed_up(during: str) -> None:
         assert np.all((_infer(nxt.grpc_address) > 0) & (_infer(nxt.grpc_address) < 1))
     finally:
         nxt.stop()
+
+
+@pytest.mark.integration
+def test_a_snapshot_folder_that_cannot_be_written_keeps_the_worker_serving(
+        default_spec: api.ModelSpecSpec, rundir: pathlib.Path, criu_engine: criu.CriuEngine) -> None:
+    """A dump that cannot even create its folder (a full or read-only disk; here a file where the instance's folder
+    goes) is abandoned like a failed dump: the paused worker serves again, and nothing half-written is left."""
+    inst = instance.Instance("unwritable", default_spec, rundir, criu_engine)
+    try:
+        x = contract.sample_inputs(inst.config.inputs, batch=2, seed=5)
+        inst.to(Tier.HOT)
+        reference = inst.infer(x)["probability"]
+        (criu_engine.root / "unwritable").write_text("not a folder")
+        with pytest.raises(criu.CriuError, match="cannot write"):
+            inst.to(Tier.FROZEN)
+        assert inst.tier is Tier.HOT
+        assert np.array_equal(inst.infer(x)["probability"], reference)
+        assert not list(criu_engine.root.rglob(".tmp-*"))
+        (criu_engine.root / "unwritable").unlink()
+    finally:
+        inst.close()

@@ -427,9 +427,9 @@ def run(rate: float = 20.0, settle_s: float = 3.0, progress: Callable[[str], Non
                 while True:
                     f.write(b"\0" * 2**20)
             start = time.monotonic()
-            up.release()
+            dumped = up.release_until_dump(timeout=60) is not None
             deadline = time.monotonic() + 60
-            while not up.instance().state_reason and time.monotonic() < deadline:
+            while dumped and not up.instance().state_reason and time.monotonic() < deadline:
                 time.sleep(0.05)
             reason = up.instance().state_reason
         record("full_snapshot_disk", start, up, freeze_refused=reason[:200])

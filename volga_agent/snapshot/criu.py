@@ -244,20 +244,23 @@ class CriuEngine:
         if name == FAILED:
             raise ValueError(f"{FAILED!r} is the folder of failed restores, not an image name")
         folder = self.root / name
-        folder.mkdir(parents=True, exist_ok=True)
         snapshot_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
         tmp = folder / f".tmp-{snapshot_id}"
-        tmp.mkdir()
-        process.claim(tmp)
         args = ["dump", "-t", str(pid), "-D", str(tmp), "-o", "dump.log", "-v2", "--file-locks", "--shell-job"]
         if leave_running:
             args.append("--leave-running")
         start = time.perf_counter()
         try:
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp.mkdir()
+            process.claim(tmp)
             out = self._run(args, self.deadlines.for_bytes(sum(process.rss(p) for p in process.tree(pid))))
         except CriuError:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        except OSError as exc:  # a full or read-only snapshot disk: the dump is abandoned like a failed one
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CriuError(f"criu dump of pid {pid}: cannot write {tmp}: {exc}") from exc
         seconds = time.perf_counter() - start
         if out.returncode != 0:
             detail = _log_tail(tmp / "dump.log")
