@@ -60,7 +60,8 @@ def test_a_truncated_pages_file_costs_a_cold_start_not_a_hang(default_spec: api.
     """criu restore of a truncated pages file never ends (its restored task spins): the deadline kills the whole
     tree, the failure is counted in the restore-failure metric, keeps its image under failed/, and a cold start
     answers."""
-    settings = policy.Settings(criu_timeout_floor_sec=3.0, criu_timeout_sec_per_gib=0.0)
+    # Without checksums, which would refuse the truncated image before criu runs.
+    settings = policy.Settings(criu_timeout_floor_sec=3.0, criu_timeout_sec_per_gib=0.0, verify_image_checksums=False)
     node = pool.Pool("n1", rundir / "work", criu_engine.root, settings)
     try:
         node.apply([planner.Desired("t-0", "ms", default_spec.model_id, "n1", Tier.FROZEN)], {"ms": default_spec})
@@ -240,5 +241,24 @@ def test_a_snapshot_folder_that_cannot_be_written_keeps_the_worker_serving(
         assert np.array_equal(inst.infer(x)["probability"], reference)
         assert not list(criu_engine.root.rglob(".tmp-*"))
         (criu_engine.root / "unwritable").unlink()
+    finally:
+        inst.close()
+
+
+@pytest.mark.integration
+def test_flipped_bytes_the_canary_does_not_read_fail_the_checksum(
+        default_spec: api.ModelSpecSpec, rundir: pathlib.Path, criu_engine: criu.CriuEngine) -> None:
+    """Bytes flipped across the pages file can miss everything the canary input reads and still change answers:
+    the checksums taken at the dump refuse the image, and a cold start answers exactly as onnxruntime does."""
+    inst = instance.Instance("flipped", default_spec, rundir, criu_engine)
+    try:
+        inst.to(Tier.HOT)
+        inst.to(Tier.FROZEN)
+        assert inst.image is not None and inst.image.checksums
+        faults.flip_pages(inst.image.path)
+        woke = inst.wake()
+        assert woke.fallback and "checksums" in woke.detail, woke.detail
+        x = contract.sample_inputs(inst.config.inputs, batch=8, seed=11)
+        assert np.array_equal(inst.infer(x)["probability"], harness_reference(default_spec, x))
     finally:
         inst.close()

@@ -100,6 +100,9 @@ class Settings(pydantic.BaseModel):
     # criu_timeout_floor_sec plus criu_timeout_sec_per_gib per GiB it moves; a restore killed so is a failed one.
     criu_timeout_floor_sec: Annotated[float, pydantic.Field(gt=0)] = 10.0
     criu_timeout_sec_per_gib: NonNegative = 10.0
+    # A dump records a CRC-32 of each pages file and a restore checks them first: damage the canary input does not
+    # read (and a truncated file) fails the restore at once instead of answering wrongly (or hanging criu).
+    verify_image_checksums: bool = True
 
     @pydantic.model_validator(mode="before")
     @classmethod

@@ -108,7 +108,8 @@ class Pool:
             try:
                 self.criu = criu.CriuEngine(snapshot_root, keep_failed=self.settings.keep_failed_restores,
                                             deadlines=criu.Deadlines(self.settings.criu_timeout_floor_sec,
-                                                                     self.settings.criu_timeout_sec_per_gib))
+                                                                     self.settings.criu_timeout_sec_per_gib),
+                                            checksums=self.settings.verify_image_checksums)
             except criu.CriuError as exc:
                 log.warning("FROZEN tier unavailable: %s", exc)
         self.driver: cuda.DriverCheckpoint | None = None

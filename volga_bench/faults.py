@@ -326,7 +326,7 @@ def leaks(live: UpRun | None, killed: list[UpRun]) -> dict[str, Any]:
     return {"leaked_processes": len(procs), "leaked_images": len(images), "leaked": [*map(str, procs), *images]}
 
 
-def _flip_pages(image: pathlib.Path) -> None:
+def flip_pages(image: pathlib.Path) -> None:
     """Flip one byte every 64 KiB across the pages files: the damage a bad disk or a stray write leaves."""
     for pages in image.glob("pages-*.img"):
         with pages.open("r+b") as f:
@@ -372,7 +372,7 @@ def run(rate: float = 20.0, settle_s: float = 3.0, progress: Callable[[str], Non
     traffic.start(up.grpc_address)
     _settle(traffic, settle_s, time.monotonic())
 
-    for name, damage in (("corrupt_pages", _flip_pages), ("truncated_pages", _truncate_pages)):
+    for name, damage in (("corrupt_pages", flip_pages), ("truncated_pages", _truncate_pages)):
         progress(f"{name}: freezing, damaging the image, then traffic again ...")
         with traffic.pause():
             up.freeze()
@@ -427,10 +427,13 @@ def run(rate: float = 20.0, settle_s: float = 3.0, progress: Callable[[str], Non
                 while True:
                     f.write(b"\0" * 2**20)
             start = time.monotonic()
-            dumped = up.release_until_dump(timeout=60) is not None
-            deadline = time.monotonic() + 60
-            while dumped and not up.instance().state_reason and time.monotonic() < deadline:
-                time.sleep(0.05)
+            deadline = start + 60
+            while not up.instance().state_reason and time.monotonic() < deadline:
+                up.release()  # until the policy has tried to freeze it, and said why it could not
+                for _ in range(60):
+                    if up.instance().state_reason:
+                        break
+                    time.sleep(0.05)
             reason = up.instance().state_reason
         record("full_snapshot_disk", start, up, freeze_refused=reason[:200])
         filler.unlink()

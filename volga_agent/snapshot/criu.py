@@ -16,6 +16,9 @@ Facts this code is built on (measured on the target kernels; docs/architecture.m
   CRIU's restorer). Every call therefore has a deadline (`Deadlines`: a floor plus seconds per GiB of what
   it moves), after which its whole process tree is killed, criu's children included: the restored tree has
   left criu's process group by then, so the tree is found through /proc. `close` kills the calls in flight.
+- The canary check misses damage to memory the canary input does not read (bytes flipped in embedding rows
+  that only some inputs touch). With `checksums`, a dump records a CRC-32 of each pages file (about 50 ms per
+  100 MB, off the wake path) and a restore first checks them: a damaged or truncated image fails at once.
 - criu runs with a parent-death signal (through `setpriv`, where it is installed) and with the agent's owner
   token in its environment, so it dies with the agent, and what a killed agent leaves can be proven its own
   (see `process`). Image folders carry an owner marker; `sweep` removes those whose owner is dead.
@@ -34,6 +37,7 @@ import subprocess
 import threading
 import time
 import uuid
+import zlib
 from typing import Any
 
 from volga_agent import process
@@ -78,6 +82,7 @@ class Image:
     snapshot_id: str
     size_bytes: int
     dump_seconds: float
+    checksums: tuple[tuple[str, int], ...] = ()  # (pages file, CRC-32) when the engine records them
 
 
 class LazyPages:
@@ -145,6 +150,17 @@ def _tree_size(path: pathlib.Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+def _checksums(folder: pathlib.Path) -> tuple[tuple[str, int], ...]:
+    sums = []
+    for pages in sorted(folder.glob("pages-*.img")):
+        crc = 0
+        with pages.open("rb") as f:
+            while chunk := f.read(8 * 2**20):
+                crc = zlib.crc32(chunk, crc)
+        sums.append((pages.name, crc))
+    return tuple(sums)
+
+
 def _log_tail(log: pathlib.Path, lines: int = 15) -> str:
     try:
         text = log.read_text(errors="replace").splitlines()
@@ -158,12 +174,13 @@ class CriuEngine:
     """Dumps and restores process trees under one snapshot root folder."""
 
     def __init__(self, root: str | pathlib.Path, criu: str | None = None, keep_failed: int = 3,
-                 deadlines: Deadlines | None = None) -> None:
+                 deadlines: Deadlines | None = None, checksums: bool = True) -> None:
         self.root = pathlib.Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.criu = criu or find_criu()
         self.keep_failed = keep_failed
         self.deadlines = deadlines or Deadlines()
+        self.checksums = checksums
         # Lazy-pages daemons that exited with an error: the process they served may have missed pages.
         self.lazy_daemon_failures = 0
         self.timeouts = 0  # calls killed at their deadline
@@ -268,7 +285,13 @@ class CriuEngine:
             raise CriuError(f"criu dump of pid {pid} failed (exit {out.returncode}):\n{detail}")
         final = folder / snapshot_id
         os.rename(tmp, final)
-        return Image(final, snapshot_id, _tree_size(final), seconds)
+        return Image(final, snapshot_id, _tree_size(final), seconds, _checksums(final) if self.checksums else ())
+
+    def verify(self, image: Image) -> None:
+        """CriuError when a pages file no longer has the CRC-32 recorded at its dump (damaged or truncated)."""
+        if image.checksums and _checksums(image.path) != image.checksums:
+            raise CriuError(f"image {image.path} is damaged: its pages files do not match the checksums taken "
+                            "at its dump")
 
     def restore(self, image: Image, lazy: bool = False) -> Restored:
         """Restore an image detached; the restored root is re-parented to our child subreaper.
@@ -280,6 +303,7 @@ class CriuEngine:
         CriuTimeout when criu has not finished within the deadline for the image's size: criu, the tree it was
         restoring and the lazy-pages daemon are killed.
         """
+        self.verify(image)
         pidfile = image.path / "restore.pid"
         pidfile.unlink(missing_ok=True)
         args = ["restore", "-D", str(image.path), "-o", "restore.log", "-v2", "--file-locks",
