@@ -18,7 +18,8 @@ Facts this code is built on (measured on the target kernels; docs/architecture.m
   left criu's process group by then, so the tree is found through /proc. `close` kills the calls in flight.
 - The canary check misses damage to memory the canary input does not read (bytes flipped in embedding rows
   that only some inputs touch). With `checksums`, a dump records a CRC-32 of each pages file (about 50 ms per
-  100 MB, off the wake path) and a restore first checks them: a damaged or truncated image fails at once.
+  100 MB, off the wake path) and a restore first checks them: a damaged or truncated image fails at once
+  (the agent turns it on: `verify_image_checksums`).
 - criu runs with a parent-death signal (through `setpriv`, where it is installed) and with the agent's owner
   token in its environment, so it dies with the agent, and what a killed agent leaves can be proven its own
   (see `process`). Image folders carry an owner marker; `sweep` removes those whose owner is dead.
@@ -174,7 +175,7 @@ class CriuEngine:
     """Dumps and restores process trees under one snapshot root folder."""
 
     def __init__(self, root: str | pathlib.Path, criu: str | None = None, keep_failed: int = 3,
-                 deadlines: Deadlines | None = None, checksums: bool = True) -> None:
+                 deadlines: Deadlines | None = None, checksums: bool = False) -> None:
         self.root = pathlib.Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.criu = criu or find_criu()
