@@ -18,8 +18,8 @@ Facts this code is built on (measured on the target kernels; docs/architecture.m
   left criu's process group by then, so the tree is found through /proc. `close` kills the calls in flight.
 - The canary check misses damage to memory the canary input does not read (bytes flipped in embedding rows
   that only some inputs touch). With `checksums`, a dump records a CRC-32 of each pages file (about 50 ms per
-  100 MB, off the wake path) and a restore first checks them: a damaged or truncated image fails at once
-  (the agent turns it on: `verify_image_checksums`).
+  100 MB, in the background) and a restore checks them while criu runs: a damaged image fails the restore, and a
+  truncated one stops criu as soon as the check is done (the agent turns it on: `verify_image_checksums`).
 - criu runs with a parent-death signal (through `setpriv`, where it is installed) and with the agent's owner
   token in its environment, so it dies with the agent, and what a killed agent leaves can be proven its own
   (see `process`). Image folders carry an owner marker; `sweep` removes those whose owner is dead.
@@ -27,6 +27,7 @@ Facts this code is built on (measured on the target kernels; docs/architecture.m
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import logging
@@ -39,6 +40,7 @@ import threading
 import time
 import uuid
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 from volga_agent import process
@@ -83,7 +85,8 @@ class Image:
     snapshot_id: str
     size_bytes: int
     dump_seconds: float
-    checksums: tuple[tuple[str, int], ...] = ()  # (pages file, CRC-32) when the engine records them
+    # (pages file, CRC-32) of each pages file, computed in the background after the dump; None when not recorded.
+    checksums: concurrent.futures.Future[tuple[tuple[str, int], ...]] | None = None
 
 
 class LazyPages:
@@ -162,6 +165,13 @@ def _checksums(folder: pathlib.Path) -> tuple[tuple[str, int], ...]:
     return tuple(sums)
 
 
+def _settle(future: concurrent.futures.Future[Any], compute: Callable[[], Any]) -> None:
+    try:
+        future.set_result(compute())
+    except Exception as exc:  # an unreadable image is a damaged one; the reader of the future decides
+        future.set_exception(exc)
+
+
 def _log_tail(log: pathlib.Path, lines: int = 15) -> str:
     try:
         text = log.read_text(errors="replace").splitlines()
@@ -228,18 +238,28 @@ class CriuEngine:
             self._calls.add(proc)
         return proc
 
-    def _run(self, args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
-        """Run criu with `args`; CriuTimeout (its tree killed) after `timeout` s, CriuCancelled when closed."""
+    def _run(self, args: list[str], timeout: float, abort: concurrent.futures.Future[str] | None = None
+             ) -> subprocess.CompletedProcess[str]:
+        """Run criu with `args`; CriuTimeout (its tree killed) after `timeout` s, CriuCancelled when closed, and
+        CriuError (its tree killed) as soon as `abort` gives a reason."""
         proc = self._popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + timeout
         try:
-            try:
-                out, err = proc.communicate(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                process.kill_tree(proc.pid, reap_root=False)
-                proc.communicate()
-                self.timeouts += 1
-                raise CriuTimeout(f"criu {args[0]} passed its deadline of {timeout:.1f} s and was killed "
-                                  "with its whole process tree") from None
+            while True:
+                try:
+                    out, err = proc.communicate(timeout=max(0.0, min(0.02, deadline - time.monotonic())))
+                    break
+                except subprocess.TimeoutExpired:
+                    reason = abort.result() if abort is not None and abort.done() else ""
+                    if not reason and time.monotonic() < deadline:
+                        continue
+                    process.kill_tree(proc.pid, reap_root=False)
+                    proc.communicate()
+                    if reason:
+                        raise CriuError(f"criu {args[0]} stopped: {reason}") from None
+                    self.timeouts += 1
+                    raise CriuTimeout(f"criu {args[0]} passed its deadline of {timeout:.1f} s and was killed "
+                                      "with its whole process tree") from None
         finally:
             with self._lock:
                 self._calls.discard(proc)
@@ -286,13 +306,23 @@ class CriuEngine:
             raise CriuError(f"criu dump of pid {pid} failed (exit {out.returncode}):\n{detail}")
         final = folder / snapshot_id
         os.rename(tmp, final)
-        return Image(final, snapshot_id, _tree_size(final), seconds, _checksums(final) if self.checksums else ())
+        sums = None
+        if self.checksums:
+            sums = concurrent.futures.Future[tuple[tuple[str, int], ...]]()
+            threading.Thread(target=_settle, args=(sums, lambda: _checksums(final)), name="image-checksums",
+                             daemon=True).start()
+        return Image(final, snapshot_id, _tree_size(final), seconds, sums)
 
-    def verify(self, image: Image) -> None:
-        """CriuError when a pages file no longer has the CRC-32 recorded at its dump (damaged or truncated)."""
-        if image.checksums and _checksums(image.path) != image.checksums:
-            raise CriuError(f"image {image.path} is damaged: its pages files do not match the checksums taken "
-                            "at its dump")
+    def damage(self, image: Image) -> str:
+        """Why the image's pages files are not the ones its dump wrote ("" when they are, or are not recorded)."""
+        if image.checksums is None or image.checksums.exception() is not None:
+            return ""
+        try:
+            if image.checksums.result() == _checksums(image.path):
+                return ""
+        except OSError as exc:
+            return f"image {image.path} is damaged: cannot read its pages files: {exc}"
+        return f"image {image.path} is damaged: its pages files do not match the checksums taken at its dump"
 
     def restore(self, image: Image, lazy: bool = False) -> Restored:
         """Restore an image detached; the restored root is re-parented to our child subreaper.
@@ -304,7 +334,9 @@ class CriuEngine:
         CriuTimeout when criu has not finished within the deadline for the image's size: criu, the tree it was
         restoring and the lazy-pages daemon are killed.
         """
-        self.verify(image)
+        check = concurrent.futures.Future[str]()
+        threading.Thread(target=_settle, args=(check, lambda: self.damage(image)), name="image-check",
+                         daemon=True).start()
         pidfile = image.path / "restore.pid"
         pidfile.unlink(missing_ok=True)
         args = ["restore", "-D", str(image.path), "-o", "restore.log", "-v2", "--file-locks",
@@ -320,7 +352,11 @@ class CriuEngine:
                              daemon=True).start()
             args.append("--lazy-pages")
         try:
-            out = self._run(args, max(0.0, timeout - (time.perf_counter() - start)))
+            out = self._run(args, max(0.0, timeout - (time.perf_counter() - start)), abort=check)
+            damaged = check.result() if out.returncode == 0 else ""
+            if damaged:  # restored from a damaged image: it goes before it serves
+                process.kill_tree(int(pidfile.read_text().strip()))
+                raise CriuError(damaged)
         except CriuError:
             if pages is not None:
                 pages.stop()
