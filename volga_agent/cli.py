@@ -11,6 +11,7 @@
     volga bench gateway [--json]      the gateway's added latency vs calling the worker directly
     volga bench gateway --batching    batch 1 vs dynamic batching in the gateway: throughput at equal p99
     volga bench peers [--json]        Volga's gateway beside KServe's ModelServer: same model, same client
+    volga bench faults [--json]       `volga up` under traffic through injected faults: wrong answers, hangs, leaks
     volga build-model [--out DIR]     build the embedded default model and print its ModelSpec
     volga calibrate -f SPEC [--write] measure the model's p99 alone per batch size on this node; --write puts the
                                       baselines into the ModelSpec file
@@ -133,7 +134,13 @@ def settings_from(args: argparse.Namespace) -> policy.Settings:
                                    "scheduler_eviction_policy": args.eviction_policy,
                                    "lazy_restore": args.lazy_restore or None,
                                    "allow_model_code": args.allow_model_code or None,
-                                   "max_instances": args.max_instances}.items() if v is not None}
+                                   "max_instances": args.max_instances,
+                                   "criu_timeout_floor_sec": args.criu_timeout_sec}.items() if v is not None}
+    for item in args.set or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set {item}: expected NAME=VALUE")
+        overrides[key.strip()] = yaml.safe_load(value)
     return policy.Settings.from_mapping({**overrides, "model_roots": model_roots(args)})
 
 
@@ -381,6 +388,16 @@ def cmd_bench_decide(args: argparse.Namespace) -> int:
         reporting.write_json(report, pathlib.Path(args.out))
     print(json.dumps(report, indent=2) if args.json else decide.format_report(report))
     return 0
+def cmd_bench_faults(args: argparse.Namespace) -> int:
+    try:
+        from volga_bench import faults, reporting
+    except ImportError as exc:
+        return _no_bench("bench faults", exc)
+    report = faults.run(args.rate, progress=_progress(args.json))
+    if args.out:
+        reporting.write_json(report, pathlib.Path(args.out))
+    print(json.dumps(report, indent=2) if args.json else faults.format_table(report))
+    return 0 if not (report["wrong_total"] or report["hangs_total"] or report["leaked_total"]) else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -420,6 +437,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="load pytorch models, which run code when loaded (a .py file, or a pickled module)")
     p.add_argument("--max-instances", type=int, help="instances this node runs at most (default: from its memory)")
     p.add_argument("--token-file", help="bearer tokens (one a line) the gateway requires, but for health checks")
+    p.add_argument("--criu-timeout-sec", type=float,
+                   help="seconds a CRIU call may take before it is killed, plus 10 per GiB it moves (default 10)")
+    p.add_argument("--set", action="append", metavar="NAME=VALUE",
+                   help="an agent setting (snake_case or camelCase name; docs/architecture.md), repeatable")
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=cmd_up)
 
@@ -491,6 +512,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--out")
     p.set_defaults(func=cmd_bench_peers)
+    p = bench.add_parser("faults", help="volga up under traffic: corrupt and truncated images, killed workers "
+                         "and agents, a full snapshot disk")
+    p.add_argument("--rate", type=float, default=20.0, help="requests per second")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--out")
+    p.set_defaults(func=cmd_bench_faults)
 
     p = bench.add_parser("scale", help="the operator on a real API server with kwok nodes and many ModelSpecs")
     p.add_argument("--nodes", type=int, default=200)

@@ -15,6 +15,11 @@ falls back to a cold start, is recorded with `fallback=True` and counted in `res
 failed restore left is kept under the snapshot root's `failed/` folder. A lazy restore that fails is tried
 once more eagerly from the same image before that.
 
+A restore that hangs (a truncated pages file can leave criu spinning for good) is killed at its deadline
+(`criu.Deadlines`) and handled like any failed restore. A dump killed at its deadline leaves a worker that may
+be half-dumped: it is killed, and the instance is COLD. When the agent stops, the CRIU calls in flight are
+cancelled (`criu.CriuCancelled`): the instance goes COLD without a cold start.
+
 A restore can also succeed and bring back the wrong state (a damaged image). With `verify_restores`, the
 instance records the model's answer to a fixed canary input before each snapshot and has the restored
 worker answer it again before any request reaches it: a different answer is a failed restore.
@@ -106,11 +111,13 @@ class Instance:
                  device: str = "cpu", start_timeout: float = 120.0, pid_namespace: bool | None = None,
                  reuse_image_sec: float = 0.0, lazy_restore: bool = False, cpus: tuple[int, ...] = (),
                  warmup_cache_ratio: float | None = None, reset_rng_on_restore: bool = False,
-                 verify_restores: bool = True, park_weights: bool = True) -> None:
+                 verify_restores: bool = True, park_weights: bool = True,
+                 die_with_agent: bool = True) -> None:
         self.name = name
         self.spec = spec
         self.workdir = pathlib.Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
+        process.claim(self.workdir)
         self.config = worker_config(spec, self.workdir, device, cpus, warmup_cache_ratio, reset_rng_on_restore)
         if len(self.config.socket) > MAX_SOCKET_PATH:
             raise ValueError(f"socket path {self.config.socket} is longer than {MAX_SOCKET_PATH} bytes: "
@@ -135,6 +142,7 @@ class Instance:
         # image maps by reference: the image and its restore then carry only the process and the CUDA context.
         self.park_weights = park_weights
         self._parked: pathlib.Path | None = None  # the parked weights the current image maps
+        self.die_with_agent = die_with_agent
         # (worker generation, digest of its canary answer); None until recorded, or when the model's answer
         # to the canary is not reproducible and so cannot tell a damaged restore.
         self._canary: tuple[int, str] | None = None
@@ -163,6 +171,8 @@ class Instance:
 
     def _kill(self) -> None:
         self.disconnect()
+        if self._restored is not None:
+            self._restored.stop()
         self._paused, self._restored = False, None
         if self.pid is not None:
             process.kill(self.pid)
@@ -179,9 +189,13 @@ class Instance:
             self._client = None
 
     def _resume_worker(self, pid: int) -> None:
-        """Tell a paused (or restored) worker to carry on serving: the restore-complete hook."""
+        """Tell a paused (or restored) worker to carry on serving: the restore-complete hook. The file holds our
+        PID, against which the worker arms its parent-death signal again (published whole, by a rename)."""
         self._paused = False
-        (self.signals / contract.RESTORE_COMPLETE).write_text(str(time.time()))
+        done = self.signals / contract.RESTORE_COMPLETE
+        partial = done.with_name(f".{done.name}")
+        partial.write_text(str(os.getpid()))
+        os.replace(partial, done)
         os.kill(pid, contract.WAKE_SIGNAL)
 
     # -- tiers ---------------------------------------------------------------------------------------
@@ -208,6 +222,11 @@ class Instance:
         start = time.perf_counter()
         try:
             detail = move.run(self) or ""
+        except criu.CriuCancelled:
+            if move.wake:  # the agent is stopping: no cold start now, and nothing half-restored left running
+                self._to_cold()
+                self._record(source, Tier.COLD, start, detail="stopped by the agent")
+            raise
         except WAKE_ERRORS as exc:
             if not move.wake:
                 raise
@@ -234,6 +253,10 @@ class Instance:
                 self._frozen_to_hot(lazy=False)
             else:
                 self._frozen_to_suspended(lazy=False)
+        except criu.CriuCancelled:
+            self._to_cold()
+            self.tier = Tier.COLD
+            raise
         except WAKE_ERRORS as again:
             self._keep_failure()
             log.warning("%s: eager restore failed too: %s", self.name, again)
@@ -265,7 +288,8 @@ class Instance:
             raise protocol.WorkerError("UNAVAILABLE", f"{self.name}: worker connection lost: {exc}") from exc
 
     def _cold_start(self) -> None:
-        pid = process.spawn(self.name, self.config, self.workdir, self.logfile, self.pid_namespace)
+        pid = process.spawn(self.name, self.config, self.workdir, self.logfile, self.pid_namespace,
+                            self.die_with_agent)
         self.pid = pid
         try:
             self._wait_for(pid, lambda: (self.signals / contract.READY).exists(), "ready", self.start_timeout)
@@ -371,6 +395,10 @@ class Instance:
         old = self.image
         try:
             self.image = self.criu.dump(self.pid, self.name)
+        except (criu.CriuTimeout, criu.CriuCancelled) as exc:
+            # criu was killed mid-dump: the worker may hold its parasite or be half-dumped; it is not trusted.
+            self._gone_cold(f"dump stopped: {exc}")
+            raise
         except criu.CriuError:
             # The dump was abandoned: give the GPU state back if we took it, and carry on serving.
             if gpu_checkpointed and self.driver is not None:
@@ -398,10 +426,22 @@ class Instance:
 
     def _await_pages(self) -> None:
         """A worker restored lazily is dumped only once it holds all of its memory again: pages still in the
-        old image would be missing from the new one, and come back as zeros (a corrupt heap) after its restore."""
+        old image would be missing from the new one, and come back as zeros (a corrupt heap) after its restore.
+        A worker whose pages did not all arrive may fault on a missing one for good: it goes (COLD)."""
         if self._restored is not None:
-            self._restored.wait_for_pages(LAZY_PAGES_TIMEOUT_SEC)
+            try:
+                self._restored.wait_for_pages(LAZY_PAGES_TIMEOUT_SEC)
+            except criu.CriuError as exc:
+                self._gone_cold(str(exc))
+                raise
             self._restored = None
+
+    def _gone_cold(self, detail: str) -> None:
+        """The worker can no longer be trusted: kill it and drop its image; the instance is COLD."""
+        source = self.tier
+        self._to_cold()
+        self.tier = Tier.COLD
+        self.history.append(Transition(source, Tier.COLD, 0.0, time.time(), detail=detail))
 
     def _hot_to_frozen(self) -> str | None:
         self._await_pages()

@@ -4,7 +4,9 @@ The same parts as in a cluster, wired in one process: ModelSpecs come from files
 the planner (`volga_operator.planner`, the operator's own) places their pool floors on the one local node,
 the pool converges and runs its local policy, the gateway reaches the pool in-process instead of over gRPC,
 and the Agent API is served too, for tools. Stopping (Ctrl-C, SIGTERM) stops every worker and removes
-every snapshot this run made.
+every snapshot this run made; a CRIU call in flight is killed first, so a hung restore does not hold it up.
+Its temporary folders carry an owner marker: a run killed with SIGKILL leaves them (and, for a moment,
+processes) behind, and the next run removes what is proven to be a dead run's (`process.remove_abandoned`).
 """
 
 from __future__ import annotations
@@ -21,13 +23,16 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from volga_agent import admission, auth, gpus, metrics, policy, pool, ports, server
+from volga_agent import admission, auth, gpus, metrics, policy, pool, ports, process, server
 from volga_agent.gateway import app, catalog, links
 from volga_operator import api, planner
 
 log = logging.getLogger(__name__)
 NODE = socket.gethostname() or "local"
 AGENT_HOST = "127.0.0.1"  # the Agent API wakes and releases instances: never beyond loopback here
+# Where runs keep their temporary work folders and snapshots: (folder, name prefix).
+TEMP_ROOTS = (("/tmp", "volga-run-"),
+              ("/dev/shm" if pathlib.Path("/dev/shm").is_dir() else tempfile.gettempdir(), "volga-"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,9 +62,13 @@ class Embedded:
         self.plan = planner.plan(self.specs, [gpus.node_profile(self.gpus, NODE)])
         admission.check_count(sum(d.node == NODE for d in self.plan.desired), self.settings)
         self._owned: list[pathlib.Path] = []
-        workroot = self.options.workroot or self._temp("volga-run-", "/tmp")
-        snapshots = self.options.snapshot_root or self._temp("volga-", "/dev/shm" if pathlib.Path("/dev/shm").is_dir()
-                                                             else None)
+        process.kill_orphans()  # before their folders go: a killed run's workers may still hold files there
+        for folder, prefix in TEMP_ROOTS:
+            for path in process.remove_abandoned(pathlib.Path(folder).glob(f"{prefix}*")):
+                log.warning("removed %s, left by a volga up that is gone", path)
+        workroot = self.options.workroot or self._temp(*TEMP_ROOTS[0])
+        snapshots = self.options.snapshot_root or self._temp(*TEMP_ROOTS[1])
+        self.folders = {"workdir": workroot, "snapshots": snapshots}
         self.agent_metrics = metrics.AgentMetrics()
         self.pool = pool.Pool(NODE, workroot, snapshots, self.settings, self.agent_metrics, self.gpus)
         gw_settings = app.Settings(
@@ -80,8 +89,9 @@ class Embedded:
     def _instances(self, model_id: str) -> list[pool.InstanceInfo]:
         return self.pool.instances(model_id, include_failed=True)
 
-    def _temp(self, prefix: str, folder: str | None) -> pathlib.Path:
+    def _temp(self, folder: str, prefix: str) -> pathlib.Path:
         path = pathlib.Path(tempfile.mkdtemp(prefix=prefix, dir=folder))
+        process.claim(path)
         self._owned.append(path)
         return path
 
@@ -101,6 +111,7 @@ class Embedded:
         await asyncio.to_thread(self.pool.wait_converged, timeout)
 
     async def stop(self) -> None:
+        self.pool.interrupt()
         await self.gateway.stop()
         if self._agent is not None:
             await self._agent.stop(1.0)
@@ -126,6 +137,8 @@ async def run(specs: Sequence[api.ModelSpec], options: Options, announce: Callab
     try:
         for name, url in embedded.endpoints().items():
             announce(f"  {name:<8} {url}")
+        for name, path in embedded.folders.items():
+            announce(f"  {name:<8} {path}")
         announce(f"  models   {', '.join(sorted(s.model_id for s in embedded.specs.values()))} "
                  f"({len(embedded.plan.desired)} instances warming into their tiers)")
         announce("Ctrl-C stops everything and removes the snapshots.")

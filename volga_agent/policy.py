@@ -125,6 +125,13 @@ class Settings(pydantic.BaseModel):
     max_instances: Annotated[int, pydantic.Field(ge=0)] = 0
     # With host_memory_budget_bytes 0, the node daemons budget this share of the machine's memory; 0: no budget.
     host_memory_fraction: Annotated[float, pydantic.Field(ge=0, le=1)] = 0.8
+    # Every CRIU call (dump, restore, lazy-pages start, check) is killed with its whole process tree after
+    # criu_timeout_floor_sec plus criu_timeout_sec_per_gib per GiB it moves; a restore killed so is a failed one.
+    criu_timeout_floor_sec: Annotated[float, pydantic.Field(gt=0)] = 10.0
+    criu_timeout_sec_per_gib: NonNegative = 10.0
+    # A dump records a CRC-32 of each pages file and a restore checks them first: damage the canary input does not
+    # read (and a truncated file) fails the restore at once instead of answering wrongly (or hanging criu).
+    verify_image_checksums: bool = True
 
     @pydantic.model_validator(mode="before")
     @classmethod

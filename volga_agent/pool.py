@@ -99,10 +99,17 @@ class Pool:
         self.settings = settings or policy.Settings()
         self.metrics = agent_metrics or metrics.AgentMetrics()
         self.gpus = list(gpus)
+        # What an agent killed before us left: its processes, then its instances' work folders.
+        for pid in process.kill_orphans():
+            log.warning("killed pid %d, left by an agent that is gone", pid)
+        process.remove_abandoned(self.workroot.iterdir())
         self.criu: criu.CriuEngine | None = None
         if snapshot_root is not None:
             try:
-                self.criu = criu.CriuEngine(snapshot_root, keep_failed=self.settings.keep_failed_restores)
+                self.criu = criu.CriuEngine(snapshot_root, keep_failed=self.settings.keep_failed_restores,
+                                            deadlines=criu.Deadlines(self.settings.criu_timeout_floor_sec,
+                                                                     self.settings.criu_timeout_sec_per_gib),
+                                            checksums=self.settings.verify_image_checksums)
             except criu.CriuError as exc:
                 log.warning("FROZEN tier unavailable: %s", exc)
         self.driver: cuda.DriverCheckpoint | None = None
@@ -282,7 +289,8 @@ class Pool:
                     self._move(slot, Tier.COLD)  # restores keep failing for this model: straight to a cold start
                 try:
                     transition = self._move(slot, Tier.HOT)
-                except (process.WorkerStartError, protocol.WorkerError, protocol.ProtocolError, OSError) as exc:
+                except (process.WorkerStartError, protocol.WorkerError, protocol.ProtocolError, OSError,
+                        criu.CriuCancelled) as exc:
                     slot.reason = f"ActivationFailed: {exc}"
                     raise errors.ActivationFailed(f"{inst.name}: {exc}") from exc
                 wake_ms, fallback = transition.seconds * 1e3, transition.fallback
@@ -461,9 +469,15 @@ class Pool:
         for future in list(self._pending.values()):
             future.result(timeout=max(0.0, deadline - time.monotonic()))
 
+    def interrupt(self) -> None:
+        """The agent is stopping: CRIU calls in flight are killed (their wakes fail at once), none start."""
+        self._stop.set()
+        if self.criu is not None:
+            self.criu.close()
+
     def close(self) -> None:
         """Stop every worker and remove every snapshot this pool made."""
-        self._stop.set()
+        self.interrupt()
         if self._ticker is not None:
             self._ticker.join(timeout=5)
         self._executor.shutdown(wait=True, cancel_futures=True)

@@ -1,21 +1,31 @@
-"""Worker processes: starting one through `nsinit`, watching it, and reaping it.
+"""Worker processes: starting one through `nsinit`, watching it, reaping it, and cleaning up after a crash.
 
 The agent is a child subreaper, so every worker it launches (and every one CRIU restores) is re-parented to
 it: the agent reaps them with waitpid, and a PID it did not fork (a restored worker before re-parenting, or
 after another reaper took it) is judged by /proc. The tier machine (`instance`) uses these functions; they
 know nothing of tiers (see docs/architecture.md).
+
+A worker dies with the agent (nsinit arms PR_SET_PDEATHSIG). What an agent killed with SIGKILL can still
+leave (a worker paused for a dump, a half-restored tree, criu itself, temporary images, work folders) is
+proven to be an agent's by its `Owner`: every process the agent starts carries the owner's token in its
+environment (`OWNER_ENV`), every folder it makes holds it in a marker file (`OWNER_FILE`). The token names
+the boot, the PID namespace, the PID and the PID's start time, so a later agent can tell that its owner is
+dead, and never mistakes a reused PID for it. `kill_orphans` and `remove_abandoned` then clean up.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from volga_agent.worker import contract, nsinit
 
@@ -23,24 +33,206 @@ from volga_agent.worker import contract, nsinit
 # the user: when another process grows its journal between a worker's dump and its restore, CRIU refuses the
 # restore ("has bad size"). A worker holds no file that others write.
 WORKER_ENV = {"ORT_DISABLE_TELEMETRY": "1"}
+# The owner's token in the environment of every process the agent starts, and the marker file of its folders.
+OWNER_ENV = "VOLGA_OWNER"
+OWNER_FILE = ".volga-owner"
 
 
 class WorkerStartError(RuntimeError):
     """The worker died or did not become ready; the message carries the end of its log."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Owner:
+    """The process that owns workers, images and folders, named so that it can be told dead after it is gone."""
+
+    boot_id: str
+    pid_ns: str
+    pid: int
+    start: int  # clock ticks after boot (/proc/PID/stat field 22): a reused PID has another
+
+    @property
+    def token(self) -> str:
+        return f"{self.boot_id}/{self.pid_ns}/{self.pid}/{self.start}"
+
+    @classmethod
+    def parse(cls, token: str) -> Owner | None:
+        parts = token.strip().split("/")
+        if len(parts) != 4 or not parts[2].isdigit() or not parts[3].isdigit():
+            return None
+        return cls(parts[0], parts[1], int(parts[2]), int(parts[3]))
+
+    def gone(self) -> bool:
+        """Proven dead: another boot, or (in our PID namespace) its PID is free or taken by a later process.
+        An owner in another PID namespace cannot be judged from here and is never gone."""
+        if self.boot_id != _boot_id():
+            return True
+        if self.pid_ns != _pid_ns():
+            return False
+        return start_time(self.pid) != self.start
+
+
+@functools.cache
+def _boot_id() -> str:
+    return pathlib.Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+
+
+def _pid_ns() -> str:
+    return os.readlink("/proc/self/ns/pid").removeprefix("pid:[").removesuffix("]")
+
+
+def _stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat from field 3 (the state) on; None when the process does not exist."""
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def start_time(pid: int) -> int | None:
+    fields = _stat(pid)
+    return int(fields[19]) if fields else None
+
+
+def me() -> Owner:
+    """This process as an owner."""
+    pid = os.getpid()
+    start = start_time(pid)
+    assert start is not None
+    return Owner(_boot_id(), _pid_ns(), pid, start)
+
+
+def owned_env() -> dict[str, str]:
+    """The environment of a process this one starts: its own, marked with this process's owner token."""
+    return {**os.environ, OWNER_ENV: me().token}
+
+
+def claim(folder: pathlib.Path) -> None:
+    """Mark a folder this process made as its own, so a later agent may remove it once this one is dead."""
+    (folder / OWNER_FILE).write_text(me().token)
+
+
+def abandoned(folder: pathlib.Path) -> bool:
+    """Whether a folder carries an owner marker whose owner is dead. A folder without one is nobody's."""
+    try:
+        owner = Owner.parse((folder / OWNER_FILE).read_text())
+    except OSError:
+        return False
+    return owner is not None and owner.gone()
+
+
+def remove_abandoned(folders: Iterable[pathlib.Path]) -> list[pathlib.Path]:
+    """Remove the folders that are abandoned (see `abandoned`); the ones removed."""
+    removed = []
+    for folder in folders:
+        if folder.is_dir() and not folder.is_symlink() and abandoned(folder):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
+def _owner_of(pid: int) -> Owner | None:
+    """The owner token in a process's environment, if it has one."""
+    try:
+        environ = pathlib.Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return None
+    prefix = f"{OWNER_ENV}=".encode()
+    for entry in environ.split(b"\0"):
+        if entry.startswith(prefix):
+            return Owner.parse(entry[len(prefix):].decode(errors="replace"))
+    return None
+
+
+def orphans() -> list[int]:
+    """Processes started by an agent that is dead: their environment holds the token of a gone owner."""
+    found = []
+    me_pid = os.getpid()
+    for entry in pathlib.Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == me_pid:
+            continue
+        owner = _owner_of(int(entry.name))
+        if owner is not None and owner.gone():
+            found.append(int(entry.name))
+    return sorted(found)
+
+
+def kill_orphans() -> list[int]:
+    """SIGKILL every process a dead agent left behind (`orphans`); their PIDs."""
+    killed = orphans()
+    for pid in killed:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return killed
+
+
+def children(pid: int) -> list[int]:
+    found: list[int] = []
+    for task in pathlib.Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError, ValueError):
+            found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def tree(pid: int) -> list[int]:
+    """The process and its descendants, parents first."""
+    found = [pid]
+    for current in found:
+        found += [c for c in children(current) if c not in found]
+    return found
+
+
+def kill_tree(pid: int, reap_root: bool = True) -> list[int]:
+    """SIGKILL a process and every descendant it has; reap the root (unless the caller waits for it, as for a
+    subprocess.Popen) and then the descendants that its death handed to us, the subreaper.
+
+    The tree is stopped while it is collected, so that nothing in it forks, or dies and hands its children
+    to another reaper, between collecting and killing."""
+    seen: list[int] = []
+    while True:
+        new = [p for p in tree(pid) if p not in seen]
+        if not new:
+            break
+        for p in new:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGSTOP)
+        seen += new
+    for p in reversed(seen):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+    if reap_root:
+        reap(pid)
+    else:
+        deadline = time.monotonic() + 10.0
+        while not is_zombie(pid) and time.monotonic() < deadline:
+            time.sleep(0.002)
+    for p in seen[1:]:
+        reap(p, timeout=2.0)
+    return seen
+
+
+def rss(pid: int) -> int:
+    """Resident bytes of a process (0 when it is gone)."""
+    try:
+        return int(pathlib.Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
 def command(config_path: pathlib.Path, logfile: pathlib.Path, pid_namespace: bool,
-            cpus: tuple[int, ...] = ()) -> list[str]:
-    """The worker's command line: nsinit (a new PID namespace unless told otherwise, pinned to `cpus`)
-    running `python -m volga_agent.worker.serve CONFIG.json`, its output in `logfile`."""
+            cpus: tuple[int, ...] = (), die_with_agent: bool = True) -> list[str]:
+    """The worker's command line: nsinit (a new PID namespace unless told otherwise, pinned to `cpus`, killed
+    when the agent dies unless `die_with_agent` is off) running `python -m volga_agent.worker.serve CONFIG.json`,
+    its output in `logfile`."""
     return [sys.executable, "-m", "volga_agent.worker.nsinit",
             *([] if pid_namespace else ["--no-pidns"]),
+            *([] if die_with_agent else ["--keep"]),
             *(["--cpus", ",".join(map(str, cpus))] if cpus else []), str(logfile), "--",
             sys.executable, "-m", "volga_agent.worker.serve", str(config_path)]
 
 
 def spawn(name: str, config: contract.WorkerConfig, workdir: pathlib.Path, logfile: pathlib.Path,
-          pid_namespace: bool) -> int:
+          pid_namespace: bool, die_with_agent: bool = True) -> int:
     """Start a worker for `config` with an empty signal folder; its PID, once nsinit has detached it."""
     signals = pathlib.Path(config.signal_dir)
     signals.mkdir(parents=True, exist_ok=True)
@@ -49,8 +241,8 @@ def spawn(name: str, config: contract.WorkerConfig, workdir: pathlib.Path, logfi
     config_path = workdir / "config.json"
     config_path.write_text(config.to_json())
     nsinit.become_subreaper()
-    out = subprocess.run(command(config_path, logfile, pid_namespace, config.cpus), capture_output=True,
-                         text=True, check=False, cwd=workdir, env={**os.environ, **WORKER_ENV})
+    out = subprocess.run(command(config_path, logfile, pid_namespace, config.cpus, die_with_agent),
+                         capture_output=True, text=True, check=False, cwd=workdir, env={**owned_env(), **WORKER_ENV})
     if out.returncode != 0:
         raise WorkerStartError(f"{name}: could not start worker: {out.stderr.strip()}")
     return int(out.stdout.strip())
@@ -116,10 +308,8 @@ def kill(pid: int) -> None:
 
 
 def is_zombie(pid: int) -> bool:
-    try:
-        return pathlib.Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z")
-    except (OSError, IndexError):
-        return True
+    fields = _stat(pid)
+    return fields is None or fields[0] == "Z"
 
 
 def log_tail(path: pathlib.Path, lines: int = 12) -> str:

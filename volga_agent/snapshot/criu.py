@@ -12,20 +12,39 @@ Facts this code is built on (measured on the target kernels; docs/architecture.m
 - "RLIMIT_NOFILE ... Operation not permitted" in CRIU's log is harmless on unprivileged-resource kernels.
 - What a failed restore leaves (the image, CRIU's logs, the worker's log) is kept under `failed/` for
   inspection, the newest few only (`keep_failed`).
+- A damaged image can make criu hang for good (a truncated pages file leaves the restored task spinning in
+  CRIU's restorer). Every call therefore has a deadline (`Deadlines`: a floor plus seconds per GiB of what
+  it moves), after which its whole process tree is killed, criu's children included: the restored tree has
+  left criu's process group by then, so the tree is found through /proc. `close` kills the calls in flight.
+- The canary check misses damage to memory the canary input does not read (bytes flipped in embedding rows
+  that only some inputs touch). With `checksums`, a dump records a CRC-32 of each pages file (about 50 ms per
+  100 MB, in the background) and a restore checks them while criu runs: a damaged image fails the restore, and a
+  truncated one stops criu as soon as the check is done (the agent turns it on: `verify_image_checksums`).
+- criu runs with a parent-death signal (through `setpriv`, where it is installed) and with the agent's owner
+  token in its environment, so it dies with the agent, and what a killed agent leaves can be proven its own
+  (see `process`). Image folders carry an owner marker; `sweep` removes those whose owner is dead.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import logging
 import os
 import pathlib
+import select
 import shutil
 import subprocess
 import threading
 import time
 import uuid
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+from volga_agent import process
+from volga_agent.worker import nsinit
 
 # Where scripts/install-criu.sh installs, under the home folder (read only when looking for CRIU: a process
 # whose user has no home, such as a gateway running under a bare UID, imports this module too).
@@ -38,6 +57,26 @@ class CriuError(RuntimeError):
     """A CRIU call failed; the message carries the end of CRIU's log."""
 
 
+class CriuTimeout(CriuError):
+    """A CRIU call ran past its deadline; its process tree was killed."""
+
+
+class CriuCancelled(CriuError):
+    """The engine was closed (the agent is stopping) while the call ran; its process tree was killed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Deadlines:
+    """How long a CRIU call may take: `floor_sec` plus `sec_per_gib` for each GiB it moves (an image restored,
+    a process dumped)."""
+
+    floor_sec: float = 10.0
+    sec_per_gib: float = 10.0
+
+    def for_bytes(self, size: int) -> float:
+        return self.floor_sec + self.sec_per_gib * size / 2**30
+
+
 @dataclasses.dataclass(frozen=True)
 class Image:
     """A published CRIU image folder."""
@@ -46,6 +85,8 @@ class Image:
     snapshot_id: str
     size_bytes: int
     dump_seconds: float
+    # (pages file, CRC-32) of each pages file, computed in the background after the dump; None when not recorded.
+    checksums: concurrent.futures.Future[tuple[tuple[str, int], ...]] | None = None
 
 
 class LazyPages:
@@ -53,15 +94,25 @@ class LazyPages:
     memory exists only in the image: a dump taken then would miss those pages (the kernel reports them as never
     touched) and the next restore would bring them back as zeros."""
 
-    def __init__(self) -> None:
+    def __init__(self, daemon: subprocess.Popen[Any]) -> None:
+        self.daemon = daemon
         self.done = threading.Event()
         self.exit_code: int | None = None
+        self.stopped = False  # killed by us: the process it served is gone
 
     def wait(self, pid: int, timeout: float) -> None:
         if not self.done.wait(timeout):
-            raise CriuError(f"pid {pid}: the lazy-pages daemon has not delivered every page after {timeout:g} s")
+            self.stop()
+            raise CriuTimeout(f"pid {pid}: the lazy-pages daemon has not delivered every page after {timeout:g} s")
         if self.exit_code != 0:
             raise CriuError(f"pid {pid}: the lazy-pages daemon failed (exit {self.exit_code}): pages may be missing")
+
+    def stop(self) -> None:
+        """Kill the daemon if it still runs (its reaper thread collects it)."""
+        if not self.done.is_set():
+            self.stopped = True
+            with contextlib.suppress(ProcessLookupError):
+                self.daemon.kill()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +125,11 @@ class Restored:
         """Return once the restored process holds all of its memory (at once for eager restores)."""
         if self.lazy_pages is not None:
             self.lazy_pages.wait(self.pid, timeout)
+
+    def stop(self) -> None:
+        """The restored process is gone: a lazy-pages daemon still serving it goes too."""
+        if self.lazy_pages is not None:
+            self.lazy_pages.stop()
 
 
 def _installed() -> str:
@@ -98,6 +154,24 @@ def _tree_size(path: pathlib.Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+def _checksums(folder: pathlib.Path) -> tuple[tuple[str, int], ...]:
+    sums = []
+    for pages in sorted(folder.glob("pages-*.img")):
+        crc = 0
+        with pages.open("rb") as f:
+            while chunk := f.read(8 * 2**20):
+                crc = zlib.crc32(chunk, crc)
+        sums.append((pages.name, crc))
+    return tuple(sums)
+
+
+def _settle(future: concurrent.futures.Future[Any], compute: Callable[[], Any]) -> None:
+    try:
+        future.set_result(compute())
+    except Exception as exc:  # an unreadable image is a damaged one; the reader of the future decides
+        future.set_exception(exc)
+
+
 def _log_tail(log: pathlib.Path, lines: int = 15) -> str:
     try:
         text = log.read_text(errors="replace").splitlines()
@@ -110,38 +184,121 @@ def _log_tail(log: pathlib.Path, lines: int = 15) -> str:
 class CriuEngine:
     """Dumps and restores process trees under one snapshot root folder."""
 
-    def __init__(self, root: str | pathlib.Path, criu: str | None = None, keep_failed: int = 3) -> None:
+    def __init__(self, root: str | pathlib.Path, criu: str | None = None, keep_failed: int = 3,
+                 deadlines: Deadlines | None = None, checksums: bool = False) -> None:
         self.root = pathlib.Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.criu = criu or find_criu()
         self.keep_failed = keep_failed
+        self.deadlines = deadlines or Deadlines()
+        self.checksums = checksums
         # Lazy-pages daemons that exited with an error: the process they served may have missed pages.
         self.lazy_daemon_failures = 0
+        self.timeouts = 0  # calls killed at their deadline
+        self._lock = threading.Lock()
+        self._calls: set[subprocess.Popen[Any]] = set()
+        self._daemons: set[LazyPages] = set()
+        self._closed = False
+        nsinit.become_subreaper()  # restored trees and the children of killed criu calls come back to us
+        self.sweep()
+
+    def sweep(self) -> list[pathlib.Path]:
+        """Remove the images (finished or half-written) of agents that are dead; failed/ is kept on purpose."""
+        removed = []
+        for folder in self.root.iterdir() if self.root.is_dir() else ():
+            if folder.name != FAILED and folder.is_dir() and not folder.is_symlink():
+                removed += process.remove_abandoned(folder.iterdir())
+                with contextlib.suppress(OSError):
+                    folder.rmdir()  # only when it is empty
+        for path in removed:
+            log.warning("removed %s, left by an agent that is gone", path)
+        return removed
+
+    def close(self) -> None:
+        """Refuse new calls and kill the ones in flight (they raise CriuCancelled), lazy-pages daemons included."""
+        with self._lock:
+            self._closed = True
+            calls, daemons = list(self._calls), list(self._daemons)
+        for call in calls:
+            process.kill_tree(call.pid, reap_root=False)
+        for daemon in daemons:
+            daemon.stop()
+
+    def _command(self, args: list[str]) -> list[str]:
+        # setpriv: criu dies with the agent rather than finish a dump or a restore nobody waits for.
+        setpriv = shutil.which("setpriv")
+        return [setpriv, "--pdeathsig", "KILL", self.criu, *args] if setpriv else [self.criu, *args]
+
+    def _popen(self, args: list[str], **options: Any) -> subprocess.Popen[Any]:
+        with self._lock:
+            if self._closed:
+                raise CriuCancelled(f"criu {args[0]}: the snapshot engine is closed")
+            proc: subprocess.Popen[Any] = subprocess.Popen(self._command(args), env=process.owned_env(),
+                                                           start_new_session=True, **options)
+            self._calls.add(proc)
+        return proc
+
+    def _run(self, args: list[str], timeout: float, abort: concurrent.futures.Future[str] | None = None
+             ) -> subprocess.CompletedProcess[str]:
+        """Run criu with `args`; CriuTimeout (its tree killed) after `timeout` s, CriuCancelled when closed, and
+        CriuError (its tree killed) as soon as `abort` gives a reason."""
+        proc = self._popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                try:
+                    out, err = proc.communicate(timeout=max(0.0, min(0.02, deadline - time.monotonic())))
+                    break
+                except subprocess.TimeoutExpired:
+                    reason = abort.result() if abort is not None and abort.done() else ""
+                    if not reason and time.monotonic() < deadline:
+                        continue
+                    process.kill_tree(proc.pid, reap_root=False)
+                    proc.communicate()
+                    if reason:
+                        raise CriuError(f"criu {args[0]} stopped: {reason}") from None
+                    self.timeouts += 1
+                    raise CriuTimeout(f"criu {args[0]} passed its deadline of {timeout:.1f} s and was killed "
+                                      "with its whole process tree") from None
+        finally:
+            with self._lock:
+                self._calls.discard(proc)
+        if self._closed and proc.returncode < 0:  # killed by close()
+            raise CriuCancelled(f"criu {args[0]} was stopped: the agent is stopping")
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
     def version(self) -> str:
-        out = subprocess.run([self.criu, "--version"], capture_output=True, text=True, check=False)
+        out = self._run(["--version"], self.deadlines.floor_sec)
         return out.stdout.strip().splitlines()[0] if out.stdout else "unknown"
 
     def check(self) -> None:
-        out = subprocess.run([self.criu, "check"], capture_output=True, text=True, check=False)
+        out = self._run(["check"], self.deadlines.floor_sec)
         if out.returncode != 0:
             raise CriuError(f"criu check failed: {out.stdout}{out.stderr}")
 
     def dump(self, pid: int, name: str, leave_running: bool = False) -> Image:
-        """Dump the tree rooted at `pid` (killing it unless leave_running) into a new image of `name`."""
+        """Dump the tree rooted at `pid` (killing it unless leave_running) into a new image of `name`.
+        CriuTimeout after the deadline for the tree's resident memory; the tree may then be left half-dumped."""
         if name == FAILED:
             raise ValueError(f"{FAILED!r} is the folder of failed restores, not an image name")
         folder = self.root / name
-        folder.mkdir(parents=True, exist_ok=True)
         snapshot_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
         tmp = folder / f".tmp-{snapshot_id}"
-        tmp.mkdir()
-        args = [self.criu, "dump", "-t", str(pid), "-D", str(tmp), "-o", "dump.log", "-v2",
-                "--file-locks", "--shell-job"]
+        args = ["dump", "-t", str(pid), "-D", str(tmp), "-o", "dump.log", "-v2", "--file-locks", "--shell-job"]
         if leave_running:
             args.append("--leave-running")
         start = time.perf_counter()
-        out = subprocess.run(args, capture_output=True, text=True, check=False)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp.mkdir()
+            process.claim(tmp)
+            out = self._run(args, self.deadlines.for_bytes(sum(process.rss(p) for p in process.tree(pid))))
+        except CriuError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        except OSError as exc:  # a full or read-only snapshot disk: the dump is abandoned like a failed one
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CriuError(f"criu dump of pid {pid}: cannot write {tmp}: {exc}") from exc
         seconds = time.perf_counter() - start
         if out.returncode != 0:
             detail = _log_tail(tmp / "dump.log")
@@ -149,7 +306,23 @@ class CriuEngine:
             raise CriuError(f"criu dump of pid {pid} failed (exit {out.returncode}):\n{detail}")
         final = folder / snapshot_id
         os.rename(tmp, final)
-        return Image(final, snapshot_id, _tree_size(final), seconds)
+        sums = None
+        if self.checksums:
+            sums = concurrent.futures.Future[tuple[tuple[str, int], ...]]()
+            threading.Thread(target=_settle, args=(sums, lambda: _checksums(final)), name="image-checksums",
+                             daemon=True).start()
+        return Image(final, snapshot_id, _tree_size(final), seconds, sums)
+
+    def damage(self, image: Image) -> str:
+        """Why the image's pages files are not the ones its dump wrote ("" when they are, or are not recorded)."""
+        if image.checksums is None or image.checksums.exception() is not None:
+            return ""
+        try:
+            if image.checksums.result() == _checksums(image.path):
+                return ""
+        except OSError as exc:
+            return f"image {image.path} is damaged: cannot read its pages files: {exc}"
+        return f"image {image.path} is damaged: its pages files do not match the checksums taken at its dump"
 
     def restore(self, image: Image, lazy: bool = False) -> Restored:
         """Restore an image detached; the restored root is re-parented to our child subreaper.
@@ -157,53 +330,81 @@ class CriuEngine:
         With `lazy`, a `criu lazy-pages` daemon serves the memory pages through userfaultfd: the process runs
         as soon as its tree is rebuilt, pages arrive when first touched (and in the background), and the
         daemon exits once every page is delivered.
+
+        CriuTimeout when criu has not finished within the deadline for the image's size: criu, the tree it was
+        restoring and the lazy-pages daemon are killed.
         """
+        check = concurrent.futures.Future[str]()
+        threading.Thread(target=_settle, args=(check, lambda: self.damage(image)), name="image-check",
+                         daemon=True).start()
         pidfile = image.path / "restore.pid"
         pidfile.unlink(missing_ok=True)
-        args = [self.criu, "restore", "-D", str(image.path), "-o", "restore.log", "-v2", "--file-locks",
+        args = ["restore", "-D", str(image.path), "-o", "restore.log", "-v2", "--file-locks",
                 "--shell-job", "--restore-detached", "--pidfile", str(pidfile)]
+        timeout = self.deadlines.for_bytes(image.size_bytes)
         start = time.perf_counter()
-        daemon = self._lazy_pages(image) if lazy else None
-        if daemon is not None:
+        pages = None
+        if lazy:
+            pages = LazyPages(self._lazy_pages(image))
+            with self._lock:
+                self._daemons.add(pages)
+            threading.Thread(target=self._reap_lazy_pages, args=(pages, image), name="lazy-pages-reaper",
+                             daemon=True).start()
             args.append("--lazy-pages")
-        out = subprocess.run(args, capture_output=True, text=True, check=False)
+        try:
+            out = self._run(args, max(0.0, timeout - (time.perf_counter() - start)), abort=check)
+            damaged = check.result() if out.returncode == 0 else ""
+            if damaged:  # restored from a damaged image: it goes before it serves
+                process.kill_tree(int(pidfile.read_text().strip()))
+                raise CriuError(damaged)
+        except CriuError:
+            if pages is not None:
+                pages.stop()
+            raise
         seconds = time.perf_counter() - start
         if out.returncode != 0:
-            if daemon is not None:
-                daemon.kill()
-                daemon.wait()
+            if pages is not None:
+                pages.stop()
             raise CriuError(f"criu restore of {image.path} failed (exit {out.returncode}):\n"
                             f"{_log_tail(image.path / 'restore.log')}")
-        pages = None
-        if daemon is not None:
-            pages = LazyPages()
-            threading.Thread(target=self._reap_lazy_pages, args=(daemon, image, pages), name="lazy-pages-reaper",
-                             daemon=True).start()
         return Restored(int(pidfile.read_text().strip()), seconds, pages)
 
-    def _reap_lazy_pages(self, daemon: subprocess.Popen[bytes], image: Image, pages: LazyPages) -> None:
-        code = daemon.wait()
+    def _reap_lazy_pages(self, pages: LazyPages, image: Image) -> None:
+        code = pages.daemon.wait()
+        with self._lock:
+            self._calls.discard(pages.daemon)
+            self._daemons.discard(pages)
         pages.exit_code = code
         pages.done.set()
-        if code != 0:
+        if code != 0 and not pages.stopped:
             self.lazy_daemon_failures += 1
             log.warning("criu lazy-pages for %s exited with %d:\n%s", image.path, code,
                         _log_tail(image.path / "lazy-pages.log"))
 
-    def _lazy_pages(self, image: Image) -> subprocess.Popen[bytes]:
-        """Start the page server of a lazy restore and wait until it listens (its --status-fd says so)."""
+    def _lazy_pages(self, image: Image) -> subprocess.Popen[Any]:
+        """Start the page server of a lazy restore and wait (within the image's deadline) until it listens
+        (its --status-fd says so)."""
+        timeout = self.deadlines.for_bytes(image.size_bytes)
         (image.path / "lazy-pages.socket").unlink(missing_ok=True)
         ready, status = os.pipe()
         try:
-            daemon = subprocess.Popen([self.criu, "lazy-pages", "-D", str(image.path), "-o", "lazy-pages.log", "-v2",
-                                       "--status-fd", str(status)], pass_fds=[status],
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            daemon = self._popen(["lazy-pages", "-D", str(image.path), "-o", "lazy-pages.log", "-v2",
+                                  "--status-fd", str(status)], pass_fds=[status],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             os.close(status)
             status = -1
-            if not os.read(ready, 1):
+            listening, _, _ = select.select([ready], [], [], timeout)
+            if not listening or not os.read(ready, 1):
+                process.kill_tree(daemon.pid, reap_root=False)
                 daemon.wait()
-                raise CriuError(f"criu lazy-pages for {image.path} did not start:\n"
-                                f"{_log_tail(image.path / 'lazy-pages.log')}")
+                with self._lock:
+                    self._calls.discard(daemon)
+                if self._closed:
+                    raise CriuCancelled("criu lazy-pages was stopped: the agent is stopping")
+                late = "" if listening else f" within {timeout:.1f} s"
+                raise (CriuError if listening else CriuTimeout)(
+                    f"criu lazy-pages for {image.path} did not start{late}:\n"
+                    f"{_log_tail(image.path / 'lazy-pages.log')}")
             return daemon
         finally:
             os.close(ready)

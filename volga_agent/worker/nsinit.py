@@ -20,11 +20,17 @@ before the worker's own code runs. The worker's main thread takes the signal wit
 did not block it would receive it instead and die of it (outside a PID namespace), or drop it (as a
 namespace's init, which ignores signals it has no handler for).
 
+The child dies with the agent: once the launcher has exited and the child is re-parented to the agent (a
+child subreaper), it arms PR_SET_PDEATHSIG with SIGKILL (`die_with`), unless `--keep` says the worker is to
+outlive its agent. CRIU dumps that setting and restores it in the restored process while criu is its parent,
+so the restored worker would be killed the moment criu exits and hands it to the agent: the worker therefore
+disarms it before a checkpoint (`release_parent`) and arms it again, against the agent, after the restore.
+
 With `--cpus 0,1,...` the child is pinned to those CPUs before it executes the command, so every thread
 the worker starts (numpy's and the framework's included, some of which start at import) inherits the mask:
 numaAffinity keeps a worker on the NUMA node of its GPU.
 
-Usage: python -m volga_agent.worker.nsinit [--no-pidns] [--cpus LIST] LOGFILE -- COMMAND...
+Usage: python -m volga_agent.worker.nsinit [--no-pidns] [--keep] [--cpus LIST] LOGFILE -- COMMAND...
 """
 
 from __future__ import annotations
@@ -33,8 +39,11 @@ import ctypes
 import os
 import signal
 import sys
+import time
 
 CLONE_NEWPID = 0x20000000
+PR_SET_PDEATHSIG = 1
+PR_GET_PDEATHSIG = 2
 PR_SET_CHILD_SUBREAPER = 36
 WAKE_SIGNAL = signal.SIGUSR1
 
@@ -48,16 +57,59 @@ def become_subreaper() -> None:
         raise OSError(err, f"prctl(PR_SET_CHILD_SUBREAPER): {os.strerror(err)}")
 
 
+def host_ppid() -> int:
+    """The parent's PID as the host sees it (getppid() is 0 for the init of a PID namespace; /proc is the host's)."""
+    with open("/proc/self/stat") as stat:
+        return int(stat.read().rsplit(") ", 1)[1].split()[1])
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(") ", 1)[1][0] not in "ZX"
+    except (OSError, IndexError):
+        return False
+
+
+def parent_death_signal() -> int:
+    value = ctypes.c_int(0)
+    _libc.prctl(PR_GET_PDEATHSIG, ctypes.byref(value), 0, 0, 0)
+    return value.value
+
+
+def die_with(parent: int) -> bool:
+    """Be SIGKILLed when `parent`, our parent now, dies. A parent that died already (we were handed to another
+    reaper) ends this process at once; one that lives but is not our parent (not a subreaper) leaves the
+    signal unarmed: False."""
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if host_ppid() == parent:
+        return True
+    _libc.prctl(PR_SET_PDEATHSIG, 0, 0, 0, 0)
+    if not _running(parent):
+        os._exit(1)
+    return False
+
+
+def release_parent() -> bool:
+    """Disarm the parent-death signal before a checkpoint; whether it was armed."""
+    armed = parent_death_signal() != 0
+    _libc.prctl(PR_SET_PDEATHSIG, 0, 0, 0, 0)
+    return armed
+
+
 def main(argv: list[str]) -> int:
     pidns = True
+    keep = False
     cpus: set[int] = set()
-    while argv[:1] in (["--no-pidns"], ["--cpus"]):
+    while argv[:1] in (["--no-pidns"], ["--cpus"], ["--keep"]):
         if argv[0] == "--no-pidns":
             pidns, argv = False, argv[1:]
+        elif argv[0] == "--keep":
+            keep, argv = True, argv[1:]
         else:
             cpus, argv = {int(c) for c in argv[1].split(",") if c}, argv[2:]
     if len(argv) < 3 or argv[1] != "--":
-        print("usage: python -m volga_agent.worker.nsinit [--no-pidns] [--cpus LIST] LOGFILE -- COMMAND...",
+        print("usage: python -m volga_agent.worker.nsinit [--no-pidns] [--keep] [--cpus LIST] LOGFILE -- COMMAND...",
               file=sys.stderr)
         return 2
     logfile, command = argv[0], argv[2:]
@@ -65,8 +117,13 @@ def main(argv: list[str]) -> int:
         err = ctypes.get_errno()
         print(f"unshare(CLONE_NEWPID): {os.strerror(err)} (needs CAP_SYS_ADMIN)", file=sys.stderr)
         return 1
+    launcher, agent = os.getpid(), os.getppid()
     pid = os.fork()
     if pid == 0:
+        if not keep:
+            while host_ppid() == launcher:  # the launcher exits as soon as it has printed our PID
+                time.sleep(0.0005)
+            die_with(agent)
         os.setsid()
         signal.pthread_sigmask(signal.SIG_BLOCK, [WAKE_SIGNAL])
         if cpus:

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from volga_agent.worker import backends, contract, protocol, warmup
+from volga_agent.worker import backends, contract, nsinit, protocol, warmup
 
 # Segments attached by gateways: files in SHM_DIR named by the worker (SHM_PREFIX + a random token).
 SHM_DIR = pathlib.Path("/dev/shm") if pathlib.Path("/dev/shm").is_dir() else pathlib.Path(tempfile.gettempdir())
@@ -287,9 +287,14 @@ class Worker:
         if not (park and self.backend.park(park)):
             self.backend.drop_host_copy()
         done = self.signal_dir / contract.RESTORE_COMPLETE
+        # CRIU would restore an armed parent-death signal while criu is the parent, and its exit would kill us.
+        armed = nsinit.release_parent()
         (self.signal_dir / contract.READY_FOR_CHECKPOINT).write_text(str(os.getpid()))
         while not done.exists():
             signal.sigtimedwait([contract.WAKE_SIGNAL], 0.05)
+        agent = done.read_text().strip()
+        if armed:  # the agent writes its PID there: die with it again
+            nsinit.die_with(int(agent) if agent.isdigit() else nsinit.host_ppid())
         done.unlink(missing_ok=True)
         (self.signal_dir / contract.READY_FOR_CHECKPOINT).unlink(missing_ok=True)
         self.backend.unpark()
