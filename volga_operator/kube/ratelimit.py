@@ -34,9 +34,10 @@ class TokenBucket:
         self._lock = threading.Lock()
 
     @classmethod
-    def within(cls, limit_per_sec: float) -> TokenBucket:
-        """A bucket whose burst plus steady rate stays within the limit in any one-second window."""
-        burst = max(1, int(limit_per_sec / 10))
+    def within(cls, limit_per_sec: float, burst_share: float = 0.1) -> TokenBucket:
+        """A bucket whose burst plus steady rate stays within the limit in any one-second window; the burst is
+        `burst_share` of the limit (at least one write)."""
+        burst = max(1, int(limit_per_sec * burst_share))
         return cls(limit_per_sec - burst, burst)
 
     def _reserve(self) -> float:
