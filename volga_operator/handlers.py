@@ -188,14 +188,20 @@ class Loop:
                 await asyncio.wait_for(self.wake.wait(), timeout=max(0.1, RESYNC_SEC / 4))
             await asyncio.sleep(DEBOUNCE_SEC)  # let a burst of events land before planning
             self.wake.clear()
-            if time.monotonic() - last_full > RESYNC_SEC:
+            full = time.monotonic() - last_full > RESYNC_SEC
+            if full:
                 self.touch_all()
                 last_full = time.monotonic()
             ready = sorted(k for k in self.dirty if k not in self.busy)
+            queued = 0
             for chunk in (ready[i:i + KEYS_PER_PASS] for i in range(0, len(ready), KEYS_PER_PASS)):
                 self.dirty.difference_update(chunk)
-                self.submit(reconcile.compute(self.state, chunk, settle=True))
+                actions = reconcile.compute(self.state, chunk, settle=True)
+                self.submit(actions)
+                queued += len(actions)
                 await asyncio.sleep(0)  # let the watches and the writers' answers in
+            if ready:
+                log.debug("%s: %d ModelSpecs, %d writes queued", "resync pass" if full else "pass", len(ready), queued)
             if first is None:
                 first = asyncio.create_task(self._first_pass_done(started, len(ready)))
 
