@@ -1,12 +1,15 @@
-"""The operator's kopf handlers: thin. They record what the watches see and wake the reconcile loop.
+"""The operator: kopf runs the process (startup, cleanup, the liveness endpoint, signals); the watches and the
+writes are the operator's own.
 
-Only kopf's event handlers are used (no change-detecting handlers), so kopf itself writes nothing to the
-API server: no progress or last-handled-configuration annotations, no finalizers of its own. The operator's
-own writes are the ones the desired state and the ModelSpec status need, and no more:
+kopf's resource handlers are not used. kopf takes every watch event through its own machinery (cause detection, a
+deep-copied diff base, a worker per object), which at thousands of ModelSpecs cost more CPU than all the rest of
+the operator, and its change handlers write progress and last-handled-configuration annotations. Instead three
+list+watches (`watch.Events`, each on a thread) hand each object to the event loop, where `Loop.see_*` record it
+and wake the reconcile loop. The writes are the ones the desired state and the ModelSpec status need, and no more:
 
 - a write is assumed done as soon as it is queued, so the next pass plans around it instead of sending it again,
-  and the server's answer (with its resourceVersion) replaces the assumption; a watch event older than what
-  the operator already holds changes nothing, so its own writes coming back do not start another pass;
+  and the server's answer (with its resourceVersion) replaces the assumption; a watch event no newer than what
+  the operator holds changes nothing, so its own writes coming back do not start another pass;
 - a new ModelSpec's status is written once, for the EMIs it is getting (`reconcile.compute(settle=True)`);
 - a ModelSpec with writes in flight is not planned again until they land;
 - at start, everything is listed before the first pass, so a restart plans against the whole cluster and writes
@@ -31,16 +34,15 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import kopf
 import kubernetes
 
 from volga_operator import api, reconcile
-from volga_operator.api import labels
 from volga_operator.kube import client as kube_client
-from volga_operator.kube import ratelimit
+from volga_operator.kube import ratelimit, watch
 
 log = logging.getLogger("volga.operator")
 
@@ -53,7 +55,6 @@ KEYS_PER_PASS = 100  # ModelSpecs planned between two looks at the watches (a ne
 # bucket starts writes at (1 - JITTER_SHARE) of the limit, JITTER_SHARE of it as burst.
 JITTER_SHARE = 0.025
 RETRY_SEC = 2.0  # a failed write (after its own retries) is planned again this much later
-LIST_PAGE = 500
 FIRST_PASS_DONE = "first pass done"
 
 
@@ -90,6 +91,8 @@ class Loop:
         self._queue: queue.SimpleQueue[Write | None] = queue.SimpleQueue()
         self._api: kubernetes.client.CustomObjectsApi | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.synced = {kind: asyncio.Event() for kind in ("modelspecs", "executablemodelinstances", "nodes")}
+        self.watches: list[watch.Events] = []
 
     def touch(self, *keys: reconcile.Key) -> None:
         self.dirty.update(keys)
@@ -144,26 +147,60 @@ class Loop:
         if before != profile:
             self.touch_all()  # capacity changed: every ModelSpec may place differently
 
-    def load(self) -> None:
-        """List ModelSpecs, EMIs and nodes before the first pass (blocking; the watches start afterwards and
-        their first events repeat what is held already)."""
-        custom = self.api
+    def see_list(self, kind: str, items: list[Any]) -> None:
+        """A whole (re)list of one kind: each object as an event, then what the list no longer has is gone."""
+        see = {"modelspecs": self.see_spec, "executablemodelinstances": self.see_emi, "nodes": self.see_node}[kind]
+        for body in items:
+            see(body)
+        if kind == "nodes":
+            listed_nodes = {body["metadata"]["name"] for body in items}
+            for name in [n for n in self.state.nodes if n not in listed_nodes]:
+                self.see_node({"metadata": {"name": name}}, deleted=True)
+        else:
+            listed = {(body["metadata"].get("namespace", "default"), body["metadata"]["name"]) for body in items}
+            held: Mapping[reconcile.Key, Any] = self.state.specs if kind == "modelspecs" else self.state.emis
+            for ns, name in [k for k in held if k not in listed]:
+                see({"metadata": {"namespace": ns, "name": name}, "spec": dict(held[(ns, name)].spec)},
+                    deleted=True)
+        self.synced[kind].set()
+
+    async def start_watching(self) -> None:
+        """List and watch ModelSpecs, EMIs and nodes (each on a thread; what they see is handed to this event
+        loop); return once all three lists are in, so the first pass plans against the whole cluster."""
+        self._loop = asyncio.get_running_loop()
+        custom = kubernetes.client.CustomObjectsApi(kube_client.api_client(connections=len(self.synced)))
         core = kubernetes.client.CoreV1Api(custom.api_client)
-        for body in _pages(functools.partial(custom.list_cluster_custom_object, api.GROUP, api.VERSION,
-                                             "executablemodelinstances")):
-            self.see_emi(body)
-        for body in _pages(functools.partial(custom.list_cluster_custom_object, api.GROUP, api.VERSION,
-                                             "modelspecs")):
-            self.see_spec(body)
 
         def nodes(**kwargs: Any) -> Any:
-            raw: Any = core.list_node(_preload_content=False, **kwargs)  # the bytes, not V1Node models (faster)
-            return json.loads(raw.data)
+            raw: Any = core.list_node(**{"_preload_content": False, **kwargs})  # the JSON, not V1Node models
+            return raw if kwargs.get("watch") else json.loads(raw.data)
 
-        for body in _pages(nodes):
-            self.see_node(body)
+        def handed_over(kind: str) -> tuple[Callable[[list[Any]], None], Callable[[str, Any], None]]:
+            assert self._loop is not None
+            post = self._loop.call_soon_threadsafe
+            see = {"modelspecs": self.see_spec, "executablemodelinstances": self.see_emi, "nodes": self.see_node}[kind]
+
+            def listed(items: list[Any]) -> None:
+                post(self.see_list, kind, items)
+
+            def event(type_: str, body: Any) -> None:
+                post(functools.partial(see, body, deleted=type_ == "DELETED"))
+
+            return listed, event
+
+        for kind in self.synced:
+            lister = nodes if kind == "nodes" else functools.partial(
+                custom.list_cluster_custom_object, api.GROUP, api.VERSION, kind)
+            self.watches.append(watch.Events(kind, lister, *handed_over(kind)))
+        for w in self.watches:
+            w.start()
+        await asyncio.gather(*(event.wait() for event in self.synced.values()))
         log.info("listed %d ModelSpecs, %d EMIs, %d nodes with a profile", len(self.state.specs),
                  len(self.state.emis), len(self.state.nodes))
+
+    def stop_watching(self) -> None:
+        for w in self.watches:
+            w.stop()
 
     # --- planning -----------------------------------------------------------------------------------------------
 
@@ -347,17 +384,6 @@ class Loop:
         raise ValueError(f"unknown action {action.verb}")
 
 
-def _pages(lister: Callable[..., Any]) -> Iterator[Mapping[str, Any]]:
-    """Every item of a list call, LIST_PAGE at a time."""
-    token = None
-    while True:
-        page = lister(limit=LIST_PAGE, **({"_continue": token} if token else {}))
-        yield from page.get("items") or ()
-        token = (page.get("metadata") or {}).get("continue")
-        if not token:
-            return
-
-
 LOOP_KEY = "loop"
 
 
@@ -368,35 +394,19 @@ def _loop(memo: kopf.Memo) -> Loop:
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     settings.posting.level = logging.WARNING
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=labels.KOPF_PREFIX)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=labels.KOPF_PREFIX)
-    settings.watching.server_timeout = 300
     loop = Loop()
-    await asyncio.to_thread(loop.load)
     memo[LOOP_KEY] = loop
+    await loop.start_watching()
     memo["task"] = asyncio.get_running_loop().create_task(loop.run(), name="volga-reconcile")
     logger.info("volga operator: API writes limited to %.0f/s", WRITES_PER_SEC)
 
 
 @kopf.on.cleanup()
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    if LOOP_KEY in memo:
+        _loop(memo).stop_watching()
     task = memo.get("task")
     if task is not None:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-
-
-@kopf.on.event(api.GROUP, api.VERSION, "modelspecs")
-async def on_modelspec(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
-    _loop(memo).see_spec(event["object"], deleted=event["type"] == "DELETED")
-
-
-@kopf.on.event(api.GROUP, api.VERSION, "executablemodelinstances")
-async def on_emi(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
-    _loop(memo).see_emi(event["object"], deleted=event["type"] == "DELETED")
-
-
-@kopf.on.event("", "v1", "nodes")
-async def on_node(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
-    _loop(memo).see_node(event["object"], deleted=event["type"] == "DELETED")
