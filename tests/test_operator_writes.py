@@ -7,12 +7,14 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
+import threading
 from typing import Any
 
 import pytest
 
 from volga_operator import handlers, planner, reconcile
 from volga_operator.api import labels
+from volga_operator.kube import ratelimit
 
 NOW = "2026-11-29T00:00:00Z"
 
@@ -143,3 +145,21 @@ def test_the_write_bucket_leaves_room_for_completion_jitter(limit: float) -> Non
     starts = [bucket._reserve() for _ in range(int(limit * 5))]
     most = max(bisect.bisect_right(starts, at + 1.0 - 1e-9) - i for i, at in enumerate(starts))
     assert most <= limit * (1 - handlers.JITTER_SHARE)
+
+
+def test_the_completion_window_holds_a_slot_until_a_second_after_the_write() -> None:
+    """However the writes bunch up at the API server, no more than `limit` complete in any one second."""
+    now = [0.0]
+    window = ratelimit.CompletionWindow(2, 1.0, clock=lambda: now[0])
+    window.acquire()
+    window.acquire()
+    window.release()  # one completed at t=0, one still in flight: both slots taken
+    got = threading.Event()
+    waiter = threading.Thread(target=lambda: (window.acquire(), got.set()), daemon=True)
+    waiter.start()
+    assert not got.wait(0.3)
+    now[0] = 1.0
+    with window._changed:
+        window._changed.notify_all()
+    assert got.wait(10)
+    waiter.join()

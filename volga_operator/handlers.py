@@ -16,7 +16,8 @@ and wake the reconcile loop. The writes are the ones the desired state and the M
   nothing where all is right.
 
 Every write goes through one token bucket (`ratelimit`, `VOLGA_API_WRITES_PER_SEC`, default 200 per second
-including bursts) on a pool of writer threads fed from a queue: planning (on the event loop) and writing overlap,
+including bursts) and a window that lets no more than that many complete in any second however the API server's
+latency bunches them, on a pool of writer threads fed from a queue: planning (on the event loop) and writing overlap,
 so the bucket stays busy while work is queued, and a large plan is cut into passes of `KEYS_PER_PASS` so the
 watches keep flowing. The decisions themselves are in `reconcile.compute`, a pure function.
 """
@@ -85,6 +86,7 @@ class Loop:
         self.idle = asyncio.Event()  # set while no write is queued or in flight
         self.idle.set()
         self.bucket = write_bucket(writes_per_sec)
+        self.window = ratelimit.CompletionWindow(max(1, int(writes_per_sec)))
         self.threads = threads
         self.writes = 0
         self.failed = 0
@@ -308,7 +310,7 @@ class Loop:
     def _writer(self) -> None:
         while (write := self._queue.get()) is not None:
             try:
-                answer, error = ratelimit.write_sync(self.bucket, functools.partial(self._do, write.action)), None
+                answer, error = ratelimit.write_sync(self.bucket, functools.partial(self._send, write.action)), None
             except Exception as exc:  # retried already where that helps; the write is planned again later
                 answer, error = None, exc
             try:
@@ -353,6 +355,13 @@ class Loop:
         if held_spec is not None and not stale(held_spec.resource_version, spec.resource_version):
             self.state.specs[key] = spec
         return False
+
+    def _send(self, action: reconcile.Action) -> Any:
+        self.window.acquire()
+        try:
+            return self._do(action)
+        finally:
+            self.window.release()
 
     def _do(self, action: reconcile.Action) -> Any:
         group, version = api.GROUP, api.VERSION
