@@ -323,6 +323,11 @@ class ControlPlane:
             *self.extra_apiserver_args,
         ]
 
+    def pids(self) -> dict[str, int]:
+        """The running servers' process ids, by name (etcd, kube-apiserver)."""
+        procs = {"etcd": self._etcd, "kube-apiserver": self._apiserver}
+        return {name: proc.pid for name, proc in procs.items() if proc is not None and _alive(proc)}
+
     # --- clients -------------------------------------------------------------------------------------------------
 
     def kubeconfig_dict(self, cert: pathlib.Path | None = None, key: pathlib.Path | None = None) -> dict[str, Any]:

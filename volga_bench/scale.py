@@ -4,18 +4,27 @@ It starts etcd + kube-apiserver (`controlplane.ControlPlane`), kwok to keep `nod
 operator as a separate process, exactly as deployed. Then it creates `modelspecs` ModelSpecs at once (what a
 `kubectl apply -f` of a big folder does) and measures, in the same run:
 
-- converge_s: from the first ModelSpec created until every ModelSpec has all its EMIs and a status for its
-  current generation;
-- peak_writes_per_s: the operator's writes as the API server counts them (its `apiserver_request_total`
-  for EMIs and for ModelSpec patches, sampled every second), so the limit is checked from outside the
-  operator. The ModelSpec creations (the user's apply) and kwok's node heartbeats are not the operator's
-  and are reported apart.
+- converge_s: from the first ModelSpec created until every ModelSpec has a status for its current generation
+  counting all its EMIs, and every EMI exists (followed by a watch, so checking costs the machine little);
+- the operator's writes as the API server records them in its audit log (every write to EMIs and ModelSpecs
+  but the creations, with the time the server completed it), so the limit is checked from outside the
+  operator: peak_writes_per_s (the most in any sliding one-second window), the total and its split by request,
+  a per-second series, and write_floor_s, the time the write limit alone needs for them. The ModelSpec
+  creations (the user's apply) and kwok's node heartbeats are not the operator's; the latter are reported
+  apart, from the server's request counters;
+- the operator's peak RSS and CPU seconds (from /proc), and the API server's and etcd's CPU beside them;
+- restart_writes: the operator is stopped and started again on the converged cluster; what it writes until its
+  first pass is done (and a few seconds more) should be nothing.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import dataclasses
+import datetime
 import itertools
+import json
 import os
 import pathlib
 import re
@@ -27,6 +36,8 @@ import time
 from collections.abc import Callable
 from typing import Any, cast
 
+import kubernetes
+import urllib3
 from kubernetes import client as k8s
 
 from volga_bench import controlplane
@@ -37,10 +48,13 @@ PRODUCT = "NVIDIA H200"
 OPERATOR_RESOURCES = {"executablemodelinstances", "modelspecs"}
 MUTATING = {"POST", "PUT", "PATCH", "DELETE"}
 _SAMPLE = re.compile(r'^apiserver_request_total\{(?P<labels>[^}]*)\} (?P<value>\S+)$')
+FIRST_PASS_DONE = "first pass done"  # the line the operator logs once its first pass's writes have landed
+RESTART_QUIET_S = 5.0  # how long the restart is watched after the operator's first pass is done
 
 
 def write_counts(metrics_text: str) -> dict[str, float]:
-    """Mutating requests by source: the operator's, the ModelSpec creations, everything else."""
+    """Mutating requests by source: the operator's, the ModelSpec creations, everything else; and the operator's
+    by request ("PATCH modelspecs/status", ...) under keys starting with "operator:"."""
     out = {"operator": 0.0, "modelspec_creates": 0.0, "other": 0.0}
     for line in metrics_text.splitlines():
         match = _SAMPLE.match(line)
@@ -50,10 +64,14 @@ def write_counts(metrics_text: str) -> dict[str, float]:
         if labels.get("verb") not in MUTATING:
             continue
         value = float(match.group("value"))
-        if labels.get("resource") == "modelspecs" and labels.get("verb") == "POST":
+        resource = labels.get("resource", "")
+        if resource == "modelspecs" and labels.get("verb") == "POST":
             out["modelspec_creates"] += value
-        elif labels.get("resource") in OPERATOR_RESOURCES:
+        elif resource in OPERATOR_RESOURCES:
             out["operator"] += value
+            sub = labels.get("subresource")
+            request = f"operator:{labels['verb']} {resource}{'/' + sub if sub else ''}"
+            out[request] = out.get(request, 0.0) + value
         else:
             out["other"] += value
     return out
@@ -79,10 +97,145 @@ def modelspec(index: int, source: str) -> dict[str, Any]:
     }
 
 
+@dataclasses.dataclass(frozen=True)
+class Usage:
+    """What /proc says one process has used."""
+
+    cpu_s: float
+    peak_rss_mib: float
+
+    @classmethod
+    def of(cls, pid: int) -> Usage:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "; utime and stime are fields 14, 15
+        ticks = os.sysconf("SC_CLK_TCK")
+        status = pathlib.Path(f"/proc/{pid}/status").read_text()
+        hwm = re.search(r"^VmHWM:\s+(\d+) kB", status, re.M)
+        return cls(round((int(fields[11]) + int(fields[12])) / ticks, 2),
+                   round(int(hwm.group(1)) / 1024, 1) if hwm else 0.0)
+
+
+class Progress:
+    """ModelSpecs that have converged (status for their generation, counting `want` EMIs), from a list + watch."""
+
+    def __init__(self, custom: k8s.CustomObjectsApi, total: int, want: int,
+                 progress: Callable[[str], None]) -> None:
+        self.custom, self.total, self.want, self.progress = custom, total, want, progress
+        self.done: set[str] = set()
+        self.finished = threading.Event()
+        self.finished_at: float | None = None
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="converge-watch", daemon=True)
+        self._shown = 0.0
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    def _see(self, obj: dict[str, Any]) -> None:
+        status = obj.get("status") or {}
+        name = obj["metadata"]["name"]
+        if status.get("observedGeneration") == obj["metadata"].get("generation") and status.get(
+                "instances") == self.want:
+            self.done.add(name)
+        else:
+            self.done.discard(name)
+        if len(self.done) == self.total and not self.finished.is_set():
+            self.finished_at = time.monotonic()
+            self.finished.set()
+        if time.monotonic() - self._shown > 5:
+            self._shown = time.monotonic()
+            self.progress(f"converged {len(self.done)}/{self.total}")
+
+    def _run(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                self._follow()
+            except (urllib3.exceptions.HTTPError, kubernetes.client.ApiException):
+                self.stopping.wait(0.5)  # the stream broke (the API server is busy or stopping): list again
+
+    def _follow(self) -> None:
+        listed = cast(dict[str, Any], self.custom.list_namespaced_custom_object(
+            api.GROUP, api.VERSION, "default", "modelspecs"))
+        for obj in listed["items"]:
+            self._see(obj)
+        stream = kubernetes.watch.Watch().stream(
+            self.custom.list_namespaced_custom_object, api.GROUP, api.VERSION, "default", "modelspecs",
+            resource_version=listed["metadata"]["resourceVersion"], timeout_seconds=60)
+        for event in stream:
+            if self.stopping.is_set():
+                return
+            if event["type"] in ("ADDED", "MODIFIED"):
+                self._see(event["object"])
+            elif event["type"] == "ERROR":
+                return  # too old a resource version: list again
+
+
+def count(custom: k8s.CustomObjectsApi, plural: str) -> int:
+    """How many objects there are, from a one-item list (remainingItemCount), not a list of them all."""
+    page = cast(dict[str, Any], custom.list_namespaced_custom_object(api.GROUP, api.VERSION, "default", plural,
+                                                                     limit=1))
+    return len(page["items"]) + int(page["metadata"].get("remainingItemCount") or 0)
+
+
+AUDIT_POLICY = """apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived, ResponseStarted, Panic]
+rules:
+- level: Metadata
+  verbs: [create, update, patch, delete]
+  resources: [{group: volga.dev, resources: [modelspecs, modelspecs/status, executablemodelinstances]}]
+- level: None
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditedWrite:
+    at: float  # unix time the API server finished it
+    request: str  # "PATCH modelspecs/status", ...
+
+
+def operator_writes(audit_log: pathlib.Path) -> list[AuditedWrite]:
+    """The operator's writes in the API server's audit log, by when the server completed each: every write to
+    ModelSpecs and EMIs except the ModelSpec creations (the user's apply)."""
+    verbs = {"create": "POST", "update": "PUT", "patch": "PATCH", "delete": "DELETE"}
+    out = []
+    for line in audit_log.read_text().splitlines():
+        entry = json.loads(line)
+        ref = entry.get("objectRef") or {}
+        resource, sub = ref.get("resource", ""), ref.get("subresource")
+        if entry.get("verb") not in verbs or resource not in OPERATOR_RESOURCES:
+            continue
+        if resource == "modelspecs" and entry["verb"] == "create":
+            continue
+        at = datetime.datetime.fromisoformat(entry["stageTimestamp"]).timestamp()
+        out.append(AuditedWrite(at, f"{verbs[entry['verb']]} {resource}{'/' + sub if sub else ''}"))
+    return sorted(out, key=lambda w: w.at)
+
+
+def peak_per_second(times: list[float]) -> int:
+    """The most writes the server completed in any one-second window (sliding, not binned)."""
+    most, first = 0, 0
+    for last, at in enumerate(times):
+        while times[first] <= at - 1.0:
+            first += 1
+        most = max(most, last - first + 1)
+    return most
+
+
+def _rates(samples: list[tuple[float, dict[str, float]]], source: str) -> list[float]:
+    return [(b[1][source] - a[1][source]) / (b[0] - a[0]) for a, b in itertools.pairwise(samples)]
+
+
 def run(nodes: int = 200, modelspecs: int = 1000, writes_per_sec: float = 200.0,
-        progress: Callable[[str], None] = lambda _: None, timeout: float = 600.0) -> dict[str, Any]:
+        progress: Callable[[str], None] = lambda _: None, timeout: float = 900.0) -> dict[str, Any]:
     folder = pathlib.Path(tempfile.mkdtemp(prefix="volga-scale-", dir="/tmp"))
-    cp = controlplane.ControlPlane()
+    (folder / "audit-policy.yaml").write_text(AUDIT_POLICY)
+    audit_log = folder / "audit.log"
+    cp = controlplane.ControlPlane(extra_apiserver_args=[f"--audit-policy-file={folder / 'audit-policy.yaml'}",
+                                                         f"--audit-log-path={audit_log}"])
     procs: list[subprocess.Popen[bytes]] = []
     try:
         progress("starting etcd + kube-apiserver")
@@ -111,13 +264,24 @@ def run(nodes: int = 200, modelspecs: int = 1000, writes_per_sec: float = 200.0,
             return sum(any(c.type == "Ready" and c.status == "True" for c in cs) for cs in conditions)
 
         kwok_ready = controlplane.eventually(lambda: ready_nodes() == nodes, timeout=180,
-                                        what=f"kwok to mark {nodes} nodes Ready")
+                                             what=f"kwok to mark {nodes} nodes Ready")
+
+        def operator(log_name: str) -> subprocess.Popen[bytes]:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "volga_operator", "--liveness", ""],
+                stdout=(folder / log_name).open("w"), stderr=subprocess.STDOUT,
+                env={**env, "VOLGA_API_WRITES_PER_SEC": str(writes_per_sec)})
+            procs.append(proc)
+            return proc
+
+        def first_pass_done(log_name: str) -> bool:
+            return FIRST_PASS_DONE in (folder / log_name).read_text(errors="replace")
+
         progress("starting the operator")
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "volga_operator", "--liveness", ""],
-            stdout=(folder / "operator.log").open("w"), stderr=subprocess.STDOUT,
-            env={**env, "VOLGA_API_WRITES_PER_SEC": str(writes_per_sec)}))
-        time.sleep(3)  # let it list the (empty) ModelSpecs and the nodes
+        first = operator("operator.log")
+        controlplane.eventually(lambda: first_pass_done("operator.log"), timeout=120,
+                                what="the operator's first pass")
+        server_before = {name: Usage.of(pid) for name, pid in cp.pids().items()}
 
         samples: list[tuple[float, dict[str, float]]] = []
         stop = threading.Event()
@@ -125,7 +289,9 @@ def run(nodes: int = 200, modelspecs: int = 1000, writes_per_sec: float = 200.0,
         def sample() -> None:
             sampler = cp.api_client()
             while not stop.is_set():
-                samples.append((time.monotonic(), write_counts(_metrics(sampler))))
+                asked = time.monotonic()
+                counts = write_counts(_metrics(sampler))
+                samples.append(((asked + time.monotonic()) / 2, counts))  # the server counted somewhere between
                 stop.wait(1.0)
             sampler.close()
 
@@ -133,40 +299,66 @@ def run(nodes: int = 200, modelspecs: int = 1000, writes_per_sec: float = 200.0,
         sampler.start()
         time.sleep(1.5)
         custom = k8s.CustomObjectsApi(client)
+        want_emis = sum(modelspec(0, "")["spec"]["pool"].values())
+        watcher = Progress(k8s.CustomObjectsApi(cp.api_client()), modelspecs, want_emis, progress)
+        watcher.start()
+        load_before = os.getloadavg()[0]
         progress(f"creating {modelspecs} ModelSpecs")
-        start = time.monotonic()
+        start, start_unix = time.monotonic(), time.time()
         with concurrent.futures.ThreadPoolExecutor(max_workers=16) as pool:
             list(pool.map(lambda i: custom.create_namespaced_custom_object(
                 api.GROUP, api.VERSION, "default", "modelspecs", modelspec(i, "/models/model.onnx")),
                 range(modelspecs)))
         created_s = time.monotonic() - start
-        want_emis = sum(modelspec(0, "")["spec"]["pool"].values())
-
-        def converged() -> bool:
-            items = cast(dict[str, Any], custom.list_namespaced_custom_object(
-                api.GROUP, api.VERSION, "default", "modelspecs"))["items"]
-            done = sum(1 for m in items if m.get("status", {}).get("observedGeneration") == m["metadata"]["generation"]
-                       and m["status"].get("instances") == want_emis)
-            progress(f"converged {done}/{modelspecs}")
-            return done == modelspecs
-
-        controlplane.eventually(converged, timeout=timeout, what="every ModelSpec to have its EMIs and status")
-        converge_s = time.monotonic() - start
-        emis = len(cast(dict[str, Any], custom.list_namespaced_custom_object(
-            api.GROUP, api.VERSION, "default", "executablemodelinstances"))["items"])
+        if not watcher.finished.wait(timeout):
+            raise AssertionError(f"only {len(watcher.done)} of {modelspecs} ModelSpecs converged in {timeout} s")
+        controlplane.eventually(lambda: count(custom, "executablemodelinstances") == modelspecs * want_emis,
+                                timeout=timeout, what="every EMI to exist")
+        converge_s = max(cast(float, watcher.finished_at), time.monotonic() - 0.2) - start
+        converged_unix = start_unix + converge_s
         time.sleep(2.0)  # one more sample after the last write
+        used = Usage.of(first.pid)
+        server = {name: Usage.of(pid).cpu_s - server_before[name].cpu_s for name, pid in cp.pids().items()}
+        load_after = os.getloadavg()[0]
+
+        progress("restarting the operator on the converged cluster")
+        controlplane.terminate(first)
+        restarted_at, restarted_unix = time.monotonic(), time.time()
+        second = operator("operator-restart.log")
+        controlplane.eventually(lambda: first_pass_done("operator-restart.log"), timeout=300,
+                                what="the restarted operator's first pass")
+        restart_settle_s = time.monotonic() - restarted_at
+        time.sleep(RESTART_QUIET_S)
         stop.set()
         sampler.join()
-        rates = [(b[1]["operator"] - a[1]["operator"]) / (b[0] - a[0]) for a, b in itertools.pairwise(samples)]
-        others = [(b[1]["other"] - a[1]["other"]) / (b[0] - a[0]) for a, b in itertools.pairwise(samples)]
-        total = samples[-1][1]["operator"] - samples[0][1]["operator"]
+        watcher.stop()
+        restart_used = Usage.of(second.pid)
+        audited = operator_writes(audit_log)
+        converging = [w for w in audited if w.at <= converged_unix + 2.0]
+        total = len(converging)
+        by_request = collections.Counter(w.request for w in converging)
+        restart_writes = sum(1 for w in audited if w.at >= restarted_unix)
+        series = collections.Counter(int(w.at - start_unix) for w in converging)
         client.close()
+        floor = total / writes_per_sec
         return {
-            "nodes": nodes, "modelspecs": modelspecs, "emis": emis,
-            "converge_s": round(converge_s, 2), "peak_writes_per_s": round(max(rates), 1),
-            "write_limit_per_s": writes_per_sec, "operator_writes": int(total),
-            "mean_writes_per_s": round(total / converge_s, 1), "modelspec_create_s": round(created_s, 2),
-            "peak_other_writes_per_s": round(max(others), 1), "kwok_nodes_ready": bool(kwok_ready),
+            "nodes": nodes, "modelspecs": modelspecs, "emis": modelspecs * want_emis,
+            "converge_s": round(converge_s, 2), "write_floor_s": round(floor, 2),
+            "converge_over_floor": round(converge_s / floor, 3) if floor else None,
+            "operator_writes": int(total), "writes_per_modelspec": round(total / modelspecs, 2),
+            "operator_writes_by_request": dict(sorted(by_request.items())),
+            "peak_writes_per_s": peak_per_second([w.at for w in audited]),
+            "peak_writes_per_s_sampled": round(max(_rates(samples, "operator")), 1),
+            "writes_per_s_series": [series.get(i, 0) for i in range(int(converge_s) + 1)],
+            "write_limit_per_s": writes_per_sec, "mean_writes_per_s": round(total / converge_s, 1),
+            "operator_peak_rss_mib": used.peak_rss_mib, "operator_cpu_s": used.cpu_s,
+            "apiserver_cpu_s": round(server.get("kube-apiserver", 0.0), 1),
+            "etcd_cpu_s": round(server.get("etcd", 0.0), 1),
+            "cpu_cores": os.cpu_count(), "load_avg_1m": [load_before, load_after],
+            "restart_writes": int(restart_writes), "restart_first_pass_s": round(restart_settle_s, 2),
+            "restart_operator_cpu_s": restart_used.cpu_s, "restart_operator_peak_rss_mib": restart_used.peak_rss_mib,
+            "modelspec_create_s": round(created_s, 2),
+            "peak_other_writes_per_s": round(max(_rates(samples, "other")), 1), "kwok_nodes_ready": bool(kwok_ready),
             "samples": len(samples), "kube_apiserver": "v1.34.4 (built from k8s.io/kubernetes)",
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }

@@ -18,6 +18,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The operator's own lines are few (what it listed at start, when its first pass is done): always shown;
+    # with -v, every planning pass too.
+    logging.getLogger("volga.operator").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     kopf.run(clusterwide=True, standalone=True, liveness_endpoint=args.liveness or None)
     return 0
 

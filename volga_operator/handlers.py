@@ -1,99 +1,380 @@
-"""The operator's kopf handlers: thin. They record what the watches see and wake the reconcile loop.
+"""The operator: kopf runs the process (startup, cleanup, the liveness endpoint, signals); the watches and the
+writes are the operator's own.
 
-Only kopf's event handlers are used (no change-detecting handlers), so kopf itself writes nothing to the
-API server: no progress annotations, no finalizers of its own. Every write the operator makes goes through
-one token bucket (`ratelimit`, at most `VOLGA_API_WRITES_PER_SEC`, default 200 per second including bursts)
-in the loop below, which is what keeps a thousand ModelSpecs applied at once from becoming an etcd write
-storm. The decisions themselves are in `reconcile.compute`, a pure function.
+kopf's resource handlers are not used. kopf takes every watch event through its own machinery (cause detection, a
+deep-copied diff base, a worker per object), which at thousands of ModelSpecs cost more CPU than all the rest of
+the operator, and its change handlers write progress and last-handled-configuration annotations. Instead three
+list+watches (`watch.Events`, each on a thread) hand each object to the event loop, where `Loop.see_*` record it
+and wake the reconcile loop. The writes are the ones the desired state and the ModelSpec status need, and no more:
+
+- a write is assumed done as soon as it is queued, so the next pass plans around it instead of sending it again,
+  and the server's answer (with its resourceVersion) replaces the assumption; a watch event no newer than what
+  the operator holds changes nothing, so its own writes coming back do not start another pass;
+- a new ModelSpec's status is written once, for the EMIs it is getting (`reconcile.compute(settle=True)`);
+- a ModelSpec with writes in flight is not planned again until they land;
+- at start, everything is listed before the first pass, so a restart plans against the whole cluster and writes
+  nothing where all is right.
+
+Every write goes through one token bucket (`ratelimit`, `VOLGA_API_WRITES_PER_SEC`, default 200 per second
+including bursts) and a window that lets no more than that many complete in any second however the API server's
+latency bunches them, on a pool of writer threads fed from a queue: planning (on the event loop) and writing overlap,
+so the bucket stays busy while work is queued, and a large plan is cut into passes of `KEYS_PER_PASS` so the
+watches keep flowing. The decisions themselves are in `reconcile.compute`, a pure function.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
+import functools
+import json
 import logging
 import os
+import queue
+import threading
 import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import kopf
 import kubernetes
 
 from volga_operator import api, reconcile
-from volga_operator.api import labels
 from volga_operator.kube import client as kube_client
-from volga_operator.kube import ratelimit
+from volga_operator.kube import ratelimit, watch
 
 log = logging.getLogger("volga.operator")
 
 RESYNC_SEC = float(os.environ.get("VOLGA_RESYNC_SEC", "60"))
 DEBOUNCE_SEC = float(os.environ.get("VOLGA_DEBOUNCE_SEC", "0.2"))
 WRITES_PER_SEC = float(os.environ.get("VOLGA_API_WRITES_PER_SEC", "200"))
-PARALLEL_WRITES = 8
+WRITE_THREADS = 16
+KEYS_PER_PASS = 100  # ModelSpecs planned between two looks at the watches (a new one costs ~4 ms at 1000 nodes)
+# The API server counts a write when it completes, so completions bunch by the jitter of their latencies: the
+# bucket starts writes at (1 - JITTER_SHARE) of the limit, JITTER_SHARE of it as burst.
+JITTER_SHARE = 0.025
+RETRY_SEC = 2.0  # a failed write (after its own retries) is planned again this much later
+FIRST_PASS_DONE = "first pass done"
+
+
+def write_bucket(limit_per_sec: float) -> ratelimit.TokenBucket:
+    return ratelimit.TokenBucket.within(limit_per_sec * (1 - JITTER_SHARE), burst_share=JITTER_SHARE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Write:
+    key: reconcile.Key  # the ModelSpec the write is for
+    action: reconcile.Action
+    undo: Callable[[], None]  # takes the assumption back if the write fails
+
+
+def stale(old: int, new: int) -> bool:
+    """Whether an object at resourceVersion `new` is no newer than the one held at `old` (0: unknown)."""
+    return old > 0 and 0 < new <= old
 
 
 class Loop:
-    """The state the watches fill, the set of ModelSpecs to look at again, and the writer."""
+    """The state the watches fill, the set of ModelSpecs to look at again, and the writers."""
 
-    def __init__(self, writes_per_sec: float = WRITES_PER_SEC) -> None:
+    def __init__(self, writes_per_sec: float = WRITES_PER_SEC, threads: int = WRITE_THREADS) -> None:
         self.state = reconcile.State()
         self.dirty: set[reconcile.Key] = set()
+        self.busy: collections.Counter[reconcile.Key] = collections.Counter()  # writes queued or in flight
         self.wake = asyncio.Event()
-        self.bucket = ratelimit.TokenBucket.within(writes_per_sec)
+        self.idle = asyncio.Event()  # set while no write is queued or in flight
+        self.idle.set()
+        self.bucket = write_bucket(writes_per_sec)
+        self.window = ratelimit.CompletionWindow(max(1, int(writes_per_sec)))
+        self.threads = threads
+        self.writes = 0
+        self.failed = 0
+        self._queue: queue.SimpleQueue[Write | None] = queue.SimpleQueue()
         self._api: kubernetes.client.CustomObjectsApi | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.synced = {kind: asyncio.Event() for kind in ("modelspecs", "executablemodelinstances", "nodes")}
+        self.watches: list[watch.Events] = []
 
     def touch(self, *keys: reconcile.Key) -> None:
         self.dirty.update(keys)
         self.wake.set()
 
     def touch_all(self) -> None:
-        self.touch(*self.state.specs, *{(e.namespace, e.owner) for e in self.state.emis.values()})
+        self.touch(*self.state.specs, *self.state.emis.owners())
 
     @property
     def api(self) -> kubernetes.client.CustomObjectsApi:
         if self._api is None:
-            self._api = kubernetes.client.CustomObjectsApi(kube_client.api_client())
+            self._api = kubernetes.client.CustomObjectsApi(kube_client.api_client(connections=self.threads))
         return self._api
 
+    # --- what the watches see ---------------------------------------------------------------------------------
+
+    def see_spec(self, body: Mapping[str, Any], deleted: bool = False) -> None:
+        record = reconcile.SpecRecord.from_body(body)
+        key = (record.namespace, record.name)
+        old = self.state.specs.get(key)
+        if old is not None and stale(old.resource_version, record.resource_version):
+            return  # what the operator holds already (often its own write coming back)
+        if deleted:
+            self.state.specs.pop(key, None)
+        else:
+            self.state.specs[key] = record
+        self.touch(key)
+
+    def see_emi(self, body: Mapping[str, Any], deleted: bool = False) -> None:
+        record = reconcile.EmiRecord.from_body(body)
+        key = (record.namespace, record.name)
+        old = self.state.emis.get(key)
+        if old is not None and stale(old.resource_version, record.resource_version):
+            return
+        if deleted:
+            self.state.emis.pop(key, None)
+        else:
+            self.state.emis[key] = record
+        if deleted or old is None or old.spec != record.spec or old.status != record.status:
+            self.touch(*{(e.namespace, e.owner) for e in (old, record) if e is not None})
+
+    def see_node(self, body: Mapping[str, Any], deleted: bool = False) -> None:
+        meta = body.get("metadata", {})
+        name = meta["name"]
+        profile = None if deleted else reconcile.node_profile(
+            name, meta.get("annotations"), (body.get("status") or {}).get("conditions"))
+        before = self.state.nodes.get(name)
+        if profile is None:
+            self.state.nodes.pop(name, None)
+        else:
+            self.state.nodes[name] = profile
+        if before != profile:
+            self.touch_all()  # capacity changed: every ModelSpec may place differently
+
+    def see_list(self, kind: str, items: list[Any]) -> None:
+        """A whole (re)list of one kind: each object as an event, then what the list no longer has is gone."""
+        see = {"modelspecs": self.see_spec, "executablemodelinstances": self.see_emi, "nodes": self.see_node}[kind]
+        for body in items:
+            see(body)
+        if kind == "nodes":
+            listed_nodes = {body["metadata"]["name"] for body in items}
+            for name in [n for n in self.state.nodes if n not in listed_nodes]:
+                self.see_node({"metadata": {"name": name}}, deleted=True)
+        else:
+            listed = {(body["metadata"].get("namespace", "default"), body["metadata"]["name"]) for body in items}
+            held: Mapping[reconcile.Key, Any] = self.state.specs if kind == "modelspecs" else self.state.emis
+            for ns, name in [k for k in held if k not in listed]:
+                see({"metadata": {"namespace": ns, "name": name}, "spec": dict(held[(ns, name)].spec)},
+                    deleted=True)
+        self.synced[kind].set()
+
+    async def start_watching(self) -> None:
+        """List and watch ModelSpecs, EMIs and nodes (each on a thread; what they see is handed to this event
+        loop); return once all three lists are in, so the first pass plans against the whole cluster."""
+        self._loop = asyncio.get_running_loop()
+        custom = kubernetes.client.CustomObjectsApi(kube_client.api_client(connections=len(self.synced)))
+        core = kubernetes.client.CoreV1Api(custom.api_client)
+
+        def nodes(**kwargs: Any) -> Any:
+            raw: Any = core.list_node(**{"_preload_content": False, **kwargs})  # the JSON, not V1Node models
+            return raw if kwargs.get("watch") else json.loads(raw.data)
+
+        def handed_over(kind: str) -> tuple[Callable[[list[Any]], None], Callable[[str, Any], None]]:
+            assert self._loop is not None
+            post = self._loop.call_soon_threadsafe
+            see = {"modelspecs": self.see_spec, "executablemodelinstances": self.see_emi, "nodes": self.see_node}[kind]
+
+            def listed(items: list[Any]) -> None:
+                post(self.see_list, kind, items)
+
+            def event(type_: str, body: Any) -> None:
+                post(functools.partial(see, body, deleted=type_ == "DELETED"))
+
+            return listed, event
+
+        for kind in self.synced:
+            lister = nodes if kind == "nodes" else functools.partial(
+                custom.list_cluster_custom_object, api.GROUP, api.VERSION, kind)
+            self.watches.append(watch.Events(kind, lister, *handed_over(kind)))
+        for w in self.watches:
+            w.start()
+        await asyncio.gather(*(event.wait() for event in self.synced.values()))
+        log.info("listed %d ModelSpecs, %d EMIs, %d nodes with a profile", len(self.state.specs),
+                 len(self.state.emis), len(self.state.nodes))
+
+    def stop_watching(self) -> None:
+        for w in self.watches:
+            w.stop()
+
+    # --- planning -----------------------------------------------------------------------------------------------
+
     async def run(self) -> None:
-        last_full = time.monotonic()
+        self._loop = asyncio.get_running_loop()
+        threads = [threading.Thread(target=self._writer, name=f"volga-write-{i}", daemon=True)
+                   for i in range(self.threads)]
+        for thread in threads:
+            thread.start()
+        try:
+            await self._plan()
+        finally:
+            for _ in threads:
+                self._queue.put(None)
+
+    async def _plan(self) -> None:
+        started = last_full = time.monotonic()
+        self.touch_all()
+        first: asyncio.Task[None] | None = None
         while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.wake.wait(), timeout=max(0.1, RESYNC_SEC / 4))
             await asyncio.sleep(DEBOUNCE_SEC)  # let a burst of events land before planning
             self.wake.clear()
-            if time.monotonic() - last_full > RESYNC_SEC:
+            full = time.monotonic() - last_full > RESYNC_SEC
+            if full:
                 self.touch_all()
                 last_full = time.monotonic()
-            keys, self.dirty = self.dirty, set()
-            if not keys:
-                continue
-            actions = reconcile.compute(self.state, keys)
-            await self.apply(actions)
+            ready = sorted(k for k in self.dirty if k not in self.busy)
+            queued = 0
+            for chunk in (ready[i:i + KEYS_PER_PASS] for i in range(0, len(ready), KEYS_PER_PASS)):
+                self.dirty.difference_update(chunk)
+                actions = reconcile.compute(self.state, chunk, settle=True)
+                self.submit(actions)
+                queued += len(actions)
+                await asyncio.sleep(0)  # let the watches and the writers' answers in
+            if ready:
+                log.debug("%s: %d ModelSpecs, %d writes queued", "resync pass" if full else "pass", len(ready), queued)
+            if first is None:
+                first = asyncio.create_task(self._first_pass_done(started, len(ready)))
 
-    async def apply(self, actions: list[reconcile.Action]) -> None:
-        queue: asyncio.Queue[reconcile.Action] = asyncio.Queue()
+    async def _first_pass_done(self, started: float, keys: int) -> None:
+        await self.idle.wait()
+        log.info("%s: %d ModelSpecs looked at, %d writes, %d failed, %.1f s after start", FIRST_PASS_DONE, keys,
+                 self.writes, self.failed, time.monotonic() - started)
+
+    def submit(self, actions: list[reconcile.Action]) -> None:
         for action in actions:
-            queue.put_nowait(action)
+            key = self._owner(action)
+            undo = self._assume(action)
+            self.busy[key] += 1
+            self.idle.clear()
+            self._queue.put(Write(key, action, undo))
+        if not self.busy:
+            self.idle.set()
 
-        async def worker() -> None:
-            while not queue.empty():
-                action = queue.get_nowait()
-                try:
-                    await ratelimit.write(self.bucket, lambda a=action: asyncio.to_thread(self._do, a))  # type: ignore[misc]
-                    self._assume(action)
-                except Exception as exc:  # retried already where that helps; the next full pass tries again
-                    log.warning("%s %s/%s failed: %s", action.verb, action.namespace, action.name, exc)
+    def _owner(self, action: reconcile.Action) -> reconcile.Key:
+        if action.verb in ("patch_spec_status", "patch_spec_meta"):
+            return action.namespace, action.name
+        emi = self.state.emis.get((action.namespace, action.name))
+        owner = emi.owner if emi is not None else str(action.body.get("spec", {}).get("modelSpec", action.name))
+        return action.namespace, owner
 
-        await asyncio.gather(*(worker() for _ in range(PARALLEL_WRITES)))
+    def _assume(self, action: reconcile.Action) -> Callable[[], None]:
+        """Reflect a write in the state now, before it is even sent: the next pass plans around it. Returns what
+        takes it back."""
+        key = (action.namespace, action.name)
+        emis, specs = self.state.emis, self.state.specs
+        if action.verb in ("create_emi", "patch_emi", "delete_emi"):
+            before = emis.get(key)
+            after: reconcile.EmiRecord | None = None
+            if action.verb == "create_emi":
+                after = reconcile.EmiRecord(action.namespace, action.name, action.body["spec"], {})
+            elif action.verb == "patch_emi" and before is not None:
+                after = dataclasses.replace(before, spec=action.body["spec"])
+            if after is None:
+                emis.pop(key, None)
+            else:
+                emis[key] = after
+
+            def undo_emi() -> None:
+                if emis.get(key) is after and before is not None:
+                    emis[key] = before
+                elif emis.get(key) is after:
+                    emis.pop(key, None)
+
+            return undo_emi
+        spec_before = specs.get(key)
+        if spec_before is None:
+            return lambda: None
+        if action.verb == "patch_spec_status":
+            spec_after = dataclasses.replace(spec_before, status={**spec_before.status, **action.body["status"]})
+        else:
+            spec_after = dataclasses.replace(spec_before, finalizers=tuple(action.body["metadata"]["finalizers"]))
+        specs[key] = spec_after
+
+        def undo_spec() -> None:
+            if specs.get(key) is spec_after:
+                specs[key] = spec_before
+
+        return undo_spec
+
+    # --- writing ------------------------------------------------------------------------------------------------
+
+    def _writer(self) -> None:
+        while (write := self._queue.get()) is not None:
+            try:
+                answer, error = ratelimit.write_sync(self.bucket, functools.partial(self._send, write.action)), None
+            except Exception as exc:  # retried already where that helps; the write is planned again later
+                answer, error = None, exc
+            try:
+                assert self._loop is not None
+                self._loop.call_soon_threadsafe(self._done, write, answer, error)
+            except RuntimeError:  # the event loop is gone: the operator is stopping
+                return
+
+    def _done(self, write: Write, answer: Any, error: BaseException | None) -> None:
+        action = write.action
+        if error is None:
+            self.writes += 1
+            if self._settle(action, answer):
+                self.touch(write.key)
+        else:
+            self.failed += 1
+            log.warning("%s %s/%s failed: %s", action.verb, action.namespace, action.name, error)
+            write.undo()
+            asyncio.get_running_loop().call_later(RETRY_SEC, self.touch, write.key)
+        self.busy[write.key] -= 1
+        if self.busy[write.key] <= 0:
+            del self.busy[write.key]
+            if write.key in self.dirty:
+                self.wake.set()
+        if not self.busy:
+            self.idle.set()
+
+    def _settle(self, action: reconcile.Action, answer: Any) -> bool:
+        """Hold the server's answer to a write in place of the assumption; True when it differs from what was
+        written (an EMI that existed already), so the ModelSpec is planned again."""
+        if not isinstance(answer, Mapping) or "metadata" not in answer or action.verb == "delete_emi":
+            return False
+        key = (action.namespace, action.name)
+        if action.verb in ("create_emi", "patch_emi"):
+            emi = reconcile.EmiRecord.from_body(answer)
+            held = self.state.emis.get(key)
+            if held is not None and not stale(held.resource_version, emi.resource_version):
+                self.state.emis[key] = emi
+            return dict(emi.spec) != dict(action.body["spec"])
+        spec = reconcile.SpecRecord.from_body(answer)
+        held_spec = self.state.specs.get(key)
+        if held_spec is not None and not stale(held_spec.resource_version, spec.resource_version):
+            self.state.specs[key] = spec
+        return False
+
+    def _send(self, action: reconcile.Action) -> Any:
+        self.window.acquire()
+        try:
+            return self._do(action)
+        finally:
+            self.window.release()
 
     def _do(self, action: reconcile.Action) -> Any:
         group, version = api.GROUP, api.VERSION
         ns, name = action.namespace, action.name
         if action.verb == "create_emi":
-            return self.api.create_namespaced_custom_object(group, version, ns, "executablemodelinstances",
-                                                            dict(action.body))
+            try:
+                return self.api.create_namespaced_custom_object(group, version, ns, "executablemodelinstances",
+                                                                dict(action.body))
+            except kubernetes.client.ApiException as exc:
+                if exc.status != 409:
+                    raise
+                # It exists already (made before a restart the watch had not shown yet): read it, not retry.
+                return self.api.get_namespaced_custom_object(group, version, ns, "executablemodelinstances", name)
         if action.verb == "patch_emi":
             return self.api.patch_namespaced_custom_object(group, version, ns, "executablemodelinstances", name,
                                                            dict(action.body))
@@ -111,25 +392,6 @@ class Loop:
             return self.api.patch_namespaced_custom_object(group, version, ns, "modelspecs", name, dict(action.body))
         raise ValueError(f"unknown action {action.verb}")
 
-    def _assume(self, action: reconcile.Action) -> None:
-        """Reflect a successful write in the state now, before its watch event arrives."""
-        key = (action.namespace, action.name)
-        if action.verb == "create_emi":
-            self.state.emis[key] = reconcile.EmiRecord(action.namespace, action.name, action.body["spec"], {})
-        elif action.verb == "patch_emi" and key in self.state.emis:
-            self.state.emis[key] = dataclasses.replace(self.state.emis[key], spec=action.body["spec"])
-        elif action.verb == "delete_emi":
-            emi = self.state.emis.pop(key, None)
-            if emi is not None:
-                self.touch((emi.namespace, emi.owner))
-        elif action.verb in ("patch_spec_status", "patch_spec_meta") and key in self.state.specs:
-            record = self.state.specs[key]
-            if action.verb == "patch_spec_status":
-                record = dataclasses.replace(record, status={**record.status, **action.body["status"]})
-            else:
-                record = dataclasses.replace(record, finalizers=tuple(action.body["metadata"]["finalizers"]))
-            self.state.specs[key] = record
-
 
 LOOP_KEY = "loop"
 
@@ -141,67 +403,19 @@ def _loop(memo: kopf.Memo) -> Loop:
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     settings.posting.level = logging.WARNING
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=labels.KOPF_PREFIX)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=labels.KOPF_PREFIX)
-    settings.watching.server_timeout = 300
     loop = Loop()
     memo[LOOP_KEY] = loop
+    await loop.start_watching()
     memo["task"] = asyncio.get_running_loop().create_task(loop.run(), name="volga-reconcile")
     logger.info("volga operator: API writes limited to %.0f/s", WRITES_PER_SEC)
 
 
 @kopf.on.cleanup()
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    if LOOP_KEY in memo:
+        _loop(memo).stop_watching()
     task = memo.get("task")
     if task is not None:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-
-
-@kopf.on.event(api.GROUP, api.VERSION, "modelspecs")
-async def on_modelspec(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
-    body: dict[str, Any] = dict(event["object"])
-    meta: dict[str, Any] = body.get("metadata", {})
-    key = (meta.get("namespace", "default"), meta["name"])
-    loop = _loop(memo)
-    if event["type"] == "DELETED":
-        loop.state.specs.pop(key, None)
-    else:
-        loop.state.specs[key] = reconcile.SpecRecord(
-            key[0], key[1], meta.get("uid", ""), int(meta.get("generation", 1)), body.get("spec") or {},
-            body.get("status") or {}, tuple(meta.get("finalizers") or ()), bool(meta.get("deletionTimestamp")))
-    loop.touch(key)
-
-
-@kopf.on.event(api.GROUP, api.VERSION, "executablemodelinstances")
-async def on_emi(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
-    body = event["object"]
-    meta = body.get("metadata", {})
-    key = (meta.get("namespace", "default"), meta["name"])
-    loop = _loop(memo)
-    old = loop.state.emis.get(key)
-    if event["type"] == "DELETED":
-        loop.state.emis.pop(key, None)
-    else:
-        loop.state.emis[key] = reconcile.EmiRecord(key[0], key[1], body.get("spec") or {}, body.get("status") or {})
-    new = loop.state.emis.get(key)
-    if old is None or new is None or old.status != new.status or old.spec != new.spec:
-        loop.touch((key[0], (new or old).owner))  # type: ignore[union-attr]
-
-
-@kopf.on.event("", "v1", "nodes")
-async def on_node(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
-    body = event["object"]
-    meta = body.get("metadata", {})
-    loop = _loop(memo)
-    name = meta["name"]
-    profile = None if event["type"] == "DELETED" else reconcile.node_profile(
-        name, meta.get("annotations"), (body.get("status") or {}).get("conditions"))
-    before = loop.state.nodes.get(name)
-    if profile is None:
-        loop.state.nodes.pop(name, None)
-    else:
-        loop.state.nodes[name] = profile
-    if before != profile:
-        loop.touch_all()  # capacity changed: every ModelSpec may place differently

@@ -20,6 +20,19 @@ from volga_operator.api import conditions, labels
 Key = tuple[str, str]  # (namespace, name)
 
 
+# The EMI status fields the operator reads (tier counts, readiness, the planner's recency and snapshot size): a
+# record keeps only these, so what the operator holds per EMI stays small whatever the agents report.
+EMI_STATUS_FIELDS = ("tier", "conditions", "lastUsed", "snapshotBytes")
+
+
+def resource_version(meta: Mapping[str, Any]) -> int:
+    """metadata.resourceVersion as a number (etcd's revision), 0 when absent or not a number."""
+    try:
+        return int(meta.get("resourceVersion") or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
 @dataclasses.dataclass(frozen=True)
 class SpecRecord:
     namespace: str
@@ -30,6 +43,14 @@ class SpecRecord:
     status: Mapping[str, Any]
     finalizers: tuple[str, ...] = ()
     deleting: bool = False
+    resource_version: int = 0
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> SpecRecord:
+        meta: Mapping[str, Any] = body.get("metadata") or {}
+        return cls(meta.get("namespace", "default"), meta["name"], meta.get("uid", ""), int(meta.get("generation", 1)),
+                   body.get("spec") or {}, body.get("status") or {}, tuple(meta.get("finalizers") or ()),
+                   bool(meta.get("deletionTimestamp")), resource_version(meta))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,23 +59,67 @@ class EmiRecord:
     name: str
     spec: Mapping[str, Any]
     status: Mapping[str, Any]
+    resource_version: int = 0
 
     @property
     def owner(self) -> str:
         return str(self.spec.get("modelSpec", ""))
 
+    @property
+    def node(self) -> str:
+        return str(self.spec.get("node", ""))
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> EmiRecord:
+        meta: Mapping[str, Any] = body.get("metadata") or {}
+        status: Mapping[str, Any] = body.get("status") or {}
+        return cls(meta.get("namespace", "default"), meta["name"], body.get("spec") or {},
+                   {k: status[k] for k in EMI_STATUS_FIELDS if k in status}, resource_version(meta))
+
+
+class EmiIndex(collections.UserDict[Key, EmiRecord]):
+    """The EMIs by (namespace, name), also indexed by owning ModelSpec, so a pass over a few ModelSpecs does not
+    walk every EMI. Every mutation goes through __setitem__/__delitem__ (UserDict routes pop, update, ... there)."""
+
+    def __init__(self) -> None:
+        self._by_owner: dict[Key, dict[str, EmiRecord]] = {}
+        super().__init__()
+
+    def __setitem__(self, key: Key, record: EmiRecord) -> None:
+        if key in self.data:
+            self._unindex(self.data[key])
+        self.data[key] = record
+        self._by_owner.setdefault((record.namespace, record.owner), {})[record.name] = record
+
+    def __delitem__(self, key: Key) -> None:
+        self._unindex(self.data.pop(key))
+
+    def _unindex(self, record: EmiRecord) -> None:
+        owner = (record.namespace, record.owner)
+        mine = self._by_owner.get(owner, {})
+        mine.pop(record.name, None)
+        if not mine:
+            self._by_owner.pop(owner, None)
+
+    def owned(self, key: Key) -> list[EmiRecord]:
+        """The EMIs of one ModelSpec, by name."""
+        return sorted(self._by_owner.get(key, {}).values(), key=lambda e: e.name)
+
+    def owners(self) -> list[Key]:
+        return list(self._by_owner)
+
 
 @dataclasses.dataclass
 class State:
     specs: dict[Key, SpecRecord] = dataclasses.field(default_factory=dict)
-    emis: dict[Key, EmiRecord] = dataclasses.field(default_factory=dict)
+    emis: EmiIndex = dataclasses.field(default_factory=EmiIndex)
     nodes: dict[str, planner.NodeProfile] = dataclasses.field(default_factory=dict)
 
     def emis_by_owner(self) -> collections.defaultdict[Key, list[EmiRecord]]:
-        """Each ModelSpec's EMIs, by name; one pass over all EMIs (a reconcile pass builds it once)."""
+        """Each ModelSpec's EMIs, by name."""
         owned: collections.defaultdict[Key, list[EmiRecord]] = collections.defaultdict(list)
-        for emi in sorted(self.emis.values(), key=lambda e: e.name):
-            owned[(emi.namespace, emi.owner)].append(emi)
+        for key in self.emis.owners():
+            owned[key] = self.emis.owned(key)
         return owned
 
 
@@ -109,10 +174,12 @@ def emi_body(record: SpecRecord, desired: planner.Desired) -> dict[str, Any]:
     }
 
 
-def compute(state: State, keys: Iterable[Key], now: str | None = None) -> list[Action]:
-    """The writes that bring the given ModelSpecs (and their EMIs) to where they should be."""
+def compute(state: State, keys: Iterable[Key], now: str | None = None, settle: bool = False) -> list[Action]:
+    """The writes that bring the given ModelSpecs (and their EMIs) to where they should be.
+
+    With `settle`, a ModelSpec's status is the one its EMIs will give once the returned EMI writes land, so a
+    new ModelSpec gets one status write instead of one now and another when its EMIs' watch events arrive."""
     now = now or conditions.timestamp()
-    owned = state.emis_by_owner()
     actions: list[Action] = []
     valid: dict[str, api.ModelSpecSpec] = {}
     invalid: dict[Key, str] = {}
@@ -120,10 +187,10 @@ def compute(state: State, keys: Iterable[Key], now: str | None = None) -> list[A
         record = state.specs.get(key)
         if record is None:
             # The ModelSpec is gone (deleted while we were not looking): its EMIs are orphans.
-            actions += [Action("delete_emi", e.namespace, e.name) for e in owned[key]]
+            actions += [Action("delete_emi", e.namespace, e.name) for e in state.emis.owned(key)]
             continue
         if record.deleting:
-            actions += _finalize(record, owned[key])
+            actions += _finalize(record, state.emis.owned(key))
             continue
         if labels.FINALIZER not in record.finalizers:
             actions.append(Action("patch_spec_meta", record.namespace, record.name,
@@ -133,20 +200,71 @@ def compute(state: State, keys: Iterable[Key], now: str | None = None) -> list[A
             invalid[key] = problem
         else:
             valid[f"{record.namespace}/{record.name}"] = spec
-    result = planner.plan(valid, state.nodes.values(), observed(state, now))
+    result = place(state, valid, now)
     by_spec: dict[str, list[planner.Desired]] = {}
     for d in result.desired:
         by_spec.setdefault(d.model_spec, []).append(d)
     for plan_key in sorted(valid):
         ns, name = plan_key.split("/", 1)
         record = state.specs[(ns, name)]
-        actions += _converge_emis(record, owned[(ns, name)], by_spec.get(plan_key, []))
-        actions += _status(record, owned[(ns, name)], valid[plan_key], result.unplaced.get(plan_key), now)
+        owned = state.emis.owned((ns, name))
+        emi_actions, after = _converge_emis(record, owned, by_spec.get(plan_key, []), state.nodes)
+        actions += emi_actions
+        actions += _status(record, after if settle else owned, valid[plan_key], result.unplaced.get(plan_key), now)
     for (ns, name), problem in sorted(invalid.items()):
         record = state.specs[(ns, name)]
-        actions += [Action("delete_emi", e.namespace, e.name) for e in owned[(ns, name)]]
+        actions += [Action("delete_emi", e.namespace, e.name) for e in state.emis.owned((ns, name))]
         actions += _invalid_status(record, problem, now)
     return actions
+
+
+def place(state: State, specs: Mapping[str, api.ModelSpecSpec], now: str) -> planner.Plan:
+    """`planner.plan` for these ModelSpecs against every node, with a shortcut that gives the same answer: a spec
+    whose EMIs all stay where they are is planned against its own EMIs' nodes only (a handful, not every node).
+    Only specs that need a new placement pay for scoring the whole cluster."""
+    desired: list[planner.Desired] = []
+    rest: dict[str, api.ModelSpecSpec] = {}
+    for plan_key, spec in specs.items():
+        kept = _kept(state, plan_key, spec)
+        if kept is None:
+            rest[plan_key] = spec
+        else:
+            desired += kept
+    if not rest:
+        return planner.Plan(tuple(desired), {})
+    result = planner.plan(rest, state.nodes.values(), _observed_for(state, rest, now))
+    return planner.Plan((*desired, *result.desired), result.unplaced)
+
+
+def _kept(state: State, plan_key: str, spec: api.ModelSpecSpec) -> list[planner.Desired] | None:
+    """The plan of one spec when every instance it wants already exists on an eligible node, else None."""
+    ns, name = plan_key.split("/", 1)
+    mine = state.emis.owned((ns, name))
+    nodes = {state.nodes[e.node] for e in mine if e.node in state.nodes}
+    if not nodes:
+        return None
+    where = {f"{ns}/{e.name}": e.node for e in mine}
+    result = planner.plan({plan_key: spec}, nodes, [planner.Observed(n, plan_key, node) for n, node in where.items()])
+    if result.unplaced or any(where.get(d.name) != d.node for d in result.desired):
+        return None
+    return list(result.desired)
+
+
+def _observed_for(state: State, planned: Mapping[str, api.ModelSpecSpec], now: str) -> list[planner.Observed]:
+    """`observed` where it matters: ages and snapshot sizes score the planned specs' own nodes; every other EMI
+    only counts into its node's load."""
+    clock = conditions.unix(now)
+    out = []
+    for emi in state.emis.values():
+        owner = f"{emi.namespace}/{emi.owner}"
+        if owner not in planned:
+            out.append(planner.Observed(f"{emi.namespace}/{emi.name}", owner, emi.node))
+            continue
+        used = conditions.unix(emi.status.get("lastUsed") or "")
+        age = None if used is None or clock is None else max(0.0, clock - used)
+        out.append(planner.Observed(f"{emi.namespace}/{emi.name}", owner, emi.node, last_used_age_s=age,
+                                    snapshot_bytes=int(emi.status.get("snapshotBytes", 0) or 0)))
+    return out
 
 
 def _finalize(record: SpecRecord, emis: list[EmiRecord]) -> list[Action]:
@@ -158,8 +276,11 @@ def _finalize(record: SpecRecord, emis: list[EmiRecord]) -> list[Action]:
     return []
 
 
-def _converge_emis(record: SpecRecord, emis: list[EmiRecord], desired: list[planner.Desired]) -> list[Action]:
+def _converge_emis(record: SpecRecord, emis: list[EmiRecord], desired: list[planner.Desired],
+                   nodes: Mapping[str, planner.NodeProfile]) -> tuple[list[Action], list[EmiRecord]]:
+    """The EMI writes for one spec, and its EMIs as they will be once those writes land."""
     actions = []
+    after = []
     existing = {e.name: e for e in emis}
     for d in desired:
         body = emi_body(record, d)
@@ -167,11 +288,28 @@ def _converge_emis(record: SpecRecord, emis: list[EmiRecord], desired: list[plan
         current = existing.pop(name, None)
         if current is None:
             actions.append(Action("create_emi", record.namespace, name, body))
-        elif dict(current.spec) != body["spec"]:
+            after.append(EmiRecord(record.namespace, name, body["spec"], {}))
+            continue
+        spec = _keep_gpu(current.spec, body["spec"], nodes.get(current.node))
+        if dict(current.spec) != spec:
             actions.append(Action("patch_emi", record.namespace, name,
-                                  {"metadata": {"labels": body["metadata"]["labels"]}, "spec": body["spec"]}))
+                                  {"metadata": {"labels": body["metadata"]["labels"]}, "spec": spec}))
+            after.append(dataclasses.replace(current, spec=spec))
+        else:
+            after.append(current)
     actions += [Action("delete_emi", e.namespace, e.name) for e in existing.values()]
-    return actions
+    return actions, after
+
+
+def _keep_gpu(current: Mapping[str, Any], wanted: dict[str, Any], node: planner.NodeProfile | None) -> dict[str, Any]:
+    """An instance that stays on its node keeps its GPU: the planner derives a GPU index from the load it sees
+    while planning, which differs between a pass over a few specs and a pass over all, and moving a running
+    instance to another GPU for that would be churn (a write and a restart) for nothing."""
+    gpu = current.get("gpu")
+    if (node is None or current.get("node") != wanted.get("node") or "gpu" not in wanted
+            or not isinstance(gpu, Mapping) or not 0 <= int(gpu.get("index", -1)) < node.gpu_count):
+        return wanted
+    return {**wanted, "gpu": dict(gpu)}
 
 
 def tier_counts(emis: Iterable[EmiRecord]) -> dict[str, int]:

@@ -15,15 +15,18 @@ T = TypeVar("T")
 TRANSIENT = (urllib3.exceptions.HTTPError, kubernetes.client.ApiException, OSError)
 
 
-def api_client() -> kubernetes.client.ApiClient:
+def api_client(connections: int | None = None) -> kubernetes.client.ApiClient:
     """The client sends each request once: callers retry with backoff (`ratelimit`) and must notice an outage
-    quickly, not behind urllib3's own retries."""
+    quickly, not behind urllib3's own retries. `connections`: how many requests may run at once on kept-alive
+    connections (urllib3 drops, and later sets up again, connections beyond its pool: a TLS handshake each)."""
     try:
         kubernetes.config.load_incluster_config()
     except kubernetes.config.ConfigException:
         kubernetes.config.load_kube_config()
     config = kubernetes.client.Configuration.get_default_copy()
     config.retries = 0
+    if connections is not None:
+        config.connection_pool_maxsize = connections
     return kubernetes.client.ApiClient(config)
 
 

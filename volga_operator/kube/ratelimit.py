@@ -9,6 +9,7 @@ a token: at most `rate` writes per second on average, `burst` at once. A write t
 from __future__ import annotations
 
 import asyncio
+import collections
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -34,9 +35,10 @@ class TokenBucket:
         self._lock = threading.Lock()
 
     @classmethod
-    def within(cls, limit_per_sec: float) -> TokenBucket:
-        """A bucket whose burst plus steady rate stays within the limit in any one-second window."""
-        burst = max(1, int(limit_per_sec / 10))
+    def within(cls, limit_per_sec: float, burst_share: float = 0.1) -> TokenBucket:
+        """A bucket whose burst plus steady rate stays within the limit in any one-second window; the burst is
+        `burst_share` of the limit (at least one write)."""
+        burst = max(1, int(limit_per_sec * burst_share))
         return cls(limit_per_sec - burst, burst)
 
     def _reserve(self) -> float:
@@ -57,6 +59,37 @@ class TokenBucket:
         wait = self._reserve()
         if wait > 0:
             await asyncio.sleep(wait)
+
+
+class CompletionWindow:
+    """At most `limit` writes complete in any `window` seconds however their latencies bunch them (the API server
+    counts a write when it completes, and a stalled server answers a backlog at once): a write holds one of
+    `limit` slots from its start until `window` after it completes. Thread-safe."""
+
+    def __init__(self, limit: int, window: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+        if limit < 1:
+            raise ValueError(f"limit must be at least 1, got {limit}")
+        self.limit, self.window, self.clock = limit, window, clock
+        self._in_flight = 0
+        self._completed: collections.deque[float] = collections.deque()
+        self._changed = threading.Condition()
+
+    def acquire(self) -> None:
+        with self._changed:
+            while True:
+                now = self.clock()
+                while self._completed and self._completed[0] <= now - self.window:
+                    self._completed.popleft()
+                if self._in_flight + len(self._completed) < self.limit:
+                    self._in_flight += 1
+                    return
+                self._changed.wait(self._completed[0] + self.window - now if self._completed else None)
+
+    def release(self) -> None:
+        with self._changed:
+            self._in_flight -= 1
+            self._completed.append(self.clock())
+            self._changed.notify_all()
 
 
 def status_of(exc: BaseException) -> int | None:

@@ -1,0 +1,165 @@
+"""The operator writes only what the desired state and the status need: the decisions (`reconcile`) and the
+loop's bookkeeping (`handlers.Loop`) without an API server. tests/test_operator_writes_k8s.py shows the same on
+a real one."""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import dataclasses
+import threading
+from typing import Any
+
+import pytest
+
+from volga_operator import handlers, planner, reconcile
+from volga_operator.api import labels
+from volga_operator.kube import ratelimit
+
+NOW = "2026-11-29T00:00:00Z"
+
+
+def spec_body(index: int) -> dict[str, Any]:
+    return {"modelId": f"m{index}", "framework": "onnx", "source": "/models/m.onnx",
+            "inputs": [{"name": "x", "dtype": "FP32", "shape": [-1, 4]}],
+            "outputs": [{"name": "y", "dtype": "FP32", "shape": [-1, 1]}],
+            "hardware": {"gpu": True}, "pool": {"hot": 0, "warm": 1, "frozen": 1}}
+
+
+def cluster(specs: int, nodes: int = 3) -> reconcile.State:
+    state = reconcile.State()
+    state.nodes = {f"n{i}": planner.NodeProfile(f"n{i}", gpu_count=4) for i in range(nodes)}
+    for i in range(specs):
+        state.specs[("ns", f"ms{i}")] = reconcile.SpecRecord("ns", f"ms{i}", f"uid-{i}", 1, spec_body(i), {},
+                                                             (labels.FINALIZER,))
+    return state
+
+
+def land(state: reconcile.State, actions: list[reconcile.Action]) -> None:
+    """What the API server does with the writes."""
+    for a in actions:
+        key = (a.namespace, a.name)
+        if a.verb == "create_emi":
+            state.emis[key] = reconcile.EmiRecord(a.namespace, a.name, a.body["spec"], {})
+        elif a.verb == "patch_emi":
+            state.emis[key] = dataclasses.replace(state.emis[key], spec=a.body["spec"])
+        elif a.verb == "delete_emi":
+            state.emis.pop(key, None)
+        elif a.verb == "patch_spec_status":
+            state.specs[key] = dataclasses.replace(state.specs[key], status=a.body["status"])
+
+
+def test_a_new_modelspec_gets_one_status_write_for_the_emis_it_is_getting() -> None:
+    state = cluster(1)
+    first = reconcile.compute(state, [("ns", "ms0")], NOW, settle=True)
+    assert collections.Counter(a.verb for a in first) == {"create_emi": 2, "patch_spec_status": 1}
+    assert first[-1].body["status"]["instances"] == 2
+    land(state, first)
+    assert reconcile.compute(state, [("ns", "ms0")], NOW, settle=True) == []
+
+
+def test_planning_a_few_then_all_moves_nothing() -> None:
+    """Specs planned a few at a time (as they arrive), then all at once (a resync, a restart): no EMI changes,
+    though the planner's GPU index for a kept instance depends on the load it sees while planning."""
+    state = cluster(12)
+    keys = sorted(state.specs)
+    for i in range(0, len(keys), 5):
+        land(state, reconcile.compute(state, keys[i:i + 5], NOW, settle=True))
+    assert reconcile.compute(state, keys, NOW, settle=True) == []
+    assert reconcile.compute(state, keys[3:4], NOW, settle=True) == []
+
+
+def test_the_shortcut_for_kept_specs_plans_as_the_planner_does() -> None:
+    state = cluster(8)
+    keys = sorted(state.specs)
+    land(state, reconcile.compute(state, keys, NOW, settle=True))
+    specs = {f"{ns}/{name}": spec for (ns, name) in keys
+             if (spec := reconcile.api.validate_spec(state.specs[(ns, name)].spec)[0]) is not None}
+    full = planner.plan(specs, state.nodes.values(), reconcile.observed(state, NOW))
+    fast = reconcile.place(state, specs, NOW)
+
+    def where(plan: planner.Plan) -> set[tuple[str, str, str]]:
+        return {(d.name, d.node, d.target_tier.value) for d in plan.desired}
+
+    assert where(fast) == where(full) and not fast.unplaced
+    # A lost node sends its specs back to the whole cluster.
+    lost = state.emis[("ns", "ms0-0")].node
+    state.nodes[lost] = planner.NodeProfile(lost, gpu_count=4, ready=False)
+    moved = reconcile.place(state, specs, NOW)
+    assert lost not in {d.node for d in moved.desired}
+    assert where(moved) == where(planner.plan(specs, state.nodes.values(), reconcile.observed(state, NOW)))
+
+
+def body(kind: str, name: str, rv: int, **fields: Any) -> dict[str, Any]:
+    return {"kind": kind, "metadata": {"namespace": "ns", "name": name, "resourceVersion": str(rv),
+                                       "uid": "u", "generation": 1}, **fields}
+
+
+def test_the_loop_ignores_what_it_holds_already() -> None:
+    """Its own writes come back as watch events: an event no newer than what the loop holds plans nothing."""
+    loop = handlers.Loop()
+    loop.see_spec(body("ModelSpec", "ms", 10, spec=spec_body(0)))
+    assert loop.dirty == {("ns", "ms")}
+    loop.dirty.clear()
+    loop.see_spec(body("ModelSpec", "ms", 10, spec=spec_body(0)))
+    loop.see_spec(body("ModelSpec", "ms", 9, spec=spec_body(0)))
+    assert loop.dirty == set()
+    loop.see_spec(body("ModelSpec", "ms", 11, spec=spec_body(0)))
+    assert loop.dirty == {("ns", "ms")}
+
+
+def test_an_emi_event_touches_its_owner_only_when_something_changed() -> None:
+    loop = handlers.Loop()
+    spec = {"modelSpec": "ms", "node": "n0"}
+    loop.see_emi(body("ExecutableModelInstance", "ms-0", 5, spec=spec))
+    loop.dirty.clear()
+    loop.see_emi(body("ExecutableModelInstance", "ms-0", 6, spec=spec, status={}))
+    assert loop.dirty == set()
+    loop.see_emi(body("ExecutableModelInstance", "ms-0", 7, spec=spec, status={"tier": "FROZEN"}))
+    assert loop.dirty == {("ns", "ms")}
+
+
+def test_emi_records_keep_only_the_status_the_operator_reads() -> None:
+    status = {"tier": "HOT", "lastUsed": NOW, "snapshotBytes": 3, "conditions": [], "gateway": "x", "log": "y" * 999}
+    record = reconcile.EmiRecord.from_body(body("ExecutableModelInstance", "e", 1, spec={}, status=status))
+    assert set(record.status) == set(reconcile.EMI_STATUS_FIELDS)
+
+
+def test_a_failed_write_is_taken_back() -> None:
+    loop = handlers.Loop()
+    loop.state = cluster(1)
+    actions = reconcile.compute(loop.state, [("ns", "ms0")], NOW, settle=True)
+    undos = [loop._assume(a) for a in actions]
+    assert len(loop.state.emis) == 2 and loop.state.specs[("ns", "ms0")].status["instances"] == 2
+    for undo in undos:
+        undo()
+    assert len(loop.state.emis) == 0 and loop.state.specs[("ns", "ms0")].status == {}
+
+
+@pytest.mark.parametrize("limit", [20.0, 200.0])
+def test_the_write_bucket_leaves_room_for_completion_jitter(limit: float) -> None:
+    now = [0.0]
+    bucket = handlers.write_bucket(limit)
+    bucket.clock = lambda: now[0]
+    bucket._stamp = 0.0
+    starts = [bucket._reserve() for _ in range(int(limit * 5))]
+    most = max(bisect.bisect_right(starts, at + 1.0 - 1e-9) - i for i, at in enumerate(starts))
+    assert most <= limit * (1 - handlers.JITTER_SHARE)
+
+
+def test_the_completion_window_holds_a_slot_until_a_second_after_the_write() -> None:
+    """However the writes bunch up at the API server, no more than `limit` complete in any one second."""
+    now = [0.0]
+    window = ratelimit.CompletionWindow(2, 1.0, clock=lambda: now[0])
+    window.acquire()
+    window.acquire()
+    window.release()  # one completed at t=0, one still in flight: both slots taken
+    got = threading.Event()
+    waiter = threading.Thread(target=lambda: (window.acquire(), got.set()), daemon=True)
+    waiter.start()
+    assert not got.wait(0.3)
+    now[0] = 1.0
+    with window._changed:
+        window._changed.notify_all()
+    assert got.wait(10)
+    waiter.join()
