@@ -138,6 +138,16 @@ def test_worker_pinned_to_the_given_cpus(default_spec: api.ModelSpecSpec, rundir
         inst.close()
 
 
+async def wait_stopped(pid: int, timeout: float = 30.0) -> None:
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + timeout
+    while pathlib.Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "T":
+        assert time.monotonic() < deadline, f"worker {pid} did not stop"
+        await asyncio.sleep(0.005)
+
+
 def test_request_caught_by_a_checkpoint_is_handed_back_unrun(hot: instance.Instance) -> None:
     """A gateway request that reaches a worker just as it pauses for a checkpoint is not lost as 'died'.
 
@@ -162,6 +172,9 @@ def test_request_caught_by_a_checkpoint_is_handed_back_unrun(hot: instance.Insta
         agent = hot.client()
         os.kill(hot.pid, signal.SIGSTOP)
         try:
+            # Stopped for sure before the frames arrive: a worker still on its way to the stop would find only
+            # the first frame ready in its poll, and serve it after SIGCONT.
+            await wait_stopped(hot.pid)
             caught = asyncio.create_task(conn.call({"op": "infer", "tensors": meta}, parts))
             await asyncio.sleep(0.1)  # the task has written its frame
             protocol.send_frame(agent.sock, {"op": "prepare_checkpoint"})
