@@ -50,8 +50,10 @@ from volga_operator import api
 
 T = TypeVar("T")
 P = ParamSpec("P")
-# Sends of one request that workers may hand back unrun (paused for a checkpoint, asleep) before it fails.
-UNRUN_ATTEMPTS = 4
+# Sends of one request that workers may hand back unrun (paused for a checkpoint, asleep) before it fails. Each
+# hand-back is a distinct demotion of the model, so this bounds how many demotions in a row (snapshots, idle
+# moves, the autonomy loop) a request rides out; the request's deadline bounds the time.
+UNRUN_ATTEMPTS = 8
 log = logging.getLogger(__name__)
 
 SERVER_NAME = "volga"
