@@ -48,6 +48,7 @@ def default_snapshot_dir() -> pathlib.Path:
 def cmd_validate(args: argparse.Namespace) -> int:
     failed = 0
     labelled: list[tuple[str, api.ModelSpec]] = []
+    checked: list[tuple[str, api.ModelSpec]] = []  # signatures read from the model files, for the chains
     for target in args.file:
         try:
             found = api.load_labelled(target)
@@ -69,12 +70,16 @@ def cmd_validate(args: argparse.Namespace) -> int:
                       + "\n".join(f"  {path}: {reason}" for path, reason in problems), file=sys.stderr)
                 failed += 1
                 continue
+            checked.append((label, spec))
             digest = (f"input hash {spec.spec.input_hash()[:16]}..." if spec.spec.has_signature else
                       "inputs and outputs to be read from the model file")
             print(f"{label}: ModelSpec {spec.metadata.name} ({spec.spec.model_id}, "
                   f"{spec.spec.framework.value}) is valid; {digest}")
     for repeat in api.repeated(labelled):
         print(repeat, file=sys.stderr)
+        failed += 1
+    for chained in api.chain_errors(checked):
+        print(chained, file=sys.stderr)
         failed += 1
     return 1 if failed else 0
 

@@ -133,6 +133,10 @@ def compute(state: State, keys: Iterable[Key], now: str | None = None) -> list[A
             invalid[key] = problem
         else:
             valid[f"{record.namespace}/{record.name}"] = spec
+    everything = {f"{ns}/{name}": record.spec for (ns, name), record in state.specs.items()}
+    for plan_key, problem in api.chain_invalid(valid, everything).items():
+        del valid[plan_key]
+        invalid[(plan_key.partition("/")[0], plan_key.partition("/")[2])] = problem
     result = planner.plan(valid, state.nodes.values(), observed(state, now))
     by_spec: dict[str, list[planner.Desired]] = {}
     for d in result.desired:
