@@ -144,7 +144,7 @@ def test_a_chain_no_node_can_hold_is_not_placed() -> None:
     result = planner.plan(specs, [planner.NodeProfile("cpu-0")])
     assert result.desired == ()
     assert set(result.unplaced) == {"det", "rec", "fields"}
-    assert "no node is eligible for every model of its chain (cpu-0: rec: no GPU)" == result.unplaced["det"]
+    assert result.unplaced["det"] == "no node is eligible for every model of its chain (cpu-0: rec: no GPU)"
 
 
 # --- the idle rule -----------------------------------------------------------------------------------------------

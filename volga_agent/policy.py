@@ -8,10 +8,10 @@ decision down. The one stateful piece is `CircuitBreaker`, which remembers snaps
 A plan is built in two passes:
 
 1. Idle demotions. An instance idle for long enough moves one step down its ladder; the members of a chain
-   (`InstanceView.chain`) count from the latest use of any of them, and stay while one of them runs a request. The thresholds are keyed
-   by the tier being entered (WARM after `hot_idle_sec`, SUSPENDED after `warm_idle_sec`, FROZEN after
-   `suspended_idle_sec`, all counted from `last_used`), so at any idle time an instance heads for the same
-   tier whichever ladder it is on: a CPU instance skips WARM and SUSPENDED and freezes after
+   (`InstanceView.chain`) count from the latest use of any of them, and stay while one of them runs a request.
+   The thresholds are keyed by the tier being entered (WARM after `hot_idle_sec`, SUSPENDED after `warm_idle_sec`,
+   FROZEN after `suspended_idle_sec`, all counted from `last_used`), so at any idle time an instance heads for
+   the same tier whichever ladder it is on: a CPU instance skips WARM and SUSPENDED and freezes after
    `suspended_idle_sec`, not after `hot_idle_sec`. Nothing goes COLD for being idle; only the snapshot disk
    budget discards snapshots.
 2. Budget evictions. While the estimated usage exceeds a budget, victims taken in `eviction_order` move to
