@@ -296,6 +296,19 @@ def cmd_bench_gateway(args: argparse.Namespace) -> int:
     return 0 if not args.batching or report["outputs_match"] else 1
 
 
+def cmd_bench_chain(args: argparse.Namespace) -> int:
+    try:
+        from volga_bench import chain, reporting
+    except ImportError as exc:
+        return _no_bench("bench chain", exc)
+    with tempfile.TemporaryDirectory(prefix="volga-") as run:
+        report = asyncio.run(chain.run(pathlib.Path(run), args.n, args.batch, progress=_progress(args.json)))
+    if args.out:
+        reporting.write_json(report, pathlib.Path(args.out))
+    print(json.dumps(report, indent=2) if args.json else chain.format_report(report))
+    return 0 if not report["mismatches"] and not report["restore_failures"] else 1
+
+
 def cmd_bench_scale(args: argparse.Namespace) -> int:
     try:
         from volga_bench import reporting, scale
@@ -460,6 +473,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--queue-delay-us", type=int, default=0,
                    help="maxQueueDelayMicroseconds of the batched model (with --batching)")
     p.set_defaults(func=cmd_bench_gateway)
+
+    p = bench.add_parser("chain", help="a chain of three FROZEN models vs the same models unchained: first answer")
+    p.add_argument("-n", type=int, default=5, help="cycles per side (default 5)")
+    p.add_argument("--batch", type=int, default=4, help="rows per request (default 4)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--out", help="also write the JSON report here")
+    p.set_defaults(func=cmd_bench_chain)
 
     p = bench.add_parser("scale", help="the operator on a real API server with kwok nodes and many ModelSpecs")
     p.add_argument("--nodes", type=int, default=200)

@@ -482,7 +482,7 @@ class Pool:
 
     def wait_converged(self, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
-        for future in list(self._pending.values()):
+        for future in [*self._pending.values(), *self._joint.values()]:
             future.result(timeout=max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
