@@ -3,11 +3,14 @@ and the idle rule that treats a chain as one model."""
 
 from __future__ import annotations
 
+import pathlib
 from typing import Any
 
 import pytest
+import yaml
 
-from volga_agent import chains, policy
+from volga_agent import chains, cli, policy
+from volga_bench import chain as bench_chain
 from volga_operator import api, planner, reconcile
 
 Tier = api.Tier
@@ -171,3 +174,21 @@ def test_chains_of_a_store() -> None:
     assert found.peers("fields") == ("det", "rec")
     assert found.head("rec") == "det"
     assert found.members("solo") == ("solo",) and found.peers("solo") == () and found.head("solo") == ""
+
+
+# --- volga validate and volga up ---------------------------------------------------------------------------------
+
+
+def test_validate_and_up_name_the_chain_field(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    specs = bench_chain.model_specs(bench_chain.build_models(tmp_path), "c", True)
+    head = specs[0].to_wire()
+    head["spec"]["chain"] = ["c-recognize", "c-nope"]
+    documents = [head, *(s.to_wire() for s in specs[1:])]
+    path = tmp_path / "chain.yaml"
+    path.write_text(yaml.safe_dump_all(documents))
+    assert cli.main(["validate", "-f", str(path)]) == 1
+    assert f"{path}#0: invalid ModelSpec\n  spec.chain[1]: no ModelSpec has modelId 'c-nope'" in capsys.readouterr().err
+    assert cli.main(["up", "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "-f", str(path)]) == 2
+    assert "spec.chain[1]: no ModelSpec has modelId 'c-nope'" in capsys.readouterr().err
+    path.write_text(yaml.safe_dump_all(s.to_wire() for s in specs))
+    assert cli.main(["validate", "-f", str(path)]) == 0
