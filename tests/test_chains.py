@@ -92,10 +92,10 @@ def test_the_operator_marks_a_chain_with_an_unknown_member_invalid() -> None:
     for name, s in {"det": spec("det", ("rec", "nope")), "rec": spec("rec")}.items():
         state.specs[("ns", name)] = reconcile.SpecRecord("ns", name, "uid", 1, s.to_wire(), {}, (), False)
     actions = reconcile.compute(state, [("ns", "det")], now="2025-01-01T00:00:00Z")
-    [status] = [a for a in actions if a.verb == "patch_spec_status"]
+    [status] = [a for a in actions if a.verb == "patch_spec_status" and a.name == "det"]
     valid = next(c for c in status.body["status"]["conditions"] if c["type"] == "Valid")
     assert valid["status"] == "False" and valid["message"] == "spec.chain[1]: no ModelSpec has modelId 'nope'"
-    assert not [a for a in actions if a.verb == "create_emi"]
+    assert not [a for a in actions if a.verb == "create_emi" and a.name.startswith("det")]
 
 
 # --- placement ---------------------------------------------------------------------------------------------------
@@ -192,3 +192,13 @@ def test_validate_and_up_name_the_chain_field(tmp_path: pathlib.Path, capsys: py
     assert "spec.chain[1]: no ModelSpec has modelId 'c-nope'" in capsys.readouterr().err
     path.write_text(yaml.safe_dump_all(s.to_wire() for s in specs))
     assert cli.main(["validate", "-f", str(path)]) == 0
+
+
+def test_the_operator_plans_a_chain_with_the_member_that_changed() -> None:
+    state = reconcile.State()
+    for name, s in ocr().items():
+        state.specs[("ns", name)] = reconcile.SpecRecord("ns", name, "uid", 1, s.to_wire(), {}, (), False)
+    state.nodes = {f"n{i}": planner.NodeProfile(f"n{i}") for i in range(3)}
+    actions = reconcile.compute(state, [("ns", "rec")], now="2025-01-01T00:00:00Z")
+    created = {a.body["spec"]["modelId"]: a.body["spec"]["node"] for a in actions if a.verb == "create_emi"}
+    assert set(created) == {"det", "rec", "fields"} and len(set(created.values())) == 1

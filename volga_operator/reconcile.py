@@ -116,7 +116,7 @@ def compute(state: State, keys: Iterable[Key], now: str | None = None) -> list[A
     actions: list[Action] = []
     valid: dict[str, api.ModelSpecSpec] = {}
     invalid: dict[Key, str] = {}
-    for key in sorted(set(keys)):
+    for key in sorted(api.chain_peers(keys, {k: record.spec for k, record in state.specs.items()})):
         record = state.specs.get(key)
         if record is None:
             # The ModelSpec is gone (deleted while we were not looking): its EMIs are orphans.

@@ -965,6 +965,20 @@ def chain_errors(labelled: Iterable[tuple[str, ModelSpec]]) -> list[SpecError]:
     return [SpecError(label, problems) for label, problems in found.items()]
 
 
+def chain_peers(keys: Iterable[tuple[str, str]], specs: Mapping[tuple[str, str], Mapping[str, Any]]
+                ) -> set[tuple[str, str]]:
+    """`keys` (namespace, name) and the ModelSpecs in a chain with one of them, so that a chain is planned as one;
+    `specs` holds every ModelSpec's spec as the cluster has it. Reads only modelId and chain."""
+    found = set(keys)
+    by_id = {(key[0], str(spec.get("modelId", ""))): key for key, spec in specs.items()}
+    for key, spec in specs.items():
+        chain = spec.get("chain")
+        if isinstance(chain, list) and chain:
+            group = {key, *(by_id[key[0], m] for m in chain if isinstance(m, str) and (key[0], m) in by_id)}
+            if group & found:
+                found |= group
+    return found
+
 def chain_invalid(valid: Mapping[str, ModelSpecSpec], everything: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
     """Of the ModelSpecs in `valid` (keyed 'namespace/name'), those whose chain cannot be used, with the message
     their Valid condition carries; `everything` holds every ModelSpec's spec as the cluster has it, by the same
