@@ -42,7 +42,10 @@ def operator(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFacto
     env = {**os.environ, "KUBECONFIG": str(control_plane.kubeconfig), "VOLGA_RESYNC_SEC": "5"}
     daemon = Daemon("operator", [sys.executable, "-m", "volga_operator", "--liveness", "", "-v"], env, folder)
     yield
+    # Leave nothing for the next module's operator to place: the ModelSpecs go while this one finalizes them.
+    control_plane.kubectl("delete", "ms", "--all", "-n", NAMESPACE, "--timeout=60s")
     code = daemon.stop()
+    core.delete_namespace(NAMESPACE)
     for node in NODES:
         core.delete_node(node)
     client.close()
