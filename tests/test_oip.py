@@ -75,7 +75,8 @@ def _message_proto(file: Any, name: str) -> descriptor_pb2.DescriptorProto:
 
 
 # Messages of Triton's model_config.proto, of which ours carry a subset of the fields.
-CONFIG_MESSAGES = {"ModelConfig", "ModelInput", "ModelOutput", "ModelDynamicBatching", "ModelQueuePolicy"}
+CONFIG_MESSAGES = {"ModelConfig", "ModelInput", "ModelOutput", "ModelDynamicBatching", "ModelQueuePolicy",
+                   "ModelEnsembling"}
 
 
 @pytest.mark.parametrize("name", sorted(set(pb.DESCRIPTOR.message_types_by_name) - CONFIG_MESSAGES))

@@ -50,6 +50,7 @@ def default_snapshot_dir() -> pathlib.Path:
 def cmd_validate(args: argparse.Namespace) -> int:
     failed = 0
     labelled: list[tuple[str, api.ModelSpec]] = []
+    checked: list[tuple[str, api.ModelSpec]] = []  # signatures read from the model files, for the chains
     for target in args.file:
         try:
             found = api.load_labelled(target)
@@ -71,12 +72,16 @@ def cmd_validate(args: argparse.Namespace) -> int:
                       + "\n".join(f"  {path}: {reason}" for path, reason in problems), file=sys.stderr)
                 failed += 1
                 continue
+            checked.append((label, spec))
             digest = (f"input hash {spec.spec.input_hash()[:16]}..." if spec.spec.has_signature else
                       "inputs and outputs to be read from the model file")
             print(f"{label}: ModelSpec {spec.metadata.name} ({spec.spec.model_id}, "
                   f"{spec.spec.framework.value}) is valid; {digest}")
     for repeat in api.repeated(labelled):
         print(repeat, file=sys.stderr)
+        failed += 1
+    for chained in api.chain_errors(checked):
+        print(chained, file=sys.stderr)
         failed += 1
     return 1 if failed else 0
 
@@ -319,6 +324,19 @@ def cmd_bench_peers(args: argparse.Namespace) -> int:
     return 0 if report["volga"]["outputs_match"] and report["kserve"]["outputs_match"] else 1
 
 
+def cmd_bench_chain(args: argparse.Namespace) -> int:
+    try:
+        from volga_bench import chain, reporting
+    except ImportError as exc:
+        return _no_bench("bench chain", exc)
+    with tempfile.TemporaryDirectory(prefix="volga-") as run:
+        report = asyncio.run(chain.run(pathlib.Path(run), args.n, args.batch, progress=_progress(args.json)))
+    if args.out:
+        reporting.write_json(report, pathlib.Path(args.out))
+    print(json.dumps(report, indent=2) if args.json else chain.format_report(report))
+    return 0 if not report["mismatches"] and not report["restore_failures"] else 1
+
+
 def cmd_bench_scale(args: argparse.Namespace) -> int:
     try:
         from volga_bench import reporting, scale
@@ -518,6 +536,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--out")
     p.set_defaults(func=cmd_bench_faults)
+
+    p = bench.add_parser("chain", help="a chain of three FROZEN models vs the same models unchained: first answer")
+    p.add_argument("-n", type=int, default=5, help="cycles per side (default 5)")
+    p.add_argument("--batch", type=int, default=4, help="rows per request (default 4)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--out", help="also write the JSON report here")
+    p.set_defaults(func=cmd_bench_chain)
 
     p = bench.add_parser("scale", help="the operator on a real API server with kwok nodes and many ModelSpecs")
     p.add_argument("--nodes", type=int, default=200)

@@ -7,10 +7,11 @@ decision down. The one stateful piece is `CircuitBreaker`, which remembers snaps
 
 A plan is built in two passes:
 
-1. Idle demotions. An instance idle for long enough moves one step down its ladder. The thresholds are keyed
-   by the tier being entered (WARM after `hot_idle_sec`, SUSPENDED after `warm_idle_sec`, FROZEN after
-   `suspended_idle_sec`, all counted from `last_used`), so at any idle time an instance heads for the same
-   tier whichever ladder it is on: a CPU instance skips WARM and SUSPENDED and freezes after
+1. Idle demotions. An instance idle for long enough moves one step down its ladder; the members of a chain
+   (`InstanceView.chain`) count from the latest use of any of them, and stay while one of them runs a request.
+   The thresholds are keyed by the tier being entered (WARM after `hot_idle_sec`, SUSPENDED after `warm_idle_sec`,
+   FROZEN after `suspended_idle_sec`, all counted from `last_used`), so at any idle time an instance heads for
+   the same tier whichever ladder it is on: a CPU instance skips WARM and SUSPENDED and freezes after
    `suspended_idle_sec`, not after `hot_idle_sec`. Nothing goes COLD for being idle; only the snapshot disk
    budget discards snapshots.
 2. Budget evictions. While the estimated usage exceeds a budget, victims taken in `eviction_order` move to
@@ -213,6 +214,7 @@ class InstanceView:
     snapshot_bytes: int = 0
     floor_tier: api.Tier | None = None  # never move it colder than this
     busy: bool = False  # a request or a move is in flight
+    chain: str = ""  # the head's model id when the model is in a chain: the chain idles as one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,12 +340,19 @@ def plan_demotions(instances: Sequence[InstanceView], settings: Settings, now: f
         moves.append(Move(view.name, target, reason))
         estimate = usage_after(estimate, view, target)
 
+    # A chain is idle when all of it is: its members count from the latest use of any, and none moves while a
+    # member is busy HOT (a request in flight).
+    chain_used: dict[str, float] = {}
+    for view in instances:
+        if view.chain:
+            chain_used[view.chain] = max(chain_used.get(view.chain, view.last_used), view.last_used)
+    chain_busy = {view.chain for view in instances if view.chain and view.busy and view.tier == api.Tier.HOT}
     for view in sorted(instances, key=lambda view: view.name):
         target = next_tier_down(view.tier, view.gpu)
-        if view.busy or target is None or not floor_allows(view, target):
+        if view.busy or target is None or not floor_allows(view, target) or view.chain in chain_busy:
             continue
         threshold = idle_threshold(target, settings)
-        if threshold is not None and now - view.last_used >= threshold:
+        if threshold is not None and now - chain_used.get(view.chain, view.last_used) >= threshold:
             plan(view, target, Reason.IDLE)
 
     pressures: tuple[tuple[Reason, int, Callable[[Usage], int], Callable[[InstanceView], api.Tier | None]], ...] = (

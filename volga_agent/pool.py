@@ -6,7 +6,8 @@ The pool owns one `Instance` per EMI placed on this node. It:
   once, then freeze, so the first request wakes from the snapshot instead of from nothing);
 - activates on demand: picks the instance of a model that is fastest to wake (HOT, then WARM, SUSPENDED,
   FROZEN, COLD; `device_hint` first when instances differ) and wakes it; a failed restore falls back to a
-  cold start inside `Instance.to` and is counted here;
+  cold start inside `Instance.to` and is counted here; activating a model of a chain (`chains`) starts the
+  wakes of the chain's other models below HOT on the executor, beside this one, without waiting for them;
 - every tick applies the local policy (`policy.plan_demotions`): idle instances go down a tier, budgets
   evict by LRU or hybrid; notices workers that died and restarts them; keeps the circuit breaker that
   stops snapshotting a model whose restores keep failing.
@@ -27,7 +28,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 
-from volga_agent import admission, errors, instance, metrics, policy, process
+from volga_agent import admission, chains, errors, instance, metrics, policy, process
 from volga_agent import gpus as gpu_discovery
 from volga_agent.snapshot import criu, cuda
 from volga_agent.worker import protocol
@@ -125,6 +126,8 @@ class Pool:
         self._slots_lock = threading.Lock()
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pool")
         self._pending: dict[str, concurrent.futures.Future[None]] = {}
+        self.chains = chains.Chains()
+        self._joint: dict[str, concurrent.futures.Future[None]] = {}  # chain members being woken with a peer
         self._eviction_times: collections.deque[float] = collections.deque()
         self.activations = 0
         self.evictions = 0
@@ -136,6 +139,7 @@ class Pool:
     def apply(self, desired: Sequence[planner.Desired], specs: Mapping[str, api.ModelSpecSpec]) -> None:
         """Make this node's instances match the plan: create, retarget, remove; moves run in background."""
         mine = {d.name: d for d in desired if d.node == self.node}
+        self.chains = chains.Chains.of(specs.values())
         with self._slots_lock:
             stale = [name for name, slot in self.slots.items()
                      if name not in mine or slot.inst.spec != specs[mine[name].model_spec]]
@@ -272,9 +276,12 @@ class Pool:
 
         return min(slots, key=rank)
 
-    def activate(self, model_id: str, name: str = "", device_hint: str = "") -> Activation:
-        """Bring the best instance of the model to HOT and say where it listens."""
+    def activate(self, model_id: str, name: str = "", device_hint: str = "", joint: bool = True) -> Activation:
+        """Bring the best instance of the model to HOT and say where it listens; with `joint`, the other models
+        of its chain start waking too, in parallel, and this call does not wait for them."""
         slot = self.pick(model_id, name, device_hint)
+        if joint:
+            self._wake_peers(model_id, device_hint)
         with slot.lock:
             inst = slot.inst
             if slot.removed:
@@ -301,6 +308,22 @@ class Pool:
             inst.last_used = time.monotonic()
             slot.last_used_unix = time.time()
             return Activation(self._info(slot), source, wake_ms, fallback)
+
+    def _wake_peers(self, model_id: str, device_hint: str) -> None:
+        """Start waking the chain's other models that have an instance here and none HOT, once each at a time."""
+        for peer in self.chains.peers(model_id):
+            with self._slots_lock:
+                tiers = [s.inst.tier for s in self.slots.values() if s.inst.spec.model_id == peer and not s.removed]
+                pending = self._joint.get(peer)
+                if not tiers or Tier.HOT in tiers or (pending is not None and not pending.done()):
+                    continue
+                self._joint[peer] = self._executor.submit(self._joint_wake, peer, device_hint)
+
+    def _joint_wake(self, model_id: str, device_hint: str) -> None:
+        try:
+            self.activate(model_id, "", device_hint, joint=False)
+        except Exception as exc:  # the request for it, when it comes, wakes it again and reports the failure
+            log.warning("%s: waking it with its chain failed: %s", model_id, exc)
 
     def release(self, name: str) -> None:
         """The caller is done with it: it counts as idle from now on, and the policy demotes it next tick."""
@@ -371,7 +394,8 @@ class Pool:
                 name=inst.name, model_id=inst.spec.model_id, tier=inst.tier,
                 gpu=inst.gpu, last_used=inst.last_used,
                 host_bytes=host, gpu_bytes=gpu_bytes, snapshot_bytes=inst.image.size_bytes if inst.image else 0,
-                floor_tier=None if slot.target == Tier.COLD else slot.target, busy=slot.lock.locked()))
+                floor_tier=None if slot.target == Tier.COLD else slot.target, busy=slot.lock.locked(),
+                chain=self.chains.head(inst.spec.model_id)))
         return views
 
     # -- the local control loop ----------------------------------------------------------------------
@@ -466,7 +490,7 @@ class Pool:
 
     def wait_converged(self, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
-        for future in list(self._pending.values()):
+        for future in [*self._pending.values(), *self._joint.values()]:
             future.result(timeout=max(0.0, deadline - time.monotonic()))
 
     def interrupt(self) -> None:

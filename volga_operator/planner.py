@@ -15,6 +15,10 @@ For each ModelSpec:
    that are still eligible keep their node (no churn); new ones go to the best-scoring node, whose load
    then counts the new EMI, which spreads a model's instances. On a node without GPUs, WARM and
    SUSPENDED targets become FROZEN (the tiers a CPU node has).
+4. A chain (a head ModelSpec's `chain`, with the members among the specs planned together) is placed as one:
+   its K-th instances (one per member, `name-K`) go to one node that every member is eligible on, chosen by the
+   sum of the members' scores (or the node most of them already use), and share one GPU when the GPU members'
+   `minMemoryGiB` together fit in it; with no node eligible for every member, no member is placed.
 """
 
 from __future__ import annotations
@@ -143,6 +147,21 @@ def _tier_on(node: NodeProfile, tier: Tier) -> Tier:
     return Tier.FROZEN if node.gpu_count == 0 and tier in (Tier.WARM, Tier.SUSPENDED) else tier
 
 
+def chains(specs: Mapping[str, api.ModelSpecSpec]) -> dict[str, tuple[str, ...]]:
+    """Spec name -> the spec names of its chain, head first, for each ModelSpec in a chain among `specs`; members
+    not among them are left out, and a model two chains list stays in the first one (by head name)."""
+    by_id = {spec.model_id: name for name, spec in specs.items()}
+    groups: dict[str, tuple[str, ...]] = {}
+    for name in sorted(specs):
+        if not specs[name].chain or name in groups:
+            continue
+        members = tuple(dict.fromkeys(m for m in (name, *(by_id.get(i, "") for i in specs[name].chain))
+                                      if m and m not in groups))
+        if len(members) > 1:
+            groups.update({m: members for m in members})
+    return groups
+
+
 def plan(specs: Mapping[str, api.ModelSpecSpec], nodes: Iterable[NodeProfile],
          observed: Sequence[Observed] = ()) -> Plan:
     """Desired EMIs for the given ModelSpecs (keyed by name), deterministic for equal inputs.
@@ -159,8 +178,13 @@ def plan(specs: Mapping[str, api.ModelSpecSpec], nodes: Iterable[NodeProfile],
             load[o.node] += 1
     desired: list[Desired] = []
     unplaced: dict[str, str] = {}
+    groups = chains(specs)
     for spec_name in sorted(specs):
         spec = specs[spec_name]
+        if spec_name in groups:
+            if spec_name == min(groups[spec_name]):
+                _place_chain(groups[spec_name], specs, node_list, load, by_spec_node, desired, unplaced)
+            continue
         reasons = {n.name: eligible(spec, n) for n in node_list}
         candidates = [n for n in node_list if reasons[n.name] is None]
         if not candidates:
@@ -189,3 +213,41 @@ def plan(specs: Mapping[str, api.ModelSpecSpec], nodes: Iterable[NodeProfile],
             load[node.name] += 1
             desired.append(Desired(name, spec_name, spec.model_id, node.name, _tier_on(node, tier), gpu_index))
     return Plan(tuple(desired), unplaced)
+
+
+def _place_chain(members: Sequence[str], specs: Mapping[str, api.ModelSpecSpec], node_list: Sequence[NodeProfile],
+                 load: dict[str, int], by_spec_node: Mapping[tuple[str, str], Sequence[Observed]],
+                 desired: list[Desired], unplaced: dict[str, str]) -> None:
+    """One chain's instances: the K-th instance of every member on one node, on one GPU where memory allows."""
+    reasons = {n.name: next((f"{specs[m].model_id}: {why}" for m in members
+                             if (why := eligible(specs[m], n)) is not None), None) for n in node_list}
+    candidates = [n for n in node_list if reasons[n.name] is None]
+    if not candidates:
+        why = "; ".join(f"{n}: {r}" for n, r in sorted(reasons.items())) or "no nodes"
+        unplaced.update({m: f"no node is eligible for every model of its chain ({why})" for m in members})
+        return
+    slots = {m: _slots(specs[m].pool) for m in members}
+    mine = {m: [o for n in candidates for o in by_spec_node.get((m, n.name), ())] for m in members}
+    smallest = {m: min((o.snapshot_bytes for o in mine[m] if o.snapshot_bytes > 0), default=0) for m in members}
+    for index in range(max(len(tiers) for tiers in slots.values())):
+        kept = sorted(o.node for m in members for o in mine[m] if o.name == f"{m}-{index}")
+        if kept:
+            node_name = max(sorted(set(kept)), key=kept.count)
+            node = next(n for n in candidates if n.name == node_name)
+        else:
+            max_load = max(load.values(), default=0) + 1
+            node = min(candidates, key=lambda n: (
+                -sum(score(specs[m], n, load[n.name], max_load, by_spec_node.get((m, n.name), ()), smallest[m])
+                     for m in members), load[n.name], n.name))
+        gpu_members = [m for m in members if specs[m].hardware.gpu and index < len(slots[m])]
+        need = sum(specs[m].hardware.min_memory_gi_b for m in gpu_members) * 2**30
+        shared = load[node.name] % max(node.gpu_count, 1) if need <= node.gpu_memory_bytes else None
+        for m in members:
+            if index >= len(slots[m]):
+                continue
+            gpu_index = None
+            if specs[m].hardware.gpu:
+                gpu_index = shared if shared is not None else load[node.name] % max(node.gpu_count, 1)
+            load[node.name] += 1
+            desired.append(Desired(f"{m}-{index}", m, specs[m].model_id, node.name,
+                                   _tier_on(node, slots[m][index]), gpu_index))

@@ -183,7 +183,7 @@ def compute(state: State, keys: Iterable[Key], now: str | None = None, settle: b
     actions: list[Action] = []
     valid: dict[str, api.ModelSpecSpec] = {}
     invalid: dict[Key, str] = {}
-    for key in sorted(set(keys)):
+    for key in sorted(api.chain_peers(keys, {k: record.spec for k, record in state.specs.items()})):
         record = state.specs.get(key)
         if record is None:
             # The ModelSpec is gone (deleted while we were not looking): its EMIs are orphans.
@@ -200,6 +200,10 @@ def compute(state: State, keys: Iterable[Key], now: str | None = None, settle: b
             invalid[key] = problem
         else:
             valid[f"{record.namespace}/{record.name}"] = spec
+    everything = {f"{ns}/{name}": record.spec for (ns, name), record in state.specs.items()}
+    for plan_key, problem in api.chain_invalid(valid, everything).items():
+        del valid[plan_key]
+        invalid[(plan_key.partition("/")[0], plan_key.partition("/")[2])] = problem
     result = place(state, valid, now)
     by_spec: dict[str, list[planner.Desired]] = {}
     for d in result.desired:
@@ -222,18 +226,32 @@ def place(state: State, specs: Mapping[str, api.ModelSpecSpec], now: str) -> pla
     """`planner.plan` for these ModelSpecs against every node, with a shortcut that gives the same answer: a spec
     whose EMIs all stay where they are is planned against its own EMIs' nodes only (a handful, not every node).
     Only specs that need a new placement pay for scoring the whole cluster."""
-    desired: list[planner.Desired] = []
+    kept_plans: dict[str, list[planner.Desired]] = {}
     rest: dict[str, api.ModelSpecSpec] = {}
     for plan_key, spec in specs.items():
         kept = _kept(state, plan_key, spec)
         if kept is None:
             rest[plan_key] = spec
         else:
-            desired += kept
+            kept_plans[plan_key] = kept
+    # A chain is placed as one: when one member needs a new placement, the planner sees every member.
+    moved = _chain_mates({(k.partition("/")[0], k.partition("/")[2]) for k in rest}, specs)
+    for plan_key in moved - rest.keys():
+        if plan_key in kept_plans:
+            del kept_plans[plan_key]
+            rest[plan_key] = specs[plan_key]
+    desired = [d for plans in kept_plans.values() for d in plans]
     if not rest:
         return planner.Plan(tuple(desired), {})
     result = planner.plan(rest, state.nodes.values(), _observed_for(state, rest, now))
     return planner.Plan((*desired, *result.desired), result.unplaced)
+
+
+def _chain_mates(keys: set[tuple[str, str]], specs: Mapping[str, api.ModelSpecSpec]) -> set[str]:
+    """The 'namespace/name' keys of `specs` in a chain with one of `keys` (and `keys` themselves)."""
+    raw = {(k.partition("/")[0], k.partition("/")[2]): {"modelId": s.model_id, "chain": list(s.chain)}
+           for k, s in specs.items()}
+    return {f"{ns}/{name}" for ns, name in api.chain_peers(keys, raw)}
 
 
 def _kept(state: State, plan_key: str, spec: api.ModelSpecSpec) -> list[planner.Desired] | None:

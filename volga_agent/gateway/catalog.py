@@ -2,7 +2,8 @@
 
 The catalog holds each model's ModelSpec (from the local store, or a ModelSpec watch in a cluster), the
 tensors its worker declares and the hash of its input schema; in a cluster an EMI watch adds placements,
-so a gateway knows which models its node holds and which other nodes' gateways to forward to.
+so a gateway knows which models its node holds and which other nodes' gateways to forward to. Chains the
+ModelSpecs declare as ensembles (`spec.ensemble`) are models here too (`find_ensemble`), served by `ensemble.py`.
 
 The gateway reads the worker's contract (tensor declarations, input checks) here and nowhere else; see
 `docs/architecture.md`.
@@ -15,7 +16,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from volga_agent.gateway import oip
+from volga_agent.gateway import ensemble, oip
 from volga_agent.worker import contract, protocol
 from volga_operator import api
 
@@ -45,6 +46,7 @@ class Catalog:
         self._models: dict[str, api.ModelSpecSpec] = {}
         self._decls: dict[str, Decls] = {}
         self._hashes: dict[str, str] = {}
+        self._ensembles: dict[str, ensemble.Ensemble] = {}
         # model id -> its instances in the cluster (an EMI watch fills it); None: not known (no cluster).
         self._placements: dict[str, tuple[Placement, ...]] | None = None
         self.replace(list((specs or {}).values()))
@@ -87,6 +89,14 @@ class Catalog:
         self._models = {s.model_id: s for s in specs}
         self._decls = {s.model_id: tensor_decls(s.inputs) for s in specs}
         self._hashes = {s.model_id: s.input_hash() for s in specs}
+        self._ensembles = ensemble.declared(specs)
+
+    def find_ensemble(self, model_id: str) -> ensemble.Ensemble | None:
+        """The ensemble a chain's head declares under this id; None for any other name."""
+        return self._ensembles.get(model_id)
+
+    def ensembles(self) -> list[ensemble.Ensemble]:
+        return sorted(self._ensembles.values(), key=lambda e: e.model_id)
 
     def known(self, model_id: str) -> bool:
         return model_id in self._models

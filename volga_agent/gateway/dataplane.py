@@ -26,7 +26,9 @@ with a retry hint) and `drain_load` (each model's arrivals, completions, latenci
 call, as `ModelLoad`s).
 
 The metadata answers (model state from what the agent reports, platform, tensor specs, a Triton-style model
-configuration) are built here too, so both adapters give the same ones. See `docs/architecture.md`.
+configuration) are built here too, so both adapters give the same ones. An ensemble (a chain served as one
+model, `ensemble.py`) is answered here as well: its steps go through steps 5-6 one model after the other, and its
+metadata and configuration are Triton's for an ensemble. See `docs/architecture.md`.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from typing import Any, ParamSpec, TypeVar
 import numpy as np
 
 from volga_agent import errors, metrics
-from volga_agent.gateway import batcher, catalog, links, oip, router, workers
+from volga_agent.gateway import batcher, catalog, ensemble, links, oip, router, workers
 from volga_agent.worker import protocol
 from volga_operator import api
 
@@ -97,6 +99,7 @@ class ModelConfig:
     inputs: tuple[oip.TensorSpec, ...]
     outputs: tuple[oip.TensorSpec, ...]
     dynamic_batching: DynamicBatchingConfig | None = None  # set when the gateway batches the model's requests
+    ensemble_steps: tuple[ensemble.Step, ...] = ()  # set for an ensemble: its models, in order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,7 +220,18 @@ class Dataplane:
     # -- metadata ------------------------------------------------------------------------------------
 
     async def model_ready(self, model: str) -> bool:
+        if (found := self.catalog.find_ensemble(model)) is not None:
+            return (await self.ensemble_state(found)).ready
         return self.catalog.known(model) and (await self.model_state(self.catalog.get(model))).ready
+
+    async def ensemble_state(self, found: ensemble.Ensemble) -> ModelState:
+        """READY when every model of the ensemble is; else the first that is not, and why."""
+        states = await asyncio.gather(*(self.model_state(self.catalog.get(m)) for m in found.members))
+        down = next((s for s in states if not s.ready), None)
+        if down is not None:
+            return ModelState(found.model_id, found.version, "UNAVAILABLE", f"model {down.name!r}: {down.reason}")
+        return ModelState(found.model_id, found.version, "READY",
+                          "; ".join(f"{s.name}: {s.reason}" for s in states))
 
     async def model_state(self, spec: api.ModelSpecSpec) -> ModelState:
         """READY when some instance of the model can serve, as far as the catalog (cluster placements) and the
@@ -247,6 +261,9 @@ class Dataplane:
         return ModelState(model, spec.version, "READY", tiers)
 
     def model_metadata(self, model: str) -> ModelMetadata:
+        if (found := self.catalog.find_ensemble(model)) is not None:
+            return ModelMetadata(found.model_id, (found.version,), ensemble.PLATFORM, _tensor_specs(found.inputs),
+                                 _tensor_specs(found.outputs))
         spec = self.catalog.get(model)
         return ModelMetadata(spec.model_id, (spec.version,), PLATFORMS[spec.framework.value],
                              _tensor_specs(spec.inputs), _tensor_specs(spec.outputs))
@@ -254,6 +271,11 @@ class Dataplane:
     def model_config(self, model: str) -> ModelConfig:
         """Triton's convention: with max_batch_size > 0 the batch dimension (the first, -1 in the ModelSpec)
         is implicit; a model whose tensors do not all start with -1 is not batched (max_batch_size 0)."""
+        if (found := self.catalog.find_ensemble(model)) is not None:
+            skip = 1 if found.max_batch_size else 0
+            return ModelConfig(found.model_id, ensemble.PLATFORM, "", found.max_batch_size,
+                               _tensor_specs(found.inputs, skip), _tensor_specs(found.outputs, skip),
+                               ensemble_steps=found.steps)
         spec = self.catalog.get(model)
         tensors = [*spec.inputs, *spec.outputs]
         batched = all(t.shape and t.shape[0] == -1 for t in tensors)
@@ -266,20 +288,39 @@ class Dataplane:
                            _tensor_specs(spec.outputs, skip), dynamic)
 
     async def repository_index(self) -> list[ModelState]:
-        return list(await asyncio.gather(*(self.model_state(s) for s in self.catalog.all())))
+        states = await asyncio.gather(*(self.model_state(s) for s in self.catalog.all()),
+                                      *(self.ensemble_state(e) for e in self.catalog.ensembles()))
+        return sorted(states, key=lambda s: s.name)
 
     # -- inference -----------------------------------------------------------------------------------
 
     async def infer(self, model: str, request_headers: Mapping[str, str], inputs: dict[str, np.ndarray],
-                    grpc_remaining: float | None = None) -> tuple[api.ModelSpecSpec, dict[str, np.ndarray]]:
-        spec = self.catalog.get(model)
+                    grpc_remaining: float | None = None
+                    ) -> tuple[api.ModelSpecSpec | ensemble.Ensemble, dict[str, np.ndarray]]:
+        found = self.catalog.find_ensemble(model)
+        spec = self.catalog.get(found.head if found is not None else model)
         claimed = request_headers.get("x-input-hash")
-        if claimed and claimed.lower() != (schema := self.catalog.input_hash(model)):
+        if claimed and claimed.lower() != (schema := self.catalog.input_hash(spec.model_id)):
             raise oip.error("INVALID_ARGUMENT", f"x-input-hash {claimed[:16]}... does not match model {model!r} "
                             f"(its input schema hash is {schema}); the client was built for "
                             "another version of the model")
-        self.catalog.check_inputs(model, inputs)
+        self.catalog.check_inputs(spec.model_id, inputs)
         deadline = _deadline(request_headers.get("x-timeout-ms"), grpc_remaining)
+        if found is not None:
+            # The input hash is the ensemble's: a step forwarded to another node must not carry it.
+            step_headers = {k: v for k, v in request_headers.items() if k != "x-input-hash"}
+
+            async def step(member: str, step_inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+                return (await self._dispatch(self.catalog.get(member), step_headers, step_inputs, deadline))[1]
+
+            return found, await ensemble.run(found, inputs, step)
+        return await self._dispatch(spec, request_headers, inputs, deadline)
+
+    async def _dispatch(self, spec: api.ModelSpecSpec, request_headers: Mapping[str, str],
+                        inputs: dict[str, np.ndarray], deadline: float | None
+                        ) -> tuple[api.ModelSpecSpec, dict[str, np.ndarray]]:
+        """One checked request for one model: to another node's gateway, through its batcher, or to a worker."""
+        model = spec.model_id
         here = self.catalog.local(model, self.node)
         if here is not None and not here:
             return spec, await self._forward(model, request_headers, inputs, deadline)
@@ -380,7 +421,7 @@ class Dataplane:
             raise oip.error(code, f"internal error: {type(exc).__name__}: {str(exc)[:200]}") from None
         finally:
             # Names clients make up must not become label values: one series per known model only.
-            label = model if known else UNKNOWN_MODEL_LABEL
+            label = model if known or self.catalog.find_ensemble(model) is not None else UNKNOWN_MODEL_LABEL
             elapsed_ms = (time.perf_counter() - start) * 1e3
             self.metrics.requests.labels(label, proto, code).inc()
             if code == "OK":
@@ -408,6 +449,9 @@ def config_grpc(c: ModelConfig) -> Any:
         d.preferred_batch_size.extend(c.dynamic_batching.preferred_batch_size)
         d.max_queue_delay_microseconds = c.dynamic_batching.max_queue_delay_microseconds
         d.default_queue_policy.max_queue_size = c.dynamic_batching.max_queue_size
+    for step in c.ensemble_steps:
+        response.config.ensemble_scheduling.step.add(model_name=step.model_id, model_version=-1,
+                                                     input_map=step.input_map, output_map=step.output_map)
     return response
 
 
@@ -421,6 +465,10 @@ def config_rest(c: ModelConfig) -> dict[str, Any]:
             "max_queue_delay_microseconds": d.max_queue_delay_microseconds, "preserve_ordering": False,
             "default_queue_policy": {"timeout_action": "REJECT", "default_timeout_microseconds": 0,
                                      "allow_timeout_override": False, "max_queue_size": d.max_queue_size}}
+    if c.ensemble_steps:
+        body["ensemble_scheduling"] = {"step": [
+            {"model_name": step.model_id, "model_version": -1, "input_map": step.input_map,
+             "output_map": step.output_map} for step in c.ensemble_steps]}
     return body
 
 

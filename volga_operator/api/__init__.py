@@ -19,7 +19,7 @@ import json
 import pathlib
 import re
 import unicodedata
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 import pydantic
@@ -42,6 +42,8 @@ NAME_RULE = (f"must be 1-{MAX_NAME} lowercase letters, digits, '-' or '.', start
 MAX_DIM = 2**31 - 1
 # Pool floors above this are a typo more often than a plan (and each floor is a process on some node).
 MAX_FLOOR = 64
+# Models a chain lists after its head.
+MAX_CHAIN = 16
 # Control characters (NUL included) and the bidirectional marks and overrides that make a name display as
 # another: a tensor name is printed in errors, logs and metrics, and must read as what it is.
 _BIDI = "\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069"
@@ -528,7 +530,11 @@ class ModelSpecSpec(Model):
 
     model_config = pydantic.ConfigDict(json_schema_extra={"x-kubernetes-validations": [
         {"rule": _SIGNATURE_READ, "message": NO_SIGNATURE.format(framework="torchscript or pytorch")},
-        {"rule": _BATCH_FIRST, "message": NOT_BATCHED.format(which="a tensor's shape does not start with -1")}]})
+        {"rule": _BATCH_FIRST, "message": NOT_BATCHED.format(which="a tensor's shape does not start with -1")},
+        {"rule": "!has(self.chain) || !(self.modelId in self.chain)",
+         "message": "chain lists the model's own modelId: a chain that calls its head again is a cycle"},
+        {"rule": "!has(self.ensemble) || (has(self.chain) && size(self.chain) > 0 && self.ensemble != self.modelId)",
+         "message": "ensemble needs a chain, and a model id other than the head's"}]})
 
     model_id: str = pydantic.Field(
         json_schema_extra={"maxLength": MAX_NAME, "pattern": _MODEL_ID.pattern},
@@ -554,8 +560,50 @@ class ModelSpecSpec(Model):
         f"how many instances to keep in each tier across the cluster, 0-{MAX_FLOOR} per tier. Default: 1 FROZEN"))
     runtime: Runtime = pydantic.Field(default_factory=Runtime, description=(
         "how the worker runs the model: warm-up, threads, batch size, re-seeding after restores"))
-    chain: list[str] = pydantic.Field(default_factory=list, max_length=16,
-                                      description="model ids called after this one, at most 16. Default: none")
+    chain: list[str] = pydantic.Field(
+        default_factory=list, max_length=MAX_CHAIN,
+        description=f"model ids called after this one, in order, at most {MAX_CHAIN}: this model heads a chain, "
+                    "which wakes as one (waking any member wakes the others in parallel), is kept on one node "
+                    "(one GPU where memory allows) and whose slo is end to end; a model is in one chain at most. "
+                    "Default: none",
+        json_schema_extra={"items": {"type": "string", "maxLength": MAX_NAME, "pattern": _MODEL_ID.pattern},
+                           "x-kubernetes-validations": [
+                               {"rule": "self.all(a, self.filter(b, b == a).size() == 1)",
+                                "message": "a chain lists each model once"}]})
+    ensemble: str | None = pydantic.Field(
+        default=None, json_schema_extra={"maxLength": MAX_NAME, "pattern": _MODEL_ID.pattern},
+        description="with chain: a model id under which the gateway serves the whole chain as one model (a "
+                    "Triton ensemble): the head's inputs in, each member's inputs taken by name from the outputs "
+                    "before it, the last member's outputs out. Default: unset (the members are called one by one)")
+
+    @pydantic.field_validator("ensemble")
+    @classmethod
+    def _ensemble_id(cls, value: str | None) -> str | None:
+        if value is not None and (len(value) > MAX_NAME or not _MODEL_ID.match(value)):
+            raise ValueError(NAME_RULE)
+        return value
+
+    @pydantic.model_validator(mode="after")
+    def _chain_shape(self) -> ModelSpecSpec:
+        problems: list[tuple[tuple[int | str, ...], str]] = []
+        for index, member in enumerate(self.chain):
+            if len(member) > MAX_NAME or not _MODEL_ID.match(member):
+                problems.append((("chain", index), f"{member!r}: a model id {NAME_RULE}"))
+            elif member == self.model_id:
+                problems.append((("chain", index), f"{member!r} is this model's own modelId: a chain that calls "
+                                                   "its head again is a cycle"))
+            elif member in self.chain[:index]:
+                problems.append((("chain", index), f"{member!r} is listed twice: a chain lists each model once"))
+        if self.ensemble is not None and not self.chain:
+            problems.append((("ensemble",), "an ensemble serves a chain: list its members in chain"))
+        elif self.ensemble is not None and self.ensemble == self.model_id:
+            problems.append((("ensemble",), f"{self.ensemble!r} is the head's own modelId: give the ensemble a "
+                                            "model id of its own"))
+        if problems:
+            raise pydantic.ValidationError.from_exception_data("ModelSpecSpec", [
+                {"type": "value_error", "loc": loc, "input": None, "ctx": {"error": ValueError(reason)}}
+                for loc, reason in problems])
+        return self
 
     @pydantic.field_validator("model_id")
     @classmethod
@@ -813,6 +861,141 @@ def repeated(labelled: Iterable[tuple[str, ModelSpec]]) -> list[SpecError]:
             errors.append(SpecError(label, found))
     return errors
 
+
+
+def _way_back(head: str, member: str, chains: Mapping[str, list[str]]) -> list[str] | None:
+    """The model ids from `head` through `member` along chains back to `head`; None when there is no cycle."""
+    stack, seen = [[head, member]], set()
+    while stack:
+        path = stack.pop()
+        if path[-1] in seen:
+            continue
+        seen.add(path[-1])
+        for nxt in chains.get(path[-1], ()):
+            if nxt == head:
+                return [*path, head]
+            stack.append([*path, nxt])
+    return None
+
+
+def _fits(given: TensorSpec, wanted: TensorSpec) -> bool:
+    return given.dtype == wanted.dtype and len(given.shape) == len(wanted.shape) and all(
+        g == w or -1 in (g, w) for g, w in zip(given.shape, wanted.shape, strict=True))
+
+
+def _tensor_text(t: TensorSpec) -> str:
+    return f"{t.dtype.value} {_shape_text(t.shape)}"
+
+
+def ensemble_problems(steps: Sequence[ModelSpecSpec]) -> list[tuple[str, str]]:
+    """(field path in the head, reason) for each input of a chain's later members that neither the head's inputs
+    nor an output before it provides by name, with that dtype and a shape that fits; [] while a signature is
+    unread."""
+    if not all(step.has_signature for step in steps):
+        return []
+    available: dict[str, tuple[TensorSpec, str]] = {t.name: (t, "the ensemble's input") for t in steps[0].inputs}
+    problems = []
+    for index, step in enumerate(steps):
+        for t in step.inputs if index else ():
+            source = available.get(t.name)
+            path = f"spec.chain[{index - 1}]"
+            if source is None:
+                problems.append((path, f"input {t.name!r} of {step.model_id!r} is neither an input of the head nor "
+                                       f"an output of a model before it (those are "
+                                       f"{', '.join(repr(n) for n in available)})"))
+            elif not _fits(source[0], t):
+                problems.append((path, f"input {t.name!r} of {step.model_id!r} is {_tensor_text(t)}, and "
+                                       f"{source[1]} {t.name!r} is {_tensor_text(source[0])}"))
+        available.update({t.name: (t, f"the output of {step.model_id!r}") for t in step.outputs})
+    return problems
+
+
+def chain_problems(specs: Mapping[str, ModelSpecSpec]) -> dict[str, list[tuple[str, str]]]:
+    """The chains of one store's ModelSpecs (a `volga up` set, a namespace), keyed as `specs` is (where each was
+    found): (field path, reason) for a member no ModelSpec has, a cycle, a model in two chains (the later head in
+    `specs`' order is the one refused, and a head listed as another's member), an ensemble id another model or
+    ensemble uses, and an ensemble whose members' inputs the outputs before them do not provide."""
+    by_id = {spec.model_id: label for label, spec in specs.items()}
+    chains = {spec.model_id: spec.chain for spec in specs.values() if spec.chain}
+    claimed: dict[str, str] = {}  # model id -> the head of the chain it is in
+    ensembles: dict[str, str] = {}
+    found: dict[str, list[tuple[str, str]]] = {}
+    for label, spec in specs.items():
+        if not spec.chain:
+            continue
+        problems = []
+        if spec.model_id in claimed:
+            problems.append(("spec.chain", f"{spec.model_id!r} is already in the chain headed by "
+                                           f"{claimed[spec.model_id]!r} ({by_id[claimed[spec.model_id]]}): a model "
+                                           "is in one chain at most"))
+        mine = []
+        for index, member in enumerate(spec.chain):
+            path = f"spec.chain[{index}]"
+            if member not in by_id:
+                problems.append((path, f"no ModelSpec has modelId {member!r}"))
+            elif cycle := _way_back(spec.model_id, member, chains):
+                problems.append((path, f"{' -> '.join(cycle)} is a cycle: a chain runs one way"))
+            elif member in chains:
+                problems.append((path, f"{member!r} heads a chain of its own ({by_id[member]}): a model is in one "
+                                       "chain at most (list its members here instead)"))
+            elif member in claimed:
+                problems.append((path, f"{member!r} is already in the chain headed by {claimed[member]!r} "
+                                       f"({by_id[claimed[member]]}): a model is in one chain at most"))
+            else:
+                mine.append(member)
+        if spec.ensemble is not None:
+            if spec.ensemble in by_id:
+                problems.append(("spec.ensemble", f"{spec.ensemble!r} is the modelId of the ModelSpec in "
+                                                  f"{by_id[spec.ensemble]}"))
+            elif spec.ensemble in ensembles:
+                problems.append(("spec.ensemble", f"{spec.ensemble!r} is already the ensemble of the chain headed "
+                                                  f"by {ensembles[spec.ensemble]!r}"))
+            elif not problems:
+                problems += ensemble_problems([spec, *(specs[by_id[m]] for m in spec.chain)])
+        if problems:
+            found[label] = problems
+            continue
+        claimed.update({m: spec.model_id for m in [spec.model_id, *mine]})
+        if spec.ensemble is not None:
+            ensembles[spec.ensemble] = spec.model_id
+    return found
+
+
+def chain_errors(labelled: Iterable[tuple[str, ModelSpec]]) -> list[SpecError]:
+    """`chain_problems` of labelled ModelSpecs (as `load_labelled` gives them), one SpecError per ModelSpec."""
+    found = chain_problems({label: spec.spec for label, spec in labelled})
+    return [SpecError(label, problems) for label, problems in found.items()]
+
+
+def chain_peers(keys: Iterable[tuple[str, str]], specs: Mapping[tuple[str, str], Mapping[str, Any]]
+                ) -> set[tuple[str, str]]:
+    """`keys` (namespace, name) and the ModelSpecs in a chain with one of them, so that a chain is planned as one;
+    `specs` holds every ModelSpec's spec as the cluster has it. Reads only modelId and chain."""
+    found = set(keys)
+    by_id = {(key[0], str(spec.get("modelId", ""))): key for key, spec in specs.items()}
+    for key, spec in specs.items():
+        chain = spec.get("chain")
+        if isinstance(chain, list) and chain:
+            group = {key, *(by_id[key[0], m] for m in chain if isinstance(m, str) and (key[0], m) in by_id)}
+            if group & found:
+                found |= group
+    return found
+
+def chain_invalid(valid: Mapping[str, ModelSpecSpec], everything: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
+    """Of the ModelSpecs in `valid` (keyed 'namespace/name'), those whose chain cannot be used, with the message
+    their Valid condition carries; `everything` holds every ModelSpec's spec as the cluster has it, by the same
+    keys. A namespace in which no ModelSpec lists a chain costs one look at each of its specs."""
+    invalid: dict[str, str] = {}
+    for namespace in sorted({key.partition("/")[0] for key in valid}):
+        keys = sorted(key for key in everything if key.partition("/")[0] == namespace)
+        if not any(everything[key].get("chain") or everything[key].get("ensemble") for key in keys):
+            continue
+        typed = {key: spec for key in keys
+                 if (spec := valid.get(key) or validate_spec(everything[key])[0]) is not None}
+        for key, problems in chain_problems(typed).items():
+            if key in valid:
+                invalid[key] = "; ".join(f"{path}: {reason}" for path, reason in problems)
+    return invalid
 
 class GpuRef(Model):
     """The GPU of the node an instance runs on."""

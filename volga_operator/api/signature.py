@@ -288,4 +288,6 @@ def load_files(files: list[str]) -> list[api.ModelSpec]:
         if problems := warmup_file_problems(filled):
             raise api.SpecError(label, problems)
         specs.append(spec.model_copy(update={"spec": filled}))
+    if chained := api.chain_errors(zip((label for label, _ in labelled), specs, strict=True)):
+        raise chained[0]
     return specs

@@ -343,8 +343,41 @@ class ModelDynamicBatching(_message.Message):
     default_queue_policy: ModelQueuePolicy
     def __init__(self, preferred_batch_size: _Optional[_Iterable[int]] = ..., max_queue_delay_microseconds: _Optional[int] = ..., preserve_ordering: bool = ..., default_queue_policy: _Optional[_Union[ModelQueuePolicy, _Mapping]] = ...) -> None: ...
 
+class ModelEnsembling(_message.Message):
+    __slots__ = ("step",)
+    class Step(_message.Message):
+        __slots__ = ("model_name", "model_version", "input_map", "output_map", "model_namespace")
+        class InputMapEntry(_message.Message):
+            __slots__ = ("key", "value")
+            KEY_FIELD_NUMBER: _ClassVar[int]
+            VALUE_FIELD_NUMBER: _ClassVar[int]
+            key: str
+            value: str
+            def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+        class OutputMapEntry(_message.Message):
+            __slots__ = ("key", "value")
+            KEY_FIELD_NUMBER: _ClassVar[int]
+            VALUE_FIELD_NUMBER: _ClassVar[int]
+            key: str
+            value: str
+            def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+        MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+        MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+        INPUT_MAP_FIELD_NUMBER: _ClassVar[int]
+        OUTPUT_MAP_FIELD_NUMBER: _ClassVar[int]
+        MODEL_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+        model_name: str
+        model_version: int
+        input_map: _containers.ScalarMap[str, str]
+        output_map: _containers.ScalarMap[str, str]
+        model_namespace: str
+        def __init__(self, model_name: _Optional[str] = ..., model_version: _Optional[int] = ..., input_map: _Optional[_Mapping[str, str]] = ..., output_map: _Optional[_Mapping[str, str]] = ..., model_namespace: _Optional[str] = ...) -> None: ...
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    step: _containers.RepeatedCompositeFieldContainer[ModelEnsembling.Step]
+    def __init__(self, step: _Optional[_Iterable[_Union[ModelEnsembling.Step, _Mapping]]] = ...) -> None: ...
+
 class ModelConfig(_message.Message):
-    __slots__ = ("name", "platform", "backend", "max_batch_size", "input", "output", "dynamic_batching")
+    __slots__ = ("name", "platform", "backend", "max_batch_size", "input", "output", "dynamic_batching", "ensemble_scheduling")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PLATFORM_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -352,6 +385,7 @@ class ModelConfig(_message.Message):
     INPUT_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     DYNAMIC_BATCHING_FIELD_NUMBER: _ClassVar[int]
+    ENSEMBLE_SCHEDULING_FIELD_NUMBER: _ClassVar[int]
     name: str
     platform: str
     backend: str
@@ -359,4 +393,5 @@ class ModelConfig(_message.Message):
     input: _containers.RepeatedCompositeFieldContainer[ModelInput]
     output: _containers.RepeatedCompositeFieldContainer[ModelOutput]
     dynamic_batching: ModelDynamicBatching
-    def __init__(self, name: _Optional[str] = ..., platform: _Optional[str] = ..., backend: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., input: _Optional[_Iterable[_Union[ModelInput, _Mapping]]] = ..., output: _Optional[_Iterable[_Union[ModelOutput, _Mapping]]] = ..., dynamic_batching: _Optional[_Union[ModelDynamicBatching, _Mapping]] = ...) -> None: ...
+    ensemble_scheduling: ModelEnsembling
+    def __init__(self, name: _Optional[str] = ..., platform: _Optional[str] = ..., backend: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., input: _Optional[_Iterable[_Union[ModelInput, _Mapping]]] = ..., output: _Optional[_Iterable[_Union[ModelOutput, _Mapping]]] = ..., dynamic_batching: _Optional[_Union[ModelDynamicBatching, _Mapping]] = ..., ensemble_scheduling: _Optional[_Union[ModelEnsembling, _Mapping]] = ...) -> None: ...
