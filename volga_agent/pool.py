@@ -288,6 +288,9 @@ class Pool:
     def shared_images(self) -> list[shared.Entry]:
         return self.shared.store.entries() if self.shared is not None else []
 
+    def shared_entry(self, digest: str) -> shared.Entry | None:
+        return self.shared.store.entry(digest) if self.shared is not None and digest else None
+
     # -- the request path ----------------------------------------------------------------------------
 
     def pick(self, model_id: str, name: str = "", device_hint: str = "") -> Slot:

@@ -22,7 +22,7 @@ Key = tuple[str, str]  # (namespace, name)
 
 # The EMI status fields the operator reads (tier counts, readiness, the planner's recency and snapshot size): a
 # record keeps only these, so what the operator holds per EMI stays small whatever the agents report.
-EMI_STATUS_FIELDS = ("tier", "conditions", "lastUsed", "snapshotBytes")
+EMI_STATUS_FIELDS = ("tier", "conditions", "lastUsed", "snapshotBytes", "sharedSnapshot")
 
 
 def resource_version(meta: Mapping[str, Any]) -> int:
@@ -232,7 +232,7 @@ def place(state: State, specs: Mapping[str, api.ModelSpecSpec], now: str) -> pla
             desired += kept
     if not rest:
         return planner.Plan(tuple(desired), {})
-    result = planner.plan(rest, state.nodes.values(), _observed_for(state, rest, now))
+    result = planner.plan(rest, state.nodes.values(), _observed_for(state, rest, now), shared_images(state, rest))
     return planner.Plan((*desired, *result.desired), result.unplaced)
 
 
@@ -312,6 +312,28 @@ def _keep_gpu(current: Mapping[str, Any], wanted: dict[str, Any], node: planner.
     return {**wanted, "gpu": dict(gpu)}
 
 
+def shared_snapshots(emis: Iterable[EmiRecord]) -> list[dict[str, Any]]:
+    """The shared images a ModelSpec's EMIs report (restored from or published), once each, by key."""
+    refs: dict[str, dict[str, Any]] = {}
+    for emi in emis:
+        ref = emi.status.get("sharedSnapshot")
+        if isinstance(ref, dict) and ref.get("key"):
+            refs.setdefault(str(ref["key"]), {k: v for k, v in ref.items() if k != "role"})
+    return [refs[key] for key in sorted(refs)][:64]
+
+
+def shared_images(state: State, specs: Iterable[str]) -> dict[str, list[planner.SharedImage]]:
+    """Per ModelSpec (namespace/name), the GPU product and driver of the shared images its EMIs report."""
+    out: dict[str, list[planner.SharedImage]] = {}
+    for plan_key in specs:
+        ns, name = plan_key.split("/", 1)
+        refs = shared_snapshots(state.emis.owned((ns, name)))
+        if refs:
+            out[plan_key] = [planner.SharedImage(str(r.get("gpuProduct", "")), str(r.get("gpuDriver", "")))
+                             for r in refs]
+    return out
+
+
 def tier_counts(emis: Iterable[EmiRecord]) -> dict[str, int]:
     counts = {t.value: 0 for t in api.Tier}
     for emi in emis:
@@ -338,6 +360,7 @@ def _status(record: SpecRecord, emis: list[EmiRecord], spec: api.ModelSpecSpec, 
         "inputHash": spec.input_hash(),
         "instances": len(emis),
         "tiers": tier_counts(emis),
+        **({"sharedSnapshots": refs} if (refs := shared_snapshots(emis)) else {}),
         "conditions": [
             ready_cond,
             conditions.condition("Valid", True, "Valid", "", previous, now),

@@ -37,12 +37,14 @@ import platform
 import shutil
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import pydantic
 
 from volga_agent import process
 from volga_agent.snapshot import criu
+from volga_operator import api
+from volga_operator.api import conditions
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +167,13 @@ class Entry:
     @property
     def version(self) -> str:
         return self.manifest.key.get("version", "")
+
+    def ref(self, role: str | None = None) -> api.SharedSnapshotRef:
+        """The image as EMI and ModelSpec statuses list it."""
+        return api.SharedSnapshotRef(key=self.digest, node=self.manifest.node, size_bytes=self.manifest.size_bytes,
+                                     published_at=conditions.timestamp(self.manifest.published_unix),
+                                     gpu_product=self.manifest.key.get("gpu_product", ""),
+                                     gpu_driver=self.manifest.key.get("gpu_driver", ""), role=role)
 
     def last_used(self) -> float:
         try:
@@ -320,6 +329,3 @@ class Context:
     node: str
     facts: NodeFacts
 
-
-def sizes(entries: Sequence[Entry]) -> int:
-    return sum(e.manifest.size_bytes for e in entries)
