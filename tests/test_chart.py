@@ -779,4 +779,5 @@ def test_a_claim_turns_shared_snapshots_on(default: Rendered, gpu: Rendered) -> 
     assert policy.Settings.from_mapping(yaml.safe_load(text)).shared_snapshots == mounts[1]["mountPath"]
     text = default.get("ConfigMap", "volga-agent-settings")["data"]["settings.yaml"]
     assert policy.Settings.from_mapping(yaml.safe_load(text)).shared_snapshots == ""
-    assert [m for m in default.container("agent")["volumeMounts"] if m["name"] == "snapshots"][0].get("subPath") is None
+    mount = next(m for m in default.container("agent")["volumeMounts"] if m["name"] == "snapshots")
+    assert mount.get("subPath") is None

@@ -117,7 +117,7 @@ def test_two_publishers_at_once_leave_exactly_one_complete_image(tmp_path: pathl
         barrier = threading.Barrier(2)
 
         def publish(node: str, store: shared.Store = store, images: dict[str, criu.Image] = images,
-                    log: pathlib.Path = log) -> shared.Entry | None:
+                    log: pathlib.Path = log, barrier: threading.Barrier = barrier) -> shared.Entry | None:
             barrier.wait()
             return store.publish(images[node], key(), node, "canary", 3, log)
 
