@@ -8,13 +8,14 @@ import concurrent.futures
 import os
 import pathlib
 import shutil
+import subprocess
 import tempfile
 import threading
 from collections.abc import Iterator
 
 import pytest
 
-from volga_agent import policy
+from volga_agent import policy, process
 from volga_agent.snapshot import criu, shared
 from volga_bench import shared as shared_bench
 from volga_operator import api, planner, reconcile
@@ -200,3 +201,18 @@ def test_model_spec_status_lists_the_shared_images_its_instances_report() -> Non
     assert listed == [ref]
     api.ModelSpecStatus.model_validate({"sharedSnapshots": listed})  # the CRD's schema accepts it
     api.EmiStatus.model_validate({"sharedSnapshot": {**ref, "role": "restored"}})
+
+
+@pytest.mark.parametrize("folder_owner", ["live", "dead"])
+def test_a_restored_worker_with_another_agents_token_is_an_orphan_only_once_its_adopter_is_gone(
+        folder_owner: str, tmp_path: pathlib.Path) -> None:
+    """The token in a worker restored from node A's image names A (gone); its work folder names the agent that
+    restored it."""
+    dead = process.Owner("another-boot", "pid:[1]", 1, 1).token
+    (tmp_path / process.OWNER_FILE).write_text(process.me().token if folder_owner == "live" else dead)
+    worker = subprocess.Popen(["sleep", "60"], cwd=tmp_path, env={**os.environ, process.OWNER_ENV: dead})
+    try:
+        assert (worker.pid in process.orphans()) == (folder_owner == "dead")
+    finally:
+        worker.kill()
+        worker.wait()
