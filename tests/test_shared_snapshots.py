@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from volga_agent import policy, process
+from volga_agent import cli, policy, process
 from volga_agent.snapshot import criu, shared
 from volga_bench import shared as shared_bench
 from volga_operator import api, planner, reconcile
@@ -216,3 +216,9 @@ def test_a_restored_worker_with_another_agents_token_is_an_orphan_only_once_its_
     finally:
         worker.kill()
         worker.wait()
+
+
+def test_volga_up_takes_a_shared_snapshot_folder() -> None:
+    args = cli.build_parser().parse_args(["up", "--shared-snapshots", "/mnt/shared", "--workdir", "/run/volga"])
+    assert cli.settings_from(args).shared_snapshots == "/mnt/shared" and args.workdir == "/run/volga"
+    assert cli.settings_from(cli.build_parser().parse_args(["up"])).shared_snapshots == ""
