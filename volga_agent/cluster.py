@@ -131,7 +131,10 @@ class AgentSync:
     # -- the node's profile --------------------------------------------------------------------------
 
     def _publish_profile(self) -> None:
-        body = {"metadata": {"annotations": gpus.node_profile(self.gpus, self.node).annotations()}}
+        annotations = gpus.node_profile(self.gpus, self.node).annotations()
+        # The driver, for the planner's preference for nodes that can restore a shared snapshot.
+        annotations[f"{labels.ANNOTATION_PREFIX}gpu-driver"] = ",".join(sorted({g.driver for g in self.gpus}))
+        body = {"metadata": {"annotations": annotations}}
 
         def publish() -> None:
             ratelimit.write_sync(self.bucket, lambda: self.core.patch_node(self.node, body, _request_timeout=10))

@@ -139,5 +139,4 @@ def node_profile(found: Sequence[GpuInfo], name: str) -> planner.NodeProfile:
     memory, so that a model fitting it fits on any GPU of the node; the known NUMA nodes."""
     return planner.NodeProfile(name, len(found), ",".join(sorted({g.product for g in found})),
                                min((g.memory_total_bytes for g in found), default=0),
-                               tuple(sorted({g.numa_node for g in found if g.numa_node >= 0})),
-                               gpu_driver=",".join(sorted({g.driver for g in found})))
+                               tuple(sorted({g.numa_node for g in found if g.numa_node >= 0})))

@@ -49,8 +49,7 @@ class NodeProfile:
         return {f"{labels.ANNOTATION_PREFIX}gpu-count": str(self.gpu_count),
                 f"{labels.ANNOTATION_PREFIX}gpu-product": self.gpu_product,
                 f"{labels.ANNOTATION_PREFIX}gpu-memory-bytes": str(self.gpu_memory_bytes),
-                f"{labels.ANNOTATION_PREFIX}numa-nodes": ",".join(str(n) for n in self.numa_nodes),
-                f"{labels.ANNOTATION_PREFIX}gpu-driver": self.gpu_driver}
+                f"{labels.ANNOTATION_PREFIX}numa-nodes": ",".join(str(n) for n in self.numa_nodes)}
 
     @classmethod
     def from_annotations(cls, name: str, annotations: Mapping[str, str], ready: bool = True) -> NodeProfile:

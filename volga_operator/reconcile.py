@@ -22,7 +22,9 @@ Key = tuple[str, str]  # (namespace, name)
 
 # The EMI status fields the operator reads (tier counts, readiness, the planner's recency and snapshot size): a
 # record keeps only these, so what the operator holds per EMI stays small whatever the agents report.
-EMI_STATUS_FIELDS = ("tier", "conditions", "lastUsed", "snapshotBytes", "sharedSnapshot")
+EMI_STATUS_FIELDS = ("tier", "conditions", "lastUsed", "snapshotBytes")
+# ... and, where an agent reports one, the shared snapshot the instance restored from or published.
+EMI_SHARED_FIELDS = ("sharedSnapshot",)
 
 
 def resource_version(meta: Mapping[str, Any]) -> int:
@@ -73,8 +75,8 @@ class EmiRecord:
     def from_body(cls, body: Mapping[str, Any]) -> EmiRecord:
         meta: Mapping[str, Any] = body.get("metadata") or {}
         status: Mapping[str, Any] = body.get("status") or {}
-        return cls(meta.get("namespace", "default"), meta["name"], body.get("spec") or {},
-                   {k: status[k] for k in EMI_STATUS_FIELDS if k in status}, resource_version(meta))
+        kept = {k: status[k] for k in (*EMI_STATUS_FIELDS, *EMI_SHARED_FIELDS) if k in status}
+        return cls(meta.get("namespace", "default"), meta["name"], body.get("spec") or {}, kept, resource_version(meta))
 
 
 class EmiIndex(collections.UserDict[Key, EmiRecord]):
