@@ -8,6 +8,7 @@ process instead of cold-starting, and answers bit for bit like the writer.
 from __future__ import annotations
 
 import pathlib
+import shutil
 import tempfile
 
 import numpy as np
@@ -55,3 +56,4 @@ def test_a_gpu_image_published_by_one_worker_is_restored_into_a_fresh_process(
         writer.close()
         for engine in engines:
             engine.close()
+            shutil.rmtree(engine.root, ignore_errors=True)

@@ -9,7 +9,10 @@ The pool owns one `Instance` per EMI placed on this node. It:
   cold start inside `Instance.to` and is counted here;
 - every tick applies the local policy (`policy.plan_demotions`): idle instances go down a tier, budgets
   evict by LRU or hybrid; notices workers that died and restarts them; keeps the circuit breaker that
-  stops snapshotting a model whose restores keep failing.
+  stops snapshotting a model whose restores keep failing;
+- with shared snapshots (`settings.shared_snapshots`), gives its instances the shared store (a COLD instance
+  restores a compatible image another node published) and collects the store's garbage: images of versions no
+  ModelSpec it was given has, and whatever exceeds the budget.
 
 Every move of one instance happens under that instance's lock; different instances move in parallel on a
 small thread pool. Nothing here knows about gRPC or HTTP: `server.py` and `local.py` wrap it.

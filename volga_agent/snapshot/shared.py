@@ -259,7 +259,7 @@ class Store:
             folder.mkdir(parents=True)
             process.claim(folder)
             for source in entry.path.iterdir():
-                if source.name not in (MANIFEST, USED, LOG) and source.is_file():
+                if source.name not in (MANIFEST, USED, LOG) and source.is_file() and not source.is_symlink():
                     _link_or_copy(source, folder / source.name)
         except OSError as exc:
             shutil.rmtree(folder, ignore_errors=True)
