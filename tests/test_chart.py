@@ -768,3 +768,16 @@ def test_the_gateway_account_only_reads(installed: ControlPlane) -> None:
     secret = json.loads(installed.kubectl("get", "secret", "volga-gateway-token", "-n", NAMESPACE, "-o",
                                           "json").stdout)
     assert secret["type"] == "kubernetes.io/service-account-token"
+
+
+def test_a_claim_turns_shared_snapshots_on(default: Rendered, gpu: Rendered) -> None:
+    """persistentVolumeClaim mode mounts the volume's `.shared` folder beside the node's own and points
+    settings.shared_snapshots at it; hostPath mode keeps snapshots node-local."""
+    mounts = [m for m in gpu.container("agent")["volumeMounts"] if m["name"] == "snapshots"]
+    assert [m.get("subPathExpr") or m.get("subPath") for m in mounts] == ["$(NODE_NAME)", ".shared"]
+    text = gpu.get("ConfigMap", "volga-agent-settings")["data"]["settings.yaml"]
+    assert policy.Settings.from_mapping(yaml.safe_load(text)).shared_snapshots == mounts[1]["mountPath"]
+    text = default.get("ConfigMap", "volga-agent-settings")["data"]["settings.yaml"]
+    assert policy.Settings.from_mapping(yaml.safe_load(text)).shared_snapshots == ""
+    mount = next(m for m in default.container("agent")["volumeMounts"] if m["name"] == "snapshots")
+    assert mount.get("subPath") is None

@@ -12,6 +12,7 @@
     volga bench gateway --batching    batch 1 vs dynamic batching in the gateway: throughput at equal p99
     volga bench peers [--json]        Volga's gateway beside KServe's ModelServer: same model, same client
     volga bench faults [--json]       `volga up` under traffic through injected faults: wrong answers, hangs, leaks
+    volga bench shared [--json]       a node's first answer from another node's shared image beside its cold start
     volga build-model [--out DIR]     build the embedded default model and print its ModelSpec
     volga calibrate -f SPEC [--write] measure the model's p99 alone per batch size on this node; --write puts the
                                       baselines into the ModelSpec file
@@ -140,7 +141,9 @@ def settings_from(args: argparse.Namespace) -> policy.Settings:
                                    "lazy_restore": args.lazy_restore or None,
                                    "allow_model_code": args.allow_model_code or None,
                                    "max_instances": args.max_instances,
-                                   "criu_timeout_floor_sec": args.criu_timeout_sec}.items() if v is not None}
+                                   "criu_timeout_floor_sec": args.criu_timeout_sec,
+                                   "shared_snapshots": getattr(args, "shared_snapshots", None)}.items()
+                 if v is not None}
     for item in args.set or []:
         key, sep, value = item.partition("=")
         if not sep:
@@ -184,6 +187,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     options = local.Options(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                             metrics_port=args.metrics_port, agent_port=args.agent_port,
                             snapshot_root=pathlib.Path(args.snapshot_dir) if args.snapshot_dir else None,
+                            workroot=pathlib.Path(args.workdir) if args.workdir else None,
                             settings=settings, tokens=tokens)
     print(f"volga up: {len(specs)} ModelSpec(s); listening on", flush=True)
     try:
@@ -262,6 +266,23 @@ def cmd_bench_tiers(args: argparse.Namespace) -> int:
             print(f"burst: {report['burst']}")
     parts = [report] if "tiers" in report else list(report["sizes"].values())
     return 0 if all(p["outputs_match"] and not p["restore_fallbacks"] for p in parts) else 1
+
+
+def cmd_bench_shared(args: argparse.Namespace) -> int:
+    try:
+        from volga_bench import reporting, shared
+    except ImportError as exc:
+        return _no_bench("bench shared", exc)
+    report = shared.bench(args.n, pathlib.Path(args.models) if args.models else None, _progress(args.json))
+    if args.out:
+        reporting.write_json(report, pathlib.Path(args.out))
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(f"node B first answer from node A's shared image: p50 {report['node_b_first_answer_from_shared_image']}")
+        print(f"node B cold start first answer:                 p50 {report['node_b_cold_start_first_answer']}")
+        print(f"speedup p50 {report['speedup_p50']}x; outputs match: {report['outputs_match']}")
+    return 0 if report["outputs_match"] and not report["shared_restore_fallbacks"] else 1
 
 
 def cmd_bench_endtoend(args: argparse.Namespace) -> int:
@@ -460,6 +481,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", metavar="NAME=VALUE",
                    help="an agent setting (snake_case or camelCase name; docs/architecture.md), repeatable")
     p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("--shared-snapshots", metavar="DIR",
+                   help="a folder other nodes see too: restore the images they publish there instead of cold "
+                        "starts, and publish this node's (their restores need the same --workdir path)")
+    p.add_argument("--workdir", help="where the workers' sockets and logs go (default: a new folder under /tmp)")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("status", help="per model: instances, tiers, last use and wake, snapshot image sizes")
@@ -490,6 +515,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the JSON report")
     p.add_argument("--out", help="also write the JSON report to this file")
     p.set_defaults(func=cmd_bench_tiers)
+
+    p = bench.add_parser("shared", help="a node's first answer from another node's shared image vs its cold start")
+    p.add_argument("-n", type=int, default=5, help="rounds: fresh node-B processes each way")
+    p.add_argument("--models", help="where models are built")
+    p.add_argument("--json", action="store_true", help="print the JSON report")
+    p.add_argument("--out", help="also write the JSON report to this file")
+    p.set_defaults(func=cmd_bench_shared)
 
     p = bench.add_parser("endtoend", help="each tier's first answer through `volga up`'s gateway (tritonclient)")
     p.add_argument("--gpu", action="store_true", help="ResNet-50, BERT-base, GPT-2-medium on cuda:0 (random weights)")

@@ -66,6 +66,7 @@ class AgentSync:
         self._specs: dict[str, api.ModelSpecSpec] = {}  # valid ModelSpecs by namespace/name
         self._emis: dict[tuple[str, str], Any] = {}
         self._reported: dict[tuple[str, str], dict[str, Any]] = {}
+        self._shared_refs: dict[str, dict[str, Any]] = {}  # shared image digest -> its status entry
         self._stop = threading.Event()
         self.watches = [
             watch.Watch("modelspecs", self.custom.list_cluster_custom_object, self._on_specs, group=api.GROUP,
@@ -130,7 +131,10 @@ class AgentSync:
     # -- the node's profile --------------------------------------------------------------------------
 
     def _publish_profile(self) -> None:
-        body = {"metadata": {"annotations": gpus.node_profile(self.gpus, self.node).annotations()}}
+        annotations = gpus.node_profile(self.gpus, self.node).annotations()
+        # The driver, for the planner's preference for nodes that can restore a shared snapshot.
+        annotations[f"{labels.ANNOTATION_PREFIX}gpu-driver"] = ",".join(sorted({g.driver for g in self.gpus}))
+        body = {"metadata": {"annotations": annotations}}
 
         def publish() -> None:
             ratelimit.write_sync(self.bucket, lambda: self.core.patch_node(self.node, body, _request_timeout=10))
@@ -171,12 +175,28 @@ class AgentSync:
                         "lastWakeMs": round(info.last_wake_ms, 3),
                         "lastUsed": conditions.timestamp(info.last_used_unix) if info.last_used_unix else None,
                         "conditions": [ready]}
+            shared_ref = self._shared_ref(info)
+            if shared_ref is not None:
+                out[key]["sharedSnapshot"] = shared_ref
         for name, problem in self.pool.failed.items():
             key = by_instance.get(name)
             if key is not None:
                 out[key] = {"tier": Tier.COLD.value, "conditions": [
                     conditions.condition("Ready", False, "CreateFailed", problem, previous(key), now)]}
         return out
+
+    def _shared_ref(self, info: pool.InstanceInfo) -> dict[str, Any] | None:
+        """The shared image the instance restored from or published, as its status lists it (manifests read
+        once per image)."""
+        if not info.shared_snapshot:
+            return None
+        cached = self._shared_refs.get(info.shared_snapshot)
+        if cached is None:
+            entry = self.pool.shared_entry(info.shared_snapshot)
+            if entry is None:
+                return None
+            cached = self._shared_refs[info.shared_snapshot] = entry.ref().to_wire()
+        return {**cached, "role": info.shared_snapshot_role}
 
     def report_once(self) -> int:
         """Write the statuses that changed since the last report; returns how many were written."""

@@ -24,6 +24,11 @@ A restore can also succeed and bring back the wrong state (a damaged image). Wit
 instance records the model's answer to a fixed canary input before each snapshot and has the restored
 worker answer it again before any request reaches it: a different answer is a failed restore.
 
+With a shared snapshot store (`snapshot.shared`), COLD -> HOT first looks for an image another node published
+under this instance's compatibility key and restores it (checked like any restore: the pages files' checksums
+and the canary answer recorded when it was published); when none fits, or the one found fails, it cold-starts.
+The first freeze of an instance whose key has no shared image yet publishes it.
+
 Starting, watching and reaping the worker process is `process`'s; see docs/architecture.md.
 """
 
@@ -34,12 +39,13 @@ import logging
 import os
 import pathlib
 import time
+import uuid
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from volga_agent import process, warmup
-from volga_agent.snapshot import criu, cuda
+from volga_agent.snapshot import criu, cuda, shared
 from volga_agent.worker import contract, protocol
 from volga_operator import api
 
@@ -101,6 +107,7 @@ LAZY_PAGES_TIMEOUT_SEC = 120.0
 # What a failed wake raises: the restore, the driver, the restored worker or its canary answer.
 WAKE_ERRORS = (criu.CriuError, cuda.DriverCheckpointError, process.WorkerStartError, protocol.ProtocolError,
                protocol.WorkerError, CanaryMismatch, OSError)
+SHARED_ERRORS = (*WAKE_ERRORS, shared.SharedImageError)
 
 
 class Instance:
@@ -112,7 +119,7 @@ class Instance:
                  reuse_image_sec: float = 0.0, lazy_restore: bool = False, cpus: tuple[int, ...] = (),
                  warmup_cache_ratio: float | None = None, reset_rng_on_restore: bool = False,
                  verify_restores: bool = True, park_weights: bool = True,
-                 die_with_agent: bool = True) -> None:
+                 die_with_agent: bool = True, shared_store: shared.Context | None = None) -> None:
         self.name = name
         self.spec = spec
         self.workdir = pathlib.Path(workdir)
@@ -157,6 +164,12 @@ class Instance:
         self._client: protocol.WorkerClient | None = None
         self._paused = False  # the worker waits in its pause hook (after a restore into SUSPENDED)
         self._restored: criu.Restored | None = None  # the CRIU restore the running worker came from
+        self.shared = shared_store if criu_engine is not None else None
+        self.shared_restores = 0  # cold starts served by a shared image
+        self.shared_restore_failures = 0  # shared images that failed their restore or its checks
+        self.shared_publishes = 0
+        self.shared_from = ""  # the digest of the shared image the running worker came from
+        self.shared_published = ""  # the digest of the last shared image this instance published
         if not spec.source_path.exists():
             raise FileNotFoundError(f"spec.source: model file {spec.source_path} does not exist")
 
@@ -287,6 +300,67 @@ class Instance:
                 self.history.append(Transition(Tier.HOT, Tier.COLD, 0.0, time.time(), detail="worker died"))
             raise protocol.WorkerError("UNAVAILABLE", f"{self.name}: worker connection lost: {exc}") from exc
 
+    @property
+    def shared_key(self) -> shared.Key | None:
+        if self.shared is None:
+            return None
+        return self.shared.facts.key(self.spec.model_id, self.spec.version, self.spec.input_hash(),
+                                     self.spec.framework.value, self.device.startswith("cuda"))
+
+    def _cold_to_hot(self) -> str | None:
+        """Restore a compatible shared image when one exists, else (or when it fails) cold start."""
+        self.shared_from = ""
+        key = self.shared_key
+        entry = self.shared.store.find(key) if self.shared is not None and key is not None else None
+        detail = None
+        if entry is not None:
+            assert self.shared is not None
+            try:
+                self._restore_shared(entry)
+                self.shared_restores += 1
+                self.shared_from = entry.digest
+                return f"restored from shared image {entry.digest} of node {entry.manifest.node}"
+            except criu.CriuCancelled:
+                self._to_cold()
+                raise
+            except SHARED_ERRORS as exc:
+                self._keep_failure()
+                self.shared_restore_failures += 1
+                log.warning("%s: shared image %s failed, cold start instead: %s", self.name, entry.digest, exc)
+                self._to_cold()
+                self.shared.store.discard(entry.digest)  # damaged: no other node should try it
+                detail = f"shared image {entry.digest} failed ({exc}); cold start"
+        self._cold_start()
+        return detail
+
+    def _restore_shared(self, entry: shared.Entry) -> None:
+        assert self.shared is not None and self.criu is not None
+        self.image = self.shared.store.fetch(entry, self.criu.root / self.name / f"shared-{uuid.uuid4().hex[:8]}")
+        self.shared.store.place_log(entry, self.logfile)
+        self.signals.mkdir(parents=True, exist_ok=True)
+        generation = entry.manifest.generation
+        self._canary = (generation, entry.manifest.canary)
+        self._snapshot_generation = self._image_generation = generation
+        self._image_taken = time.monotonic()
+        self._frozen_to_hot(lazy=False)
+
+    def _publish(self, generation: int) -> None:
+        """Publish the image just dumped when the store has none of this key (never one that maps parked
+        weights, nor one without a canary answer of its state)."""
+        key = self.shared_key
+        if (self.shared is None or key is None or self.image is None or self._parked is not None
+                or self._canary is None or self._canary[0] != generation or self.shared.store.find(key)):
+            return
+        try:
+            entry = self.shared.store.publish(self.image, key, self.shared.node, self._canary[1], generation,
+                                              self.logfile)
+        except (OSError, shared.SharedImageError) as exc:
+            log.warning("%s: cannot publish the shared image: %s", self.name, exc)
+            return
+        if entry is not None:
+            self.shared_publishes += 1
+            self.shared_published = entry.digest
+
     def _cold_start(self) -> None:
         pid = process.spawn(self.name, self.config, self.workdir, self.logfile, self.pid_namespace,
                             self.die_with_agent)
@@ -416,6 +490,7 @@ class Instance:
         self._paused = False
         if old is not None:
             self.criu.remove(old)
+        self._publish(generation)
 
     def _generation(self) -> int:
         return -1 if self._paused else int(self.client().call("ping").header.get("generation", 0))
@@ -538,7 +613,7 @@ class Move:
 # The tier machine: every legal move and the method that makes it (the module docstring draws it). A move's
 # method returns a detail to record, or None.
 MOVES: dict[tuple[Tier, Tier], Move] = {
-    (Tier.COLD, Tier.HOT): Move(Instance._cold_start),
+    (Tier.COLD, Tier.HOT): Move(Instance._cold_to_hot),
     (Tier.HOT, Tier.WARM): Move(Instance._hot_to_warm),
     (Tier.HOT, Tier.SUSPENDED): Move(Instance._hot_to_suspended),
     (Tier.HOT, Tier.FROZEN): Move(Instance._hot_to_frozen),

@@ -67,6 +67,16 @@ class AgentMetrics:
         self.decision_latency = prom.Histogram(
             "volga_autonomy_decision_latency_us", "Time to decide one window, in microseconds",
             buckets=(5, 10, 20, 50, 100, 200, 500, 1000, 5000), registry=r)
+        # Shared snapshot storage (volga_agent/snapshot/shared.py).
+        self.shared_restores = prom.Counter(
+            "volga_snapshot_shared_restores", "Cold starts served by restoring a shared image another node published",
+            ["model"], registry=r)
+        self.shared_restore_failures = prom.Counter(
+            "volga_snapshot_shared_restore_failures", "Shared images that failed their restore or its checks (a "
+            "cold start instead)", ["model"], registry=r)
+        self.shared_publishes = prom.Counter(
+            "volga_snapshot_shared_publishes", "Images this node published to the shared storage", ["model"],
+            registry=r)
 
 
 class GatewayMetrics:

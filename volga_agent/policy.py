@@ -133,6 +133,14 @@ class Settings(pydantic.BaseModel):
     # A dump records a CRC-32 of each pages file and a restore checks them first: damage the canary input does not
     # read (and a truncated file) fails the restore at once instead of answering wrongly (or hanging criu).
     verify_image_checksums: bool = True
+    # A folder every node mounts (the chart's persistentVolumeClaim mode): a node restores a compatible image
+    # another published there instead of cold-starting, and publishes its own first freeze (snapshot/shared.py).
+    # "" keeps snapshots node-local.
+    shared_snapshots: str = ""
+    # Bytes the shared images may take (the least recently used go first); 0: no budget.
+    shared_snapshot_budget_bytes: Bytes = 0
+    # How long a shared image of a version no ModelSpec has any more stays before it is removed.
+    shared_snapshot_grace_sec: NonNegative = 600.0
 
     @pydantic.model_validator(mode="before")
     @classmethod

@@ -10,7 +10,10 @@ The pool owns one `Instance` per EMI placed on this node. It:
   wakes of the chain's other models below HOT on the executor, beside this one, without waiting for them;
 - every tick applies the local policy (`policy.plan_demotions`): idle instances go down a tier, budgets
   evict by LRU or hybrid; notices workers that died and restarts them; keeps the circuit breaker that
-  stops snapshotting a model whose restores keep failing.
+  stops snapshotting a model whose restores keep failing;
+- with shared snapshots (`settings.shared_snapshots`), gives its instances the shared store (a COLD instance
+  restores a compatible image another node published) and collects the store's garbage: images of versions no
+  ModelSpec it was given has, and whatever exceeds the budget.
 
 Every move of one instance happens under that instance's lock; different instances move in parallel on a
 small thread pool. Nothing here knows about gRPC or HTTP: `server.py` and `local.py` wrap it.
@@ -30,7 +33,7 @@ from collections.abc import Mapping, Sequence
 
 from volga_agent import admission, chains, errors, instance, metrics, policy, process
 from volga_agent import gpus as gpu_discovery
-from volga_agent.snapshot import criu, cuda
+from volga_agent.snapshot import criu, cuda, shared
 from volga_agent.worker import protocol
 from volga_operator import api, planner
 
@@ -38,6 +41,7 @@ Tier = api.Tier
 log = logging.getLogger(__name__)
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
+SHARED_COLLECT_SEC = 60.0  # how often a tick collects the shared images' garbage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +59,8 @@ class InstanceInfo:
     input_hash: str
     state_reason: str
     target_tier: Tier
+    shared_snapshot: str = ""  # the shared image the worker was restored from, or the last one it published
+    shared_snapshot_role: str = ""  # "restored" or "published"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +119,13 @@ class Pool:
                                             checksums=self.settings.verify_image_checksums)
             except criu.CriuError as exc:
                 log.warning("FROZEN tier unavailable: %s", exc)
+        self.shared: shared.Context | None = None
+        if self.settings.shared_snapshots and self.criu is not None:
+            self.shared = shared.Context(shared.Store(self.settings.shared_snapshots), node, shared.NodeFacts(
+                self.criu.version(), self.gpus[0].product if self.gpus else "",
+                self.gpus[0].driver if self.gpus else ""))
+        self._collected = float("-inf")
+        self._specs: dict[tuple[str, str], str] = {}  # (model id, version) of every ModelSpec seen -> name
         self.driver: cuda.DriverCheckpoint | None = None
         if self.gpus:
             try:
@@ -140,6 +153,7 @@ class Pool:
         """Make this node's instances match the plan: create, retarget, remove; moves run in background."""
         mine = {d.name: d for d in desired if d.node == self.node}
         self.chains = chains.Chains.of(specs.values())
+        self._specs = {(spec.model_id, spec.version): name for name, spec in specs.items()}
         with self._slots_lock:
             stale = [name for name, slot in self.slots.items()
                      if name not in mine or slot.inst.spec != specs[mine[name].model_spec]]
@@ -166,7 +180,8 @@ class Pool:
                                              cpus=self._cpus(spec, want.gpu_index),
                                              warmup_cache_ratio=self.settings.warmup_cache_ratio,
                                              reset_rng_on_restore=self.settings.reset_rng_on_restore,
-                                             verify_restores=self.settings.verify_restores)
+                                             verify_restores=self.settings.verify_restores,
+                                             shared_store=self.shared)
                 except (OSError, ValueError) as exc:
                     self.failed[name] = f"{type(exc).__name__}: {exc}"
                     self._failed_specs[name] = spec
@@ -246,9 +261,11 @@ class Pool:
         model = inst.spec.model_id
         source = inst.tier
         lazy_failures = inst.lazy_restore_failures
+        shared_counts = inst.shared_restores, inst.shared_restore_failures, inst.shared_publishes
         transition = inst.to(target)
         if inst.lazy_restore_failures > lazy_failures:
             self.metrics.lazy_restore_failures.labels(model).inc()
+        self._count_shared(inst, *shared_counts)
         ms = transition.seconds * 1e3
         self.metrics.transition_latency.labels(source.value, transition.target.value, model).observe(ms)
         if transition.target == Tier.HOT and source in (Tier.WARM, Tier.SUSPENDED, Tier.FROZEN):
@@ -260,6 +277,26 @@ class Pool:
                 self.metrics.restore_latency.labels(source.value, model).observe(ms)
                 self.breaker.record_success(model)
         return transition
+
+    def _count_shared(self, inst: instance.Instance, restores: int, failures: int, publishes: int) -> None:
+        self.metrics.shared_restores.labels(inst.spec.model_id).inc(inst.shared_restores - restores)
+        self.metrics.shared_restore_failures.labels(inst.spec.model_id).inc(inst.shared_restore_failures - failures)
+        self.metrics.shared_publishes.labels(inst.spec.model_id).inc(inst.shared_publishes - publishes)
+
+    def collect_shared(self, now: float | None = None) -> list[str]:
+        """Remove shared images of versions no ModelSpec has (after the grace period) and keep the store within
+        its budget; only once this pool has been told the ModelSpecs."""
+        if self.shared is None or not self._specs:
+            return []
+        s = self.settings
+        return self.shared.store.collect(self._specs, {model for model, _ in self._specs},
+                                         s.shared_snapshot_grace_sec, s.shared_snapshot_budget_bytes, now)
+
+    def shared_images(self) -> list[shared.Entry]:
+        return self.shared.store.entries() if self.shared is not None else []
+
+    def shared_entry(self, digest: str) -> shared.Entry | None:
+        return self.shared.store.entry(digest) if self.shared is not None and digest else None
 
     # -- the request path ----------------------------------------------------------------------------
 
@@ -357,7 +394,8 @@ class Pool:
             device=inst.device, socket=inst.config.socket, node=self.node,
             snapshot_bytes=inst.image.size_bytes if inst.image else 0, last_used_unix=slot.last_used_unix,
             last_wake_ms=slot.last_wake_ms, input_hash=inst.spec.input_hash(), state_reason=slot.reason,
-            target_tier=slot.target)
+            target_tier=slot.target, shared_snapshot=inst.shared_from or inst.shared_published,
+            shared_snapshot_role="restored" if inst.shared_from else "published" if inst.shared_published else "")
 
     def instances(self, model_id: str = "", include_failed: bool = False) -> list[InstanceInfo]:
         """Every instance (of one model); with `include_failed`, also those that could not be created, as COLD
@@ -410,6 +448,9 @@ class Pool:
         for move in moves:
             self._executor.submit(self._demote, move)
         self._publish(now)
+        if self.shared is not None and now - self._collected >= SHARED_COLLECT_SEC:
+            self._collected = now
+            self._executor.submit(self.collect_shared)
         return moves
 
     def _observe(self, slot: Slot) -> None:

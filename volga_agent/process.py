@@ -10,7 +10,9 @@ leave (a worker paused for a dump, a half-restored tree, criu itself, temporary 
 proven to be an agent's by its `Owner`: every process the agent starts carries the owner's token in its
 environment (`OWNER_ENV`), every folder it makes holds it in a marker file (`OWNER_FILE`). The token names
 the boot, the PID namespace, the PID and the PID's start time, so a later agent can tell that its owner is
-dead, and never mistakes a reused PID for it. `kill_orphans` and `remove_abandoned` then clean up.
+dead, and never mistakes a reused PID for it. `kill_orphans` and `remove_abandoned` then clean up. A worker
+restored from an image another agent wrote (shared snapshots) carries that agent's token: the marker of its work
+folder, its cwd, names the live agent that adopted it.
 """
 
 from __future__ import annotations
@@ -152,9 +154,19 @@ def orphans() -> list[int]:
         if not entry.name.isdigit() or int(entry.name) == me_pid:
             continue
         owner = _owner_of(int(entry.name))
-        if owner is not None and owner.gone():
+        if owner is not None and owner.gone() and not _adopted(int(entry.name)):
             found.append(int(entry.name))
     return sorted(found)
+
+
+def _adopted(pid: int) -> bool:
+    """A worker restored from an image another agent wrote (a shared snapshot) keeps that agent's token in its
+    environment; its work folder (its cwd) names the live agent that restored it."""
+    try:
+        owner = Owner.parse((pathlib.Path(f"/proc/{pid}/cwd") / OWNER_FILE).read_text())
+    except OSError:
+        return False
+    return owner is not None and not owner.gone()
 
 
 def kill_orphans() -> list[int]:

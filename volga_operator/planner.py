@@ -33,6 +33,7 @@ Tier = api.Tier
 TIER_ORDER = (Tier.HOT, Tier.WARM, Tier.SUSPENDED, Tier.FROZEN)
 
 SCORE_PROFILE, SCORE_RECENCY, SCORE_SNAPSHOT, SCORE_LOAD = 100, 30, 10, 5
+SCORE_SHARED_IMAGE = 3  # the node can restore a published shared snapshot instead of cold-starting
 RECENT_SECONDS = 600.0
 
 
@@ -46,6 +47,7 @@ class NodeProfile:
     gpu_memory_bytes: int = 0
     numa_nodes: tuple[int, ...] = ()
     ready: bool = True
+    gpu_driver: str = ""
 
     def annotations(self) -> dict[str, str]:
         return {f"{labels.ANNOTATION_PREFIX}gpu-count": str(self.gpu_count),
@@ -65,7 +67,8 @@ class NodeProfile:
                 return 0
 
         numa = tuple(int(n) for n in get("numa-nodes").split(",") if n.strip().lstrip("-").isdigit())
-        return cls(name, integer("gpu-count"), get("gpu-product"), integer("gpu-memory-bytes"), numa, ready)
+        return cls(name, integer("gpu-count"), get("gpu-product"), integer("gpu-memory-bytes"), numa, ready,
+                   get("gpu-driver"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +80,21 @@ class Observed:
     node: str
     last_used_age_s: float | None = None  # seconds since its last request, None if never used
     snapshot_bytes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedImage:
+    """A published shared snapshot of a ModelSpec: the GPU product and driver it needs ("" for a CPU image)."""
+
+    gpu_product: str = ""
+    gpu_driver: str = ""
+
+
+def restorable(node: NodeProfile, images: Sequence[SharedImage]) -> bool:
+    """Whether the node can restore one of the images (a CPU image anywhere; a GPU one with its product and,
+    where both are known, its driver)."""
+    return any(not i.gpu_product or (i.gpu_product.lower() == node.gpu_product.lower() and (
+        not i.gpu_driver or not node.gpu_driver or i.gpu_driver == node.gpu_driver)) for i in images)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +137,7 @@ def eligible(spec: api.ModelSpecSpec, node: NodeProfile) -> str | None:
 
 
 def score(spec: api.ModelSpecSpec, node: NodeProfile, load: int, max_load: int, mine: Sequence[Observed],
-          smallest_snapshot: int) -> float:
+          smallest_snapshot: int, can_restore: bool = False) -> float:
     """Placement score of one node for one ModelSpec; `mine` are that spec's existing EMIs on the node."""
     hw = spec.hardware
     total = 0.0
@@ -135,7 +153,7 @@ def score(spec: api.ModelSpecSpec, node: NodeProfile, load: int, max_load: int, 
     if sizes and smallest_snapshot > 0:
         total += SCORE_SNAPSHOT * smallest_snapshot / min(sizes)
     total += SCORE_LOAD * (1 - load / max_load) if max_load > 0 else SCORE_LOAD
-    return total
+    return total + (SCORE_SHARED_IMAGE if can_restore else 0)
 
 
 def _slots(pool: api.Pool) -> list[Tier]:
@@ -163,7 +181,7 @@ def chains(specs: Mapping[str, api.ModelSpecSpec]) -> dict[str, tuple[str, ...]]
 
 
 def plan(specs: Mapping[str, api.ModelSpecSpec], nodes: Iterable[NodeProfile],
-         observed: Sequence[Observed] = ()) -> Plan:
+         observed: Sequence[Observed] = (), shared: Mapping[str, Sequence[SharedImage]] | None = None) -> Plan:
     """Desired EMIs for the given ModelSpecs (keyed by name), deterministic for equal inputs.
 
     `observed` may hold EMIs of other ModelSpecs too: they count into node load, so planning a few specs at a
@@ -206,7 +224,8 @@ def plan(specs: Mapping[str, api.ModelSpecSpec], nodes: Iterable[NodeProfile],
             else:
                 max_load = max(load.values(), default=0) + 1
                 node = min(candidates, key=lambda n: (
-                    -score(spec, n, load[n.name], max_load, by_spec_node.get((spec_name, n.name), ()), smallest),
+                    -score(spec, n, load[n.name], max_load, by_spec_node.get((spec_name, n.name), ()), smallest,
+                           restorable(n, (shared or {}).get(spec_name, ()))),
                     load[n.name], n.name))
             # Spread a node's GPU instances over its GPUs.
             gpu_index = load[node.name] % max(node.gpu_count, 1) if spec.hardware.gpu else None

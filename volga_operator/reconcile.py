@@ -23,6 +23,8 @@ Key = tuple[str, str]  # (namespace, name)
 # The EMI status fields the operator reads (tier counts, readiness, the planner's recency and snapshot size): a
 # record keeps only these, so what the operator holds per EMI stays small whatever the agents report.
 EMI_STATUS_FIELDS = ("tier", "conditions", "lastUsed", "snapshotBytes")
+# ... and, where an agent reports one, the shared snapshot the instance restored from or published.
+EMI_SHARED_FIELDS = ("sharedSnapshot",)
 
 
 def resource_version(meta: Mapping[str, Any]) -> int:
@@ -73,8 +75,8 @@ class EmiRecord:
     def from_body(cls, body: Mapping[str, Any]) -> EmiRecord:
         meta: Mapping[str, Any] = body.get("metadata") or {}
         status: Mapping[str, Any] = body.get("status") or {}
-        return cls(meta.get("namespace", "default"), meta["name"], body.get("spec") or {},
-                   {k: status[k] for k in EMI_STATUS_FIELDS if k in status}, resource_version(meta))
+        kept = {k: status[k] for k in (*EMI_STATUS_FIELDS, *EMI_SHARED_FIELDS) if k in status}
+        return cls(meta.get("namespace", "default"), meta["name"], body.get("spec") or {}, kept, resource_version(meta))
 
 
 class EmiIndex(collections.UserDict[Key, EmiRecord]):
@@ -243,7 +245,7 @@ def place(state: State, specs: Mapping[str, api.ModelSpecSpec], now: str) -> pla
     desired = [d for plans in kept_plans.values() for d in plans]
     if not rest:
         return planner.Plan(tuple(desired), {})
-    result = planner.plan(rest, state.nodes.values(), _observed_for(state, rest, now))
+    result = planner.plan(rest, state.nodes.values(), _observed_for(state, rest, now), shared_images(state, rest))
     return planner.Plan((*desired, *result.desired), result.unplaced)
 
 
@@ -330,6 +332,28 @@ def _keep_gpu(current: Mapping[str, Any], wanted: dict[str, Any], node: planner.
     return {**wanted, "gpu": dict(gpu)}
 
 
+def shared_snapshots(emis: Iterable[EmiRecord]) -> list[dict[str, Any]]:
+    """The shared images a ModelSpec's EMIs report (restored from or published), once each, by key."""
+    refs: dict[str, dict[str, Any]] = {}
+    for emi in emis:
+        ref = emi.status.get("sharedSnapshot")
+        if isinstance(ref, dict) and ref.get("key"):
+            refs.setdefault(str(ref["key"]), {k: v for k, v in ref.items() if k != "role"})
+    return [refs[key] for key in sorted(refs)][:64]
+
+
+def shared_images(state: State, specs: Iterable[str]) -> dict[str, list[planner.SharedImage]]:
+    """Per ModelSpec (namespace/name), the GPU product and driver of the shared images its EMIs report."""
+    out: dict[str, list[planner.SharedImage]] = {}
+    for plan_key in specs:
+        ns, name = plan_key.split("/", 1)
+        refs = shared_snapshots(state.emis.owned((ns, name)))
+        if refs:
+            out[plan_key] = [planner.SharedImage(str(r.get("gpuProduct", "")), str(r.get("gpuDriver", "")))
+                             for r in refs]
+    return out
+
+
 def tier_counts(emis: Iterable[EmiRecord]) -> dict[str, int]:
     counts = {t.value: 0 for t in api.Tier}
     for emi in emis:
@@ -356,6 +380,7 @@ def _status(record: SpecRecord, emis: list[EmiRecord], spec: api.ModelSpecSpec, 
         "inputHash": spec.input_hash(),
         "instances": len(emis),
         "tiers": tier_counts(emis),
+        **({"sharedSnapshots": refs} if (refs := shared_snapshots(emis)) else {}),
         "conditions": [
             ready_cond,
             conditions.condition("Valid", True, "Valid", "", previous, now),

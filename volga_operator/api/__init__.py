@@ -1077,6 +1077,21 @@ class Calibration(Model):
         return {str(b.batch_size): b.p99_ms for b in self.batches}
 
 
+class SharedSnapshotRef(Model):
+    """A CRIU image on the nodes' shared snapshot storage, which any node of its GPU product and driver restores
+    instead of cold-starting."""
+
+    key: str = pydantic.Field(description="digest of the image's compatibility key (model, version, input hash, "
+                                          "runtimes, CRIU, GPU, CPU features, kernel)")
+    node: str = pydantic.Field(description="the node that published it")
+    size_bytes: int = pydantic.Field(ge=0, description="size of the image, in bytes")
+    published_at: str = pydantic.Field(description="when it was published, RFC 3339 in UTC")
+    gpu_product: str = pydantic.Field(default="", description="the GPU product it needs; empty for a CPU image")
+    gpu_driver: str = pydantic.Field(default="", description="the GPU driver version it was written with")
+    role: str | None = pydantic.Field(default=None, description="in an EMI status: restored (the instance came "
+                                                                "from it) or published (the instance wrote it)")
+
+
 class ModelSpecStatus(Model):
     """What the operator last made of a ModelSpec."""
 
@@ -1092,6 +1107,9 @@ class ModelSpecStatus(Model):
         default=None, max_length=64,
         description="baselines measured per device (GPU product, or cpu), with the node profile",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["device"]})
+    shared_snapshots: list[SharedSnapshotRef] | None = pydantic.Field(
+        default=None, max_length=64, description="the images of this model on the shared snapshot storage that "
+                                                 "its instances report (restored from or published)")
 
 
 class EmiStatus(Model):
@@ -1110,3 +1128,5 @@ class EmiStatus(Model):
         default=None, description="the metadata.generation this status was written for")
     gateway: str | None = pydantic.Field(default=None, description="gRPC address of the gateway on the instance's "
                                                                    "node")
+    shared_snapshot: SharedSnapshotRef | None = pydantic.Field(
+        default=None, description="the shared image the instance was restored from, or the last one it published")

@@ -1,0 +1,224 @@
+"""Shared snapshot storage: two nodes (each a process with its own pool and work folder, mounted on one common
+path in its own mount namespace) share one snapshot folder; images are published once, restored elsewhere,
+verified, collected and listed."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import pathlib
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from volga_agent import cli, policy, process
+from volga_agent.snapshot import criu, shared
+from volga_bench import shared as shared_bench
+from volga_operator import api, planner, reconcile
+
+pytestmark = pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare(1) for the two nodes")
+
+
+@pytest.fixture(scope="module")
+def two_nodes() -> Iterator[tuple[pathlib.Path, dict[str, object]]]:
+    """Node A has cold-started, answered, frozen and published; yields the run folder and A's report."""
+    base = pathlib.Path(tempfile.mkdtemp(prefix="vss-", dir="/tmp"))
+    a = shared_bench.run_node("node-a", base / "a", base / "node", base / "shared", "first,freeze")
+    yield base, a
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def first(report: dict[str, object]) -> dict[str, object]:
+    steps = report["steps"]
+    assert isinstance(steps, list)
+    step: dict[str, object] = steps[0]
+    return step
+
+
+def test_node_a_publishes_after_its_first_freeze(two_nodes: tuple[pathlib.Path, dict[str, object]]) -> None:
+    base, a = two_nodes
+    assert first(a)["woke_from"] == "COLD" and first(a)["detail"] == ""  # nothing to restore yet: a cold start
+    assert a["shared"] == {"restores": 0.0, "restore_failures": 0.0, "publishes": 1.0}
+    entries = shared.Store(base / "shared").entries()
+    assert len(entries) == 1 and entries[0].manifest.node == "node-a" and entries[0].manifest.canary
+    assert a["steps"][1]["shared_snapshot"] == entries[0].digest  # type: ignore[index]
+    assert a["steps"][1]["shared_snapshot_role"] == "published"  # type: ignore[index]
+
+
+def test_node_b_answers_its_first_request_from_node_a_image(
+        two_nodes: tuple[pathlib.Path, dict[str, object]]) -> None:
+    base, a = two_nodes
+    b = shared_bench.run_node("node-b", base / "b", base / "node", base / "shared", "first")
+    digest = shared.Store(base / "shared").entries()[0].digest
+    assert first(b)["detail"] == f"restored from shared image {digest} of node node-a"
+    assert first(b)["shared_snapshot_role"] == "restored" and not first(b)["fallback"]
+    assert first(b)["outputs"] == first(a)["outputs"]
+    assert b["shared"] == {"restores": 1.0, "restore_failures": 0.0, "publishes": 0.0}
+
+
+def test_an_incompatible_key_cold_starts_and_publishes_its_own(
+        two_nodes: tuple[pathlib.Path, dict[str, object]], tmp_path: pathlib.Path) -> None:
+    base, a = two_nodes
+    folder = tmp_path / "shared"
+    shutil.copytree(base / "shared", folder)
+    b = shared_bench.run_node("node-b", base / "b-v2", base / "node", folder, "first,freeze", version="2")
+    assert first(b)["detail"] == "" and first(b)["shared_snapshot_role"] == ""  # a cold start
+    assert first(b)["outputs"] == first(a)["outputs"]
+    assert b["shared"] == {"restores": 0.0, "restore_failures": 0.0, "publishes": 1.0}
+    assert sorted(str(e.version) for e in shared.Store(folder).entries()) == ["1", "2"]
+
+
+def test_a_damaged_shared_image_fails_verification_and_node_b_cold_starts(
+        two_nodes: tuple[pathlib.Path, dict[str, object]], tmp_path: pathlib.Path) -> None:
+    base, a = two_nodes
+    folder = tmp_path / "shared"
+    shutil.copytree(base / "shared", folder)
+    entry = shared.Store(folder).entries()[0]
+    pages = max(entry.path.glob("pages-*.img"), key=lambda p: p.stat().st_size)
+    with open(pages, "r+b") as f:  # bytes flipped in the middle of the largest pages file
+        f.seek(pages.stat().st_size // 2)
+        chunk = f.read(4096)
+        f.seek(pages.stat().st_size // 2)
+        f.write(bytes(b ^ 0xFF for b in chunk))
+    b = shared_bench.run_node("node-b", base / "b-bad", base / "node", folder, "first")
+    assert f"shared image {entry.digest} failed" in str(first(b)["detail"])
+    assert "damaged" in str(first(b)["detail"])
+    assert first(b)["outputs"] == first(a)["outputs"]  # answered by a cold start
+    assert b["shared"] == {"restores": 0.0, "restore_failures": 1.0, "publishes": 0.0}
+    assert shared.Store(folder).entry(entry.digest) is None  # removed: no other node tries it
+
+
+# -- the store, without workers ---------------------------------------------------------------------
+
+
+def fake_image(folder: pathlib.Path, fill: bytes, size: int = 1 << 20) -> criu.Image:
+    folder.mkdir(parents=True)
+    (folder / "pages-1.img").write_bytes(fill * size)
+    (folder / "core-1.img").write_bytes(fill * 64)
+    (folder / "restore.log").write_text("local only")
+    sums = concurrent.futures.Future[tuple[tuple[str, int], ...]]()
+    sums.set_result(criu._checksums(folder))
+    return criu.Image(folder, folder.name, size + 64, 0.1, sums)
+
+
+def key(version: str = "1", input_hash: str = "abc", model: str = "m") -> shared.Key:
+    return shared.NodeFacts("criu 4.1").key(model, version, input_hash, "onnx", gpu=False)
+
+
+def test_two_publishers_at_once_leave_exactly_one_complete_image(tmp_path: pathlib.Path) -> None:
+    for round_ in range(5):
+        store = shared.Store(tmp_path / f"shared-{round_}")
+        log = tmp_path / f"worker-{round_}.log"
+        log.write_text("started\n")
+        images = {node: fake_image(tmp_path / f"{node}-{round_}", fill) for node, fill in (("a", b"A"), ("b", b"B"))}
+        barrier = threading.Barrier(2)
+
+        def publish(node: str, store: shared.Store = store, images: dict[str, criu.Image] = images,
+                    log: pathlib.Path = log, barrier: threading.Barrier = barrier) -> shared.Entry | None:
+            barrier.wait()
+            return store.publish(images[node], key(), node, "canary", 3, log)
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            results = list(pool.map(publish, ["a", "b"]))
+        winners = [r for r in results if r is not None]
+        assert len(winners) == 1
+        entries = store.entries()
+        assert [e.digest for e in entries] == [key().digest]
+        assert sorted(p.name for p in store.root.iterdir()) == [key().digest]  # the loser's copy is gone
+        fill = winners[0].manifest.node.upper().encode()
+        assert (entries[0].path / "pages-1.img").read_bytes() == fill * (1 << 20)  # whole, and the winner's
+        assert not (entries[0].path / "restore.log").exists()
+        assert [tuple(c) for c in entries[0].manifest.checksums] == list(criu._checksums(entries[0].path))
+
+
+def test_keys_differ_in_everything_a_restore_depends_on() -> None:
+    base = key()
+    assert key(input_hash="other").digest != base.digest
+    assert key(version="2").digest != base.digest
+    assert shared.NodeFacts("criu 4.2").key("m", "1", "abc", "onnx", False).digest != base.digest
+    assert shared.NodeFacts("criu 4.1", cpu_flags="sse4_2").key("m", "1", "abc", "onnx", False).digest != \
+        shared.NodeFacts("criu 4.1", cpu_flags="sse4_2,avx2").key("m", "1", "abc", "onnx", False).digest
+    gpu = shared.NodeFacts("criu 4.1", "NVIDIA H200", "580.65")
+    assert gpu.key("m", "1", "abc", "onnx", True).digest != \
+        shared.NodeFacts("criu 4.1", "NVIDIA H200", "575.1").key("m", "1", "abc", "onnx", True).digest
+    assert gpu.key("m", "1", "abc", "onnx", False).digest == base.digest  # a CPU worker ignores the GPU
+    assert shared.cpu_flags("processor: 0\nflags\t\t: fpu sse4_2 avx2 avx512f ht\n") == "sse4_2,avx2,avx512f"
+
+
+def test_collect_removes_gone_versions_after_the_grace_and_keeps_the_budget(tmp_path: pathlib.Path) -> None:
+    store = shared.Store(tmp_path / "shared")
+    log = tmp_path / "worker.log"
+    log.write_text("x")
+    for i, (model, version) in enumerate([("m", "1"), ("m", "2"), ("other", "1"), ("n", "1")]):
+        store.publish(fake_image(tmp_path / f"i{i}", b"x"), key(version, model=model), "a", "c", 1, log)
+    digests = {(m, v): key(v, model=m).digest for m, v in [("m", "1"), ("m", "2"), ("other", "1"), ("n", "1")]}
+    live, served = [("m", "2"), ("n", "1")], ["m", "n"]
+    assert store.collect(live, served, grace_sec=60, budget_bytes=0, now=1000.0) == []  # within the grace
+    assert store.collect(live, served, grace_sec=60, budget_bytes=0, now=1061.0) == [digests[("m", "1")]]
+    # A model this node does not serve is not its to judge; the budget removes the least recently used.
+    assert store.entry(digests[("other", "1")]) is not None
+    os.utime(store.root / digests[("n", "1")] / shared.USED, (10, 10))
+    size = store.entries()[0].manifest.size_bytes
+    assert store.collect(live, served, grace_sec=60, budget_bytes=2 * size, now=1062.0) == [digests[("n", "1")]]
+    assert len(store.entries()) == 2
+
+
+def test_settings_make_shared_storage_opt_in() -> None:
+    assert policy.Settings().shared_snapshots == ""
+    assert policy.Settings.from_mapping({"sharedSnapshots": "/mnt/shared"}).shared_snapshots == "/mnt/shared"
+    with pytest.raises(ValueError, match="shared_snapshot_budget_bytes"):
+        policy.Settings.from_mapping({"shared_snapshot_budget_bytes": -1})
+
+
+# -- the operator ---------------------------------------------------------------------------------
+
+
+def test_the_planner_prefers_nodes_that_can_restore_a_published_image(default_spec: api.ModelSpecSpec) -> None:
+    gpu_spec = default_spec.model_copy(update={"hardware": default_spec.hardware.model_copy(update={"gpu": True})})
+    same = planner.NodeProfile("b-same", 1, "NVIDIA H200", 2**37, gpu_driver="580.65")
+    other = planner.NodeProfile("a-other-driver", 1, "NVIDIA H200", 2**37, gpu_driver="575.1")
+    image = planner.SharedImage("NVIDIA H200", "580.65")
+    assert planner.restorable(same, [image]) and not planner.restorable(other, [image])
+    assert planner.restorable(other, [planner.SharedImage()])  # a CPU image restores anywhere
+    bonus = planner.score(gpu_spec, same, 0, 1, (), 0, True) - planner.score(gpu_spec, same, 0, 1, (), 0)
+    assert bonus == planner.SCORE_SHARED_IMAGE < planner.SCORE_LOAD  # small: load still wins over it
+    # Equal nodes: without images the name breaks the tie (a-...), with one the node that can restore wins.
+    assert planner.plan({"s": gpu_spec}, [same, other]).desired[0].node == "a-other-driver"
+    assert planner.plan({"s": gpu_spec}, [same, other], shared={"s": [image]}).desired[0].node == "b-same"
+
+
+def test_model_spec_status_lists_the_shared_images_its_instances_report() -> None:
+    ref = {"key": "k1", "node": "node-a", "sizeBytes": 100, "publishedAt": "2026-01-01T00:00:00Z",
+           "gpuProduct": "", "gpuDriver": ""}
+    emis = [reconcile.EmiRecord("ns", "s-0", {"node": "node-a"}, {"sharedSnapshot": {**ref, "role": "published"}}),
+            reconcile.EmiRecord("ns", "s-1", {"node": "node-b"}, {"sharedSnapshot": {**ref, "role": "restored"}}),
+            reconcile.EmiRecord("ns", "s-2", {"node": "node-c"}, {"tier": "COLD"})]
+    listed = reconcile.shared_snapshots(emis)
+    assert listed == [ref]
+    api.ModelSpecStatus.model_validate({"sharedSnapshots": listed})  # the CRD's schema accepts it
+    api.EmiStatus.model_validate({"sharedSnapshot": {**ref, "role": "restored"}})
+
+
+@pytest.mark.parametrize("folder_owner", ["live", "dead"])
+def test_a_restored_worker_with_another_agents_token_is_an_orphan_only_once_its_adopter_is_gone(
+        folder_owner: str, tmp_path: pathlib.Path) -> None:
+    """The token in a worker restored from node A's image names A (gone); its work folder names the agent that
+    restored it."""
+    dead = process.Owner("another-boot", "pid:[1]", 1, 1).token
+    (tmp_path / process.OWNER_FILE).write_text(process.me().token if folder_owner == "live" else dead)
+    worker = subprocess.Popen(["sleep", "60"], cwd=tmp_path, env={**os.environ, process.OWNER_ENV: dead})
+    try:
+        assert (worker.pid in process.orphans()) == (folder_owner == "dead")
+    finally:
+        worker.kill()
+        worker.wait()
+
+
+def test_volga_up_takes_a_shared_snapshot_folder() -> None:
+    args = cli.build_parser().parse_args(["up", "--shared-snapshots", "/mnt/shared", "--workdir", "/run/volga"])
+    assert cli.settings_from(args).shared_snapshots == "/mnt/shared" and args.workdir == "/run/volga"
+    assert cli.settings_from(cli.build_parser().parse_args(["up"])).shared_snapshots == ""

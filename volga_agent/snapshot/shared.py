@@ -1,0 +1,331 @@
+"""Shared snapshot storage: CRIU images one node writes and every compatible node may restore.
+
+Without it each node cold-starts every model itself and freezes its own copy. With a shared root (a folder on a
+volume every node mounts: the chart's persistentVolumeClaim mode), the first node to freeze a model publishes
+its image there under a compatibility `Key`, and a node whose instance is COLD restores a published image whose
+key equals its own instead of cold-starting (`instance`).
+
+- The key names everything a restore depends on: the model (id, version, input hash), the framework and its
+  runtime version, Python, CRIU, the GPU product and driver, the CPU flags numpy and onnxruntime dispatch on,
+  and the kernel's major version. An image is found by the key's digest, so an incompatible one is never seen.
+- A restored process finds its files at the paths it had: every node runs its agent with the same work root
+  path (the pod's own mounts), and the worker's log, which CRIU reopens at its dumped size, travels with the
+  image.
+- Publishing is atomic: the image is written into a temporary folder on the shared filesystem and renamed onto
+  its digest; a rename onto an existing image fails, so when two nodes publish at once one wins and the other
+  discards its copy. A reader never sees half an image (it looks only at digest folders with a manifest).
+- The manifest holds the CRC-32 of each pages file and the canary answer recorded before the dump: a restore
+  checks both, like a local one, and an image that fails is removed from the store.
+- `collect` removes images of versions no ModelSpec has any more (after a grace period) and keeps the store
+  within its byte budget, the least recently used first.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import errno
+import functools
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import pathlib
+import platform
+import shutil
+import time
+import uuid
+from collections.abc import Iterable
+
+import pydantic
+
+from volga_agent import process
+from volga_agent.snapshot import criu
+from volga_operator import api
+from volga_operator.api import conditions
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+LOG = "worker.log"
+USED = "last-used"
+TMP_PREFIX = ".tmp-"
+# What a restore writes into an image folder, and the owner marker of a local one: never published.
+LOCAL_FILES = frozenset({"restore.log", "restore.pid", "lazy-pages.log", "lazy-pages.socket", process.OWNER_FILE})
+# The /proc/cpuinfo flags numpy's and onnxruntime's kernels dispatch on: a process started where they exist
+# may run instructions that fault where they do not.
+CPU_FLAGS = ("sse4_1", "sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl",
+             "avx512cd", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16",
+             "amx_int8", "asimd", "sve", "sve2")
+# The Python distribution each framework's worker runs on.
+RUNTIMES = {"onnx": "onnxruntime", "torchscript": "torch", "pytorch": "torch"}
+# A temporary folder older than this was left by a publisher that died.
+STALE_TMP_SEC = 3600.0
+
+
+class SharedImageError(RuntimeError):
+    """A shared image could not be read or failed verification."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+    """What an image needs of the node that restores it; equal keys mean a compatible image."""
+
+    model_id: str
+    version: str
+    input_hash: str
+    framework: str
+    runtime: str  # the framework's runtime distribution and version, e.g. onnxruntime 1.20.1
+    python: str
+    criu: str
+    gpu_product: str  # "" on CPU
+    gpu_driver: str
+    cpu_flags: str
+    kernel_major: str
+
+    @property
+    def digest(self) -> str:
+        text = json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeFacts:
+    """The parts of a key that belong to the node rather than the model."""
+
+    criu: str
+    gpu_product: str = ""
+    gpu_driver: str = ""
+    cpu_flags: str = dataclasses.field(default_factory=lambda: cpu_flags())
+    kernel_major: str = dataclasses.field(default_factory=lambda: platform.release().split(".")[0])
+
+    def key(self, model_id: str, version: str, input_hash: str, framework: str, gpu: bool) -> Key:
+        return Key(model_id, version, input_hash, framework, runtime_version(framework),
+                   platform.python_version(), self.criu, self.gpu_product if gpu else "",
+                   self.gpu_driver if gpu else "", self.cpu_flags, self.kernel_major)
+
+
+def cpu_flags(cpuinfo: str | None = None) -> str:
+    """The dispatch-relevant flags of this CPU, sorted, comma-separated."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = pathlib.Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    present: set[str] = set()
+    for line in cpuinfo.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() in ("flags", "Features"):
+            present.update(value.split())
+            break
+    return ",".join(flag for flag in CPU_FLAGS if flag in present)
+
+
+@functools.cache
+def runtime_version(framework: str) -> str:
+    dist = RUNTIMES.get(framework, framework)
+    try:
+        return f"{dist} {importlib.metadata.version(dist)}"
+    except importlib.metadata.PackageNotFoundError:
+        return f"{dist} (not installed)"
+
+
+class Manifest(pydantic.BaseModel):
+    """What a published image carries beside CRIU's files."""
+
+    model_config = pydantic.ConfigDict(frozen=True, extra="forbid")
+
+    key: dict[str, str]
+    digest: str
+    node: str
+    snapshot_id: str
+    size_bytes: int
+    dump_seconds: float
+    published_unix: float
+    canary: str  # the digest of the model's answer to the canary input, recorded before the dump
+    generation: int  # the worker state the canary answer belongs to
+    checksums: list[tuple[str, int]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """A complete image in the store."""
+
+    path: pathlib.Path
+    manifest: Manifest
+
+    @property
+    def digest(self) -> str:
+        return self.manifest.digest
+
+    @property
+    def model_id(self) -> str:
+        return self.manifest.key.get("model_id", "")
+
+    @property
+    def version(self) -> str:
+        return self.manifest.key.get("version", "")
+
+    def ref(self, role: str | None = None) -> api.SharedSnapshotRef:
+        """The image as EMI and ModelSpec statuses list it."""
+        return api.SharedSnapshotRef(key=self.digest, node=self.manifest.node, size_bytes=self.manifest.size_bytes,
+                                     published_at=conditions.timestamp(self.manifest.published_unix),
+                                     gpu_product=self.manifest.key.get("gpu_product", ""),
+                                     gpu_driver=self.manifest.key.get("gpu_driver", ""), role=role)
+
+    def last_used(self) -> float:
+        try:
+            return (self.path / USED).stat().st_mtime
+        except OSError:
+            return self.manifest.published_unix
+
+
+def _link_or_copy(source: pathlib.Path, target: pathlib.Path) -> None:
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+
+
+class Store:
+    """The images under one shared root, one folder per key digest."""
+
+    def __init__(self, root: str | pathlib.Path) -> None:
+        self.root = pathlib.Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._orphaned: dict[str, float] = {}  # digest -> when this node first saw its version gone
+
+    def find(self, key: Key) -> Entry | None:
+        return self.entry(key.digest)
+
+    def entry(self, digest: str) -> Entry | None:
+        path = self.root / digest
+        try:
+            manifest = Manifest.model_validate_json((path / MANIFEST).read_text())
+        except (OSError, pydantic.ValidationError):
+            return None
+        return Entry(path, manifest)
+
+    def entries(self) -> list[Entry]:
+        found = []
+        for path in sorted(self.root.iterdir()) if self.root.is_dir() else ():
+            if not path.name.startswith(TMP_PREFIX):
+                entry = self.entry(path.name)
+                if entry is not None:
+                    found.append(entry)
+        return found
+
+    def publish(self, image: criu.Image, key: Key, node: str, canary: str, generation: int,
+                logfile: pathlib.Path) -> Entry | None:
+        """Publish a local image under `key`; None when an image of that key exists already (ours is
+        discarded). The image's checksums must have been recorded (CriuEngine(checksums=True))."""
+        if image.checksums is None:
+            raise SharedImageError(f"{image.path}: no checksums recorded; shared images need them")
+        sums = image.checksums.result()
+        final = self.root / key.digest
+        if (final / MANIFEST).exists():
+            return None
+        tmp = self.root / f"{TMP_PREFIX}{node}-{uuid.uuid4().hex[:12]}"
+        try:
+            tmp.mkdir()
+            for source in image.path.iterdir():
+                if source.name not in LOCAL_FILES and source.is_file() and not source.is_symlink():
+                    shutil.copy2(source, tmp / source.name)
+            shutil.copy2(logfile, tmp / LOG)
+            manifest = Manifest(key={k: str(v) for k, v in dataclasses.asdict(key).items()}, digest=key.digest,
+                                node=node, snapshot_id=image.snapshot_id, size_bytes=image.size_bytes,
+                                dump_seconds=image.dump_seconds, published_unix=time.time(), canary=canary,
+                                generation=generation, checksums=[(name, crc) for name, crc in sums])
+            with open(tmp / MANIFEST, "w") as out:
+                out.write(manifest.model_dump_json())
+                out.flush()
+                os.fsync(out.fileno())
+            (tmp / USED).touch()
+            os.rename(tmp, final)
+        except OSError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                return None  # another node published this key first
+            raise
+        log.info("published %s (%s) as shared image %s", image.path, key.model_id, key.digest)
+        return Entry(final, manifest)
+
+    def fetch(self, entry: Entry, folder: pathlib.Path) -> criu.Image:
+        """A local, restorable copy of a shared image (hard links where the filesystem allows) in `folder`,
+        whose restore checks the pages files against the checksums taken at the dump."""
+        try:
+            folder.mkdir(parents=True)
+            process.claim(folder)
+            for source in entry.path.iterdir():
+                if source.name not in (MANIFEST, USED, LOG) and source.is_file() and not source.is_symlink():
+                    _link_or_copy(source, folder / source.name)
+        except OSError as exc:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise SharedImageError(f"shared image {entry.digest}: cannot copy it to {folder}: {exc}") from exc
+        with contextlib.suppress(OSError):
+            os.utime(entry.path / USED)
+        sums = concurrent.futures.Future[tuple[tuple[str, int], ...]]()
+        sums.set_result(tuple((name, crc) for name, crc in entry.manifest.checksums))
+        return criu.Image(folder, entry.manifest.snapshot_id, entry.manifest.size_bytes,
+                          entry.manifest.dump_seconds, sums)
+
+    def place_log(self, entry: Entry, logfile: pathlib.Path) -> None:
+        """Put the publisher's worker log where the restored worker's open log file is (CRIU reopens it and
+        expects the size it had at the dump)."""
+        shutil.copyfile(entry.path / LOG, logfile)
+
+    def discard(self, digest: str) -> None:
+        """Remove an image (atomically for readers: it is renamed away first)."""
+        path = self.root / digest
+        doomed = self.root / f"{TMP_PREFIX}gone-{uuid.uuid4().hex[:12]}"
+        try:
+            os.rename(path, doomed)
+        except OSError:
+            return
+        shutil.rmtree(doomed, ignore_errors=True)
+
+    def collect(self, live: Iterable[tuple[str, str]], served: Iterable[str], grace_sec: float,
+                budget_bytes: int, now: float | None = None) -> list[str]:
+        """Remove images of a served model whose version no live (model id, version) has, once they have been
+        orphaned for `grace_sec`; then the least recently used until the store fits `budget_bytes` (0: no
+        budget); and temporary folders publishers left. Returns the digests removed."""
+        now = time.time() if now is None else now
+        live_set, served_set = set(live), set(served)
+        removed = []
+        entries = self.entries()
+        for entry in entries:
+            if entry.model_id in served_set and (entry.model_id, entry.version) not in live_set:
+                since = self._orphaned.setdefault(entry.digest, now)
+                if now - since >= grace_sec:
+                    removed.append(entry.digest)
+            else:
+                self._orphaned.pop(entry.digest, None)
+        if budget_bytes > 0:
+            kept = sorted((e for e in entries if e.digest not in removed), key=Entry.last_used)
+            total = sum(e.manifest.size_bytes for e in kept)
+            for entry in kept:
+                if total <= budget_bytes:
+                    break
+                removed.append(entry.digest)
+                total -= entry.manifest.size_bytes
+        for digest in removed:
+            self.discard(digest)
+            self._orphaned.pop(digest, None)
+            log.info("removed shared image %s", digest)
+        for path in self.root.iterdir():
+            with contextlib.suppress(OSError):
+                if path.name.startswith(TMP_PREFIX) and now - path.stat().st_mtime > STALE_TMP_SEC:
+                    shutil.rmtree(path, ignore_errors=True)
+        return removed
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What an instance needs to use the store: the store, this node's name and facts."""
+
+    store: Store
+    node: str
+    facts: NodeFacts
+
