@@ -132,8 +132,18 @@ def settings_from(args: argparse.Namespace) -> policy.Settings:
                                    "scheduler_eviction_policy": args.eviction_policy,
                                    "lazy_restore": args.lazy_restore or None,
                                    "allow_model_code": args.allow_model_code or None,
-                                   "max_instances": args.max_instances}.items() if v is not None}
-    return policy.Settings.from_mapping({**overrides, "model_roots": model_roots(args)})
+                                   "max_instances": args.max_instances,
+                                   "autonomy_enabled": getattr(args, "autonomy", False) or None}.items()
+                 if v is not None}
+    base: dict[str, object] = {}
+    if getattr(args, "settings", None):
+        import yaml
+
+        loaded = yaml.safe_load(pathlib.Path(args.settings).read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"--settings {args.settings}: must be a mapping of setting names to values")
+        base = loaded
+    return policy.Settings.from_mapping({**base, **overrides, "model_roots": model_roots(args)})
 
 
 def model_roots(args: argparse.Namespace) -> tuple[str, ...]:
@@ -399,6 +409,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="load pytorch models, which run code when loaded (a .py file, or a pickled module)")
     p.add_argument("--max-instances", type=int, help="instances this node runs at most (default: from its memory)")
     p.add_argument("--token-file", help="bearer tokens (one a line) the gateway requires, but for health checks")
+    p.add_argument("--autonomy", action="store_true",
+                   help="run the node autonomy loop: act on the ModelSpecs' SLOs (batch caps, shedding, wakes)")
+    p.add_argument("--settings", help="YAML/JSON file of node settings (the flags above take precedence)")
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=cmd_up)
 

@@ -3,8 +3,9 @@
 The same parts as in a cluster, wired in one process: ModelSpecs come from files instead of the API server,
 the planner (`volga_operator.planner`, the operator's own) places their pool floors on the one local node,
 the pool converges and runs its local policy, the gateway reaches the pool in-process instead of over gRPC,
-and the Agent API is served too, for tools. Stopping (Ctrl-C, SIGTERM) stops every worker and removes
-every snapshot this run made.
+and the Agent API is served too, for tools. With `settings.autonomy_enabled` (`volga up --autonomy`) the node
+autonomy loop runs too, steering this very gateway's data plane and pool. Stopping (Ctrl-C, SIGTERM) stops
+every worker and removes every snapshot this run made.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Callable, Sequence
 import grpc
 
 from volga_agent import admission, auth, gpus, metrics, policy, pool, ports, server
+from volga_agent.autonomy import loop as autonomy
 from volga_agent.gateway import app, catalog, links
 from volga_operator import api, planner
 
@@ -71,6 +73,8 @@ class Embedded:
                                    extra_metrics=[self.agent_metrics.registry])
         self._agent: grpc.aio.Server | None = None
         self.agent_port = 0
+        self.autonomy = (autonomy.Loop(self.pool, self.gateway.dataplane, self.settings, self.agent_metrics)
+                         if self.settings.autonomy_enabled else None)
 
     def _activate(self, model_id: str, device_hint: str) -> links.Route:
         """The gateway's in-process link to the pool."""
@@ -91,6 +95,8 @@ class Embedded:
         self.pool.apply(self.plan.desired, self.specs)
         self.pool.start(self.options.tick_sec)
         await self.gateway.start()
+        if self.autonomy is not None:
+            self.autonomy.start()
         if not auth.is_loopback(self.options.host):
             log.warning("the gateway listens on %s%s; the Agent API stays on %s", self.options.host,
                         "" if self.options.tokens else " without authentication (--token-file)", AGENT_HOST)
@@ -101,6 +107,8 @@ class Embedded:
         await asyncio.to_thread(self.pool.wait_converged, timeout)
 
     async def stop(self) -> None:
+        if self.autonomy is not None:
+            await asyncio.to_thread(self.autonomy.stop)
         await self.gateway.stop()
         if self._agent is not None:
             await self._agent.stop(1.0)

@@ -1,12 +1,12 @@
 """`volga bench decide`: what one autonomy decision costs, with 2 to 64 models, and how steady the sampling is.
 
-The decider runs over synthetic windows that walk every path: memory sweeping through the watermarks (so the
-state moves through PRELOAD, ACCEPT, OPTIMIZE and EMERGENCY), models whose arrivals accelerate, models violating
-their SLO (some past their recovery deadline), idle ones. Each decision is timed alone (perf_counter_ns) after a
-warm-up; the budget is 50 us at the p99. Each decision is timed twice over: by the wall clock, which on a loaded
-machine includes the times the thread was preempted, and by the thread's CPU clock (thread_time_ns), which is
-what the decision itself costs; the load average is reported beside them. The sampler then runs on this node's real probe (NVML or /proc) for a
-few seconds, and its jitter (how late each sample came against its schedule) is reported.
+The decider runs over synthetic windows that walk every path: memory sweeping through the watermarks (so the state
+moves through PRELOAD, ACCEPT, OPTIMIZE and EMERGENCY), models whose arrivals accelerate, models violating their SLO
+(some past their recovery deadline), idle ones. Each decision is timed alone (perf_counter_ns) after a warm-up; the
+budget is 50 us at the p99. Each decision is timed twice over: by the wall clock, which on a loaded machine includes
+the times the thread was preempted, and by the thread's CPU clock (thread_time_ns), which is what the decision
+itself costs; the load average is reported beside them. The sampler then runs on this node's real probe (NVML or
+/proc) for a few seconds, and its jitter (how late each sample came against its schedule) is reported.
 """
 
 from __future__ import annotations
