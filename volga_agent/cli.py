@@ -142,7 +142,11 @@ def settings_from(args: argparse.Namespace) -> policy.Settings:
         loaded = yaml.safe_load(pathlib.Path(args.settings).read_text()) or {}
         if not isinstance(loaded, dict):
             raise ValueError(f"--settings {args.settings}: must be a mapping of setting names to values")
-        base = loaded
+        # The flags below use the settings' snake_case names; the file may use either form, once each.
+        names = {field.alias: name for name, field in policy.Settings.model_fields.items() if field.alias}
+        base = {names.get(key, key): value for key, value in loaded.items()}
+        if len(base) < len(loaded):
+            return policy.Settings.from_mapping(loaded)  # raises: a setting given twice, by name and by alias
     return policy.Settings.from_mapping({**base, **overrides, "model_roots": model_roots(args)})
 
 
