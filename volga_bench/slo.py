@@ -6,8 +6,9 @@ Two ONNX models are built with the onnx helper API (stacks of MatMul + Tanh): `c
 rows, several times the work). `volga calibrate`'s measurement (`calibrate.measure`, a real worker alone) gives
 both their baselines first, written into their ModelSpecs tagged with version and input hash. Then, per round,
 `volga up` runs once without and once with `--autonomy` (the same node settings file, the same seeded arrival
-schedule): tritonclient gRPC clients send open-loop Poisson arrivals, `critical` at a steady rate, `heavy` at a
-base rate with pulses of 8-12x it lasting a few seconds.
+schedule): tritonclient gRPC clients send `critical` open-loop Poisson arrivals at a steady rate, and `heavy`
+requests from closed-loop clients (a request, then a think time), one between pulses and 8-12 during pulses of
+a few seconds; a `heavy` client told to back off (RESOURCE_EXHAUSTED) waits the retry hint it was given.
 
 Counted from the clients' own timings: the protected model's violating windows (100 ms windows by completion
 time whose nearest-rank p99 exceeds its batch-1 baseline x (1 + tolerance)), its p99 over the run, and its
@@ -25,6 +26,7 @@ import math
 import os
 import pathlib
 import random
+import re
 import tempfile
 import threading
 import time
@@ -35,6 +37,7 @@ from typing import Any
 import numpy as np
 import tritonclient.grpc as grpcclient
 import yaml
+from tritonclient.utils import InferenceServerException
 
 from volga_agent import calibrate
 from volga_bench import harness, reporting
@@ -62,7 +65,7 @@ class Model:
     deadline_ms: float
 
 
-MODELS = (Model(PROTECTED, 128, 64, 384, 6, 1, 1, 15.0, 1000.0),
+MODELS = (Model(PROTECTED, 384, 64, 384, 6, 1, 1, 15.0, 1000.0),
           Model(TOLERANT, 128, 64, 768, 6, 2, 2, 300.0, 10_000.0))
 
 
@@ -71,7 +74,8 @@ class Config:
     seconds: float = 40.0  # of traffic per run
     rounds: int = 1  # off-on pairs
     protected_rate: float = 15.0  # requests/s
-    tolerant_rate: float = 1.5  # requests/s between pulses
+    tolerant_clients: int = 1  # between pulses
+    tolerant_think_s: float = 0.4  # each tolerant client's pause between an answer and its next request
     pulse_every_s: float = 10.0
     pulse_s: float = 3.0
     pulse_factor: tuple[float, float] = (8.0, 12.0)
@@ -127,32 +131,27 @@ def calibrated(document: dict[str, Any], batch: int, iterations: int) -> tuple[d
     return out, float(result.batches[0].p99_ms)
 
 
-def arrivals(config: Config) -> list[tuple[float, str]]:
-    """The seeded open-loop schedule: (seconds from the start, model), in time order."""
+def arrivals(config: Config) -> list[float]:
+    """The protected model's seeded open-loop Poisson arrivals, in seconds from the start."""
     rng = random.Random(config.seed)
     out = []
-    t = 0.0
-    while True:
+    t = rng.expovariate(config.protected_rate)
+    while t < config.seconds:
+        out.append(t)
         t += rng.expovariate(config.protected_rate)
-        if t >= config.seconds:
-            break
-        out.append((t, PROTECTED))
-    # The tolerant model: a base rate, and from 2 s on, every pulse_every_s, a pulse of 8-12x it.
-    pulses = []
+    return out
+
+
+def pulses(config: Config) -> list[tuple[float, float, int]]:
+    """The tolerant model's pulses: (start, end, clients), from 2 s on, every pulse_every_s, 8-12x the base
+    clients each (seeded)."""
+    rng = random.Random(config.seed + 1)
+    out = []
     start = 2.0
     while start < config.seconds:
-        pulses.append((start, start + config.pulse_s, rng.uniform(*config.pulse_factor)))
+        out.append((start, start + config.pulse_s, round(config.tolerant_clients * rng.uniform(*config.pulse_factor))))
         start += config.pulse_every_s
-    t = 0.0
-    peak = config.tolerant_rate * config.pulse_factor[1]
-    while True:  # thinning: candidates at the peak rate, each kept with rate(t) / peak
-        t += rng.expovariate(peak)
-        if t >= config.seconds:
-            break
-        factor = next((f for a, b, f in pulses if a <= t < b), 1.0)
-        if rng.random() < config.tolerant_rate * factor / peak:
-            out.append((t, TOLERANT))
-    return sorted(out)
+    return out
 
 
 @dataclasses.dataclass
@@ -163,34 +162,81 @@ class Record:
     status: str = ""  # "OK", a gRPC status name, or "" while in flight
 
 
-def drive(address: str, schedule: Sequence[tuple[float, str]], inputs: dict[str, list[Any]],
-          drain_s: float = 30.0) -> list[Record]:
-    """Send the schedule open-loop (a request at its time whether or not the earlier ones were answered)."""
-    client = grpcclient.InferenceServerClient(address)
+def retry_hint_ms(message: str) -> float | None:
+    """The retry hint of a shed answer, from its message ("... retry after N ms")."""
+    match = re.search(r"retry after (\d+) ms", message)
+    return float(match.group(1)) if match else None
+
+
+def drive(address: str, config: Config, inputs: dict[str, list[Any]], drain_s: float = 30.0) -> list[Record]:
+    """The protected model's arrivals open-loop (each at its time, answered or not the earlier ones); the tolerant
+    model's clients closed-loop, each a request then a think time, as many as the pulse in force asks for, and
+    each honouring the retry hint of a shed answer as a well-behaved client does."""
+    protected = grpcclient.InferenceServerClient(address)
     records: list[Record] = []
+    lock = threading.Lock()
     done = threading.Semaphore(0)
+    sent_protected = 0
+    stop = threading.Event()
+    plan = pulses(config)
+    start = time.perf_counter()
 
     def answered(record: Record, sent: float, result: Any, error: Any) -> None:
         record.latency_ms = (time.perf_counter() - sent) * 1e3
         record.status = "OK" if error is None else str(error.status()).removeprefix("StatusCode.")
         done.release()
 
-    start = time.perf_counter()
+    def tolerant(index: int) -> None:
+        client = grpcclient.InferenceServerClient(address)
+        try:
+            while not stop.is_set():
+                now = time.perf_counter() - start
+                wanted = next((n for a, b, n in plan if a <= now < b), config.tolerant_clients)
+                if index >= wanted:
+                    stop.wait(0.02)
+                    continue
+                record = Record(TOLERANT, now)
+                with lock:
+                    records.append(record)
+                sent = time.perf_counter()
+                pause = config.tolerant_think_s
+                try:
+                    client.infer(TOLERANT, inputs[TOLERANT], client_timeout=drain_s)
+                    record.status = "OK"
+                except InferenceServerException as exc:
+                    record.status = str(exc.status()).removeprefix("StatusCode.")
+                    pause = max(pause, (retry_hint_ms(str(exc)) or 0.0) / 1e3)
+                record.latency_ms = (time.perf_counter() - sent) * 1e3
+                stop.wait(pause)
+        finally:
+            client.close()
+
+    most = max([n for _, _, n in plan] + [config.tolerant_clients])
+    threads = [threading.Thread(target=tolerant, args=(i,), daemon=True) for i in range(most)]
+    for thread in threads:
+        thread.start()
     try:
-        for at, model in schedule:
+        for at in arrivals(config):
             delay = start + at - time.perf_counter()
             if delay > 0:
                 time.sleep(delay)
-            record = Record(model, time.perf_counter() - start)
-            records.append(record)
-            client.async_infer(model, inputs[model], callback=functools.partial(
+            record = Record(PROTECTED, time.perf_counter() - start)
+            with lock:
+                records.append(record)
+            sent_protected += 1
+            protected.async_infer(PROTECTED, inputs[PROTECTED], callback=functools.partial(
                 answered, record, start + record.sent), client_timeout=drain_s)
+        time.sleep(max(0.0, start + config.seconds - time.perf_counter()))
+        stop.set()
         deadline = time.monotonic() + drain_s
-        for _ in records:
+        for _ in range(sent_protected):
             if not done.acquire(timeout=max(0.0, deadline - time.monotonic())):
                 break
+        for thread in threads:
+            thread.join(timeout=drain_s)
     finally:
-        client.close()
+        stop.set()
+        protected.close()
     return records
 
 
@@ -220,7 +266,8 @@ def judge(records: Sequence[Record], limit_ms: float, deadline_ms: float, second
             "p50_ms": round(float(np.percentile([r.latency_ms for r in ok], 50)), 2) if ok else None,
             "requests": len(ok), "failed": len(failed), "episodes": len(episodes),
             "longest_episode_ms": max(lengths_ms, default=0.0),
-            "episodes_past_deadline": sum(1 for x in lengths_ms if x > deadline_ms)}
+            "episodes_past_deadline": sum(1 for x in lengths_ms if x > deadline_ms),
+            "violating_at_s": [round(w * WINDOW_S, 1) for w in violating]}
 
 
 def tolerant_summary(records: Sequence[Record]) -> dict[str, Any]:
@@ -271,7 +318,7 @@ def one_run(specs: pathlib.Path, settings: pathlib.Path, autonomy: bool, config:
         warm.close()
         progress(f"autonomy {'on' if autonomy else 'off'}: {config.seconds:g} s of traffic ...")
         load_before = os.getloadavg()[0]
-        records = drive(up.endpoints["grpc"], arrivals(config), inputs)
+        records = drive(up.endpoints["grpc"], config, inputs)
         metrics_text = urllib.request.urlopen(up.endpoints["metrics"], timeout=10).read().decode()
     protected = judge(records, limit_ms, MODELS[0].deadline_ms, config.seconds)
     decision = histogram_quantiles(metrics_text, "volga_autonomy_decision_latency_us", (0.5, 0.99))

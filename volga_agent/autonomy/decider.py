@@ -7,13 +7,14 @@ decisions.
 
 The candidate state of a window, first match wins:
 
-    EMERGENCY   memory >= autonomy_emergency_above_pct, or a model has violated its SLO for longer than its
-                recoveryDeadlineMs
+    EMERGENCY   memory >= autonomy_emergency_above_pct, or a model has violated its SLO for longer than
+                autonomy_deadline_share_pct of its recoveryDeadlineMs (by default all of it)
     OPTIMIZE    memory >= autonomy_optimize_above_pct, or a model violates its SLO in this window
     PRELOAD     memory < autonomy_preload_below_pct
     ACCEPT      otherwise
 
-The state follows the candidate once `autonomy_hysteresis_windows` consecutive windows agree on it. A model
+The state follows the candidate once `autonomy_hysteresis_windows` consecutive windows agree on it (into
+EMERGENCY: autonomy_emergency_windows; out of it: autonomy_calm_windows, where set). A model
 violates when its window p99 exceeds baseline x (1 + tolerance / 100): the baseline of the largest measured batch
 size within its batch cap, the tolerance at the load of the node's other models (the node's utilisation times
 the other models' share of the completed requests; `api.Slo.tolerance_pct`).
@@ -24,8 +25,9 @@ Actions by state:
                 faster than in the window before (positive slope and acceleration of its arrivals over three windows)
     OPTIMIZE    for each violating model (least tolerant first), halve the batch cap of the most tolerant awake
                 co-runner that is not violating itself; Demote idle models other than the least tolerant
-    EMERGENCY   Shed and Demote the most tolerant model with traffic not shed yet, one per window; the least
-                tolerant models are never shed
+    EMERGENCY   Shed the most tolerant model with traffic not shed yet, one per window, and Demote it when memory is
+                what the emergency is about (a checkpoint frees memory but costs the CPU and PCIe time a latency
+                emergency needs for the protected models); the least tolerant models are never shed
     leaving EMERGENCY: Unshed every shed model; reaching PRELOAD or ACCEPT: RestoreBatchCap every capped model
 """
 
@@ -337,7 +339,7 @@ class Decider:
         elif state == _OPTIMIZE:
             self._optimize(tracks, violations, actions)
         elif state == _EMERGENCY:
-            self._emergency(tracks, actions)
+            self._emergency(tracks, actions, memory >= s.autonomy_emergency_above_pct)
         if path is not None:
             path.append(f"actions: {actions or 'none'}")
         return Decision(state, candidate, state != previous, tuple(actions), tuple(violations),
@@ -365,7 +367,7 @@ class Decider:
                 if track.tolerance > least:
                     actions.append(Demote(track.model, _rest(track.view)))
 
-    def _emergency(self, tracks: Sequence[_Track], actions: list[Action]) -> None:
+    def _emergency(self, tracks: Sequence[_Track], actions: list[Action], memory: bool) -> None:
         active = [t for t in tracks if t.awake or t.arrivals]
         if not active:
             return
@@ -376,7 +378,7 @@ class Decider:
         chosen = min(candidates, key=lambda t: (-t.tolerance, t.model))
         self.shed.add(chosen.model)
         actions.append(Shed(chosen.model, self.settings.autonomy_shed_retry_after_ms))
-        if chosen.awake:
+        if memory and chosen.awake:
             actions.append(Demote(chosen.model, _rest(chosen.view)))
 
 
