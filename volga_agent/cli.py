@@ -509,7 +509,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=1, help="off/on pairs")
     p.add_argument("--pulse-every", type=float, default=10.0, help="seconds between the tolerant model's pulses")
     p.add_argument("--pulse-seconds", type=float, default=3.0, help="how long a pulse lasts")
-    p.add_argument("--calibrate-iterations", type=int, default=200, help="timed requests of each baseline")
+    p.add_argument("--calibrate-iterations", type=int, default=300, help="timed requests of each baseline")
     p.add_argument("--json", action="store_true")
     p.add_argument("--out")
     p.set_defaults(func=cmd_bench_slo)
