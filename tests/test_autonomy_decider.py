@@ -271,3 +271,30 @@ def test_bad_tolerance_steps_name_their_field(steps: list[dict[str, Any]], path:
     assert reason in found[f"spec.slo.{path}"], found
     with pytest.raises(pydantic.ValidationError):
         api.Slo.model_validate({"interferenceTolerance": steps})
+
+
+def test_a_latency_emergency_comes_at_a_share_of_the_deadline_sheds_without_demoting_and_holds_while_calm() -> None:
+    run = Run([view("strict", 15.0, baselines={1: 1.0}, recoveryDeadlineMs=400), view("loose", 300.0)],
+              autonomy_emergency_windows=1, autonomy_calm_windows=5, autonomy_deadline_share_pct=50.0,
+              autonomy_shed_retry_after_ms=900)
+    bad = {"strict": load(10, p99=3.0), "loose": load(10, p99=1.0)}
+    first = run.windows(3, **bad)
+    # 300 ms of violation > 50 % of 400 ms: EMERGENCY at once, the tolerant model shed but left awake (memory
+    # is not the trouble, and a checkpoint would cost the CPU the protected model needs).
+    assert [d.candidate for d in first] == [State.OPTIMIZE, State.OPTIMIZE, State.EMERGENCY]
+    assert first[-1].state is State.EMERGENCY and first[-1].actions == (decider.Shed("loose", 900),)
+    assert not any(v.past_deadline for v in first[-1].violations)  # the deadline itself is still ahead
+    calm = {"strict": load(10, p99=1.0), "loose": load(0)}
+    held = run.windows(4, **calm)
+    assert [d.state for d in held] == [State.EMERGENCY] * 4 and all(d.actions == () for d in held)
+    assert run.window(**calm).actions == (decider.Unshed("loose"),)
+    assert run.decider.state is State.ACCEPT
+
+
+def test_the_decider_rereads_views_that_change_and_keeps_the_same_ones() -> None:
+    run = Run([view("m", 10.0, baselines={1: 1.0})], autonomy_hysteresis_windows=1)
+    assert [v.limit_ms for v in run.window(m=load(5, p99=2.0)).violations] == [pytest.approx(1.1)]
+    run.views["m"] = view("m", 10.0, baselines={1: 3.0})  # a new baseline: a new view object
+    assert run.window(m=load(5, p99=2.0)).violations == ()
+    run.views["n"] = view("n", 10.0, baselines={1: 1.0})
+    assert [v.model for v in run.window(m=load(5, p99=2.0), n=load(5, p99=2.0)).violations] == ["n"]

@@ -17,6 +17,7 @@
     volga calibrate -f SPEC [--write] measure the model's p99 alone per batch size on this node; --write puts the
                                       baselines into the ModelSpec file
     volga bench decide [--json]       the autonomy decider's cost per window (2-64 models), the sampler's jitter
+    volga bench slo [--json]          a latency-critical model beside a heavy one, bursty load: autonomy off vs on
 """
 
 from __future__ import annotations
@@ -142,14 +143,25 @@ def settings_from(args: argparse.Namespace) -> policy.Settings:
                                    "allow_model_code": args.allow_model_code or None,
                                    "max_instances": args.max_instances,
                                    "criu_timeout_floor_sec": args.criu_timeout_sec,
-                                   "shared_snapshots": getattr(args, "shared_snapshots", None)}.items()
+                                   "shared_snapshots": getattr(args, "shared_snapshots", None),
+                                   "autonomy_enabled": getattr(args, "autonomy", False) or None}.items()
                  if v is not None}
     for item in args.set or []:
         key, sep, value = item.partition("=")
         if not sep:
             raise ValueError(f"--set {item}: expected NAME=VALUE")
         overrides[key.strip()] = yaml.safe_load(value)
-    return policy.Settings.from_mapping({**overrides, "model_roots": model_roots(args)})
+    base: dict[str, object] = {}
+    if getattr(args, "settings", None):
+        loaded = yaml.safe_load(pathlib.Path(args.settings).read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"--settings {args.settings}: must be a mapping of setting names to values")
+        # The flags below use the settings' snake_case names; the file may use either form, once each.
+        names = {str(field.alias): name for name, field in policy.Settings.model_fields.items() if field.alias}
+        base = {str(names.get(key, key)): value for key, value in loaded.items()}
+        if len(base) < len(loaded):
+            return policy.Settings.from_mapping(loaded)  # raises: a setting given twice, by name and by alias
+    return policy.Settings.from_mapping({**base, **overrides, "model_roots": model_roots(args)})
 
 
 def model_roots(args: argparse.Namespace) -> tuple[str, ...]:
@@ -439,6 +451,20 @@ def cmd_bench_faults(args: argparse.Namespace) -> int:
     return 0 if not (report["wrong_total"] or report["hangs_total"] or report["leaked_total"]) else 1
 
 
+def cmd_bench_slo(args: argparse.Namespace) -> int:
+    try:
+        from volga_bench import reporting, slo
+    except ImportError as exc:
+        return _no_bench("bench slo", exc)
+    config = slo.Config(seconds=args.seconds, rounds=args.rounds, calibrate_iterations=args.calibrate_iterations,
+                        pulse_every_s=args.pulse_every, pulse_s=args.pulse_seconds)
+    report = slo.run(config, progress=_progress(args.json))
+    if args.out:
+        reporting.write_json(report, pathlib.Path(args.out))
+    print(json.dumps(report, indent=2) if args.json else slo.format_report(report))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="volga", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -480,6 +506,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a CRIU call may take before it is killed, plus 10 per GiB it moves (default 10)")
     p.add_argument("--set", action="append", metavar="NAME=VALUE",
                    help="an agent setting (snake_case or camelCase name; docs/architecture.md), repeatable")
+    p.add_argument("--autonomy", action="store_true",
+                   help="run the node autonomy loop: act on the ModelSpecs' SLOs (batch caps, shedding, wakes)")
+    p.add_argument("--settings", help="YAML/JSON file of node settings (the flags above take precedence)")
     p.add_argument("-v", "--verbose", action="store_true")
     p.add_argument("--shared-snapshots", metavar="DIR",
                    help="a folder other nodes see too: restore the images they publish there instead of cold "
@@ -591,6 +620,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--out")
     p.set_defaults(func=cmd_bench_decide)
+
+    p = bench.add_parser("slo", help="a latency-critical and a heavy tolerant model, bursty load: autonomy off vs on")
+    p.add_argument("--seconds", type=float, default=40.0, help="traffic per run")
+    p.add_argument("--rounds", type=int, default=1, help="off/on pairs")
+    p.add_argument("--pulse-every", type=float, default=10.0, help="seconds between the tolerant model's pulses")
+    p.add_argument("--pulse-seconds", type=float, default=3.0, help="how long a pulse lasts")
+    p.add_argument("--calibrate-iterations", type=int, default=300, help="timed requests of each baseline")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--out")
+    p.set_defaults(func=cmd_bench_slo)
 
     p = sub.add_parser("calibrate", help="measure a model's baselines on this node (p99 alone per batch size)")
     p.add_argument("-f", "--file", required=True, help="the ModelSpec YAML file")

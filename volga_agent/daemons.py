@@ -3,7 +3,9 @@
 Both take their ModelSpecs either from files (`-f`, static: a node without Kubernetes, or tests) or from the
 Kubernetes API (`--kube`, the cluster mode: the agent drives the EMIs placed on its node, the gateway routes
 every ModelSpec of the cluster). The agent serves the Agent gRPC API and its metrics; the gateway serves the
-Open Inference Protocol and reaches its node's agent over gRPC.
+Open Inference Protocol and reaches its node's agent over gRPC. With `autonomyEnabled` in the agent's settings
+the agent runs the node autonomy loop; the gateway sends it its per-model load and takes its directives (batch
+caps, shed models) in one periodic call (`links.Exchanger`, the Agent API's ExchangeLoad).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 import uvloop
 
 from volga_agent import admission, auth, defaultmodel, gpus, metrics, policy, pool, ports, server
+from volga_agent.autonomy import exchange, loop
 from volga_agent.gateway import app, catalog, links
 from volga_operator import api, planner
 from volga_operator.api import signature
@@ -100,7 +103,10 @@ def agent_main(argv: list[str] | None = None) -> int:
         found = gpus.discover()
         node_metrics = metrics.AgentMetrics()
         node_pool = pool.Pool(args.node, args.workdir, args.snapshot_dir, settings, node_metrics, found)
-        grpc_server, port = await server.serve(node_pool, args.agent_host, args.port, args.socket, tokens)
+        steering = exchange.Exchange() if settings.autonomy_enabled else None
+        autonomy = loop.Loop(node_pool, steering, settings, node_metrics) if steering is not None else None
+        grpc_server, port = await server.serve(node_pool, args.agent_host, args.port, args.socket, tokens,
+                                               steering, settings.autonomy_exchange_ms)
         metrics_runner, _ = await metrics.serve([node_metrics.registry], args.host, args.metrics_port)
         cluster: Any = None
         if args.kube:
@@ -115,11 +121,15 @@ def agent_main(argv: list[str] | None = None) -> int:
             plan = planner.plan(by_name, [gpus.node_profile(found, args.node)])
             node_pool.apply(plan.desired, by_name)
         node_pool.start()
+        if autonomy is not None:
+            autonomy.start()
         where = ", ".join([f"{args.agent_host}:{port}"] * (port >= 0) + [args.socket] * bool(args.socket))
         print(f"volga-agent {args.node}: Agent API {where}, metrics :{args.metrics_port}, "
               f"{len(found)} GPU(s)", flush=True)
 
         async def stop() -> None:
+            if autonomy is not None:
+                await asyncio.to_thread(autonomy.stop)
             if cluster is not None:
                 await cluster.stop()
             await grpc_server.stop(2.0)
@@ -166,7 +176,9 @@ def gateway_main(argv: list[str] | None = None) -> int:
                                 metrics_port=args.metrics_port, cache_ttl_sec=args.cache_ttl_sec, tokens=tokens,
                                 tls_cert_file=args.tls_cert, tls_key_file=args.tls_key,
                                 tls_client_ca_file=args.tls_client_ca)
-        gw = app.Gateway(models, links.GrpcAgentLink(args.agent, agent_token), settings)
+        link = links.GrpcAgentLink(args.agent, agent_token)
+        gw = app.Gateway(models, link, settings)
+        exchanger = links.Exchanger(gw.dataplane, link)
         watcher: Any = None
         if args.kube:
             from volga_agent import cluster as cluster_mode
@@ -176,10 +188,12 @@ def gateway_main(argv: list[str] | None = None) -> int:
         else:
             models.replace([s.spec for s in _specs(args.file)])
         await gw.start()
+        exchanger.start()
         print(f"volga-gateway: HTTP {args.host}:{gw.ports['http']}, gRPC {args.host}:{gw.ports['grpc']}, "
               f"metrics :{gw.ports['metrics']}, agent {args.agent}", flush=True)
 
         async def stop() -> None:
+            await exchanger.stop()
             if watcher is not None:
                 await watcher.stop()
             await gw.stop()

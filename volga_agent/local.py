@@ -3,10 +3,12 @@
 The same parts as in a cluster, wired in one process: ModelSpecs come from files instead of the API server,
 the planner (`volga_operator.planner`, the operator's own) places their pool floors on the one local node,
 the pool converges and runs its local policy, the gateway reaches the pool in-process instead of over gRPC,
-and the Agent API is served too, for tools. Stopping (Ctrl-C, SIGTERM) stops every worker and removes
-every snapshot this run made; a CRIU call in flight is killed first, so a hung restore does not hold it up.
-Its temporary folders carry an owner marker: a run killed with SIGKILL leaves them (and, for a moment,
-processes) behind, and the next run removes what is proven to be a dead run's (`process.remove_abandoned`).
+and the Agent API is served too, for tools. With `settings.autonomy_enabled` (`volga up --autonomy`) the node
+autonomy loop runs too, steering this very gateway's data plane and pool. Stopping (Ctrl-C, SIGTERM) stops
+every worker and removes every snapshot this run made; a CRIU call in flight is killed first, so a hung
+restore does not hold it up. Its temporary folders carry an owner marker: a run killed with SIGKILL leaves
+them (and, for a moment, processes) behind, and the next run removes what is proven to be a dead run's
+(`process.remove_abandoned`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import Callable, Sequence
 import grpc
 
 from volga_agent import admission, auth, gpus, metrics, policy, pool, ports, process, server
+from volga_agent.autonomy import loop as autonomy
 from volga_agent.gateway import app, catalog, links
 from volga_operator import api, planner
 
@@ -80,6 +83,8 @@ class Embedded:
                                    extra_metrics=[self.agent_metrics.registry])
         self._agent: grpc.aio.Server | None = None
         self.agent_port = 0
+        self.autonomy = (autonomy.Loop(self.pool, self.gateway.dataplane, self.settings, self.agent_metrics)
+                         if self.settings.autonomy_enabled else None)
 
     def _activate(self, model_id: str, device_hint: str) -> links.Route:
         """The gateway's in-process link to the pool."""
@@ -101,6 +106,8 @@ class Embedded:
         self.pool.apply(self.plan.desired, self.specs)
         self.pool.start(self.options.tick_sec)
         await self.gateway.start()
+        if self.autonomy is not None:
+            self.autonomy.start()
         if not auth.is_loopback(self.options.host):
             log.warning("the gateway listens on %s%s; the Agent API stays on %s", self.options.host,
                         "" if self.options.tokens else " without authentication (--token-file)", AGENT_HOST)
@@ -111,6 +118,8 @@ class Embedded:
         await asyncio.to_thread(self.pool.wait_converged, timeout)
 
     async def stop(self) -> None:
+        if self.autonomy is not None:
+            await asyncio.to_thread(self.autonomy.stop)
         self.pool.interrupt()
         await self.gateway.stop()
         if self._agent is not None:

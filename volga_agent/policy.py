@@ -117,6 +117,17 @@ class Settings(pydantic.BaseModel):
     autonomy_shed_retry_after_ms: Annotated[int, pydantic.Field(ge=0)] = 1000
     # Log each decision's full context (inputs, path, actions), at most every 100 ms.
     autonomy_debug: bool = False
+    # Run the autonomy loop on this node (`volga up --autonomy`; the daemons' settings file).
+    autonomy_enabled: bool = False
+    # Windows that must agree before entering EMERGENCY, and before leaving it (unshedding); 0: as
+    # autonomy_hysteresis_windows. A short way in and a long way out keep a shed through a burst.
+    autonomy_emergency_windows: Annotated[int, pydantic.Field(ge=0, le=1000)] = 0
+    autonomy_calm_windows: Annotated[int, pydantic.Field(ge=0, le=10_000)] = 0
+    # A violation turns into an EMERGENCY once it has lasted this share of the model's recoveryDeadlineMs
+    # (below 100: early enough that shedding can end it within the deadline).
+    autonomy_deadline_share_pct: Annotated[float, pydantic.Field(gt=0, le=100)] = 100.0
+    # How often a sidecar gateway sends its per-model load to the agent and takes the loop's directives back.
+    autonomy_exchange_ms: Annotated[float, pydantic.Field(ge=5, le=1000)] = 50.0
     # Folders ModelSpec sources must resolve inside (symlinks followed); empty: anywhere. `volga up` and
     # `volga-agent --kube` fill it in (docs/security.md).
     model_roots: Annotated[tuple[str, ...], pydantic.Strict(False)] = ()

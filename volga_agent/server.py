@@ -1,4 +1,5 @@
-"""The agent's gRPC API (`volga.v1.Agent`): activate, release, status and list instances of this node.
+"""The agent's gRPC API (`volga.v1.Agent`): activate, release, status and list instances of this node, and the
+sidecar gateway's load exchange with the node's autonomy loop (`ExchangeLoad`, when the loop runs).
 
 A thin layer over `pool.Pool`: wakes run on the pool's threads (they block on CRIU, the driver, process
 starts), errors become gRPC statuses that say what to do: NOT_FOUND for a model with no instance on this
@@ -9,9 +10,11 @@ wake goes on, so the next request finds the instance HOT).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import pathlib
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import grpc
 
@@ -21,6 +24,33 @@ from volga_agent.rpc.volga.v1 import agent_pb2_grpc as pb_grpc
 from volga_operator import api
 
 log = logging.getLogger(__name__)
+# How often a gateway is told to call ExchangeLoad when no autonomy loop runs here (it learns it if one starts).
+IDLE_EXCHANGE_MS = 1000
+
+
+@dataclasses.dataclass(frozen=True)
+class PushedLoad:
+    """One model's load as a gateway pushed it (the fields of `autonomy.window.ModelLoad`)."""
+
+    arrivals: int
+    completed: int
+    queue_depth: int
+    latencies_ms: tuple[float, ...]
+    shed: int
+
+
+class Directives(Protocol):
+    @property
+    def batch_caps(self) -> Mapping[str, int]: ...
+
+    @property
+    def shed_retry_after_ms(self) -> Mapping[str, int]: ...
+
+
+class LoadExchange(Protocol):
+    """The autonomy loop's side of the exchange (`autonomy.exchange.Exchange`; this layer does not import it)."""
+
+    def push(self, loads: Mapping[str, PushedLoad]) -> Directives: ...
 
 def tier_pb(tier: api.Tier) -> Any:
     """The proto enum shares the API's tier names."""
@@ -35,8 +65,10 @@ def instance_pb(info: pool.InstanceInfo) -> Any:
 
 
 class AgentService(pb_grpc.AgentServicer):
-    def __init__(self, node_pool: pool.Pool) -> None:
+    def __init__(self, node_pool: pool.Pool, exchange: LoadExchange | None = None, exchange_ms: float = 50.0) -> None:
         self.pool = node_pool
+        self.exchange = exchange
+        self.exchange_ms = exchange_ms
 
     async def Activate(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         if not request.model_id:
@@ -84,16 +116,33 @@ class AgentService(pb_grpc.AgentServicer):
         return pb.ListInstancesResponse(instances=[instance_pb(i) for i in infos])
 
 
+    async def ExchangeLoad(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if self.exchange is None:
+            return pb.ExchangeLoadResponse(autonomy=False, period_ms=IDLE_EXCHANGE_MS)
+        loads = {}
+        for load in request.loads:
+            if not load.model_id:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "loads[].model_id is required")
+            loads[load.model_id] = PushedLoad(load.arrivals, load.completed, load.queue_depth,
+                                              tuple(load.latencies_ms), load.shed)
+        directives = self.exchange.push(loads)
+        return pb.ExchangeLoadResponse(autonomy=True, batch_caps=directives.batch_caps,
+                                       shed_retry_after_ms=directives.shed_retry_after_ms,
+                                       period_ms=max(1, round(self.exchange_ms)))
+
+
 async def serve(node_pool: pool.Pool, host: str, port: int, socket_path: str = "",
-                tokens: auth.Tokens | None = None) -> tuple[grpc.aio.Server, int]:
+                tokens: auth.Tokens | None = None, exchange: LoadExchange | None = None,
+                exchange_ms: float = 50.0) -> tuple[grpc.aio.Server, int]:
     """The Agent API on host:port (port -1: no TCP port) and on the UNIX socket `socket_path` (if given); the
     server and its TCP port. Without `tokens` it listens on loopback only (ValueError otherwise): whoever reaches
-    it can wake and release every instance of the node. With them, every call needs one (docs/security.md)."""
+    it can wake and release every instance of the node. With them, every call needs one (docs/security.md).
+    `exchange`: the autonomy loop's, when it runs, and how often gateways are to call ExchangeLoad."""
     if port >= 0 and tokens is None and not auth.is_loopback(host):
         raise ValueError(f"the Agent API listens on {host} only with a token (--token-file): anyone who reaches it "
                          "can wake and release this node's instances")
     server = grpc.aio.server(interceptors=[auth.GrpcAuth(tokens)] if tokens is not None else None)
-    pb_grpc.add_AgentServicer_to_server(AgentService(node_pool), server)
+    pb_grpc.add_AgentServicer_to_server(AgentService(node_pool, exchange, exchange_ms), server)
     bound = -1
     if port >= 0:
         bound = server.add_insecure_port(f"{host}:{port}")

@@ -7,13 +7,14 @@ decisions.
 
 The candidate state of a window, first match wins:
 
-    EMERGENCY   memory >= autonomy_emergency_above_pct, or a model has violated its SLO for longer than its
-                recoveryDeadlineMs
+    EMERGENCY   memory >= autonomy_emergency_above_pct, or a model has violated its SLO for longer than
+                autonomy_deadline_share_pct of its recoveryDeadlineMs (by default all of it)
     OPTIMIZE    memory >= autonomy_optimize_above_pct, or a model violates its SLO in this window
     PRELOAD     memory < autonomy_preload_below_pct
     ACCEPT      otherwise
 
-The state follows the candidate once `autonomy_hysteresis_windows` consecutive windows agree on it. A model
+The state follows the candidate once `autonomy_hysteresis_windows` consecutive windows agree on it (into
+EMERGENCY: autonomy_emergency_windows; out of it: autonomy_calm_windows, where set). A model
 violates when its window p99 exceeds baseline x (1 + tolerance / 100): the baseline of the largest measured batch
 size within its batch cap, the tolerance at the load of the node's other models (the node's utilisation times
 the other models' share of the completed requests; `api.Slo.tolerance_pct`).
@@ -24,8 +25,9 @@ Actions by state:
                 faster than in the window before (positive slope and acceleration of its arrivals over three windows)
     OPTIMIZE    for each violating model (least tolerant first), halve the batch cap of the most tolerant awake
                 co-runner that is not violating itself; Demote idle models other than the least tolerant
-    EMERGENCY   Shed and Demote the most tolerant model with traffic not shed yet, one per window; the least
-                tolerant models are never shed
+    EMERGENCY   Shed the most tolerant model with traffic not shed yet, one per window, and Demote it when memory is
+                what the emergency is about (a checkpoint frees memory but costs the CPU and PCIe time a latency
+                emergency needs for the protected models); the least tolerant models are never shed
     leaving EMERGENCY: Unshed every shed model; reaching PRELOAD or ACCEPT: RestoreBatchCap every capped model
 """
 
@@ -34,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import typing
 from collections.abc import Mapping, Sequence
 
 from volga_agent import policy
@@ -47,6 +50,8 @@ class State(enum.StrEnum):
     OPTIMIZE = "OPTIMIZE"
     EMERGENCY = "EMERGENCY"
 
+
+_PRELOAD, _ACCEPT, _OPTIMIZE, _EMERGENCY = State.PRELOAD, State.ACCEPT, State.OPTIMIZE, State.EMERGENCY
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Preload:
@@ -111,8 +116,10 @@ class ModelView:
         return cls(spec.model_id, spec.slo, tuple(sorted(valid.items())), awake, gpu, spec.runtime.max_batch_size)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Violation:
+class Violation(typing.NamedTuple):
+    """One model over its limit in one window (a named tuple: a loaded node makes many per window, and a frozen
+    dataclass costs several times as much to make)."""
+
     model: str
     p99_ms: float
     limit_ms: float
@@ -122,8 +129,7 @@ class Violation:
     past_deadline: bool  # longer than the model's recoveryDeadlineMs
 
 
-@dataclasses.dataclass(frozen=True)
-class Decision:
+class Decision(typing.NamedTuple):
     state: State
     candidate: State
     changed: bool
@@ -133,16 +139,33 @@ class Decision:
 
 
 class _Track:
-    """Per model, between windows."""
+    """One model between windows: its arrivals, idleness and violation, and the constants of its current view
+    (bound again only when the model set changes, so that a window reads them without working them out)."""
 
-    __slots__ = ("arrivals1", "arrivals2", "idle", "seen", "violating", "violation_start")
+    __slots__ = ("arrivals", "arrivals1", "arrivals2", "awake", "baselines", "capped_at", "capped_base",
+                 "deadline_ms", "idle", "model", "scalar", "seen", "steps", "tolerance", "uncapped", "view",
+                 "violating", "violation_start")
 
-    def __init__(self) -> None:
+    def __init__(self, model: str) -> None:
+        self.model = model
         self.arrivals1 = self.arrivals2 = 0  # arrivals in the window before last, and in the last
+        self.arrivals = 0  # in this window
         self.seen = 0  # windows seen, up to 2
         self.idle = 0
         self.violating = 0
         self.violation_start = 0.0
+        self.tolerance = 0.0  # at this window's other load
+
+    def bind(self, view: ModelView) -> None:
+        self.view = view
+        self.awake = view.awake
+        self.baselines = view.baselines
+        self.uncapped = view.uncapped
+        self.deadline_ms = float(view.slo.recovery_deadline_ms)
+        self.steps = view.steps
+        self.scalar: float | None = view.steps[0][1] if len(view.steps) == 1 else None
+        self.capped_at = 0  # the cap whose baseline capped_base holds
+        self.capped_base = 0.0
 
 
 def baseline(steps: Sequence[tuple[int, float]], cap: int) -> float:
@@ -158,99 +181,130 @@ def baseline(steps: Sequence[tuple[int, float]], cap: int) -> float:
 class Decider:
     def __init__(self, settings: policy.Settings | None = None) -> None:
         self.settings = settings or policy.Settings()
-        self.state = State.ACCEPT
+        self.state = _ACCEPT
         self._pending: State | None = None
         self._agree = 0
         self.caps: dict[str, int] = {}
         self.shed: set[str] = set()
         self._tracks: dict[str, _Track] = {}
+        self._bound: list[_Track] = []  # the tracks of the views last seen, in their order
+        self._seen_keys: tuple[str, ...] = ()
+        self._seen_ids: tuple[int, ...] = ()
+        s = self.settings
+        self._window_s = s.autonomy_sample_ms * s.autonomy_window_samples / 1e3
+        self._deadline_share = s.autonomy_deadline_share_pct / 100.0
+        self._windows_to = {_EMERGENCY: s.autonomy_emergency_windows or s.autonomy_hysteresis_windows}
+        self._calm_windows = s.autonomy_calm_windows or s.autonomy_hysteresis_windows
+
+    def _bind(self, views: Mapping[str, ModelView]) -> list[_Track]:
+        """The tracks of `views` in their order, bound to them; the same list while the views stay the same
+        objects (what a window costs must not grow with the work of working out each model's constants)."""
+        keys = tuple(views)
+        ids = tuple(map(id, views.values()))
+        if keys == self._seen_keys and ids == self._seen_ids:
+            return self._bound
+        tracks = self._tracks
+        for gone in [m for m in tracks if m not in views]:
+            del tracks[gone]
+        bound = []
+        for model, view in views.items():
+            track = tracks.get(model)
+            if track is None:
+                track = tracks[model] = _Track(model)
+            track.bind(view)
+            bound.append(track)
+        self._bound, self._seen_keys, self._seen_ids = bound, keys, ids
+        return bound
 
     def decide(self, window: windows.Window, views: Mapping[str, ModelView], explain: bool = False) -> Decision:
         s = self.settings
         path: list[str] | None = [] if explain else None
-        seconds = window.seconds if window.seconds > 0 else s.autonomy_sample_ms * s.autonomy_window_samples / 1e3
+        seconds = window.seconds if window.seconds > 0 else self._window_s
         loads = window.models
-        total_completed = sum(w.completed for w in loads.values())
-        tracks = self._tracks
-        for gone in [m for m in tracks if m not in views]:
-            del tracks[gone]
+        get = loads.get
+        total_completed = 0
+        for w in loads.values():
+            total_completed += w.completed
+        tracks = self._bind(views)
 
-        tolerance: dict[str, float] = {}
         violations: list[Violation] = []
         accelerating: list[str] = []
-        active: list[str] = []  # awake, or with traffic
-        idle: list[str] = []
-        past_deadline = False
+        past_deadline = urgent = False
         util = window.util_pct
-        idle_after = s.autonomy_idle_windows
-        min_rate = s.autonomy_preload_min_rate
+        min_arrivals = s.autonomy_preload_min_rate * seconds
         caps = self.caps
-        for model, view in views.items():
-            track = tracks.get(model)
-            if track is None:
-                track = tracks[model] = _Track()
-            load = loads.get(model)
+        share = self._deadline_share
+        end = window.end
+        for track in tracks:
+            load = get(track.model)
             if load is None:
-                arrivals, p99, other = 0, None, util
+                arrivals, p99, completed = 0, None, 0
                 track.idle += 1
             else:
-                arrivals, p99 = load.arrivals, load.p99_ms
-                other = util * (1.0 - load.completed / total_completed) if total_completed else util
+                arrivals, p99, completed = load.arrivals, load.p99_ms, load.completed
                 if arrivals or load.queue_depth:
                     track.idle = 0
                 else:
                     track.idle += 1
-            pct = view.steps[-1][1]
-            for below, step_pct in view.steps:
-                if other < below:
-                    pct = step_pct
-                    break
-            tolerance[model] = pct
-            if view.awake:
-                active.append(model)
-                if track.idle >= idle_after:
-                    idle.append(model)
-            else:
-                if arrivals:
-                    active.append(model)
-                rate = arrivals / seconds
-                # Slope and acceleration in arrivals per window (windows are of one length but for jitter, which
-                # would make a flat rate look like it wobbles up and down).
-                if (track.seen == 2 and rate >= min_rate and arrivals > track.arrivals2
-                        and arrivals - track.arrivals2 > track.arrivals2 - track.arrivals1):
-                    accelerating.append(model)
-            track.arrivals1, track.arrivals2 = track.arrivals2, arrivals
+            pct = track.scalar
+            if pct is None:
+                other = util * (1.0 - completed / total_completed) if total_completed else util
+                steps = track.steps
+                pct = steps[-1][1]
+                for below, step_pct in steps:
+                    if other < below:
+                        pct = step_pct
+                        break
+            track.tolerance = pct
+            track.arrivals = arrivals
+            before = track.arrivals2
+            # Slope and acceleration in arrivals per window (windows are of one length but for jitter, which
+            # would make a flat rate look like it wobbles up and down).
+            if (not track.awake and track.seen == 2 and arrivals >= min_arrivals and arrivals > before
+                    and arrivals - before > before - track.arrivals1):
+                accelerating.append(track.model)
+            track.arrivals1 = before
+            track.arrivals2 = arrivals
             if track.seen < 2:
                 track.seen += 1
-            if p99 is None or not view.baselines:
+            if p99 is None or not track.baselines:
                 track.violating = 0
                 continue
-            cap = caps.get(model) if caps else None
-            limit = (view.uncapped if cap is None else baseline(view.baselines, cap)) * (1.0 + pct / 100.0)
+            cap = caps.get(track.model) if caps else None
+            if cap is None:
+                base = track.uncapped
+            elif cap == track.capped_at:
+                base = track.capped_base
+            else:
+                base = track.capped_base = baseline(track.baselines, cap)
+                track.capped_at = cap
+            limit = base * (1.0 + pct / 100.0)
             if p99 <= limit:
                 track.violating = 0
                 continue
+            other = util * (1.0 - completed / total_completed) if total_completed else util
             if track.violating == 0:
                 track.violation_start = window.start
             track.violating += 1
-            violating_ms = (window.end - track.violation_start) * 1e3
-            late = violating_ms > view.slo.recovery_deadline_ms
+            violating_ms = (end - track.violation_start) * 1e3
+            late = violating_ms > track.deadline_ms
             past_deadline = past_deadline or late
-            violations.append(Violation(model, p99, limit, other, track.violating, violating_ms, late))
+            urgent = urgent or late or violating_ms > track.deadline_ms * share
+            violations.append(Violation(track.model, p99, limit, other, track.violating, violating_ms, late))
             if path is not None:
-                path.append(f"{model}: p99 {p99:.3f} ms > {limit:.3f} ms (tolerance {pct:g}% at other load "
+                path.append(f"{track.model}: p99 {p99:.3f} ms > {limit:.3f} ms (tolerance {pct:g}% at other load "
                             f"{other:.1f}%), {track.violating} windows, {violating_ms:.0f} ms"
                             + (" past its recovery deadline" if late else ""))
 
         memory = window.memory_pct
-        if memory >= s.autonomy_emergency_above_pct or past_deadline:
-            candidate = State.EMERGENCY
+        if memory >= s.autonomy_emergency_above_pct or urgent:
+            candidate = _EMERGENCY
         elif memory >= s.autonomy_optimize_above_pct or violations:
-            candidate = State.OPTIMIZE
+            candidate = _OPTIMIZE
         elif memory < s.autonomy_preload_below_pct:
-            candidate = State.PRELOAD
+            candidate = _PRELOAD
         else:
-            candidate = State.ACCEPT
+            candidate = _ACCEPT
         if path is not None:
             path.append(f"memory {memory:.1f}% (preload < {s.autonomy_preload_below_pct:g}, optimize >= "
                         f"{s.autonomy_optimize_above_pct:g}, emergency >= {s.autonomy_emergency_above_pct:g}), "
@@ -263,65 +317,69 @@ class Decider:
             self._agree += 1
         else:
             self._pending, self._agree = candidate, 1
-        if self._pending is not None and self._agree >= s.autonomy_hysteresis_windows:
+        needed = (self._calm_windows if previous == _EMERGENCY
+                  else self._windows_to.get(candidate, s.autonomy_hysteresis_windows))
+        if self._pending is not None and self._agree >= needed:
             self.state, self._pending, self._agree = candidate, None, 0
         state = self.state
         if path is not None:
             path.append(f"state {previous} -> {state}" if state != previous else
-                        f"state stays {state}" + (f" ({self._agree}/{s.autonomy_hysteresis_windows} windows for "
+                        f"state stays {state}" + (f" ({self._agree}/{needed} windows for "
                                                    f"{self._pending})" if self._pending else ""))
 
         actions: list[Action] = []
-        if previous == State.EMERGENCY and state != State.EMERGENCY and self.shed:
+        if previous == _EMERGENCY and state != _EMERGENCY and self.shed:
             actions += [Unshed(m) for m in sorted(self.shed)]
             self.shed.clear()
-        if state in (State.PRELOAD, State.ACCEPT) and self.caps:
+        if state in (_PRELOAD, _ACCEPT) and self.caps:
             actions += [RestoreBatchCap(m) for m in sorted(self.caps)]
             self.caps.clear()
-        if state == State.PRELOAD:
+        if state == _PRELOAD:
             actions += [Preload(m) for m in accelerating]
-        elif state == State.OPTIMIZE:
-            self._optimize(views, tolerance, violations, idle, actions)
-        elif state == State.EMERGENCY:
-            self._emergency(views, tolerance, active, actions)
+        elif state == _OPTIMIZE:
+            self._optimize(tracks, violations, actions)
+        elif state == _EMERGENCY:
+            self._emergency(tracks, actions, memory >= s.autonomy_emergency_above_pct)
         if path is not None:
             path.append(f"actions: {actions or 'none'}")
         return Decision(state, candidate, state != previous, tuple(actions), tuple(violations),
                         tuple(path) if path is not None else ())
 
-    def _optimize(self, views: Mapping[str, ModelView], tolerance: Mapping[str, float],
-                  violations: Sequence[Violation], idle: Sequence[str], actions: list[Action]) -> None:
+    def _optimize(self, tracks: Sequence[_Track], violations: Sequence[Violation], actions: list[Action]) -> None:
         caps = self.caps
         if violations:
             violating = {v.model for v in violations}
+            tolerance = {t.model: t.tolerance for t in tracks}
             # Co-runners that may give way, the most tolerant first; each gives way once per window.
-            donors = sorted((m for m, v in views.items() if v.awake and m not in violating
-                             and caps.get(m, v.max_batch) > 1), key=lambda m: (-tolerance[m], m))
+            donors = sorted((t for t in tracks if t.awake and t.model not in violating
+                             and caps.get(t.model, t.view.max_batch) > 1), key=lambda t: (-t.tolerance, t.model))
             for victim in sorted(violating, key=lambda m: (tolerance[m], m)):
-                if not donors or tolerance[donors[0]] < tolerance[victim]:
+                if not donors or donors[0].tolerance < tolerance[victim]:
                     continue
                 best = donors.pop(0)
-                cap = caps[best] = max(1, caps.get(best, views[best].max_batch) // 2)
-                actions.append(LowerBatchCap(best, cap))
+                cap = caps[best.model] = max(1, caps.get(best.model, best.view.max_batch) // 2)
+                actions.append(LowerBatchCap(best.model, cap))
+        idle_after = self.settings.autonomy_idle_windows
+        idle = [t for t in tracks if t.awake and t.idle >= idle_after]
         if idle:
-            least = min(tolerance[m] for m, v in views.items() if v.awake)
-            for model in sorted(idle, key=lambda m: (-tolerance[m], m)):
-                if tolerance[model] > least:
-                    actions.append(Demote(model, _rest(views[model])))
+            least = min(t.tolerance for t in tracks if t.awake)
+            for track in sorted(idle, key=lambda t: (-t.tolerance, t.model)):
+                if track.tolerance > least:
+                    actions.append(Demote(track.model, _rest(track.view)))
 
-    def _emergency(self, views: Mapping[str, ModelView], tolerance: Mapping[str, float], active: Sequence[str],
-                   actions: list[Action]) -> None:
+    def _emergency(self, tracks: Sequence[_Track], actions: list[Action], memory: bool) -> None:
+        active = [t for t in tracks if t.awake or t.arrivals]
         if not active:
             return
-        least = min(tolerance[m] for m in active)
-        candidates = [m for m in active if m not in self.shed and tolerance[m] > least]
+        least = min(t.tolerance for t in active)
+        candidates = [t for t in active if t.model not in self.shed and t.tolerance > least]
         if not candidates:
             return
-        model = min(candidates, key=lambda m: (-tolerance[m], m))
-        self.shed.add(model)
-        actions.append(Shed(model, self.settings.autonomy_shed_retry_after_ms))
-        if views[model].awake:
-            actions.append(Demote(model, _rest(views[model])))
+        chosen = min(candidates, key=lambda t: (-t.tolerance, t.model))
+        self.shed.add(chosen.model)
+        actions.append(Shed(chosen.model, self.settings.autonomy_shed_retry_after_ms))
+        if memory and chosen.awake:
+            actions.append(Demote(chosen.model, _rest(chosen.view)))
 
 
 def _rest(view: ModelView) -> api.Tier:

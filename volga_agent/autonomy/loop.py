@@ -130,12 +130,15 @@ def apply(action: decider.Action, actuator: Actuator) -> None:
 
 
 class Views:
-    """The decider's view of each model on the node, rebuilt from the pool for every window (the baselines that
-    hold for a ModelSpec are worked out once per ModelSpec)."""
+    """The decider's view of each model on the node, read from the pool for every window: the same mapping (the
+    same objects) while no model came, went, woke or slept, so that the decider keeps what it worked out of them;
+    the baselines that hold for a ModelSpec are worked out once per ModelSpec."""
 
     def __init__(self, node_pool: pool.Pool) -> None:
         self.pool = node_pool
         self._cache: dict[str, tuple[api.ModelSpecSpec, decider.ModelView]] = {}
+        self._key: tuple[tuple[str, int, bool, bool], ...] = ()
+        self._views: dict[str, decider.ModelView] = {}
 
     def __call__(self) -> dict[str, decider.ModelView]:
         awake: dict[str, bool] = {}
@@ -147,6 +150,9 @@ class Views:
             specs[model] = inst.spec
             awake[model] = awake.get(model, False) or inst.tier == api.Tier.HOT
             gpu[model] = gpu.get(model, False) or inst.gpu
+        key = tuple((model, id(spec), awake[model], gpu[model]) for model, spec in specs.items())
+        if key == self._key:
+            return self._views
         views = {}
         for model, spec in specs.items():
             cached = self._cache.get(model)
@@ -157,6 +163,7 @@ class Views:
                                              base.max_batch)
         for gone in set(self._cache) - set(specs):
             del self._cache[gone]
+        self._key, self._views = key, views
         return views
 
 

@@ -8,6 +8,10 @@ implement it: `GrpcAgentLink` for the sidecar (the agent's gRPC API) and `LocalA
 Both links also say what the agent knows of a model's instances (`instances`: tier and the reason the agent
 recorded, e.g. a worker that could not start), which the gateway's readiness answers are built from.
 
+A sidecar gateway also keeps its node's autonomy loop informed: `Exchanger` sends the data plane's per-model
+load to the agent (ExchangeLoad) every few tens of milliseconds, off the request path, and enforces the batch
+caps and shed models the answer carries.
+
 `Forwarder` is the third way out: for a model placed only on other nodes, it passes the request on to one
 of their gateways over gRPC, once. Forwarded requests carry `x-volga-forwarded` and are never forwarded
 again (`docs/architecture.md`).
@@ -16,7 +20,10 @@ again (`docs/architecture.md`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import functools
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
@@ -30,6 +37,7 @@ from volga_agent.rpc.volga.v1 import agent_pb2 as agent_pb
 from volga_agent.rpc.volga.v1 import agent_pb2_grpc as agent_grpc
 from volga_operator import api
 
+log = logging.getLogger(__name__)
 FORWARDED = "x-volga-forwarded"
 PASSED_ON = ("x-input-hash", "x-device-hint", "authorization")  # the gateways of a cluster share tokens
 
@@ -109,8 +117,127 @@ class GrpcAgentLink:
             raise ConnectionError(f"agent {self.address}: {exc.code().name}: {exc.details()}") from None
         return [InstanceState(i.name, agent_pb.Tier.Name(i.tier), i.state_reason) for i in reply.instances]
 
+    async def exchange_load(self, loads: Mapping[str, LoadReading], timeout: float = 1.0) -> Directives:
+        """Send the load since the previous call; the autonomy loop's directives back. ConnectionError: no agent."""
+        request = agent_pb.ExchangeLoadRequest(loads=[
+            agent_pb.ModelLoad(model_id=m, arrivals=x.arrivals, completed=x.completed, queue_depth=x.queue_depth,
+                               latencies_ms=x.latencies_ms, shed=x.shed) for m, x in loads.items()])
+        try:
+            reply = await self.stub.ExchangeLoad(request, timeout=timeout, metadata=self.metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise ConnectionError(f"agent {self.address}: {exc.code().name}: {exc.details()}") from None
+        return Directives(reply.autonomy, dict(reply.batch_caps), dict(reply.shed_retry_after_ms), reply.period_ms)
+
     async def close(self) -> None:
         await self.channel.close()
+
+
+class LoadReading(Protocol):
+    """One model's load as the data plane drains it (`dataplane.ModelLoad`)."""
+
+    @property
+    def arrivals(self) -> int: ...
+
+    @property
+    def completed(self) -> int: ...
+
+    @property
+    def queue_depth(self) -> int: ...
+
+    @property
+    def latencies_ms(self) -> tuple[float, ...]: ...
+
+    @property
+    def shed(self) -> int: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Directives:
+    """The node's autonomy loop's word, in full: caps by model, shed models with their retry hint."""
+
+    autonomy: bool
+    batch_caps: Mapping[str, int]
+    shed_retry_after_ms: Mapping[str, int]
+    period_ms: int
+
+
+class Steered(Protocol):
+    """What `Exchanger` reads and steers of the data plane."""
+
+    def drain_load(self) -> Mapping[str, LoadReading]: ...
+
+    def set_batch_cap(self, model: str, cap: int | None) -> None: ...
+
+    def shed(self, model: str, retry_after_ms: int) -> None: ...
+
+    def unshed(self, model: str) -> None: ...
+
+
+class Exchanger:
+    """The sidecar's half of the load exchange: a task that drains the data plane's load, sends it to the agent,
+    and makes the data plane's caps and sheds what the agent's answer says, every `period_ms` the agent asks for.
+    Failures (no agent yet, a restart) are logged once per run of them and retried; the data plane keeps what
+    it was last told until an answer says otherwise."""
+
+    def __init__(self, plane: Steered, link: GrpcAgentLink, period_ms: float = 50.0) -> None:
+        self.plane = plane
+        self.link = link
+        self.period = period_ms / 1e3
+        self.exchanges = 0  # answered calls
+        self._caps: dict[str, int] = {}
+        self._shed: dict[str, int] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="load-exchange")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        failing = False
+        while True:
+            try:
+                directives = await self.link.exchange_load(self.plane.drain_load())
+            except ConnectionError as exc:
+                if not failing:
+                    log.warning("load exchange with the agent failed (retrying): %s", exc)
+                failing = True
+            else:
+                failing = False
+                self.exchanges += 1
+                self.apply(directives)
+                if directives.period_ms:
+                    self.period = directives.period_ms / 1e3
+            await asyncio.sleep(self.period)
+
+    def apply(self, directives: Directives) -> None:
+        """Make the data plane's caps and sheds those of `directives`, changing only what differs."""
+        for model, cap in directives.batch_caps.items():
+            if self._caps.get(model) != cap and _tried(functools.partial(self.plane.set_batch_cap, model, cap)):
+                self._caps[model] = cap
+        for model in [m for m in self._caps if m not in directives.batch_caps]:
+            _tried(functools.partial(self.plane.set_batch_cap, model, None))
+            del self._caps[model]
+        for model, retry in directives.shed_retry_after_ms.items():
+            if self._shed.get(model) != retry and _tried(functools.partial(self.plane.shed, model, retry)):
+                self._shed[model] = retry
+        for model in [m for m in self._shed if m not in directives.shed_retry_after_ms]:
+            self.plane.unshed(model)
+            del self._shed[model]
+
+
+def _tried(call: Callable[[], None]) -> bool:
+    try:
+        call()
+    except (errors.UnknownModel, ValueError) as exc:  # a model this gateway's catalog does not hold (yet)
+        log.debug("load exchange: %s", exc)
+        return False
+    return True
 
 
 class LocalAgentLink:

@@ -142,3 +142,51 @@ class ListInstancesResponse(_message.Message):
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
     instances: _containers.RepeatedCompositeFieldContainer[Instance]
     def __init__(self, instances: _Optional[_Iterable[_Union[Instance, _Mapping]]] = ...) -> None: ...
+
+class ModelLoad(_message.Message):
+    __slots__ = ("model_id", "arrivals", "completed", "queue_depth", "latencies_ms", "shed")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    ARRIVALS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    LATENCIES_MS_FIELD_NUMBER: _ClassVar[int]
+    SHED_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    arrivals: int
+    completed: int
+    queue_depth: int
+    latencies_ms: _containers.RepeatedScalarFieldContainer[float]
+    shed: int
+    def __init__(self, model_id: _Optional[str] = ..., arrivals: _Optional[int] = ..., completed: _Optional[int] = ..., queue_depth: _Optional[int] = ..., latencies_ms: _Optional[_Iterable[float]] = ..., shed: _Optional[int] = ...) -> None: ...
+
+class ExchangeLoadRequest(_message.Message):
+    __slots__ = ("loads",)
+    LOADS_FIELD_NUMBER: _ClassVar[int]
+    loads: _containers.RepeatedCompositeFieldContainer[ModelLoad]
+    def __init__(self, loads: _Optional[_Iterable[_Union[ModelLoad, _Mapping]]] = ...) -> None: ...
+
+class ExchangeLoadResponse(_message.Message):
+    __slots__ = ("autonomy", "batch_caps", "shed_retry_after_ms", "period_ms")
+    class BatchCapsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class ShedRetryAfterMsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    AUTONOMY_FIELD_NUMBER: _ClassVar[int]
+    BATCH_CAPS_FIELD_NUMBER: _ClassVar[int]
+    SHED_RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
+    PERIOD_MS_FIELD_NUMBER: _ClassVar[int]
+    autonomy: bool
+    batch_caps: _containers.ScalarMap[str, int]
+    shed_retry_after_ms: _containers.ScalarMap[str, int]
+    period_ms: int
+    def __init__(self, autonomy: bool = ..., batch_caps: _Optional[_Mapping[str, int]] = ..., shed_retry_after_ms: _Optional[_Mapping[str, int]] = ..., period_ms: _Optional[int] = ...) -> None: ...

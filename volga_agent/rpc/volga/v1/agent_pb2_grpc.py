@@ -54,6 +54,11 @@ class AgentStub(object):
                 request_serializer=volga_dot_v1_dot_agent__pb2.ListInstancesRequest.SerializeToString,
                 response_deserializer=volga_dot_v1_dot_agent__pb2.ListInstancesResponse.FromString,
                 _registered_method=True)
+        self.ExchangeLoad = channel.unary_unary(
+                '/volga.v1.Agent/ExchangeLoad',
+                request_serializer=volga_dot_v1_dot_agent__pb2.ExchangeLoadRequest.SerializeToString,
+                response_deserializer=volga_dot_v1_dot_agent__pb2.ExchangeLoadResponse.FromString,
+                _registered_method=True)
 
 
 class AgentServicer(object):
@@ -81,7 +86,16 @@ class AgentServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def ListInstances(self, request, context):
-        """Every instance the agent owns, with its tier.
+        """Every instance the agent owns, with its tier and state_reason; instances of its plan it could not create
+        are listed as COLD, with the reason.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExchangeLoad(self, request, context):
+        """A sidecar gateway's periodic exchange with the node's autonomy loop (never on a request's path): its
+        per-model load since its previous call in, the loop's directives (batch caps, shed models) out.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -109,6 +123,11 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.ListInstances,
                     request_deserializer=volga_dot_v1_dot_agent__pb2.ListInstancesRequest.FromString,
                     response_serializer=volga_dot_v1_dot_agent__pb2.ListInstancesResponse.SerializeToString,
+            ),
+            'ExchangeLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExchangeLoad,
+                    request_deserializer=volga_dot_v1_dot_agent__pb2.ExchangeLoadRequest.FromString,
+                    response_serializer=volga_dot_v1_dot_agent__pb2.ExchangeLoadResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +238,33 @@ class Agent(object):
             '/volga.v1.Agent/ListInstances',
             volga_dot_v1_dot_agent__pb2.ListInstancesRequest.SerializeToString,
             volga_dot_v1_dot_agent__pb2.ListInstancesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExchangeLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/volga.v1.Agent/ExchangeLoad',
+            volga_dot_v1_dot_agent__pb2.ExchangeLoadRequest.SerializeToString,
+            volga_dot_v1_dot_agent__pb2.ExchangeLoadResponse.FromString,
             options,
             channel_credentials,
             insecure,

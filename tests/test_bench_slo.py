@@ -1,0 +1,51 @@
+"""`volga bench slo` with tiny durations: it builds and calibrates its models, runs `volga up` with autonomy off
+and on under the same load, and prints the keys its report promises (no timing is asserted)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from volga_bench import slo
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def test_bench_slo_prints_its_numbers() -> None:
+    out = subprocess.run([sys.executable, "-m", "volga_agent.cli", "bench", "slo", "--json", "--seconds", "3",
+                          "--pulse-every", "2", "--pulse-seconds", "1", "--calibrate-iterations", "10"],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    for side in ("autonomy_off", "autonomy_on"):
+        assert {"violating_windows", "p99_ms", "episodes_past_deadline"} <= set(report[side])
+        assert report[side]["windows_judged"] > 0
+    assert set(report["decision_us"]) == {"p50", "p99"} and report["decision_us"]["p50"] is not None
+    assert report["sampling_jitter_ms"]["p99"] is not None
+    assert {"shed", "p99_ms"} <= set(report["tolerant"]["on"]) and "p99_ms" in report["tolerant"]["off"]
+    assert report["tolerant"]["off"]["shed"] == 0  # nothing sheds without the loop
+    assert report["baseline_p99_ms"][slo.PROTECTED] > 0 and len(report["load_average"]) == 3
+
+
+def test_the_histogram_quantiles_interpolate_within_buckets() -> None:
+    text = "\n".join(['x_bucket{le="10.0"} 50.0', 'x_bucket{le="20.0"} 90.0', 'x_bucket{le="+Inf"} 100.0'])
+    q = slo.histogram_quantiles(text, "x", (0.5, 0.7, 0.99))
+    assert q[0.5] == pytest.approx(10.0) and q[0.7] == pytest.approx(15.0) and q[0.99] == pytest.approx(20.0)
+    assert slo.histogram_quantiles("", "x", (0.5,)) == {0.5: None}
+
+
+def test_violating_windows_and_episodes_are_counted_by_completion_time() -> None:
+    records = [slo.Record(slo.PROTECTED, t, ms, "OK") for t, ms in
+               ((0.01, 5.0), (0.11, 50.0), (0.21, 60.0), (0.31, 5.0), (0.41, 70.0))]
+    records.append(slo.Record(slo.TOLERANT, 0.0, 500.0, "OK"))
+    judged = slo.judge(records, limit_ms=10.0, deadline_ms=150.0, seconds=0.5)
+    assert (judged["violating_windows"], judged["episodes"], judged["episodes_past_deadline"]) == (3, 2, 1)
+    assert judged["violating_at_s"] == [0.1, 0.2, 0.4]
+    assert slo.retry_hint_ms("model 'heavy' is shedding load; retry after 1000 ms") == 1000.0

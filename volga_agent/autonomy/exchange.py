@@ -1,0 +1,91 @@
+"""The autonomy loop's gateway when the gateway is another process (the sidecar of a cluster node).
+
+The loop steers a `loop.Gateway`; in `volga up` that is the gateway's data plane itself. In a cluster the
+gateway runs beside the agent, so an `Exchange` stands in for it on the agent's side: what the loop decides
+(batch caps, shed models) is kept as directives, and the load the gateway pushes (`push`, from the Agent API's
+ExchangeLoad call, every few tens of milliseconds) is summed until the sampler drains it. The gateway takes the
+directives back in the answer to the same call, so nothing crosses between the processes on a request's path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Mapping
+
+from volga_agent.autonomy import window as windows
+
+
+@dataclasses.dataclass(frozen=True)
+class Directives:
+    """What the gateway is to enforce, in full (not changes): caps by model, shed models with their retry hint."""
+
+    batch_caps: Mapping[str, int]
+    shed_retry_after_ms: Mapping[str, int]
+
+
+@dataclasses.dataclass
+class _Sum:
+    arrivals: int = 0
+    completed: int = 0
+    queue_depth: int = 0
+    shed: int = 0
+    latencies_ms: list[float] = dataclasses.field(default_factory=list)
+
+
+class Exchange:
+    """Directives out, load in; safe from any thread (the loop's, the sampler's, the Agent API's)."""
+
+    # Latencies kept per model between two drains: a sampler that stalls must not let them grow without end.
+    MAX_LATENCIES = 65536
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._caps: dict[str, int] = {}
+        self._shed: dict[str, int] = {}
+        self._loads: dict[str, _Sum] = {}
+
+    # -- the loop's side (loop.Gateway) ---------------------------------------------------------------
+
+    def set_batch_cap(self, model: str, cap: int | None) -> None:
+        with self._lock:
+            if cap is None:
+                self._caps.pop(model, None)
+            else:
+                self._caps[model] = cap
+
+    def shed(self, model: str, retry_after_ms: int) -> None:
+        with self._lock:
+            self._shed[model] = retry_after_ms
+
+    def unshed(self, model: str) -> None:
+        with self._lock:
+            self._shed.pop(model, None)
+
+    def drain_load(self) -> dict[str, windows.ModelLoad]:
+        with self._lock:
+            loads, self._loads = self._loads, {}
+        return {m: windows.ModelLoad(s.arrivals, s.completed, s.queue_depth, tuple(s.latencies_ms), s.shed)
+                for m, s in loads.items()}
+
+    # -- the gateway's side (the Agent API) ------------------------------------------------------------
+
+    def push(self, loads: Mapping[str, windows.LoadReading]) -> Directives:
+        """Add the gateway's load since its previous push; the directives in force."""
+        with self._lock:
+            for model, load in loads.items():
+                total = self._loads.get(model)
+                if total is None:
+                    total = self._loads[model] = _Sum()
+                total.arrivals += load.arrivals
+                total.completed += load.completed
+                total.queue_depth = load.queue_depth  # a level, not a count: the latest holds
+                total.shed += load.shed
+                room = self.MAX_LATENCIES - len(total.latencies_ms)
+                if room > 0:
+                    total.latencies_ms.extend(load.latencies_ms[-room:])
+            return Directives(dict(self._caps), dict(self._shed))
+
+    def directives(self) -> Directives:
+        with self._lock:
+            return Directives(dict(self._caps), dict(self._shed))

@@ -1,0 +1,428 @@
+"""`volga bench slo`: a latency-critical model beside a heavy tolerant one on one `volga up`, under bursty load,
+with the node autonomy loop off and on, side by side in one run.
+
+Two ONNX models are built with the onnx helper API (stacks of MatMul + Tanh): `critical` (interference tolerance
+15 %, one intra-op thread, requests of one row) and `heavy` (300 %, four intra-op threads, requests of several
+rows, several times the work). `volga calibrate`'s measurement (`calibrate.measure`, a real worker alone) gives
+both their baselines first, written into their ModelSpecs tagged with version and input hash. Then, per round,
+`volga up` runs once without and once with `--autonomy` (the same node settings file, the same seeded arrival
+schedule): tritonclient gRPC clients send `critical` open-loop arrivals at a steady rate, and `heavy`
+requests from closed-loop clients (a request, then a think time), one between pulses and 8-12 during pulses of
+a few seconds; a `heavy` client told to back off (RESOURCE_EXHAUSTED) waits the retry hint it was given.
+
+Counted from the clients' own timings: the protected model's violating windows (100 ms windows by completion
+time whose nearest-rank p99 exceeds its batch-1 baseline x (1 + tolerance)), its p99 over the run, and its
+violation episodes (consecutive violating windows) longer than its recoveryDeadlineMs; what the tolerant model
+lost (requests shed with RESOURCE_EXHAUSTED, its p99). From `volga up`'s /metrics with autonomy on: the
+decision time and the sampler's jitter, as quantiles interpolated within the loop's histogram buckets. The
+load average is reported: the machine may be shared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import pathlib
+import random
+import re
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+import yaml
+from tritonclient.utils import InferenceServerException
+
+from volga_agent import calibrate
+from volga_bench import harness, reporting
+from volga_operator import api
+
+PROTECTED, TOLERANT = "critical", "heavy"
+WINDOW_S = 0.1
+# The node settings of both runs; the on-run adds --autonomy. Tuned for bursts of a few seconds: into
+# EMERGENCY at once when a violation has lasted 15 % of the recovery deadline, out of it (unshed) only after
+# 3 s without one.
+SETTINGS: dict[str, Any] = {"autonomyEmergencyWindows": 1, "autonomyCalmWindows": 30,
+                            "autonomyDeadlineSharePct": 15.0, "autonomyShedRetryAfterMs": 1000}
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    name: str
+    tokens: int
+    features: int
+    width: int
+    layers: int
+    threads: int
+    batch: int  # rows per request
+    tolerance_pct: float
+    deadline_ms: float
+
+
+MODELS = (Model(PROTECTED, 512, 64, 384, 6, 1, 1, 15.0, 1000.0),
+          Model(TOLERANT, 128, 64, 768, 6, 4, 4, 300.0, 10_000.0))
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    seconds: float = 40.0  # of traffic per run
+    rounds: int = 1  # off-on pairs
+    protected_rate: float = 8.0  # requests/s
+    tolerant_clients: int = 1  # between pulses
+    tolerant_think_s: float = 0.4  # each tolerant client's pause between an answer and its next request
+    pulse_every_s: float = 10.0
+    pulse_s: float = 3.0
+    pulse_factor: tuple[float, float] = (8.0, 12.0)
+    calibrate_iterations: int = 300
+    seed: int = 11
+
+
+def build_onnx(model: Model, path: pathlib.Path) -> pathlib.Path:
+    """[batch, features] -> broadcast to [batch, tokens, features] -> MatMul to width -> `layers` x (MatMul
+    width x width, Tanh) -> mean: [batch]. The input stays small, so that the request's cost is the model's
+    compute, not the transfer of its tensors."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(len(model.name) * 1000 + model.width)
+    inits = [numpy_helper.from_array((rng.standard_normal((model.features, model.width)) / 8).astype(np.float32),
+                                     "w_in"),
+             numpy_helper.from_array(np.array([1], dtype=np.int64), "one"),
+             numpy_helper.from_array(np.array([1, model.tokens, 1], dtype=np.int64), "spread")]
+    nodes = [helper.make_node("Unsqueeze", ["x", "one"], ["x1"]),
+             helper.make_node("Expand", ["x1", "spread"], ["xs"]),
+             helper.make_node("MatMul", ["xs", "w_in"], ["h0"])]
+    for i in range(model.layers):
+        w = rng.standard_normal((model.width, model.width)) / math.sqrt(model.width)
+        inits.append(numpy_helper.from_array(w.astype(np.float32), f"w{i}"))
+        nodes += [helper.make_node("MatMul", [f"h{i}", f"w{i}"], [f"m{i}"]),
+                  helper.make_node("Tanh", [f"m{i}"], [f"h{i + 1}"])]
+    nodes.append(helper.make_node("ReduceMean", [f"h{model.layers}"], ["y"], axes=[1, 2], keepdims=0))
+    graph = helper.make_graph(
+        nodes, model.name, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", model.features])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch"])], inits)
+    built = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="volga-bench")
+    onnx.checker.check_model(built)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(built, path)
+    return path
+
+
+def spec_document(model: Model, path: pathlib.Path) -> dict[str, Any]:
+    return {
+        "apiVersion": api.API_VERSION, "kind": "ModelSpec", "metadata": {"name": model.name},
+        "spec": {"modelId": model.name, "framework": "onnx", "source": f"file://{path}", "version": "1",
+                 "inputs": [{"name": "x", "dtype": "FP32", "shape": [-1, model.features]}],
+                 "outputs": [{"name": "y", "dtype": "FP32", "shape": [-1]}],
+                 "pool": {"frozen": 1},
+                 "slo": {"interferenceTolerancePct": model.tolerance_pct, "recoveryDeadlineMs": model.deadline_ms},
+                 "runtime": {"intraOpThreads": model.threads, "warmupIterations": 3}}}
+
+
+def calibrated(document: dict[str, Any], batch: int, iterations: int) -> tuple[dict[str, Any], float]:
+    """The document with its baseline measured alone (`volga calibrate`) and tagged; the baseline p99 in ms."""
+    spec = api.ModelSpec.model_validate(document).spec
+    result = calibrate.measure(spec, [batch], iterations, "cpu")
+    slo = dict(document["spec"]["slo"])
+    slo["baselineLatencyMs"] = result.baselines()
+    slo["baselineFor"] = {"version": result.version, "inputHash": result.input_hash, "device": result.device}
+    out = {**document, "spec": {**document["spec"], "slo": slo}}
+    return out, float(result.batches[0].p99_ms)
+
+
+def arrivals(config: Config) -> list[float]:
+    """The protected model's seeded open-loop arrivals, in seconds from the start: one per 1 / rate, each moved
+    by up to a fifth of that at random. Evenly spread, so that its requests do not queue behind each other at its
+    one worker: what its windows show is then the co-runner's doing (or the machine's), not its own."""
+    rng = random.Random(config.seed)
+    period = 1.0 / config.protected_rate
+    return [t + rng.uniform(-0.2, 0.2) * period
+            for t in (period * (i + 0.5) for i in range(int(config.seconds * config.protected_rate)))]
+
+
+def pulses(config: Config) -> list[tuple[float, float, int]]:
+    """The tolerant model's pulses: (start, end, clients), from 2 s on, every pulse_every_s, 8-12x the base
+    clients each (seeded)."""
+    rng = random.Random(config.seed + 1)
+    out = []
+    start = 2.0
+    while start < config.seconds:
+        out.append((start, start + config.pulse_s, round(config.tolerant_clients * rng.uniform(*config.pulse_factor))))
+        start += config.pulse_every_s
+    return out
+
+
+@dataclasses.dataclass
+class Record:
+    model: str
+    sent: float  # seconds from the start
+    latency_ms: float = math.nan
+    status: str = ""  # "OK", a gRPC status name, or "" while in flight
+
+
+def retry_hint_ms(message: str) -> float | None:
+    """The retry hint of a shed answer, from its message ("... retry after N ms")."""
+    match = re.search(r"retry after (\d+) ms", message)
+    return float(match.group(1)) if match else None
+
+
+def drive(address: str, config: Config, inputs: dict[str, list[Any]], drain_s: float = 30.0) -> list[Record]:
+    """The protected model's arrivals open-loop (each at its time, answered or not the earlier ones); the tolerant
+    model's clients closed-loop, each a request then a think time, as many as the pulse in force asks for, and
+    each honouring the retry hint of a shed answer as a well-behaved client does."""
+    protected = grpcclient.InferenceServerClient(address)
+    records: list[Record] = []
+    lock = threading.Lock()
+    done = threading.Semaphore(0)
+    sent_protected = 0
+    stop = threading.Event()
+    plan = pulses(config)
+    start = time.perf_counter()
+
+    def answered(record: Record, sent: float, result: Any, error: Any) -> None:
+        record.latency_ms = (time.perf_counter() - sent) * 1e3
+        record.status = "OK" if error is None else str(error.status()).removeprefix("StatusCode.")
+        done.release()
+
+    def tolerant(index: int) -> None:
+        client = grpcclient.InferenceServerClient(address)
+        try:
+            while not stop.is_set():
+                now = time.perf_counter() - start
+                wanted = next((n for a, b, n in plan if a <= now < b), config.tolerant_clients)
+                if index >= wanted:
+                    stop.wait(0.02)
+                    continue
+                record = Record(TOLERANT, now)
+                with lock:
+                    records.append(record)
+                sent = time.perf_counter()
+                pause = config.tolerant_think_s
+                try:
+                    client.infer(TOLERANT, inputs[TOLERANT], client_timeout=drain_s)
+                    record.status = "OK"
+                except InferenceServerException as exc:
+                    record.status = str(exc.status()).removeprefix("StatusCode.")
+                    pause = max(pause, (retry_hint_ms(str(exc)) or 0.0) / 1e3)
+                record.latency_ms = (time.perf_counter() - sent) * 1e3
+                stop.wait(pause)
+        finally:
+            client.close()
+
+    most = max([n for _, _, n in plan] + [config.tolerant_clients])
+    threads = [threading.Thread(target=tolerant, args=(i,), daemon=True) for i in range(most)]
+    for thread in threads:
+        thread.start()
+    try:
+        for at in arrivals(config):
+            delay = start + at - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            record = Record(PROTECTED, time.perf_counter() - start)
+            with lock:
+                records.append(record)
+            sent_protected += 1
+            protected.async_infer(PROTECTED, inputs[PROTECTED], callback=functools.partial(
+                answered, record, start + record.sent), client_timeout=drain_s)
+        time.sleep(max(0.0, start + config.seconds - time.perf_counter()))
+        stop.set()
+        deadline = time.monotonic() + drain_s
+        for _ in range(sent_protected):
+            if not done.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                break
+        for thread in threads:
+            thread.join(timeout=drain_s)
+    finally:
+        stop.set()
+        protected.close()
+    return records
+
+
+def nearest_rank_p99(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
+
+
+def judge(records: Sequence[Record], limit_ms: float, deadline_ms: float, seconds: float) -> dict[str, Any]:
+    """The protected model's windows by completion time: violating ones, episodes, the run's p99."""
+    ok = [r for r in records if r.model == PROTECTED and r.status == "OK"]
+    by_window: dict[int, list[float]] = {}
+    for r in ok:
+        by_window.setdefault(int((r.sent + r.latency_ms / 1e3) / WINDOW_S), []).append(r.latency_ms)
+    windows = math.ceil(seconds / WINDOW_S)
+    violating = [w for w in range(windows) if w in by_window and nearest_rank_p99(by_window[w]) > limit_ms]
+    episodes: list[int] = []
+    for w in violating:
+        if episodes and w - 1 in violating:
+            episodes[-1] += 1
+        else:
+            episodes.append(1)
+    lengths_ms = [n * WINDOW_S * 1e3 for n in episodes]
+    failed = [r for r in records if r.model == PROTECTED and r.status != "OK"]
+    return {"violating_windows": len(violating), "windows_judged": sum(1 for w in range(windows) if w in by_window),
+            "p99_ms": round(float(np.percentile([r.latency_ms for r in ok], 99)), 2) if ok else None,
+            "p50_ms": round(float(np.percentile([r.latency_ms for r in ok], 50)), 2) if ok else None,
+            "requests": len(ok), "failed": len(failed), "episodes": len(episodes),
+            "longest_episode_ms": max(lengths_ms, default=0.0),
+            "episodes_past_deadline": sum(1 for x in lengths_ms if x > deadline_ms),
+            "violating_at_s": [round(w * WINDOW_S, 1) for w in violating]}
+
+
+def tolerant_summary(records: Sequence[Record]) -> dict[str, Any]:
+    mine = [r for r in records if r.model == TOLERANT]
+    ok = [r.latency_ms for r in mine if r.status == "OK"]
+    return {"requests": len(mine), "answered": len(ok), "shed": sum(r.status == "RESOURCE_EXHAUSTED" for r in mine),
+            "other_errors": sum(r.status not in ("OK", "RESOURCE_EXHAUSTED") for r in mine),
+            "p99_ms": round(float(np.percentile(ok, 99)), 2) if ok else None,
+            "p50_ms": round(float(np.percentile(ok, 50)), 2) if ok else None}
+
+
+def histogram_quantiles(text: str, name: str, quantiles: Sequence[float]) -> dict[float, float | None]:
+    """Quantiles of a Prometheus histogram (no labels) from its exposition, interpolated within buckets as
+    PromQL's histogram_quantile does."""
+    buckets: list[tuple[float, float]] = []
+    for line in text.splitlines():
+        if line.startswith(f'{name}_bucket{{le="'):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            buckets.append((math.inf if le == "+Inf" else float(le), float(line.split()[-1])))
+    buckets.sort()
+    out: dict[float, float | None] = {}
+    total = buckets[-1][1] if buckets else 0.0
+    for q in quantiles:
+        if not total:
+            out[q] = None
+            continue
+        rank = q * total
+        lower, below = 0.0, 0.0
+        for bound, count in buckets:
+            if count >= rank:
+                if math.isinf(bound):
+                    out[q] = lower
+                else:
+                    out[q] = lower + (bound - lower) * ((rank - below) / (count - below) if count > below else 1.0)
+                break
+            lower, below = bound, count
+    return out
+
+
+def one_run(specs: pathlib.Path, settings: pathlib.Path, autonomy: bool, config: Config,
+            inputs: dict[str, list[Any]], limit_ms: float, progress: Callable[[str], None]) -> dict[str, Any]:
+    args = ["-f", str(specs), "--settings", str(settings), *(["--autonomy"] if autonomy else [])]
+    with harness.volga_up(args) as up:
+        warm = grpcclient.InferenceServerClient(up.endpoints["grpc"])
+        for model in (PROTECTED, TOLERANT):  # both HOT before the clock starts
+            for _ in range(3):
+                warm.infer(model, inputs[model])
+        warm.close()
+        progress(f"autonomy {'on' if autonomy else 'off'}: {config.seconds:g} s of traffic ...")
+        load_before = os.getloadavg()[0]
+        records = drive(up.endpoints["grpc"], config, inputs)
+        metrics_text = urllib.request.urlopen(up.endpoints["metrics"], timeout=10).read().decode()
+    protected = judge(records, limit_ms, MODELS[0].deadline_ms, config.seconds)
+    decision = histogram_quantiles(metrics_text, "volga_autonomy_decision_latency_us", (0.5, 0.99))
+    jitter = histogram_quantiles(metrics_text, "volga_autonomy_sample_jitter_ms", (0.5, 0.99))
+    actions = {line.split('action="', 1)[1].split('"', 1)[0]: float(line.split()[-1])
+               for line in metrics_text.splitlines() if line.startswith("volga_autonomy_decisions_total{")}
+    return {"protected": protected, "tolerant": tolerant_summary(records),
+            "decision_us": {"p50": _round(decision[0.5]), "p99": _round(decision[0.99])},
+            "sampling_jitter_ms": {"p50": _round(jitter[0.5]), "p99": _round(jitter[0.99])},
+            "actions": actions, "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+def run(config: Config | None = None, progress: Callable[[str], None] = lambda _: None,
+        workdir: pathlib.Path | None = None) -> dict[str, Any]:
+    config = config or Config()
+    with tempfile.TemporaryDirectory(prefix="volga-bench-slo-", dir=workdir) as folder:
+        root = pathlib.Path(folder)
+        documents, baselines = [], {}
+        for model in MODELS:
+            path = build_onnx(model, root / model.name / "model.onnx")
+            progress(f"calibrating {model.name} alone (batch {model.batch}, {config.calibrate_iterations} "
+                     "requests) ...")
+            document, baselines[model.name] = calibrated(spec_document(model, path), model.batch,
+                                                         config.calibrate_iterations)
+            documents.append(document)
+        specs = root / "specs.yaml"
+        specs.write_text(yaml.safe_dump_all(documents))
+        settings = root / "settings.yaml"
+        settings.write_text(yaml.safe_dump(SETTINGS))
+        rng = np.random.default_rng(config.seed)
+        inputs = {}
+        for model in MODELS:
+            x = rng.standard_normal((model.batch, model.features)).astype(np.float32)
+            item = grpcclient.InferInput("x", list(x.shape), "FP32")
+            item.set_data_from_numpy(x)
+            inputs[model.name] = [item]
+        protected = MODELS[0]
+        limit_ms = baselines[PROTECTED] * (1 + protected.tolerance_pct / 100)
+        runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+        for round_ in range(config.rounds):
+            for autonomy in (False, True):
+                progress(f"round {round_ + 1}/{config.rounds}")
+                runs["on" if autonomy else "off"].append(
+                    one_run(specs, settings, autonomy, config, inputs, limit_ms, progress))
+    return report(config, baselines, limit_ms, runs)
+
+
+def report(config: Config, baselines: dict[str, float], limit_ms: float,
+           runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    def side(name: str) -> dict[str, Any]:
+        items = [r["protected"] for r in runs[name]]
+        p99s = [p["p99_ms"] for p in items if p["p99_ms"] is not None]
+        return {"violating_windows": sum(p["violating_windows"] for p in items),
+                "windows_judged": sum(p["windows_judged"] for p in items),
+                "p99_ms": max(p99s) if p99s else None,
+                "episodes": sum(p["episodes"] for p in items),
+                "episodes_past_deadline": sum(p["episodes_past_deadline"] for p in items),
+                "longest_episode_ms": max((p["longest_episode_ms"] for p in items), default=0.0)}
+
+    def tolerant(name: str) -> dict[str, Any]:
+        items = [r["tolerant"] for r in runs[name]]
+        p99s = [t["p99_ms"] for t in items if t["p99_ms"] is not None]
+        return {"requests": sum(t["requests"] for t in items), "shed": sum(t["shed"] for t in items),
+                "other_errors": sum(t["other_errors"] for t in items), "p99_ms": max(p99s) if p99s else None}
+
+    on_runs = runs["on"]
+    off, on = side("off"), side("on")
+    return {
+        "autonomy_off": off, "autonomy_on": on,
+        "fewer_violating_windows_x": (round(off["violating_windows"] / on["violating_windows"], 2)
+                                      if on["violating_windows"] else None),
+        "decision_us": {"p50": max((r["decision_us"]["p50"] or 0.0) for r in on_runs) if on_runs else None,
+                        "p99": max((r["decision_us"]["p99"] or 0.0) for r in on_runs) if on_runs else None},
+        "sampling_jitter_ms": {"p99": max((r["sampling_jitter_ms"]["p99"] or 0.0) for r in on_runs)
+                               if on_runs else None},
+        "tolerant": {"off": tolerant("off"), "on": tolerant("on")},
+        "baseline_p99_ms": {k: round(v, 3) for k, v in baselines.items()},
+        "protected_limit_ms": round(limit_ms, 3),
+        "tolerance_pct": {m.name: m.tolerance_pct for m in MODELS},
+        "recovery_deadline_ms": MODELS[0].deadline_ms,
+        "settings": SETTINGS, "config": dataclasses.asdict(config),
+        "runs": runs, "device": reporting.device_description("cpu"),
+        "load_average": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count(),
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def format_report(r: dict[str, Any]) -> str:
+    lines = [f"protected limit {r['protected_limit_ms']:.2f} ms (baseline p99 {r['baseline_p99_ms'][PROTECTED]:.2f} "
+             f"ms x 1.15), load average {r['load_average']} on {r['cpus']} CPUs",
+             f"{'autonomy':>9}{'violating':>11}{'judged':>8}{'p99 ms':>9}{'episodes':>10}{'> deadline':>11}"
+             f"{'tolerant shed':>15}{'tolerant p99':>14}"]
+    for name in ("off", "on"):
+        s, t = r[f"autonomy_{name}"], r["tolerant"][name]
+        lines.append(f"{name:>9}{s['violating_windows']:>11}{s['windows_judged']:>8}{s['p99_ms'] or 0:>9.1f}"
+                     f"{s['episodes']:>10}{s['episodes_past_deadline']:>11}{t['shed']:>15}{t['p99_ms'] or 0:>14.1f}")
+    lines.append(f"decision p50 {r['decision_us']['p50']} us, p99 {r['decision_us']['p99']} us; sampling jitter p99 "
+                 f"{r['sampling_jitter_ms']['p99']} ms; {r['fewer_violating_windows_x']}x fewer violating windows")
+    return "\n".join(lines)
