@@ -263,3 +263,29 @@ def test_flipped_bytes_the_canary_does_not_read_fail_the_checksum(
         assert np.array_equal(inst.infer(x)["probability"], harness_reference(default_spec, x))
     finally:
         inst.close()
+
+
+PAUSED_AGENT = """
+import pathlib, sys, time
+from volga_agent import defaultmodel, instance
+inst = instance.Instance("paused", defaultmodel.ensure().spec, pathlib.Path(sys.argv[1]), None)
+inst.to(instance.Tier.HOT)
+inst._pause()  # the worker disarms its parent-death signal for the dump that never comes
+print(inst.pid, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.integration
+def test_a_worker_paused_for_a_dump_dies_with_its_agent(rundir: pathlib.Path) -> None:
+    """Between prepare_checkpoint and the dump a worker's parent-death signal is off (CRIU would restore it armed
+    against criu): if the agent dies in that window, the worker sees its agent gone and exits."""
+    agent = subprocess.Popen([sys.executable, "-c", PAUSED_AGENT, str(rundir)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert agent.stdout is not None
+        worker = int(agent.stdout.readline())
+        assert faults.running(worker) and (rundir / "signals" / contract.READY_FOR_CHECKPOINT).exists()
+    finally:
+        agent.kill()
+        agent.wait()
+    wait_for("the paused worker to exit", lambda: not faults.running(worker), timeout=30, every=0.05)

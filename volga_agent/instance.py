@@ -201,6 +201,13 @@ class Instance:
             self._client.close()
             self._client = None
 
+    def _announce(self) -> None:
+        """Name this agent as the one a paused (or restored) worker waits for."""
+        self.signals.mkdir(parents=True, exist_ok=True)
+        tmp = self.signals / f".{contract.AGENT}.tmp"
+        tmp.write_text(contract.process_identity(os.getpid()))
+        tmp.replace(self.signals / contract.AGENT)
+
     def _resume_worker(self, pid: int) -> None:
         """Tell a paused (or restored) worker to carry on serving: the restore-complete hook. The file holds our
         PID, against which the worker arms its parent-death signal again (published whole, by a rename)."""
@@ -458,6 +465,7 @@ class Instance:
         assert self.pid is not None
         if self._paused:
             return
+        self._announce()
         self.client().call("prepare_checkpoint", park=str(park) if park is not None else "")
         self.disconnect()
         ready = self.signals / contract.READY_FOR_CHECKPOINT
@@ -577,6 +585,7 @@ class Instance:
             raise criu.CriuError(f"{self.name}: no image to restore")
         pathlib.Path(self.config.socket).unlink(missing_ok=True)
         (self.signals / contract.RESTORE_COMPLETE).unlink(missing_ok=True)
+        self._announce()
         restored = self.criu.restore(self.image, lazy=self.lazy_restore if lazy is None else lazy)
         self.pid, self._restored = restored.pid, restored
         return restored.pid

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pathlib
 
 import numpy as np
 
@@ -23,10 +24,31 @@ READY = "ready"
 FAILED = "failed"
 READY_FOR_CHECKPOINT = "ready-for-checkpoint"
 RESTORE_COMPLETE = "restore-complete"
+# The agent a paused worker waits for ("PID START", written before each pause and restore): a worker whose agent
+# is gone while it waits (its parent-death signal is disarmed for the dump) exits instead of waiting forever.
+AGENT = "agent"
 # The canary: a fixed input whose answer the agent records before a snapshot and compares after each restore,
 # so that a damaged image is caught before it answers a request.
 CANARY_SEED = 0x5EED
 WAKE_SIGNAL = nsinit.WAKE_SIGNAL
+
+
+def process_identity(pid: int) -> str:
+    """A process's PID and start time (clock ticks since boot): a PID that was reused names another process."""
+    with open(f"/proc/{pid}/stat") as stat:
+        return f"{pid} {stat.read().rsplit(') ', 1)[1].split()[19]}"
+
+
+def agent_alive(path: pathlib.Path) -> bool:
+    """Whether the agent named in `path` (an AGENT file) still runs; True when there is no such file."""
+    try:
+        text = path.read_text().strip()
+    except FileNotFoundError:
+        return True
+    try:
+        return process_identity(int(text.split()[0])) == text
+    except (OSError, ValueError, IndexError):  # gone (no /proc entry), or not an identity
+        return False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -290,8 +290,12 @@ class Worker:
         # CRIU would restore an armed parent-death signal while criu is the parent, and its exit would kill us.
         armed = nsinit.release_parent()
         (self.signal_dir / contract.READY_FOR_CHECKPOINT).write_text(str(os.getpid()))
+        waits = 0
         while not done.exists():
             signal.sigtimedwait([contract.WAKE_SIGNAL], 0.05)
+            waits += 1
+            if armed and waits % 20 == 0 and not contract.agent_alive(self.signal_dir / contract.AGENT):
+                os._exit(1)  # our agent died while we waited (the dump's window): no one is left to resume us
         agent = done.read_text().strip()
         if armed:  # the agent writes its PID there: die with it again
             nsinit.die_with(int(agent) if agent.isdigit() else nsinit.host_ppid())
