@@ -1,7 +1,7 @@
 """The values the sampler hands the decider: node samples, per-model load, and the windows built from them.
 
 `ModelLoad` is what a gateway reports per model since its previous report; the gateway defines its own type,
-which satisfies `LoadReading` structurally (the autonomy package does not import the gateway). A `Window`
+which satisfies `load.LoadReading` structurally (the autonomy package does not import the gateway). A `Window`
 is a fixed number of consecutive samples reduced to what a decision reads, the per-model p99 included, so
 that the decider does no sorting of its own.
 """
@@ -13,24 +13,9 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
+from volga_agent import load
 
-class LoadReading(Protocol):
-    """One model's load since the previous reading (read-only attributes: a frozen dataclass satisfies it)."""
-
-    @property
-    def arrivals(self) -> int: ...
-
-    @property
-    def completed(self) -> int: ...
-
-    @property
-    def queue_depth(self) -> int: ...
-
-    @property
-    def latencies_ms(self) -> tuple[float, ...]: ...
-
-    @property
-    def shed(self) -> int: ...
+LoadReading = load.LoadReading
 
 
 class LoadSource(Protocol):
@@ -110,12 +95,12 @@ def build(samples: Sequence[NodeSample], loads: Sequence[Mapping[str, LoadReadin
     shed: dict[str, int] = {}
     latencies: dict[str, list[float]] = {}
     for reading in loads:
-        for model, load in reading.items():
-            arrivals[model] = arrivals.get(model, 0) + load.arrivals
-            completed[model] = completed.get(model, 0) + load.completed
-            queue[model] = max(queue.get(model, 0), load.queue_depth)
-            shed[model] = shed.get(model, 0) + load.shed
-            latencies.setdefault(model, []).extend(load.latencies_ms)
+        for model, got in reading.items():
+            arrivals[model] = arrivals.get(model, 0) + got.arrivals
+            completed[model] = completed.get(model, 0) + got.completed
+            queue[model] = max(queue.get(model, 0), got.queue_depth)
+            shed[model] = shed.get(model, 0) + got.shed
+            latencies.setdefault(model, []).extend(got.latencies_ms)
     n = len(samples)
     return Window(
         start=start, end=samples[-1].at, memory_pct=max(s.memory_pct for s in samples),

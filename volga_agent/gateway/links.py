@@ -30,7 +30,7 @@ from typing import Protocol
 import grpc
 import numpy as np
 
-from volga_agent import errors
+from volga_agent import errors, load
 from volga_agent.gateway import oip
 from volga_agent.rpc.inference import grpc_service_pb2_grpc as oip_grpc
 from volga_agent.rpc.volga.v1 import agent_pb2 as agent_pb
@@ -132,23 +132,7 @@ class GrpcAgentLink:
         await self.channel.close()
 
 
-class LoadReading(Protocol):
-    """One model's load as the data plane drains it (`dataplane.ModelLoad`)."""
-
-    @property
-    def arrivals(self) -> int: ...
-
-    @property
-    def completed(self) -> int: ...
-
-    @property
-    def queue_depth(self) -> int: ...
-
-    @property
-    def latencies_ms(self) -> tuple[float, ...]: ...
-
-    @property
-    def shed(self) -> int: ...
+LoadReading = load.LoadReading
 
 
 @dataclasses.dataclass(frozen=True)
