@@ -146,7 +146,7 @@ class Manifest(pydantic.BaseModel):
     published_unix: float
     canary: str  # the digest of the model's answer to the canary input, recorded before the dump
     generation: int  # the worker state the canary answer belongs to
-    checksums: list[tuple[str, int]]
+    checksums: list[tuple[str, list[int]]]  # criu.Checksums: a CRC-32 per chunk of each pages file
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,7 +237,7 @@ class Store:
             manifest = Manifest(key={k: str(v) for k, v in dataclasses.asdict(key).items()}, digest=key.digest,
                                 node=node, snapshot_id=image.snapshot_id, size_bytes=image.size_bytes,
                                 dump_seconds=image.dump_seconds, published_unix=time.time(), canary=canary,
-                                generation=generation, checksums=[(name, crc) for name, crc in sums])
+                                generation=generation, checksums=[(name, list(crcs)) for name, crcs in sums])
             with open(tmp / MANIFEST, "w") as out:
                 out.write(manifest.model_dump_json())
                 out.flush()
@@ -266,8 +266,8 @@ class Store:
             raise SharedImageError(f"shared image {entry.digest}: cannot copy it to {folder}: {exc}") from exc
         with contextlib.suppress(OSError):
             os.utime(entry.path / USED)
-        sums = concurrent.futures.Future[tuple[tuple[str, int], ...]]()
-        sums.set_result(tuple((name, crc) for name, crc in entry.manifest.checksums))
+        sums = concurrent.futures.Future[criu.Checksums]()
+        sums.set_result(tuple((name, tuple(crcs)) for name, crcs in entry.manifest.checksums))
         return criu.Image(folder, entry.manifest.snapshot_id, entry.manifest.size_bytes,
                           entry.manifest.dump_seconds, sums)
 
