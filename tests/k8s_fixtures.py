@@ -8,6 +8,7 @@ Missing binaries FAIL the test rather than skip it: CI builds them with scripts/
 
 from __future__ import annotations
 
+import pathlib
 from collections.abc import Iterator
 
 import pytest
@@ -42,3 +43,11 @@ def kube_client(control_plane: ControlPlane) -> Iterator[k8s_client.ApiClient]:
         yield api
     finally:
         api.close()  # type: ignore[no-untyped-call]
+
+
+@pytest.fixture(scope="session")
+def crds(control_plane: ControlPlane) -> None:
+    """Volga's CRDs (crds/), applied to the session's control plane and Established."""
+    control_plane.kubectl("apply", "-f", str(pathlib.Path(__file__).resolve().parent.parent / "crds"))
+    control_plane.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/modelspecs.volga.dev",
+                          "crd/executablemodelinstances.volga.dev")

@@ -21,17 +21,14 @@ from volga_operator import api, planner
 
 pytest_plugins = ["k8s_fixtures"]
 pytestmark = [pytest.mark.k8s]
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 NODES = ("chain-node-a", "chain-node-b", "chain-node-c")
 NAMESPACE = "chains"
 
 
 @pytest.fixture(scope="module")
-def operator(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+def operator(control_plane: ControlPlane, crds: None, tmp_path_factory: pytest.TempPathFactory
+             ) -> Iterator[None]:
     folder = tmp_path_factory.mktemp("chains")
-    control_plane.kubectl("apply", "-f", str(ROOT / "crds"))
-    control_plane.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/modelspecs.volga.dev",
-                          "crd/executablemodelinstances.volga.dev")
     client = control_plane.api_client()
     core = k8s.CoreV1Api(client)
     core.create_namespace(k8s.V1Namespace(metadata=k8s.V1ObjectMeta(name=NAMESPACE)))

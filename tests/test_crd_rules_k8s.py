@@ -5,7 +5,6 @@ bidirectional-override characters, pool floors, long names), while an ONNX Model
 from __future__ import annotations
 
 import json
-import pathlib
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -21,14 +20,6 @@ from volga_operator import api
 
 pytest_plugins = ["k8s_fixtures"]
 pytestmark = [pytest.mark.k8s]
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def crds(control_plane: ControlPlane) -> None:
-    control_plane.kubectl("apply", "-f", str(ROOT / "crds"))
-    control_plane.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/modelspecs.volga.dev",
-                          "crd/executablemodelinstances.volga.dev")
 
 
 @pytest.fixture

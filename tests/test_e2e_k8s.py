@@ -29,16 +29,13 @@ from volga_bench.controlplane import ControlPlane, free_ports
 
 pytest_plugins = ["k8s_fixtures"]
 pytestmark = [pytest.mark.k8s, pytest.mark.integration, pytest.mark.slow]
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 NODES = ("node-a", "node-b")
 
 
 @pytest.fixture(scope="module")
-def cluster(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def cluster(control_plane: ControlPlane, crds: None, tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[dict[str, Any]]:
     folder = tmp_path_factory.mktemp("e2e")
-    control_plane.kubectl("apply", "-f", str(ROOT / "crds"))
-    control_plane.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/modelspecs.volga.dev",
-                          "crd/executablemodelinstances.volga.dev")
     api = control_plane.api_client()
     core = k8s.CoreV1Api(api)
     for node in NODES:

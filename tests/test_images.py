@@ -34,7 +34,6 @@ pytest_plugins = ["k8s_fixtures"]
 pytestmark = [pytest.mark.images, pytest.mark.slow]
 OPERATOR = "localhost/volga-operator:dev"
 AGENT_CPU = "localhost/volga-agent:dev-cpu"
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 GATEWAY_UID = 65532  # charts/volga/values.yaml: gateway.securityContext.runAsUser and gateway.podFsGroup
 
 
@@ -87,11 +86,9 @@ def wait_for(what: str, check: Any, timeout: float = 120.0, proc: subprocess.Pop
 
 @pytest.mark.k8s
 @pytest.mark.parametrize("rootfs", [OPERATOR], indirect=True)
-def test_operator_image_reconciles_a_modelspec(rootfs: Rootfs, control_plane: ControlPlane,
+def test_operator_image_reconciles_a_modelspec(rootfs: Rootfs, control_plane: ControlPlane, crds: None,
                                                tmp_path: pathlib.Path) -> None:
     assert rootfs.user == "10001:10001"
-    control_plane.kubectl("apply", "-f", str(ROOT / "crds"))
-    control_plane.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/modelspecs.volga.dev")
     kube = tmp_path / "kube"
     kube.mkdir()
     shutil.copy(control_plane.kubeconfig, kube / "config")

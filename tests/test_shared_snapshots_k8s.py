@@ -4,7 +4,6 @@ would be pruned), and the operator's status for the ModelSpec lists what its EMI
 
 from __future__ import annotations
 
-import pathlib
 import uuid
 from typing import Any
 
@@ -12,19 +11,14 @@ import pytest
 from kubernetes import client as k8s_client
 from kubernetes.client import V1Namespace, V1ObjectMeta
 
-from volga_bench.controlplane import ControlPlane
 from volga_operator import api, reconcile
 from volga_operator.api import labels
 
 pytest_plugins = ["k8s_fixtures"]
 pytestmark = [pytest.mark.k8s]
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def test_shared_snapshot_statuses_round_trip(control_plane: ControlPlane, kube_client: k8s_client.ApiClient) -> None:
-    control_plane.kubectl("apply", "-f", str(ROOT / "crds"))
-    control_plane.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/modelspecs.volga.dev",
-                          "crd/executablemodelinstances.volga.dev")
+def test_shared_snapshot_statuses_round_trip(crds: None, kube_client: k8s_client.ApiClient) -> None:
     namespace = f"vss-{uuid.uuid4().hex[:8]}"
     k8s_client.CoreV1Api(kube_client).create_namespace(V1Namespace(metadata=V1ObjectMeta(name=namespace)))
     objects = k8s_client.CustomObjectsApi(kube_client)

@@ -5,7 +5,6 @@ as a table and as JSON. The CRD's rules refuse a malformed warm-up sample before
 from __future__ import annotations
 
 import json
-import pathlib
 import subprocess
 import sys
 import uuid
@@ -22,14 +21,6 @@ from volga_operator.api import labels
 
 pytest_plugins = ["k8s_fixtures"]
 pytestmark = [pytest.mark.k8s]
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def crds(control_plane: ControlPlane) -> None:
-    control_plane.kubectl("apply", "-f", str(ROOT / "crds"))
-    control_plane.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/modelspecs.volga.dev",
-                          "crd/executablemodelinstances.volga.dev")
 
 
 def modelspec(name: str, **runtime: Any) -> dict[str, Any]:
