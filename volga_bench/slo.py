@@ -172,6 +172,21 @@ def retry_hint_ms(message: str) -> float | None:
     return float(match.group(1)) if match else None
 
 
+def warm_up(client: grpcclient.InferenceServerClient, model: str, inputs: list[Any], attempts: int = 20) -> None:
+    """One request answered, honouring retry hints: a loop that sheds from its first windows (a slow machine
+    violates at once) may shed the warm-up too."""
+    for _ in range(attempts - 1):
+        try:
+            client.infer(model, inputs)
+            return
+        except InferenceServerException as exc:
+            hint = retry_hint_ms(str(exc))
+            if hint is None:
+                raise
+            time.sleep(hint / 1e3)
+    client.infer(model, inputs)
+
+
 def drive(address: str, config: Config, inputs: dict[str, list[Any]], drain_s: float = 30.0) -> list[Record]:
     """The protected model's arrivals open-loop (each at its time, answered or not the earlier ones); the tolerant
     model's clients closed-loop, each a request then a think time, as many as the pulse in force asks for, and
@@ -318,7 +333,7 @@ def one_run(specs: pathlib.Path, settings: pathlib.Path, autonomy: bool, config:
         warm = grpcclient.InferenceServerClient(up.endpoints["grpc"])
         for model in (PROTECTED, TOLERANT):  # both HOT before the clock starts
             for _ in range(3):
-                warm.infer(model, inputs[model])
+                warm_up(warm, model, inputs[model])
         warm.close()
         progress(f"autonomy {'on' if autonomy else 'off'}: {config.seconds:g} s of traffic ...")
         load_before = os.getloadavg()[0]
