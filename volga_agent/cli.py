@@ -30,6 +30,7 @@ import pathlib
 import sys
 import tempfile
 from collections.abc import Callable
+from typing import Any
 
 import yaml
 
@@ -246,11 +247,25 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return demo.run(cycles=args.cycles, requests=args.requests)
 
 
+def _emit(args: argparse.Namespace, report: dict[str, Any], text: Callable[[], str]) -> None:
+    """A bench's report: written to --out when given, printed as JSON with --json, else as `text()`."""
+    from volga_bench import reporting
+
+    if args.out:
+        reporting.write_json(report, pathlib.Path(args.out))
+    print(json.dumps(report, indent=2) if args.json else text())
+
+
+def _report_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print the JSON report")
+    p.add_argument("--out", help="also write the JSON report to this file")
+
+
 def cmd_bench_tiers(args: argparse.Namespace) -> int:
     from volga_agent import defaultmodel
 
     try:
-        from volga_bench import reporting, tiers
+        from volga_bench import tiers
     except ImportError as exc:
         return _no_bench("bench tiers", exc)
     show = _progress(args.json)
@@ -265,35 +280,28 @@ def cmd_bench_tiers(args: argparse.Namespace) -> int:
             report = tiers.gpu_suite(models, pathlib.Path(run), snapshots, [float(x) for x in args.sizes.split(",")],
                                      [Tier(t.upper()) for t in args.tiers.split(",")], args.n, cold_n=args.cold_n,
                                      lazy=args.lazy, burst_n=args.burst, progress=show)
-    if args.out:
-        reporting.write_json(report, pathlib.Path(args.out))
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
+    def text() -> str:
+        lines = []
         for label, part in ([("", report)] if "tiers" in report else report["sizes"].items()):
-            print(f"device: {part['device']}; model {part['model']['id']} {label}")
-            print(tiers.format_table(part))
-            print(f"outputs match: {part['outputs_match']}; restore fallbacks: {part['restore_fallbacks']}")
-        if "burst" in report:
-            print(f"burst: {report['burst']}")
+            lines += [f"device: {part['device']}; model {part['model']['id']} {label}", tiers.format_table(part),
+                      f"outputs match: {part['outputs_match']}; restore fallbacks: {part['restore_fallbacks']}"]
+        return "\n".join(lines + ([f"burst: {report['burst']}"] if "burst" in report else []))
+
+    _emit(args, report, text)
     parts = [report] if "tiers" in report else list(report["sizes"].values())
     return 0 if all(p["outputs_match"] and not p["restore_fallbacks"] for p in parts) else 1
 
 
 def cmd_bench_shared(args: argparse.Namespace) -> int:
     try:
-        from volga_bench import reporting, shared
+        from volga_bench import shared
     except ImportError as exc:
         return _no_bench("bench shared", exc)
     report = shared.bench(args.n, pathlib.Path(args.models) if args.models else None, _progress(args.json))
-    if args.out:
-        reporting.write_json(report, pathlib.Path(args.out))
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print(f"node B first answer from node A's shared image: p50 {report['node_b_first_answer_from_shared_image']}")
-        print(f"node B cold start first answer:                 p50 {report['node_b_cold_start_first_answer']}")
-        print(f"speedup p50 {report['speedup_p50']}x; outputs match: {report['outputs_match']}")
+    _emit(args, report, lambda: "\n".join((
+        f"node B first answer from node A's shared image: p50 {report['node_b_first_answer_from_shared_image']}",
+        f"node B cold start first answer:                 p50 {report['node_b_cold_start_first_answer']}",
+        f"speedup p50 {report['speedup_p50']}x; outputs match: {report['outputs_match']}")))
     return 0 if report["outputs_match"] and not report["shared_restore_fallbacks"] else 1
 
 
@@ -313,33 +321,26 @@ def cmd_bench_endtoend(args: argparse.Namespace) -> int:
             tiers = [Tier(t.upper()) for t in args.tiers.split(",")] if args.tiers else list(endtoend.CPU_TIERS)
         report = asyncio.run(endtoend.run(cases, tiers, args.n, progress=show))
     report["device"] = reporting.device_description("cuda:0" if args.gpu else "cpu")
-    if args.out:
-        reporting.write_json(report, pathlib.Path(args.out))
-    print(json.dumps(report, indent=2) if args.json else endtoend.format_table(report))
+    _emit(args, report, lambda: endtoend.format_table(report))
     return 0 if all(not m["mismatches"] for m in report["models"].values()) else 1
 
 
 def cmd_bench_gateway(args: argparse.Namespace) -> int:
     try:
-        from volga_bench import gateway, reporting
+        from volga_bench import gateway
     except ImportError as exc:
         return _no_bench("bench gateway", exc)
     if args.batching:
         report = gateway.run_batching(args.clients, args.seconds, args.queue_delay_us, progress=_progress(args.json))
     else:
         report = gateway.run(args.rate, args.seconds, args.rounds, args.protocol, progress=_progress(args.json))
-    if args.out:
-        reporting.write_json(report, pathlib.Path(args.out))
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print(gateway.format_batching(report) if args.batching else gateway.format_report(report))
+    _emit(args, report, lambda: gateway.format_batching(report) if args.batching else gateway.format_report(report))
     return 0 if not args.batching or report["outputs_match"] else 1
 
 
 def cmd_bench_peers(args: argparse.Namespace) -> int:
     try:
-        from volga_bench import peers, reporting
+        from volga_bench import peers
     except ImportError as exc:
         return _no_bench("bench peers", exc)
     settings = peers.Settings(requests=args.requests, warmup=args.warmup, seconds=args.seconds,
@@ -351,35 +352,29 @@ def cmd_bench_peers(args: argparse.Namespace) -> int:
     except peers.KServeMissing as exc:
         print(f"volga bench peers: {exc}", file=sys.stderr)
         return 2
-    if args.out:
-        reporting.write_json(report, pathlib.Path(args.out))
-    print(json.dumps(report, indent=2) if args.json else peers.format_report(report))
+    _emit(args, report, lambda: peers.format_report(report))
     return 0 if report["volga"]["outputs_match"] and report["kserve"]["outputs_match"] else 1
 
 
 def cmd_bench_chain(args: argparse.Namespace) -> int:
     try:
-        from volga_bench import chain, reporting
+        from volga_bench import chain
     except ImportError as exc:
         return _no_bench("bench chain", exc)
     with tempfile.TemporaryDirectory(prefix="volga-") as run:
         report = asyncio.run(chain.run(pathlib.Path(run), args.n, args.batch, progress=_progress(args.json)))
-    if args.out:
-        reporting.write_json(report, pathlib.Path(args.out))
-    print(json.dumps(report, indent=2) if args.json else chain.format_report(report))
+    _emit(args, report, lambda: chain.format_report(report))
     return 0 if not report["mismatches"] and not report["restore_failures"] else 1
 
 
 def cmd_bench_scale(args: argparse.Namespace) -> int:
     try:
-        from volga_bench import reporting, scale
+        from volga_bench import scale
     except ImportError as exc:
         return _no_bench("bench scale", exc)
     show = _progress(args.json)
     report = scale.run(args.nodes, args.modelspecs, args.writes_per_sec, progress=show)
-    if args.out:
-        reporting.write_json(report, pathlib.Path(args.out))
-    print(json.dumps(report, indent=2) if args.json else
+    _emit(args, report, lambda:
           f"{report['modelspecs']} ModelSpecs on {report['nodes']} nodes: converged in {report['converge_s']} s, "
           f"peak {report['peak_writes_per_s']} writes/s (limit {report['write_limit_per_s']:g})")
     return 0 if report["peak_writes_per_s"] <= report["write_limit_per_s"] else 1
@@ -431,37 +426,31 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def cmd_bench_decide(args: argparse.Namespace) -> int:
     try:
-        from volga_bench import decide, reporting
+        from volga_bench import decide
     except ImportError as exc:
         return _no_bench("bench decide", exc)
     report = decide.run(args.windows, args.sample_seconds, args.period_ms, progress=_progress(args.json))
-    if args.out:
-        reporting.write_json(report, pathlib.Path(args.out))
-    print(json.dumps(report, indent=2) if args.json else decide.format_report(report))
+    _emit(args, report, lambda: decide.format_report(report))
     return 0
 def cmd_bench_faults(args: argparse.Namespace) -> int:
     try:
-        from volga_bench import faults, reporting
+        from volga_bench import faults
     except ImportError as exc:
         return _no_bench("bench faults", exc)
     report = faults.run(args.rate, progress=_progress(args.json))
-    if args.out:
-        reporting.write_json(report, pathlib.Path(args.out))
-    print(json.dumps(report, indent=2) if args.json else faults.format_table(report))
+    _emit(args, report, lambda: faults.format_table(report))
     return 0 if not (report["wrong_total"] or report["hangs_total"] or report["leaked_total"]) else 1
 
 
 def cmd_bench_slo(args: argparse.Namespace) -> int:
     try:
-        from volga_bench import reporting, slo
+        from volga_bench import slo
     except ImportError as exc:
         return _no_bench("bench slo", exc)
     config = slo.Config(seconds=args.seconds, rounds=args.rounds, calibrate_iterations=args.calibrate_iterations,
                         pulse_every_s=args.pulse_every, pulse_s=args.pulse_seconds)
     report = slo.run(config, progress=_progress(args.json))
-    if args.out:
-        reporting.write_json(report, pathlib.Path(args.out))
-    print(json.dumps(report, indent=2) if args.json else slo.format_report(report))
+    _emit(args, report, lambda: slo.format_report(report))
     return 0
 
 
@@ -541,15 +530,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lazy", action="store_true", help="also time FROZEN wakes with CRIU lazy pages")
     p.add_argument("--models", help="where models are built")
     p.add_argument("-n", type=int, default=10, help="wakes per tier (and cold starts)")
-    p.add_argument("--json", action="store_true", help="print the JSON report")
-    p.add_argument("--out", help="also write the JSON report to this file")
+    _report_args(p)
     p.set_defaults(func=cmd_bench_tiers)
 
     p = bench.add_parser("shared", help="a node's first answer from another node's shared image vs its cold start")
     p.add_argument("-n", type=int, default=5, help="rounds: fresh node-B processes each way")
     p.add_argument("--models", help="where models are built")
-    p.add_argument("--json", action="store_true", help="print the JSON report")
-    p.add_argument("--out", help="also write the JSON report to this file")
+    _report_args(p)
     p.set_defaults(func=cmd_bench_shared)
 
     p = bench.add_parser("endtoend", help="each tier's first answer through `volga up`'s gateway (tritonclient)")
@@ -559,8 +546,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tiers", help="tiers to wake from (default: warm,suspended,frozen,cold on a GPU; frozen,cold)")
     p.add_argument("--models", help="where the GPU models are built (default: a temporary folder)")
     p.add_argument("-n", type=int, default=3, help="wakes per tier")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--out")
+    _report_args(p)
     p.set_defaults(func=cmd_bench_endtoend)
 
     p = bench.add_parser("gateway", help="gateway vs direct worker calls at a fixed request rate")
@@ -568,8 +554,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seconds", type=float, default=4.0, help="per side and round")
     p.add_argument("--rounds", type=int, default=3, help="alternating direct/gateway rounds")
     p.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--out")
+    _report_args(p)
     p.add_argument("--batching", action="store_true",
                    help="batch 1 vs dynamic batching, closed-loop clients: throughput at equal p99 (gRPC)")
     p.add_argument("--clients", type=int, default=8, help="concurrent clients of the batch-1 run (with --batching)")
@@ -588,37 +573,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kserve-python", help="the interpreter that runs KServe (default: $VOLGA_KSERVE_PYTHON, "
                    "else this one, with the peers extra)")
     p.add_argument("--no-batched", action="store_true", help="leave out Volga with dynamic batching")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--out")
+    _report_args(p)
     p.set_defaults(func=cmd_bench_peers)
     p = bench.add_parser("faults", help="volga up under traffic: corrupt and truncated images, killed workers "
                          "and agents, a full snapshot disk")
     p.add_argument("--rate", type=float, default=20.0, help="requests per second")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--out")
+    _report_args(p)
     p.set_defaults(func=cmd_bench_faults)
 
     p = bench.add_parser("chain", help="a chain of three FROZEN models vs the same models unchained: first answer")
     p.add_argument("-n", type=int, default=5, help="cycles per side (default 5)")
     p.add_argument("--batch", type=int, default=4, help="rows per request (default 4)")
-    p.add_argument("--json", action="store_true", help="print JSON")
-    p.add_argument("--out", help="also write the JSON report here")
+    _report_args(p)
     p.set_defaults(func=cmd_bench_chain)
 
     p = bench.add_parser("scale", help="the operator on a real API server with kwok nodes and many ModelSpecs")
     p.add_argument("--nodes", type=int, default=200)
     p.add_argument("--modelspecs", type=int, default=1000)
     p.add_argument("--writes-per-sec", type=float, default=200.0, help="the operator's API write limit")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--out")
+    _report_args(p)
     p.set_defaults(func=cmd_bench_scale)
 
     p = bench.add_parser("decide", help="the autonomy decider's cost per window and the sampler's jitter")
     p.add_argument("--windows", type=int, default=3000, help="windows decided per model count")
     p.add_argument("--sample-seconds", type=float, default=2.0, help="how long to run the sampler (0: not)")
     p.add_argument("--period-ms", type=float, default=10.0, help="the sampler's period")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--out")
+    _report_args(p)
     p.set_defaults(func=cmd_bench_decide)
 
     p = bench.add_parser("slo", help="a latency-critical and a heavy tolerant model, bursty load: autonomy off vs on")
@@ -627,8 +607,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pulse-every", type=float, default=10.0, help="seconds between the tolerant model's pulses")
     p.add_argument("--pulse-seconds", type=float, default=3.0, help="how long a pulse lasts")
     p.add_argument("--calibrate-iterations", type=int, default=300, help="timed requests of each baseline")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--out")
+    _report_args(p)
     p.set_defaults(func=cmd_bench_slo)
 
     p = sub.add_parser("calibrate", help="measure a model's baselines on this node (p99 alone per batch size)")
