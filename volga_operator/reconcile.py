@@ -237,23 +237,15 @@ def place(state: State, specs: Mapping[str, api.ModelSpecSpec], now: str) -> pla
         else:
             kept_plans[plan_key] = kept
     # A chain is placed as one: when one member needs a new placement, the planner sees every member.
-    moved = _chain_mates({(k.partition("/")[0], k.partition("/")[2]) for k in rest}, specs)
-    for plan_key in moved - rest.keys():
-        if plan_key in kept_plans:
-            del kept_plans[plan_key]
-            rest[plan_key] = specs[plan_key]
+    groups = planner.chains(specs)
+    for plan_key in {mate for key in list(rest) for mate in groups.get(key, ())} - rest.keys():
+        del kept_plans[plan_key]
+        rest[plan_key] = specs[plan_key]
     desired = [d for plans in kept_plans.values() for d in plans]
     if not rest:
         return planner.Plan(tuple(desired), {})
     result = planner.plan(rest, state.nodes.values(), _observed_for(state, rest, now), shared_images(state, rest))
     return planner.Plan((*desired, *result.desired), result.unplaced)
-
-
-def _chain_mates(keys: set[tuple[str, str]], specs: Mapping[str, api.ModelSpecSpec]) -> set[str]:
-    """The 'namespace/name' keys of `specs` in a chain with one of `keys` (and `keys` themselves)."""
-    raw = {(k.partition("/")[0], k.partition("/")[2]): {"modelId": s.model_id, "chain": list(s.chain)}
-           for k, s in specs.items()}
-    return {f"{ns}/{name}" for ns, name in api.chain_peers(keys, raw)}
 
 
 def _kept(state: State, plan_key: str, spec: api.ModelSpecSpec) -> list[planner.Desired] | None:
