@@ -10,7 +10,6 @@ wake goes on, so the next request finds the instance HOT).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import pathlib
 from collections.abc import Mapping
@@ -18,7 +17,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from volga_agent import auth, errors, pool
+from volga_agent import auth, errors, load, pool
 from volga_agent.rpc.volga.v1 import agent_pb2 as pb
 from volga_agent.rpc.volga.v1 import agent_pb2_grpc as pb_grpc
 from volga_operator import api
@@ -28,15 +27,6 @@ log = logging.getLogger(__name__)
 IDLE_EXCHANGE_MS = 1000
 
 
-@dataclasses.dataclass(frozen=True)
-class PushedLoad:
-    """One model's load as a gateway pushed it (the fields of `autonomy.window.ModelLoad`)."""
-
-    arrivals: int
-    completed: int
-    queue_depth: int
-    latencies_ms: tuple[float, ...]
-    shed: int
 
 
 class Directives(Protocol):
@@ -50,7 +40,7 @@ class Directives(Protocol):
 class LoadExchange(Protocol):
     """The autonomy loop's side of the exchange (`autonomy.exchange.Exchange`; this layer does not import it)."""
 
-    def push(self, loads: Mapping[str, PushedLoad]) -> Directives: ...
+    def push(self, loads: Mapping[str, load.ModelLoad]) -> Directives: ...
 
 def tier_pb(tier: api.Tier) -> Any:
     """The proto enum shares the API's tier names."""
@@ -120,11 +110,11 @@ class AgentService(pb_grpc.AgentServicer):
         if self.exchange is None:
             return pb.ExchangeLoadResponse(autonomy=False, period_ms=IDLE_EXCHANGE_MS)
         loads = {}
-        for load in request.loads:
-            if not load.model_id:
+        for pushed in request.loads:
+            if not pushed.model_id:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "loads[].model_id is required")
-            loads[load.model_id] = PushedLoad(load.arrivals, load.completed, load.queue_depth,
-                                              tuple(load.latencies_ms), load.shed)
+            loads[pushed.model_id] = load.ModelLoad(pushed.arrivals, pushed.completed, pushed.queue_depth,
+                                                    tuple(pushed.latencies_ms), pushed.shed)
         directives = self.exchange.push(loads)
         return pb.ExchangeLoadResponse(autonomy=True, batch_caps=directives.batch_caps,
                                        shed_retry_after_ms=directives.shed_retry_after_ms,

@@ -1,7 +1,7 @@
 """The values the sampler hands the decider: node samples, per-model load, and the windows built from them.
 
-`ModelLoad` is what a gateway reports per model since its previous report; the gateway defines its own type,
-which satisfies `load.LoadReading` structurally (the autonomy package does not import the gateway). A `Window`
+`ModelLoad` (`volga_agent.load`) is what a gateway reports per model since its previous report; the loop reads
+any `load.LoadReading` (the autonomy package does not import the gateway). A `Window`
 is a fixed number of consecutive samples reduced to what a decision reads, the per-model p99 included, so
 that the decider does no sorting of its own.
 """
@@ -24,13 +24,7 @@ class LoadSource(Protocol):
     def __call__(self) -> Mapping[str, LoadReading]: ...
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelLoad:
-    arrivals: int = 0
-    completed: int = 0
-    queue_depth: int = 0
-    latencies_ms: tuple[float, ...] = ()
-    shed: int = 0
+ModelLoad = load.ModelLoad
 
 
 @dataclasses.dataclass(frozen=True)

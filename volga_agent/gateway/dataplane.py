@@ -45,7 +45,7 @@ from typing import Any, ParamSpec, TypeVar
 
 import numpy as np
 
-from volga_agent import errors, metrics
+from volga_agent import errors, load, metrics
 from volga_agent.gateway import batcher, catalog, ensemble, links, oip, router, workers
 from volga_agent.worker import protocol
 from volga_operator import api
@@ -102,16 +102,7 @@ class ModelConfig:
     ensemble_steps: tuple[ensemble.Step, ...] = ()  # set for an ensemble: its models, in order
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelLoad:
-    """One model's requests since the previous `Dataplane.drain_load` (counts from the adapters' view: a request
-    arrives when its call starts, before its body is decoded)."""
-
-    arrivals: int  # requests that arrived, shed ones included
-    completed: int  # requests answered (any status) other than shed ones
-    queue_depth: int  # now: requests arrived and not yet answered (queued, waking the model, or running)
-    latencies_ms: tuple[float, ...]  # end-to-end latency of each completed request (the latest 65536 at most)
-    shed: int  # requests refused at once because the model was shed
+ModelLoad = load.ModelLoad
 
 
 @dataclasses.dataclass
@@ -209,9 +200,8 @@ class Dataplane:
             outstanding = dict(self._outstanding)
         models = {s.model_id for s in self.catalog.all()} | set(loads)
         empty = _Load()
-        return {m: ModelLoad(load.arrivals, load.completed, outstanding.get(m, 0), tuple(load.latencies_ms),
-                             load.shed)
-                for m in models for load in (loads.get(m, empty),)}
+        return {m: ModelLoad(got.arrivals, got.completed, outstanding.get(m, 0), tuple(got.latencies_ms), got.shed)
+                for m in models for got in (loads.get(m, empty),)}
 
     def _require(self, model: str) -> None:
         if not self.catalog.known(model):
@@ -388,12 +378,12 @@ class Dataplane:
         with self._lock:
             retry_after_ms = self._shed.get(model) if known else None
             if known:
-                load = self._loads.setdefault(model, _Load())
-                load.arrivals += 1
+                counts = self._loads.setdefault(model, _Load())
+                counts.arrivals += 1
                 if retry_after_ms is None:
                     self._outstanding[model] = self._outstanding.get(model, 0) + 1
                 else:
-                    load.shed += 1
+                    counts.shed += 1
         try:
             if retry_after_ms is not None:
                 self.metrics.shed.labels(model).inc()
@@ -429,9 +419,9 @@ class Dataplane:
             if known and retry_after_ms is None:
                 with self._lock:
                     self._outstanding[model] -= 1
-                    load = self._loads.setdefault(model, _Load())
-                    load.completed += 1
-                    load.latencies_ms.append(elapsed_ms)
+                    counts = self._loads.setdefault(model, _Load())
+                    counts.completed += 1
+                    counts.latencies_ms.append(elapsed_ms)
 
     async def close(self) -> None:
         for b in list(self.batchers.values()):
