@@ -24,77 +24,6 @@ LIST_PAGE = 500
 WATCH_TIMEOUT_S = 300
 
 
-class Watch:
-    """List + watch one resource forever on a thread; `on_change(objects)` gets the full current set."""
-
-    def __init__(self, name: str, lister: Callable[..., Any], on_change: Callable[[dict[tuple[str, str], Any]], None],
-                 **list_kwargs: Any) -> None:
-        self.name = name
-        self.lister = lister
-        self.on_change = on_change
-        self.list_kwargs = list_kwargs
-        self.objects: dict[tuple[str, str], Any] = {}
-        self.synced = threading.Event()
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._run, name=f"watch-{name}", daemon=True)
-        self.outages = 0
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def stop(self) -> None:
-        self.stopping.set()
-
-    @staticmethod
-    def key(obj: Any) -> tuple[str, str]:
-        meta = obj["metadata"]
-        return meta.get("namespace", ""), meta["name"]
-
-    def _run(self) -> None:
-        first_delay = FIRST_DELAY_S
-        while not self.stopping.is_set():
-            listed = self._list(first_delay)
-            if listed is None:
-                return
-            try:
-                self.objects = {self.key(o): o for o in listed["items"]}
-                self.synced.set()
-                self.on_change(dict(self.objects))
-                self._follow(listed["metadata"]["resourceVersion"])
-                first_delay = FIRST_DELAY_S
-            except client.TRANSIENT as exc:
-                # The list worked, so the backoff starts over: this wait is the first, the next one twice as long.
-                self._outage(exc, FIRST_DELAY_S)
-                self.stopping.wait(FIRST_DELAY_S)
-                first_delay = 2 * FIRST_DELAY_S
-
-    def _list(self, first_delay: float) -> Any:
-        """The listed objects, retried until they come (None once stopping): `first_delay`, then doubling."""
-        return client.until_stopped(lambda: self.lister(**self.list_kwargs, _request_timeout=10), self.stopping,
-                                    first_delay, MAX_DELAY_S, self._outage)
-
-    def _follow(self, version: str) -> None:
-        """Apply the watch's events until it ends (its timeout, or an ERROR such as a too old resource version)."""
-        stream = kubernetes.watch.Watch().stream(self.lister, resource_version=version, timeout_seconds=60,
-                                                 _request_timeout=70, **self.list_kwargs)
-        for event in stream:
-            if self.stopping.is_set():
-                return
-            obj = event["object"]
-            if event["type"] == "DELETED":
-                self.objects.pop(self.key(obj), None)
-            elif event["type"] in ("ADDED", "MODIFIED"):
-                self.objects[self.key(obj)] = obj
-            else:
-                return  # ERROR (e.g. resource version too old): list again
-            self.on_change(dict(self.objects))
-
-    def _outage(self, exc: BaseException | None, delay: float) -> None:
-        self.outages += 1
-        log.info("watch %s: API server unreachable (%s); keeping the last state, retrying in %.1f s",
-                 self.name, type(exc).__name__, delay)
-
-
 class Events:
     """List + watch one resource forever on a thread, handing over each object as it comes rather than the whole
     set (`Watch`): for a controller holding thousands of objects, where a copy of them all per event would cost
@@ -176,3 +105,32 @@ class Events:
         self.outages += 1
         log.info("watch %s: API server unreachable (%s); keeping the last state, retrying in %.1f s",
                  self.name, type(exc).__name__, delay)
+
+
+class Watch(Events):
+    """List + watch one resource forever on a thread; `on_change(objects)` gets the full current set after each
+    (re)list and each event (`synced` is set once the first list arrived). For the node daemons' few objects."""
+
+    def __init__(self, name: str, lister: Callable[..., Any], on_change: Callable[[dict[tuple[str, str], Any]], None],
+                 **list_kwargs: Any) -> None:
+        super().__init__(name, lister, self._listed, self._changed, **list_kwargs)
+        self.on_change = on_change
+        self.objects: dict[tuple[str, str], Any] = {}
+        self.synced = threading.Event()
+
+    @staticmethod
+    def key(obj: Any) -> tuple[str, str]:
+        meta = obj["metadata"]
+        return meta.get("namespace", ""), meta["name"]
+
+    def _listed(self, items: list[Any]) -> None:
+        self.objects = {self.key(o): o for o in items}
+        self.synced.set()
+        self.on_change(dict(self.objects))
+
+    def _changed(self, kind: str, obj: Any) -> None:
+        if kind == "DELETED":
+            self.objects.pop(self.key(obj), None)
+        else:
+            self.objects[self.key(obj)] = obj
+        self.on_change(dict(self.objects))
