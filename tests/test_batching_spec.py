@@ -7,12 +7,12 @@ from typing import Any
 
 import pytest
 from kubernetes import client as k8s_client
-from test_crd_rules_k8s import crds, create, custom, modelspec
+from test_crd_rules_k8s import create, custom, modelspec
 
 from volga_operator import api
 
 pytest_plugins = ["k8s_fixtures"]
-__all__ = ["crds", "custom"]  # fixtures of the CRD tests, used here too
+__all__ = ["custom"]  # a fixture of the CRD tests, used here too (crds comes from k8s_fixtures)
 
 
 def problems(runtime: dict[str, Any], output_shape: list[int] | None = None) -> dict[str, str]:
