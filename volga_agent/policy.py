@@ -156,6 +156,10 @@ class Settings(pydantic.BaseModel):
     shared_snapshot_budget_bytes: Bytes = 0
     # How long a shared image of a version no ModelSpec has any more stays before it is removed.
     shared_snapshot_grace_sec: NonNegative = 600.0
+    # With the autonomy loop on, in cluster mode: how often the agent refreshes its node's `volga.dev/autonomy`
+    # annotation (state, since, memory), besides writing it at once when the state changes. The operator reads
+    # a heartbeat older than three of these as no news (docs/architecture.md, "The cluster tier").
+    autonomy_heartbeat_sec: Annotated[float, pydantic.Field(ge=0.5, le=3600)] = 5.0
 
     @pydantic.model_validator(mode="before")
     @classmethod

@@ -20,3 +20,10 @@ ANNOTATION_PREFIX = PREFIX
 PROFILE_KEY = f"{ANNOTATION_PREFIX}gpu-count"
 # kopf's own bookkeeping annotations on the objects it watches.
 KOPF_PREFIX = api.GROUP
+# Node annotation: the node's autonomy state as its agent publishes it (`planner.NodeAutonomy`, JSON), refreshed
+# every autonomy_heartbeat_sec while the agent runs its autonomy loop.
+AUTONOMY_KEY = f"{ANNOTATION_PREFIX}autonomy"
+# The ConfigMap (in the operator's namespace) where the operator publishes the cluster's memory watermarks for the
+# agents, under CLUSTER_WATERMARKS_KEY (`planner.ClusterWatermarks`, JSON).
+CLUSTER_CONFIGMAP = "volga-cluster"
+CLUSTER_WATERMARKS_KEY = "watermarks"
