@@ -289,3 +289,29 @@ def test_a_worker_paused_for_a_dump_dies_with_its_agent(rundir: pathlib.Path) ->
         agent.kill()
         agent.wait()
     wait_for("the paused worker to exit", lambda: not faults.running(worker), timeout=30, every=0.05)
+
+
+def test_a_restored_worker_waits_for_a_slow_resume_of_its_live_agent(default_spec: api.ModelSpecSpec,
+                                                                       rundir: pathlib.Path,
+                                                                       criu_engine: criu.CriuEngine,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """CRIU restores a worker into a time namespace, where /proc shows every start time shifted: a worker that
+    waits long for its restore-complete signal (a loaded node, a GPU's driver restore) must still recognise its
+    live agent, not take it for gone and exit."""
+    inst = instance.Instance("slowresume", default_spec, rundir, criu_engine)
+    resume = inst._resume_worker
+
+    def slowly(pid: int) -> None:
+        time.sleep(2.5)  # the worker checks on its agent once a second while it waits
+        resume(pid)
+    try:
+        x = contract.sample_inputs(inst.config.inputs, batch=2, seed=3)
+        inst.to(api.Tier.HOT)
+        reference = inst.infer(x)["probability"]
+        inst.to(api.Tier.FROZEN)
+        monkeypatch.setattr(inst, "_resume_worker", slowly)
+        woke = inst.wake()
+        assert not woke.fallback, woke.detail
+        assert np.array_equal(inst.infer(x)["probability"], reference)
+    finally:
+        inst.close()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
 
 import numpy as np
@@ -33,10 +34,27 @@ CANARY_SEED = 0x5EED
 WAKE_SIGNAL = nsinit.WAKE_SIGNAL
 
 
+def _boottime_offset_ticks() -> int:
+    """This process's time-namespace boot-time offset in clock ticks. CRIU restores a process into a time
+    namespace whose clocks carry on from the dump; /proc shows every process's start time shifted by the
+    reader's offset, so the same agent reads differently before and after a restore."""
+    try:
+        lines = pathlib.Path("/proc/self/timens_offsets").read_text().splitlines()
+    except OSError:  # no time namespaces here: no offset
+        return 0
+    for line in lines:
+        clock, seconds, nanoseconds = line.split()
+        if clock in ("boottime", "7"):  # CLOCK_BOOTTIME
+            return (int(seconds) * 10**9 + int(nanoseconds)) * os.sysconf("SC_CLK_TCK") // 10**9
+    return 0
+
+
 def process_identity(pid: int) -> str:
-    """A process's PID and start time (clock ticks since boot): a PID that was reused names another process."""
+    """A process's PID and start time (clock ticks since the host's boot, whatever time namespace reads it): a
+    PID that was reused names another process."""
     with open(f"/proc/{pid}/stat") as stat:
-        return f"{pid} {stat.read().rsplit(') ', 1)[1].split()[19]}"
+        started = int(stat.read().rsplit(") ", 1)[1].split()[19])
+    return f"{pid} {started - _boottime_offset_ticks()}"
 
 
 def agent_alive(path: pathlib.Path) -> bool:
@@ -46,9 +64,11 @@ def agent_alive(path: pathlib.Path) -> bool:
     except FileNotFoundError:
         return True
     try:
-        return process_identity(int(text.split()[0])) == text
-    except (OSError, ValueError, IndexError):  # gone (no /proc entry), or not an identity
+        pid, started = (int(v) for v in text.split())
+        now_pid, now_started = (int(v) for v in process_identity(pid).split())
+    except (OSError, ValueError):  # gone (no /proc entry), or not an identity
         return False
+    return now_pid == pid and abs(now_started - started) <= 1  # the offset's rounding may cost one tick
 
 
 @dataclasses.dataclass(frozen=True)

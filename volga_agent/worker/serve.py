@@ -295,7 +295,10 @@ class Worker:
             signal.sigtimedwait([contract.WAKE_SIGNAL], 0.05)
             waits += 1
             if armed and waits % 20 == 0 and not contract.agent_alive(self.signal_dir / contract.AGENT):
-                os._exit(1)  # our agent died while we waited (the dump's window): no one is left to resume us
+                # Our agent died while we waited (the dump's window): no one is left to resume us.
+                print(f"the agent named in {self.signal_dir / contract.AGENT} is gone; exiting", file=sys.stderr,
+                      flush=True)
+                os._exit(1)
         agent = done.read_text().strip()
         if armed:  # the agent writes its PID there: die with it again
             nsinit.die_with(int(agent) if agent.isdigit() else nsinit.host_ppid())
