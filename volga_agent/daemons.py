@@ -64,6 +64,25 @@ def _run(main: Coroutine[Any, Any, None]) -> int:
     return 0
 
 
+def _calibrator(workdir: str, iterations: int) -> Callable[[api.ModelSpecSpec, str], api.Calibration]:
+    """The cluster's calibrations: `volga calibrate`'s measurement (through a gateway of its own) with a worker
+    of its own beside the node's instances, at the batch sizes the spec's baselines name (1 and 8 by default)."""
+    from volga_agent import calibrate
+    from volga_agent import cluster as cluster_mode
+
+    def run(spec: api.ModelSpecSpec, device: str) -> api.Calibration:
+        folder = pathlib.Path(workdir)
+        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            return calibrate.measure(spec, calibrate.batch_sizes_for(spec), iterations, device, folder)
+        except calibrate.StartFailed as exc:
+            raise cluster_mode.CalibrationFailed("StartFailed", str(exc)) from exc
+        except ValueError as exc:
+            raise cluster_mode.CalibrationFailed("InvalidSpec", str(exc)) from exc
+
+    return run
+
+
 def agent_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="volga-agent", description=__doc__)
     parser.add_argument("--node", default=os.environ.get("NODE_NAME") or socket.gethostname())
@@ -84,8 +103,13 @@ def agent_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gateway-address", default=os.environ.get("VOLGA_GATEWAY_ADDRESS", ""),
                         help="this node's gateway (gRPC host:port), reported in EMI status so other gateways can "
                              "forward requests for this node's models")
+    parser.add_argument("--calibrate-iterations", type=int, default=200,
+                        help="cluster mode: timed requests per batch size when a ModelSpec asks for a calibration "
+                             "(the volga.dev/calibrate annotation)")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = _parse(parser, argv)
+    if args.calibrate_iterations < 1:
+        parser.error(f"--calibrate-iterations {args.calibrate_iterations}: at least 1")
     settings = policy.Settings()
     if args.settings:
         import yaml
@@ -113,7 +137,10 @@ def agent_main(argv: list[str] | None = None) -> int:
             from volga_agent import cluster as cluster_mode
 
             cluster = cluster_mode.AgentSync(node_pool, args.node, found, settings.api_writes_per_sec,
-                                             gateway_address=args.gateway_address)
+                                             gateway_address=args.gateway_address,
+                                             calibrator=_calibrator(args.workdir, args.calibrate_iterations))
+            if autonomy is not None:
+                autonomy.views.measured = cluster.measured  # status.calibrated where the spec has no baselines
             await cluster.start()
         else:
             specs = _specs(args.file)

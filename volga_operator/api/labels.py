@@ -20,3 +20,7 @@ ANNOTATION_PREFIX = PREFIX
 PROFILE_KEY = f"{ANNOTATION_PREFIX}gpu-count"
 # kopf's own bookkeeping annotations on the objects it watches.
 KOPF_PREFIX = api.GROUP
+# On a ModelSpec: a calibration request. Any new value (a token) asks one node per device kind holding an
+# instance of the ModelSpec to measure its baselines (status.calibrated); status.calibratedFor records the
+# token each device answered, so a value is measured once (docs/architecture.md).
+ANNOTATION_CALIBRATE = f"{PREFIX}calibrate"
