@@ -56,6 +56,34 @@ def test_calibrate_measures_with_a_real_worker_and_writes_tagged_baselines(spec_
     assert before.count("\n") < after.count("\n")
 
 
+@pytest.mark.integration
+def test_the_baseline_written_is_the_gateway_path(spec_file: pathlib.Path) -> None:
+    """tritonclient through a gateway in front of the worker is the baseline; the worker alone is reported beside
+    it; --direct measures only the worker, as before."""
+    out = volga("calibrate", "-f", str(spec_file), "--batch-sizes", "1,8", "--iterations", "30", "--json", "--write")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["measuredThrough"] == "gateway"
+    for b in report["batches"]:
+        assert {"p50Ms", "p99Ms", "workerP50Ms", "workerP99Ms"} <= set(b)
+        assert b["p99Ms"] > 0 and b["workerP99Ms"] > 0 and b["p99Ms"] != b["workerP99Ms"]
+    slo = api.load_model_specs(spec_file)[0].spec.slo
+    assert slo.baseline_latency_ms == {str(b["batchSize"]): b["p99Ms"] for b in report["batches"]}
+
+    table = volga("calibrate", "-f", str(spec_file), "--batch-sizes", "1", "--iterations", "20")
+    assert table.returncode == 0, table.stderr
+    assert "through a gateway (tritonclient gRPC)" in table.stdout and "through the gateway" in table.stderr
+    assert "worker p99" in table.stdout and "gateway +p99" in table.stdout
+
+    direct = volga("calibrate", "-f", str(spec_file), "--batch-sizes", "1", "--iterations", "20", "--json",
+                   "--direct")
+    assert direct.returncode == 0, direct.stderr
+    report = json.loads(direct.stdout)
+    assert report["measuredThrough"] == "worker"
+    [b] = report["batches"]
+    assert b["p99Ms"] == b["workerP99Ms"] > 0
+
+
 def test_calibrate_refuses_bad_input(spec_file: pathlib.Path, tmp_path: pathlib.Path) -> None:
     out = volga("calibrate", "-f", str(spec_file), "--batch-sizes", "0,8")
     assert out.returncode == 2 and "--batch-sizes: '0,8': write batch sizes as positive integers" in out.stderr

@@ -50,6 +50,7 @@ AGENT_RULES = {  # the agent pod's ServiceAccount also serves the gateway contai
     ("volga.dev", "modelspecs"): {"get", "list", "watch"},
     ("volga.dev", "executablemodelinstances"): {"get", "list", "watch"},
     ("volga.dev", "executablemodelinstances/status"): {"patch"},
+    ("volga.dev", "modelspecs/status"): {"patch"},  # calibrations on request (status.calibrated)
 }
 
 

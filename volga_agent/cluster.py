@@ -98,7 +98,7 @@ class AgentSync:
     async def stop(self) -> None:
         self._stop.set()
         if self.calibrations is not None:
-            self.calibrations.stop()
+            await asyncio.to_thread(self.calibrations.stop)
         for w in self.watches:
             w.stop()
         await asyncio.to_thread(self.client.close)
@@ -401,13 +401,17 @@ class Calibrations:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop taking requests; a measurement under way is left to finish in its own process."""
         self._stop.set()
         self._queue.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
 
     def consider(self, objects: Mapping[tuple[str, str], Any], emis: Mapping[tuple[str, str], Any],
-                 gpus_found: Sequence[gpus.GpuInfo]) -> None:
-        """Queue the requests this node should take up, from the ModelSpecs and this node's EMIs."""
+                 gpus_found: Sequence[gpus.GpuInfo]) -> list[CalibrationRequest]:
+        """Queue the requests this node should take up, from the ModelSpecs and this node's EMIs; the ones queued
+        now."""
         devices: dict[tuple[str, str], dict[str, str]] = {}  # ModelSpec -> kind -> device (lowest EMI name)
         for (ns, _name), emi in sorted(emis.items()):
             spec = emi.get("spec") or {}
@@ -427,10 +431,12 @@ class Calibrations:
                 wanted.append(CalibrationRequest(ns, name, token, kind, device))
         with self._lock:
             self._seen = wanted
+        queued = []
         for request in wanted:
             status = objects[(request.namespace, request.name)].get("status")
-            if not self._answered(_answer(status, request.kind), request.token):
-                self._enqueue(request)
+            if not self._answered(_answer(status, request.kind), request.token) and self._enqueue(request):
+                queued.append(request)
+        return queued
 
     def _answered(self, answer: api.CalibrationAnswer | None, token: str) -> bool:
         if answer is None or answer.token != token:
@@ -441,12 +447,13 @@ class Calibrations:
             return _held(answer, time.time())
         return False  # ours but not running here (this agent restarted): take it up again
 
-    def _enqueue(self, request: CalibrationRequest) -> None:
+    def _enqueue(self, request: CalibrationRequest) -> bool:
         with self._lock:
             if request in self._queued or request == self._running:
-                return
+                return False
             self._queued.add(request)
         self._queue.put(request)
+        return True
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -499,15 +506,18 @@ class Calibrations:
                 if status is None:
                     return False
                 body = {"metadata": {"resourceVersion": obj["metadata"]["resourceVersion"]}, "status": status}
-                ratelimit.write_sync(self.bucket, lambda body=body: (  # type: ignore[misc]
-                    self.custom.patch_namespaced_custom_object_status(
-                        api.GROUP, api.VERSION, request.namespace, "modelspecs", request.name, body,
-                        _request_timeout=10)))
+                self.bucket.acquire()  # not ratelimit.write_sync: a conflict is answered by reading again
+                self.custom.patch_namespaced_custom_object_status(api.GROUP, api.VERSION, request.namespace,
+                                                                  "modelspecs", request.name, body,
+                                                                  _request_timeout=10)
                 return True
             except kubernetes.client.ApiException as exc:
                 if exc.status == 404:
                     return False
-                if exc.status != 409:
+                if exc.status == 409:
+                    log.info("calibration %s/%s: the ModelSpec changed since read: reading it again",
+                             request.namespace, request.name)
+                else:
                     log.info("calibration %s/%s: status write deferred: %s", request.namespace, request.name,
                              exc.reason)
                     self._stop.wait(1.0)

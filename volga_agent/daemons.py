@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import logging
+import multiprocessing
 import os
 import pathlib
 import signal
@@ -66,19 +68,27 @@ def _run(main: Coroutine[Any, Any, None]) -> int:
 
 def _calibrator(workdir: str, iterations: int) -> Callable[[api.ModelSpecSpec, str], api.Calibration]:
     """The cluster's calibrations: `volga calibrate`'s measurement (through a gateway of its own) with a worker
-    of its own beside the node's instances, at the batch sizes the spec's baselines name (1 and 8 by default)."""
+    of its own beside the node's instances, at the batch sizes the spec's baselines name (1 and 8 by default).
+    Each runs in a fresh process: its gateway's grpc.aio server must not share this process with the Agent API's
+    (grpc.aio serves one event loop per process), and a model that crashes takes only that process down."""
     from volga_agent import calibrate
     from volga_agent import cluster as cluster_mode
 
     def run(spec: api.ModelSpecSpec, device: str) -> api.Calibration:
         folder = pathlib.Path(workdir)
         folder.mkdir(parents=True, exist_ok=True)
-        try:
-            return calibrate.measure(spec, calibrate.batch_sizes_for(spec), iterations, device, folder)
-        except calibrate.StartFailed as exc:
-            raise cluster_mode.CalibrationFailed("StartFailed", str(exc)) from exc
-        except ValueError as exc:
-            raise cluster_mode.CalibrationFailed("InvalidSpec", str(exc)) from exc
+        context = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as child:
+            try:
+                return child.submit(calibrate.measure, spec, calibrate.batch_sizes_for(spec), iterations, device,
+                                    folder).result()
+            except calibrate.StartFailed as exc:
+                raise cluster_mode.CalibrationFailed("StartFailed", str(exc)) from exc
+            except ValueError as exc:
+                raise cluster_mode.CalibrationFailed("InvalidSpec", str(exc)) from exc
+            except concurrent.futures.BrokenExecutor as exc:
+                raise cluster_mode.CalibrationFailed("CalibrationFailed", f"the measuring process died: {exc}") \
+                    from exc
 
     return run
 
