@@ -14,6 +14,7 @@ import logging
 import queue
 import threading
 import time
+import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
@@ -132,6 +133,7 @@ def apply(action: decider.Action, actuator: Actuator) -> None:
 # model id -> baselines measured on the cluster (the ModelSpec status' `calibrated` entries of its current version):
 # the same mapping while none changed.
 Measured = Callable[[], Mapping[str, Sequence[api.Calibration]]]
+NONE_MEASURED: Mapping[str, Sequence[api.Calibration]] = types.MappingProxyType({})
 
 
 class Views:
@@ -179,7 +181,7 @@ class Views:
             devices.setdefault(model, inst.device)
             awake[model] = awake.get(model, False) or inst.tier == api.Tier.HOT
             gpu[model] = gpu.get(model, False) or inst.gpu
-        measured = self.measured() if self.measured is not None else {}
+        measured = self.measured() if self.measured is not None else NONE_MEASURED
         key = (measured, tuple((model, id(spec), awake[model], gpu[model]) for model, spec in specs.items()))
         if key[0] is self._key[0] and key[1] == self._key[1]:
             return self._views
