@@ -1,5 +1,5 @@
-"""`volga calibrate` on the default model with a real worker, `--write` into a ModelSpec file, and `volga bench
-decide` printing its keys."""
+"""`volga calibrate` on the default model with a real worker, through a gateway and alone, `--write` into a
+ModelSpec file; the autonomy loop's use of status.calibrated; and `volga bench decide` printing its keys."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import sys
 import pytest
 import yaml
 
-from volga_agent import defaultmodel
+from volga_agent import defaultmodel, instance, pool
+from volga_agent.autonomy import loop
 from volga_operator import api
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -56,6 +57,34 @@ def test_calibrate_measures_with_a_real_worker_and_writes_tagged_baselines(spec_
     assert before.count("\n") < after.count("\n")
 
 
+@pytest.mark.integration
+def test_the_baseline_written_is_the_gateway_path(spec_file: pathlib.Path) -> None:
+    """tritonclient through a gateway in front of the worker is the baseline; the worker alone is reported beside
+    it; --direct measures only the worker, as before."""
+    out = volga("calibrate", "-f", str(spec_file), "--batch-sizes", "1,8", "--iterations", "30", "--json", "--write")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["measuredThrough"] == "gateway"
+    for b in report["batches"]:
+        assert {"p50Ms", "p99Ms", "workerP50Ms", "workerP99Ms"} <= set(b)
+        assert b["p99Ms"] > 0 and b["workerP99Ms"] > 0 and b["p99Ms"] != b["workerP99Ms"]
+    slo = api.load_model_specs(spec_file)[0].spec.slo
+    assert slo.baseline_latency_ms == {str(b["batchSize"]): b["p99Ms"] for b in report["batches"]}
+
+    table = volga("calibrate", "-f", str(spec_file), "--batch-sizes", "1", "--iterations", "20")
+    assert table.returncode == 0, table.stderr
+    assert "through a gateway (tritonclient gRPC)" in table.stdout and "through the gateway" in table.stderr
+    assert "worker p99" in table.stdout and "gateway +p99" in table.stdout
+
+    direct = volga("calibrate", "-f", str(spec_file), "--batch-sizes", "1", "--iterations", "20", "--json",
+                   "--direct")
+    assert direct.returncode == 0, direct.stderr
+    report = json.loads(direct.stdout)
+    assert report["measuredThrough"] == "worker"
+    [b] = report["batches"]
+    assert b["p99Ms"] == b["workerP99Ms"] > 0
+
+
 def test_calibrate_refuses_bad_input(spec_file: pathlib.Path, tmp_path: pathlib.Path) -> None:
     out = volga("calibrate", "-f", str(spec_file), "--batch-sizes", "0,8")
     assert out.returncode == 2 and "--batch-sizes: '0,8': write batch sizes as positive integers" in out.stderr
@@ -85,3 +114,35 @@ def test_bench_decide_prints_its_numbers() -> None:
         assert {"p50_us", "p99_us", "max_us", "decisions", "within_budget", "states", "actions"} <= set(r)
         assert r["decisions"] == 300
     assert {"jitter_p50_ms", "jitter_p99_ms", "samples", "period_ms", "probe"} <= set(report["sampler"])
+
+
+def test_the_loop_holds_a_model_to_the_calibrated_entry_of_its_device_and_version(
+        default_spec: api.ModelSpecSpec, rundir: pathlib.Path) -> None:
+    """Without baselines of its own, a model is held to the status.calibrated entry of the node's device kind and
+    its current version and input hash (what the agent hands the loop in a cluster), and to nothing else."""
+    node_pool = pool.Pool("n1", rundir, None)
+    node_pool.slots["m"] = pool.Slot(instance.Instance("m", default_spec, rundir / "m", None, None, "cpu"),
+                                     api.Tier.COLD)
+
+    def entry(device: str, version: str, p99: float) -> api.Calibration:
+        return api.Calibration(device=device, version=version, input_hash=default_spec.input_hash(), batches=[
+            api.BatchProfile(batch_size=8, p50_ms=1.0, p99_ms=p99 * 2, memory_bytes=1, throughput_per_sec=1.0),
+            api.BatchProfile(batch_size=1, p50_ms=1.0, p99_ms=p99, memory_bytes=1, throughput_per_sec=1.0)])
+
+    measured: dict[str, tuple[api.Calibration, ...]] = {}
+    views = loop.Views(node_pool, lambda: measured)
+    try:
+        assert default_spec.slo.baseline_latency_ms == {}
+        assert views()["ctr-default"].baselines == ()
+        measured = {"ctr-default": (entry("NVIDIA H200", "1", 5.0), entry("cpu", "0", 7.0))}
+        assert views()["ctr-default"].baselines == ()  # another device kind; another version
+        measured = {"ctr-default": (entry("NVIDIA H200", "1", 5.0), entry("cpu", "1", 3.0))}
+        first = views()
+        assert first["ctr-default"].baselines == ((1, 3.0), (8, 6.0))
+        assert views() is first  # the same mapping while nothing changed
+        own = default_spec.model_copy(update={"slo": default_spec.slo.model_copy(
+            update={"baseline_latency_ms": {"1": 9.0}})})
+        node_pool.slots["m"].inst.spec = own
+        assert views()["ctr-default"].baselines == ((1, 9.0),)  # the spec's own baselines come first
+    finally:
+        node_pool.close()

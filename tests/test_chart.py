@@ -50,6 +50,7 @@ AGENT_RULES = {  # the agent pod's ServiceAccount also serves the gateway contai
     ("volga.dev", "modelspecs"): {"get", "list", "watch"},
     ("volga.dev", "executablemodelinstances"): {"get", "list", "watch"},
     ("volga.dev", "executablemodelinstances/status"): {"patch"},
+    ("volga.dev", "modelspecs/status"): {"patch"},  # calibrations on request (status.calibrated)
 }
 
 
@@ -606,11 +607,11 @@ AGENT_ALLOWED = [
     ("list", "modelspecs.volga.dev", "-A"), ("watch", "modelspecs.volga.dev", "-A"), ("get", "modelspecs.volga.dev"),
     ("list", "executablemodelinstances.volga.dev", "-A"), ("watch", "executablemodelinstances.volga.dev", "-A"),
     ("patch", "executablemodelinstances.volga.dev", "--subresource=status", "-n", "default"),
+    ("patch", "modelspecs.volga.dev", "--subresource=status"),  # the calibrations asked for (status.calibrated)
 ]
 AGENT_FORBIDDEN = [
     ("list", "nodes"), ("delete", "nodes"), ("update", "nodes"), ("create", "pods"), ("get", "secrets", "-A"),
     ("list", "configmaps", "-A"), ("patch", "modelspecs.volga.dev"),
-    ("patch", "modelspecs.volga.dev", "--subresource=status"),
     ("create", "executablemodelinstances.volga.dev"), ("patch", "executablemodelinstances.volga.dev"),
     ("delete", "executablemodelinstances.volga.dev"), ("create", "events"), ("*", "*"),
 ]

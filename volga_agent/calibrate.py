@@ -1,11 +1,17 @@
 """`volga calibrate`: a model's baselines measured on this node, alone, and written back into its ModelSpec.
 
-A real worker is started from the ModelSpec (`instance.Instance`, COLD -> HOT) and fed through the gateway's own
-worker client (`gateway.workers.WorkerClients`: the frame protocol, tensors in per-connection shared memory), one
-request at a time, so that the latency measured is the one the gateway sees of a worker with nothing beside it.
-Per batch size, ascending: warm-up requests, then `iterations` timed ones; p50 and p99, samples per second, and
-the worker's peak memory (host: VmHWM; GPU: what the worker reports allocated). The result is an
-`api.Calibration`, the shape of the ModelSpec status' `calibrated` entries.
+A real worker is started from the ModelSpec (`instance.Instance`, COLD -> HOT) and timed one request at a time on
+two paths. The baseline path is the one requests take and the one the autonomy loop compares with the baseline
+(the gateway's end-to-end latency): an unmodified tritonclient (gRPC) through a real gateway data plane
+(`gateway.app.Gateway` on loopback ports of its own, routing to this worker) to the worker. The second path is the
+worker alone, through the gateway's own worker client (`gateway.workers.WorkerClients`: the frame protocol,
+tensors in per-connection shared memory); the difference is the gateway's overhead. `through="worker"` (`volga
+calibrate --direct`) times only the worker, as baselines were measured before.
+
+Per batch size, ascending: warm-up requests, then `iterations` timed ones on each path; p50 and p99, samples per
+second, and the worker's peak memory (host: VmHWM; GPU: what the worker reports allocated). The result is an
+`api.Calibration`, the shape of the ModelSpec status' `calibrated` entries (p50Ms/p99Ms the baseline path,
+workerP50Ms/workerP99Ms the worker alone).
 
 `write` puts the p99s into the ModelSpec file as spec.slo.baselineLatencyMs, tagged with the version and input
 hash measured (spec.slo.baselineFor), keeping everything else in the file as it was (ruamel.yaml round-trips
@@ -15,21 +21,34 @@ comments, order and quoting).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import pathlib
 import socket
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, Literal, TypeVar
 
 import numpy as np
+import tritonclient.grpc as grpcclient
+import uvloop
 from ruamel.yaml import YAML
 
 from volga_agent import gpus, instance
-from volga_agent.gateway import workers
+from volga_agent.gateway import app, catalog, links, workers
 from volga_agent.worker import contract
 from volga_operator import api
 
 WARMUP = 20
+DEFAULT_BATCH_SIZES = (1, 8)
+Through = Literal["gateway", "worker"]
+T = TypeVar("T")
+
+
+class StartFailed(RuntimeError):
+    """The worker to measure did not start (a model that does not load, a device that is not there)."""
 
 
 def device_name(device: str) -> str:
@@ -66,46 +85,153 @@ async def _measure(socket_path: str, decls: tuple[contract.TensorDecl, ...], bat
         clients.close()
 
 
+def batch_sizes_for(spec: api.ModelSpecSpec) -> list[int]:
+    """The batch sizes the ModelSpec's baselines name, else 1 and 8; none above spec.runtime.maxBatchSize."""
+    named = sorted(int(size) for size in spec.slo.baseline_latency_ms) or list(DEFAULT_BATCH_SIZES)
+    return sorted({min(size, spec.runtime.max_batch_size) for size in named})
+
+
+def _percentiles(latencies: Sequence[float]) -> tuple[float, float]:
+    return (round(float(np.percentile(latencies, 50)), 4), round(float(np.percentile(latencies, 99)), 4))
+
+
+class _Gateway:
+    """A gateway data plane of its own in front of one worker: gRPC on a loopback port the OS picks, its event
+    loop on a thread; every request for the model routes to the worker's socket."""
+
+    def __init__(self, spec: api.ModelSpecSpec, route: links.Route) -> None:
+        self.spec = spec
+        self.route = route
+        self.loop = uvloop.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="calibrate-gateway", daemon=True)
+        self.gateway: app.Gateway | None = None
+
+    def _run(self, work: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
+        return asyncio.run_coroutine_threadsafe(work, self.loop).result(timeout)
+
+    async def _start(self) -> int:
+        settings = app.Settings(host="127.0.0.1", http_port=0, grpc_port=0, metrics_port=0)
+        link = links.LocalAgentLink(lambda _model, _hint: self.route)
+        self.gateway = app.Gateway(catalog.Catalog({self.spec.model_id: self.spec}), link, settings)
+        await self.gateway.start()
+        return self.gateway.ports["grpc"]
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        try:
+            return f"127.0.0.1:{self._run(self._start())}"
+        except BaseException:
+            self.__exit__()
+            raise
+
+    def __exit__(self, *_: object) -> None:
+        try:
+            if self.gateway is not None:
+                self._run(self.gateway.stop(0.5))
+        except (concurrent.futures.TimeoutError, OSError):
+            pass
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=10)
+            if not self.thread.is_alive():
+                self.loop.close()
+
+
+def _measure_gateway(address: str, model: str, decls: tuple[contract.TensorDecl, ...], batch: int, iterations: int,
+                     warmup: int) -> tuple[list[float], float]:
+    """Time requests as a client sends them: tritonclient's gRPC client, through the gateway."""
+    client = grpcclient.InferenceServerClient(address)
+    try:
+        arrays = contract.sample_inputs(decls, batch=batch, seed=batch)
+        inputs = []
+        for decl in decls:
+            item = grpcclient.InferInput(decl.name, list(arrays[decl.name].shape), decl.dtype)
+            item.set_data_from_numpy(arrays[decl.name])
+            inputs.append(item)
+        for _ in range(warmup):
+            client.infer(model, inputs, client_timeout=120)
+        latencies = []
+        started = time.perf_counter()
+        for _ in range(iterations):
+            sent = time.perf_counter()
+            client.infer(model, inputs, client_timeout=120)
+            latencies.append((time.perf_counter() - sent) * 1e3)
+        return latencies, time.perf_counter() - started
+    finally:
+        client.close()
+
+
 def measure(spec: api.ModelSpecSpec, batch_sizes: Sequence[int], iterations: int, device: str = "cpu",
             workdir: pathlib.Path | None = None, warmup: int = WARMUP,
-            progress: Callable[[str], None] = lambda _: None) -> api.Calibration:
-    """Start a worker for `spec` on `device`, time each batch size alone, stop the worker."""
+            progress: Callable[[str], None] = lambda _: None, through: Through = "gateway") -> api.Calibration:
+    """Start a worker for `spec` on `device`, time each batch size alone (through a gateway and on the worker
+    alone, or with `through="worker"` on the worker alone), stop the worker."""
     if not spec.has_signature:
         raise ValueError("spec.inputs: the signature must be known (read it from the model file first)")
     too_big = [b for b in batch_sizes if b > spec.runtime.max_batch_size]
     if too_big:
         raise ValueError(f"--batch-sizes: {too_big} above spec.runtime.maxBatchSize ({spec.runtime.max_batch_size})")
+    if iterations < 1:
+        raise ValueError(f"--iterations: {iterations}: time at least one request per batch size")
     with tempfile.TemporaryDirectory(prefix="volga-cal-", dir=workdir) as run:
         inst = instance.Instance(f"calibrate-{spec.model_id}", spec, pathlib.Path(run) / "w", None, None, device)
         progress(f"starting a worker for {spec.model_id} on {device} ...")
-        inst.to(api.Tier.HOT)
+        try:
+            inst.to(api.Tier.HOT)
+        except Exception as exc:
+            with contextlib.suppress(Exception):  # what is left of the worker; the start's error is the one to see
+                inst.close()
+            raise StartFailed(f"the worker for {spec.model_id} did not start on {device}: {exc}") from exc
         try:
             decls = instance.decls(spec.inputs)
-            profiles = []
-            for batch in sorted(set(batch_sizes)):
-                progress(f"batch {batch}: {warmup} warm-up, {iterations} timed requests ...")
-                latencies, seconds = asyncio.run(_measure(inst.config.socket, decls, batch, iterations, warmup))
-                assert inst.pid is not None
-                memory = (int(inst.client().call("stats").header.get("gpu_allocated_bytes", 0))
-                          if device.startswith("cuda") else _peak_rss(inst.pid))
-                profiles.append(api.BatchProfile(
-                    batch_size=batch, p50_ms=round(float(np.percentile(latencies, 50)), 4),
-                    p99_ms=round(float(np.percentile(latencies, 99)), 4), memory_bytes=memory,
-                    throughput_per_sec=round(batch * iterations / seconds, 1)))
+            front: contextlib.AbstractContextManager[str] = (
+                _Gateway(spec, links.Route(inst.name, inst.config.socket)) if through == "gateway"
+                else contextlib.nullcontext(""))
+            with front as address:
+                profiles = []
+                for batch in sorted(set(batch_sizes)):
+                    gateway_p: tuple[float, float] | None = None
+                    if address:
+                        progress(f"batch {batch}: {warmup} warm-up, {iterations} timed requests through the "
+                                 f"gateway ...")
+                        latencies, seconds = _measure_gateway(address, spec.model_id, decls, batch, iterations,
+                                                              warmup)
+                        gateway_p = _percentiles(latencies)
+                    progress(f"batch {batch}: {warmup} warm-up, {iterations} timed requests to the worker ...")
+                    worker_latencies, worker_seconds = asyncio.run(
+                        _measure(inst.config.socket, decls, batch, iterations, warmup))
+                    worker_p = _percentiles(worker_latencies)
+                    if gateway_p is None:
+                        gateway_p, seconds = worker_p, worker_seconds
+                    assert inst.pid is not None
+                    memory = (int(inst.client().call("stats").header.get("gpu_allocated_bytes", 0))
+                              if device.startswith("cuda") else _peak_rss(inst.pid))
+                    profiles.append(api.BatchProfile(
+                        batch_size=batch, p50_ms=gateway_p[0], p99_ms=gateway_p[1], memory_bytes=memory,
+                        throughput_per_sec=round(batch * iterations / seconds, 1),
+                        worker_p50_ms=worker_p[0], worker_p99_ms=worker_p[1]))
         finally:
             inst.to(api.Tier.COLD)
     return api.Calibration(device=device_name(device), version=spec.version, input_hash=spec.input_hash(),
                            measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                           node=socket.gethostname(), iterations=iterations, batches=profiles)
+                           node=socket.gethostname(), iterations=iterations, batches=profiles,
+                           measured_through=through)
 
 
 def table(calibration: api.Calibration) -> str:
+    through = calibration.measured_through
     lines = [f"{calibration.device}, version {calibration.version}, input hash {calibration.input_hash[:16]}..., "
-             f"{calibration.iterations} requests per batch size",
-             f"{'batch':>6}{'p50 ms':>10}{'p99 ms':>10}{'memory MiB':>12}{'samples/s':>12}"]
+             f"{calibration.iterations} requests per batch size; the baseline (p99): "
+             + ("through a gateway (tritonclient gRPC)" if through == "gateway" else "the worker alone"),
+             f"{'batch':>6}{'p50 ms':>10}{'p99 ms':>10}"
+             + (f"{'worker p50':>12}{'worker p99':>12}{'gateway +p99':>14}" if through == "gateway" else "")
+             + f"{'memory MiB':>12}{'samples/s':>12}"]
     for b in calibration.batches:
-        lines.append(f"{b.batch_size:>6}{b.p50_ms:>10.3f}{b.p99_ms:>10.3f}{b.memory_bytes / 2**20:>12.1f}"
-                     f"{b.throughput_per_sec:>12.1f}")
+        row = f"{b.batch_size:>6}{b.p50_ms:>10.3f}{b.p99_ms:>10.3f}"
+        if through == "gateway":
+            worker_p50, worker_p99 = b.worker_p50_ms or 0.0, b.worker_p99_ms or 0.0
+            row += f"{worker_p50:>12.3f}{worker_p99:>12.3f}{b.p99_ms - worker_p99:>14.3f}"
+        lines.append(row + f"{b.memory_bytes / 2**20:>12.1f}{b.throughput_per_sec:>12.1f}")
     return "\n".join(lines)
 
 

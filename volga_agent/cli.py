@@ -14,8 +14,8 @@
     volga bench faults [--json]       `volga up` under traffic through injected faults: wrong answers, hangs, leaks
     volga bench shared [--json]       a node's first answer from another node's shared image beside its cold start
     volga build-model [--out DIR]     build the embedded default model and print its ModelSpec
-    volga calibrate -f SPEC [--write] measure the model's p99 alone per batch size on this node; --write puts the
-                                      baselines into the ModelSpec file
+    volga calibrate -f SPEC [--write] measure the model's p99 alone per batch size on this node, through a gateway
+                                      (and of the worker alone); --write puts the baselines into the ModelSpec file
     volga bench decide [--json]       the autonomy decider's cost per window (2-64 models), the sampler's jitter
     volga bench slo [--json]          a latency-critical model beside a heavy one, bursty load: autonomy off vs on
 """
@@ -421,10 +421,14 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         return 2
     device = args.device or ("cuda:0" if filled.hardware.gpu else "cpu")
     try:
-        result = calibrate.measure(filled, args.batch_sizes, args.iterations, device, progress=_progress(args.json))
+        result = calibrate.measure(filled, args.batch_sizes, args.iterations, device, progress=_progress(args.json),
+                                   through="worker" if args.direct else "gateway")
     except ValueError as exc:
         print(f"volga calibrate: {label}: {exc}", file=sys.stderr)
         return 2
+    except calibrate.StartFailed as exc:
+        print(f"volga calibrate: {label}: {exc}", file=sys.stderr)
+        return 1
     print(json.dumps(result.to_wire(), indent=2) if args.json else calibrate.table(result))
     if args.write:
         calibrate.write(pathlib.Path(args.file), spec.metadata.name, result)
@@ -631,6 +635,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--write", action="store_true", help="write the baselines into the file, tagged with the "
                                                         "version and input hash")
     p.add_argument("--json", action="store_true", help="print the calibration as the ModelSpec status holds it")
+    p.add_argument("--direct", action="store_true", help="time the worker alone (the gateway's worker client), not "
+                                                         "tritonclient through a gateway in front of it")
     p.set_defaults(func=cmd_calibrate)
     return parser
 

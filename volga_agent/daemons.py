@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import logging
+import multiprocessing
 import os
 import pathlib
 import signal
@@ -64,6 +66,33 @@ def _run(main: Coroutine[Any, Any, None]) -> int:
     return 0
 
 
+def _calibrator(workdir: str, iterations: int) -> Callable[[api.ModelSpecSpec, str], api.Calibration]:
+    """The cluster's calibrations: `volga calibrate`'s measurement (through a gateway of its own) with a worker
+    of its own beside the node's instances, at the batch sizes the spec's baselines name (1 and 8 by default).
+    Each runs in a fresh process: its gateway's grpc.aio server must not share this process with the Agent API's
+    (grpc.aio serves one event loop per process), and a model that crashes takes only that process down."""
+    from volga_agent import calibrate
+    from volga_agent import cluster as cluster_mode
+
+    def run(spec: api.ModelSpecSpec, device: str) -> api.Calibration:
+        folder = pathlib.Path(workdir)
+        folder.mkdir(parents=True, exist_ok=True)
+        context = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as child:
+            try:
+                return child.submit(calibrate.measure, spec, calibrate.batch_sizes_for(spec), iterations, device,
+                                    folder).result()
+            except calibrate.StartFailed as exc:
+                raise cluster_mode.CalibrationFailed("StartFailed", str(exc)) from exc
+            except ValueError as exc:
+                raise cluster_mode.CalibrationFailed("InvalidSpec", str(exc)) from exc
+            except concurrent.futures.BrokenExecutor as exc:
+                raise cluster_mode.CalibrationFailed("CalibrationFailed", f"the measuring process died: {exc}") \
+                    from exc
+
+    return run
+
+
 def agent_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="volga-agent", description=__doc__)
     parser.add_argument("--node", default=os.environ.get("NODE_NAME") or socket.gethostname())
@@ -84,8 +113,13 @@ def agent_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gateway-address", default=os.environ.get("VOLGA_GATEWAY_ADDRESS", ""),
                         help="this node's gateway (gRPC host:port), reported in EMI status so other gateways can "
                              "forward requests for this node's models")
+    parser.add_argument("--calibrate-iterations", type=int, default=200,
+                        help="cluster mode: timed requests per batch size when a ModelSpec asks for a calibration "
+                             "(the volga.dev/calibrate annotation)")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = _parse(parser, argv)
+    if args.calibrate_iterations < 1:
+        parser.error(f"--calibrate-iterations {args.calibrate_iterations}: at least 1")
     settings = policy.Settings()
     if args.settings:
         import yaml
@@ -114,7 +148,10 @@ def agent_main(argv: list[str] | None = None) -> int:
             from volga_agent import cluster as cluster_mode
 
             cluster = cluster_mode.AgentSync(node_pool, args.node, found, settings.api_writes_per_sec,
-                                             gateway_address=args.gateway_address)
+                                             gateway_address=args.gateway_address,
+                                             calibrator=_calibrator(args.workdir, args.calibrate_iterations))
+            if autonomy is not None:
+                autonomy.views.measured = cluster.measured  # status.calibrated where the spec has no baselines
             await cluster.start()
             if autonomy is not None:
                 tier = cluster_mode.TierSync(cluster, autonomy, settings.autonomy_heartbeat_sec)

@@ -18,7 +18,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping
+import types
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from volga_agent import errors, metrics, policy, pool
@@ -142,36 +143,68 @@ def apply(action: decider.Action, actuator: Actuator) -> None:
             actuator.unshed(model)
 
 
+# model id -> baselines measured on the cluster (the ModelSpec status' `calibrated` entries of its current version):
+# the same mapping while none changed.
+Measured = Callable[[], Mapping[str, Sequence[api.Calibration]]]
+NONE_MEASURED: Mapping[str, Sequence[api.Calibration]] = types.MappingProxyType({})
+
+
 class Views:
     """The decider's view of each model on the node, read from the pool for every window: the same mapping (the
     same objects) while no model came, went, woke or slept, so that the decider keeps what it worked out of them;
-    the baselines that hold for a ModelSpec are worked out once per ModelSpec."""
+    the baselines that hold for a ModelSpec are worked out once per ModelSpec. Where a ModelSpec's own baselines
+    do not hold (none, or of another version), those `measured` for this node's device kind (GPU product or cpu)
+    and the ModelSpec's version and input hash do: in a cluster, its status.calibrated."""
 
-    def __init__(self, node_pool: pool.Pool) -> None:
+    def __init__(self, node_pool: pool.Pool, measured: Measured | None = None) -> None:
         self.pool = node_pool
-        self._cache: dict[str, tuple[api.ModelSpecSpec, decider.ModelView]] = {}
-        self._key: tuple[tuple[str, int, bool, bool], ...] = ()
+        self.measured = measured
+        self._cache: dict[str, tuple[api.ModelSpecSpec, object, decider.ModelView]] = {}
+        self._key: tuple[object, tuple[tuple[str, int, bool, bool], ...]] = (None, ())
         self._views: dict[str, decider.ModelView] = {}
+
+    def _kind(self, device: str) -> str:
+        if not device.startswith("cuda"):
+            return "cpu"
+        index = int(device.partition(":")[2] or 0)
+        return next((g.product for g in self.pool.gpus if g.index == index and g.product), device)
+
+    def _view(self, spec: api.ModelSpecSpec, device: str, measured: Sequence[api.Calibration]) -> decider.ModelView:
+        view = decider.ModelView.of(spec, False, False)
+        if view.baselines:
+            return view
+        kind = self._kind(device)
+        entry = next((c for c in measured if c.device == kind and c.holds_for(spec.version, spec.input_hash())),
+                     None)
+        if entry is None:
+            return view
+        return decider.ModelView(spec.model_id, spec.slo, tuple(sorted((b.batch_size, b.p99_ms)
+                                                                       for b in entry.batches)),
+                                 False, False, spec.runtime.max_batch_size)
 
     def __call__(self) -> dict[str, decider.ModelView]:
         awake: dict[str, bool] = {}
         gpu: dict[str, bool] = {}
         specs: dict[str, api.ModelSpecSpec] = {}
+        devices: dict[str, str] = {}
         for slot in list(self.pool.slots.values()):
             inst = slot.inst
             model = inst.spec.model_id
             specs[model] = inst.spec
+            devices.setdefault(model, inst.device)
             awake[model] = awake.get(model, False) or inst.tier == api.Tier.HOT
             gpu[model] = gpu.get(model, False) or inst.gpu
-        key = tuple((model, id(spec), awake[model], gpu[model]) for model, spec in specs.items())
-        if key == self._key:
+        measured = self.measured() if self.measured is not None else NONE_MEASURED
+        key = (measured, tuple((model, id(spec), awake[model], gpu[model]) for model, spec in specs.items()))
+        if key[0] is self._key[0] and key[1] == self._key[1]:
             return self._views
         views = {}
         for model, spec in specs.items():
             cached = self._cache.get(model)
-            if cached is None or cached[0] is not spec:
-                cached = self._cache[model] = (spec, decider.ModelView.of(spec, False, False))
-            base = cached[1]
+            entries = measured.get(model, ())
+            if cached is None or cached[0] is not spec or cached[1] is not entries:
+                cached = self._cache[model] = (spec, entries, self._view(spec, devices[model], entries))
+            base = cached[2]
             views[model] = decider.ModelView(model, base.slo, base.baselines, awake[model], gpu[model],
                                              base.max_batch)
         for gone in set(self._cache) - set(specs):

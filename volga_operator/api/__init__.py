@@ -1058,6 +1058,12 @@ class BatchProfile(Model):
     memory_bytes: int = pydantic.Field(ge=0, description="the worker's peak memory at this batch size (host RSS "
                                                          "on a CPU, GPU memory allocated on a GPU), in bytes")
     throughput_per_sec: float = pydantic.Field(ge=0, description="samples per second, one request at a time")
+    worker_p50_ms: float | None = pydantic.Field(
+        default=None, ge=0, description="median latency of the worker alone (the gateway's worker client, no "
+                                        "gateway), in milliseconds; unset when only the worker was measured")
+    worker_p99_ms: float | None = pydantic.Field(
+        default=None, ge=0, description="p99 latency of the worker alone, in milliseconds; the gateway's overhead "
+                                        "is p99Ms minus this")
 
 
 class Calibration(Model):
@@ -1072,9 +1078,18 @@ class Calibration(Model):
     batches: list[BatchProfile] = pydantic.Field(default_factory=list, max_length=64,
                                                  description="per batch size, ascending")
 
+    measured_through: Literal["gateway", "worker"] = pydantic.Field(
+        default="worker", description="what p50Ms and p99Ms time: gateway (an unmodified tritonclient through a "
+                                      "gateway data plane to the worker, the path requests take) or worker (the "
+                                      "gateway's worker client straight to the worker). Default: worker")
+
     def baselines(self) -> dict[str, float]:
         """batch size -> p99 ms, as slo.baselineLatencyMs writes it."""
         return {str(b.batch_size): b.p99_ms for b in self.batches}
+
+    def holds_for(self, version: str, input_hash: str) -> bool:
+        """Whether these baselines count for a ModelSpec of this version and input hash."""
+        return (self.version, self.input_hash) == (version, input_hash)
 
 
 class SharedSnapshotRef(Model):
@@ -1113,6 +1128,24 @@ class ChainStatus(Model):
     last_migration: ChainMigration | None = pydantic.Field(default=None, description="the latest such move")
 
 
+class CalibrationAnswer(Model):
+    """One device kind's answer to a calibration request: the request's token, the node that took it (and holds
+    it while it runs: a lease, renewed), and how it went as a `Calibrated` condition."""
+
+    device: str = pydantic.Field(min_length=1, max_length=256, description="cpu, or the GPU's product name")
+    token: str = pydantic.Field(description="the value of the volga.dev/calibrate annotation answered")
+    node: str = pydantic.Field(description="the node that measured (or is measuring)")
+    renewed_at: str = pydantic.Field(
+        default="", json_schema_extra={"format": "date-time"},
+        description="when the node last renewed its hold on the request, RFC 3339 in UTC")
+    lease_sec: int = pydantic.Field(
+        default=60, ge=1, description="while the condition is Unknown (measuring): how long after renewedAt "
+                                      "another node of the device may take the request over, in seconds")
+    condition: Condition = pydantic.Field(
+        description="type Calibrated: Unknown while measuring; True when status.calibrated holds the result; "
+                    "False with the reason (StartFailed: the model did not start; CalibrationFailed; InvalidSpec)")
+
+
 class ModelSpecStatus(Model):
     """What the operator last made of a ModelSpec."""
 
@@ -1133,6 +1166,11 @@ class ModelSpecStatus(Model):
                                                  "its instances report (restored from or published)")
     chain: ChainStatus | None = pydantic.Field(
         default=None, description="on a chain's head: its members and the nodes their instances are on")
+    calibrated_for: list[CalibrationAnswer] | None = pydantic.Field(
+        default=None, max_length=64,
+        description="per device (GPU product, or cpu): the calibration request (the volga.dev/calibrate "
+                    "annotation) last taken up by a node of that device, and how it went",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["device"]})
 
 
 class EmiStatus(Model):

@@ -27,3 +27,7 @@ AUTONOMY_KEY = f"{ANNOTATION_PREFIX}autonomy"
 # agents, under CLUSTER_WATERMARKS_KEY (`planner.ClusterWatermarks`, JSON).
 CLUSTER_CONFIGMAP = "volga-cluster"
 CLUSTER_WATERMARKS_KEY = "watermarks"
+# On a ModelSpec: a calibration request. Any new value (a token) asks one node per device kind holding an
+# instance of the ModelSpec to measure its baselines (status.calibrated); status.calibratedFor records the
+# token each device answered, so a value is measured once (docs/architecture.md).
+ANNOTATION_CALIBRATE = f"{PREFIX}calibrate"
