@@ -119,7 +119,9 @@ def build_onnx(model: Model, path: pathlib.Path) -> pathlib.Path:
     graph = helper.make_graph(
         nodes, model.name, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", model.features])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch"])], inits)
-    built = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="volga-bench")
+    # IR version 8 (opset 17's own): onnx releases newer than the node's onnxruntime write IR versions it refuses.
+    built = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="volga-bench",
+                              ir_version=8)
     onnx.checker.check_model(built)
     path.parent.mkdir(parents=True, exist_ok=True)
     onnx.save(built, path)
