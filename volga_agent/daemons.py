@@ -89,7 +89,7 @@ def agent_main(argv: list[str] | None = None) -> int:
                              "forward requests for this node's models")
     parser.add_argument("--agent-address", default=os.environ.get("VOLGA_AGENT_ADDRESS", ""),
                         help="the Agent API as other nodes reach it (host:port), published for the neighbour "
-                             "exchange; default: --agent-host:--port when --agent-host is a specific address")
+                             "exchange; default: --agent-host:--port when that is neither loopback nor a wildcard")
     parser.add_argument("--neighbour", action="append", default=[], metavar="NODE=HOST:PORT",
                         help="an agent to trade water levels with (repeatable), instead of the Node annotations")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -118,8 +118,9 @@ def agent_main(argv: list[str] | None = None) -> int:
         steering = exchange.Exchange() if settings.autonomy_enabled else None
         probe = exchange.LastSample(sampler.probe_for_node()) if steering is not None else None
         autonomy = loop.Loop(node_pool, steering, settings, node_metrics, probe) if steering is not None else None
-        published = args.agent_address or (f"{args.agent_host}:{args.port}" if args.port > 0
-                                           and args.agent_host not in ("0.0.0.0", "::", "[::]") else "")
+        # Other nodes reach neither a loopback nor a wildcard address: those need --agent-address.
+        specific = args.agent_host not in ("0.0.0.0", "::", "[::]") and not auth.is_loopback(args.agent_host)
+        published = args.agent_address or (f"{args.agent_host}:{args.port}" if args.port > 0 and specific else "")
         off = neighbours.off_reason(settings.neighbours_enabled, tokens is not None, autonomy is not None,
                                     bool(static_neighbours or not args.kube or published))
         if settings.neighbours_enabled and off:

@@ -303,8 +303,9 @@ class LevelExchange:
     async def _call(self, name: str, address: str, message: Any) -> None:
         self.metrics.sent.labels(name).inc()
         try:
-            reply = await self._stub(address).ExchangeLevel(message, timeout=max(self.period, 0.05),
-                                                            metadata=self.metadata)
+            # A slow answer still counts while it is fresh: up to half the time a level stays fresh.
+            timeout = max(self.period, self.stale_after_s / 2)
+            reply = await self._stub(address).ExchangeLevel(message, timeout=timeout, metadata=self.metadata)
             level, age_ms = from_pb(reply)
         except (grpc.aio.AioRpcError, ValueError) as exc:
             self.metrics.failed.labels(name).inc()
@@ -342,7 +343,7 @@ def off_reason(enabled: bool, tokens: bool, autonomy: bool, addressed: bool) -> 
         return "autonomyEnabled is false: there is no water level to trade"
     if not addressed:
         return ("no Agent API address to publish for other nodes (--agent-address, or an --agent-host other than "
-                "0.0.0.0 with a fixed --port)")
+                "loopback or 0.0.0.0 with a fixed --port)")
     return ""
 
 
