@@ -3,15 +3,20 @@ that go stale, the size of a level on the wire, and where the gateway of an over
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import math
+import pathlib
 import time
 
+import grpc
 import pytest
 
-from volga_agent import defaultmodel, neighbours, policy
+from volga_agent import defaultmodel, neighbours, policy, pool, server
+from volga_agent.autonomy import exchange
 from volga_agent.gateway import catalog, dataplane, links
 from volga_agent.rpc.volga.v1 import agent_pb2 as pb
+from volga_agent.rpc.volga.v1 import agent_pb2_grpc as agent_grpc
 
 
 class Fixed:
@@ -205,3 +210,48 @@ def test_the_agent_says_why_it_takes_no_part() -> None:
     assert neighbours.addresses_of(["b=10.0.0.2:8010", " c = h:1 "]) == {"b": "10.0.0.2:8010", "c": "h:1"}
     with pytest.raises(ValueError, match="--neighbour 'b': expected NODE=HOST:PORT"):
         neighbours.addresses_of(["b"])
+
+
+def test_the_agent_api_trades_levels_and_hands_them_to_its_gateway(tmp_path: pathlib.Path) -> None:
+    """ExchangeLevel over a real Agent API: refused with the reason while this node takes no part, INVALID_ARGUMENT
+    naming the field for a bad level, else the caller's level is kept and this node's comes back; the gateway's
+    ExchangeLoad then carries the node's state and the caller's level with its age."""
+    node_pool = pool.Pool("a", tmp_path / "w", None)
+    steering = exchange.Exchange()
+    steering.shed("m", 300)
+    source = Fixed(level("a", state="EMERGENCY", m="hot"))
+
+    async def scenario() -> None:
+        off, _ = await server.serve(node_pool, "127.0.0.1", 0, str(tmp_path / "off.sock"), exchange=steering,
+                                    levels_off="neighboursEnabled is false")
+        levels = neighbours.LevelExchange("a", source)
+        on, _ = await server.serve(node_pool, "127.0.0.1", 0, str(tmp_path / "on.sock"), exchange=steering,
+                                   levels=levels)
+        try:
+            async with grpc.aio.insecure_channel(f"unix:{tmp_path / 'off.sock'}") as channel:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await agent_grpc.AgentStub(channel).ExchangeLevel(neighbours.to_pb(level("b")))
+                assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                assert "node a takes no part in the neighbour exchange: neighboursEnabled is false" in str(
+                    err.value.details())
+            async with grpc.aio.insecure_channel(f"unix:{tmp_path / 'on.sock'}") as channel:
+                stub = agent_grpc.AgentStub(channel)
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.ExchangeLevel(pb.NodeLevel(state="ACCEPT"))
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert err.value.details() == "level.node is required"
+                reply = await stub.ExchangeLevel(neighbours.to_pb(level("b", load=3, m="hot"), age_ms=20))
+                ours, _ = neighbours.from_pb(reply)
+                assert (ours.node, ours.state, ours.sequence > 0) == ("a", "EMERGENCY", True)
+                load = await stub.ExchangeLoad(pb.ExchangeLoadRequest())
+                assert load.state == "EMERGENCY" and dict(load.shed_retry_after_ms) == {"m": 300}
+                [theirs] = load.neighbours
+                assert (theirs.node, theirs.load, theirs.age_ms >= 20) == ("b", 3.0, True)
+        finally:
+            await off.stop(0)
+            await on.stop(0)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        node_pool.close()
