@@ -54,6 +54,15 @@ def test_each_node_trades_with_the_next_two_of_the_sorted_ring() -> None:
     assert neighbours.ring([], "node-a") == ()
 
 
+def test_the_directory_gives_the_ring_and_nodes_without_an_address_take_no_part() -> None:
+    ex = neighbours.LevelExchange("b", Fixed(level("b")))
+    assert ex.neighbours() == ()
+    ex.set_directory({"a": "h:1", "b": "h:2", "c": "", "d": "h:4", "e": "h:5"})
+    assert ex.neighbours() == ("d", "e")
+    ex.set_directory({"a": "h:1", "c": "h:3"})
+    assert ex.neighbours() == ("c", "a")
+
+
 def test_levels_not_heard_again_within_a_second_are_dropped() -> None:
     ex = neighbours.LevelExchange("a", Fixed(level("a")))
     assert ex.record(level("b", sequence=5), now=100.0)

@@ -212,9 +212,15 @@ class LevelExchange:
 
     def set_directory(self, addresses: Mapping[str, str]) -> None:
         """The cluster's agents that take part (this one may be among them), by node name; any thread."""
+        before = self.neighbours()
         with self._lock:
             self._directory = {n: a for n, a in addresses.items() if a}
-        log.info("neighbours of node %s: %s", self.node, ", ".join(self.neighbours()) or "none")
+        now = self.neighbours()
+        if now != before:  # Node objects change often (status); the ring seldom
+            log.info("neighbours of node %s: %s", self.node, ", ".join(now) or "none")
+            for gone in set(before) - set(now):
+                with contextlib.suppress(KeyError):
+                    self.metrics.age.remove(gone)
 
     def neighbours(self) -> tuple[str, ...]:
         with self._lock:
