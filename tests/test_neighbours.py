@@ -193,12 +193,18 @@ def test_the_exchanger_hands_the_node_state_and_neighbour_levels_to_the_data_pla
             self.calls.append((state, levels))
 
     plane = Plane()
-    ex = links.Exchanger(plane, links.GrpcAgentLink("127.0.0.1:1"))  # type: ignore[arg-type]
     b = (neighbours.Heard(level("b", m="hot"), 1.0),)
-    ex.apply(links.Directives(True, {}, {}, 50))
-    ex.apply(links.Directives(True, {}, {}, 50, "EMERGENCY", b))
-    ex.apply(links.Directives(True, {}, {}, 50, "EMERGENCY", b))
-    ex.apply(links.Directives(True, {}, {}, 50, "ACCEPT", ()))
+
+    async def scenario() -> None:  # a gRPC channel (the link's) wants an event loop
+        link = links.GrpcAgentLink("127.0.0.1:1")
+        ex = links.Exchanger(plane, link)  # type: ignore[arg-type]
+        ex.apply(links.Directives(True, {}, {}, 50))
+        ex.apply(links.Directives(True, {}, {}, 50, "EMERGENCY", b))
+        ex.apply(links.Directives(True, {}, {}, 50, "EMERGENCY", b))
+        ex.apply(links.Directives(True, {}, {}, 50, "ACCEPT", ()))
+        await link.close()
+
+    asyncio.run(scenario())
     assert plane.calls == [("EMERGENCY", b), ("ACCEPT", ())]
 
 
