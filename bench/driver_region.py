@@ -4,14 +4,18 @@ One child process per stage, each adding one thing a Volga GPU worker has: a bar
 cuBLAS matmul, 128 MiB of weights and a forward pass, CUDA graphs for batch 1 and 8, and the same after
 torch.cuda.empty_cache(). For each, the parent checkpoints the child with the driver API (lock + checkpoint),
 reads how much the child's resident memory grew (what the driver copied out of the GPU) and GPU memory used,
-then restores it (restore + unlock), three times. On the GPU machine:
-    python3 bench/driver_region.py [--out FILE.json]
+then restores it (restore + unlock), three times; after the restores the child runs its model once more, to
+show it still works. Variants repeat chosen stages with the context's limits changed right after it is made
+(`stack=N`, `heap=N`, `fifo=N` bytes, cuCtxSetLimit) or with environment variables (`VAR=value` in upper case,
+e.g. CUDA_MODULE_LOADING=EAGER). On the GPU machine:
+    python3 bench/driver_region.py [--out FILE.json] [--variant NAME:KNOB,KNOB ...] [--stages 0,3]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -24,8 +28,16 @@ import os, signal, sys, time
 signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])
 stage = int(sys.argv[1])
 env = sys.argv[2]
+import ctypes
 import torch
 torch.empty(1, device="cuda")
+cuda = ctypes.CDLL("libcuda.so.1")
+# env: comma-separated knobs applied once the context exists: stack=N, heap=N, fifo=N (cuCtxSetLimit bytes).
+LIMITS = {"stack": 0, "fifo": 1, "heap": 2}
+for knob in filter(None, env.split(",")):
+    key, _, value = knob.partition("=")
+    if key in LIMITS:
+        assert cuda.cuCtxSetLimit(LIMITS[key], ctypes.c_size_t(int(value))) == 0, knob
 if stage >= 1:
     a = torch.randn(512, 512, device="cuda")
     (a @ a).sum().item()
@@ -51,8 +63,21 @@ if stage >= 3:
 if stage >= 4:
     torch.cuda.empty_cache()
 torch.cuda.synchronize()
-print(torch.cuda.memory_reserved(), torch.cuda.memory_allocated(), flush=True)
+limits = []
+for key, code in LIMITS.items():
+    value = ctypes.c_size_t()
+    cuda.cuCtxGetLimit(ctypes.byref(value), code)
+    limits.append(f"{key}={value.value}")
+print(torch.cuda.memory_reserved(), torch.cuda.memory_allocated(), ",".join(limits), flush=True)
 signal.sigwaitinfo([signal.SIGUSR1])
+probe = torch.randn(256, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+if stage >= 3:
+    for g, _, _ in graphs:
+        g.replay()
+if stage >= 2:
+    with torch.no_grad():
+        probe = layers(torch.ones(8, 4096, device="cuda"))
+print(float((probe @ probe.T).float().sum() if stage < 2 else probe.sum()), flush=True)
 '''
 STAGES = ["context", "cublas", "weights_128mib", "cuda_graphs", "empty_cache"]
 
@@ -70,36 +95,52 @@ def gpu_used_mib() -> float:
     return float(out.stdout.split()[0])
 
 
+def measure(driver: cuda.DriverCheckpoint, stage: int, knobs: str, repeat: int, base: float) -> dict[str, object]:
+    env = dict(os.environ)
+    env.update(k.split("=", 1) for k in knobs.split(",") if k and k.split("=", 1)[0].isupper())
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(stage), knobs], stdout=subprocess.PIPE, text=True,
+                             env=env)
+    assert child.stdout is not None
+    reserved, allocated, limits = child.stdout.readline().split()
+    used = gpu_used_mib() - base
+    rss0 = rss_kib(child.pid)
+    rows = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        driver.suspend(child.pid)
+        t1 = time.perf_counter()
+        grown = rss_kib(child.pid) - rss0
+        t2 = time.perf_counter()
+        driver.resume(child.pid)
+        t3 = time.perf_counter()
+        rows.append({"checkpoint_ms": round((t1 - t0) * 1e3, 1), "restore_ms": round((t3 - t2) * 1e3, 1),
+                     "host_growth_mib": round(grown / 1024, 1)})
+    child.send_signal(10)
+    answer = child.stdout.readline().strip()
+    child.wait(30)
+    return {"gpu_used_mib": used, "torch_reserved_mib": round(int(reserved) / 2**20, 1),
+            "torch_allocated_mib": round(int(allocated) / 2**20, 1), "limits": limits, "answer_after": answer,
+            "exit": child.returncode, "runs": rows}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--stages", default=",".join(str(i) for i in range(len(STAGES))))
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME:KNOBS",
+                        help="e.g. small-stack:stack=256 or eager:CUDA_MODULE_LOADING=EAGER")
     args = parser.parse_args()
     driver = cuda.DriverCheckpoint()
-    report = {}
+    report: dict[str, object] = {}
     base = gpu_used_mib()
-    for stage, name in enumerate(STAGES):
-        child = subprocess.Popen([sys.executable, "-c", CHILD, str(stage), ""], stdout=subprocess.PIPE, text=True)
-        assert child.stdout is not None
-        reserved, allocated = (int(v) for v in child.stdout.readline().split())
-        used = gpu_used_mib() - base
-        rss0 = rss_kib(child.pid)
-        rows = []
-        for _ in range(args.repeat):
-            t0 = time.perf_counter()
-            driver.suspend(child.pid)
-            t1 = time.perf_counter()
-            grown = rss_kib(child.pid) - rss0
-            t2 = time.perf_counter()
-            driver.resume(child.pid)
-            t3 = time.perf_counter()
-            rows.append({"checkpoint_ms": round((t1 - t0) * 1e3, 1), "restore_ms": round((t3 - t2) * 1e3, 1),
-                         "host_growth_mib": round(grown / 1024, 1)})
-        child.send_signal(10)
-        child.wait(30)
-        report[name] = {"gpu_used_mib": used, "torch_reserved_mib": round(reserved / 2**20, 1),
-                        "torch_allocated_mib": round(allocated / 2**20, 1), "runs": rows}
-        print(name, json.dumps(report[name]), file=sys.stderr)
+    stages = [int(s) for s in args.stages.split(",")]
+    for variant in ["default:", *args.variant]:
+        name, _, knobs = variant.partition(":")
+        for stage in stages:
+            key = STAGES[stage] if name == "default" else f"{STAGES[stage]}/{name}"
+            report[key] = measure(driver, stage, knobs, args.repeat, base)
+            print(key, json.dumps(report[key]), file=sys.stderr)
     text = json.dumps(report, indent=1)
     if args.out:
         pathlib.Path(args.out).write_text(text)

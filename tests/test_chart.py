@@ -781,3 +781,30 @@ def test_a_claim_turns_shared_snapshots_on(default: Rendered, gpu: Rendered) -> 
     assert policy.Settings.from_mapping(yaml.safe_load(text)).shared_snapshots == ""
     mount = next(m for m in default.container("agent")["volumeMounts"] if m["name"] == "snapshots")
     assert mount.get("subPath") is None
+
+
+def test_the_cluster_tier_renders_with_the_autonomy_loop_only(default: Rendered) -> None:
+    """With agent.settings.autonomy_enabled the operator and the agents get the watermarks ConfigMap of the release
+    namespace (the operator writes it, the agents watch it) and nothing more; without it, none of this renders."""
+    assert "Role" not in default.kinds() and "RoleBinding" not in default.kinds()
+    assert "--metrics-port=8081" in default.get("Deployment", "volga-operator")["spec"]["template"]["spec"][
+        "containers"][0]["args"]
+    tier = template("--set", "agent.settings.autonomy_enabled=true",
+                    "--set", "operator.clusterTier.chainMigrationAfterSec=45")
+    # Create anywhere in the namespace (RBAC cannot name what does not exist yet); patch only volga-cluster.
+    assert tier.get("Role", "volga-operator-cluster-tier")["rules"] == [
+        {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["create"]},
+        {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": ["volga-cluster"], "verbs": ["patch"]}]
+    assert rules_of(tier.get("Role", "volga-agent-cluster-tier")) == {("", "configmaps"): {"list", "watch"}}
+    for name in ("volga-operator", "volga-agent"):
+        binding = tier.get("RoleBinding", f"{name}-cluster-tier")
+        assert binding["metadata"]["namespace"] == NAMESPACE
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": name, "namespace": NAMESPACE}]
+    [operator] = tier.get("Deployment", "volga-operator")["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in operator["env"]}
+    assert env["VOLGA_CHAIN_MIGRATION_AFTER_SEC"] == "45" and env["VOLGA_CHAIN_MIGRATION_MIN_INTERVAL_SEC"] == "300"
+    assert env["VOLGA_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    agent_env = {e["name"]: e.get("valueFrom") for e in tier.container("agent")["env"]}
+    assert agent_env["VOLGA_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    text = tier.get("ConfigMap", "volga-agent-settings")["data"]["settings.yaml"]
+    assert policy.Settings.from_mapping(yaml.safe_load(text)).autonomy_enabled is True

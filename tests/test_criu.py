@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import pathlib
 import subprocess
@@ -407,3 +408,21 @@ def test_a_lazily_restored_worker_is_frozen_only_with_all_its_pages(default_spec
         hog.kill()
         hog.wait()
         inst.close()
+
+
+def test_failures_kept_by_many_instances_at_once_never_break_their_fallbacks(tmp_path: pathlib.Path) -> None:
+    """A wake storm: many instances keep (and prune) their failed restores at the same moment. Folders vanish
+    while others look at them; each keep must still succeed and the bound hold."""
+    engine = criu.CriuEngine(tmp_path / "snapshots", keep_failed=3)
+    images = []
+    for k in range(16):
+        folder = engine.root / f"m{k}" / "image"
+        folder.mkdir(parents=True)
+        (folder / "pages-1.img").write_bytes(b"p" * 4096)
+        (folder / "restore.log").write_text("failed")
+        images.append(criu.Image(folder, f"m{k}", 4096, 0.0))
+    for _ in range(3):
+        with concurrent.futures.ThreadPoolExecutor(16) as threads:
+            kept = list(threads.map(lambda k: engine.keep_failure(images[k], f"m{k}"), range(16)))
+        assert all(k is not None for k in kept)
+    assert len(list((engine.root / criu.FAILED).iterdir())) == 3

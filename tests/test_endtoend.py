@@ -32,3 +32,12 @@ def test_real_architectures_answer_the_same_from_every_gpu_tier(tmp_path: pathli
     for model, row in report["models"].items():
         assert row["mismatches"] == 0 and row["restore_failures"] == 0, model
         assert all(row[tier.value.lower()]["first_answer"]["n"] == 1 for tier in endtoend.GPU_TIERS), model
+
+
+def test_a_wake_storm_answers_every_model_from_its_own_image() -> None:
+    cases = endtoend.storm_cases(pathlib.Path("unused"), 2, gpu=False)
+    report = asyncio.run(endtoend.storm(cases, [Tier.FROZEN], rounds=1))
+    frozen = report["tiers"]["frozen"]
+    assert report["models"] == 2 and report["restore_failures"] == 0 and frozen["mismatches"] == 0
+    assert frozen["each"]["n"] == 2
+    assert frozen["first_answered"]["p50_ms"] <= frozen["all_answered"]["p50_ms"]

@@ -237,3 +237,28 @@ def test_precision_casts_the_weights_and_keeps_the_declared_dtypes(mlp_spec: api
     finally:
         inst.close()
         full.close()
+
+
+def test_a_small_cuda_stack_floor_shrinks_images_and_keeps_the_answers(mlp_spec: api.ModelSpecSpec,
+                                                                       rundir: pathlib.Path,
+                                                                       criu_engine: criu.CriuEngine) -> None:
+    """The same worker with the driver's 1 KiB stack and with Volga's small floor: the same answers before and
+    after a FROZEN wake (the driver grows the stack for kernels that need more), and a smaller image."""
+    sizes, answers = {}, {}
+    x = contract.sample_inputs(instance.decls(mlp_spec.inputs), batch=8, seed=5)
+    for stack in (0, contract.DEFAULT_CUDA_STACK_BYTES):
+        inst = instance.Instance(f"mlp-stack-{stack}", mlp_spec, rundir / str(stack), criu_engine,
+                                 cuda.DriverCheckpoint(), "cuda:0", cuda_stack_bytes=stack)
+        try:
+            inst.to(Tier.HOT)
+            answers[stack] = inst.infer(x)["y"]
+            inst.to(Tier.FROZEN)
+            assert inst.image is not None
+            sizes[stack] = inst.image.size_bytes
+            woke = inst.wake()
+            assert not woke.fallback, woke.detail
+            assert np.array_equal(inst.infer(x)["y"], answers[stack])
+        finally:
+            inst.close()
+    assert np.array_equal(answers[0], answers[contract.DEFAULT_CUDA_STACK_BYTES])
+    assert sizes[0] - sizes[contract.DEFAULT_CUDA_STACK_BYTES] > 100 * 2**20, sizes

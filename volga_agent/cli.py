@@ -311,6 +311,15 @@ def cmd_bench_endtoend(args: argparse.Namespace) -> int:
     except ImportError as exc:
         return _no_bench("bench endtoend", exc)
     show = _progress(args.json)
+    if args.storm:
+        with tempfile.TemporaryDirectory(prefix="volga-") as run:
+            cases = endtoend.storm_cases(pathlib.Path(args.models or run), args.storm, args.gpu)
+            tiers = [Tier(t.upper()) for t in args.tiers.split(",")] if args.tiers else (
+                [Tier.SUSPENDED, Tier.FROZEN] if args.gpu else [Tier.FROZEN])
+            report = asyncio.run(endtoend.storm(cases, tiers, args.n, progress=show))
+        report["device"] = reporting.device_description("cuda:0" if args.gpu else "cpu")
+        _emit(args, report, lambda: endtoend.format_storm(report))
+        return 0 if all(not t["mismatches"] for t in report["tiers"].values()) else 1
     with tempfile.TemporaryDirectory(prefix="volga-") as run:
         if args.gpu:
             cases = endtoend.architectures(pathlib.Path(args.models or run), args.architectures.split(","),
@@ -448,7 +457,7 @@ def cmd_bench_slo(args: argparse.Namespace) -> int:
     except ImportError as exc:
         return _no_bench("bench slo", exc)
     config = slo.Config(seconds=args.seconds, rounds=args.rounds, calibrate_iterations=args.calibrate_iterations,
-                        pulse_every_s=args.pulse_every, pulse_s=args.pulse_seconds)
+                        pulse_every_s=args.pulse_every, pulse_s=args.pulse_seconds, gpu=args.gpu)
     report = slo.run(config, progress=_progress(args.json))
     _emit(args, report, lambda: slo.format_report(report))
     return 0
@@ -545,7 +554,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precisions", default="fp32,fp16", help="with --gpu: fp32, fp16 or both")
     p.add_argument("--tiers", help="tiers to wake from (default: warm,suspended,frozen,cold on a GPU; frozen,cold)")
     p.add_argument("--models", help="where the GPU models are built (default: a temporary folder)")
-    p.add_argument("-n", type=int, default=3, help="wakes per tier")
+    p.add_argument("-n", type=int, default=3, help="wakes per tier (with --storm: rounds per tier)")
+    p.add_argument("--storm", type=int, default=0, metavar="N",
+                   help="the wake storm instead: N models moved to each tier, then one request to each at once")
     _report_args(p)
     p.set_defaults(func=cmd_bench_endtoend)
 
@@ -607,6 +618,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pulse-every", type=float, default=10.0, help="seconds between the tolerant model's pulses")
     p.add_argument("--pulse-seconds", type=float, default=3.0, help="how long a pulse lasts")
     p.add_argument("--calibrate-iterations", type=int, default=300, help="timed requests of each baseline")
+    p.add_argument("--gpu", action="store_true", help="two PyTorch models sharing cuda:0 instead of ONNX on the CPU")
     _report_args(p)
     p.set_defaults(func=cmd_bench_slo)
 

@@ -134,12 +134,16 @@ def agent_main(argv: list[str] | None = None) -> int:
                                                steering, settings.autonomy_exchange_ms, levels, off)
         metrics_runner, _ = await metrics.serve([node_metrics.registry], args.host, args.metrics_port)
         cluster: Any = None
+        tier: Any = None
         if args.kube:
             from volga_agent import cluster as cluster_mode
 
             cluster = cluster_mode.AgentSync(node_pool, args.node, found, settings.api_writes_per_sec,
                                              gateway_address=args.gateway_address)
             await cluster.start()
+            if autonomy is not None:
+                tier = cluster_mode.TierSync(cluster, autonomy, settings.autonomy_heartbeat_sec)
+                await tier.start()
         else:
             specs = _specs(args.file)
             by_name = {s.metadata.name: s.spec for s in specs}
@@ -171,6 +175,8 @@ def agent_main(argv: list[str] | None = None) -> int:
                 await directory.stop()
             if autonomy is not None:
                 await asyncio.to_thread(autonomy.stop)
+            if tier is not None:
+                await tier.stop()
             if cluster is not None:
                 await cluster.stop()
             await grpc_server.stop(2.0)

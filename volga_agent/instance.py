@@ -119,13 +119,16 @@ class Instance:
                  reuse_image_sec: float = 0.0, lazy_restore: bool = False, cpus: tuple[int, ...] = (),
                  warmup_cache_ratio: float | None = None, reset_rng_on_restore: bool = False,
                  verify_restores: bool = True, park_weights: bool = True,
-                 die_with_agent: bool = True, shared_store: shared.Context | None = None) -> None:
+                 die_with_agent: bool = True, shared_store: shared.Context | None = None,
+                 cuda_stack_bytes: int = contract.DEFAULT_CUDA_STACK_BYTES) -> None:
         self.name = name
         self.spec = spec
         self.workdir = pathlib.Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         process.claim(self.workdir)
         self.config = worker_config(spec, self.workdir, device, cpus, warmup_cache_ratio, reset_rng_on_restore)
+        if device.startswith("cuda"):
+            self.config = dataclasses.replace(self.config, cuda_stack_bytes=cuda_stack_bytes)
         if len(self.config.socket) > MAX_SOCKET_PATH:
             raise ValueError(f"socket path {self.config.socket} is longer than {MAX_SOCKET_PATH} bytes: "
                              "use a shorter run folder")
@@ -284,8 +287,13 @@ class Instance:
         return f"lazy restore failed ({exc}); eager restore instead"
 
     def _keep_failure(self) -> None:
+        """Keep what a failed restore left, for inspection; never in the way of the cold start that follows."""
         if self.image is not None and self.criu is not None:
-            kept = self.criu.keep_failure(self.image, self.name, (self.logfile,))
+            try:
+                kept = self.criu.keep_failure(self.image, self.name, (self.logfile,))
+            except OSError as exc:
+                log.warning("%s: could not keep what the failed restore left: %s", self.name, exc)
+                return
             if kept is not None:
                 log.warning("%s: what the failed restore left is kept in %s", self.name, kept)
 

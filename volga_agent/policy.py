@@ -39,6 +39,7 @@ from typing import Annotated, Any, Literal
 import pydantic
 from pydantic import alias_generators
 
+from volga_agent.worker import contract
 from volga_operator import api
 
 EvictionPolicy = Literal["lru", "hybrid"]
@@ -95,6 +96,9 @@ class Settings(pydantic.BaseModel):
     # Before a restored instance answers, it answers a fixed canary input, compared with the answer recorded
     # before its snapshot: an image damaged where that answer depends on it costs a cold start, not wrong answers.
     verify_restores: bool = True
+    # The per-thread stack each GPU worker's CUDA context reserves (0: the driver's 1 KiB); see
+    # worker/contract.py DEFAULT_CUDA_STACK_BYTES for why it is small.
+    gpu_stack_bytes: Annotated[int, pydantic.Field(ge=0)] = contract.DEFAULT_CUDA_STACK_BYTES
     # Failed restores whose image and logs stay under the snapshot root's failed/ folder, newest first.
     keep_failed_restores: Annotated[int, pydantic.Field(ge=0)] = 3
     # The node autonomy loop (volga_agent/autonomy): a sample every autonomy_sample_ms, a decision per window of
@@ -157,6 +161,10 @@ class Settings(pydantic.BaseModel):
     # default: it needs the autonomy loop and an Agent API other nodes can reach (tokens), both off by default.
     neighbours_enabled: bool = False
     neighbours_period_ms: Annotated[float, pydantic.Field(ge=20, le=500)] = 200.0
+    # With the autonomy loop on, in cluster mode: how often the agent refreshes its node's `volga.dev/autonomy`
+    # annotation (state, since, memory), besides writing it at once when the state changes. The operator reads
+    # a heartbeat older than three of these as no news (docs/architecture.md, "The cluster tier").
+    autonomy_heartbeat_sec: Annotated[float, pydantic.Field(ge=0.5, le=3600)] = 5.0
 
     @pydantic.model_validator(mode="before")
     @classmethod

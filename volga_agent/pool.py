@@ -181,7 +181,8 @@ class Pool:
                                              warmup_cache_ratio=self.settings.warmup_cache_ratio,
                                              reset_rng_on_restore=self.settings.reset_rng_on_restore,
                                              verify_restores=self.settings.verify_restores,
-                                             shared_store=self.shared)
+                                             shared_store=self.shared,
+                                             cuda_stack_bytes=self.settings.gpu_stack_bytes)
                 except (OSError, ValueError) as exc:
                     self.failed[name] = f"{type(exc).__name__}: {exc}"
                     self._failed_specs[name] = spec

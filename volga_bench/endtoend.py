@@ -10,13 +10,21 @@ On the GPU machine, `architectures()` builds a ResNet-50 (torchvision), a BERT-b
 sized decoder (transformers), with random weights, in fp32 and fp16, as TorchScript files: nothing is downloaded.
     python3 -m volga_agent.cli bench endtoend --gpu [--models resnet50,bert,gpt2] [-n 3] [--out FILE]
 Without `--gpu` the default CTR model runs through HOT, FROZEN and COLD on the CPU.
+
+`--storm N` is the wake storm instead: N different models (on the GPU, 64 MiB MLPs with their own weights; on the
+CPU, copies of the default model) in one `volga up`, all moved to a tier, then one request to each sent at once
+from N clients; the time until every one has answered (and the first), per round, every answer compared with that
+model's HOT answer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
+import functools
 import pathlib
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -168,6 +176,113 @@ async def run(cases: Sequence[Case], tiers: Sequence[Tier], n: int, settings: po
     finally:
         await up.stop()
     return report
+
+
+def storm_cases(folder: pathlib.Path, n: int, gpu: bool, width: int = 4096) -> list[Case]:
+    """N models that differ in their weights: on the GPU, one-layer MLPs of width x width fp32 (64 MiB at 4096)
+    traced to TorchScript; on the CPU, the default model under N model ids."""
+    if not gpu:
+        base = default_case()
+        return [dataclasses.replace(base, spec=base.spec.model_copy(update={
+            "metadata": base.spec.metadata.model_copy(update={"name": f"storm-{k}"}),
+            "spec": base.spec.spec.model_copy(update={"model_id": f"storm-{k}"})})) for k in range(n)]
+    import torch
+
+    folder.mkdir(parents=True, exist_ok=True)
+    cases = []
+    for k in range(n):
+        torch.manual_seed(k)
+        model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh()).eval().cuda()
+        path = folder / f"storm-{k}.pt"
+        x = torch.randn(8, width)
+        with torch.no_grad():
+            torch.jit.trace(model, x.cuda()).save(str(path))
+        spec = _spec(f"storm-{k}", path, [{"name": "x", "dtype": "FP32", "shape": [-1, width]}],
+                     [{"name": "y", "dtype": "FP32", "shape": [-1, width]}], "fp32", True)
+        cases.append(Case(spec, {"x": x.numpy()}, width * (width + 1) * 4))
+    torch.cuda.empty_cache()
+    return cases
+
+
+async def storm(cases: Sequence[Case], tiers: Sequence[Tier], rounds: int, settings: policy.Settings | None = None,
+                progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """Every case in one `volga up`; per tier and round, all instances moved to the tier, then one request to each
+    at once (a client per model, released together): the time until all have answered, and the first."""
+    import tritonclient.grpc as grpcclient
+
+    options = local.Options(settings=settings or policy.Settings(), tick_sec=3600.0, http_port=0, grpc_port=0,
+                            metrics_port=0, agent_port=-1)
+    up = local.Embedded([c.spec for c in cases], options)
+    await up.start()
+    report: dict[str, Any] = {"models": len(cases), "weights_bytes_each": cases[0].weights_bytes, "tiers": {}}
+    threads = concurrent.futures.ThreadPoolExecutor(max_workers=len(cases) + 1)
+    try:
+        await up.wait_converged()
+        address = up.endpoints()["grpc"]
+        clients = [grpcclient.InferenceServerClient(address) for _ in cases]
+        names = [up.pool.instances(c.spec.spec.model_id)[0].name for c in cases]
+
+        def ask(k: int) -> dict[str, np.ndarray]:
+            case = cases[k]
+            request = []
+            for name, value in case.inputs.items():
+                tensor = grpcclient.InferInput(name, list(value.shape), _triton_dtype(value.dtype))
+                tensor.set_data_from_numpy(value)
+                request.append(tensor)
+            result = clients[k].infer(case.spec.spec.model_id, request, client_timeout=120)
+            return {t.name: result.as_numpy(t.name) for t in case.spec.spec.outputs}
+
+        references = await asyncio.to_thread(lambda: list(threads.map(ask, range(len(cases)))))
+        for tier in tiers:
+            alls, firsts, each, mismatches = [], [], [], 0
+            for r in range(rounds):
+                progress(f"storm: {len(cases)} models, {tier.value} {r + 1}/{rounds}")
+                move = functools.partial(up.pool.move_to, target=tier)
+                await asyncio.to_thread(lambda: list(threads.map(move, names)))  # noqa: B023 (awaited here)
+                done = await asyncio.to_thread(_all_at_once, threads, ask, len(cases))
+                seconds = [d[0] for d in done]
+                mismatches += sum(any(not np.array_equal(d[1][n], references[k][n]) for n in references[k])
+                                  for k, d in enumerate(done))
+                alls.append(max(seconds))
+                firsts.append(min(seconds))
+                each += seconds
+            report["tiers"][tier.value.lower()] = {
+                "all_answered": reporting.summarize(alls), "first_answered": reporting.summarize(firsts),
+                "each": reporting.summarize(each), "mismatches": mismatches}
+        report["restore_failures"] = sum(up.pool.slots[n].inst.restore_failures for n in names)
+        for client in clients:
+            client.close()
+    finally:
+        threads.shutdown()
+        await up.stop()
+    return report
+
+
+def _all_at_once(threads: concurrent.futures.ThreadPoolExecutor, ask: Callable[[int], dict[str, np.ndarray]],
+                 n: int) -> list[tuple[float, dict[str, np.ndarray]]]:
+    """ask(0..n-1) from n threads released together by a barrier: (seconds from the release, answer) each."""
+    gate = threading.Barrier(n + 1)
+    start = [0.0]
+
+    def one(k: int) -> tuple[float, dict[str, np.ndarray]]:
+        gate.wait()
+        answer = ask(k)
+        return time.perf_counter() - start[0], answer
+
+    futures = [threads.submit(one, k) for k in range(n)]
+    start[0] = time.perf_counter()
+    gate.wait()
+    return [f.result() for f in futures]
+
+
+def format_storm(report: dict[str, Any]) -> str:
+    rows = [f"{report['models']} models at once   {'all answered p50/max ms':>24} {'first p50 ms':>13} "
+            f"{'mismatches':>11}"]
+    for tier, r in report["tiers"].items():
+        rows.append(f"{tier:<20} {r['all_answered']['p50_ms']:>12.1f} / {r['all_answered']['max_ms']:>9.1f} "
+                    f"{r['first_answered']['p50_ms']:>13.1f} {r['mismatches']:>11}")
+    rows.append(f"restore failures {report['restore_failures']}")
+    return "\n".join(rows)
 
 
 def _triton_dtype(dtype: np.dtype[Any]) -> str:

@@ -16,6 +16,8 @@ violation episodes (consecutive violating windows) longer than its recoveryDeadl
 lost (requests shed with RESOURCE_EXHAUSTED, its p99). From `volga up`'s /metrics with autonomy on: the
 decision time and the sampler's jitter, as quantiles interpolated within the loop's histogram buckets. The
 load average is reported: the machine may be shared.
+
+`--gpu` runs the same two shapes as PyTorch (TorchScript) models sharing cuda:0, calibrated there.
 """
 
 from __future__ import annotations
@@ -67,6 +69,11 @@ class Model:
 
 MODELS = (Model(PROTECTED, 512, 64, 384, 6, 1, 1, 15.0, 1000.0),
           Model(TOLERANT, 128, 64, 768, 6, 4, 4, 300.0, 10_000.0))
+# `--gpu`: the same two shapes as PyTorch models sharing one GPU; the tolerant one's requests are long chains of
+# large matmuls (tens of ms), the protected one's a few ms, so the GPU's time slicing between the two workers is
+# what the protected model feels.
+GPU_MODELS = (Model(PROTECTED, 1024, 64, 1024, 8, 1, 1, 15.0, 1000.0),
+              Model(TOLERANT, 2048, 64, 4096, 8, 1, 4, 300.0, 10_000.0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +88,11 @@ class Config:
     pulse_factor: tuple[float, float] = (8.0, 12.0)
     calibrate_iterations: int = 300
     seed: int = 11
+    gpu: bool = False  # PyTorch models on cuda:0 instead of ONNX models on the CPU
+
+    @property
+    def models(self) -> tuple[Model, Model]:
+        return GPU_MODELS if self.gpu else MODELS
 
 
 def build_onnx(model: Model, path: pathlib.Path) -> pathlib.Path:
@@ -114,10 +126,37 @@ def build_onnx(model: Model, path: pathlib.Path) -> pathlib.Path:
     return path
 
 
-def spec_document(model: Model, path: pathlib.Path) -> dict[str, Any]:
+def build_torchscript(model: Model, path: pathlib.Path) -> pathlib.Path:
+    """`build_onnx`'s graph as a traced PyTorch module (traced on the CPU; the worker moves it to the GPU)."""
+    import torch
+
+    class Net(torch.nn.Module):  # type: ignore[misc,unused-ignore]
+        def __init__(self) -> None:
+            super().__init__()
+            generator = torch.Generator().manual_seed(len(model.name) * 1000 + model.width)
+            self.w_in = torch.nn.Parameter(torch.randn(model.features, model.width, generator=generator) / 8)
+            self.ws = torch.nn.ParameterList(
+                torch.nn.Parameter(torch.randn(model.width, model.width, generator=generator) / math.sqrt(model.width))
+                for _ in range(model.layers))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = x.unsqueeze(1).expand(-1, model.tokens, -1) @ self.w_in
+            for w in self.ws:
+                h = torch.tanh(h @ w)
+            return h.mean(dim=(1, 2))
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with torch.no_grad():
+        torch.jit.trace(Net().eval(), torch.zeros(model.batch, model.features)).save(str(path))
+    return path
+
+
+def spec_document(model: Model, path: pathlib.Path, gpu: bool = False) -> dict[str, Any]:
+    hardware = {"hardware": {"gpu": True, "cudaGraphs": False}} if gpu else {}
     return {
         "apiVersion": api.API_VERSION, "kind": "ModelSpec", "metadata": {"name": model.name},
-        "spec": {"modelId": model.name, "framework": "onnx", "source": f"file://{path}", "version": "1",
+        "spec": {**hardware, "modelId": model.name, "framework": "torchscript" if gpu else "onnx",
+                 "source": f"file://{path}", "version": "1",
                  "inputs": [{"name": "x", "dtype": "FP32", "shape": [-1, model.features]}],
                  "outputs": [{"name": "y", "dtype": "FP32", "shape": [-1]}],
                  "pool": {"frozen": 1},
@@ -125,10 +164,11 @@ def spec_document(model: Model, path: pathlib.Path) -> dict[str, Any]:
                  "runtime": {"intraOpThreads": model.threads, "warmupIterations": 3}}}
 
 
-def calibrated(document: dict[str, Any], batch: int, iterations: int) -> tuple[dict[str, Any], float]:
+def calibrated(document: dict[str, Any], batch: int, iterations: int, device: str = "cpu"
+               ) -> tuple[dict[str, Any], float]:
     """The document with its baseline measured alone (`volga calibrate`) and tagged; the baseline p99 in ms."""
     spec = api.ModelSpec.model_validate(document).spec
-    result = calibrate.measure(spec, [batch], iterations, "cpu")
+    result = calibrate.measure(spec, [batch], iterations, device)
     slo = dict(document["spec"]["slo"])
     slo["baselineLatencyMs"] = result.baselines()
     slo["baselineFor"] = {"version": result.version, "inputHash": result.input_hash, "device": result.device}
@@ -328,6 +368,7 @@ def histogram_quantiles(text: str, name: str, quantiles: Sequence[float]) -> dic
 
 def one_run(specs: pathlib.Path, settings: pathlib.Path, autonomy: bool, config: Config,
             inputs: dict[str, list[Any]], limit_ms: float, progress: Callable[[str], None]) -> dict[str, Any]:
+    deadline_ms = config.models[0].deadline_ms
     args = ["-f", str(specs), "--settings", str(settings), *(["--autonomy"] if autonomy else [])]
     with harness.volga_up(args) as up:
         warm = grpcclient.InferenceServerClient(up.endpoints["grpc"])
@@ -339,7 +380,7 @@ def one_run(specs: pathlib.Path, settings: pathlib.Path, autonomy: bool, config:
         load_before = os.getloadavg()[0]
         records = drive(up.endpoints["grpc"], config, inputs)
         metrics_text = urllib.request.urlopen(up.endpoints["metrics"], timeout=10).read().decode()
-    protected = judge(records, limit_ms, MODELS[0].deadline_ms, config.seconds)
+    protected = judge(records, limit_ms, deadline_ms, config.seconds)
     decision = histogram_quantiles(metrics_text, "volga_autonomy_decision_latency_us", (0.5, 0.99))
     jitter = histogram_quantiles(metrics_text, "volga_autonomy_sample_jitter_ms", (0.5, 0.99))
     actions = {line.split('action="', 1)[1].split('"', 1)[0]: float(line.split()[-1])
@@ -360,12 +401,14 @@ def run(config: Config | None = None, progress: Callable[[str], None] = lambda _
     with tempfile.TemporaryDirectory(prefix="volga-bench-slo-", dir=workdir) as folder:
         root = pathlib.Path(folder)
         documents, baselines = [], {}
-        for model in MODELS:
-            path = build_onnx(model, root / model.name / "model.onnx")
+        for model in config.models:
+            path = (build_torchscript(model, root / model.name / "model.pt") if config.gpu
+                    else build_onnx(model, root / model.name / "model.onnx"))
             progress(f"calibrating {model.name} alone (batch {model.batch}, {config.calibrate_iterations} "
                      "requests) ...")
-            document, baselines[model.name] = calibrated(spec_document(model, path), model.batch,
-                                                         config.calibrate_iterations)
+            document, baselines[model.name] = calibrated(spec_document(model, path, config.gpu), model.batch,
+                                                         config.calibrate_iterations,
+                                                         "cuda:0" if config.gpu else "cpu")
             documents.append(document)
         specs = root / "specs.yaml"
         specs.write_text(yaml.safe_dump_all(documents))
@@ -373,12 +416,12 @@ def run(config: Config | None = None, progress: Callable[[str], None] = lambda _
         settings.write_text(yaml.safe_dump(SETTINGS))
         rng = np.random.default_rng(config.seed)
         inputs = {}
-        for model in MODELS:
+        for model in config.models:
             x = rng.standard_normal((model.batch, model.features)).astype(np.float32)
             item = grpcclient.InferInput("x", list(x.shape), "FP32")
             item.set_data_from_numpy(x)
             inputs[model.name] = [item]
-        protected = MODELS[0]
+        protected = config.models[0]
         limit_ms = baselines[PROTECTED] * (1 + protected.tolerance_pct / 100)
         runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
         for round_ in range(config.rounds):
@@ -420,10 +463,10 @@ def report(config: Config, baselines: dict[str, float], limit_ms: float,
         "tolerant": {"off": tolerant("off"), "on": tolerant("on")},
         "baseline_p99_ms": {k: round(v, 3) for k, v in baselines.items()},
         "protected_limit_ms": round(limit_ms, 3),
-        "tolerance_pct": {m.name: m.tolerance_pct for m in MODELS},
-        "recovery_deadline_ms": MODELS[0].deadline_ms,
+        "tolerance_pct": {m.name: m.tolerance_pct for m in config.models},
+        "recovery_deadline_ms": config.models[0].deadline_ms,
         "settings": SETTINGS, "config": dataclasses.asdict(config),
-        "runs": runs, "device": reporting.device_description("cpu"),
+        "runs": runs, "device": reporting.device_description("cuda:0" if config.gpu else "cpu"),
         "load_average": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count(),
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }

@@ -3,25 +3,42 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 
 import kopf
 
-from volga_operator import handlers  # noqa: F401  (registers the handlers)
+from volga_operator import handlers, reconcile  # importing handlers registers them with kopf
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="volga-operator", description=__doc__)
     parser.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="kopf liveness endpoint")
+    defaults = handlers.Options.from_env()
+    parser.add_argument("--metrics-port", type=int, default=defaults.metrics_port,
+                        help="the operator's /metrics (VOLGA_METRICS_PORT; -1: none, 0: a free port)")
+    parser.add_argument("--chain-migration-after-sec", type=float, default=defaults.tier.migrate_after_sec,
+                        help="move the chains off a node whose agent has reported EMERGENCY this long "
+                             "(VOLGA_CHAIN_MIGRATION_AFTER_SEC)")
+    parser.add_argument("--chain-migration-min-interval-sec", type=float, default=defaults.tier.min_interval_sec,
+                        help="move no chain again within this time of its last move "
+                             "(VOLGA_CHAIN_MIGRATION_MIN_INTERVAL_SEC)")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
+    for flag in ("metrics_port", "chain_migration_after_sec", "chain_migration_min_interval_sec"):
+        if getattr(args, flag) < (-1 if flag == "metrics_port" else 0):
+            parser.error(f"--{flag.replace('_', '-')}: must be >= {-1 if flag == 'metrics_port' else 0}, "
+                         f"got {getattr(args, flag)}")
+    options = dataclasses.replace(defaults, metrics_port=args.metrics_port, tier=reconcile.TierSettings(
+        args.chain_migration_after_sec, args.chain_migration_min_interval_sec))
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # The operator's own lines are few (what it listed at start, when its first pass is done): always shown;
     # with -v, every planning pass too.
     logging.getLogger("volga.operator").setLevel(logging.DEBUG if args.verbose else logging.INFO)
-    kopf.run(clusterwide=True, standalone=True, liveness_endpoint=args.liveness or None)
+    kopf.run(clusterwide=True, standalone=True, liveness_endpoint=args.liveness or None,
+             memo=kopf.Memo(options=options))
     return 0
 
 

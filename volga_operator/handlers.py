@@ -20,6 +20,12 @@ including bursts) and a window that lets no more than that many complete in any 
 latency bunches them, on a pool of writer threads fed from a queue: planning (on the event loop) and writing overlap,
 so the bucket stays busy while work is queued, and a large plan is cut into passes of `KEYS_PER_PASS` so the
 watches keep flowing. The decisions themselves are in `reconcile.compute`, a pure function.
+
+The cluster tier (docs/architecture.md): the node watch also reads each agent's autonomy heartbeat (a Node
+annotation) into `State.autonomy` without planning anything; every TIER_CHECK_SEC the loop looks for nodes that
+have stayed in EMERGENCY past `chainMigrationAfterSec` and plans their chains again (the move itself is
+`reconcile.compute`'s), and every WATERMARKS_SEC it publishes the cluster's memory watermarks to the agents in a
+ConfigMap, when they changed.
 """
 
 from __future__ import annotations
@@ -41,7 +47,9 @@ from typing import Any
 import kopf
 import kubernetes
 
-from volga_operator import api, reconcile
+from volga_operator import api, planner, reconcile
+from volga_operator import metrics as operator_metrics
+from volga_operator.api import labels
 from volga_operator.kube import client as kube_client
 from volga_operator.kube import ratelimit, watch
 
@@ -57,6 +65,26 @@ KEYS_PER_PASS = 100  # ModelSpecs planned between two looks at the watches (a ne
 JITTER_SHARE = 0.025
 RETRY_SEC = 2.0  # a failed write (after its own retries) is planned again this much later
 FIRST_PASS_DONE = "first pass done"
+TIER_CHECK_SEC = 1.0  # how often nodes in EMERGENCY are looked at for chains to move
+WATERMARKS_SEC = 5.0  # how often the cluster's watermarks are worked out (and written when they changed)
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The operator's command line (`volga_operator.__main__`), each with its environment variable."""
+
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int = -1  # -1: no metrics endpoint
+    namespace: str = "default"  # where the cluster's watermarks ConfigMap goes
+    tier: reconcile.TierSettings = dataclasses.field(default_factory=reconcile.TierSettings)
+
+    @classmethod
+    def from_env(cls) -> Options:
+        env = os.environ.get
+        return cls(env("VOLGA_METRICS_HOST", "0.0.0.0"), int(env("VOLGA_METRICS_PORT", "-1")),
+                   env("VOLGA_NAMESPACE") or env("POD_NAMESPACE") or "default",
+                   reconcile.TierSettings(float(env("VOLGA_CHAIN_MIGRATION_AFTER_SEC", "30")),
+                                          float(env("VOLGA_CHAIN_MIGRATION_MIN_INTERVAL_SEC", "300"))))
 
 
 def write_bucket(limit_per_sec: float) -> ratelimit.TokenBucket:
@@ -78,8 +106,12 @@ def stale(old: int, new: int) -> bool:
 class Loop:
     """The state the watches fill, the set of ModelSpecs to look at again, and the writers."""
 
-    def __init__(self, writes_per_sec: float = WRITES_PER_SEC, threads: int = WRITE_THREADS) -> None:
-        self.state = reconcile.State()
+    def __init__(self, writes_per_sec: float = WRITES_PER_SEC, threads: int = WRITE_THREADS,
+                 options: Options | None = None) -> None:
+        self.options = options or Options()
+        self.metrics = operator_metrics.OperatorMetrics()
+        self.state = reconcile.State(tier=self.options.tier)
+        self._published: planner.ClusterWatermarks | None = None
         self.dirty: set[reconcile.Key] = set()
         self.busy: collections.Counter[reconcile.Key] = collections.Counter()  # writes queued or in flight
         self.wake = asyncio.Event()
@@ -146,6 +178,13 @@ class Loop:
             self.state.nodes.pop(name, None)
         else:
             self.state.nodes[name] = profile
+        # The autonomy heartbeat changes every few seconds and plans nothing by itself (`_tier` reads it).
+        heard = reconcile.hear(self.state.autonomy.get(name), None if deleted else
+                               planner.NodeAutonomy.from_annotations(meta.get("annotations")), time.time())
+        if heard is None:
+            self.state.autonomy.pop(name, None)
+        else:
+            self.state.autonomy[name] = heard
         if before != profile:
             self.touch_all()  # capacity changed: every ModelSpec may place differently
 
@@ -212,9 +251,11 @@ class Loop:
                    for i in range(self.threads)]
         for thread in threads:
             thread.start()
+        tier = asyncio.get_running_loop().create_task(self._tier(), name="volga-cluster-tier")
         try:
             await self._plan()
         finally:
+            tier.cancel()
             for _ in threads:
                 self._queue.put(None)
 
@@ -244,6 +285,35 @@ class Loop:
             if first is None:
                 first = asyncio.create_task(self._first_pass_done(started, len(ready)))
 
+    async def _tier(self) -> None:
+        """Chains on nodes in EMERGENCY for too long are planned again; the watermarks go to the agents."""
+        last_marks = float("-inf")
+        while True:
+            await asyncio.sleep(TIER_CHECK_SEC)
+            now = time.time()
+            due = reconcile.due_nodes(self.state, now)
+            if due:
+                self.touch(*reconcile.chains_on(self.state, due))
+            fresh = [h.autonomy.state for h in self.state.autonomy.values() if h.fresh(now)]
+            for state in ("PRELOAD", "ACCEPT", "OPTIMIZE", reconcile.EMERGENCY):
+                self.metrics.nodes_by_state.labels(state).set(fresh.count(state))
+            self.metrics.nodes_by_state.labels("stale").set(len(self.state.autonomy) - len(fresh))
+            if now - last_marks >= WATERMARKS_SEC:
+                last_marks = now
+                self.publish_watermarks(reconcile.watermarks(self.state, now))
+
+    def publish_watermarks(self, marks: planner.ClusterWatermarks) -> None:
+        """Write the watermarks ConfigMap when they changed (nothing while no node publishes a heartbeat)."""
+        self.metrics.cluster_memory.labels("mean").set(marks.mean_memory_pct)
+        self.metrics.cluster_memory.labels("max").set(marks.max_memory_pct)
+        if marks == self._published or (self._published is None and not marks.nodes):
+            return
+        self._published = marks
+        self.submit([reconcile.Action("apply_configmap", self.options.namespace, labels.CLUSTER_CONFIGMAP, {
+            "apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": labels.CLUSTER_CONFIGMAP, "namespace": self.options.namespace},
+            "data": {labels.CLUSTER_WATERMARKS_KEY: marks.to_json()}})])
+
     async def _first_pass_done(self, started: float, keys: int) -> None:
         await self.idle.wait()
         log.info("%s: %d ModelSpecs looked at, %d writes, %d failed, %.1f s after start", FIRST_PASS_DONE, keys,
@@ -251,6 +321,9 @@ class Loop:
 
     def submit(self, actions: list[reconcile.Action]) -> None:
         for action in actions:
+            if action.verb == "create_event" and action.body.get("reason") == reconcile.REASON_CHAIN_MIGRATED:
+                self.metrics.chain_migrations.labels(str(action.body.get("related", {}).get("name", ""))).inc()
+                log.info("%s/%s: %s", action.namespace, action.name, action.body.get("message"))
             key = self._owner(action)
             undo = self._assume(action)
             self.busy[key] += 1
@@ -260,7 +333,7 @@ class Loop:
             self.idle.set()
 
     def _owner(self, action: reconcile.Action) -> reconcile.Key:
-        if action.verb in ("patch_spec_status", "patch_spec_meta"):
+        if action.verb in ("patch_spec_status", "patch_spec_meta", "create_event", "apply_configmap"):
             return action.namespace, action.name
         emi = self.state.emis.get((action.namespace, action.name))
         owner = emi.owner if emi is not None else str(action.body.get("spec", {}).get("modelSpec", action.name))
@@ -271,6 +344,8 @@ class Loop:
         takes it back."""
         key = (action.namespace, action.name)
         emis, specs = self.state.emis, self.state.specs
+        if action.verb in ("create_event", "apply_configmap"):
+            return lambda: None
         if action.verb in ("create_emi", "patch_emi", "delete_emi"):
             before = emis.get(key)
             after: reconcile.EmiRecord | None = None
@@ -323,10 +398,12 @@ class Loop:
         action = write.action
         if error is None:
             self.writes += 1
+            self.metrics.writes.labels(action.verb).inc()
             if self._settle(action, answer):
                 self.touch(write.key)
         else:
             self.failed += 1
+            self.metrics.write_failures.labels(action.verb).inc()
             log.warning("%s %s/%s failed: %s", action.verb, action.namespace, action.name, error)
             write.undo()
             asyncio.get_running_loop().call_later(RETRY_SEC, self.touch, write.key)
@@ -341,7 +418,8 @@ class Loop:
     def _settle(self, action: reconcile.Action, answer: Any) -> bool:
         """Hold the server's answer to a write in place of the assumption; True when it differs from what was
         written (an EMI that existed already), so the ModelSpec is planned again."""
-        if not isinstance(answer, Mapping) or "metadata" not in answer or action.verb == "delete_emi":
+        if (not isinstance(answer, Mapping) or "metadata" not in answer
+                or action.verb in ("delete_emi", "create_event", "apply_configmap")):
             return False
         key = (action.namespace, action.name)
         if action.verb in ("create_emi", "patch_emi"):
@@ -390,6 +468,16 @@ class Loop:
                                                                   dict(action.body))
         if action.verb == "patch_spec_meta":
             return self.api.patch_namespaced_custom_object(group, version, ns, "modelspecs", name, dict(action.body))
+        core: Any = kubernetes.client.CoreV1Api(self.api.api_client)  # JSON bodies in, the HTTP status out
+        if action.verb == "create_event":
+            return core.create_namespaced_event(ns, dict(action.body), _preload_content=False).status
+        if action.verb == "apply_configmap":
+            try:
+                return core.patch_namespaced_config_map(name, ns, dict(action.body), _preload_content=False).status
+            except kubernetes.client.ApiException as exc:
+                if exc.status != 404:
+                    raise
+                return core.create_namespaced_config_map(ns, dict(action.body), _preload_content=False).status
         raise ValueError(f"unknown action {action.verb}")
 
 
@@ -403,11 +491,16 @@ def _loop(memo: kopf.Memo) -> Loop:
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     settings.posting.level = logging.WARNING
-    loop = Loop()
+    options = memo.get("options") or Options.from_env()
+    loop = Loop(options=options)
     memo[LOOP_KEY] = loop
+    if options.metrics_port >= 0:
+        port = loop.metrics.serve(options.metrics_host, options.metrics_port)
+        log.info("metrics on %s:%d", options.metrics_host, port)
     await loop.start_watching()
     memo["task"] = asyncio.get_running_loop().create_task(loop.run(), name="volga-reconcile")
-    logger.info("volga operator: API writes limited to %.0f/s", WRITES_PER_SEC)
+    logger.info("volga operator: API writes limited to %.0f/s; chains leave a node in EMERGENCY after %g s, at most "
+                "once per %g s", WRITES_PER_SEC, options.tier.migrate_after_sec, options.tier.min_interval_sec)
 
 
 @kopf.on.cleanup()

@@ -19,11 +19,14 @@ For each ModelSpec:
    its K-th instances (one per member, `name-K`) go to one node that every member is eligible on, chosen by the
    sum of the members' scores (or the node most of them already use), and share one GPU when the GPU members'
    `minMemoryGiB` together fit in it; with no node eligible for every member, no member is placed.
+5. Nodes in `avoid` (the operator passes those whose agents report EMERGENCY) take a new instance only when no
+   other eligible node can; instances already on them stay (moving them is the operator's decision, not churn).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterable, Mapping, Sequence
 
 from volga_operator import api
@@ -69,6 +72,61 @@ class NodeProfile:
         numa = tuple(int(n) for n in get("numa-nodes").split(",") if n.strip().lstrip("-").isdigit())
         return cls(name, integer("gpu-count"), get("gpu-product"), integer("gpu-memory-bytes"), numa, ready,
                    get("gpu-driver"))
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeAutonomy:
+    """A node's autonomy state as its agent publishes it (the `labels.AUTONOMY_KEY` annotation, JSON): the state,
+    when it began and when the agent last said so, both on the agent's clock (unix seconds), the node's memory
+    use in percent, and how often the agent refreshes it."""
+
+    state: str
+    since: float
+    heartbeat: float
+    memory_pct: float = 0.0
+    period_sec: float = 5.0
+
+    def annotation(self) -> str:
+        return json.dumps({"state": self.state, "since": round(self.since, 3), "heartbeat": round(self.heartbeat, 3),
+                           "memoryPct": round(self.memory_pct, 1), "periodSec": self.period_sec},
+                          separators=(",", ":"))
+
+    @classmethod
+    def from_annotations(cls, annotations: Mapping[str, str] | None) -> NodeAutonomy | None:
+        """The node's published state, or None when it has none (no autonomy loop) or it cannot be read."""
+        raw = (annotations or {}).get(labels.AUTONOMY_KEY)
+        if not raw:
+            return None
+        try:
+            doc = json.loads(raw)
+            return cls(str(doc["state"]), float(doc["since"]), float(doc["heartbeat"]),
+                       float(doc.get("memoryPct", 0.0)), float(doc.get("periodSec", 5.0)))
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return None
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterWatermarks:
+    """The cluster's memory level over the nodes with a fresh autonomy heartbeat, as the operator publishes it for
+    the agents (the `labels.CLUSTER_CONFIGMAP` ConfigMap, JSON)."""
+
+    mean_memory_pct: float = 0.0
+    max_memory_pct: float = 0.0
+    nodes: int = 0
+    emergency_nodes: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps({"meanMemoryPct": self.mean_memory_pct, "maxMemoryPct": self.max_memory_pct,
+                           "nodes": self.nodes, "emergencyNodes": self.emergency_nodes}, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, raw: str | None) -> ClusterWatermarks | None:
+        try:
+            doc = json.loads(raw or "")
+            return cls(float(doc["meanMemoryPct"]), float(doc["maxMemoryPct"]), int(doc["nodes"]),
+                       int(doc["emergencyNodes"]))
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,8 +239,10 @@ def chains(specs: Mapping[str, api.ModelSpecSpec]) -> dict[str, tuple[str, ...]]
 
 
 def plan(specs: Mapping[str, api.ModelSpecSpec], nodes: Iterable[NodeProfile],
-         observed: Sequence[Observed] = (), shared: Mapping[str, Sequence[SharedImage]] | None = None) -> Plan:
-    """Desired EMIs for the given ModelSpecs (keyed by name), deterministic for equal inputs.
+         observed: Sequence[Observed] = (), shared: Mapping[str, Sequence[SharedImage]] | None = None,
+         avoid: frozenset[str] = frozenset()) -> Plan:
+    """Desired EMIs for the given ModelSpecs (keyed by name), deterministic for equal inputs; a new instance goes
+    to a node of `avoid` only when no other eligible node can take it.
 
     `observed` may hold EMIs of other ModelSpecs too: they count into node load, so planning a few specs at a
     time (the operator plans the ones that changed) spreads as well as planning all at once.
@@ -201,7 +261,7 @@ def plan(specs: Mapping[str, api.ModelSpecSpec], nodes: Iterable[NodeProfile],
         spec = specs[spec_name]
         if spec_name in groups:
             if spec_name == min(groups[spec_name]):
-                _place_chain(groups[spec_name], specs, node_list, load, by_spec_node, desired, unplaced)
+                _place_chain(groups[spec_name], specs, node_list, load, by_spec_node, desired, unplaced, avoid)
             continue
         reasons = {n.name: eligible(spec, n) for n in node_list}
         candidates = [n for n in node_list if reasons[n.name] is None]
@@ -224,6 +284,7 @@ def plan(specs: Mapping[str, api.ModelSpecSpec], nodes: Iterable[NodeProfile],
             else:
                 max_load = max(load.values(), default=0) + 1
                 node = min(candidates, key=lambda n: (
+                    n.name in avoid,
                     -score(spec, n, load[n.name], max_load, by_spec_node.get((spec_name, n.name), ()), smallest,
                            restorable(n, (shared or {}).get(spec_name, ()))),
                     load[n.name], n.name))
@@ -236,7 +297,7 @@ def plan(specs: Mapping[str, api.ModelSpecSpec], nodes: Iterable[NodeProfile],
 
 def _place_chain(members: Sequence[str], specs: Mapping[str, api.ModelSpecSpec], node_list: Sequence[NodeProfile],
                  load: dict[str, int], by_spec_node: Mapping[tuple[str, str], Sequence[Observed]],
-                 desired: list[Desired], unplaced: dict[str, str]) -> None:
+                 desired: list[Desired], unplaced: dict[str, str], avoid: frozenset[str] = frozenset()) -> None:
     """One chain's instances: the K-th instance of every member on one node, on one GPU where memory allows."""
     reasons = {n.name: next((f"{specs[m].model_id}: {why}" for m in members
                              if (why := eligible(specs[m], n)) is not None), None) for n in node_list}
@@ -256,6 +317,7 @@ def _place_chain(members: Sequence[str], specs: Mapping[str, api.ModelSpecSpec],
         else:
             max_load = max(load.values(), default=0) + 1
             node = min(candidates, key=lambda n: (
+                n.name in avoid,
                 -sum(score(specs[m], n, load[n.name], max_load, by_spec_node.get((m, n.name), ()), smallest[m])
                      for m in members), load[n.name], n.name))
         gpu_members = [m for m in members if specs[m].hardware.gpu and index < len(slots[m])]

@@ -5,6 +5,10 @@ the loop calls `compute` for the ModelSpecs that changed and applies the returne
 limiter. Keeping the decisions here, free of I/O, is what lets the unit tests cover them and what makes
 the operator level-triggered: the same state always yields the same actions, and a periodic full pass
 repairs anything a missed event left behind.
+
+The cluster tier (docs/architecture.md, "The cluster tier") is here too: the agents' published autonomy states
+(`Heard`), the cluster's memory watermarks (`watermarks`), the chain registry in each head's `status.chain`, and
+the one move the operator makes on its own, a chain off a node that has stayed in EMERGENCY (`TierSettings`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,47 @@ from volga_operator import api, planner
 from volga_operator.api import conditions, labels
 
 Key = tuple[str, str]  # (namespace, name)
+
+EMERGENCY = "EMERGENCY"
+REASON_CHAIN_MIGRATED = "ChainMigrated"
+STALE_HEARTBEATS = 3.0  # a heartbeat older than this many of its periods: the agent is gone, its state unknown
+
+
+@dataclasses.dataclass(frozen=True)
+class TierSettings:
+    """The cluster tier's two settings: a chain leaves a node whose fresh heartbeat has said EMERGENCY for
+    `migrate_after_sec`, and no chain moves again within `min_interval_sec` of its last move (no flapping)."""
+
+    migrate_after_sec: float = 30.0
+    min_interval_sec: float = 300.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Heard:
+    """A node's published autonomy state and when the operator received its latest heartbeat (the operator's
+    clock, unix seconds): freshness and time in state are measured with each side's own clock, so skewed node
+    clocks do not matter."""
+
+    autonomy: planner.NodeAutonomy
+    received: float
+
+    def fresh(self, now: float) -> bool:
+        return now - self.received <= STALE_HEARTBEATS * max(self.autonomy.period_sec, 0.5)
+
+    def in_state_for(self, now: float) -> float:
+        """Seconds the node has been in its state: as long as the agent said at its heartbeat, plus since then."""
+        return max(0.0, self.autonomy.heartbeat - self.autonomy.since) + max(0.0, now - self.received)
+
+
+def hear(previous: Heard | None, autonomy: planner.NodeAutonomy | None, now: float) -> Heard | None:
+    """The record of a node annotation just seen: a new heartbeat counts from now; the first one seen (at start)
+    from when the agent wrote it, as far as the two clocks agree; the same heartbeat again (a relist) changes
+    nothing."""
+    if autonomy is None:
+        return None
+    if previous is not None and previous.autonomy.heartbeat == autonomy.heartbeat:
+        return Heard(autonomy, previous.received)
+    return Heard(autonomy, now if previous is not None else min(now, autonomy.heartbeat))
 
 
 # The EMI status fields the operator reads (tier counts, readiness, the planner's recency and snapshot size): a
@@ -116,6 +161,8 @@ class State:
     specs: dict[Key, SpecRecord] = dataclasses.field(default_factory=dict)
     emis: EmiIndex = dataclasses.field(default_factory=EmiIndex)
     nodes: dict[str, planner.NodeProfile] = dataclasses.field(default_factory=dict)
+    autonomy: dict[str, Heard] = dataclasses.field(default_factory=dict)  # nodes whose agents publish one
+    tier: TierSettings = dataclasses.field(default_factory=TierSettings)
 
     def emis_by_owner(self) -> collections.defaultdict[Key, list[EmiRecord]]:
         """Each ModelSpec's EMIs, by name."""
@@ -127,7 +174,8 @@ class State:
 
 @dataclasses.dataclass(frozen=True)
 class Action:
-    """One API write. `verb`: create_emi | patch_emi | delete_emi | patch_spec_status | patch_spec_meta."""
+    """One API write. `verb`: create_emi | patch_emi | delete_emi | patch_spec_status | patch_spec_meta |
+    create_event (on the ModelSpec `name`) | apply_configmap."""
 
     verb: str
     namespace: str
@@ -176,6 +224,77 @@ def emi_body(record: SpecRecord, desired: planner.Desired) -> dict[str, Any]:
     }
 
 
+def emergencies(state: State, now: float) -> dict[str, Heard]:
+    """The nodes whose fresh heartbeat says EMERGENCY (a stale one says nothing: that agent may be gone, and a lost
+    node is the Ready condition's business)."""
+    return {node: h for node, h in state.autonomy.items()
+            if h.autonomy.state == EMERGENCY and h.fresh(now) and node in state.nodes}
+
+
+def due_nodes(state: State, now: float) -> dict[str, Heard]:
+    """The nodes in EMERGENCY for at least `migrate_after_sec`: their chains are to move."""
+    return {node: h for node, h in emergencies(state, now).items()
+            if h.in_state_for(now) >= state.tier.migrate_after_sec}
+
+
+def chains_on(state: State, nodes: Iterable[str]) -> set[Key]:
+    """The ModelSpecs in a chain (a head, or a model a head lists) with an EMI on one of these nodes."""
+    wanted = set(nodes)
+    owners = {(e.namespace, e.owner) for e in state.emis.values() if e.node in wanted}
+    listed = {(ns, str(m)) for (ns, _), r in state.specs.items() for m in (r.spec.get("chain") or ())}
+    return {k for k in owners if (r := state.specs.get(k)) is not None
+            and (r.spec.get("chain") or (k[0], str(r.spec.get("modelId", ""))) in listed)}
+
+
+def watermarks(state: State, now: float) -> planner.ClusterWatermarks:
+    """The memory level of the nodes with a fresh heartbeat, for the agents."""
+    fresh = [h.autonomy for h in state.autonomy.values() if h.fresh(now)]
+    if not fresh:
+        return planner.ClusterWatermarks()
+    levels = [a.memory_pct for a in fresh]
+    return planner.ClusterWatermarks(round(sum(levels) / len(levels), 1), round(max(levels), 1), len(fresh),
+                                     sum(a.state == EMERGENCY for a in fresh))
+
+
+@dataclasses.dataclass(frozen=True)
+class Move:
+    """A chain to take off the nodes `away` (in EMERGENCY for too long), and why."""
+
+    head: str  # namespace/name
+    members: tuple[str, ...]
+    away: frozenset[str]
+    reason: str
+
+
+def _moves(state: State, specs: Mapping[str, api.ModelSpecSpec], groups: Mapping[str, tuple[str, ...]],
+           now: float) -> list[Move]:
+    """The chains among `specs` with instances on a node due for a move, and not moved within min_interval_sec."""
+    due = due_nodes(state, now)
+    if not due:
+        return []
+    moves = []
+    for head in sorted({members[0] for members in groups.values()}):
+        members = groups[head]
+        away = frozenset(e.node for m in members for e in state.emis.owned(_key(m)) if e.node in due)
+        if not away:
+            continue
+        record = state.specs.get(_key(head))
+        last = ((record.status.get("chain") or {}).get("lastMigration") or {}) if record is not None else {}
+        moved_at = conditions.unix(str(last.get("time", "")))
+        if moved_at is not None and now - moved_at < state.tier.min_interval_sec:
+            continue
+        reason = "; ".join(f"node {n} in EMERGENCY for {due[n].in_state_for(now):.0f} s (memory "
+                           f"{due[n].autonomy.memory_pct:.0f} %, moves after {state.tier.migrate_after_sec:g} s)"
+                           for n in sorted(away))
+        moves.append(Move(head, members, away, reason))
+    return moves
+
+
+def _key(plan_key: str) -> Key:
+    ns, _, name = plan_key.partition("/")
+    return ns, name
+
+
 def compute(state: State, keys: Iterable[Key], now: str | None = None, settle: bool = False) -> list[Action]:
     """The writes that bring the given ModelSpecs (and their EMIs) to where they should be.
 
@@ -206,17 +325,31 @@ def compute(state: State, keys: Iterable[Key], now: str | None = None, settle: b
     for plan_key, problem in api.chain_invalid(valid, everything).items():
         del valid[plan_key]
         invalid[(plan_key.partition("/")[0], plan_key.partition("/")[2])] = problem
-    result = place(state, valid, now)
+    clock = conditions.unix(now) or 0.0
+    groups = planner.chains(valid)
+    moved, move_desired = move_chains(state, valid, now, _moves(state, valid, groups, clock))
+    moving = {m for done in moved.values() for m in done.move.members}
+    result = place(state, {k: spec for k, spec in valid.items() if k not in moving}, now)
+    result = planner.Plan((*move_desired, *result.desired), result.unplaced)
     by_spec: dict[str, list[planner.Desired]] = {}
     for d in result.desired:
         by_spec.setdefault(d.model_spec, []).append(d)
+    afters: dict[str, list[EmiRecord]] = {}
     for plan_key in sorted(valid):
-        ns, name = plan_key.split("/", 1)
-        record = state.specs[(ns, name)]
-        owned = state.emis.owned((ns, name))
-        emi_actions, after = _converge_emis(record, owned, by_spec.get(plan_key, []), state.nodes)
+        record = state.specs[_key(plan_key)]
+        emi_actions, afters[plan_key] = _converge_emis(record, state.emis.owned(_key(plan_key)),
+                                                       by_spec.get(plan_key, []), state.nodes)
         actions += emi_actions
-        actions += _status(record, after if settle else owned, valid[plan_key], result.unplaced.get(plan_key), now)
+    for plan_key in sorted(valid):
+        record = state.specs[_key(plan_key)]
+        chain = None
+        if plan_key in groups and groups[plan_key][0] == plan_key:
+            seen = afters if settle else {m: state.emis.owned(_key(m)) for m in groups[plan_key]}
+            chain = _chain_status(record, groups[plan_key], seen, moved.get(plan_key), now)
+            if plan_key in moved:
+                actions.append(_migration_event(record, moved[plan_key], now))
+        actions += _status(record, afters[plan_key] if settle else state.emis.owned(_key(plan_key)),
+                           valid[plan_key], result.unplaced.get(plan_key), now, chain)
     for (ns, name), problem in sorted(invalid.items()):
         record = state.specs[(ns, name)]
         actions += [Action("delete_emi", e.namespace, e.name) for e in state.emis.owned((ns, name))]
@@ -224,28 +357,99 @@ def compute(state: State, keys: Iterable[Key], now: str | None = None, settle: b
     return actions
 
 
-def place(state: State, specs: Mapping[str, api.ModelSpecSpec], now: str) -> planner.Plan:
+@dataclasses.dataclass(frozen=True)
+class Moved:
+    """A chain move the plan makes: from which nodes to which."""
+
+    move: Move
+    to: tuple[str, ...]
+
+
+def move_chains(state: State, specs: Mapping[str, api.ModelSpecSpec], now: str,
+                moves: Iterable[Move]) -> tuple[dict[str, Moved], list[planner.Desired]]:
+    """The chains of `moves` planned again without the nodes they leave: a chain moves only where each of its
+    instances that leaves finds a node not in EMERGENCY (else it stays). The moves made, by head, and the plan of
+    their members."""
+    avoid = frozenset(emergencies(state, conditions.unix(now) or 0.0))
+    moved: dict[str, Moved] = {}
+    move_desired: list[planner.Desired] = []
+    for move in moves:
+        mine = {m: specs[m] for m in move.members}
+        observed = [o for o in _observed_for(state, mine, now) if not (o.model_spec in mine and o.node in move.away)]
+        leaving = {o.name for o in _observed_for(state, mine, now) if o.model_spec in mine and o.node in move.away}
+        nodes = [n for n in state.nodes.values() if n.name not in move.away]
+        trial = planner.plan(mine, nodes, observed, shared_images(state, mine), avoid)
+        to = [d.node for d in trial.desired if d.name in leaving]
+        if trial.unplaced or not to or any(node in avoid for node in to):
+            continue  # no node out of EMERGENCY takes the chain: it stays
+        moved[move.head] = Moved(move, tuple(sorted(set(to))))
+        move_desired += trial.desired
+    return moved, move_desired
+
+
+def place(state: State, planning: Mapping[str, api.ModelSpecSpec], now: str) -> planner.Plan:
     """`planner.plan` for these ModelSpecs against every node, with a shortcut that gives the same answer: a spec
     whose EMIs all stay where they are is planned against its own EMIs' nodes only (a handful, not every node).
-    Only specs that need a new placement pay for scoring the whole cluster."""
+    Only specs that need a new placement pay for scoring the whole cluster; nodes in EMERGENCY take their new
+    instances only when no other node can."""
     kept_plans: dict[str, list[planner.Desired]] = {}
     rest: dict[str, api.ModelSpecSpec] = {}
-    for plan_key, spec in specs.items():
+    for plan_key, spec in planning.items():
         kept = _kept(state, plan_key, spec)
         if kept is None:
             rest[plan_key] = spec
         else:
             kept_plans[plan_key] = kept
     # A chain is placed as one: when one member needs a new placement, the planner sees every member.
-    groups = planner.chains(specs)
+    groups = planner.chains(planning)
     for plan_key in {mate for key in list(rest) for mate in groups.get(key, ())} - rest.keys():
         del kept_plans[plan_key]
-        rest[plan_key] = specs[plan_key]
+        rest[plan_key] = planning[plan_key]
     desired = [d for plans in kept_plans.values() for d in plans]
     if not rest:
         return planner.Plan(tuple(desired), {})
-    result = planner.plan(rest, state.nodes.values(), _observed_for(state, rest, now), shared_images(state, rest))
+    avoid = frozenset(emergencies(state, conditions.unix(now) or 0.0))
+    result = planner.plan(rest, state.nodes.values(), _observed_for(state, rest, now), shared_images(state, rest),
+                          avoid)
     return planner.Plan((*desired, *result.desired), result.unplaced)
+
+
+def _chain_status(record: SpecRecord, members: tuple[str, ...], emis: Mapping[str, list[EmiRecord]],
+                  moved: Moved | None, now: str) -> dict[str, Any]:
+    """The head's `status.chain`: its members, the node of its K-th instances by K, and its moves."""
+    at: dict[int, list[str]] = {}
+    for member in members:
+        name = _key(member)[1]
+        for emi in emis.get(member, ()):
+            index = emi.name.removeprefix(f"{name}-")
+            if index.isdigit():
+                at.setdefault(int(index), []).append(emi.node)
+    nodes = [max(sorted(set(at[k])), key=at[k].count) if k in at else "" for k in range(max(at, default=-1) + 1)]
+    previous = record.status.get("chain") or {}
+    chain: dict[str, Any] = {"members": [_key(m)[1] for m in members], "node": nodes[0] if nodes else "",
+                             "nodes": nodes, "migrations": int(previous.get("migrations", 0) or 0)}
+    if moved is not None:
+        chain["migrations"] += 1
+        chain["lastMigration"] = {"fromNode": ",".join(sorted(moved.move.away)), "toNode": ",".join(moved.to),
+                                  "time": now, "reason": moved.move.reason}
+    elif previous.get("lastMigration"):
+        chain["lastMigration"] = previous["lastMigration"]
+    return chain
+
+
+def _migration_event(record: SpecRecord, moved: Moved, now: str) -> Action:
+    """An Event on the head ModelSpec: `kubectl describe ms` and `kubectl get events` show the move and why."""
+    message = (f"chain {', '.join(_key(m)[1] for m in moved.move.members)} moved from "
+               f"{', '.join(sorted(moved.move.away))} to {', '.join(moved.to)}: {moved.move.reason}")
+    return Action("create_event", record.namespace, record.name, {
+        "apiVersion": "v1", "kind": "Event",
+        "metadata": {"generateName": f"{record.name}.", "namespace": record.namespace},
+        "involvedObject": {"apiVersion": api.API_VERSION, "kind": "ModelSpec", "name": record.name,
+                           "namespace": record.namespace, "uid": record.uid},
+        "related": {"apiVersion": "v1", "kind": "Node", "name": sorted(moved.move.away)[0]},
+        "reason": REASON_CHAIN_MIGRATED, "message": message[:1024], "type": "Normal",
+        "source": {"component": "volga-operator"}, "reportingComponent": "volga-operator",
+        "firstTimestamp": now, "lastTimestamp": now, "count": 1})
 
 
 def _kept(state: State, plan_key: str, spec: api.ModelSpecSpec) -> list[planner.Desired] | None:
@@ -356,7 +560,7 @@ def tier_counts(emis: Iterable[EmiRecord]) -> dict[str, int]:
 
 
 def _status(record: SpecRecord, emis: list[EmiRecord], spec: api.ModelSpecSpec, unplaced: str | None,
-            now: str) -> list[Action]:
+            now: str, chain: Mapping[str, Any] | None = None) -> list[Action]:
     previous = record.status.get("conditions", ())
     ready = [e for e in emis if emi_ready(e)]
     if unplaced:
@@ -373,6 +577,7 @@ def _status(record: SpecRecord, emis: list[EmiRecord], spec: api.ModelSpecSpec, 
         "instances": len(emis),
         "tiers": tier_counts(emis),
         **({"sharedSnapshots": refs} if (refs := shared_snapshots(emis)) else {}),
+        **({"chain": chain} if chain is not None else {}),
         "conditions": [
             ready_cond,
             conditions.condition("Valid", True, "Valid", "", previous, now),

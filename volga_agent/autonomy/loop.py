@@ -4,12 +4,16 @@ Wakes (`Preload`) and demotions (`Demote`) go to the pool (`Pool.activate`, `Poo
 of their own, one at a time per model, so that a CRIU restore never holds up the next decision. Batch caps and
 shedding go to the gateway, which the loop knows only as the `Gateway` protocol: the gateway's data plane
 provides those four methods, and the autonomy package imports nothing of the gateway (docs/architecture.md).
+
+For the cluster tier the loop keeps its `Standing` (state, since when, the node's memory) for the agent's heartbeat
+to publish, and holds the cluster's watermarks the operator published (`cluster`), which its debug lines show.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import logging
 import queue
 import threading
@@ -20,10 +24,19 @@ from typing import Protocol
 from volga_agent import errors, metrics, policy, pool
 from volga_agent.autonomy import decider, sampler
 from volga_agent.autonomy import window as windows
-from volga_operator import api
+from volga_operator import api, planner
 
 log = logging.getLogger(__name__)
 DEBUG_EVERY_S = 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class Standing:
+    """The loop's state as the cluster sees it: since when (unix seconds) and the node's memory use (percent)."""
+
+    state: decider.State
+    since: float
+    memory_pct: float
 
 
 class Gateway(Protocol):
@@ -187,6 +200,8 @@ class Loop:
         self._thread: threading.Thread | None = None
         self._last_debug = float("-inf")
         self._state_seen: decider.State | None = None
+        self.standing = Standing(self.decider.state, time.time(), 0.0)
+        self.cluster: planner.ClusterWatermarks | None = None  # the operator's, when the agent has read them
 
     def start(self) -> None:
         self.sampler.start()
@@ -222,10 +237,15 @@ class Loop:
         self.metrics.decision_latency.observe((time.perf_counter() - started) * 1e6)
         if explain:
             self._last_debug = now
-            log.info("autonomy decision: inputs: memory %.1f%%, util %.1f%%, %d models with load %s, views %s; "
-                     "path: %s", built.memory_pct, built.util_pct, len(built.models), dict(built.models),
+            cluster = self.cluster
+            log.info("autonomy decision: inputs: memory %.1f%% (cluster: %s), util %.1f%%, %d models with load %s, "
+                     "views %s; path: %s", built.memory_pct,
+                     f"mean {cluster.mean_memory_pct:g}%, max {cluster.max_memory_pct:g}%" if cluster else "unknown",
+                     built.util_pct, len(built.models), dict(built.models),
                      {m: (v.awake, v.baselines) for m, v in views.items()}, " | ".join(decision.path))
         self.decisions.append(decision)
+        since = time.time() if decision.changed else self.standing.since
+        self.standing = Standing(decision.state, since, built.memory_pct)
         self._publish(decision, views)
         for action in decision.actions:
             apply(action, self.actuator)

@@ -210,6 +210,7 @@ class CriuEngine:
         self.lazy_daemon_failures = 0
         self.timeouts = 0  # calls killed at their deadline
         self._lock = threading.Lock()
+        self._failures_lock = threading.Lock()  # keep_failure's copy and prune, one instance at a time
         self._calls: set[subprocess.Popen[Any]] = set()
         self._daemons: set[LazyPages] = set()
         self._closed = False
@@ -440,12 +441,20 @@ class CriuEngine:
                     os.link(source, target)
                 except OSError:
                     shutil.copy2(source, target)
-        shutil.copytree(image.path, folder, copy_function=link)
-        for path in extra:
-            with contextlib.suppress(OSError):
-                shutil.copy2(path, folder / path.name)
-        for old in sorted(failed.iterdir(), key=lambda p: p.stat().st_mtime)[:-self.keep_failed]:
-            shutil.rmtree(old, ignore_errors=True)
+        with self._failures_lock:
+            shutil.copytree(image.path, folder, copy_function=link)
+            for path in extra:
+                with contextlib.suppress(OSError):
+                    shutil.copy2(path, folder / path.name)
+            os.utime(folder)  # copytree gave it the image's time; the newest failures are the ones kept
+            # Agents sharing this root keep and prune too: folders may vanish while this looks at them.
+            kept: list[tuple[float, pathlib.Path]] = []
+            for other in failed.iterdir():
+                with contextlib.suppress(FileNotFoundError):
+                    kept.append((other.stat().st_mtime, other))
+            for _, old in sorted(kept)[:-self.keep_failed]:
+                if old != folder:
+                    shutil.rmtree(old, ignore_errors=True)
         return folder
 
     def remove(self, image: Image) -> None:

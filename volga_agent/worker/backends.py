@@ -137,6 +137,8 @@ class TorchBackend(Backend):
             torch.cuda.set_device(self.device)
             torch.cuda.init()
             torch.empty(1, device=self.device)  # make the primary context current on this thread
+            if config.cuda_stack_bytes:
+                _set_stack_limit(config.cuda_stack_bytes)
         if self.device.type == "cuda" and os.environ.get("VOLGA_VMM", "1") != "0":
             try:
                 self.vmm = vmm.Arena(self.nbytes, self.device.index or 0)
@@ -368,6 +370,17 @@ class TorchBackend(Backend):
             mapped = self.vmm.size if self.vmm is not None and self.vmm.mapped else 0
             out["gpu_allocated_bytes"] = int(self.torch.cuda.memory_allocated(self.device)) + mapped
         return out
+
+
+def _set_stack_limit(nbytes: int) -> None:
+    """CU_LIMIT_STACK_SIZE of the current CUDA context (contract.DEFAULT_CUDA_STACK_BYTES says why)."""
+    import ctypes
+
+    libcuda = ctypes.CDLL("libcuda.so.1")
+    code = libcuda.cuCtxSetLimit(0, ctypes.c_size_t(nbytes))  # CU_LIMIT_STACK_SIZE
+    if code != 0:
+        print(f"cuCtxSetLimit(CU_LIMIT_STACK_SIZE, {nbytes}) failed ({code}); the driver's stack size stays",
+              file=sys.stderr)
 
 
 def load_backend(config: contract.WorkerConfig) -> Backend:

@@ -1092,6 +1092,27 @@ class SharedSnapshotRef(Model):
                                                                 "from it) or published (the instance wrote it)")
 
 
+class ChainMigration(Model):
+    """A move of a chain's instances off a node whose agent reported EMERGENCY for too long."""
+
+    from_node: str = pydantic.Field(description="the node the chain left")
+    to_node: str = pydantic.Field(description="the node the chain went to")
+    time: str = pydantic.Field(description="when the operator moved it, RFC 3339 in UTC")
+    reason: str = pydantic.Field(description="why, e.g. how long the node had been in EMERGENCY")
+
+
+class ChainStatus(Model):
+    """A head ModelSpec's chain as the operator placed it (the chain registry)."""
+
+    members: list[str] = pydantic.Field(max_length=64, description="the chain's ModelSpecs, head first")
+    node: str = pydantic.Field(default="", description="the node of the chain's first instances (index 0); empty "
+                                                       "while it is not placed")
+    nodes: list[str] = pydantic.Field(default_factory=list, max_length=1024,
+                                      description="the node of the chain's K-th instances, by K")
+    migrations: int = pydantic.Field(default=0, ge=0, description="moves off a node in EMERGENCY so far")
+    last_migration: ChainMigration | None = pydantic.Field(default=None, description="the latest such move")
+
+
 class ModelSpecStatus(Model):
     """What the operator last made of a ModelSpec."""
 
@@ -1110,6 +1131,8 @@ class ModelSpecStatus(Model):
     shared_snapshots: list[SharedSnapshotRef] | None = pydantic.Field(
         default=None, max_length=64, description="the images of this model on the shared snapshot storage that "
                                                  "its instances report (restored from or published)")
+    chain: ChainStatus | None = pydantic.Field(
+        default=None, description="on a chain's head: its members and the nodes their instances are on")
 
 
 class EmiStatus(Model):
