@@ -27,7 +27,7 @@ from typing import Any
 import uvloop
 
 from volga_agent import admission, auth, defaultmodel, gpus, metrics, neighbours, policy, pool, ports, server
-from volga_agent.autonomy import exchange, loop, sampler
+from volga_agent.autonomy import exchange, loop
 from volga_agent.gateway import app, catalog, links
 from volga_operator import api, planner
 from volga_operator.api import signature
@@ -116,8 +116,7 @@ def agent_main(argv: list[str] | None = None) -> int:
         node_metrics = metrics.AgentMetrics()
         node_pool = pool.Pool(args.node, args.workdir, args.snapshot_dir, settings, node_metrics, found)
         steering = exchange.Exchange() if settings.autonomy_enabled else None
-        probe = exchange.LastSample(sampler.probe_for_node()) if steering is not None else None
-        autonomy = loop.Loop(node_pool, steering, settings, node_metrics, probe) if steering is not None else None
+        autonomy = loop.Loop(node_pool, steering, settings, node_metrics) if steering is not None else None
         # Other nodes reach neither a loopback nor a wildcard address: those need --agent-address.
         specific = args.agent_host not in ("0.0.0.0", "::", "[::]") and not auth.is_loopback(args.agent_host)
         published = args.agent_address or (f"{args.agent_host}:{args.port}" if args.port > 0 and specific else "")
@@ -126,8 +125,8 @@ def agent_main(argv: list[str] | None = None) -> int:
         if settings.neighbours_enabled and off:
             log.warning("node %s: neighbours are off: %s", args.node, off)
         levels = None
-        if not off and autonomy is not None and steering is not None and probe is not None and tokens is not None:
-            water = exchange.Water(node_pool, autonomy, probe, steering, args.gateway_address)
+        if not off and autonomy is not None and steering is not None and tokens is not None:
+            water = exchange.Water(node_pool, autonomy, steering, args.gateway_address)
             levels = neighbours.LevelExchange(args.node, water, tokens.values[0].decode(),
                                               settings.neighbours_period_ms, node_metrics.registry)
         grpc_server, port = await server.serve(node_pool, args.agent_host, args.port, args.socket, tokens,

@@ -6,8 +6,8 @@ gateway runs beside the agent, so an `Exchange` stands in for it on the agent's 
 ExchangeLoad call, every few tens of milliseconds) is summed until the sampler drains it. The gateway takes the
 directives back in the answer to the same call, so nothing crosses between the processes on a request's path.
 
-`Water` is the node's water level for its neighbours (`volga_agent/neighbours.py`): the loop's state, the memory
-its sampler last read (`LastSample`), the gateway's requests in flight and the models the pool can serve.
+`Water` is the node's water level for its neighbours (`volga_agent/neighbours.py`): the loop's standing (state and
+memory), the gateway's requests in flight and the models the pool can serve.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import threading
 from collections.abc import Mapping
 
 from volga_agent import neighbours, pool
-from volga_agent.autonomy import loop, sampler
+from volga_agent.autonomy import loop
 from volga_agent.autonomy import window as windows
 from volga_operator import api
 
@@ -108,37 +108,18 @@ class Exchange:
             return frozenset(self._shed)
 
 
-class LastSample:
-    """A probe that keeps the memory share of the latest sample it gave (the loop's sampler reads it)."""
-
-    def __init__(self, probe: sampler.Probe) -> None:
-        self.probe = probe
-        self.memory_pct = 0.0
-
-    def sample(self, now: float) -> windows.NodeSample:
-        got = self.probe.sample(now)
-        self.memory_pct = got.memory_pct
-        return got
-
-    def close(self) -> None:
-        self.probe.close()
-
-
 class Water:
-    """This node's level for `neighbours.LevelExchange`: what the loop, its sampler, the gateway's exchange and
-    the pool know now."""
+    """This node's level for `neighbours.LevelExchange`: what the loop, the gateway's exchange and the pool know
+    now."""
 
-    def __init__(self, node_pool: pool.Pool, autonomy: loop.Loop, probe: LastSample, steering: Exchange,
-                 gateway: str) -> None:
+    def __init__(self, node_pool: pool.Pool, autonomy: loop.Loop, steering: Exchange, gateway: str) -> None:
         self.pool = node_pool
         self.loop = autonomy
-        self.probe = probe
         self.steering = steering
         self.gateway = gateway
 
     def state(self) -> str:
-        decisions = self.loop.decisions
-        return decisions[-1].state.value if decisions else ""
+        return self.loop.standing.state.value
 
     def level(self) -> neighbours.Level:
         shed = self.steering.shed_models()
@@ -148,5 +129,6 @@ class Water:
                 continue  # its last start failed: it cannot serve
             hot[info.model_id] = hot.get(info.model_id, False) or info.tier == api.Tier.HOT
         models = tuple(neighbours.ModelLevel(m, h, m in shed) for m, h in sorted(hot.items()))
-        return neighbours.Level(self.pool.node, self.state(), round(self.probe.memory_pct, 1),
+        standing = self.loop.standing
+        return neighbours.Level(self.pool.node, standing.state.value, round(standing.memory_pct, 1),
                                 float(self.steering.in_flight()), models, gateway=self.gateway)
