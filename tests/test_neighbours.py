@@ -8,6 +8,8 @@ import dataclasses
 import math
 import pathlib
 import time
+from collections.abc import Coroutine
+from typing import Any
 
 import grpc
 import pytest
@@ -17,6 +19,16 @@ from volga_agent.autonomy import exchange
 from volga_agent.gateway import catalog, dataplane, links
 from volga_agent.rpc.volga.v1 import agent_pb2 as pb
 from volga_agent.rpc.volga.v1 import agent_pb2_grpc as agent_grpc
+
+
+def run(coroutine: Coroutine[Any, Any, None]) -> None:
+    """Run on a loop of its own, leaving the thread's event loop as it was (asyncio.run would unset it, and tests
+    after this one build gRPC channels outside a loop)."""
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(coroutine)
+    finally:
+        loop.close()
 
 
 class Fixed:
@@ -204,7 +216,7 @@ def test_the_exchanger_hands_the_node_state_and_neighbour_levels_to_the_data_pla
         ex.apply(links.Directives(True, {}, {}, 50, "ACCEPT", ()))
         await link.close()
 
-    asyncio.run(scenario())
+    run(scenario())
     assert plane.calls == [("EMERGENCY", b), ("ACCEPT", ())]
 
 
@@ -267,6 +279,6 @@ def test_the_agent_api_trades_levels_and_hands_them_to_its_gateway(tmp_path: pat
             await on.stop(0)
 
     try:
-        asyncio.run(scenario())
+        run(scenario())
     finally:
         node_pool.close()
