@@ -4,6 +4,8 @@
   nodes that carry one), watches the ModelSpecs and the EMIs labelled with its node, hands them to the pool,
   and reports each instance's tier and conditions back into EMI status in batches, through a token bucket.
 - `CatalogSync` keeps a gateway's model catalog in step with the cluster's ModelSpecs.
+- `NeighbourDirectory` publishes the node's Agent API address for its neighbours and finds theirs
+  (`volga_agent/neighbours.py`).
 - `TierSync` (with the autonomy loop on) is the node's part of the cluster tier: it publishes the loop's state as
   the `volga.dev/autonomy` Node annotation, at once on a change and every `autonomy_heartbeat_sec`, through
   AgentSync's token bucket and never on a request's path, and reads the cluster's watermarks the operator
@@ -296,6 +298,59 @@ class CatalogSync:
     async def stop(self) -> None:
         for w in self.watches:
             w.stop()
+        await asyncio.to_thread(self.client.close)
+
+
+class NeighbourDirectory:
+    """The cluster's agents that trade water levels (`neighbours.py`): publishes this node's Agent API address as
+    the Node annotation `labels.AGENT_API_KEY` and hands `on_change` the node -> address map of every Node that
+    carries one (this one included)."""
+
+    def __init__(self, node: str, address: str, on_change: Callable[[dict[str, str]], None],
+                 writes_per_sec: float = 200.0) -> None:
+        self.node = node
+        self.address = address
+        self.on_change = on_change
+        self.bucket = ratelimit.TokenBucket.within(writes_per_sec)
+        self.client = kube_client.api_client()
+        self.core = kubernetes.client.CoreV1Api(self.client)
+        self._stop = threading.Event()
+        self.watch = watch.Watch("nodes", self._list_nodes, self._on_nodes)
+        self._thread = threading.Thread(target=self._publish, name="agent-api-annotation", daemon=True)
+
+    def _list_nodes(self, **kwargs: Any) -> Any:
+        """`kube.watch` reads plain JSON, as the custom object APIs give it: lists are parsed here, watches by it."""
+        if kwargs.get("watch"):
+            return self.core.list_node(**kwargs)
+        raw: Any = self.core.list_node(_preload_content=False, **kwargs)  # the HTTP response, unparsed
+        return json.loads(raw.data)
+
+    def _on_nodes(self, objects: dict[tuple[str, str], Any]) -> None:
+        found = {}
+        for (_, name), obj in objects.items():
+            address = ((obj.get("metadata") or {}).get("annotations") or {}).get(labels.AGENT_API_KEY)
+            if address:
+                found[name] = str(address)
+        self.on_change(found)
+
+    def _publish(self) -> None:
+        body = {"metadata": {"annotations": {labels.AGENT_API_KEY: self.address}}}
+
+        def publish() -> None:
+            ratelimit.write_sync(self.bucket, lambda: self.core.patch_node(self.node, body, _request_timeout=10))
+
+        def failed(exc: BaseException | None, _delay: float) -> None:
+            log.info("node %s: cannot publish its Agent API address yet: %s", self.node, exc)
+
+        kube_client.until_stopped(publish, self._stop, 0.5, 30.0, failed)
+
+    async def start(self) -> None:
+        self._thread.start()
+        self.watch.start()
+
+    async def stop(self) -> None:
+        self._stop.set()
+        self.watch.stop()
         await asyncio.to_thread(self.client.close)
 
 

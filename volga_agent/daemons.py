@@ -5,7 +5,10 @@ Kubernetes API (`--kube`, the cluster mode: the agent drives the EMIs placed on 
 every ModelSpec of the cluster). The agent serves the Agent gRPC API and its metrics; the gateway serves the
 Open Inference Protocol and reaches its node's agent over gRPC. With `autonomyEnabled` in the agent's settings
 the agent runs the node autonomy loop; the gateway sends it its per-model load and takes its directives (batch
-caps, shed models) in one periodic call (`links.Exchanger`, the Agent API's ExchangeLoad).
+caps, shed models) in one periodic call (`links.Exchanger`, the Agent API's ExchangeLoad). With
+`neighboursEnabled` too, and Agent API tokens, the agent trades its water level with two other nodes' agents
+(`neighbours.py`: found through Node annotations, or given with --neighbour) and the gateway passes an
+overloaded node's requests to them.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any
 
 import uvloop
 
-from volga_agent import admission, auth, defaultmodel, gpus, metrics, policy, pool, ports, server
+from volga_agent import admission, auth, defaultmodel, gpus, metrics, neighbours, policy, pool, ports, server
 from volga_agent.autonomy import exchange, loop
 from volga_agent.gateway import app, catalog, links
 from volga_operator import api, planner
@@ -116,10 +119,19 @@ def agent_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calibrate-iterations", type=int, default=200,
                         help="cluster mode: timed requests per batch size when a ModelSpec asks for a calibration "
                              "(the volga.dev/calibrate annotation)")
+    parser.add_argument("--agent-address", default=os.environ.get("VOLGA_AGENT_ADDRESS", ""),
+                        help="the Agent API as other nodes reach it (host:port), published for the neighbour "
+                             "exchange; default: --agent-host:--port when that is neither loopback nor a wildcard")
+    parser.add_argument("--neighbour", action="append", default=[], metavar="NODE=HOST:PORT",
+                        help="an agent to trade water levels with (repeatable), instead of the Node annotations")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = _parse(parser, argv)
     if args.calibrate_iterations < 1:
         parser.error(f"--calibrate-iterations {args.calibrate_iterations}: at least 1")
+    try:
+        static_neighbours = neighbours.addresses_of(args.neighbour)
+    except ValueError as exc:
+        parser.error(str(exc))
     settings = policy.Settings()
     if args.settings:
         import yaml
@@ -139,8 +151,20 @@ def agent_main(argv: list[str] | None = None) -> int:
         node_pool = pool.Pool(args.node, args.workdir, args.snapshot_dir, settings, node_metrics, found)
         steering = exchange.Exchange() if settings.autonomy_enabled else None
         autonomy = loop.Loop(node_pool, steering, settings, node_metrics) if steering is not None else None
+        # Other nodes reach neither a loopback nor a wildcard address: those need --agent-address.
+        specific = args.agent_host not in ("0.0.0.0", "::", "[::]") and not auth.is_loopback(args.agent_host)
+        published = args.agent_address or (f"{args.agent_host}:{args.port}" if args.port > 0 and specific else "")
+        off = neighbours.off_reason(settings.neighbours_enabled, tokens is not None, autonomy is not None,
+                                    bool(static_neighbours or not args.kube or published))
+        if settings.neighbours_enabled and off:
+            log.warning("node %s: neighbours are off: %s", args.node, off)
+        levels = None
+        if not off and autonomy is not None and steering is not None and tokens is not None:
+            water = exchange.Water(node_pool, autonomy, steering, args.gateway_address)
+            levels = neighbours.LevelExchange(args.node, water, tokens.values[0].decode(),
+                                              settings.neighbours_period_ms, node_metrics.registry)
         grpc_server, port = await server.serve(node_pool, args.agent_host, args.port, args.socket, tokens,
-                                               steering, settings.autonomy_exchange_ms)
+                                               steering, settings.autonomy_exchange_ms, levels, off)
         metrics_runner, _ = await metrics.serve([node_metrics.registry], args.host, args.metrics_port)
         cluster: Any = None
         tier: Any = None
@@ -161,14 +185,30 @@ def agent_main(argv: list[str] | None = None) -> int:
             by_name = {s.metadata.name: s.spec for s in specs}
             plan = planner.plan(by_name, [gpus.node_profile(found, args.node)])
             node_pool.apply(plan.desired, by_name)
+        directory: Any = None
+        if levels is not None:
+            if static_neighbours or not args.kube:
+                levels.set_directory(static_neighbours)
+            else:
+                from volga_agent import cluster as cluster_mode
+
+                directory = cluster_mode.NeighbourDirectory(args.node, published, levels.set_directory,
+                                                            settings.api_writes_per_sec)
+                await directory.start()
         node_pool.start()
         if autonomy is not None:
             autonomy.start()
+        if levels is not None:
+            levels.start()
         where = ", ".join([f"{args.agent_host}:{port}"] * (port >= 0) + [args.socket] * bool(args.socket))
         print(f"volga-agent {args.node}: Agent API {where}, metrics :{args.metrics_port}, "
               f"{len(found)} GPU(s)", flush=True)
 
         async def stop() -> None:
+            if levels is not None:
+                await levels.stop()
+            if directory is not None:
+                await directory.stop()
             if autonomy is not None:
                 await asyncio.to_thread(autonomy.stop)
             if tier is not None:

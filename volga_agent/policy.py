@@ -156,6 +156,11 @@ class Settings(pydantic.BaseModel):
     shared_snapshot_budget_bytes: Bytes = 0
     # How long a shared image of a version no ModelSpec has any more stays before it is removed.
     shared_snapshot_grace_sec: NonNegative = 600.0
+    # Neighbours (volga_agent/neighbours.py): trade this node's water level with two other nodes' agents every
+    # neighbours_period_ms, so the gateway of an overloaded node passes requests on instead of refusing them. Off by
+    # default: it needs the autonomy loop and an Agent API other nodes can reach (tokens), both off by default.
+    neighbours_enabled: bool = False
+    neighbours_period_ms: Annotated[float, pydantic.Field(ge=20, le=500)] = 200.0
     # With the autonomy loop on, in cluster mode: how often the agent refreshes its node's `volga.dev/autonomy`
     # annotation (state, since, memory), besides writing it at once when the state changes. The operator reads
     # a heartbeat older than three of these as no news (docs/architecture.md, "The cluster tier").

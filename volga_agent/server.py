@@ -1,5 +1,7 @@
-"""The agent's gRPC API (`volga.v1.Agent`): activate, release, status and list instances of this node, and the
-sidecar gateway's load exchange with the node's autonomy loop (`ExchangeLoad`, when the loop runs).
+"""The agent's gRPC API (`volga.v1.Agent`): activate, release, status and list instances of this node, the
+sidecar gateway's load exchange with the node's autonomy loop (`ExchangeLoad`, when the loop runs), and the
+neighbours' level exchange (`ExchangeLevel`, `volga_agent/neighbours.py`), whose fresh levels the gateway gets
+back in ExchangeLoad's answer.
 
 A thin layer over `pool.Pool`: wakes run on the pool's threads (they block on CRIU, the driver, process
 starts), errors become gRPC statuses that say what to do: NOT_FOUND for a model with no instance on this
@@ -12,12 +14,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import pathlib
+import time
 from collections.abc import Mapping
 from typing import Any, Protocol
 
 import grpc
 
-from volga_agent import auth, errors, load, pool
+from volga_agent import auth, errors, load, neighbours, pool
 from volga_agent.rpc.volga.v1 import agent_pb2 as pb
 from volga_agent.rpc.volga.v1 import agent_pb2_grpc as pb_grpc
 from volga_operator import api
@@ -55,10 +58,13 @@ def instance_pb(info: pool.InstanceInfo) -> Any:
 
 
 class AgentService(pb_grpc.AgentServicer):
-    def __init__(self, node_pool: pool.Pool, exchange: LoadExchange | None = None, exchange_ms: float = 50.0) -> None:
+    def __init__(self, node_pool: pool.Pool, exchange: LoadExchange | None = None, exchange_ms: float = 50.0,
+                 levels: neighbours.LevelExchange | None = None, levels_off: str = "") -> None:
         self.pool = node_pool
         self.exchange = exchange
         self.exchange_ms = exchange_ms
+        self.levels = levels
+        self.levels_off = levels_off or "neighbours are off"
 
     async def Activate(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         if not request.model_id:
@@ -116,23 +122,41 @@ class AgentService(pb_grpc.AgentServicer):
             loads[pushed.model_id] = load.ModelLoad(pushed.arrivals, pushed.completed, pushed.queue_depth,
                                                     tuple(pushed.latencies_ms), pushed.shed)
         directives = self.exchange.push(loads)
-        return pb.ExchangeLoadResponse(autonomy=True, batch_caps=directives.batch_caps,
-                                       shed_retry_after_ms=directives.shed_retry_after_ms,
-                                       period_ms=max(1, round(self.exchange_ms)))
+        reply = pb.ExchangeLoadResponse(autonomy=True, batch_caps=directives.batch_caps,
+                                        shed_retry_after_ms=directives.shed_retry_after_ms,
+                                        period_ms=max(1, round(self.exchange_ms)))
+        if self.levels is not None:
+            reply.state = self.levels.state()
+            now = time.monotonic()
+            reply.neighbours.extend(neighbours.to_pb(h.level, round(h.age(now) * 1e3)) for h in self.levels.fresh(now))
+        return reply
+
+    async def ExchangeLevel(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if self.levels is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"node {self.pool.node} takes no part in the neighbour exchange: {self.levels_off}")
+        assert self.levels is not None
+        try:
+            level, age_ms = neighbours.from_pb(request)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return neighbours.to_pb(self.levels.receive(level, age_ms))
 
 
 async def serve(node_pool: pool.Pool, host: str, port: int, socket_path: str = "",
                 tokens: auth.Tokens | None = None, exchange: LoadExchange | None = None,
-                exchange_ms: float = 50.0) -> tuple[grpc.aio.Server, int]:
+                exchange_ms: float = 50.0, levels: neighbours.LevelExchange | None = None,
+                levels_off: str = "") -> tuple[grpc.aio.Server, int]:
     """The Agent API on host:port (port -1: no TCP port) and on the UNIX socket `socket_path` (if given); the
     server and its TCP port. Without `tokens` it listens on loopback only (ValueError otherwise): whoever reaches
     it can wake and release every instance of the node. With them, every call needs one (docs/security.md).
-    `exchange`: the autonomy loop's, when it runs, and how often gateways are to call ExchangeLoad."""
+    `exchange`: the autonomy loop's, when it runs, and how often gateways are to call ExchangeLoad. `levels`: the
+    neighbour exchange, when this node takes part (else `levels_off` says why not)."""
     if port >= 0 and tokens is None and not auth.is_loopback(host):
         raise ValueError(f"the Agent API listens on {host} only with a token (--token-file): anyone who reaches it "
                          "can wake and release this node's instances")
     server = grpc.aio.server(interceptors=[auth.GrpcAuth(tokens)] if tokens is not None else None)
-    pb_grpc.add_AgentServicer_to_server(AgentService(node_pool, exchange, exchange_ms), server)
+    pb_grpc.add_AgentServicer_to_server(AgentService(node_pool, exchange, exchange_ms, levels, levels_off), server)
     bound = -1
     if port >= 0:
         bound = server.add_insecure_port(f"{host}:{port}")

@@ -5,6 +5,9 @@ gateway runs beside the agent, so an `Exchange` stands in for it on the agent's 
 (batch caps, shed models) is kept as directives, and the load the gateway pushes (`push`, from the Agent API's
 ExchangeLoad call, every few tens of milliseconds) is summed until the sampler drains it. The gateway takes the
 directives back in the answer to the same call, so nothing crosses between the processes on a request's path.
+
+`Water` is the node's water level for its neighbours (`volga_agent/neighbours.py`): the loop's standing (state and
+memory), the gateway's requests in flight and the models the pool can serve.
 """
 
 from __future__ import annotations
@@ -13,7 +16,10 @@ import dataclasses
 import threading
 from collections.abc import Mapping
 
+from volga_agent import neighbours, pool
+from volga_agent.autonomy import loop
 from volga_agent.autonomy import window as windows
+from volga_operator import api
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +50,7 @@ class Exchange:
         self._caps: dict[str, int] = {}
         self._shed: dict[str, int] = {}
         self._loads: dict[str, _Sum] = {}
+        self._in_flight: dict[str, int] = {}  # the latest queue depth the gateway pushed, by model
 
     # -- the loop's side (loop.Gateway) ---------------------------------------------------------------
 
@@ -80,6 +87,7 @@ class Exchange:
                 total.arrivals += load.arrivals
                 total.completed += load.completed
                 total.queue_depth = load.queue_depth  # a level, not a count: the latest holds
+                self._in_flight[model] = load.queue_depth
                 total.shed += load.shed
                 room = self.MAX_LATENCIES - len(total.latencies_ms)
                 if room > 0:
@@ -89,3 +97,38 @@ class Exchange:
     def directives(self) -> Directives:
         with self._lock:
             return Directives(dict(self._caps), dict(self._shed))
+
+    def in_flight(self) -> int:
+        """Requests the gateway last said it holds (arrived, not answered), over all models."""
+        with self._lock:
+            return sum(self._in_flight.values())
+
+    def shed_models(self) -> frozenset[str]:
+        with self._lock:
+            return frozenset(self._shed)
+
+
+class Water:
+    """This node's level for `neighbours.LevelExchange`: what the loop, the gateway's exchange and the pool know
+    now."""
+
+    def __init__(self, node_pool: pool.Pool, autonomy: loop.Loop, steering: Exchange, gateway: str) -> None:
+        self.pool = node_pool
+        self.loop = autonomy
+        self.steering = steering
+        self.gateway = gateway
+
+    def state(self) -> str:
+        return self.loop.standing.state.value
+
+    def level(self) -> neighbours.Level:
+        shed = self.steering.shed_models()
+        hot: dict[str, bool] = {}
+        for info in self.pool.instances():
+            if info.tier == api.Tier.COLD and info.state_reason:
+                continue  # its last start failed: it cannot serve
+            hot[info.model_id] = hot.get(info.model_id, False) or info.tier == api.Tier.HOT
+        models = tuple(neighbours.ModelLevel(m, h, m in shed) for m, h in sorted(hot.items()))
+        standing = self.loop.standing
+        return neighbours.Level(self.pool.node, standing.state.value, round(standing.memory_pct, 1),
+                                float(self.steering.in_flight()), models, gateway=self.gateway)

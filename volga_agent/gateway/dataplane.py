@@ -8,7 +8,9 @@ One inference request goes:
 3. tensors are decoded (by the adapter, with `oip`) and checked against the ModelSpec (names, dtypes, shapes,
    batch) -> INVALID_ARGUMENT;
 4. `x-timeout-ms` (and the gRPC deadline) bound wake + inference -> DEADLINE_EXCEEDED / 504;
-5. a model placed only on other nodes goes to one of their gateways (`links.Forwarder`), once;
+5. a model placed only on other nodes goes to one of their gateways (`links.Forwarder`), once; so does a request
+   of an overloaded node (its model shed, or the node in EMERGENCY): to the least-loaded neighbour that can take
+   it (`neighbours.choose`), once, instead of a refusal (RESOURCE_EXHAUSTED only when no neighbour takes it);
    a model with `runtime.dynamicBatching` waits in its batcher's queue (`batcher.py`) and runs with others;
 6. the router gives a HOT instance (single-flight activation), the worker answers over AF_UNIX with the
    tensors in shared memory; a request a worker handed back unrun (it paused for a checkpoint, or sleeps) is
@@ -23,7 +25,7 @@ the other requests on the event loop.
 A node's autonomy loop steers the gateway through four calls, safe from any thread: `set_batch_cap` (the most
 rows a batch of a model takes), `shed` / `unshed` (refuse a model's requests at once, RESOURCE_EXHAUSTED / 429
 with a retry hint) and `drain_load` (each model's arrivals, completions, latencies and queue since the last
-call, as `ModelLoad`s).
+call, as `ModelLoad`s); `set_neighbours` gives it the node's state and its neighbours' levels.
 
 The metadata answers (model state from what the agent reports, platform, tensor specs, a Triton-style model
 configuration) are built here too, so both adapters give the same ones. An ensemble (a chain served as one
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 import dataclasses
 import logging
 import math
@@ -45,7 +48,7 @@ from typing import Any, ParamSpec, TypeVar
 
 import numpy as np
 
-from volga_agent import errors, load, metrics
+from volga_agent import errors, load, metrics, neighbours
 from volga_agent.gateway import batcher, catalog, ensemble, links, oip, router, workers
 from volga_agent.worker import protocol
 from volga_operator import api
@@ -68,6 +71,17 @@ BACKENDS = {"onnx": "onnxruntime", "torchscript": "pytorch", "pytorch": "pytorch
 OFF_LOOP_BYTES = 1 << 20
 # Latencies a model keeps for `drain_load` between two calls (the latest ones), so an undrained gateway stays small.
 MAX_LOAD_LATENCIES = 65_536
+
+
+@dataclasses.dataclass(frozen=True)
+class _Diverted:
+    """A request `observe` let through although its node is overloaded, for `_dispatch` to pass to a neighbour."""
+
+    model: str
+    retry_after_ms: int | None  # the shed model's retry hint; None: not shed (the node is in EMERGENCY)
+
+
+_diverted: contextvars.ContextVar[_Diverted | None] = contextvars.ContextVar("diverted", default=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +175,9 @@ class Dataplane:
         self._shed: dict[str, int] = {}  # model -> retry hint, in milliseconds
         self._loads: dict[str, _Load] = {}
         self._outstanding: dict[str, int] = {}
+        self._state = ""  # the node's autonomy state
+        self._neighbours: tuple[neighbours.Heard, ...] = ()
+        self.neighbour_forwards = neighbours.forwards_of(self.metrics.registry)
 
     # -- control (a node's autonomy loop; any thread) ------------------------------------------------
 
@@ -192,6 +209,18 @@ class Dataplane:
     def unshed(self, model: str) -> None:
         with self._lock:
             self._shed.pop(model, None)
+
+    def set_neighbours(self, state: str, heard: tuple[neighbours.Heard, ...]) -> None:
+        """The node's autonomy state and its neighbours' levels (the agent's word, every ExchangeLoad)."""
+        with self._lock:
+            self._state, self._neighbours = state, heard
+
+    def _neighbour_for(self, model: str) -> neighbours.Level | None:
+        """Where a request of an overloaded node goes; None when the node is not overloaded for the model or no
+        neighbour can take it. Called under the lock."""
+        if model not in self._shed and self._state != neighbours.OVERLOADED:
+            return None
+        return neighbours.choose(self._neighbours, model, self.node, time.monotonic())
 
     def drain_load(self) -> dict[str, ModelLoad]:
         """Each known model's load since the previous call (and its queue now); the counts start again."""
@@ -311,6 +340,11 @@ class Dataplane:
                         ) -> tuple[api.ModelSpecSpec, dict[str, np.ndarray]]:
         """One checked request for one model: to another node's gateway, through its batcher, or to a worker."""
         model = spec.model_id
+        diverted = _diverted.get()
+        if diverted is not None and diverted.model == model:
+            outputs = await self._pass_on(model, diverted.retry_after_ms, request_headers, inputs, deadline)
+            if outputs is not None:
+                return spec, outputs
         here = self.catalog.local(model, self.node)
         if here is not None and not here:
             return spec, await self._forward(model, request_headers, inputs, deadline)
@@ -369,23 +403,52 @@ class Dataplane:
         self.metrics.forwards.labels(model).inc()
         return outputs
 
+    async def _pass_on(self, model: str, retry_after_ms: int | None, request_headers: Mapping[str, str],
+                       inputs: dict[str, np.ndarray], deadline: float | None) -> dict[str, np.ndarray] | None:
+        """An overloaded node's request: to the least-loaded neighbour that can take it, unless it was forwarded
+        here already. When none takes it: refused (a shed model), or None to serve it here (a node in EMERGENCY
+        that does not shed the model)."""
+        with self._lock:
+            target = None if request_headers.get(links.FORWARDED) else self._neighbour_for(model)
+        if target is not None:
+            timeout = None if deadline is None else max(0.001, deadline - time.monotonic())
+            try:
+                outputs = await _within(deadline, self.forwarder.infer(target.gateway, model, inputs, request_headers,
+                                                                       self.node, timeout), "forwarding to a neighbour")
+            except oip.OipError as exc:
+                if exc.code == "DEADLINE_EXCEEDED":
+                    raise
+                log.info("model %r: neighbour %s did not take the request: %s", model, target.node, exc.message)
+            else:
+                self.neighbour_forwards.labels(model, target.node).inc()
+                return outputs
+        if retry_after_ms is None:
+            return None
+        self.metrics.shed.labels(model).inc()
+        raise batcher.Overloaded(f"model {model!r} is shedding load; retry after {retry_after_ms} ms", retry_after_ms)
+
     async def observe(self, model: str, proto: str, call: Callable[[], Awaitable[T]]) -> T:
         """Run one request of an adapter: the links' errors become OipErrors, and the outcome is counted. A request
-        for a shed model is refused here, before its body is decoded."""
+        for a shed model is refused here, before its body is decoded, unless a neighbour can take it; a request of
+        an overloaded node that a neighbour can take goes on to `_dispatch`, which passes it on. Either counts as
+        shed in the node's load: this node does not serve it."""
         start = time.perf_counter()
         code = "OK"
         known = self.catalog.known(model)
+        diverted = False
         with self._lock:
             retry_after_ms = self._shed.get(model) if known else None
             if known:
+                diverted = self._neighbour_for(model) is not None
                 counts = self._loads.setdefault(model, _Load())
                 counts.arrivals += 1
-                if retry_after_ms is None:
+                if retry_after_ms is None and not diverted:
                     self._outstanding[model] = self._outstanding.get(model, 0) + 1
                 else:
                     counts.shed += 1
+        token = _diverted.set(_Diverted(model, retry_after_ms) if diverted else None)
         try:
-            if retry_after_ms is not None:
+            if retry_after_ms is not None and not diverted:
                 self.metrics.shed.labels(model).inc()
                 raise batcher.Overloaded(f"model {model!r} is shedding load; retry after {retry_after_ms} ms",
                                          retry_after_ms)
@@ -410,13 +473,14 @@ class Dataplane:
             log.exception("%s request for %r failed unexpectedly", proto, model)
             raise oip.error(code, f"internal error: {type(exc).__name__}: {str(exc)[:200]}") from None
         finally:
+            _diverted.reset(token)
             # Names clients make up must not become label values: one series per known model only.
             label = model if known or self.catalog.find_ensemble(model) is not None else UNKNOWN_MODEL_LABEL
             elapsed_ms = (time.perf_counter() - start) * 1e3
             self.metrics.requests.labels(label, proto, code).inc()
             if code == "OK":
                 self.metrics.latency.labels(label, proto).observe(elapsed_ms)
-            if known and retry_after_ms is None:
+            if known and retry_after_ms is None and not diverted:
                 with self._lock:
                     self._outstanding[model] -= 1
                     counts = self._loads.setdefault(model, _Load())

@@ -10,7 +10,8 @@ recorded, e.g. a worker that could not start), which the gateway's readiness ans
 
 A sidecar gateway also keeps its node's autonomy loop informed: `Exchanger` sends the data plane's per-model
 load to the agent (ExchangeLoad) every few tens of milliseconds, off the request path, and enforces the batch
-caps and shed models the answer carries.
+caps and shed models the answer carries; the answer also carries the node's autonomy state and its neighbours'
+fresh levels (`volga_agent/neighbours.py`), which the data plane reads to pass an overloaded node's requests on.
 
 `Forwarder` is the third way out: for a model placed only on other nodes, it passes the request on to one
 of their gateways over gRPC, once. Forwarded requests carry `x-volga-forwarded` and are never forwarded
@@ -24,13 +25,14 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import grpc
 import numpy as np
 
-from volga_agent import errors, load
+from volga_agent import errors, load, neighbours
 from volga_agent.gateway import oip
 from volga_agent.rpc.inference import grpc_service_pb2_grpc as oip_grpc
 from volga_agent.rpc.volga.v1 import agent_pb2 as agent_pb
@@ -126,7 +128,8 @@ class GrpcAgentLink:
             reply = await self.stub.ExchangeLoad(request, timeout=timeout, metadata=self.metadata)
         except grpc.aio.AioRpcError as exc:
             raise ConnectionError(f"agent {self.address}: {exc.code().name}: {exc.details()}") from None
-        return Directives(reply.autonomy, dict(reply.batch_caps), dict(reply.shed_retry_after_ms), reply.period_ms)
+        return Directives(reply.autonomy, dict(reply.batch_caps), dict(reply.shed_retry_after_ms), reply.period_ms,
+                          reply.state, neighbours.heard_from(reply.neighbours, time.monotonic()))
 
     async def close(self) -> None:
         await self.channel.close()
@@ -143,6 +146,8 @@ class Directives:
     batch_caps: Mapping[str, int]
     shed_retry_after_ms: Mapping[str, int]
     period_ms: int
+    state: str = ""  # the node's autonomy state
+    neighbours: tuple[neighbours.Heard, ...] = ()  # the neighbours' fresh levels
 
 
 class Steered(Protocol):
@@ -155,6 +160,8 @@ class Steered(Protocol):
     def shed(self, model: str, retry_after_ms: int) -> None: ...
 
     def unshed(self, model: str) -> None: ...
+
+    def set_neighbours(self, state: str, heard: tuple[neighbours.Heard, ...]) -> None: ...
 
 
 class Exchanger:
@@ -170,6 +177,7 @@ class Exchanger:
         self.exchanges = 0  # answered calls
         self._caps: dict[str, int] = {}
         self._shed: dict[str, int] = {}
+        self._levels: tuple[str, tuple[neighbours.Heard, ...]] = ("", ())
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -213,6 +221,10 @@ class Exchanger:
         for model in [m for m in self._shed if m not in directives.shed_retry_after_ms]:
             self.plane.unshed(model)
             del self._shed[model]
+        levels = (directives.state, directives.neighbours)
+        if levels != self._levels:
+            self.plane.set_neighbours(*levels)
+            self._levels = levels
 
 
 def _tried(call: Callable[[], None]) -> bool:

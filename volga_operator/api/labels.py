@@ -20,6 +20,9 @@ ANNOTATION_PREFIX = PREFIX
 PROFILE_KEY = f"{ANNOTATION_PREFIX}gpu-count"
 # kopf's own bookkeeping annotations on the objects it watches.
 KOPF_PREFIX = api.GROUP
+# Node annotation: the Agent API address (host:port) other nodes' agents trade water levels with (neighbours);
+# an agent publishes it only when its Agent API is reachable from other nodes (it has tokens).
+AGENT_API_KEY = f"{ANNOTATION_PREFIX}agent-api"
 # Node annotation: the node's autonomy state as its agent publishes it (`planner.NodeAutonomy`, JSON), refreshed
 # every autonomy_heartbeat_sec while the agent runs its autonomy loop.
 AUTONOMY_KEY = f"{ANNOTATION_PREFIX}autonomy"

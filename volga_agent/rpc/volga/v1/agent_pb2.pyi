@@ -166,7 +166,7 @@ class ExchangeLoadRequest(_message.Message):
     def __init__(self, loads: _Optional[_Iterable[_Union[ModelLoad, _Mapping]]] = ...) -> None: ...
 
 class ExchangeLoadResponse(_message.Message):
-    __slots__ = ("autonomy", "batch_caps", "shed_retry_after_ms", "period_ms")
+    __slots__ = ("autonomy", "batch_caps", "shed_retry_after_ms", "period_ms", "state", "neighbours")
     class BatchCapsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -185,8 +185,42 @@ class ExchangeLoadResponse(_message.Message):
     BATCH_CAPS_FIELD_NUMBER: _ClassVar[int]
     SHED_RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
     PERIOD_MS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    NEIGHBOURS_FIELD_NUMBER: _ClassVar[int]
     autonomy: bool
     batch_caps: _containers.ScalarMap[str, int]
     shed_retry_after_ms: _containers.ScalarMap[str, int]
     period_ms: int
-    def __init__(self, autonomy: bool = ..., batch_caps: _Optional[_Mapping[str, int]] = ..., shed_retry_after_ms: _Optional[_Mapping[str, int]] = ..., period_ms: _Optional[int] = ...) -> None: ...
+    state: str
+    neighbours: _containers.RepeatedCompositeFieldContainer[NodeLevel]
+    def __init__(self, autonomy: bool = ..., batch_caps: _Optional[_Mapping[str, int]] = ..., shed_retry_after_ms: _Optional[_Mapping[str, int]] = ..., period_ms: _Optional[int] = ..., state: _Optional[str] = ..., neighbours: _Optional[_Iterable[_Union[NodeLevel, _Mapping]]] = ...) -> None: ...
+
+class ModelLevel(_message.Message):
+    __slots__ = ("model_id", "hot", "shed")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    HOT_FIELD_NUMBER: _ClassVar[int]
+    SHED_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    hot: bool
+    shed: bool
+    def __init__(self, model_id: _Optional[str] = ..., hot: bool = ..., shed: bool = ...) -> None: ...
+
+class NodeLevel(_message.Message):
+    __slots__ = ("node", "state", "memory_pct", "load", "models", "sequence", "gateway", "age_ms")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_PCT_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    GATEWAY_FIELD_NUMBER: _ClassVar[int]
+    AGE_MS_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    state: str
+    memory_pct: float
+    load: float
+    models: _containers.RepeatedCompositeFieldContainer[ModelLevel]
+    sequence: int
+    gateway: str
+    age_ms: int
+    def __init__(self, node: _Optional[str] = ..., state: _Optional[str] = ..., memory_pct: _Optional[float] = ..., load: _Optional[float] = ..., models: _Optional[_Iterable[_Union[ModelLevel, _Mapping]]] = ..., sequence: _Optional[int] = ..., gateway: _Optional[str] = ..., age_ms: _Optional[int] = ...) -> None: ...

@@ -59,6 +59,11 @@ class AgentStub(object):
                 request_serializer=volga_dot_v1_dot_agent__pb2.ExchangeLoadRequest.SerializeToString,
                 response_deserializer=volga_dot_v1_dot_agent__pb2.ExchangeLoadResponse.FromString,
                 _registered_method=True)
+        self.ExchangeLevel = channel.unary_unary(
+                '/volga.v1.Agent/ExchangeLevel',
+                request_serializer=volga_dot_v1_dot_agent__pb2.NodeLevel.SerializeToString,
+                response_deserializer=volga_dot_v1_dot_agent__pb2.NodeLevel.FromString,
+                _registered_method=True)
 
 
 class AgentServicer(object):
@@ -101,6 +106,14 @@ class AgentServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExchangeLevel(self, request, context):
+        """Neighbours (docs/architecture.md): another node's agent sends its water level, this node's comes back.
+        Every few hundred milliseconds between agents, never on a request's path; each level stays under 1 KB.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -128,6 +141,11 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.ExchangeLoad,
                     request_deserializer=volga_dot_v1_dot_agent__pb2.ExchangeLoadRequest.FromString,
                     response_serializer=volga_dot_v1_dot_agent__pb2.ExchangeLoadResponse.SerializeToString,
+            ),
+            'ExchangeLevel': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExchangeLevel,
+                    request_deserializer=volga_dot_v1_dot_agent__pb2.NodeLevel.FromString,
+                    response_serializer=volga_dot_v1_dot_agent__pb2.NodeLevel.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -265,6 +283,33 @@ class Agent(object):
             '/volga.v1.Agent/ExchangeLoad',
             volga_dot_v1_dot_agent__pb2.ExchangeLoadRequest.SerializeToString,
             volga_dot_v1_dot_agent__pb2.ExchangeLoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExchangeLevel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/volga.v1.Agent/ExchangeLevel',
+            volga_dot_v1_dot_agent__pb2.NodeLevel.SerializeToString,
+            volga_dot_v1_dot_agent__pb2.NodeLevel.FromString,
             options,
             channel_credentials,
             insecure,
