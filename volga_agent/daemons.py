@@ -84,6 +84,10 @@ def agent_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gateway-address", default=os.environ.get("VOLGA_GATEWAY_ADDRESS", ""),
                         help="this node's gateway (gRPC host:port), reported in EMI status so other gateways can "
                              "forward requests for this node's models")
+    parser.add_argument("--shared-snapshots", default=os.environ.get("VOLGA_SHARED_SNAPSHOTS", ""), metavar="DIR",
+                        help="a folder every node mounts (settings.shared_snapshots, which it overrides): restore "
+                             "the images other nodes publish there instead of cold starts, and publish this node's "
+                             "(their restores need the same --workdir and --snapshot-dir paths)")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = _parse(parser, argv)
     settings = policy.Settings()
@@ -91,6 +95,8 @@ def agent_main(argv: list[str] | None = None) -> int:
         import yaml
 
         settings = policy.Settings.from_mapping(yaml.safe_load(pathlib.Path(args.settings).read_text()) or {})
+    if args.shared_snapshots:
+        settings = settings.model_copy(update={"shared_snapshots": args.shared_snapshots})
     if args.kube and not settings.model_roots:
         # ModelSpecs from the API server name files on this node: only Volga's model folders by default.
         settings = settings.model_copy(update={"model_roots": DEFAULT_MODEL_ROOTS})
