@@ -98,14 +98,14 @@ def cluster(control_plane: ControlPlane, crds: None) -> Iterator[dict[str, Any]]
            "grpc": {node: f"127.0.0.1:{port}" for node, port in grpc_ports.items()},
            "metrics": {node: f"http://127.0.0.1:{port}/metrics" for node, port in metrics_ports.items()}}
     codes = {name: d.stop() for name, d in daemons.items()}
-    api.close()
+    api.close()  # type: ignore[no-untyped-call]
     shutil.rmtree(base, ignore_errors=True)
     assert all(code == 0 for code in codes.values()), {n: (c, daemons[n].log.read_text()[-2000:])
                                                        for n, c in codes.items() if c}
 
 
 def apply(cp: ControlPlane, pool: dict[str, int], folder: pathlib.Path) -> None:
-    doc = defaultmodel.spec_document(defaultmodel.ensure().spec.source_path)
+    doc: dict[str, Any] = defaultmodel.spec_document(defaultmodel.ensure().spec.source_path)
     doc["metadata"] = {"name": MODEL, "namespace": "default"}
     doc["spec"]["modelId"] = MODEL
     doc["spec"]["pool"] = pool
@@ -126,7 +126,8 @@ def request(grpc: str, headers: dict[str, str] | None = None) -> np.ndarray:
     try:
         result = client.infer("ignored", inputs, headers={"x-model-id": MODEL, **(headers or {})},
                               client_timeout=120)
-        return result.as_numpy("probability")
+        answer: np.ndarray = result.as_numpy("probability")
+        return answer
     finally:
         client.close()
 

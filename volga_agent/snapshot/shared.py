@@ -333,7 +333,8 @@ class Store:
             return
         target = pathlib.Path(parked.path)
         # The path comes from the store: only a plain file name inside the instance's own parked folder is taken.
-        if parked_dir is None or not target.is_absolute() or target.parent != parked_dir.resolve():
+        if (parked_dir is None or not target.is_absolute() or target.parent != parked_dir.resolve()
+                or target.name.startswith(".")):
             raise SharedImageError(f"shared image {entry.digest}: it maps parked weights at {target}, outside this "
                                    f"instance's folder for them ({parked_dir})")
         partial = target.with_name(f".fetch-{uuid.uuid4().hex[:12]}")
