@@ -175,12 +175,14 @@ def test_node_b_answers_its_first_request_from_the_image_node_a_published(
                                                             {links.FORWARDED: "test"})])[0]
     assert np.array_equal(answer_b, answer_a)
     counts = shared_counts(cluster["metrics"]["node-b"])
-    assert counts["volga_snapshot_shared_restores_total"] == 1.0
-    assert counts.get("volga_snapshot_shared_restore_failures_total", 0.0) == 0.0
-    assert counts.get("volga_snapshot_shared_publishes_total", 0.0) == 0.0
+    # At least one: an instance woken by a request may be sent back to its resting tier (COLD here) by the next
+    # watch event, and a request it was about to serve then wakes it again, from the same shared image.
+    assert counts["volga_snapshot_shared_restores_total"] >= 1.0, counts
+    assert counts["volga_snapshot_shared_restore_failures_total"] == 0.0, counts
+    assert counts["volga_snapshot_shared_publishes_total"] == 0.0, counts  # the key has its image already
 
     ref = wait_for("node B's EMI status naming the image it restored from", lambda: (e := the_emi(cp)) and (
-        e["status"].get("tier") == "HOT" and e["status"].get("gateway") == cluster["grpc"]["node-b"]
+        e["status"].get("gateway") == cluster["grpc"]["node-b"]
         and e["status"].get("sharedSnapshot", {}).get("role") == "restored") and e["status"]["sharedSnapshot"])
     assert ref["key"] == entry.digest and ref["node"] == "node-a" and ref["sizeBytes"] == entry.size_bytes
     listed = wait_for("the ModelSpec status listing the image", lambda: [
