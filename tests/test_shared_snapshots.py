@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from volga_agent import cli, policy, process
+from volga_agent import cli, instance, policy, process
 from volga_agent.snapshot import criu, shared
 from volga_bench import shared as shared_bench
 from volga_operator import api, planner, reconcile
@@ -147,6 +147,11 @@ def test_keys_differ_in_everything_a_restore_depends_on() -> None:
     assert gpu.key("m", "1", "abc", "onnx", True).digest != \
         shared.NodeFacts("criu 4.1", "NVIDIA H200", "575.1").key("m", "1", "abc", "onnx", True).digest
     assert gpu.key("m", "1", "abc", "onnx", False).digest == base.digest  # a CPU worker ignores the GPU
+    facts = shared.NodeFacts("criu 4.1")
+    assert facts.key("m", "1", "abc", "onnx", False, "/run/volga/m-0").digest != \
+        facts.key("m", "1", "abc", "onnx", False, "/run/volga/m-1").digest
+    assert facts.key("m", "1", "abc", "onnx", True, "/run/volga/m-0", "/dev/shm/volga/.parked/m-0").digest != \
+        facts.key("m", "1", "abc", "onnx", True, "/run/volga/m-0", "/var/volga/.parked/m-0").digest
     assert shared.cpu_flags("processor: 0\nflags\t\t: fpu sse4_2 avx2 avx512f ht\n") == "sse4_2,avx2,avx512f"
 
 
@@ -173,6 +178,127 @@ def test_settings_make_shared_storage_opt_in() -> None:
     assert policy.Settings.from_mapping({"sharedSnapshots": "/mnt/shared"}).shared_snapshots == "/mnt/shared"
     with pytest.raises(ValueError, match="shared_snapshot_budget_bytes"):
         policy.Settings.from_mapping({"shared_snapshot_budget_bytes": -1})
+
+
+def parked_weights(folder: pathlib.Path, size: int = 3 * criu.CHECKSUM_CHUNK // 2) -> pathlib.Path:
+    """A file like the one a GPU worker parks its weights in (under <snapshot root>/.parked/<instance>/)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "weights-4-0a1b2c3d.bin"
+    path.write_bytes(os.urandom(size))
+    path.chmod(0o600)
+    return path
+
+
+def test_an_image_that_maps_parked_weights_is_published_with_them_and_fetched_back_to_their_path(
+        tmp_path: pathlib.Path) -> None:
+    store = shared.Store(tmp_path / "shared")
+    log = tmp_path / "worker.log"
+    log.write_text("started\n")
+    parked_dir = tmp_path / "snapshots" / instance.PARKED / "m-0"
+    parked = parked_weights(parked_dir)
+    weights = parked.read_bytes()
+    image = fake_image(tmp_path / "image", b"x")
+    entry = store.publish(image, key(), "node-a", "canary", 4, log, parked)
+    assert entry is not None and entry.manifest.parked is not None
+    assert entry.manifest.parked.path == str(parked.resolve())
+    assert entry.manifest.parked.size_bytes == len(weights) and len(entry.manifest.parked.checksums) == 2
+    assert (entry.path / shared.PARKED).read_bytes() == weights  # a copy in the entry, published with it
+    assert entry.size_bytes == image.size_bytes + len(weights) == entry.ref().size_bytes
+    assert store.entry(entry.digest) == entry  # the manifest reads back
+
+    # The publishing node goes: its parked file with it. Another node (the same paths) fetches the image.
+    shutil.rmtree(tmp_path / "snapshots")
+    fetched = store.fetch(entry, tmp_path / "snapshots" / "m-0" / "shared-1", parked_dir)
+    assert shared.PARKED not in {p.name for p in fetched.path.iterdir()}  # not part of CRIU's folder
+    assert parked.read_bytes() == weights and parked.stat().st_mode & 0o777 == 0o600
+    assert os.path.samefile(parked, entry.path / shared.PARKED)  # hard-linked: one filesystem here
+    assert sorted(p.name for p in parked_dir.iterdir()) == [parked.name]  # no partial file left
+
+    # A file already at that path (a restore before) is replaced whole.
+    parked.unlink()
+    parked.write_bytes(b"stale")
+    store.fetch(entry, tmp_path / "snapshots" / "m-0" / "shared-2", parked_dir)
+    assert parked.read_bytes() == weights
+
+
+def test_damaged_parked_weights_fail_the_fetch_and_leave_nothing_behind(tmp_path: pathlib.Path) -> None:
+    store = shared.Store(tmp_path / "shared")
+    log = tmp_path / "worker.log"
+    log.write_text("x")
+    parked_dir = tmp_path / "snapshots" / instance.PARKED / "m-0"
+    parked = parked_weights(parked_dir)
+    entry = store.publish(fake_image(tmp_path / "image", b"x"), key(), "node-a", "canary", 4, log, parked)
+    assert entry is not None
+    parked.unlink()
+    with open(entry.path / shared.PARKED, "r+b") as f:  # one byte flipped in the second chunk
+        f.seek(criu.CHECKSUM_CHUNK + 10)
+        byte = f.read(1)
+        f.seek(criu.CHECKSUM_CHUNK + 10)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    folder = tmp_path / "snapshots" / "m-0" / "shared-1"
+    with pytest.raises(shared.SharedImageError, match="parked weights do not match"):
+        store.fetch(entry, folder, parked_dir)
+    assert not folder.exists() and list(parked_dir.iterdir()) == []
+
+
+def test_parked_weights_go_back_only_into_the_fetching_instance_s_own_folder(tmp_path: pathlib.Path) -> None:
+    store = shared.Store(tmp_path / "shared")
+    log = tmp_path / "worker.log"
+    log.write_text("x")
+    parked = parked_weights(tmp_path / "snapshots" / instance.PARKED / "m-0")
+    entry = store.publish(fake_image(tmp_path / "image", b"x"), key(), "node-a", "canary", 4, log, parked)
+    assert entry is not None
+    other = tmp_path / "snapshots" / instance.PARKED / "m-1"
+    for parked_dir in (other, None):
+        with pytest.raises(shared.SharedImageError, match="outside this instance's folder"):
+            store.fetch(entry, tmp_path / "snapshots" / "m-1" / "shared-1", parked_dir)
+    assert not other.exists()
+
+
+def test_the_budget_counts_parked_weights(tmp_path: pathlib.Path) -> None:
+    store = shared.Store(tmp_path / "shared")
+    log = tmp_path / "worker.log"
+    log.write_text("x")
+    plain = store.publish(fake_image(tmp_path / "i0", b"x"), key(model="plain"), "a", "c", 1, log)
+    parked = parked_weights(tmp_path / "snapshots" / instance.PARKED / "gpu-0", size=1 << 20)
+    gpu = store.publish(fake_image(tmp_path / "i1", b"y"), key(model="gpu"), "a", "c", 1, log, parked)
+    assert plain is not None and gpu is not None
+    os.utime(plain.path / shared.USED, (10, 10))
+    images = plain.manifest.size_bytes + gpu.manifest.size_bytes
+    # The two images alone fit the budget; with the parked weights they do not: the least recently used goes.
+    budget = images + parked.stat().st_size // 2
+    assert store.collect([], [], grace_sec=60, budget_bytes=budget) == [plain.digest]
+    assert [e.digest for e in store.entries()] == [gpu.digest]
+
+
+def test_instances_at_other_paths_do_not_take_each_other_s_images(
+        default_spec: api.ModelSpecSpec, rundir: pathlib.Path, criu_engine: criu.CriuEngine) -> None:
+    """A restored worker needs its work folder's paths: an instance of the same model under another name
+    (another folder) neither restores nor discards the image of the first; it cold-starts and publishes its own."""
+    engine = criu.CriuEngine(criu_engine.root, checksums=True)
+    store = shared.Store(rundir / "shared")
+    context = shared.Context(store, "node-a", shared.NodeFacts(engine.version()))
+    first_ = instance.Instance("m-0", default_spec, rundir / "m-0", engine, shared_store=context)
+    second = instance.Instance("m-1", default_spec, rundir / "m-1", engine, shared_store=context)
+    try:
+        first_.to(api.Tier.HOT)
+        first_.to(api.Tier.FROZEN)
+        assert first_.shared_publishes == 1
+        assert first_.shared_key is not None and second.shared_key is not None
+        assert first_.shared_key.digest != second.shared_key.digest
+        woke = second.to(api.Tier.HOT)
+        assert woke.detail == "" and not woke.fallback and second.shared_restore_failures == 0
+        second.to(api.Tier.FROZEN)
+        assert second.shared_publishes == 1
+        assert sorted(e.digest for e in store.entries()) == sorted(
+            [first_.shared_key.digest, second.shared_key.digest])
+        # The first instance, gone COLD, restores its own image again.
+        first_.to(api.Tier.COLD)
+        woke = first_.to(api.Tier.HOT)
+        assert woke.detail.startswith(f"restored from shared image {first_.shared_key.digest}")
+    finally:
+        first_.close()
+        second.close()
 
 
 # -- the operator ---------------------------------------------------------------------------------

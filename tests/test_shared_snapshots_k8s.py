@@ -44,4 +44,9 @@ def test_shared_snapshot_statuses_round_trip(crds: None, kube_client: k8s_client
     stored = objects.patch_namespaced_custom_object_status(api.GROUP, api.VERSION, namespace, "modelspecs", "ocr",
                                                            {"status": {"sharedSnapshots": listed}})
     assert stored["status"]["sharedSnapshots"] == [ref]
+    # Without a namespace controller the objects would outlive their namespace (and other tests' operators and
+    # agents would see them): they go first.
+    for name in ("ocr-0", "ocr-1"):
+        objects.delete_namespaced_custom_object(api.GROUP, api.VERSION, namespace, "executablemodelinstances", name)
+    objects.delete_namespaced_custom_object(api.GROUP, api.VERSION, namespace, "modelspecs", "ocr")
     k8s_client.CoreV1Api(kube_client).delete_namespace(namespace)

@@ -124,6 +124,10 @@ def agent_main(argv: list[str] | None = None) -> int:
                              "exchange; default: --agent-host:--port when that is neither loopback nor a wildcard")
     parser.add_argument("--neighbour", action="append", default=[], metavar="NODE=HOST:PORT",
                         help="an agent to trade water levels with (repeatable), instead of the Node annotations")
+    parser.add_argument("--shared-snapshots", default=os.environ.get("VOLGA_SHARED_SNAPSHOTS", ""), metavar="DIR",
+                        help="a folder every node mounts (settings.shared_snapshots, which it overrides): restore "
+                             "the images other nodes publish there instead of cold starts, and publish this node's "
+                             "(their restores need the same --workdir and --snapshot-dir paths)")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = _parse(parser, argv)
     if args.calibrate_iterations < 1:
@@ -137,6 +141,8 @@ def agent_main(argv: list[str] | None = None) -> int:
         import yaml
 
         settings = policy.Settings.from_mapping(yaml.safe_load(pathlib.Path(args.settings).read_text()) or {})
+    if args.shared_snapshots:
+        settings = settings.model_copy(update={"shared_snapshots": args.shared_snapshots})
     if args.kube and not settings.model_roots:
         # ModelSpecs from the API server name files on this node: only Volga's model folders by default.
         settings = settings.model_copy(update={"model_roots": DEFAULT_MODEL_ROOTS})

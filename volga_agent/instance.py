@@ -27,7 +27,8 @@ worker answer it again before any request reaches it: a different answer is a fa
 With a shared snapshot store (`snapshot.shared`), COLD -> HOT first looks for an image another node published
 under this instance's compatibility key and restores it (checked like any restore: the pages files' checksums
 and the canary answer recorded when it was published); when none fits, or the one found fails, it cold-starts.
-The first freeze of an instance whose key has no shared image yet publishes it.
+The first freeze of an instance whose key has no shared image yet publishes it, with the parked GPU weights its
+image maps when it has any (the fetch puts them back at the path the image maps).
 
 Starting, watching and reaping the worker process is `process`'s; see docs/architecture.md.
 """
@@ -319,8 +320,11 @@ class Instance:
     def shared_key(self) -> shared.Key | None:
         if self.shared is None:
             return None
+        # A restored worker holds the paths it had: its work folder, and the parked weights its image maps.
+        parked = str(self.parked_dir.absolute()) if self._parks and self.parked_dir is not None else ""
         return self.shared.facts.key(self.spec.model_id, self.spec.version, self.spec.input_hash(),
-                                     self.spec.framework.value, self.device.startswith("cuda"))
+                                     self.spec.framework.value, self.device.startswith("cuda"),
+                                     str(self.workdir.absolute()), parked)
 
     def _cold_to_hot(self) -> str | None:
         """Restore a compatible shared image when one exists, else (or when it fails) cold start."""
@@ -350,7 +354,10 @@ class Instance:
 
     def _restore_shared(self, entry: shared.Entry) -> None:
         assert self.shared is not None and self.criu is not None
-        self.image = self.shared.store.fetch(entry, self.criu.root / self.name / f"shared-{uuid.uuid4().hex[:8]}")
+        self.image = self.shared.store.fetch(entry, self.criu.root / self.name / f"shared-{uuid.uuid4().hex[:8]}",
+                                             self.parked_dir)
+        if entry.manifest.parked is not None:
+            self._parked = pathlib.Path(entry.manifest.parked.path)  # the weights the image maps, placed by fetch
         self.shared.store.place_log(entry, self.logfile)
         self.signals.mkdir(parents=True, exist_ok=True)
         generation = entry.manifest.generation
@@ -359,16 +366,16 @@ class Instance:
         self._image_taken = time.monotonic()
         self._frozen_to_hot(lazy=False)
 
-    def _publish(self, generation: int) -> None:
-        """Publish the image just dumped when the store has none of this key (never one that maps parked
-        weights, nor one without a canary answer of its state)."""
+    def _publish(self, generation: int, parked: pathlib.Path | None) -> None:
+        """Publish the image just dumped, with the parked weights it maps (`parked`), when the store has none of
+        this key (never one without a canary answer of its state)."""
         key = self.shared_key
-        if (self.shared is None or key is None or self.image is None or self._parked is not None
+        if (self.shared is None or key is None or self.image is None
                 or self._canary is None or self._canary[0] != generation or self.shared.store.find(key)):
             return
         try:
             entry = self.shared.store.publish(self.image, key, self.shared.node, self._canary[1], generation,
-                                              self.logfile)
+                                              self.logfile, parked)
         except (OSError, shared.SharedImageError) as exc:
             log.warning("%s: cannot publish the shared image: %s", self.name, exc)
             return
@@ -506,7 +513,6 @@ class Instance:
         self._paused = False
         if old is not None:
             self.criu.remove(old)
-        self._publish(generation)
 
     def _generation(self) -> int:
         return -1 if self._paused else int(self.client().call("ping").header.get("generation", 0))
@@ -539,7 +545,7 @@ class Instance:
         generation = self._generation()
         self._record_canary(generation)
         reuse = self._reusable(generation)
-        park = self._park_path(generation) if self.gpu and self.park_weights and not reuse else None
+        park = self._park_path(generation) if self._parks and not reuse else None
         self._pause(park)  # requests that gateways just sent are handed back unrun, not reset
         if reuse:
             self._kill()
@@ -555,6 +561,7 @@ class Instance:
                     parked.unlink(missing_ok=True)
                 raise
         self._dump(generation, gpu_checkpointed=self.gpu, parked=parked)
+        self._publish(generation, parked)
         return None
 
     def _park_path(self, generation: int) -> pathlib.Path:
@@ -575,6 +582,11 @@ class Instance:
             folder.rmdir()
 
     @property
+    def _parks(self) -> bool:
+        """Whether a freeze from HOT parks the weights outside the image."""
+        return self.gpu and self.park_weights
+
+    @property
     def parked_bytes(self) -> int:
         """The size of the weights the current image maps from outside itself (0 when none)."""
         return self._parked.stat().st_size if self._parked is not None and self._parked.exists() else 0
@@ -585,6 +597,7 @@ class Instance:
         restored = self._paused  # a worker restored into SUSPENDED still maps the weights its image parked
         self._pause()
         self._dump(generation)
+        self._publish(generation, self._parked if restored else None)
         if not restored:
             self._drop_parked()
 

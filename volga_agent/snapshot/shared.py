@@ -10,14 +10,19 @@ key equals its own instead of cold-starting (`instance`).
   and the kernel's major version. An image is found by the key's digest, so an incompatible one is never seen.
 - A restored process finds its files at the paths it had: every node runs its agent with the same work root
   path (the pod's own mounts), and the worker's log, which CRIU reopens at its dumped size, travels with the
-  image.
+  image. The instance's work folder (and its parked weights' folder) is part of the key: an image is restored
+  only by an instance whose paths are the ones the image holds (the same EMI, wherever it is placed).
+- A GPU worker frozen from HOT parks its weights in a file under the snapshot root, which its image maps by
+  path (CRIU records shared file mappings by reference). Such an image is published with that file (`Parked`:
+  where the image maps it, its size and checksums), and a fetch puts it back at exactly that path (hard-linked
+  where the filesystems allow), checked against its checksums before the restore.
 - Publishing is atomic: the image is written into a temporary folder on the shared filesystem and renamed onto
   its digest; a rename onto an existing image fails, so when two nodes publish at once one wins and the other
   discards its copy. A reader never sees half an image (it looks only at digest folders with a manifest).
 - The manifest holds the CRC-32 of each pages file and the canary answer recorded before the dump: a restore
   checks both, like a local one, and an image that fails is removed from the store.
 - `collect` removes images of versions no ModelSpec has any more (after a grace period) and keeps the store
-  within its byte budget, the least recently used first.
+  within its byte budget, the least recently used first (parked weights count into an image's bytes).
 """
 
 from __future__ import annotations
@@ -31,12 +36,14 @@ import hashlib
 import importlib.metadata
 import json
 import logging
+import mmap
 import os
 import pathlib
 import platform
 import shutil
 import time
 import uuid
+import zlib
 from collections.abc import Iterable
 
 import pydantic
@@ -51,6 +58,7 @@ log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 LOG = "worker.log"
 USED = "last-used"
+PARKED = "parked-weights"  # a published image's copy of the weights it maps from outside itself
 TMP_PREFIX = ".tmp-"
 # What a restore writes into an image folder, and the owner marker of a local one: never published.
 LOCAL_FILES = frozenset({"restore.log", "restore.pid", "lazy-pages.log", "lazy-pages.socket", process.OWNER_FILE})
@@ -84,6 +92,8 @@ class Key:
     gpu_driver: str
     cpu_flags: str
     kernel_major: str
+    workdir: str = ""  # the instance's work folder: the restored worker's socket, log and signals are there
+    parked_dir: str = ""  # where its GPU weights are parked while FROZEN ("" when they never are)
 
     @property
     def digest(self) -> str:
@@ -101,10 +111,11 @@ class NodeFacts:
     cpu_flags: str = dataclasses.field(default_factory=lambda: cpu_flags())
     kernel_major: str = dataclasses.field(default_factory=lambda: platform.release().split(".")[0])
 
-    def key(self, model_id: str, version: str, input_hash: str, framework: str, gpu: bool) -> Key:
+    def key(self, model_id: str, version: str, input_hash: str, framework: str, gpu: bool, workdir: str = "",
+            parked_dir: str = "") -> Key:
         return Key(model_id, version, input_hash, framework, runtime_version(framework),
                    platform.python_version(), self.criu, self.gpu_product if gpu else "",
-                   self.gpu_driver if gpu else "", self.cpu_flags, self.kernel_major)
+                   self.gpu_driver if gpu else "", self.cpu_flags, self.kernel_major, workdir, parked_dir)
 
 
 def cpu_flags(cpuinfo: str | None = None) -> str:
@@ -132,6 +143,29 @@ def runtime_version(framework: str) -> str:
         return f"{dist} (not installed)"
 
 
+def file_checksums(path: pathlib.Path) -> tuple[int, ...]:
+    """A CRC-32 of each criu.CHECKSUM_CHUNK bytes of one file, like an image's pages files (a few threads: zlib
+    releases the GIL)."""
+    with path.open("rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return ()
+        with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as data, memoryview(data) as view, \
+                concurrent.futures.ThreadPoolExecutor(criu.CHECKSUM_THREADS) as pool:
+            return tuple(pool.map(lambda at: zlib.crc32(view[at:at + criu.CHECKSUM_CHUNK]),
+                                  range(0, size, criu.CHECKSUM_CHUNK)))
+
+
+class Parked(pydantic.BaseModel):
+    """Weights an image maps from a file outside itself (a GPU worker frozen from HOT parks them there)."""
+
+    model_config = pydantic.ConfigDict(frozen=True, extra="forbid")
+
+    path: str  # the absolute path the image maps: a restore needs the file there
+    size_bytes: int
+    checksums: list[int]  # a CRC-32 per criu.CHECKSUM_CHUNK bytes
+
+
 class Manifest(pydantic.BaseModel):
     """What a published image carries beside CRIU's files."""
 
@@ -147,6 +181,7 @@ class Manifest(pydantic.BaseModel):
     canary: str  # the digest of the model's answer to the canary input, recorded before the dump
     generation: int  # the worker state the canary answer belongs to
     checksums: list[tuple[str, list[int]]]  # criu.Checksums: a CRC-32 per chunk of each pages file
+    parked: Parked | None = None  # the parked weights the image maps, published beside it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,9 +203,15 @@ class Entry:
     def version(self) -> str:
         return self.manifest.key.get("version", "")
 
+    @property
+    def size_bytes(self) -> int:
+        """What the image takes in the store, its parked weights included."""
+        parked = self.manifest.parked
+        return self.manifest.size_bytes + (parked.size_bytes if parked is not None else 0)
+
     def ref(self, role: str | None = None) -> api.SharedSnapshotRef:
         """The image as EMI and ModelSpec statuses list it."""
-        return api.SharedSnapshotRef(key=self.digest, node=self.manifest.node, size_bytes=self.manifest.size_bytes,
+        return api.SharedSnapshotRef(key=self.digest, node=self.manifest.node, size_bytes=self.size_bytes,
                                      published_at=conditions.timestamp(self.manifest.published_unix),
                                      gpu_product=self.manifest.key.get("gpu_product", ""),
                                      gpu_driver=self.manifest.key.get("gpu_driver", ""), role=role)
@@ -218,9 +259,10 @@ class Store:
         return found
 
     def publish(self, image: criu.Image, key: Key, node: str, canary: str, generation: int,
-                logfile: pathlib.Path) -> Entry | None:
-        """Publish a local image under `key`; None when an image of that key exists already (ours is
-        discarded). The image's checksums must have been recorded (CriuEngine(checksums=True))."""
+                logfile: pathlib.Path, parked: pathlib.Path | None = None) -> Entry | None:
+        """Publish a local image under `key`, with the parked weights it maps (`parked`) when it has any; None
+        when an image of that key exists already (ours is discarded). The image's checksums must have been
+        recorded (CriuEngine(checksums=True))."""
         if image.checksums is None:
             raise SharedImageError(f"{image.path}: no checksums recorded; shared images need them")
         sums = image.checksums.result()
@@ -234,10 +276,16 @@ class Store:
                 if source.name not in LOCAL_FILES and source.is_file() and not source.is_symlink():
                     shutil.copy2(source, tmp / source.name)
             shutil.copy2(logfile, tmp / LOG)
+            weights = None
+            if parked is not None:
+                shutil.copy2(parked, tmp / PARKED)
+                weights = Parked(path=str(parked.resolve()), size_bytes=(tmp / PARKED).stat().st_size,
+                                 checksums=list(file_checksums(parked)))
             manifest = Manifest(key={k: str(v) for k, v in dataclasses.asdict(key).items()}, digest=key.digest,
                                 node=node, snapshot_id=image.snapshot_id, size_bytes=image.size_bytes,
                                 dump_seconds=image.dump_seconds, published_unix=time.time(), canary=canary,
-                                generation=generation, checksums=[(name, list(crcs)) for name, crcs in sums])
+                                generation=generation, checksums=[(name, list(crcs)) for name, crcs in sums],
+                                parked=weights)
             with open(tmp / MANIFEST, "w") as out:
                 out.write(manifest.model_dump_json())
                 out.flush()
@@ -252,24 +300,56 @@ class Store:
         log.info("published %s (%s) as shared image %s", image.path, key.model_id, key.digest)
         return Entry(final, manifest)
 
-    def fetch(self, entry: Entry, folder: pathlib.Path) -> criu.Image:
+    def fetch(self, entry: Entry, folder: pathlib.Path, parked_dir: pathlib.Path | None = None) -> criu.Image:
         """A local, restorable copy of a shared image (hard links where the filesystem allows) in `folder`,
-        whose restore checks the pages files against the checksums taken at the dump."""
+        whose restore checks the pages files against the checksums taken at the dump. An image that maps parked
+        weights gets them back at the path it maps, which must be in `parked_dir` (the restoring instance's
+        folder for them), checked against their checksums first."""
         try:
             folder.mkdir(parents=True)
             process.claim(folder)
             for source in entry.path.iterdir():
-                if source.name not in (MANIFEST, USED, LOG) and source.is_file() and not source.is_symlink():
+                if source.name not in (MANIFEST, USED, LOG, PARKED) and source.is_file() and not source.is_symlink():
                     _link_or_copy(source, folder / source.name)
         except OSError as exc:
             shutil.rmtree(folder, ignore_errors=True)
             raise SharedImageError(f"shared image {entry.digest}: cannot copy it to {folder}: {exc}") from exc
+        try:
+            self._place_parked(entry, parked_dir)
+        except SharedImageError:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
         with contextlib.suppress(OSError):
             os.utime(entry.path / USED)
         sums = concurrent.futures.Future[criu.Checksums]()
         sums.set_result(tuple((name, tuple(crcs)) for name, crcs in entry.manifest.checksums))
         return criu.Image(folder, entry.manifest.snapshot_id, entry.manifest.size_bytes,
                           entry.manifest.dump_seconds, sums)
+
+    def _place_parked(self, entry: Entry, parked_dir: pathlib.Path | None) -> None:
+        """Put the image's parked weights at the path it maps (replacing whatever is there, atomically)."""
+        parked = entry.manifest.parked
+        if parked is None:
+            return
+        target = pathlib.Path(parked.path)
+        # The path comes from the store: only a plain file name inside the instance's own parked folder is taken.
+        if (parked_dir is None or not target.is_absolute() or target.parent != parked_dir.resolve()
+                or target.name.startswith(".")):
+            raise SharedImageError(f"shared image {entry.digest}: it maps parked weights at {target}, outside this "
+                                   f"instance's folder for them ({parked_dir})")
+        partial = target.with_name(f".fetch-{uuid.uuid4().hex[:12]}")
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _link_or_copy(entry.path / PARKED, partial)
+            if partial.stat().st_size != parked.size_bytes or file_checksums(partial) != tuple(parked.checksums):
+                raise SharedImageError(f"shared image {entry.digest}: its parked weights do not match the "
+                                       "checksums taken when it was published: the image is damaged")
+            os.replace(partial, target)
+        except OSError as exc:
+            raise SharedImageError(f"shared image {entry.digest}: cannot place its parked weights at {target}: "
+                                   f"{exc}") from exc
+        finally:
+            partial.unlink(missing_ok=True)
 
     def place_log(self, entry: Entry, logfile: pathlib.Path) -> None:
         """Put the publisher's worker log where the restored worker's open log file is (CRIU reopens it and
@@ -304,12 +384,12 @@ class Store:
                 self._orphaned.pop(entry.digest, None)
         if budget_bytes > 0:
             kept = sorted((e for e in entries if e.digest not in removed), key=Entry.last_used)
-            total = sum(e.manifest.size_bytes for e in kept)
+            total = sum(e.size_bytes for e in kept)
             for entry in kept:
                 if total <= budget_bytes:
                     break
                 removed.append(entry.digest)
-                total -= entry.manifest.size_bytes
+                total -= entry.size_bytes
         for digest in removed:
             self.discard(digest)
             self._orphaned.pop(digest, None)
