@@ -68,6 +68,26 @@ def test_converge_activate_and_idle_demotion(node_pool: pool.Pool, default_spec:
 
 
 @pytest.mark.integration
+def test_the_same_plan_again_leaves_a_woken_instance_to_the_idle_policy(node_pool: pool.Pool,
+                                                                        default_spec: api.ModelSpecSpec) -> None:
+    """In a cluster the plan is applied again on every watch event (the agent's own status reports among them):
+    that must not send an instance a request just woke back to its resting tier; the idle policy does, in time.
+    A plan that asks for more (a warmer floor) is acted on at once."""
+    plan = [desired("ms-0", "ms", default_spec.model_id, Tier.FROZEN)]
+    node_pool.apply(plan, {"ms": default_spec})
+    node_pool.wait_converged(120)
+    assert node_pool.activate(default_spec.model_id).woke_from is Tier.FROZEN
+    node_pool.apply(plan, {"ms": default_spec})
+    node_pool.wait_converged(120)
+    assert node_pool.instances()[0].tier is Tier.HOT
+    node_pool.apply([desired("ms-0", "ms", default_spec.model_id, Tier.COLD)], {"ms": default_spec})
+    node_pool.wait_converged(120)
+    assert node_pool.instances()[0].tier is Tier.HOT  # a lower floor: the idle policy takes it down
+    time.sleep(0.4)
+    assert [(m.instance, m.target) for m in node_pool.tick()] == [("ms-0", Tier.FROZEN)]
+
+
+@pytest.mark.integration
 def test_dead_worker_is_noticed_and_restarted(node_pool: pool.Pool, default_spec: api.ModelSpecSpec) -> None:
     node_pool.apply([desired("ms-0", "ms", default_spec.model_id, Tier.HOT)], {"ms": default_spec})
     node_pool.wait_converged(120)

@@ -2,8 +2,9 @@
 
 The pool owns one `Instance` per EMI placed on this node. It:
 
-- converges each instance to the resting tier the planner asked for (a FROZEN floor means: cold start
-  once, then freeze, so the first request wakes from the snapshot instead of from nothing);
+- brings each instance to the resting tier the planner asked for (a FROZEN floor means: cold start once,
+  then freeze, so the first request wakes from the snapshot instead of from nothing); an instance above it,
+  woken by requests, goes down only as the idle policy says, however often the plan comes again;
 - activates on demand: picks the instance of a model that is fastest to wake (HOT, then WARM, SUSPENDED,
   FROZEN, COLD; `device_hint` first when instances differ) and wakes it; a failed restore falls back to a
   cold start inside `Instance.to` and is counted here; activating a model of a chain (`chains`) starts the
@@ -160,11 +161,17 @@ class Pool:
         for name in stale:
             self.remove(name)  # gone from the plan, or its ModelSpec changed: replace it
         s = self.settings
+        # Instances to move now: new ones, and those below their resting tier. One above it (a request woke it)
+        # stays until the idle policy takes it down: in a cluster the same plan comes again with every watch
+        # event, the agent's own status reports among them, and must not undo each wake.
+        moving = []
         with self._slots_lock:
             for name, want in mine.items():
                 slot = self.slots.get(name)
                 if slot is not None:
                     slot.target = want.target_tier
+                    if policy.is_colder(slot.inst.tier, self._allowed(slot, want.target_tier)):
+                        moving.append(name)
                     continue
                 spec = specs[want.model_spec]
                 device = f"cuda:{want.gpu_index}" if spec.hardware.gpu and want.gpu_index is not None else "cpu"
@@ -191,9 +198,9 @@ class Pool:
                 self.failed.pop(name, None)
                 self._failed_specs.pop(name, None)
                 self.slots[name] = Slot(inst, want.target_tier)
-        for name in mine:
-            if name in self.slots:
-                self.converge_async(name)
+                moving.append(name)
+        for name in moving:
+            self.converge_async(name)
 
     def _cpus(self, spec: api.ModelSpecSpec, gpu_index: int | None) -> tuple[int, ...]:
         """With numaAffinity, the CPUs of the NUMA node the instance's GPU hangs off (none when unknown)."""
