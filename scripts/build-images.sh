@@ -7,7 +7,8 @@
 #
 # Usage: scripts/build-images.sh            (needs root; installs mmdebstrap and buildah with apt when missing)
 # Images: localhost/volga-operator:dev, localhost/volga-agent:dev-cpu, localhost/volga-agent:dev-gpu.
-# The GPU flavour (~7 GB) needs VOLGA_GPU_MIN_FREE_GB (default 26) GiB free in buildah's storage while it builds;
+# The GPU flavour (6.8 GB) needs VOLGA_GPU_MIN_FREE_GB (default 24) GiB free in buildah's storage to build (its
+# build peaks ~18 GiB above its start, plus 3.2 GB of wheels the first time);
 # with less it is skipped (and a stale one removed), and the reason is written to $skipped for tests/test_images.py.
 # BUILD_GPU=0 does not build it (an up-to-date one stays), BUILD_GPU=1 builds it without the disk check.
 # Run one with buildah's chroot isolation (podman run needs cgroups and rlimits this machine refuses):
@@ -18,7 +19,7 @@ cd "$(dirname "$0")/.."
 suite=${VOLGA_BASE_SUITE:-bookworm}
 base=localhost/volga-base:$suite
 ca=${VOLGA_BUILD_CA:-/etc/ssl/certs/ca-certificates.crt}
-gpu_min_free_gb=${VOLGA_GPU_MIN_FREE_GB:-26}
+gpu_min_free_gb=${VOLGA_GPU_MIN_FREE_GB:-24}
 skipped=${VOLGA_IMAGES_STATE:-$HOME/.cache/volga/images}/volga-agent-dev-gpu.skipped
 
 need=()
