@@ -39,7 +39,8 @@ crds: $(VENV)/.installed
 demo: $(VENV)/.installed criu
 	$(VENV)/bin/volga demo
 
-# The operator and agent images, built with buildah on a Debian base made here (cached; see README, Images).
+# The operator image and both agent flavours, built with buildah on a Debian base made here (cached; see README,
+# Images). The GPU flavour is skipped, with the reason printed, when the disk is too small for it (BUILD_GPU=0/1).
 images:
 	scripts/build-images.sh
 

@@ -1,13 +1,19 @@
 """The images as built by `make images` (scripts/build-images.sh), run as their pods run them.
 
 - The operator image's entrypoint, as the chart's UID 10001, reconciles a ModelSpec on a real API server.
-- The CPU agent image's agent (root, as the chart's privileged container) freezes a worker of the default model
-  with the CRIU inside the image and restores it on a request; its gateway, as the chart's UID 65532 in the
-  pod's shared group, answers an unmodified tritonclient with the model's own answer.
+- Each flavour of the agent image's agent (root, as the chart's privileged container) freezes a worker of the
+  default model with the CRIU inside the image and restores it on a request; its gateway, as the chart's UID 65532
+  in the pod's shared group, answers an unmodified tritonclient with the model's own answer. The GPU flavour does
+  so on the CPU here (no GPU and no driver), as on a node without one.
+- The GPU flavour's CUDA libraries (NVIDIA's wheels) are complete and there once: PyTorch and onnxruntime's CUDA
+  provider resolve every library they link inside the image except the driver's libcuda.so.1, which the NVIDIA
+  container toolkit brings from the node. `make images` skips the GPU flavour when the disk is too small for its
+  build; these tests then skip with the reason it wrote.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import shutil
@@ -34,6 +40,10 @@ pytest_plugins = ["k8s_fixtures"]
 pytestmark = [pytest.mark.images, pytest.mark.slow]
 OPERATOR = "localhost/volga-operator:dev"
 AGENT_CPU = "localhost/volga-agent:dev-cpu"
+AGENT_GPU = "localhost/volga-agent:dev-gpu"
+# Where scripts/build-images.sh writes why it did not build the GPU flavour (VOLGA_IMAGES_STATE there).
+GPU_SKIPPED = pathlib.Path(os.environ.get("VOLGA_IMAGES_STATE", pathlib.Path.home() / ".cache/volga/images"),
+                           "volga-agent-dev-gpu.skipped")
 GATEWAY_UID = 65532  # charts/volga/values.yaml: gateway.securityContext.runAsUser and gateway.podFsGroup
 
 
@@ -48,6 +58,10 @@ def images_built() -> None:
 
 @pytest.fixture
 def rootfs(request: pytest.FixtureRequest) -> Iterator[Rootfs]:
+    if request.param == AGENT_GPU and not image_exists(AGENT_GPU):
+        if GPU_SKIPPED.exists():
+            pytest.skip(f"make images did not build {AGENT_GPU}: {GPU_SKIPPED.read_text().strip()}")
+        pytest.fail(f"{AGENT_GPU} is not built: run `make images`", pytrace=False)
     fs = Rootfs(request.param)
     try:
         yield fs
@@ -123,7 +137,7 @@ def test_operator_image_reconciles_a_modelspec(rootfs: Rootfs, control_plane: Co
         log.close()
 
 
-@pytest.mark.parametrize("rootfs", [AGENT_CPU], indirect=True)
+@pytest.mark.parametrize("rootfs", [AGENT_CPU, AGENT_GPU], indirect=True)
 def test_agent_image_freezes_restores_and_serves(rootfs: Rootfs, tmp_path: pathlib.Path) -> None:
     assert (rootfs.root / "opt/criu/bin/criu").exists()
     model = defaultmodel.ensure()
@@ -189,6 +203,70 @@ def test_agent_image_freezes_restores_and_serves(rootfs: Rootfs, tmp_path: pathl
         gateway_log.close()
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(snapshots, ignore_errors=True)
+
+
+# Libraries in the GPU image's wheels that nothing links and that need what the image does not have.
+OPTIONAL_LIBS = {
+    "libonnxruntime_providers_tensorrt.so": "onnxruntime's TensorRT provider: TensorRT is not in the image",
+    "libcufile_rdma.so.1": "cuFile's GPUDirect Storage RDMA plugin: needs the node's rdma-core (libibverbs)",
+    "libgfortran.so.5": "bundled in torch/lib, linked by none of PyTorch's libraries (needs libquadmath)",
+}
+# In the GPU image: what PyTorch and onnxruntime were built for, and for each shared library of onnxruntime, of
+# PyTorch and of the nvidia-* wheels what ldd cannot resolve; each one ldd resolves completely is then loaded.
+GPU_PROBE = r"""
+import ctypes, glob, json, os, subprocess, sys
+import onnxruntime, torch
+import onnxruntime.capi.build_and_package_info as ort_build
+from volga_agent.snapshot import shared
+
+site = os.path.dirname(os.path.dirname(torch.__file__))
+optional = set(sys.argv[1:])
+libs = sorted({*glob.glob(f"{site}/onnxruntime/capi/*.so"), *glob.glob(f"{site}/torch/lib/*.so*"),
+               *glob.glob(f"{site}/torch/_C*.so"), *glob.glob(f"{site}/nvidia/**/lib*.so*", recursive=True)})
+missing, loaded = {}, []
+for lib in libs:
+    out = subprocess.run(["ldd", lib], capture_output=True, text=True, check=True).stdout
+    missing[lib] = sorted(line.split()[0] for line in out.splitlines() if "not found" in line)
+    if not missing[lib] and os.path.basename(lib) not in optional:
+        ctypes.CDLL(lib)
+        loaded.append(lib)
+json.dump({"torch": torch.__version__, "torch_cuda": torch.version.cuda, "ort_cuda": ort_build.cuda_version,
+           "providers": onnxruntime.get_available_providers(), "runtime": shared.runtime_version("onnx"),
+           "missing": missing, "loaded": loaded}, sys.stdout)
+"""
+
+
+@pytest.mark.parametrize("rootfs", [AGENT_GPU], indirect=True)
+def test_gpu_image_cuda_libraries_resolve_without_the_driver(rootfs: Rootfs) -> None:
+    proc = rootfs.run(["python", "-c", GPU_PROBE, *OPTIONAL_LIBS], timeout=600)
+    assert proc.returncode == 0, proc.stdout
+    probe = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert probe["torch_cuda"].split(".")[0] == probe["ort_cuda"].split(".")[0] == "13", probe
+    assert "CUDAExecutionProvider" in probe["providers"]
+    # The shared-snapshot key names the onnxruntime that is installed (onnxruntime-gpu here).
+    assert probe["runtime"].startswith("onnxruntime-gpu 1."), probe["runtime"]
+    site = "/opt/volga/lib/python3.11/site-packages"
+    for lib in (f"{site}/onnxruntime/capi/libonnxruntime_providers_cuda.so", f"{site}/torch/lib/libtorch_cuda.so",
+                f"{site}/torch/lib/libc10_cuda.so"):
+        assert lib in probe["missing"], f"{lib} is not in the image"
+    unresolved = {lib: names for lib, names in probe["missing"].items()
+                  if set(names) - {"libcuda.so.1"} and pathlib.PurePath(lib).name not in OPTIONAL_LIBS}
+    assert not unresolved, f"libraries missing from the image: {unresolved}"
+    # onnxruntime's CUDA provider links the driver itself; all else it links is in the image.
+    assert probe["missing"][f"{site}/onnxruntime/capi/libonnxruntime_providers_cuda.so"] == ["libcuda.so.1"]
+    # Loaded in the image: the runtime libraries, which load the driver only on first use.
+    for lib in ("nvidia/cu13/lib/libcudart.so.13", "nvidia/cudnn/lib/libcudnn.so.9", "nvidia/cu13/lib/libcublas.so.13",
+                "torch/lib/libc10_cuda.so"):
+        assert f"{site}/{lib}" in probe["loaded"], f"{lib} did not load"
+    # One copy of each CUDA library (PyTorch and onnxruntime share the wheels), and never the driver's.
+    copies: dict[str, list[str]] = {}
+    for path in rootfs.root.rglob("lib*.so*"):
+        if path.is_file() and not path.is_symlink():
+            copies.setdefault(path.name, []).append(str(path.relative_to(rootfs.root)))
+    for name in ("libcudart.so.13", "libcublas.so.13", "libcublasLt.so.13", "libcudnn.so.9", "libcufft.so.12",
+                 "libcurand.so.10", "libnvrtc.so.13"):
+        assert len(copies.get(name, [])) == 1, f"{name}: {copies.get(name)}"
+    assert not [n for n in copies if n.startswith(("libcuda.so", "libnvidia-ml.so"))], "the driver is in the image"
 
 
 def _client(grpc_port: int) -> grpcclient.InferenceServerClient | None:

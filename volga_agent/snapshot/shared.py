@@ -67,8 +67,9 @@ LOCAL_FILES = frozenset({"restore.log", "restore.pid", "lazy-pages.log", "lazy-p
 CPU_FLAGS = ("sse4_1", "sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl",
              "avx512cd", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16",
              "amx_int8", "asimd", "sve", "sve2")
-# The Python distribution each framework's worker runs on.
-RUNTIMES = {"onnx": "onnxruntime", "torchscript": "torch", "pytorch": "torch"}
+# The Python distributions each framework's worker may run on (onnxruntime-gpu installs the same module as
+# onnxruntime; the GPU agent image has only the former).
+RUNTIMES = {"onnx": ("onnxruntime", "onnxruntime-gpu"), "torchscript": ("torch",), "pytorch": ("torch",)}
 # A temporary folder older than this was left by a publisher that died.
 STALE_TMP_SEC = 3600.0
 
@@ -136,11 +137,13 @@ def cpu_flags(cpuinfo: str | None = None) -> str:
 
 @functools.cache
 def runtime_version(framework: str) -> str:
-    dist = RUNTIMES.get(framework, framework)
-    try:
-        return f"{dist} {importlib.metadata.version(dist)}"
-    except importlib.metadata.PackageNotFoundError:
-        return f"{dist} (not installed)"
+    dists = RUNTIMES.get(framework, (framework,))
+    for dist in dists:
+        try:
+            return f"{dist} {importlib.metadata.version(dist)}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return f"{dists[0]} (not installed)"
 
 
 def file_checksums(path: pathlib.Path) -> tuple[int, ...]:
