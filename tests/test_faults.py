@@ -255,7 +255,8 @@ def test_flipped_bytes_the_canary_does_not_read_fail_the_checksum(
     try:
         inst.to(Tier.HOT)
         inst.to(Tier.FROZEN)
-        assert inst.image is not None and inst.image.checksums
+        assert inst.image is not None and inst.image.checksums is not None
+        inst.image.checksums.result(timeout=60)  # taken in the background after the dump: damage comes later
         faults.flip_pages(inst.image.path)
         woke = inst.wake()
         assert woke.fallback and "checksums" in woke.detail, woke.detail
