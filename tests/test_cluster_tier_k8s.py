@@ -8,6 +8,7 @@ Only one node's watermarks are lowered; the other two cannot reach EMERGENCY (th
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import pathlib
@@ -23,6 +24,7 @@ from kubernetes import client as k8s
 from procs import Daemon, wait_for
 
 from volga_agent import defaultmodel
+from volga_agent.gateway import links
 from volga_bench.controlplane import ControlPlane, free_ports
 from volga_operator import planner
 from volga_operator.api import labels
@@ -196,3 +198,17 @@ def test_a_chain_leaves_a_node_that_stays_in_emergency(cluster: Cluster, tmp_pat
              timeout=300)
     log = c.daemons["operator"].log.read_text()
     assert re.search(rf"tier/tier-det: chain tier-det, tier-rec moved from {pressed} to {target}", log), log[-2000:]
+
+    # Woken together there: a wake of the head (as its gateway asks for one) wakes the other member beside it.
+    async def wake() -> links.Route:
+        link = links.GrpcAgentLink(f"127.0.0.1:{c.daemons[target].port('Agent API')}")
+        return await link.activate("tier-det", "", 120_000)
+
+    route = asyncio.run(wake())
+    assert route.instance.endswith("tier-det-0"), route
+
+    def tiers() -> dict[str, str]:
+        return {e["spec"]["modelId"]: e.get("status", {}).get("tier", "") for e in c.emis()}
+
+    assert wait_for("both members HOT on the target", lambda: set(tiers().values()) == {"HOT"} and tiers(),
+                    timeout=120)
