@@ -421,3 +421,10 @@ def test_breaker_gives_the_half_open_attempt_to_exactly_one_thread() -> None:
     for thread in threads:
         thread.join()
     assert allowed.count(True) == 1
+
+
+def test_lazy_restores_are_the_default_on_gpus_only() -> None:
+    default = policy.Settings()
+    assert default.lazy_restore_on("cuda:0") and not default.lazy_restore_on("cpu")
+    assert policy.Settings(lazy_restore=True).lazy_restore_on("cpu")
+    assert not policy.Settings.from_mapping({"lazyRestore": False}).lazy_restore_on("cuda:1")

@@ -92,7 +92,10 @@ class Settings(pydantic.BaseModel):
     gpu_memory_budget_bytes: Bytes = 0
     snapshot_disk_budget_bytes: Bytes = 0
     # Restore FROZEN images with CRIU lazy pages (userfaultfd): the process runs before its memory is read.
-    lazy_restore: bool = False
+    # None (the default): lazily on GPU workers, whose images are large and whose first request touches little
+    # of them (0.13 GiB MLP on an H200: 802 / 884 ms p50 / p99 against 1001 / 1090 eager); eagerly on the CPU,
+    # where the first request touches most pages and lazy pages do not pay.
+    lazy_restore: bool | None = None
     # Before a restored instance answers, it answers a fixed canary input, compared with the answer recorded
     # before its snapshot: an image damaged where that answer depends on it costs a cold start, not wrong answers.
     verify_restores: bool = True
@@ -204,6 +207,10 @@ class Settings(pydantic.BaseModel):
             return cls.model_validate(data)
         except pydantic.ValidationError as exc:
             raise ValueError("; ".join(_explain(cls, error) for error in exc.errors())) from None
+
+    def lazy_restore_on(self, device: str) -> bool:
+        """Whether FROZEN images of instances on `device` ("cpu", "cuda:N") are restored with lazy pages."""
+        return device != "cpu" if self.lazy_restore is None else self.lazy_restore
 
 
 _KINDS = {"int_type": "an integer", "float_type": "a finite number", "finite_number": "a finite number",

@@ -183,7 +183,7 @@ class Pool:
                     inst = instance.Instance(name, spec, self.workroot / name, self.criu,
                                              self.driver if device != "cpu" else None, device,
                                              reuse_image_sec=self.settings.snapshot_interval_sec,
-                                             lazy_restore=self.settings.lazy_restore,
+                                             lazy_restore=self.settings.lazy_restore_on(device),
                                              cpus=self._cpus(spec, want.gpu_index),
                                              warmup_cache_ratio=self.settings.warmup_cache_ratio,
                                              reset_rng_on_restore=self.settings.reset_rng_on_restore,
