@@ -498,8 +498,8 @@ class Dataplane:
         try:
             if retry_after_ms is not None and not diverted:
                 self.metrics.shed.labels(model).inc()
-                raise batcher.Overloaded(f"{refusal or f'model {model!r} is shedding load; '}retry after "
-                                         f"{retry_after_ms} ms", retry_after_ms)
+                reason = refusal or f"model {model!r} is shedding load; "
+                raise batcher.Overloaded(f"{reason}retry after {retry_after_ms} ms", retry_after_ms)
             return await call()
         except oip.OipError as exc:
             code = exc.code
