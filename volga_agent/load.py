@@ -34,7 +34,12 @@ class LoadReading(Protocol):
 @dataclasses.dataclass(frozen=True)
 class ModelLoad:
     """One model's requests since the previous reading (counts from the gateway adapters' view: a request arrives
-    when its call starts, before its body is decoded)."""
+    when its call starts, before its body is decoded).
+
+    An ensemble's request counts twice over: once under the ensemble's id (its end-to-end latency; its queue stays
+    0, since the request waits in its models' queues), and each of its steps as a request of the step's model (from
+    the step's start to its answer). Refused because a model of the ensemble is shed, it counts as an arrival and
+    as shed under the ensemble's id and under each of its models'."""
 
     arrivals: int = 0  # requests that arrived, shed ones included
     completed: int = 0  # requests answered (any status) other than shed ones

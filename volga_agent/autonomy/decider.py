@@ -19,6 +19,12 @@ violates when its window p99 exceeds baseline x (1 + tolerance / 100): the basel
 size within its batch cap, the tolerance at the load of the node's other models (the node's utilisation times
 the other models' share of the completed requests; `api.Slo.tolerance_pct`).
 
+An ensemble (a chain served as one model) has a view of its own (`ModelView.members`): its end-to-end p99 is
+judged against its head's baselines and tolerance, and its violations count as any model's (OPTIMIZE, EMERGENCY
+past the deadline share), its models excepted from giving way to it; it is never preloaded, capped, demoted or
+shed itself (its models are, on their own load, which counts each step of it), and its requests do not count
+again in the node's completed requests.
+
 Actions by state:
 
     PRELOAD     Preload each model not awake whose arrival rate is at least autonomy_preload_min_rate and rises
@@ -99,6 +105,7 @@ class ModelView:
     awake: bool = False
     gpu: bool = False
     max_batch: int = 256
+    members: tuple[str, ...] = ()  # an ensemble's: its models, in order (none for a model)
     # The tolerance as (below this other load, pct) steps, the last one unbounded: read on every window.
     steps: tuple[tuple[float, float], ...] = dataclasses.field(init=False, repr=False, compare=False)
     uncapped: float = dataclasses.field(init=False, repr=False, compare=False)  # the baseline without a cap
@@ -143,8 +150,8 @@ class _Track:
     (bound again only when the model set changes, so that a window reads them without working them out)."""
 
     __slots__ = ("arrivals", "arrivals1", "arrivals2", "awake", "baselines", "capped_at", "capped_base",
-                 "deadline_ms", "idle", "model", "scalar", "seen", "steps", "tolerance", "uncapped", "view",
-                 "violating", "violation_start")
+                 "deadline_ms", "idle", "members", "model", "scalar", "seen", "steps", "tolerance", "uncapped",
+                 "view", "violating", "violation_start")
 
     def __init__(self, model: str) -> None:
         self.model = model
@@ -159,6 +166,7 @@ class _Track:
     def bind(self, view: ModelView) -> None:
         self.view = view
         self.awake = view.awake
+        self.members = view.members
         self.baselines = view.baselines
         self.uncapped = view.uncapped
         self.deadline_ms = float(view.slo.recovery_deadline_ms)
@@ -188,6 +196,7 @@ class Decider:
         self.shed: set[str] = set()
         self._tracks: dict[str, _Track] = {}
         self._bound: list[_Track] = []  # the tracks of the views last seen, in their order
+        self._ensembles: list[_Track] = []  # those of ensembles
         self._seen_keys: tuple[str, ...] = ()
         self._seen_ids: tuple[int, ...] = ()
         s = self.settings
@@ -214,6 +223,7 @@ class Decider:
             track.bind(view)
             bound.append(track)
         self._bound, self._seen_keys, self._seen_ids = bound, keys, ids
+        self._ensembles = [t for t in bound if t.members]
         return bound
 
     def decide(self, window: windows.Window, views: Mapping[str, ModelView], explain: bool = False) -> Decision:
@@ -222,10 +232,13 @@ class Decider:
         seconds = window.seconds if window.seconds > 0 else self._window_s
         loads = window.models
         get = loads.get
+        tracks = self._bind(views)
         total_completed = 0
         for w in loads.values():
             total_completed += w.completed
-        tracks = self._bind(views)
+        for track in self._ensembles:  # its steps count in its models' completions
+            if (own := get(track.model)) is not None:
+                total_completed -= own.completed
 
         violations: list[Violation] = []
         accelerating: list[str] = []
@@ -246,6 +259,12 @@ class Decider:
                     track.idle = 0
                 else:
                     track.idle += 1
+            if track.members:  # the chain's share of the node's work is its models'
+                completed = 0
+                for member in track.members:
+                    if (step := get(member)) is not None:
+                        completed += step.completed
+                completed = min(completed, total_completed)
             pct = track.scalar
             if pct is None:
                 other = util * (1.0 - completed / total_completed) if total_completed else util
@@ -260,8 +279,8 @@ class Decider:
             before = track.arrivals2
             # Slope and acceleration in arrivals per window (windows are of one length but for jitter, which
             # would make a flat rate look like it wobbles up and down).
-            if (not track.awake and track.seen == 2 and arrivals >= min_arrivals and arrivals > before
-                    and arrivals - before > before - track.arrivals1):
+            if (not track.awake and not track.members and track.seen == 2 and arrivals >= min_arrivals
+                    and arrivals > before and arrivals - before > before - track.arrivals1):
                 accelerating.append(track.model)
             track.arrivals1 = before
             track.arrivals2 = arrivals
@@ -350,8 +369,10 @@ class Decider:
         if violations:
             violating = {v.model for v in violations}
             tolerance = {t.model: t.tolerance for t in tracks}
+            # A violating ensemble's models are part of it, not co-runners.
+            excepted = violating.union(*(t.members for t in self._ensembles if t.model in violating))
             # Co-runners that may give way, the most tolerant first; each gives way once per window.
-            donors = sorted((t for t in tracks if t.awake and t.model not in violating
+            donors = sorted((t for t in tracks if t.awake and t.model not in excepted
                              and caps.get(t.model, t.view.max_batch) > 1), key=lambda t: (-t.tolerance, t.model))
             for victim in sorted(violating, key=lambda m: (tolerance[m], m)):
                 if not donors or donors[0].tolerance < tolerance[victim]:
@@ -368,7 +389,7 @@ class Decider:
                     actions.append(Demote(track.model, _rest(track.view)))
 
     def _emergency(self, tracks: Sequence[_Track], actions: list[Action], memory: bool) -> None:
-        active = [t for t in tracks if t.awake or t.arrivals]
+        active = [t for t in tracks if (t.awake or t.arrivals) and not t.members]
         if not active:
             return
         least = min(t.tolerance for t in active)

@@ -154,7 +154,11 @@ class Views:
     same objects) while no model came, went, woke or slept, so that the decider keeps what it worked out of them;
     the baselines that hold for a ModelSpec are worked out once per ModelSpec. Where a ModelSpec's own baselines
     do not hold (none, or of another version), those `measured` for this node's device kind (GPU product or cpu)
-    and the ModelSpec's version and input hash do: in a cluster, its status.calibrated."""
+    and the ModelSpec's version and input hash do: in a cluster, its status.calibrated.
+
+    A chain's head that names an `ensemble` adds a view of the ensemble: the head's `slo` is the chain's end-to-end
+    contract (docs/models.md, "Chains"), so the ensemble is held to the head's own baselines (those measured on the
+    cluster time the head alone, and do not count for it) and tolerance."""
 
     def __init__(self, node_pool: pool.Pool, measured: Measured | None = None) -> None:
         self.pool = node_pool
@@ -162,6 +166,19 @@ class Views:
         self._cache: dict[str, tuple[api.ModelSpecSpec, object, decider.ModelView]] = {}
         self._key: tuple[object, tuple[tuple[str, int, bool, bool], ...]] = (None, ())
         self._views: dict[str, decider.ModelView] = {}
+        self._ensembles: dict[str, tuple[api.ModelSpecSpec, int, decider.ModelView]] = {}
+
+    def _ensemble(self, name: str, head: api.ModelSpecSpec, specs: Mapping[str, api.ModelSpecSpec]
+                  ) -> decider.ModelView:
+        """The view of the head's ensemble `name`: its batch limit is the smallest of its models' on the node."""
+        members = (head.model_id, *head.chain)
+        max_batch = min(specs[m].runtime.max_batch_size for m in members if m in specs)
+        cached = self._ensembles.get(name)
+        if cached is None or cached[0] is not head or cached[1] != max_batch:
+            own = decider.ModelView.of(head, False, False)
+            cached = self._ensembles[name] = (head, max_batch, decider.ModelView(
+                name, head.slo, own.baselines, False, False, max_batch, members))
+        return cached[2]
 
     def _kind(self, device: str) -> str:
         if not device.startswith("cuda"):
@@ -207,8 +224,13 @@ class Views:
             base = cached[2]
             views[model] = decider.ModelView(model, base.slo, base.baselines, awake[model], gpu[model],
                                              base.max_batch)
+        ensembles = {spec.ensemble: self._ensemble(spec.ensemble, spec, specs) for spec in specs.values()
+                     if spec.ensemble is not None and spec.chain}
+        views.update(ensembles)
         for gone in set(self._cache) - set(specs):
             del self._cache[gone]
+        for gone in set(self._ensembles) - set(ensembles):
+            del self._ensembles[gone]
         self._key, self._views = key, views
         return views
 

@@ -25,7 +25,9 @@ the other requests on the event loop.
 A node's autonomy loop steers the gateway through four calls, safe from any thread: `set_batch_cap` (the most
 rows a batch of a model takes), `shed` / `unshed` (refuse a model's requests at once, RESOURCE_EXHAUSTED / 429
 with a retry hint) and `drain_load` (each model's arrivals, completions, latencies and queue since the last
-call, as `ModelLoad`s); `set_neighbours` gives it the node's state and its neighbours' levels.
+call, as `ModelLoad`s); `set_neighbours` gives it the node's state and its neighbours' levels. An ensemble's
+request counts under its own id, and each of its steps as a request of that step's model; an ensemble that needs
+a shed model is refused as a whole, before its first step.
 
 The metadata answers (model state from what the agent reports, platform, tensor specs, a Triton-style model
 configuration) are built here too, so both adapters give the same ones. An ensemble (a chain served as one
@@ -37,13 +39,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import contextvars
 import dataclasses
 import logging
 import math
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from typing import Any, ParamSpec, TypeVar
 
 import numpy as np
@@ -227,10 +230,41 @@ class Dataplane:
         with self._lock:
             loads, self._loads = self._loads, {}
             outstanding = dict(self._outstanding)
-        models = {s.model_id for s in self.catalog.all()} | set(loads)
+        models = {s.model_id for s in self.catalog.all()} | {e.model_id for e in self.catalog.ensembles()} | set(loads)
         empty = _Load()
         return {m: ModelLoad(got.arrivals, got.completed, outstanding.get(m, 0), tuple(got.latencies_ms), got.shed)
                 for m in models for got in (loads.get(m, empty),)}
+
+    def _arrived(self, model: str, queued: bool = True) -> _Load:
+        """A request of the model (or an ensemble's step of it) starts; with `queued`, it is in the model's queue
+        until `_answered`. Called under the lock."""
+        counts = self._loads.setdefault(model, _Load())
+        counts.arrivals += 1
+        if queued:
+            self._outstanding[model] = self._outstanding.get(model, 0) + 1
+        return counts
+
+    def _answered(self, model: str, elapsed_ms: float, queued: bool = True) -> None:
+        """A request `_arrived` got its answer (any status). Called under the lock."""
+        if queued:
+            self._outstanding[model] -= 1
+        counts = self._loads.setdefault(model, _Load())
+        counts.completed += 1
+        counts.latencies_ms.append(elapsed_ms)
+
+    @contextlib.contextmanager
+    def _step(self, model: str) -> Iterator[None]:
+        """One step of an ensemble, counted as a request of its model: the steps go to `_dispatch`, past `observe`,
+        so nothing else counts them."""
+        with self._lock:
+            self._arrived(model)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            elapsed_ms = (time.perf_counter() - start) * 1e3
+            with self._lock:
+                self._answered(model, elapsed_ms)
 
     def _require(self, model: str) -> None:
         if not self.catalog.known(model):
@@ -330,7 +364,8 @@ class Dataplane:
             step_headers = {k: v for k, v in request_headers.items() if k != "x-input-hash"}
 
             async def step(member: str, step_inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-                return (await self._dispatch(self.catalog.get(member), step_headers, step_inputs, deadline))[1]
+                with self._step(member):
+                    return (await self._dispatch(self.catalog.get(member), step_headers, step_inputs, deadline))[1]
 
             return found, await ensemble.run(found, inputs, step)
         return await self._dispatch(spec, request_headers, inputs, deadline)
@@ -431,27 +466,40 @@ class Dataplane:
         """Run one request of an adapter: the links' errors become OipErrors, and the outcome is counted. A request
         for a shed model is refused here, before its body is decoded, unless a neighbour can take it; a request of
         an overloaded node that a neighbour can take goes on to `_dispatch`, which passes it on. Either counts as
-        shed in the node's load: this node does not serve it."""
+        shed in the node's load: this node does not serve it.
+
+        An ensemble counts under its own id (arrivals, completions, latencies, shed; its queue is in its models',
+        a step at a time). One that needs a shed model is refused here as a whole, with the longest retry hint of
+        its shed models, and counts as shed in its own load and in each of its models' (none of them serves it);
+        it is not passed on to a neighbour."""
         start = time.perf_counter()
         code = "OK"
         known = self.catalog.known(model)
+        found = None if known else self.catalog.find_ensemble(model)
         diverted = False
+        refusal = ""
         with self._lock:
             retry_after_ms = self._shed.get(model) if known else None
             if known:
                 diverted = self._neighbour_for(model) is not None
-                counts = self._loads.setdefault(model, _Load())
-                counts.arrivals += 1
-                if retry_after_ms is None and not diverted:
-                    self._outstanding[model] = self._outstanding.get(model, 0) + 1
-                else:
+                counts = self._arrived(model, queued=retry_after_ms is None and not diverted)
+                if retry_after_ms is not None or diverted:
                     counts.shed += 1
+            elif found is not None:
+                counts = self._arrived(model, queued=False)
+                shed = [(self._shed[m], m) for m in found.members if m in self._shed]
+                if shed:
+                    retry_after_ms, member = max(shed)
+                    refusal = f"ensemble {model!r}: its model {member!r} is shedding load; "
+                    counts.shed += 1
+                    for m in found.members:
+                        self._arrived(m, queued=False).shed += 1
         token = _diverted.set(_Diverted(model, retry_after_ms) if diverted else None)
         try:
             if retry_after_ms is not None and not diverted:
                 self.metrics.shed.labels(model).inc()
-                raise batcher.Overloaded(f"model {model!r} is shedding load; retry after {retry_after_ms} ms",
-                                         retry_after_ms)
+                reason = refusal or f"model {model!r} is shedding load; "
+                raise batcher.Overloaded(f"{reason}retry after {retry_after_ms} ms", retry_after_ms)
             return await call()
         except oip.OipError as exc:
             code = exc.code
@@ -480,12 +528,9 @@ class Dataplane:
             self.metrics.requests.labels(label, proto, code).inc()
             if code == "OK":
                 self.metrics.latency.labels(label, proto).observe(elapsed_ms)
-            if known and retry_after_ms is None and not diverted:
+            if (known or found is not None) and retry_after_ms is None and not diverted:
                 with self._lock:
-                    self._outstanding[model] -= 1
-                    counts = self._loads.setdefault(model, _Load())
-                    counts.completed += 1
-                    counts.latencies_ms.append(elapsed_ms)
+                    self._answered(model, elapsed_ms, queued=known)
 
     async def close(self) -> None:
         for b in list(self.batchers.values()):
