@@ -64,6 +64,14 @@ def agents(control_plane: ControlPlane, crds: None, folder: pathlib.Path) -> Ite
         for node in NODES}
     yield daemons
     codes = {node: daemons[node].stop() for node in NODES}
+    # Later modules place on the session's nodes: none of this module's nodes or objects may linger.
+    for ns in (NS, "calibrate-race", "calibrate-lease"):
+        for kind in ("modelspecs", "emis"):
+            control_plane.kubectl("delete", kind, "--all", "-n", ns, "--wait=false", check=False)
+    client = control_plane.api_client()
+    for node in NODES:
+        k8s.CoreV1Api(client).delete_node(node)
+    client.close()
     assert codes == dict.fromkeys(NODES, 0), {n: daemons[n].log.read_text()[-3000:] for n in NODES}
 
 

@@ -59,5 +59,8 @@ def test_agents_find_their_neighbours_through_node_annotations(control_plane: Co
             assert set(series(url, "volga_neighbour_exchanges_sent_total")) == {f'{{neighbour="{other}"}}'}
         assert "neighbours are off: the Agent API has no tokens" in daemons[2].log.read_text()
     finally:
-        for daemon in daemons:
-            assert daemon.stop() == 0, daemon.log.read_text()[-3000:]
+        codes = [daemon.stop() for daemon in daemons]
+        for node in nodes:  # later modules place on the session's nodes: none of these may linger
+            core.delete_node(node)
+        core.api_client.close()
+        assert codes == [0] * len(daemons), [d.log.read_text()[-3000:] for d in daemons]

@@ -101,7 +101,7 @@ def cluster(control_plane: ControlPlane, crds: None) -> Iterator[dict[str, Any]]
         for d in daemons.values():
             d.stop()
         raise
-    yield {"api": api, "core": core, "base": base, "store": store,
+    yield {"api": api, "core": core, "base": base, "store": store, "daemons": daemons,
            "grpc": {node: f"127.0.0.1:{port}" for node, port in grpc_ports.items()},
            "metrics": {node: f"http://127.0.0.1:{port}/metrics" for node, port in metrics_ports.items()}}
     codes = {name: d.stop() for name, d in daemons.items()}
@@ -160,9 +160,13 @@ def test_node_b_answers_its_first_request_from_the_image_node_a_published(
     cp, core = control_plane, cluster["core"]
     apply(cp, {"hot": 0, "frozen": 1}, tmp_path)
     # Node A cold-starts the instance, freezes it and publishes the image; its EMI status says so.
-    emi = wait_for("node A's EMI FROZEN with a published shared image", lambda: (e := the_emi(cp)) and (
-        e["spec"]["node"] == "node-a" and e.get("status", {}).get("tier") == "FROZEN"
-        and e["status"].get("sharedSnapshot", {}).get("role") == "published") and e, timeout=240)
+    try:
+        emi = wait_for("node A's EMI FROZEN with a published shared image", lambda: (e := the_emi(cp)) and (
+            e["spec"]["node"] == "node-a" and e.get("status", {}).get("tier") == "FROZEN"
+            and e["status"].get("sharedSnapshot", {}).get("role") == "published") and e, timeout=240)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\nEMI: {the_emi(cp)}\nnode-a's agent:\n"
+                             f"{cluster['daemons']['node-a'].log.read_text()[-4000:]}") from None
     [entry] = shared.Store(cluster["store"]).entries()
     assert entry.manifest.node == "node-a" and entry.manifest.key["model_id"] == MODEL
     assert emi["status"]["sharedSnapshot"]["key"] == entry.digest
