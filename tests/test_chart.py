@@ -959,5 +959,9 @@ def test_neighbours_install_and_keep_their_token_across_upgrades(control_plane: 
         ds = json.loads(cp.kubectl("get", "daemonset", "volga-nb-agent", "-n", namespace, "-o", "json").stdout)
         [agent] = [c for c in ds["spec"]["template"]["spec"]["containers"] if c["name"] == "agent"]
         assert {"name": "agent-api", "containerPort": 8010, "protocol": "TCP"} in agent["ports"]
+        notes = json.loads(run(helm(), "status", release, "-n", namespace, "--kubeconfig", str(cp.kubeconfig),
+                               "-o", "json").stdout)["info"]["notes"]
+        assert "neighbours agents trade water levels on the Agent API :8010" in notes, notes
+        assert "with the token of Secret volga-nb-agent-tokens" in notes, notes
     finally:
         run(helm(), "uninstall", release, "--namespace", namespace, "--kubeconfig", str(cp.kubeconfig))
