@@ -8,6 +8,7 @@ the test with the command that installs it.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import pathlib
@@ -23,7 +24,7 @@ from typing import Any
 import pytest
 import yaml
 
-from volga_agent import metrics, policy
+from volga_agent import auth, metrics, policy
 from volga_bench.controlplane import ControlPlane, bin_dir
 from volga_operator import api
 
@@ -809,3 +810,158 @@ def test_the_cluster_tier_renders_with_the_autonomy_loop_only(default: Rendered)
     assert agent_env["VOLGA_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
     text = tier.get("ConfigMap", "volga-agent-settings")["data"]["settings.yaml"]
     assert policy.Settings.from_mapping(yaml.safe_load(text)).autonomy_enabled is True
+
+
+# --- neighbours: the Agent API opened to the other agents (docs/architecture.md, "Neighbours") -----------------------
+
+NEIGHBOURS = ("--set", "agent.neighbours.enabled=true", "--set", "agent.settings.autonomy_enabled=true")
+AGENT_AUTH = "/etc/volga/agent-auth"
+
+
+def env_of(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+def agent_selector(rendered: Rendered) -> dict[str, str]:
+    labels: dict[str, str] = rendered.get("DaemonSet", "volga-agent")["spec"]["selector"]["matchLabels"]
+    return labels
+
+
+def test_neighbours_are_off_by_default(default: Rendered, gpu: Rendered) -> None:
+    for rendered in (default, gpu):
+        assert ("Secret", "volga-agent-tokens") not in rendered.by_key
+        agent, gateway = rendered.container("agent"), rendered.container("gateway")
+        assert "--agent-host=127.0.0.1" in agent["args"]
+        assert not any(a.startswith(("--token-file", "--metrics-token-file")) for a in agent["args"])
+        assert not any(a.startswith(("--agent-token-file", "--metrics-token-file")) for a in gateway["args"])
+        assert "VOLGA_AGENT_ADDRESS" not in env_of(agent)
+        assert {p["name"] for p in agent["ports"]} == {"agent-metrics"}
+        assert not {"agent-auth", "metrics-auth"} & {v["name"] for v in rendered.agent_pod()["volumes"]}
+        text = rendered.get("ConfigMap", "volga-agent-settings")["data"]["settings.yaml"]
+        assert policy.Settings.from_mapping(yaml.safe_load(text)).neighbours_enabled is False
+        ingress = rendered.get("NetworkPolicy", "volga-agent")["spec"]["ingress"]
+        assert 8010 not in {p["port"] for rule in ingress for p in rule["ports"]}
+
+
+def test_neighbours_open_the_agent_api_to_the_other_agents_only(tmp_path: pathlib.Path) -> None:
+    rendered = template(*NEIGHBOURS)
+    pod = rendered.agent_pod()
+    agent, gateway = rendered.container("agent"), rendered.container("gateway")
+    # The Agent API on the pod's addresses, with the tokens of the Secret; its address from the downward API.
+    assert {"--agent-host=0.0.0.0", "--port=8010", f"--token-file={AGENT_AUTH}/tokens"} <= set(agent["args"])
+    assert "--agent-host=127.0.0.1" not in agent["args"]
+    names = [e["name"] for e in agent["env"]]
+    assert names.index("POD_IP") < names.index("VOLGA_AGENT_ADDRESS")  # $(POD_IP) expands only from earlier vars
+    env = env_of(agent)
+    assert env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert env["VOLGA_AGENT_ADDRESS"] == "$(POD_IP):8010"
+    assert {"name": "agent-api", "containerPort": 8010, "protocol": "TCP"} in agent["ports"]
+    # The gateway still reaches its agent over loopback, now with the token.
+    assert f"--agent-token-file={AGENT_AUTH}/tokens" in gateway["args"]
+    assert env_of(gateway)["VOLGA_AGENT"] == "127.0.0.1:8010"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    for container in (agent, gateway):
+        mount = mounts_of(container)[AGENT_AUTH]
+        assert mount["readOnly"] is True and mount["name"] == "agent-auth"
+    assert volumes["agent-auth"]["secret"] == {"secretName": "volga-agent-tokens", "defaultMode": 0o440}
+    settings = policy.Settings.from_mapping(yaml.safe_load(
+        rendered.get("ConfigMap", "volga-agent-settings")["data"]["settings.yaml"]))
+    assert settings.neighbours_enabled is True and settings.autonomy_enabled is True
+
+    # The generated token: a random one the agent accepts, in the Secret alone.
+    secret = rendered.get("Secret", "volga-agent-tokens")
+    assert secret["type"] == "Opaque" and set(secret["data"]) == {"tokens"}
+    encoded = secret["data"]["tokens"]
+    token = base64.b64decode(encoded).decode()
+    assert re.fullmatch(r"[A-Za-z0-9]{48}", token), token
+    (tmp_path / "tokens").write_text(token)
+    assert auth.Tokens.from_file(tmp_path / "tokens").accepts(f"Bearer {token}")
+    others = json.dumps([d for d in rendered.docs if d is not secret])
+    assert token not in others and encoded not in others
+    assert base64.b64decode(template(*NEIGHBOURS).get("Secret", "volga-agent-tokens")["data"]["tokens"]) != \
+        token.encode()
+
+    # Nodes are listed and watched to find the other agents (their volga.dev/agent-api annotations).
+    assert rules_of(rendered.get("ClusterRole", "volga-agent")) == {
+        **AGENT_RULES, ("", "nodes"): AGENT_RULES[("", "nodes")] | {"list", "watch"}}
+
+    # The NetworkPolicy: the Agent API port in from, and out to, the release's agent pods; no other rule has it.
+    spec = rendered.get("NetworkPolicy", "volga-agent")["spec"]
+    peers = [{"podSelector": {"matchLabels": agent_selector(rendered)}}]
+    ingress = [rule for rule in spec["ingress"] if 8010 in {p["port"] for p in rule["ports"]}]
+    assert ingress == [{"ports": [{"port": 8010, "protocol": "TCP"}], "from": peers}]
+    egress = [rule for rule in spec["egress"] if 8010 in {p["port"] for p in rule["ports"]}]
+    assert egress == [{"ports": [{"port": 8010, "protocol": "TCP"}], "to": peers}]
+    assert {p["port"] for rule in spec["ingress"] for p in rule["ports"]} == {8000, 8001, 8002, 8010, 8012}
+
+    # A Secret of the user's instead: nothing generated.
+    own = template(*NEIGHBOURS, "--set", "agent.neighbours.auth.existingSecret=agent-tokens",
+                   "--set", "agent.neighbours.auth.key=list")
+    assert not [d for d in own.docs if d["kind"] == "Secret" and d["metadata"]["name"] != "volga-gateway-token"]
+    assert {v["name"]: v for v in own.agent_pod()["volumes"]}["agent-auth"]["secret"]["secretName"] == "agent-tokens"
+    assert f"--token-file={AGENT_AUTH}/list" in own.container("agent")["args"]
+    assert f"--agent-token-file={AGENT_AUTH}/list" in own.container("gateway")["args"]
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    (["--set", "agent.neighbours.enabled=true"],
+     "agent.neighbours.enabled needs agent.settings.autonomy_enabled: true"),
+    (["--set", "agent.settings.autonomy_enabled=true", "--set", "agent.settings.neighbours_enabled=true"],
+     "agent.settings.neighbours_enabled: set agent.neighbours.enabled instead"),
+], ids=["without-autonomy", "setting-alone"])
+def test_neighbours_that_cannot_work_fail_rendering(values: list[str], message: str) -> None:
+    proc = run(helm(), "template", RELEASE, str(CHART), "--namespace", NAMESPACE, *values, check=False)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+
+
+# --- metrics behind a bearer token ---------------------------------------------------------------------------------
+
+
+def test_metrics_tokens_come_from_a_secret_and_the_service_monitor_sends_one(default: Rendered,
+                                                                           gpu: Rendered) -> None:
+    assert default.container("agent")["readinessProbe"]["httpGet"]["path"] == "/metrics"
+    assert all("bearerTokenSecret" not in e for e in gpu.get("ServiceMonitor", "volga")["spec"]["endpoints"])
+    rendered = template("-f", str(GPU_VALUES), "--set", "metricsAuth.existingSecret=scrape-token")
+    volumes = {v["name"]: v for v in rendered.agent_pod()["volumes"]}
+    assert volumes["metrics-auth"]["secret"] == {"secretName": "scrape-token", "defaultMode": 0o440}
+    for name in ("agent", "gateway"):
+        container = rendered.container(name)
+        assert "--metrics-token-file=/etc/volga/metrics-auth/token" in container["args"]
+        assert mounts_of(container)["/etc/volga/metrics-auth"] == {
+            "name": "metrics-auth", "mountPath": "/etc/volga/metrics-auth", "readOnly": True}
+    # The kubelet has no token: the agent's readiness becomes a TCP check of the metrics port.
+    assert rendered.container("agent")["readinessProbe"]["tcpSocket"] == {"port": "agent-metrics"}
+    [endpoint] = rendered.get("ServiceMonitor", "volga")["spec"]["endpoints"]
+    assert endpoint["bearerTokenSecret"] == {"name": "scrape-token", "key": "token"}
+    assert not any(d["kind"] == "Secret" and d["metadata"]["name"] == "scrape-token" for d in rendered.docs)
+
+
+@pytest.mark.k8s
+def test_neighbours_install_and_keep_their_token_across_upgrades(control_plane: ControlPlane) -> None:
+    """Installed into the real API server: the generated token Secret is accepted, kept by `helm upgrade` (read back
+    with lookup), and the agent's ServiceAccount may list and watch Nodes."""
+    cp, release, namespace = control_plane, "volga-nb", "volga-neighbours"
+    common = [str(CHART), "--namespace", namespace, "--kubeconfig", str(cp.kubeconfig), *NEIGHBOURS]
+
+    def token() -> str:
+        secret = json.loads(cp.kubectl("get", "secret", "volga-nb-agent-tokens", "-n", namespace, "-o",
+                                       "json").stdout)
+        return str(secret["data"]["tokens"])
+
+    run(helm(), "install", release, *common, "--create-namespace", "--timeout", "60s")
+    try:
+        first = token()
+        run(helm(), "upgrade", release, *common, "--timeout", "60s")
+        assert token() == first
+        account = f"system:serviceaccount:{namespace}:volga-nb-agent"
+        for verb in ("list", "watch"):
+            assert cp.kubectl("auth", "can-i", verb, "nodes", f"--as={account}", check=False).stdout.strip() == "yes"
+        ds = json.loads(cp.kubectl("get", "daemonset", "volga-nb-agent", "-n", namespace, "-o", "json").stdout)
+        [agent] = [c for c in ds["spec"]["template"]["spec"]["containers"] if c["name"] == "agent"]
+        assert {"name": "agent-api", "containerPort": 8010, "protocol": "TCP"} in agent["ports"]
+        notes = json.loads(run(helm(), "status", release, "-n", namespace, "--kubeconfig", str(cp.kubeconfig),
+                               "-o", "json").stdout)["info"]["notes"]
+        assert "neighbours agents trade water levels on the Agent API :8010" in notes, notes
+        assert "with the token of Secret volga-nb-agent-tokens" in notes, notes
+    finally:
+        run(helm(), "uninstall", release, "--namespace", namespace, "--kubeconfig", str(cp.kubeconfig))

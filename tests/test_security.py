@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import pathlib
+import re
 import shutil
 import socket
 import subprocess
@@ -17,11 +18,13 @@ from typing import Any
 
 import grpc
 import numpy as np
+import procs
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import trustme
 import yaml
+from prometheus_client import parser as prometheus_parser
 from tritonclient.utils import InferenceServerException
 
 from volga_agent import admission, auth, defaultmodel, local, policy, pool, server
@@ -417,3 +420,80 @@ def test_the_gateway_daemon_warns_without_authentication_beyond_loopback(tmp_pat
         _, err = proc.communicate(timeout=30)
         assert line.startswith("volga-gateway: HTTP " + ("0.0.0.0" if warned else "127.0.0.1")), line + err
         assert ("volga-gateway listens on 0.0.0.0 without authentication" in err) is warned, err
+
+
+# --- metrics -------------------------------------------------------------------------------------------------------
+
+
+def scrape(port: int, token: str | None = None) -> tuple[int, dict[str, str], str]:
+    """GET /metrics on 127.0.0.1:port, with `Authorization: Bearer token` when given: status, headers, body."""
+    headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            return reply.status, dict(reply.headers), reply.read().decode()
+    except urllib.error.HTTPError as err:
+        with err:
+            return err.code, dict(err.headers), err.read().decode()
+
+
+def families(text: str) -> set[str]:
+    return {family.name for family in prometheus_parser.text_string_to_metric_families(text)}
+
+
+def test_gateway_metrics_are_open_unless_tokens_are_set(token_file: pathlib.Path) -> None:
+    bg = harness.Background()
+    link = links.LocalAgentLink(lambda model, hint: links.Route("", ""))
+    open_gateway = app.Gateway(catalog.Catalog(), link, app.Settings(http_port=0, grpc_port=0, metrics_port=0))
+    guarded_gateway = app.Gateway(catalog.Catalog(), link, app.Settings(
+        http_port=0, grpc_port=0, metrics_port=0, metrics_tokens=auth.Tokens.from_file(token_file)))
+    bg.call(open_gateway.start())
+    bg.call(guarded_gateway.start())
+    try:
+        status, _, body = scrape(open_gateway.ports["metrics"])
+        assert status == 200 and "volga_gateway_requests" in families(body)
+        for token in (None, "wrong", ""):
+            status, headers, body = scrape(guarded_gateway.ports["metrics"], token)
+            assert status == 401 and headers["WWW-Authenticate"] == 'Bearer realm="volga"', (token, status)
+            assert "volga_gateway" not in body and "a bearer token is required" in body
+        status, _, body = scrape(guarded_gateway.ports["metrics"], TOKEN)
+        assert status == 200 and "volga_gateway_requests" in families(body)
+        # The REST port keeps its own setting: no client tokens were asked for.
+        with urllib.request.urlopen(f"http://127.0.0.1:{guarded_gateway.ports['http']}/v2", timeout=10) as reply:
+            assert reply.status == 200
+    finally:
+        bg.call(open_gateway.stop(), timeout=30)
+        bg.call(guarded_gateway.stop(), timeout=30)
+        bg.close()
+
+
+@pytest.mark.parametrize("daemon", ["volga-gateway", "volga-agent"])
+def test_metrics_token_file_guards_the_daemons_metrics(daemon: str, token_file: pathlib.Path,
+                                                       tmp_path: pathlib.Path) -> None:
+    """`--metrics-token-file` on the real daemons: 401 with WWW-Authenticate without a token or with a wrong one,
+    the metrics with any token of the file."""
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump(spec_at("/nope.onnx").to_wire()))
+    common = ["-f", str(spec), "--metrics-port", "0", "--metrics-token-file", str(token_file)]
+    if daemon == "volga-gateway":
+        main = "import sys; from volga_agent import daemons; sys.exit(daemons.gateway_main())"
+        command = [sys.executable, "-c", main, *common, "--http-port", "0", "--grpc-port", "0"]
+        expected = "volga_gateway_requests"
+    else:
+        command = [sys.executable, "-m", "volga_agent.daemons", *common, "--port", "0",
+                   "--workdir", str(tmp_path / "w"), "--snapshot-dir", str(tmp_path / "s")]
+        expected = "volga_activations"
+    process = procs.Daemon(daemon, command, {}, tmp_path, announce=f"{daemon}")
+    try:
+        match = re.search(r"metrics :(\d+)", process.line)
+        assert match, process.line
+        port = int(match.group(1))
+        for token in (None, "wrong", TOKEN + "x"):
+            status, headers, body = scrape(port, token)
+            assert status == 401 and headers["WWW-Authenticate"] == 'Bearer realm="volga"', (token, status, body)
+            assert "volga_" not in body
+        for token in (TOKEN, "another-token"):
+            status, _, body = scrape(port, token)
+            assert status == 200 and expected in families(body), body[:500]
+    finally:
+        assert process.stop() == 0, process.log.read_text()[-3000:]

@@ -110,6 +110,8 @@ def agent_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--token-file", default=os.environ.get("VOLGA_AGENT_TOKEN_FILE", ""),
                         help="bearer tokens (one a line) every Agent API call must carry")
     parser.add_argument("--metrics-port", type=int, default=8012)
+    parser.add_argument("--metrics-token-file", default=os.environ.get("VOLGA_METRICS_TOKEN_FILE", ""),
+                        help="bearer tokens (one a line) a /metrics scrape must carry; default: none asked")
     parser.add_argument("--workdir", default=os.environ.get("VOLGA_WORKDIR", "/run/volga"))
     parser.add_argument("--snapshot-dir", default=os.environ.get("VOLGA_SNAPSHOT_DIR", "/dev/shm/volga"))
     parser.add_argument("--settings", help="YAML/JSON file of agent settings (camelCase names; docs/architecture.md)")
@@ -148,6 +150,7 @@ def agent_main(argv: list[str] | None = None) -> int:
         settings = settings.model_copy(update={"model_roots": DEFAULT_MODEL_ROOTS})
     settings = admission.node_settings(settings)
     tokens = auth.Tokens.from_file(args.token_file) if args.token_file else None
+    metrics_tokens = auth.Tokens.from_file(args.metrics_token_file) if args.metrics_token_file else None
     if tokens is None and not auth.is_loopback(args.agent_host):
         parser.error(f"--agent-host {args.agent_host}: the Agent API leaves loopback only with --token-file")
 
@@ -171,7 +174,8 @@ def agent_main(argv: list[str] | None = None) -> int:
                                               settings.neighbours_period_ms, node_metrics.registry)
         grpc_server, port = await server.serve(node_pool, args.agent_host, args.port, args.socket, tokens,
                                                steering, settings.autonomy_exchange_ms, levels, off)
-        metrics_runner, _ = await metrics.serve([node_metrics.registry], args.host, args.metrics_port)
+        metrics_runner, metrics_port = await metrics.serve([node_metrics.registry], args.host, args.metrics_port,
+                                                           metrics_tokens)
         cluster: Any = None
         tier: Any = None
         if args.kube:
@@ -207,7 +211,7 @@ def agent_main(argv: list[str] | None = None) -> int:
         if levels is not None:
             levels.start()
         where = ", ".join([f"{args.agent_host}:{port}"] * (port >= 0) + [args.socket] * bool(args.socket))
-        print(f"volga-agent {args.node}: Agent API {where}, metrics :{args.metrics_port}, "
+        print(f"volga-agent {args.node}: Agent API {where}, metrics :{metrics_port}, "
               f"{len(found)} GPU(s)", flush=True)
 
         async def stop() -> None:
@@ -241,6 +245,8 @@ def gateway_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--http-port", type=int, default=ports.DEFAULT.http_port)
     parser.add_argument("--grpc-port", type=int, default=ports.DEFAULT.grpc_port)
     parser.add_argument("--metrics-port", type=int, default=ports.DEFAULT.metrics_port)
+    parser.add_argument("--metrics-token-file", default=os.environ.get("VOLGA_METRICS_TOKEN_FILE", ""),
+                        help="bearer tokens (one a line) a /metrics scrape must carry; default: none asked")
     parser.add_argument("--cache-ttl-sec", type=float, default=60.0)
     parser.add_argument("--token-file", default=os.environ.get("VOLGA_GATEWAY_TOKEN_FILE", ""),
                         help="bearer tokens (one a line) that clients must send, but for health checks")
@@ -254,6 +260,7 @@ def gateway_main(argv: list[str] | None = None) -> int:
     if bool(args.tls_cert) != bool(args.tls_key):
         parser.error("--tls-cert and --tls-key go together")
     tokens = auth.Tokens.from_file(args.token_file) if args.token_file else None
+    metrics_tokens = auth.Tokens.from_file(args.metrics_token_file) if args.metrics_token_file else None
     agent_token = auth.Tokens.from_file(args.agent_token_file).values[0].decode() if args.agent_token_file else ""
     if not auth.is_loopback(args.host) and tokens is None:
         log.warning("volga-gateway listens on %s without authentication: anyone who reaches it may call every "
@@ -263,6 +270,7 @@ def gateway_main(argv: list[str] | None = None) -> int:
         models = catalog.Catalog()
         settings = app.Settings(node=args.node, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                                 metrics_port=args.metrics_port, cache_ttl_sec=args.cache_ttl_sec, tokens=tokens,
+                                metrics_tokens=metrics_tokens,
                                 tls_cert_file=args.tls_cert, tls_key_file=args.tls_key,
                                 tls_client_ca_file=args.tls_client_ca)
         link = links.GrpcAgentLink(args.agent, agent_token)

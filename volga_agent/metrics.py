@@ -13,6 +13,8 @@ from typing import Any
 import prometheus_client as prom
 from aiohttp import web
 
+from volga_agent import auth
+
 LATENCY_MS_BUCKETS = (0.25, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 350, 500, 1000, 2000, 5000, 10000, 30000, 60000)
 FAST_MS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 50)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384, 65536)
@@ -113,14 +115,15 @@ class GatewayMetrics:
             registry=r)
 
 
-def app(registries: Sequence[prom.CollectorRegistry]) -> web.Application:
-    """`GET /metrics`: the series of these registries, in Prometheus' text format."""
+def app(registries: Sequence[prom.CollectorRegistry], tokens: auth.Tokens | None = None) -> web.Application:
+    """`GET /metrics`: the series of these registries, in Prometheus' text format; with `tokens`, only for a
+    request that carries one of them (`Authorization: Bearer TOKEN`), else 401."""
 
     async def handle(_: web.Request) -> web.Response:
         body = b"".join(prom.generate_latest(r) for r in registries)
         return web.Response(body=body, headers={"Content-Type": prom.CONTENT_TYPE_LATEST})
 
-    metrics_app = web.Application()
+    metrics_app = web.Application(middlewares=[auth.rest_middleware(tokens, ())] if tokens is not None else [])
     metrics_app.router.add_get("/metrics", handle)
     return metrics_app
 
@@ -136,6 +139,7 @@ async def listen(http_app: web.Application, host: str, port: int, **options: Any
     return runner, int(sockets[0].getsockname()[1]) if sockets else port
 
 
-async def serve(registries: Sequence[prom.CollectorRegistry], host: str, port: int) -> tuple[web.AppRunner, int]:
-    """The `/metrics` endpoint of these registries on host:port."""
-    return await listen(app(registries), host, port)
+async def serve(registries: Sequence[prom.CollectorRegistry], host: str, port: int,
+                tokens: auth.Tokens | None = None) -> tuple[web.AppRunner, int]:
+    """The `/metrics` endpoint of these registries on host:port (with `tokens`: bearer tokens required)."""
+    return await listen(app(registries, tokens), host, port)

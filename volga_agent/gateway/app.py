@@ -31,6 +31,7 @@ class Settings:
     max_request_bytes: int = 64 * 2**20
     shm_bytes: int = 16 * 2**20
     tokens: auth.Tokens | None = None  # bearer tokens every call but health checks must carry (gRPC and REST)
+    metrics_tokens: auth.Tokens | None = None  # bearer tokens a /metrics scrape must carry; None: open
     # gRPC over TLS: the server's certificate and key (PEM files); with a client CA, clients must present a
     # certificate it signed (mTLS).
     tls_cert_file: str = ""
@@ -70,8 +71,8 @@ class Gateway:
             raise OSError(f"cannot listen on {s.host}:{s.grpc_port} (gRPC)")
         await self._grpc.start()
         self.ports["http"] = await self._listen(rest.app(self.dataplane, s.tokens), s.http_port, **rest.RUNNER_OPTIONS)
-        self.ports["metrics"] = await self._listen(metrics.app([self.metrics.registry, *self.extra_metrics]),
-                                                   s.metrics_port)
+        self.ports["metrics"] = await self._listen(metrics.app([self.metrics.registry, *self.extra_metrics],
+                                                               s.metrics_tokens), s.metrics_port)
 
     async def _listen(self, http_app: web.Application, port: int, **options: Any) -> int:
         runner, bound = await metrics.listen(http_app, self.settings.host, port, **options)

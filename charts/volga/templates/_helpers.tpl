@@ -87,3 +87,22 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "volga.snapshotClaimName" -}}
 {{- default (printf "%s-snapshots" (include "volga.fullname" .)) .Values.agent.snapshots.persistentVolumeClaim.existingClaim }}
 {{- end }}
+
+{{/* The Secret of the Agent API's tokens (agent.neighbours): the user's, or the one the chart creates. */}}
+{{- define "volga.agent.tokensSecret" -}}
+{{- default (printf "%s-tokens" (include "volga.agent.fullname" .)) .Values.agent.neighbours.auth.existingSecret }}
+{{- end }}
+
+{{/*
+Fails on values that cannot work together: the neighbour exchange trades the autonomy loop's water level, and is
+turned on by agent.neighbours (which also opens the Agent API to the other agents), not by the setting alone.
+*/}}
+{{- define "volga.validate" -}}
+{{- $settings := .Values.agent.settings }}
+{{- if and .Values.agent.neighbours.enabled (not $settings.autonomy_enabled) }}
+{{- fail "agent.neighbours.enabled needs agent.settings.autonomy_enabled: true (neighbours trade the autonomy loop's water level; docs/architecture.md, Neighbours)" }}
+{{- end }}
+{{- if and (or $settings.neighbours_enabled $settings.neighboursEnabled) (not .Values.agent.neighbours.enabled) }}
+{{- fail "agent.settings.neighbours_enabled: set agent.neighbours.enabled instead (it also gives the Agent API its tokens, port and published address)" }}
+{{- end }}
+{{- end }}
