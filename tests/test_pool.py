@@ -166,3 +166,25 @@ def test_half_open_breaker_keeps_its_attempt_for_a_real_restore(rundir: pathlib.
         assert p.breaker.state(default_spec.model_id, time.monotonic()) is policy.BreakerState.CLOSED
     finally:
         p.close()
+
+
+def test_instances_of_one_model_get_their_own_slots_and_a_freed_slot_is_reused(
+        node_pool: pool.Pool, default_spec: api.ModelSpecSpec, criu_engine: criu.CriuEngine) -> None:
+    """Work folders are named by model and slot, not by instance: the same paths for any replica in a slot."""
+    other = default_spec.model_copy(update={"version": "2/../x"})  # a version that is no path component
+    specs = {"ms": default_spec, "other": other}
+    plan = [desired(n, "ms", default_spec.model_id, Tier.COLD) for n in ("ms-0", "ms-1")]
+    node_pool.apply([*plan, desired("other-0", "other", other.model_id, Tier.COLD)], specs)
+    node_pool.wait_converged(30)
+    folders = {name: slot.inst.workdir for name, slot in node_pool.slots.items()}
+    prefix = f"{default_spec.model_id}-v{default_spec.version}"
+    assert folders == {"ms-0": node_pool.workroot / f"{prefix}-0", "ms-1": node_pool.workroot / f"{prefix}-1",
+                       "other-0": node_pool.workroot / f"{default_spec.model_id}-v2_.._x-0"}
+    assert node_pool.slots["ms-1"].inst.parked_dir == criu_engine.root / instance.PARKED / f"{prefix}-1"
+    # ms-0 goes: the next replica takes its slot, and ms-1 keeps its own.
+    node_pool.apply([plan[1], desired("ms-2", "ms", default_spec.model_id, Tier.COLD)], specs)
+    node_pool.wait_converged(30)
+    assert node_pool.slots["ms-2"].inst.workdir == folders["ms-0"]
+    assert node_pool.slots["ms-1"].inst.workdir == folders["ms-1"]
+    assert pool.work_folder("m" * 200, "1", 3).endswith("-3") and len(pool.work_folder("m" * 200, "1", 3)) == 66
+    assert pool.work_folder("m" * 200, "1", 0) != pool.work_folder("m" * 199 + "n", "1", 0)

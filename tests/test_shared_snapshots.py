@@ -60,6 +60,20 @@ def test_node_b_answers_its_first_request_from_node_a_image(
     assert b["shared"] == {"restores": 1.0, "restore_failures": 0.0, "publishes": 0.0}
 
 
+def test_a_replica_of_another_name_restores_node_a_image_in_the_same_slot(
+        two_nodes: tuple[pathlib.Path, dict[str, object]]) -> None:
+    """Node A's `shared-bench-0` published; scale-out replica `shared-bench-1`, alone on node B, holds the same
+    slot (the same work and parked-weights folders) and so restores A's image."""
+    base, a = two_nodes
+    b = shared_bench.run_node("node-b", base / "b-replica", base / "node", base / "shared", "first",
+                              instance=f"{shared_bench.MODEL_NAME}-1")
+    digest = shared.Store(base / "shared").entries()[0].digest
+    assert first(b)["detail"] == f"restored from shared image {digest} of node node-a"
+    assert first(b)["shared_snapshot_role"] == "restored" and not first(b)["fallback"]
+    assert first(b)["outputs"] == first(a)["outputs"]
+    assert b["shared"] == {"restores": 1.0, "restore_failures": 0.0, "publishes": 0.0}
+
+
 def test_an_incompatible_key_cold_starts_and_publishes_its_own(
         two_nodes: tuple[pathlib.Path, dict[str, object]], tmp_path: pathlib.Path) -> None:
     base, a = two_nodes

@@ -472,8 +472,10 @@ class Instance:
 
     @property
     def parked_dir(self) -> pathlib.Path | None:
-        """Where this instance's GPU weights wait while it is FROZEN (beside the snapshot images)."""
-        return self.criu.root / PARKED / self.name if self.criu is not None else None
+        """Where this instance's GPU weights wait while it is FROZEN (beside the snapshot images): named after its
+        work folder, not the instance, so that both paths an image holds are the same for any replica in that
+        folder's slot (see `pool.work_folder`)."""
+        return self.criu.root / PARKED / self.workdir.name if self.criu is not None else None
 
     def _pause(self, park: pathlib.Path | None = None) -> None:
         """The pause hook: the worker closes its connections and says when it is ready to be dumped."""

@@ -16,6 +16,10 @@ The pool owns one `Instance` per EMI placed on this node. It:
   restores a compatible image another node published) and collects the store's garbage: images of versions no
   ModelSpec it was given has, and whatever exceeds the budget.
 
+An instance's work folder (and the folder its GPU weights are parked in) is named by its model and a slot on
+this node (`work_folder`), not by the instance: CRIU restores a process at the paths it had, so an image written
+by replica `ms-0` on one node fits replica `ms-1` alone on another, in the same slot.
+
 Every move of one instance happens under that instance's lock; different instances move in parallel on a
 small thread pool. Nothing here knows about gRPC or HTTP: `server.py` and `local.py` wrap it.
 """
@@ -25,9 +29,11 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import hashlib
 import logging
 import os
 import pathlib
+import re
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -43,6 +49,9 @@ log = logging.getLogger(__name__)
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 SHARED_COLLECT_SEC = 60.0  # how often a tick collects the shared images' garbage
+# What may stand in a work folder's name as it is; anything else in a model id or version becomes '_'.
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+MAX_FOLDER_PREFIX = 64  # longer: cut, with a digest of the whole (socket paths are short)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +147,7 @@ class Pool:
         self.failed: dict[str, str] = {}  # instances that could not even be created, and why
         self._failed_specs: dict[str, api.ModelSpecSpec] = {}  # ... and their ModelSpecs
         self._slots_lock = threading.Lock()
+        self._closing: set[str] = set()  # work folders of instances being removed
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pool")
         self._pending: dict[str, concurrent.futures.Future[None]] = {}
         self.chains = chains.Chains()
@@ -180,7 +190,7 @@ class Pool:
                     admission.check_source(spec, s.model_roots, s.allow_model_code)
                     if s.max_instances and len(self.slots) >= s.max_instances:
                         raise ValueError(f"settings.max_instances: this node runs at most {s.max_instances} instances")
-                    inst = instance.Instance(name, spec, self.workroot / name, self.criu,
+                    inst = instance.Instance(name, spec, self._free_folder(spec), self.criu,
                                              self.driver if device != "cpu" else None, device,
                                              reuse_image_sec=self.settings.snapshot_interval_sec,
                                              lazy_restore=self.settings.lazy_restore_on(device),
@@ -202,6 +212,15 @@ class Pool:
         for name in moving:
             self.converge_async(name)
 
+    def _free_folder(self, spec: api.ModelSpecSpec) -> pathlib.Path:
+        """The work folder of a new instance of `spec`: its model's lowest slot that no live instance (nor one
+        being removed) of this node holds. Called under the slots lock."""
+        taken = {slot.inst.workdir.name for slot in self.slots.values()} | self._closing
+        k = 0
+        while work_folder(spec.model_id, spec.version, k) in taken:
+            k += 1
+        return self.workroot / work_folder(spec.model_id, spec.version, k)
+
     def _cpus(self, spec: api.ModelSpecSpec, gpu_index: int | None) -> tuple[int, ...]:
         """With numaAffinity, the CPUs of the NUMA node the instance's GPU hangs off (none when unknown)."""
         if not (spec.hardware.numa_affinity or self.settings.numa_affinity) or gpu_index is None:
@@ -213,11 +232,16 @@ class Pool:
         """Stop an instance and delete its snapshots."""
         with self._slots_lock:
             slot = self.slots.pop(name, None)
-        if slot is None:
-            return
-        with slot.lock:
-            slot.removed = True
-            slot.inst.close()
+            if slot is None:
+                return
+            self._closing.add(slot.inst.workdir.name)  # its worker may still run there until close returns
+        try:
+            with slot.lock:
+                slot.removed = True
+                slot.inst.close()
+        finally:
+            with self._slots_lock:
+                self._closing.discard(slot.inst.workdir.name)
 
     def converge_async(self, name: str) -> concurrent.futures.Future[None]:
         future = self._pending.get(name)
@@ -556,6 +580,17 @@ class Pool:
         self._executor.shutdown(wait=True, cancel_futures=True)
         for name in list(self.slots):
             self.remove(name)
+
+
+def work_folder(model_id: str, version: str, slot: int) -> str:
+    """The name of the work folder of slot `slot` of a model version on a node, e.g. `resnet-v1-0`: the same on
+    every node, whichever instance holds it. Characters a path must not hold become '_', and a long name is cut
+    and ends with a digest of the whole, so the name is always one plain path component."""
+    whole = f"{model_id}-v{version}"
+    prefix = _UNSAFE.sub("_", whole)
+    if len(prefix) > MAX_FOLDER_PREFIX:
+        prefix = f"{prefix[:MAX_FOLDER_PREFIX - 17]}-{hashlib.sha256(whole.encode()).hexdigest()[:16]}"
+    return f"{prefix}-{slot}"
 
 
 def _rss(pid: int) -> int:

@@ -41,13 +41,14 @@ def _node(argv: Sequence[str]) -> dict[str, Any]:
     p.add_argument("--models", default="")
     p.add_argument("--version", default="", help="pretend the ModelSpec has this version")
     p.add_argument("--steps", default="first", help="comma-separated: first (wake + first answer), freeze")
+    p.add_argument("--instance", default=f"{MODEL_NAME}-0", help="the instance's (EMI's) name")
     args = p.parse_args(argv)
     doc = defaultmodel.ensure(pathlib.Path(args.models) if args.models else None)
     spec = doc.spec if not args.version else doc.spec.model_copy(update={"version": args.version})
     root = pathlib.Path(args.root)
     settings = policy.Settings(shared_snapshots=args.shared, verify_image_checksums=True)
     agent = pool.Pool(args.node, root / "work", root / "snapshots", settings)
-    name = f"{MODEL_NAME}-0"
+    name = args.instance
     steps: list[dict[str, Any]] = []
     try:
         agent.apply([planner.Desired(name, MODEL_NAME, spec.model_id, args.node, Tier.COLD)], {MODEL_NAME: spec})
@@ -85,8 +86,8 @@ def _node(argv: Sequence[str]) -> dict[str, Any]:
 
 
 def run_node(node: str, folder: pathlib.Path, common: pathlib.Path, shared: pathlib.Path | None,
-             steps: str, version: str = "", models: pathlib.Path | None = None, timeout: float = 300.0
-             ) -> dict[str, Any]:
+             steps: str, version: str = "", models: pathlib.Path | None = None, timeout: float = 300.0,
+             instance: str = f"{MODEL_NAME}-0") -> dict[str, Any]:
     """Run one node's process with `folder` mounted on `common` (its own mount namespace); its report."""
     folder.mkdir(parents=True, exist_ok=True)
     common.mkdir(parents=True, exist_ok=True)
@@ -94,7 +95,7 @@ def run_node(node: str, folder: pathlib.Path, common: pathlib.Path, shared: path
                'mount --bind "$0" "$1" && shift && exec "$@"', str(folder), str(common),
                sys.executable, "-m", "volga_bench.shared", "node", "--node", node, "--root", str(common),
                "--shared", str(shared or ""), "--steps", steps, "--version", version,
-               "--models", str(models or "")]
+               "--models", str(models or ""), "--instance", instance]
     out = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"node {node} failed (exit {out.returncode}):\n{out.stderr[-4000:]}")

@@ -11,7 +11,8 @@ key equals its own instead of cold-starting (`instance`).
 - A restored process finds its files at the paths it had: every node runs its agent with the same work root
   path (the pod's own mounts), and the worker's log, which CRIU reopens at its dumped size, travels with the
   image. The instance's work folder (and its parked weights' folder) is part of the key: an image is restored
-  only by an instance whose paths are the ones the image holds (the same EMI, wherever it is placed).
+  only by an instance whose paths are the ones the image holds. Those folders are named by the model and a
+  per-node slot, not by the EMI (`pool.work_folder`), so any replica in the same slot on any node restores it.
 - A GPU worker frozen from HOT parks its weights in a file under the snapshot root, which its image maps by
   path (CRIU records shared file mappings by reference). Such an image is published with that file (`Parked`:
   where the image maps it, its size and checksums), and a fetch puts it back at exactly that path (hard-linked
