@@ -6,13 +6,14 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
-from volga_agent import instance, policy, pool
+from test_autonomy_decider import Run
+
+from volga_agent import instance, pool
 from volga_agent.autonomy import decider, loop, window
 from volga_bench import chain
 from volga_operator import api
 
 State = decider.State
-STEP = 0.1
 MEMBERS = ("a", "b")
 
 
@@ -33,17 +34,6 @@ def ensemble(tolerance: float = 20.0, baseline: float = 10.0, **fields: Any) -> 
 def load(arrivals: int = 0, p99: float | None = None, completed: int | None = None) -> window.ModelWindow:
     return window.ModelWindow(arrivals, arrivals if completed is None else completed, 0, 0, p99)
 
-
-class Run:
-    def __init__(self, views: list[decider.ModelView], **settings: Any) -> None:
-        self.decider = decider.Decider(policy.Settings(**settings))
-        self.views = {v.model: v for v in views}
-        self.t = 0.0
-
-    def window(self, memory: float = 50.0, util: float = 0.0, **models: window.ModelWindow) -> decider.Decision:
-        built = window.Window(self.t, self.t + STEP, memory, util, False, models)
-        self.t += STEP
-        return self.decider.decide(built, self.views, explain=True)
 
 
 def test_an_ensemble_over_its_heads_limit_violates_and_its_models_do_not_give_way() -> None:
