@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import os
 import queue
@@ -315,15 +314,8 @@ class NeighbourDirectory:
         self.client = kube_client.api_client()
         self.core = kubernetes.client.CoreV1Api(self.client)
         self._stop = threading.Event()
-        self.watch = watch.Watch("nodes", self._list_nodes, self._on_nodes)
+        self.watch = watch.Watch("nodes", watch.json_lister(self.core.list_node), self._on_nodes)
         self._thread = threading.Thread(target=self._publish, name="agent-api-annotation", daemon=True)
-
-    def _list_nodes(self, **kwargs: Any) -> Any:
-        """`kube.watch` reads plain JSON, as the custom object APIs give it: lists are parsed here, watches by it."""
-        if kwargs.get("watch"):
-            return self.core.list_node(**kwargs)
-        raw: Any = self.core.list_node(_preload_content=False, **kwargs)  # the HTTP response, unparsed
-        return json.loads(raw.data)
 
     def _on_nodes(self, objects: dict[tuple[str, str], Any]) -> None:
         found = {}
@@ -374,13 +366,8 @@ class TierSync:
         self.cluster_nodes = prom.Gauge(
             "volga_cluster_nodes", "Nodes with a fresh heartbeat (all, emergency), as the operator published it",
             ["state"], registry=registry)
-        core = sync.core
-
-        def configmaps(**kwargs: Any) -> Any:
-            raw: Any = core.list_namespaced_config_map(**{"_preload_content": False, **kwargs})
-            return raw if kwargs.get("watch") else json.loads(raw.data)
-
-        self.watch = watch.Watch("cluster-watermarks", configmaps, self._on_watermarks, namespace=self.namespace,
+        self.watch = watch.Watch("cluster-watermarks", watch.json_lister(sync.core.list_namespaced_config_map),
+                                 self._on_watermarks, namespace=self.namespace,
                                  field_selector=f"metadata.name={labels.CLUSTER_CONFIGMAP}")
         self._thread = threading.Thread(target=self._beat, name="autonomy-heartbeat", daemon=True)
 
@@ -430,6 +417,8 @@ class TierSync:
                 self._stop.wait(min(self.period, 5.0))
                 continue
             written, last = state, time.monotonic()
+
+
 # -- calibration on request ------------------------------------------------------------------------------
 
 LEASE_SEC = 60
@@ -558,8 +547,7 @@ class Calibrations:
                 continue
             index = (spec.get("gpu") or {}).get("index")
             device = "cpu" if index is None else f"cuda:{index}"
-            kind = "cpu" if index is None else next(
-                (g.product for g in gpus_found if g.index == index and g.product), device)
+            kind = gpus.kind_of(device, gpus_found)
             devices.setdefault((ns, str(spec.get("modelSpec", ""))), {}).setdefault(kind, device)
         wanted = []
         for (ns, name), obj in objects.items():

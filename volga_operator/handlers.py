@@ -35,7 +35,6 @@ import collections
 import contextlib
 import dataclasses
 import functools
-import json
 import logging
 import os
 import queue
@@ -212,10 +211,6 @@ class Loop:
         custom = kubernetes.client.CustomObjectsApi(kube_client.api_client(connections=len(self.synced)))
         core = kubernetes.client.CoreV1Api(custom.api_client)
 
-        def nodes(**kwargs: Any) -> Any:
-            raw: Any = core.list_node(**{"_preload_content": False, **kwargs})  # the JSON, not V1Node models
-            return raw if kwargs.get("watch") else json.loads(raw.data)
-
         def handed_over(kind: str) -> tuple[Callable[[list[Any]], None], Callable[[str, Any], None]]:
             assert self._loop is not None
             post = self._loop.call_soon_threadsafe
@@ -230,7 +225,7 @@ class Loop:
             return listed, event
 
         for kind in self.synced:
-            lister = nodes if kind == "nodes" else functools.partial(
+            lister = watch.json_lister(core.list_node) if kind == "nodes" else functools.partial(
                 custom.list_cluster_custom_object, api.GROUP, api.VERSION, kind)
             self.watches.append(watch.Events(kind, lister, *handed_over(kind)))
         for w in self.watches:

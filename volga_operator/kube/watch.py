@@ -24,6 +24,18 @@ LIST_PAGE = 500
 WATCH_TIMEOUT_S = 300
 
 
+def json_lister(list_call: Callable[..., Any]) -> Callable[..., Any]:
+    """A core API list call (`CoreV1Api.list_node`, `list_namespaced_config_map`, ...) as `Events` calls it: a list
+    answers the API server's JSON as dicts (not the client's models, as the custom object APIs answer), a watch the
+    unparsed response `Events` reads line by line."""
+
+    def lister(**kwargs: Any) -> Any:
+        raw = list_call(**{"_preload_content": False, **kwargs})
+        return raw if kwargs.get("watch") else json.loads(raw.data)
+
+    return lister
+
+
 class Events:
     """List + watch one resource forever on a thread, handing over each object as it comes rather than the whole
     set (`Watch`): for a controller holding thousands of objects, where a copy of them all per event would cost
