@@ -231,9 +231,10 @@ def emergencies(state: State, now: float) -> dict[str, Heard]:
             if h.autonomy.state == EMERGENCY and h.fresh(now) and node in state.nodes}
 
 
-def due_nodes(state: State, now: float) -> dict[str, Heard]:
-    """The nodes in EMERGENCY for at least `migrate_after_sec`: their chains are to move."""
-    return {node: h for node, h in emergencies(state, now).items()
+def due_nodes(state: State, now: float, urgent: Mapping[str, Heard] | None = None) -> dict[str, Heard]:
+    """The nodes in EMERGENCY (`urgent`, worked out here when not given) for at least `migrate_after_sec`: their
+    chains are to move."""
+    return {node: h for node, h in (emergencies(state, now) if urgent is None else urgent).items()
             if h.in_state_for(now) >= state.tier.migrate_after_sec}
 
 
@@ -266,10 +267,10 @@ class Move:
     reason: str
 
 
-def _moves(state: State, specs: Mapping[str, api.ModelSpecSpec], groups: Mapping[str, tuple[str, ...]],
-           now: float) -> list[Move]:
-    """The chains among `specs` with instances on a node due for a move, and not moved within min_interval_sec."""
-    due = due_nodes(state, now)
+def _moves(state: State, groups: Mapping[str, tuple[str, ...]], now: float, urgent: Mapping[str, Heard]
+           ) -> list[Move]:
+    """The chains of `groups` with instances on a node due for a move, and not moved within min_interval_sec."""
+    due = due_nodes(state, now, urgent)
     if not due:
         return []
     moves = []
@@ -326,10 +327,12 @@ def compute(state: State, keys: Iterable[Key], now: str | None = None, settle: b
         del valid[plan_key]
         invalid[(plan_key.partition("/")[0], plan_key.partition("/")[2])] = problem
     clock = conditions.unix(now) or 0.0
+    urgent = emergencies(state, clock)
     groups = planner.chains(valid)
-    moved, move_desired = move_chains(state, valid, now, _moves(state, valid, groups, clock))
+    avoid = frozenset(urgent)
+    moved, move_desired = move_chains(state, valid, now, _moves(state, groups, clock, urgent), avoid)
     moving = {m for done in moved.values() for m in done.move.members}
-    result = place(state, {k: spec for k, spec in valid.items() if k not in moving}, now)
+    result = place(state, {k: spec for k, spec in valid.items() if k not in moving}, now, avoid)
     result = planner.Plan((*move_desired, *result.desired), result.unplaced)
     by_spec: dict[str, list[planner.Desired]] = {}
     for d in result.desired:
@@ -365,18 +368,21 @@ class Moved:
     to: tuple[str, ...]
 
 
-def move_chains(state: State, specs: Mapping[str, api.ModelSpecSpec], now: str,
-                moves: Iterable[Move]) -> tuple[dict[str, Moved], list[planner.Desired]]:
+def move_chains(state: State, specs: Mapping[str, api.ModelSpecSpec], now: str, moves: Iterable[Move],
+                avoid: frozenset[str]) -> tuple[dict[str, Moved], list[planner.Desired]]:
     """The chains of `moves` planned again without the nodes they leave: a chain moves only where each of its
-    instances that leaves finds a node not in EMERGENCY (else it stays). The moves made, by head, and the plan of
-    their members."""
-    avoid = frozenset(emergencies(state, conditions.unix(now) or 0.0))
+    instances that leaves finds a node not in EMERGENCY (`avoid`; else it stays). The moves made, by head, and the
+    plan of their members."""
     moved: dict[str, Moved] = {}
     move_desired: list[planner.Desired] = []
     for move in moves:
         mine = {m: specs[m] for m in move.members}
-        observed = [o for o in _observed_for(state, mine, now) if not (o.model_spec in mine and o.node in move.away)]
-        leaving = {o.name for o in _observed_for(state, mine, now) if o.model_spec in mine and o.node in move.away}
+        observed, leaving = [], set()
+        for o in _observed_for(state, mine, now):
+            if o.model_spec in mine and o.node in move.away:
+                leaving.add(o.name)
+            else:
+                observed.append(o)
         nodes = [n for n in state.nodes.values() if n.name not in move.away]
         trial = planner.plan(mine, nodes, observed, shared_images(state, mine), avoid)
         to = [d.node for d in trial.desired if d.name in leaving]
@@ -387,11 +393,12 @@ def move_chains(state: State, specs: Mapping[str, api.ModelSpecSpec], now: str,
     return moved, move_desired
 
 
-def place(state: State, planning: Mapping[str, api.ModelSpecSpec], now: str) -> planner.Plan:
+def place(state: State, planning: Mapping[str, api.ModelSpecSpec], now: str,
+          avoid: frozenset[str] | None = None) -> planner.Plan:
     """`planner.plan` for these ModelSpecs against every node, with a shortcut that gives the same answer: a spec
     whose EMIs all stay where they are is planned against its own EMIs' nodes only (a handful, not every node).
     Only specs that need a new placement pay for scoring the whole cluster; nodes in EMERGENCY take their new
-    instances only when no other node can."""
+    instances only when no other node can (`avoid`, worked out here when not given)."""
     kept_plans: dict[str, list[planner.Desired]] = {}
     rest: dict[str, api.ModelSpecSpec] = {}
     for plan_key, spec in planning.items():
@@ -408,7 +415,8 @@ def place(state: State, planning: Mapping[str, api.ModelSpecSpec], now: str) -> 
     desired = [d for plans in kept_plans.values() for d in plans]
     if not rest:
         return planner.Plan(tuple(desired), {})
-    avoid = frozenset(emergencies(state, conditions.unix(now) or 0.0))
+    if avoid is None:
+        avoid = frozenset(emergencies(state, conditions.unix(now) or 0.0))
     result = planner.plan(rest, state.nodes.values(), _observed_for(state, rest, now), shared_images(state, rest),
                           avoid)
     return planner.Plan((*desired, *result.desired), result.unplaced)
