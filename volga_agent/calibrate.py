@@ -53,11 +53,7 @@ class StartFailed(RuntimeError):
 
 def device_name(device: str) -> str:
     """cpu, or the product name of the GPU (as status.calibrated keys it)."""
-    if not device.startswith("cuda"):
-        return "cpu"
-    index = int(device.partition(":")[2] or 0)
-    found = next((g.product for g in gpus.discover() if g.index == index), "")
-    return found or device
+    return gpus.kind_of(device, gpus.discover() if device.startswith("cuda") else ())
 
 
 def _peak_rss(pid: int) -> int:

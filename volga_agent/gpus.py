@@ -134,6 +134,15 @@ def discover(sysfs_root: str | pathlib.Path = "/sys") -> list[GpuInfo]:
             log.debug("nvmlShutdown failed: %s", exc)
 
 
+def kind_of(device: str, found: Sequence[GpuInfo]) -> str:
+    """What a device is, as calibrations and device hints name it: "cpu", or the product of the GPU `device`
+    ("cuda:N") names among `found` (the device itself when it is not among them)."""
+    if not device.startswith("cuda"):
+        return "cpu"
+    index = int(device.partition(":")[2] or 0)
+    return next((g.product for g in found if g.index == index and g.product), device)
+
+
 def node_profile(found: Sequence[GpuInfo], name: str) -> planner.NodeProfile:
     """The node as the planner sees it: products comma-separated when a node mixes them; the smallest GPU's
     memory, so that a model fitting it fits on any GPU of the node; the known NUMA nodes."""

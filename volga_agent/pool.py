@@ -340,7 +340,8 @@ class Pool:
             raise errors.UnknownModel(f"no instance of model {model_id!r} on node {self.node}")
 
         def rank(slot: Slot) -> tuple[int, int, str]:
-            hinted = 0 if not device_hint or device_hint in (slot.inst.device, _product(self.gpus, slot)) else 1
+            device = slot.inst.device
+            hinted = 0 if not device_hint or device_hint in (device, gpu_discovery.kind_of(device, self.gpus)) else 1
             return hinted, policy.RANK[slot.inst.tier], slot.inst.name
 
         return min(slots, key=rank)
@@ -598,11 +599,3 @@ def _rss(pid: int) -> int:
         return int(pathlib.Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE
     except (OSError, IndexError, ValueError):
         return 0
-
-
-def _product(gpus: Sequence[gpu_discovery.GpuInfo], slot: Slot) -> str:
-    device = slot.inst.device
-    if not device.startswith("cuda"):
-        return "cpu"
-    index = int(device.partition(":")[2] or 0)
-    return next((g.product for g in gpus if g.index == index), "")

@@ -22,7 +22,7 @@ import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
-from volga_agent import errors, metrics, policy, pool
+from volga_agent import errors, gpus, metrics, policy, pool
 from volga_agent.autonomy import decider, sampler
 from volga_agent.autonomy import window as windows
 from volga_operator import api, planner
@@ -180,17 +180,11 @@ class Views:
                 name, head.slo, own.baselines, False, False, max_batch, members))
         return cached[2]
 
-    def _kind(self, device: str) -> str:
-        if not device.startswith("cuda"):
-            return "cpu"
-        index = int(device.partition(":")[2] or 0)
-        return next((g.product for g in self.pool.gpus if g.index == index and g.product), device)
-
     def _view(self, spec: api.ModelSpecSpec, device: str, measured: Sequence[api.Calibration]) -> decider.ModelView:
         view = decider.ModelView.of(spec, False, False)
         if view.baselines:
             return view
-        kind = self._kind(device)
+        kind = gpus.kind_of(device, self.pool.gpus)
         entry = next((c for c in measured if c.device == kind and c.holds_for(spec.version, spec.input_hash())),
                      None)
         if entry is None:
