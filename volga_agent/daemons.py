@@ -171,7 +171,7 @@ def agent_main(argv: list[str] | None = None) -> int:
         if not off and autonomy is not None and steering is not None and tokens is not None:
             water = exchange.Water(node_pool, autonomy, steering, args.gateway_address)
             levels = neighbours.LevelExchange(args.node, water, tokens.values[0].decode(),
-                                              settings.neighbours_period_ms, node_metrics.registry)
+                                              settings.neighbours_period_ms, node_metrics)
         grpc_server, port = await server.serve(node_pool, args.agent_host, args.port, args.socket, tokens,
                                                steering, settings.autonomy_exchange_ms, levels, off)
         metrics_runner, metrics_port = await metrics.serve([node_metrics.registry], args.host, args.metrics_port,

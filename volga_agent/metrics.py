@@ -79,6 +79,15 @@ class AgentMetrics:
         self.shared_publishes = prom.Counter(
             "volga_snapshot_shared_publishes", "Images this node published to the shared storage", ["model"],
             registry=r)
+        # The neighbour exchange (volga_agent/neighbours.py).
+        self.neighbour_sent = prom.Counter("volga_neighbour_exchanges_sent", "ExchangeLevel calls to a neighbour",
+                                           ["neighbour"], registry=r)
+        self.neighbour_failed = prom.Counter("volga_neighbour_exchanges_failed", "ExchangeLevel calls to a "
+                                             "neighbour that got no answer", ["neighbour"], registry=r)
+        self.neighbour_age = prom.Gauge("volga_neighbour_level_age_ms", "How old the latest level of each neighbour "
+                                        "is", ["neighbour"], registry=r)
+        self.neighbour_level_bytes = prom.Gauge("volga_neighbour_level_bytes", "Size of this node's level message",
+                                                registry=r)
 
 
 class GatewayMetrics:
@@ -99,6 +108,9 @@ class GatewayMetrics:
         self.forwards = prom.Counter(
             "volga_gateway_forwards", "Requests passed to another node's gateway (model not placed here)", ["model"],
             registry=r)
+        self.neighbour_forwards = prom.Counter(
+            "volga_gateway_neighbour_forwards", "Requests of an overloaded node passed to a neighbour's gateway",
+            ["model", "target"], registry=r)
         self.route_cache = prom.Counter(
             "volga_gateway_route_cache", "Routing cache lookups", ["result"], registry=r)
         self.batch_size = prom.Histogram(

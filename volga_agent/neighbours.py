@@ -23,13 +23,12 @@ import dataclasses
 import logging
 import threading
 import time
-import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import grpc
-import prometheus_client as prom
 
+from volga_agent import metrics
 from volga_agent.rpc.volga.v1 import agent_pb2 as pb
 from volga_agent.rpc.volga.v1 import agent_pb2_grpc as pb_grpc
 
@@ -152,54 +151,19 @@ class Source(Protocol):
         ...
 
 
-class Metrics:
-    """The agent's series of the exchange (one set per registry)."""
-
-    def __init__(self, registry: prom.CollectorRegistry) -> None:
-        self.sent = prom.Counter("volga_neighbour_exchanges_sent", "ExchangeLevel calls to a neighbour",
-                                 ["neighbour"], registry=registry)
-        self.failed = prom.Counter("volga_neighbour_exchanges_failed", "ExchangeLevel calls to a neighbour that got "
-                                   "no answer", ["neighbour"], registry=registry)
-        self.age = prom.Gauge("volga_neighbour_level_age_ms", "How old the latest level of each neighbour is",
-                              ["neighbour"], registry=registry)
-        self.level_bytes = prom.Gauge("volga_neighbour_level_bytes", "Size of this node's level message",
-                                      registry=registry)
-
-
-_metrics: weakref.WeakKeyDictionary[prom.CollectorRegistry, Metrics] = weakref.WeakKeyDictionary()
-_forwards: weakref.WeakKeyDictionary[prom.CollectorRegistry, prom.Counter] = weakref.WeakKeyDictionary()
-
-
-def metrics_of(registry: prom.CollectorRegistry) -> Metrics:
-    found = _metrics.get(registry)
-    if found is None:
-        found = _metrics[registry] = Metrics(registry)
-    return found
-
-
-def forwards_of(registry: prom.CollectorRegistry) -> prom.Counter:
-    """The gateway's count of requests its overloaded node passed to a neighbour, by model and neighbour."""
-    found = _forwards.get(registry)
-    if found is None:
-        found = _forwards[registry] = prom.Counter(
-            "volga_gateway_neighbour_forwards", "Requests of an overloaded node passed to a neighbour's gateway",
-            ["model", "target"], registry=registry)
-    return found
-
-
 class LevelExchange:
     """The agent's side: every `period_ms` send this node's level to each neighbour and keep theirs; keep the
     levels neighbours send in (`receive`); hand out the fresh ones (`fresh`). Neighbours come from `directory`
     (node name -> Agent API address), which may change at any time (`set_directory`: a Node watch)."""
 
     def __init__(self, node: str, source: Source, token: str = "", period_ms: float = 200.0,
-                 registry: prom.CollectorRegistry | None = None, stale_after_s: float = STALE_AFTER_S) -> None:
+                 agent_metrics: metrics.AgentMetrics | None = None, stale_after_s: float = STALE_AFTER_S) -> None:
         self.node = node
         self.source = source
         self.metadata = [("authorization", f"Bearer {token}")] if token else None
         self.period = period_ms / 1e3
         self.stale_after_s = stale_after_s
-        self.metrics = metrics_of(registry or prom.CollectorRegistry())
+        self.metrics = agent_metrics or metrics.AgentMetrics()
         self._lock = threading.Lock()
         self._directory: dict[str, str] = {}
         self._heard: dict[str, Heard] = {}
@@ -220,7 +184,7 @@ class LevelExchange:
             log.info("neighbours of node %s: %s", self.node, ", ".join(now) or "none")
             for gone in set(before) - set(now):
                 with contextlib.suppress(KeyError):
-                    self.metrics.age.remove(gone)
+                    self.metrics.neighbour_age.remove(gone)
 
     def neighbours(self) -> tuple[str, ...]:
         with self._lock:
@@ -295,7 +259,7 @@ class LevelExchange:
         with self._lock:
             addresses = {n: self._directory[n] for n in names if n in self._directory}
         message = to_pb(self.own())
-        self.metrics.level_bytes.set(message.ByteSize())
+        self.metrics.neighbour_level_bytes.set(message.ByteSize())
         await asyncio.gather(*(self._call(n, a, message) for n, a in addresses.items()))
         self._forget_channels(set(addresses.values()))
         now = time.monotonic()
@@ -304,17 +268,17 @@ class LevelExchange:
         for name in names:
             kept = heard.get(name)
             if kept is not None:
-                self.metrics.age.labels(name).set(round(kept.age(now) * 1e3, 1))
+                self.metrics.neighbour_age.labels(name).set(round(kept.age(now) * 1e3, 1))
 
     async def _call(self, name: str, address: str, message: Any) -> None:
-        self.metrics.sent.labels(name).inc()
+        self.metrics.neighbour_sent.labels(name).inc()
         try:
             # A slow answer still counts while it is fresh: up to half the time a level stays fresh.
             timeout = max(self.period, self.stale_after_s / 2)
             reply = await self._stub(address).ExchangeLevel(message, timeout=timeout, metadata=self.metadata)
             level, age_ms = from_pb(reply)
         except (grpc.aio.AioRpcError, ValueError) as exc:
-            self.metrics.failed.labels(name).inc()
+            self.metrics.neighbour_failed.labels(name).inc()
             why = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
             if name not in self._failing:
                 log.warning("neighbour %s (%s) gave no level (retrying): %s", name, address, why)

@@ -180,7 +180,6 @@ class Dataplane:
         self._outstanding: dict[str, int] = {}
         self._state = ""  # the node's autonomy state
         self._neighbours: tuple[neighbours.Heard, ...] = ()
-        self.neighbour_forwards = neighbours.forwards_of(self.metrics.registry)
 
     # -- control (a node's autonomy loop; any thread) ------------------------------------------------
 
@@ -455,7 +454,7 @@ class Dataplane:
                     raise
                 log.info("model %r: neighbour %s did not take the request: %s", model, target.node, exc.message)
             else:
-                self.neighbour_forwards.labels(model, target.node).inc()
+                self.metrics.neighbour_forwards.labels(model, target.node).inc()
                 return outputs
         if retry_after_ms is None:
             return None
@@ -523,7 +522,7 @@ class Dataplane:
         finally:
             _diverted.reset(token)
             # Names clients make up must not become label values: one series per known model only.
-            label = model if known or self.catalog.find_ensemble(model) is not None else UNKNOWN_MODEL_LABEL
+            label = model if known or found is not None else UNKNOWN_MODEL_LABEL
             elapsed_ms = (time.perf_counter() - start) * 1e3
             self.metrics.requests.labels(label, proto, code).inc()
             if code == "OK":
