@@ -81,8 +81,8 @@ def decls(tensors: Sequence[api.TensorSpec]) -> tuple[contract.TensorDecl, ...]:
 
 
 def worker_config(spec: api.ModelSpecSpec, workdir: pathlib.Path, device: str, cpus: tuple[int, ...] = (),
-                  warmup_cache_ratio: float | None = None, reset_rng_on_restore: bool = False
-                  ) -> contract.WorkerConfig:
+                  warmup_cache_ratio: float | None = None, reset_rng_on_restore: bool = False,
+                  cuda_stack_bytes: int = contract.DEFAULT_CUDA_STACK_BYTES) -> contract.WorkerConfig:
     """The worker's configuration from its ModelSpec and the node's defaults: `warmup_cache_ratio` applies
     where the ModelSpec sets none; `reset_rng_on_restore` makes every restored copy re-seed, whatever the
     ModelSpec says (otherwise its runtime.resetRngOnRestore decides)."""
@@ -96,6 +96,7 @@ def worker_config(spec: api.ModelSpecSpec, workdir: pathlib.Path, device: str, c
         cuda_graph_batches=tuple(sorted(int(b) for b in spec.slo.baseline_latency_ms) or (1, 8))
         if spec.hardware.cuda_graphs and device.startswith("cuda") else (),
         cpus=cpus, precision=spec.hardware.precision.value,
+        cuda_stack_bytes=cuda_stack_bytes if device.startswith("cuda") else 0,
         restore_warmups=round((spec.runtime.warmup_cache_ratio or warmup_cache_ratio or 0.0)
                               * spec.runtime.warmup_iterations)), spec)
 
@@ -127,9 +128,8 @@ class Instance:
         self.workdir = pathlib.Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         process.claim(self.workdir)
-        self.config = worker_config(spec, self.workdir, device, cpus, warmup_cache_ratio, reset_rng_on_restore)
-        if device.startswith("cuda"):
-            self.config = dataclasses.replace(self.config, cuda_stack_bytes=cuda_stack_bytes)
+        self.config = worker_config(spec, self.workdir, device, cpus, warmup_cache_ratio, reset_rng_on_restore,
+                                    cuda_stack_bytes)
         if len(self.config.socket) > MAX_SOCKET_PATH:
             raise ValueError(f"socket path {self.config.socket} is longer than {MAX_SOCKET_PATH} bytes: "
                              "use a shorter run folder")
