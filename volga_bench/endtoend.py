@@ -124,10 +124,7 @@ async def run(cases: Sequence[Case], tiers: Sequence[Tier], n: int, settings: po
     """Serve every case in one `volga up`, and time each tier's first answer through the gateway."""
     import tritonclient.grpc as grpcclient
 
-    # The pool's loop does not run (tick_sec): only the bench moves instances, and only requests wake them.
-    options = local.Options(settings=settings or policy.Settings(), tick_sec=3600.0, http_port=0, grpc_port=0,
-                            metrics_port=0, agent_port=-1)
-    up = local.Embedded([c.spec for c in cases], options)
+    up = local.Embedded([c.spec for c in cases], _options(settings))
     await up.start()
     report: dict[str, Any] = {"models": {}}
     try:
@@ -135,13 +132,7 @@ async def run(cases: Sequence[Case], tiers: Sequence[Tier], n: int, settings: po
         client = grpcclient.InferenceServerClient(up.endpoints()["grpc"])
 
         def ask(case: Case) -> dict[str, np.ndarray]:
-            request = []
-            for name, value in case.inputs.items():
-                tensor = grpcclient.InferInput(name, list(value.shape), _triton_dtype(value.dtype))
-                tensor.set_data_from_numpy(value)
-                request.append(tensor)
-            result = client.infer(case.spec.spec.model_id, request)
-            return {t.name: result.as_numpy(t.name) for t in case.spec.spec.outputs}
+            return _ask(client, case)
 
         for case in cases:
             model = case.spec.spec.model_id
@@ -210,9 +201,7 @@ async def storm(cases: Sequence[Case], tiers: Sequence[Tier], rounds: int, setti
     at once (a client per model, released together): the time until all have answered, and the first."""
     import tritonclient.grpc as grpcclient
 
-    options = local.Options(settings=settings or policy.Settings(), tick_sec=3600.0, http_port=0, grpc_port=0,
-                            metrics_port=0, agent_port=-1)
-    up = local.Embedded([c.spec for c in cases], options)
+    up = local.Embedded([c.spec for c in cases], _options(settings))
     await up.start()
     report: dict[str, Any] = {"models": len(cases), "weights_bytes_each": cases[0].weights_bytes, "tiers": {}}
     threads = concurrent.futures.ThreadPoolExecutor(max_workers=len(cases) + 1)
@@ -223,14 +212,7 @@ async def storm(cases: Sequence[Case], tiers: Sequence[Tier], rounds: int, setti
         names = [up.pool.instances(c.spec.spec.model_id)[0].name for c in cases]
 
         def ask(k: int) -> dict[str, np.ndarray]:
-            case = cases[k]
-            request = []
-            for name, value in case.inputs.items():
-                tensor = grpcclient.InferInput(name, list(value.shape), _triton_dtype(value.dtype))
-                tensor.set_data_from_numpy(value)
-                request.append(tensor)
-            result = clients[k].infer(case.spec.spec.model_id, request, client_timeout=120)
-            return {t.name: result.as_numpy(t.name) for t in case.spec.spec.outputs}
+            return _ask(clients[k], cases[k], timeout=120)
 
         references = await asyncio.to_thread(lambda: list(threads.map(ask, range(len(cases)))))
         for tier in tiers:
@@ -283,6 +265,26 @@ def format_storm(report: dict[str, Any]) -> str:
                     f"{r['first_answered']['p50_ms']:>13.1f} {r['mismatches']:>11}")
     rows.append(f"restore failures {report['restore_failures']}")
     return "\n".join(rows)
+
+
+def _options(settings: policy.Settings | None) -> local.Options:
+    """One `volga up` whose pool loop does not run (tick_sec): only the bench moves instances, only requests wake
+    them."""
+    return local.Options(settings=settings or policy.Settings(), tick_sec=3600.0, http_port=0, grpc_port=0,
+                         metrics_port=0, agent_port=-1)
+
+
+def _ask(client: Any, case: Case, timeout: float | None = None) -> dict[str, np.ndarray]:
+    """One request of `case` through a tritonclient gRPC client; its declared outputs."""
+    import tritonclient.grpc as grpcclient
+
+    request = []
+    for name, value in case.inputs.items():
+        tensor = grpcclient.InferInput(name, list(value.shape), _triton_dtype(value.dtype))
+        tensor.set_data_from_numpy(value)
+        request.append(tensor)
+    result = client.infer(case.spec.spec.model_id, request, client_timeout=timeout)
+    return {t.name: result.as_numpy(t.name) for t in case.spec.spec.outputs}
 
 
 def _triton_dtype(dtype: np.dtype[Any]) -> str:
