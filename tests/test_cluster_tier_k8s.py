@@ -199,16 +199,21 @@ def test_a_chain_leaves_a_node_that_stays_in_emergency(cluster: Cluster, tmp_pat
     log = c.daemons["operator"].log.read_text()
     assert re.search(rf"tier/tier-det: chain tier-det, tier-rec moved from {pressed} to {target}", log), log[-2000:]
 
-    # Woken together there: a wake of the head (as its gateway asks for one) wakes the other member beside it.
+    # Woken together there: a wake of the head (as its gateway asks for one) wakes the other member beside it. Read
+    # from the agent itself (its Agent API), not through its batched status reports.
+    agent_api = f"127.0.0.1:{c.daemons[target].port('Agent API')}"
+
     async def wake() -> links.Route:
-        link = links.GrpcAgentLink(f"127.0.0.1:{c.daemons[target].port('Agent API')}")
-        return await link.activate("tier-det", "", 120_000)
+        return await links.GrpcAgentLink(agent_api).activate("tier-det", "", 120_000)
+
+    async def tiers() -> dict[str, str]:
+        link = links.GrpcAgentLink(agent_api)
+        return {m: ",".join(i.tier for i in await link.instances(m) or ()) for m in ("tier-det", "tier-rec")}
 
     route = asyncio.run(wake())
     assert route.instance.endswith("tier-det-0"), route
-
-    def tiers() -> dict[str, str]:
-        return {e["spec"]["modelId"]: e.get("status", {}).get("tier", "") for e in c.emis()}
-
-    assert wait_for("both members HOT on the target", lambda: set(tiers().values()) == {"HOT"} and tiers(),
-                    timeout=120)
+    try:
+        wait_for("both members HOT on the target", lambda: set(asyncio.run(tiers()).values()) == {"HOT"},
+                 timeout=300)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: {asyncio.run(tiers())}\n{c.daemons[target].log.read_text()[-4000:]}") from None
