@@ -35,13 +35,14 @@ Starting, watching and reaping the worker process is `process`'s; see docs/archi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import pathlib
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -73,6 +74,9 @@ class Transition:
     at: float
     fallback: bool = False
     detail: str = ""
+    # Where a wake's time went, in seconds: "restore" (criu), "driver" (the CUDA driver's restore and unlock),
+    # "wake" (the worker's own wake: parked weights back on the GPU, the canary answer). Empty for other moves.
+    phases: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
 
 def decls(tensors: Sequence[api.TensorSpec]) -> tuple[contract.TensorDecl, ...]:
@@ -157,6 +161,7 @@ class Instance:
         # (worker generation, digest of its canary answer); None until recorded, or when the model's answer
         # to the canary is not reproducible and so cannot tell a damaged restore.
         self._canary: tuple[int, str] | None = None
+        self._phases: dict[str, float] = {}  # the current move's phases (see Transition.phases)
         self._canary_usable = True
         self._image_generation = -1
         self._snapshot_generation = -1  # the worker state last snapshotted, by CRIU or the driver
@@ -226,16 +231,27 @@ class Instance:
 
     def _record(self, source: Tier, target: Tier, start: float, fallback: bool = False,
                 detail: str = "") -> Transition:
-        t = Transition(source, target, time.perf_counter() - start, time.time(), fallback, detail)
+        phases, self._phases = self._phases, {}
+        t = Transition(source, target, time.perf_counter() - start, time.time(), fallback, detail,
+                       {} if fallback else phases)
         self.history.append(t)
         self.tier = target
         return t
+
+    @contextlib.contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._phases[name] = self._phases.get(name, 0.0) + time.perf_counter() - start
 
     def to(self, target: Tier) -> Transition:
         """Make the move from the current tier to `target` that `MOVES` holds; a failed wake cold-starts."""
         source = self.tier
         if target == source:
             return Transition(source, target, 0.0, time.time(), detail="already there")
+        self._phases = {}
         move = MOVES.get((source, target))
         if move is None:
             raise IllegalTransition(f"{self.name}: {source.value} -> {target.value} is not a legal move")
@@ -424,7 +440,8 @@ class Instance:
     def _wake_worker(self) -> None:
         """The restored (or resumed) worker serves again, once its canary answer matches."""
         verify = self._canary is not None and self._canary[0] == self._snapshot_generation
-        self._verify(self.client().call("wake", canary=verify).header)
+        with self._phase("wake"):
+            self._verify(self.client().call("wake", canary=verify).header)
 
     def _to_cold(self) -> None:
         self._kill()
@@ -447,7 +464,8 @@ class Instance:
         self.client().call("offload")
 
     def _warm_to_hot(self) -> None:
-        self.client().call("reload")
+        with self._phase("wake"):
+            self.client().call("reload")
 
     def _hot_to_suspended(self) -> None:
         assert self.driver is not None and self.pid is not None
@@ -465,7 +483,8 @@ class Instance:
 
     def _suspended_to_hot(self) -> None:
         assert self.driver is not None and self.pid is not None
-        self.driver.resume(self.pid)
+        with self._phase("driver"):
+            self.driver.resume(self.pid)
         if self._paused:
             self._resume_worker(self.pid)
         self._wake_worker()
@@ -609,7 +628,8 @@ class Instance:
         pathlib.Path(self.config.socket).unlink(missing_ok=True)
         (self.signals / contract.RESTORE_COMPLETE).unlink(missing_ok=True)
         self._announce()
-        restored = self.criu.restore(self.image, lazy=self.lazy_restore if lazy is None else lazy)
+        with self._phase("restore"):
+            restored = self.criu.restore(self.image, lazy=self.lazy_restore if lazy is None else lazy)
         self.pid, self._restored = restored.pid, restored
         return restored.pid
 
@@ -621,7 +641,8 @@ class Instance:
         pid = self._restore(lazy)
         if self.gpu:
             assert self.driver is not None
-            self.driver.resume(pid)
+            with self._phase("driver"):
+                self.driver.resume(pid)
         self._resume_worker(pid)
         self._wake_worker()  # an image taken in SUSPENDED holds a worker that was told to sleep
 

@@ -30,6 +30,10 @@ class AgentMetrics:
         self.transition_latency = prom.Histogram(
             "volga_tier_transition_latency_ms", "Duration of every tier move", ["source", "target", "model"],
             buckets=LATENCY_MS_BUCKETS, registry=r)
+        self.wake_phase_latency = prom.Histogram(
+            "volga_wake_phase_latency_ms", "Where a wake's time went: restore (criu), driver (the CUDA driver's "
+            "restore), wake (the worker's own: weights back, canary answer)", ["tier", "phase", "model"],
+            buckets=LATENCY_MS_BUCKETS, registry=r)
         self.restore_failures = prom.Counter(
             "volga_snapshot_restore_failures", "Wakes that failed and fell back to a cold start", ["tier", "model"],
             registry=r)

@@ -307,6 +307,8 @@ class Pool:
                 self._publish_breaker(model, time.monotonic())
             else:
                 self.metrics.restore_latency.labels(source.value, model).observe(ms)
+                for phase, seconds in transition.phases.items():
+                    self.metrics.wake_phase_latency.labels(source.value, phase, model).observe(seconds * 1e3)
                 self.breaker.record_success(model)
         return transition
 

@@ -21,6 +21,9 @@ from volga_agent.worker import contract
 from volga_bench import reporting
 from volga_operator import api
 
+# A wake's phases (instance.Transition.phases) as the report names them, apart from the driver's own timings.
+WAKE_PHASES = {"restore": "criu_restore_ms", "driver": "driver_resume_ms", "wake": "worker_wake_ms"}
+
 Tier = api.Tier
 
 
@@ -121,6 +124,8 @@ def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pa
                 answer(run)
                 run.wake_s.append(time.perf_counter() - start)
                 run.fallbacks += int(woke.fallback)
+                for phase, seconds in woke.phases.items():
+                    run.phases.setdefault(WAKE_PHASES.get(phase, phase), []).append(seconds * 1e3)
                 if driver is not None and tier == Tier.SUSPENDED and pid in driver.timings:
                     for phase, ms in driver.timings.pop(pid).items():
                         run.phases.setdefault(phase, []).append(ms)
