@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import tempfile
 from collections.abc import Iterator
 
 import numpy as np
@@ -83,8 +84,11 @@ def test_in_place_swap_to_another_version(hot: instance.Instance, tmp_path: path
     x = request(hot)
     before = hot.infer(x)["probability"]
     pid = hot.pid
-    v2 = defaultmodel.build_onnx(tmp_path / "v2.onnx", rows=1000)  # same architecture, other weights
-    hot.client().call("swap", path=str(v2))
+    # The worker runs as its own user: the new version lies where that user may read it.
+    with tempfile.TemporaryDirectory(dir="/tmp") as readable:
+        os.chmod(readable, 0o755)
+        v2 = defaultmodel.build_onnx(pathlib.Path(readable) / "v2.onnx", rows=1000)  # same architecture, other weights
+        hot.client().call("swap", path=str(v2))
     after = hot.infer(x)["probability"]
     assert hot.pid == pid
     assert not np.array_equal(before, after)

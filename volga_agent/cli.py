@@ -142,6 +142,7 @@ def settings_from(args: argparse.Namespace) -> policy.Settings:
                                    "scheduler_eviction_policy": args.eviction_policy,
                                    "lazy_restore": args.lazy_restore or None,
                                    "allow_model_code": args.allow_model_code or None,
+                                   "worker_user": getattr(args, "worker_user", None),
                                    "max_instances": args.max_instances,
                                    "criu_timeout_floor_sec": args.criu_timeout_sec,
                                    "shared_snapshots": getattr(args, "shared_snapshots", None),
@@ -503,6 +504,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-model-code", action="store_true",
                    help="load pytorch models, which run code when loaded (a .py file, or a pickled module)")
     p.add_argument("--max-instances", type=int, help="instances this node runs at most (default: from its memory)")
+    p.add_argument("--worker-user", help="user workers drop to where their tiers allow it: NAME, UID or UID:GID; "
+                   "root keeps them root (default: nobody)")
     p.add_argument("--token-file", help="bearer tokens (one a line) the gateway requires, but for health checks")
     p.add_argument("--criu-timeout-sec", type=float,
                    help="seconds a CRIU call may take before it is killed, plus 10 per GiB it moves (default 10)")

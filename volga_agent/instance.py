@@ -86,10 +86,12 @@ def decls(tensors: Sequence[api.TensorSpec]) -> tuple[contract.TensorDecl, ...]:
 
 def worker_config(spec: api.ModelSpecSpec, workdir: pathlib.Path, device: str, cpus: tuple[int, ...] = (),
                   warmup_cache_ratio: float | None = None, reset_rng_on_restore: bool = False,
-                  cuda_stack_bytes: int = contract.DEFAULT_CUDA_STACK_BYTES) -> contract.WorkerConfig:
+                  cuda_stack_bytes: int = contract.DEFAULT_CUDA_STACK_BYTES,
+                  worker_user: tuple[int, int] = contract.NOBODY) -> contract.WorkerConfig:
     """The worker's configuration from its ModelSpec and the node's defaults: `warmup_cache_ratio` applies
     where the ModelSpec sets none; `reset_rng_on_restore` makes every restored copy re-seed, whatever the
-    ModelSpec says (otherwise its runtime.resetRngOnRestore decides)."""
+    ModelSpec says (otherwise its runtime.resetRngOnRestore decides); the worker drops to `worker_user`
+    (uid, gid; (0, 0) keeps it root) once started."""
     return warmup.configure(contract.WorkerConfig(
         model_id=spec.model_id, framework=spec.framework.value, path=str(spec.source_path),
         inputs=decls(spec.inputs), outputs=decls(spec.outputs), socket=str(workdir / "worker.sock"),
@@ -99,7 +101,7 @@ def worker_config(spec: api.ModelSpecSpec, workdir: pathlib.Path, device: str, c
         max_batch_size=spec.runtime.max_batch_size,
         cuda_graph_batches=tuple(sorted(int(b) for b in spec.slo.baseline_latency_ms) or (1, 8))
         if spec.hardware.cuda_graphs and device.startswith("cuda") else (),
-        cpus=cpus, precision=spec.hardware.precision.value,
+        cpus=cpus, precision=spec.hardware.precision.value, uid=worker_user[0], gid=worker_user[1],
         cuda_stack_bytes=cuda_stack_bytes if device.startswith("cuda") else 0,
         restore_warmups=round((spec.runtime.warmup_cache_ratio or warmup_cache_ratio or 0.0)
                               * spec.runtime.warmup_iterations)), spec)
@@ -126,14 +128,22 @@ class Instance:
                  warmup_cache_ratio: float | None = None, reset_rng_on_restore: bool = False,
                  verify_restores: bool = True, park_weights: bool = True,
                  die_with_agent: bool = True, shared_store: shared.Context | None = None,
-                 cuda_stack_bytes: int = contract.DEFAULT_CUDA_STACK_BYTES) -> None:
+                 cuda_stack_bytes: int = contract.DEFAULT_CUDA_STACK_BYTES,
+                 worker_user: tuple[int, int] = contract.NOBODY) -> None:
         self.name = name
         self.spec = spec
         self.workdir = pathlib.Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         process.claim(self.workdir)
+        # CUDA does not work inside a PID namespace that shares the host's /proc (cudaErrorOperatingSystem).
+        self.pid_namespace = not device.startswith("cuda") if pid_namespace is None else pid_namespace
+        # Workers drop to `worker_user` where the tiers they may reach allow it (docs/security.md).
+        self.root_reason = process.must_stay_root(self.pid_namespace, criu_engine is not None) \
+            if worker_user != (0, 0) else ""
+        if self.root_reason:
+            log.info("%s: the worker stays root: %s", name, self.root_reason)
         self.config = worker_config(spec, self.workdir, device, cpus, warmup_cache_ratio, reset_rng_on_restore,
-                                    cuda_stack_bytes)
+                                    cuda_stack_bytes, (0, 0) if self.root_reason else worker_user)
         if len(self.config.socket) > MAX_SOCKET_PATH:
             raise ValueError(f"socket path {self.config.socket} is longer than {MAX_SOCKET_PATH} bytes: "
                              "use a shorter run folder")
@@ -143,8 +153,6 @@ class Instance:
         self.driver = driver
         self.device = device
         self.start_timeout = start_timeout
-        # CUDA does not work inside a PID namespace that shares the host's /proc (cudaErrorOperatingSystem).
-        self.pid_namespace = not device.startswith("cuda") if pid_namespace is None else pid_namespace
         self.tier = Tier.COLD
         self.pid: int | None = None
         self.image: criu.Image | None = None
@@ -213,18 +221,13 @@ class Instance:
     def _announce(self) -> None:
         """Name this agent as the one a paused (or restored) worker waits for."""
         self.signals.mkdir(parents=True, exist_ok=True)
-        tmp = self.signals / f".{contract.AGENT}.tmp"
-        tmp.write_text(contract.process_identity(os.getpid()))
-        tmp.replace(self.signals / contract.AGENT)
+        contract.publish(self.signals, contract.AGENT, contract.process_identity(os.getpid()))
 
     def _resume_worker(self, pid: int) -> None:
         """Tell a paused (or restored) worker to carry on serving: the restore-complete hook. The file holds our
         PID, against which the worker arms its parent-death signal again (published whole, by a rename)."""
         self._paused = False
-        done = self.signals / contract.RESTORE_COMPLETE
-        partial = done.with_name(f".{done.name}")
-        partial.write_text(str(os.getpid()))
-        os.replace(partial, done)
+        contract.publish(self.signals, contract.RESTORE_COMPLETE, str(os.getpid()))
         os.kill(pid, contract.WAKE_SIGNAL)
 
     # -- tiers ---------------------------------------------------------------------------------------
@@ -588,6 +591,7 @@ class Instance:
     def _park_path(self, generation: int) -> pathlib.Path:
         assert self.parked_dir is not None
         self.parked_dir.mkdir(parents=True, exist_ok=True)
+        process.hand_over(self.parked_dir, self.config)  # the worker writes its weights there
         return self.parked_dir / f"weights-{generation}-{os.urandom(4).hex()}.bin"
 
     def _drop_parked(self, keep: pathlib.Path | None = None) -> None:

@@ -31,6 +31,8 @@ import collections
 import dataclasses
 import difflib
 import enum
+import grp
+import pwd
 import threading
 import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -168,6 +170,18 @@ class Settings(pydantic.BaseModel):
     # annotation (state, since, memory), besides writing it at once when the state changes. The operator reads
     # a heartbeat older than three of these as no news (docs/architecture.md, "The cluster tier").
     autonomy_heartbeat_sec: Annotated[float, pydantic.Field(ge=0.5, le=3600)] = 5.0
+    # The user workers drop to once started, where their tiers allow it (docs/security.md): a user name, UID or
+    # UID:GID; "root" keeps them root.
+    worker_user: str = "nobody"
+
+    @pydantic.field_validator("worker_user")
+    @classmethod
+    def _known_user(cls, value: str) -> str:
+        worker_ids(value)
+        return value
+
+    def worker_ids(self) -> tuple[int, int]:
+        return worker_ids(self.worker_user)
 
     @pydantic.model_validator(mode="before")
     @classmethod
@@ -490,3 +504,26 @@ class CircuitBreaker:
         if trip is None or trip.open_until is None:
             return BreakerState.CLOSED
         return BreakerState.OPEN if now < trip.open_until else BreakerState.HALF_OPEN
+
+
+def worker_ids(user: str) -> tuple[int, int]:
+    """The (uid, gid) of settings.worker_user: a name, UID or UID:GID; "root" is (0, 0). ValueError names it."""
+    name, _, group = user.strip().partition(":")
+    try:
+        if name.isdigit():
+            uid = int(name)
+            try:
+                gid = pwd.getpwuid(uid).pw_gid
+            except KeyError:
+                gid = uid
+        else:
+            entry = pwd.getpwnam(name)
+            uid, gid = entry.pw_uid, entry.pw_gid
+        if group:
+            gid = int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+    except KeyError:
+        if user == "nobody":
+            return contract.NOBODY
+        raise ValueError(f"settings.worker_user: no such user or group here: {user!r} "
+                         "(a name, UID or UID:GID; root keeps workers root)") from None
+    return uid, gid

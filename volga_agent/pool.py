@@ -199,7 +199,8 @@ class Pool:
                                              reset_rng_on_restore=self.settings.reset_rng_on_restore,
                                              verify_restores=self.settings.verify_restores,
                                              shared_store=self.shared,
-                                             cuda_stack_bytes=self.settings.gpu_stack_bytes)
+                                             cuda_stack_bytes=self.settings.gpu_stack_bytes,
+                                             worker_user=self.settings.worker_ids())
                 except (OSError, ValueError) as exc:
                     self.failed[name] = f"{type(exc).__name__}: {exc}"
                     self._failed_specs[name] = spec

@@ -250,6 +250,7 @@ def spawn(name: str, config: contract.WorkerConfig, workdir: pathlib.Path, logfi
     signals.mkdir(parents=True, exist_ok=True)
     for leftover in signals.iterdir():
         leftover.unlink()
+    hand_over(signals, config)
     config_path = workdir / "config.json"
     config_path.write_text(config.to_json())
     nsinit.become_subreaper()
@@ -258,6 +259,35 @@ def spawn(name: str, config: contract.WorkerConfig, workdir: pathlib.Path, logfi
     if out.returncode != 0:
         raise WorkerStartError(f"{name}: could not start worker: {out.stderr.strip()}")
     return int(out.stdout.strip())
+
+
+CAP_SYS_RESOURCE = 24
+
+
+def _has_capability(bit: int) -> bool:
+    for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> bit & 1)
+    return False
+
+
+def must_stay_root(pid_namespace: bool, snapshots: bool) -> str:
+    """Why a worker cannot drop to its own user here ('' when it can): CRIU, to dump it, mounts /proc from inside
+    a worker's own PID namespace (CAP_SYS_ADMIN in the worker) and reads its rlimits (CAP_SYS_RESOURCE in the
+    agent, over a worker of another user)."""
+    if not snapshots:
+        return ""
+    if pid_namespace:
+        return "criu mounts /proc from inside the worker's PID namespace, which needs CAP_SYS_ADMIN in the worker"
+    if os.geteuid() == 0 and not _has_capability(CAP_SYS_RESOURCE):
+        return "criu reads the rlimits of a worker of another user, which needs CAP_SYS_RESOURCE, missing here"
+    return ""
+
+
+def hand_over(folder: pathlib.Path, config: contract.WorkerConfig) -> None:
+    """Give a folder the worker writes in (its signals, its parked weights) to the user it runs as."""
+    if (config.uid or config.gid) and os.geteuid() == 0:
+        os.chown(folder, config.uid, config.gid)
 
 
 def alive(pid: int) -> bool:
@@ -286,7 +316,7 @@ def wait_for(name: str, pid: int, predicate: Callable[[], bool], what: str, time
     failed = signals / contract.FAILED
     while not predicate():
         if failed.exists():
-            raise WorkerStartError(f"{name}: worker failed: {failed.read_text()}")
+            raise WorkerStartError(f"{name}: worker failed: {contract.read_signal(failed)}")
         if not alive(pid):
             raise WorkerStartError(f"{name}: worker exited before {what}:\n{log_tail(logfile)}")
         if time.monotonic() > deadline:

@@ -31,6 +31,20 @@ SHM_DIR = pathlib.Path("/dev/shm") if pathlib.Path("/dev/shm").is_dir() else pat
 SHM_PREFIX = "volga-shm-"  # the names workers give segments (worker/serve.py)
 
 
+def share(fd: int, offer: dict[str, Any]) -> bool:
+    """Let a worker of another user (it dropped to its own, docs/security.md) read and write a segment we own:
+    through its group, which we must be root or a member of to give the file. Whether it can."""
+    uid, gid = offer.get("uid"), offer.get("gid")
+    if not isinstance(uid, int) or not isinstance(gid, int) or uid in (0, os.geteuid()):
+        return True
+    try:
+        os.fchown(fd, -1, gid)
+        os.fchmod(fd, 0o660)
+    except OSError:
+        return False
+    return True
+
+
 class WorkerGone(ConnectionError):
     """The worker did not run the request (unreachable, or it said goodbye for a checkpoint): retry."""
 
@@ -68,6 +82,9 @@ class Connection:
             return  # a worker that offers no segment here: tensors travel in the frames
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
+            if not share(fd, header):
+                path.unlink(missing_ok=True)
+                return  # a worker of a group we cannot give the segment to: tensors travel in the frames
             os.ftruncate(fd, size)
             segment = mmap.mmap(fd, size)
         finally:

@@ -9,6 +9,7 @@ stays small and starts fast.
 from __future__ import annotations
 
 import abc
+import importlib
 import mmap
 import os
 import pathlib
@@ -109,7 +110,7 @@ class TorchBackend(Backend):
         self.device = torch.device(config.device)
         if config.framework == "torchscript":
             module = torch.jit.load(config.path, map_location="cpu")
-        elif config.path.endswith(".py"):
+        elif os.path.realpath(config.path).endswith(".py"):  # the path may name the file through /proc/self/fd
             namespace: dict[str, Any] = {"__file__": config.path, "__name__": "volga_user_model"}
             exec(compile(pathlib.Path(config.path).read_text(), config.path, "exec"), namespace)
             module = namespace["build_model"]()
@@ -381,6 +382,14 @@ def _set_stack_limit(nbytes: int) -> None:
     if code != 0:
         print(f"cuCtxSetLimit(CU_LIMIT_STACK_SIZE, {nbytes}) failed ({code}); the driver's stack size stays",
               file=sys.stderr)
+
+
+def preload(framework: str) -> None:
+    """Import the framework before the worker drops to its own user, who may not read the folders it lives in."""
+    if framework == "onnx":
+        importlib.import_module("onnxruntime")
+    elif framework in ("torchscript", "pytorch"):
+        importlib.import_module("torch")
 
 
 def load_backend(config: contract.WorkerConfig) -> Backend:

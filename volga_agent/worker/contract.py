@@ -32,6 +32,8 @@ AGENT = "agent"
 # so that a damaged image is caught before it answers a request.
 CANARY_SEED = 0x5EED
 WAKE_SIGNAL = nsinit.WAKE_SIGNAL
+# The user and group workers drop to unless told otherwise: nobody and nogroup.
+NOBODY = (65534, 65534)
 
 
 def _boottime_offset_ticks() -> int:
@@ -47,6 +49,24 @@ def _boottime_offset_ticks() -> int:
         if clock in ("boottime", "7"):  # CLOCK_BOOTTIME
             return (int(seconds) * 10**9 + int(nanoseconds)) * os.sysconf("SC_CLK_TCK") // 10**9
     return 0
+
+
+def publish(folder: pathlib.Path, name: str, text: str) -> None:
+    """Write a signal file whole (a temporary file, then a rename), never through a link: the signal folder
+    belongs to an unprivileged worker, and the agent that writes here is root."""
+    tmp = folder / f".{name}.tmp"
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+    os.replace(tmp, folder / name)
+
+
+def read_signal(path: pathlib.Path) -> str:
+    """A signal file's text, never through a link (a worker could plant one naming a file only root may read)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    with os.fdopen(fd, errors="replace") as source:
+        return source.read(1 << 16)
 
 
 def process_identity(pid: int) -> str:
@@ -129,6 +149,9 @@ class WorkerConfig:
     warmup: tuple[WarmupSample, ...] = ()  # declared warm-up samples (runtime.warmup); () runs made-up inputs
     warmup_file: str = ""  # an .npz of real inputs run after the declared samples (runtime.warmupFile)
     cuda_stack_bytes: int = 0  # per-thread stack the CUDA context reserves (CU_LIMIT_STACK_SIZE); 0: the driver's
+    # The user and group the worker drops to once started (`serve.drop_privileges`); 0 and 0: it stays the agent's.
+    uid: int = 0
+    gid: int = 0
 
     @classmethod
     def from_json(cls, text: str) -> WorkerConfig:

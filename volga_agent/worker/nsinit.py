@@ -45,6 +45,7 @@ CLONE_NEWPID = 0x20000000
 PR_SET_PDEATHSIG = 1
 PR_GET_PDEATHSIG = 2
 PR_SET_CHILD_SUBREAPER = 36
+PR_SET_NO_NEW_PRIVS = 38
 WAKE_SIGNAL = signal.SIGUSR1
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -88,6 +89,13 @@ def die_with(parent: int) -> bool:
     if not _running(parent):
         os._exit(1)
     return False
+
+
+def no_new_privileges() -> None:
+    """No exec of a set-user-ID or file-capability program gives this process (or its children) more rights."""
+    if _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl(PR_SET_NO_NEW_PRIVS): {os.strerror(err)}")
 
 
 def release_parent() -> bool:

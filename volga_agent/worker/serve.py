@@ -14,18 +14,26 @@ of `protocol`. It is the process CRIU freezes, so:
 Run as `python -m volga_agent.worker.serve CONFIG.json`; the agent starts it through `nsinit` so that it
 is the init of its own PID namespace, which CRIU restores with it and so never collides with other PIDs.
 See docs/architecture.md.
+
+It starts as the agent's user (root) and drops to its own (`WorkerConfig.uid`/`gid`, nobody by default) before
+it loads the model, so model code never runs as root (docs/security.md). What it needs of root's it takes first:
+its listening socket (bound where the agent said, owned as the agent would own it), its framework's modules,
+an unlimited RLIMIT_MEMLOCK (pinned host memory), and its signal folder and the model's folder as open
+descriptors named through /proc/self/fd, so that it reaches them whatever the folders above them allow.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import mmap
 import os
 import pathlib
 import random
+import resource
 import secrets
 import selectors
 import signal
@@ -58,16 +66,13 @@ def _trusted(conn: socket.socket) -> bool:
 class Worker:
     """One loaded model served on the config's socket until the process is killed (or frozen)."""
 
-    def __init__(self, config: contract.WorkerConfig) -> None:
+    def __init__(self, config: contract.WorkerConfig, listener: socket.socket | None = None) -> None:
         self.config = config
         self.signal_dir = pathlib.Path(config.signal_dir)
         self.started = time.time()
         self.load_seconds = 0.0
         self.backend = self._load()
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        pathlib.Path(config.socket).unlink(missing_ok=True)
-        self.listener.bind(config.socket)
-        self.listener.listen(64)
+        self.listener = listen(config.socket) if listener is None else listener
         self.conns: list[socket.socket] = []
         self.selector = selectors.PollSelector()
         # Shared-memory segments attached by co-located gateways, one per connection; dropped with it.
@@ -175,7 +180,8 @@ class Worker:
             raise protocol.WorkerError("INVALID_ARGUMENT", "shm_token: owner must be a non-negative integer")
         path = SHM_DIR / f"{SHM_PREFIX}{owner}-{secrets.token_hex(16)}"
         self.shm_offers[self._conn] = path
-        return {"path": str(path)}, []
+        # The peer keeps the segment; a worker of another user reads and writes it through its group.
+        return {"path": str(path), "uid": os.geteuid(), "gid": os.getegid()}, []
 
     def _op_attach_shm(self, frame: protocol.Frame) -> tuple[dict[str, Any], list[memoryview]]:
         """Map the segment named by this connection's shm_token: a regular file (no link followed) that the
@@ -189,17 +195,29 @@ class Worker:
         if offered is None or path != str(offered):
             raise protocol.WorkerError("PERMISSION_DENIED", f"attach_shm: {path!r} is not the segment this "
                                        "connection was given (shm_token)")
+        _, peer_uid, _ = struct.unpack("3i", self._conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                  struct.calcsize("3i")))
+        # Judged before it is opened (an unprivileged worker could not open most files to look), then again open.
+        try:
+            named = os.lstat(path)
+        except OSError as exc:
+            raise protocol.WorkerError("INVALID_ARGUMENT", f"attach_shm: {path}: {exc.strerror}") from None
+        for code, kind in ((errno.ELOOP, stat.S_ISLNK), (errno.EISDIR, stat.S_ISDIR)):
+            if kind(named.st_mode):
+                raise protocol.WorkerError("INVALID_ARGUMENT", f"attach_shm: {path}: {os.strerror(code)}")
+        refusal = protocol.WorkerError("PERMISSION_DENIED", f"attach_shm: {path}: not a regular file of {size} "
+                                       f"bytes or more owned by the peer (uid {peer_uid})")
+        if not stat.S_ISREG(named.st_mode) or named.st_uid != peer_uid or named.st_size < size:
+            raise refusal
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as exc:
             raise protocol.WorkerError("INVALID_ARGUMENT", f"attach_shm: {path}: {exc.strerror}") from None
         try:
             info = os.fstat(fd)
-            _, peer_uid, _ = struct.unpack("3i", self._conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                                      struct.calcsize("3i")))
-            if not stat.S_ISREG(info.st_mode) or info.st_uid != peer_uid or info.st_size < size:
-                raise protocol.WorkerError("PERMISSION_DENIED", f"attach_shm: {path}: not a regular file of "
-                                           f"{size} bytes or more owned by the peer (uid {peer_uid})")
+            if (info.st_dev, info.st_ino) != (named.st_dev, named.st_ino) or not stat.S_ISREG(info.st_mode) \
+                    or info.st_uid != peer_uid or info.st_size < size:
+                raise refusal
             self._detach(self._conn)
             self.shm[self._conn] = mmap.mmap(fd, size)
         finally:
@@ -329,6 +347,52 @@ class Worker:
                     self.close_conn(sock)
 
 
+def listen(path: str) -> socket.socket:
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    pathlib.Path(path).unlink(missing_ok=True)
+    listener.bind(path)
+    listener.listen(64)
+    return listener
+
+
+def _through_descriptor(path: str) -> tuple[str, int]:
+    """A file named through an open descriptor (/proc/self/fd/N), which reaches it whatever the folders above it
+    allow (the file itself must still be readable); the descriptor."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    return f"/proc/self/fd/{fd}", fd
+
+
+def open_as_agent(config: contract.WorkerConfig) -> tuple[contract.WorkerConfig, socket.socket, list[int]]:
+    """What the worker takes while it is the agent's user: the config naming its signal folder, model and warm-up
+    file through descriptors; its bound listener; the descriptors to close once the model is loaded."""
+    signal_dir = f"/proc/self/fd/{os.open(config.signal_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)}"
+    transient = []
+    path, fd = _through_descriptor(config.path)
+    transient.append(fd)
+    warmup_file = config.warmup_file
+    if warmup_file:
+        warmup_file, fd = _through_descriptor(warmup_file)
+        transient.append(fd)
+    loading = dataclasses.replace(config, signal_dir=signal_dir, path=path, warmup_file=warmup_file)
+    return loading, listen(config.socket), transient
+
+
+def drop_privileges(uid: int, gid: int) -> None:
+    """Become `uid`/`gid` for good (no capabilities left, none to gain through exec), keeping the right to pin
+    host memory (WARM). (0, 0), or a worker that is not root, stays as it is."""
+    if not (uid or gid) or os.geteuid() != 0:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    except (OSError, ValueError):  # no CAP_SYS_RESOURCE (a container's bounding set): as much as it may have
+        hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (hard, hard))
+    os.setgroups([])
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)
+    nsinit.no_new_privileges()
+
+
 def reseed_rngs() -> None:
     """A restored process would replay the RNG stream it was frozen with; give every copy its own."""
     seed = int.from_bytes(os.urandom(8), "little")
@@ -350,8 +414,17 @@ def main(argv: list[str] | None = None) -> int:
     # As the init of its PID namespace the worker ignores SIGTERM unless it handles it.
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     config = contract.WorkerConfig.from_json(pathlib.Path(argv[0]).read_text())
+    # A change of user disarms the parent-death signal nsinit armed: armed again against the same agent after it.
+    agent = nsinit.host_ppid() if nsinit.parent_death_signal() else 0
     try:
-        worker = Worker(config)
+        config, listener, transient = open_as_agent(config)
+        backends.preload(config.framework)
+        drop_privileges(config.uid, config.gid)
+        if agent:
+            nsinit.die_with(agent)
+        worker = Worker(config, listener)
+        for fd in transient:
+            os.close(fd)
     except Exception as exc:
         # Written whole, then renamed: the agent reads the reason as soon as the file exists.
         failed = pathlib.Path(config.signal_dir) / contract.FAILED
