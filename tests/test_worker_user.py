@@ -107,7 +107,8 @@ def test_worker_user_setting() -> None:
 def test_a_worker_in_its_own_pid_namespace_that_criu_dumps_stays_root(default_spec: api.ModelSpecSpec,
                                                                       rundir: pathlib.Path,
                                                                       criu_engine: criu.CriuEngine) -> None:
-    inst = instance.Instance("pidns", default_spec, rundir, criu_engine)
+    assert "settings.unprivileged_snapshots is off" in process.must_stay_root(False, True)
+    inst = instance.Instance("pidns", default_spec, rundir, criu_engine, unprivileged_snapshots=True)
     try:
         assert "PID namespace" in inst.root_reason and inst.config.uid == 0
         inst.to(api.Tier.HOT)
@@ -119,10 +120,11 @@ def test_a_worker_in_its_own_pid_namespace_that_criu_dumps_stays_root(default_sp
 @pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
 def test_a_frozen_unprivileged_worker_wakes_answering_the_same(default_spec: api.ModelSpecSpec, rundir: pathlib.Path,
                                                                 criu_engine: criu.CriuEngine, lazy: bool) -> None:
-    reason = process.must_stay_root(False, True)
+    reason = process.must_stay_root(False, True, unprivileged_snapshots=True)
     if reason:
         pytest.skip(f"workers stay root on this machine: {reason}")
-    inst = instance.Instance("frozen", default_spec, rundir, criu_engine, pid_namespace=False, lazy_restore=lazy)
+    inst = instance.Instance("frozen", default_spec, rundir, criu_engine, pid_namespace=False, lazy_restore=lazy,
+                             unprivileged_snapshots=True)
     try:
         inst.to(api.Tier.HOT)
         x = contract.sample_inputs(inst.config.inputs, batch=2, seed=2)

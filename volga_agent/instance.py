@@ -129,7 +129,7 @@ class Instance:
                  verify_restores: bool = True, park_weights: bool = True,
                  die_with_agent: bool = True, shared_store: shared.Context | None = None,
                  cuda_stack_bytes: int = contract.DEFAULT_CUDA_STACK_BYTES,
-                 worker_user: tuple[int, int] = contract.NOBODY) -> None:
+                 worker_user: tuple[int, int] = contract.NOBODY, unprivileged_snapshots: bool = False) -> None:
         self.name = name
         self.spec = spec
         self.workdir = pathlib.Path(workdir)
@@ -138,7 +138,8 @@ class Instance:
         # CUDA does not work inside a PID namespace that shares the host's /proc (cudaErrorOperatingSystem).
         self.pid_namespace = not device.startswith("cuda") if pid_namespace is None else pid_namespace
         # Workers drop to `worker_user` where the tiers they may reach allow it (docs/security.md).
-        self.root_reason = process.must_stay_root(self.pid_namespace, criu_engine is not None) \
+        self.root_reason = process.must_stay_root(self.pid_namespace, criu_engine is not None,
+                                                  unprivileged_snapshots) \
             if worker_user != (0, 0) else ""
         if self.root_reason:
             log.info("%s: the worker stays root: %s", name, self.root_reason)

@@ -173,6 +173,9 @@ class Settings(pydantic.BaseModel):
     # The user workers drop to once started, where their tiers allow it (docs/security.md): a user name, UID or
     # UID:GID; "root" keeps them root.
     worker_user: str = "nobody"
+    # Workers that CRIU may snapshot drop to worker_user too (it needs CAP_SYS_RESOURCE in the agent, and no PID
+    # namespace per worker). Off: such a dump and restore has not run on a real node yet (docs/security.md).
+    unprivileged_snapshots: bool = False
 
     @pydantic.field_validator("worker_user")
     @classmethod

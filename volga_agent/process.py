@@ -271,12 +271,15 @@ def _has_capability(bit: int) -> bool:
     return False
 
 
-def must_stay_root(pid_namespace: bool, snapshots: bool) -> str:
+def must_stay_root(pid_namespace: bool, snapshots: bool, unprivileged_snapshots: bool = False) -> str:
     """Why a worker cannot drop to its own user here ('' when it can): CRIU, to dump it, mounts /proc from inside
     a worker's own PID namespace (CAP_SYS_ADMIN in the worker) and reads its rlimits (CAP_SYS_RESOURCE in the
-    agent, over a worker of another user)."""
+    agent, over a worker of another user). Workers that may be snapshotted drop only with
+    `unprivileged_snapshots`: their dumps and restores as another user are not proven yet (docs/security.md)."""
     if not snapshots:
         return ""
+    if not unprivileged_snapshots:
+        return "it may be snapshotted, and settings.unprivileged_snapshots is off"
     if pid_namespace:
         return "criu mounts /proc from inside the worker's PID namespace, which needs CAP_SYS_ADMIN in the worker"
     if os.geteuid() == 0 and not _has_capability(CAP_SYS_RESOURCE):
