@@ -35,6 +35,14 @@ Actions by state:
                 what the emergency is about (a checkpoint frees memory but costs the CPU and PCIe time a latency
                 emergency needs for the protected models); the least tolerant models are never shed
     leaving EMERGENCY: Unshed every shed model; reaching PRELOAD or ACCEPT: RestoreBatchCap every capped model
+
+With autonomy_yield_nice set, a CPU-bound co-runner also yields (LowerPriority): in any window where a model
+violates, every awake model at least autonomy_yield_tolerance_ratio times as tolerant as it, and not violating
+itself, has its worker run at that nice, at once (no hysteresis: it is cheap, undone as cheaply, and it is what
+frees a shared CPU while the co-runner is serving, which caps and sheds in bursts do not); RestorePriority gives
+it back once the state is PRELOAD or ACCEPT and autonomy_yield_calm_windows windows have passed without a
+violation of a model it yields to. A yielding model's own violations are what it was made to pay: they neither
+stop the yield nor hold it.
 """
 
 from __future__ import annotations
@@ -92,7 +100,20 @@ class RestoreBatchCap:
     model: str
 
 
-Action = Preload | LowerBatchCap | Demote | Shed | Unshed | RestoreBatchCap
+@dataclasses.dataclass(frozen=True, slots=True)
+class LowerPriority:
+    """The model's workers run at `nice` (their threads, and their session's scheduling group)."""
+
+    model: str
+    nice: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RestorePriority:
+    model: str
+
+
+Action = Preload | LowerBatchCap | Demote | Shed | Unshed | RestoreBatchCap | LowerPriority | RestorePriority
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,6 +215,8 @@ class Decider:
         self._agree = 0
         self.caps: dict[str, int] = {}
         self.shed: set[str] = set()
+        self.yielding: set[str] = set()  # models whose workers run at autonomy_yield_nice
+        self._calm = 0  # windows since a violation of a model the yielding ones yield to
         self._tracks: dict[str, _Track] = {}
         self._bound: list[_Track] = []  # the tracks of the views last seen, in their order
         self._ensembles: list[_Track] = []  # those of ensembles
@@ -204,6 +227,7 @@ class Decider:
         self._deadline_share = s.autonomy_deadline_share_pct / 100.0
         self._windows_to = {_EMERGENCY: s.autonomy_emergency_windows or s.autonomy_hysteresis_windows}
         self._calm_windows = s.autonomy_calm_windows or s.autonomy_hysteresis_windows
+        self._yield_nice = s.autonomy_yield_nice
 
     def _bind(self, views: Mapping[str, ModelView]) -> list[_Track]:
         """The tracks of `views` in their order, bound to them; the same list while the views stay the same
@@ -359,6 +383,8 @@ class Decider:
             self._optimize(tracks, violations, actions)
         elif state == _EMERGENCY:
             self._emergency(tracks, actions, memory >= s.autonomy_emergency_above_pct)
+        if self._yield_nice and (violations or self.yielding):
+            self._yield(tracks, violations, state, actions)
         if path is not None:
             path.append(f"actions: {actions or 'none'}")
         return Decision(state, candidate, state != previous, tuple(actions), tuple(violations),
@@ -387,6 +413,28 @@ class Decider:
             for track in sorted(idle, key=lambda t: (-t.tolerance, t.model)):
                 if track.tolerance > least:
                     actions.append(Demote(track.model, _rest(track.view)))
+
+    def _yield(self, tracks: Sequence[_Track], violations: Sequence[Violation], state: State,
+               actions: list[Action]) -> None:
+        yielding = self.yielding
+        protected = {v.model for v in violations if v.model not in yielding}
+        if protected:
+            self._calm = 0
+            # A violating ensemble's models are part of it, not co-runners.
+            excepted = {v.model for v in violations}.union(*(t.members for t in self._ensembles
+                                                             if t.model in protected))
+            ratio = self.settings.autonomy_yield_tolerance_ratio
+            floor = min(t.tolerance for t in tracks if t.model in protected) * ratio
+            for track in tracks:
+                if (track.awake and not track.members and track.tolerance >= floor and track.model not in excepted
+                        and track.model not in yielding):
+                    yielding.add(track.model)
+                    actions.append(LowerPriority(track.model, self._yield_nice))
+            return
+        self._calm += 1
+        if yielding and state in (_PRELOAD, _ACCEPT) and self._calm >= self.settings.autonomy_yield_calm_windows:
+            actions += [RestorePriority(m) for m in sorted(yielding)]
+            yielding.clear()
 
     def _emergency(self, tracks: Sequence[_Track], actions: list[Action], memory: bool) -> None:
         active = [t for t in tracks if (t.awake or t.arrivals) and not t.members]
