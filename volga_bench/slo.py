@@ -49,9 +49,11 @@ PROTECTED, TOLERANT = "critical", "heavy"
 WINDOW_S = 0.1
 # The node settings of both runs; the on-run adds --autonomy. Tuned for bursts of a few seconds: into
 # EMERGENCY at once when a violation has lasted 15 % of the recovery deadline, out of it (unshed) only after
-# 3 s without one.
+# 3 s without one; the tolerant model's worker yields the CPU (nice 19) from the first violation until 3 s of
+# calm.
 SETTINGS: dict[str, Any] = {"autonomyEmergencyWindows": 1, "autonomyCalmWindows": 30,
-                            "autonomyDeadlineSharePct": 15.0, "autonomyShedRetryAfterMs": 1000}
+                            "autonomyDeadlineSharePct": 15.0, "autonomyShedRetryAfterMs": 1000,
+                            "autonomyYieldNice": 19, "autonomyYieldCalmWindows": 30}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,16 +168,34 @@ def spec_document(model: Model, path: pathlib.Path, gpu: bool = False) -> dict[s
                  "runtime": {"intraOpThreads": model.threads, "warmupIterations": 3}}}
 
 
-def calibrated(document: dict[str, Any], batch: int, iterations: int, device: str = "cpu"
-               ) -> tuple[dict[str, Any], float]:
-    """The document with its baseline measured alone (`volga calibrate`) and tagged; the baseline p99 in ms."""
+# A calibration whose p99 is more than this many times its p50 was disturbed (on a shared machine, by another
+# process): its p99 is no baseline, and a limit built on it would hide every violation. It is measured again.
+DISTURBED_P99_OVER_P50 = 1.5
+CALIBRATION_ATTEMPTS = 3
+
+
+def calibrated(document: dict[str, Any], batch: int, iterations: int, device: str = "cpu",
+               attempts: int = CALIBRATION_ATTEMPTS) -> tuple[dict[str, Any], float, dict[str, Any]]:
+    """The document with its baseline measured alone (`volga calibrate`) and tagged; the baseline p99 in ms; and
+    what each attempt measured (up to `attempts` while the p99 says the measurement was disturbed; the lowest p99
+    is kept)."""
     spec = api.ModelSpec.model_validate(document).spec
-    result = calibrate.measure(spec, [batch], iterations, device)
+    tried: list[api.Calibration] = []
+    for _ in range(attempts):
+        tried.append(calibrate.measure(spec, [batch], iterations, device))
+        first = tried[-1].batches[0]
+        if first.p99_ms <= DISTURBED_P99_OVER_P50 * first.p50_ms:
+            break
+    result = min(tried, key=lambda r: r.batches[0].p99_ms)
+    kept = result.batches[0]
+    check = {"p50_ms": round(kept.p50_ms, 3), "p99_ms": round(kept.p99_ms, 3),
+             "attempts": [[round(r.batches[0].p50_ms, 3), round(r.batches[0].p99_ms, 3)] for r in tried],
+             "sane": kept.p99_ms <= DISTURBED_P99_OVER_P50 * kept.p50_ms}
     slo = dict(document["spec"]["slo"])
     slo["baselineLatencyMs"] = result.baselines()
     slo["baselineFor"] = {"version": result.version, "inputHash": result.input_hash, "device": result.device}
     out = {**document, "spec": {**document["spec"], "slo": slo}}
-    return out, float(result.batches[0].p99_ms)
+    return out, float(kept.p99_ms), check
 
 
 def arrivals(config: Config) -> list[float]:
@@ -531,15 +551,15 @@ def run(config: Config | None = None, progress: Callable[[str], None] = lambda _
     config = config or Config()
     with tempfile.TemporaryDirectory(prefix="volga-bench-slo-", dir=workdir) as folder:
         root = pathlib.Path(folder)
-        documents, baselines = [], {}
+        documents, baselines, checks = [], {}, {}
         for model in config.models:
             path = (build_torchscript(model, root / model.name / "model.pt") if config.gpu
                     else build_onnx(model, root / model.name / "model.onnx"))
             progress(f"calibrating {model.name} alone (batch {model.batch}, {config.calibrate_iterations} "
                      "requests) ...")
-            document, baselines[model.name] = calibrated(spec_document(model, path, config.gpu), model.batch,
-                                                         config.calibrate_iterations,
-                                                         "cuda:0" if config.gpu else "cpu")
+            document, baselines[model.name], checks[model.name] = calibrated(
+                spec_document(model, path, config.gpu), model.batch, config.calibrate_iterations,
+                "cuda:0" if config.gpu else "cpu")
             documents.append(document)
         specs = root / "specs.yaml"
         specs.write_text(yaml.safe_dump_all(documents))
@@ -560,7 +580,7 @@ def run(config: Config | None = None, progress: Callable[[str], None] = lambda _
                 progress(f"round {round_ + 1}/{config.rounds}")
                 runs["on" if autonomy else "off"].append(
                     one_run(specs, settings, autonomy, config, inputs, limit_ms, progress))
-    return report(config, baselines, limit_ms, runs)
+    return {**report(config, baselines, limit_ms, runs), "calibration": checks}
 
 
 def report(config: Config, baselines: dict[str, float], limit_ms: float,

@@ -51,7 +51,7 @@ import dataclasses
 import enum
 import math
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from volga_agent import policy
 from volga_agent.autonomy import window as windows
@@ -168,31 +168,37 @@ class Decision(typing.NamedTuple):
 
 class _Track:
     """One model between windows: its arrivals, idleness and violation, and the constants of its current view
-    (bound again only when the model set changes, so that a window reads them without working them out)."""
+    (bound again only when the model set changes, so that a window reads them without working them out: a
+    window's cost is this loop's, per model, and every attribute it need not touch counts at 64 models)."""
 
-    __slots__ = ("arrivals", "arrivals1", "arrivals2", "awake", "baselines", "capped_at", "capped_base",
-                 "deadline_ms", "idle", "members", "model", "scalar", "seen", "steps", "tolerance", "uncapped",
-                 "view", "violating", "violation_start")
+    __slots__ = ("arrivals1", "arrivals2", "awake", "baselines", "capped_at", "capped_base", "deadline_ms",
+                 "first", "idle", "limit", "members", "model", "preloadable", "scalar", "share_ms", "steps",
+                 "tolerance", "uncapped", "view", "violating", "violation_start")
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, first: int) -> None:
         self.model = model
-        self.arrivals1 = self.arrivals2 = 0  # arrivals in the window before last, and in the last
-        self.arrivals = 0  # in this window
-        self.seen = 0  # windows seen, up to 2
+        self.arrivals1 = self.arrivals2 = 0  # arrivals in the window before last, and in the last (this one, after)
+        self.first = first  # the decider's count of windows when this model came
         self.idle = 0
         self.violating = 0
         self.violation_start = 0.0
         self.tolerance = 0.0  # at this window's other load
 
-    def bind(self, view: ModelView) -> None:
+    def bind(self, view: ModelView, share: float) -> None:
         self.view = view
         self.awake = view.awake
         self.members = view.members
+        self.preloadable = not view.awake and not view.members
         self.baselines = view.baselines
-        self.uncapped = view.uncapped
         self.deadline_ms = float(view.slo.recovery_deadline_ms)
+        self.share_ms = self.deadline_ms * share  # a violation this long is urgent
         self.steps = view.steps
+        # A scalar tolerance: it and the uncapped limit are constants. None: worked out per window.
         self.scalar: float | None = view.steps[0][1] if len(view.steps) == 1 else None
+        self.tolerance = self.scalar if self.scalar is not None else 0.0
+        # No baselines: nothing to violate.
+        self.uncapped = view.uncapped if view.baselines else math.inf
+        self.limit = self.uncapped * (1.0 + self.tolerance / 100.0)
         self.capped_at = 0  # the cap whose baseline capped_base holds
         self.capped_base = 0.0
 
@@ -220,8 +226,7 @@ class Decider:
         self._tracks: dict[str, _Track] = {}
         self._bound: list[_Track] = []  # the tracks of the views last seen, in their order
         self._ensembles: list[_Track] = []  # those of ensembles
-        self._seen_keys: tuple[str, ...] = ()
-        self._seen_ids: tuple[int, ...] = ()
+        self._windows = 0  # decided so far
         s = self.settings
         self._window_s = s.autonomy_sample_ms * s.autonomy_window_samples / 1e3
         self._deadline_share = s.autonomy_deadline_share_pct / 100.0
@@ -231,22 +236,26 @@ class Decider:
 
     def _bind(self, views: Mapping[str, ModelView]) -> list[_Track]:
         """The tracks of `views` in their order, bound to them; the same list while the views stay the same
-        objects (what a window costs must not grow with the work of working out each model's constants)."""
-        keys = tuple(views)
-        ids = tuple(map(id, views.values()))
-        if keys == self._seen_keys and ids == self._seen_ids:
-            return self._bound
+        objects (what a window costs must not grow with the work of working out each model's constants). Each
+        track holds its view, so an identity check per model, with nothing allocated, tells."""
+        bound = self._bound
+        if len(views) == len(bound):
+            for (model, view), held in zip(views.items(), bound, strict=True):
+                if held.view is not view or held.model != model:
+                    break
+            else:
+                return bound
         tracks = self._tracks
         for gone in [m for m in tracks if m not in views]:
             del tracks[gone]
         bound = []
         for model, view in views.items():
-            track = tracks.get(model)
+            track: _Track | None = tracks.get(model)
             if track is None:
-                track = tracks[model] = _Track(model)
-            track.bind(view)
+                track = tracks[model] = _Track(model, self._windows)
+            track.bind(view, self._deadline_share)
             bound.append(track)
-        self._bound, self._seen_keys, self._seen_ids = bound, keys, ids
+        self._bound = bound
         self._ensembles = [t for t in bound if t.members]
         return bound
 
@@ -270,72 +279,79 @@ class Decider:
         util = window.util_pct
         min_arrivals = s.autonomy_preload_min_rate * seconds
         caps = self.caps
-        share = self._deadline_share
         end = window.end
+        mature = self._windows - 2  # models that came before this count have two windows of arrivals behind them
+        self._windows += 1
         for track in tracks:
-            load = get(track.model)
+            model = track.model
+            load = get(model)
             if load is None:
-                arrivals, p99, completed = 0, None, 0
+                arrivals = 0
+                p99 = None
                 track.idle += 1
             else:
-                arrivals, p99, completed = load.arrivals, load.p99_ms, load.completed
+                arrivals = load.arrivals
+                p99 = load.p99_ms
                 if arrivals or load.queue_depth:
                     track.idle = 0
                 else:
                     track.idle += 1
-            if track.members:  # the chain's share of the node's work is its models'
-                completed = 0
-                for member in track.members:
-                    if (step := get(member)) is not None:
-                        completed += step.completed
-                completed = min(completed, total_completed)
+            # Slope and acceleration in arrivals per window (windows are of one length but for jitter, which
+            # would make a flat rate look like it wobbles up and down).
+            before = track.arrivals2
+            if (track.preloadable and arrivals > before and arrivals >= min_arrivals
+                    and arrivals - before > before - track.arrivals1 and track.first <= mature):
+                accelerating.append(model)
+            track.arrivals1 = before
+            track.arrivals2 = arrivals
             pct = track.scalar
+            other = -1.0  # the other models' load, once worked out
             if pct is None:
-                other = util * (1.0 - completed / total_completed) if total_completed else util
+                if track.members:
+                    other = self._other(track, load, get, util, total_completed)
+                elif total_completed:
+                    other = util * (1.0 - (load.completed if load is not None else 0) / total_completed)
+                else:
+                    other = util
                 steps = track.steps
                 pct = steps[-1][1]
                 for below, step_pct in steps:
                     if other < below:
                         pct = step_pct
                         break
-            track.tolerance = pct
-            track.arrivals = arrivals
-            before = track.arrivals2
-            # Slope and acceleration in arrivals per window (windows are of one length but for jitter, which
-            # would make a flat rate look like it wobbles up and down).
-            if (not track.awake and not track.members and track.seen == 2 and arrivals >= min_arrivals
-                    and arrivals > before and arrivals - before > before - track.arrivals1):
-                accelerating.append(track.model)
-            track.arrivals1 = before
-            track.arrivals2 = arrivals
-            if track.seen < 2:
-                track.seen += 1
-            if p99 is None or not track.baselines:
+                track.tolerance = pct
+                limit = track.uncapped * (1.0 + pct / 100.0)
+            else:
+                limit = track.limit
+            if p99 is None:
                 track.violating = 0
                 continue
-            cap = caps.get(track.model) if caps else None
-            if cap is None:
-                base = track.uncapped
-            elif cap == track.capped_at:
-                base = track.capped_base
-            else:
-                base = track.capped_base = baseline(track.baselines, cap)
-                track.capped_at = cap
-            limit = base * (1.0 + pct / 100.0)
+            if caps and (cap := caps.get(model)) is not None and track.baselines:
+                if cap != track.capped_at:
+                    track.capped_base = baseline(track.baselines, cap)
+                    track.capped_at = cap
+                limit = track.capped_base * (1.0 + pct / 100.0)
             if p99 <= limit:
                 track.violating = 0
                 continue
-            other = util * (1.0 - completed / total_completed) if total_completed else util
+            if other < 0.0:
+                if track.members:
+                    other = self._other(track, load, get, util, total_completed)
+                elif total_completed and load is not None:
+                    other = util * (1.0 - load.completed / total_completed)
+                else:
+                    other = util
             if track.violating == 0:
                 track.violation_start = window.start
             track.violating += 1
             violating_ms = (end - track.violation_start) * 1e3
             late = violating_ms > track.deadline_ms
-            past_deadline = past_deadline or late
-            urgent = urgent or late or violating_ms > track.deadline_ms * share
-            violations.append(Violation(track.model, p99, limit, other, track.violating, violating_ms, late))
+            if late or violating_ms > track.share_ms:
+                urgent = True
+                past_deadline = past_deadline or late
+            violations.append(Violation(model, p99, limit, other, track.violating, violating_ms, late))
             if path is not None:
-                path.append(f"{track.model}: p99 {p99:.3f} ms > {limit:.3f} ms (tolerance {pct:g}% at other load "
+                path.append(f"{model}: p99 {p99:.3f} ms > {limit:.3f} ms (tolerance {pct:g}% at other load "
                             f"{other:.1f}%), {track.violating} windows, {violating_ms:.0f} ms"
                             + (" past its recovery deadline" if late else ""))
 
@@ -390,6 +406,22 @@ class Decider:
         return Decision(state, candidate, state != previous, tuple(actions), tuple(violations),
                         tuple(path) if path is not None else ())
 
+    @staticmethod
+    def _other(track: _Track, load: windows.ModelWindow | None, get: Callable[[str], windows.ModelWindow | None],
+               util: float, total_completed: int) -> float:
+        """The load of the node's other models: its utilisation times their share of the completed requests."""
+        if not total_completed:
+            return util
+        if track.members:  # the chain's share of the node's work is its models'
+            completed = 0
+            for member in track.members:
+                if (step := get(member)) is not None:
+                    completed += step.completed
+            completed = min(completed, total_completed)
+        else:
+            completed = load.completed if load is not None else 0
+        return util * (1.0 - completed / total_completed)
+
     def _optimize(self, tracks: Sequence[_Track], violations: Sequence[Violation], actions: list[Action]) -> None:
         caps = self.caps
         if violations:
@@ -437,14 +469,22 @@ class Decider:
             yielding.clear()
 
     def _emergency(self, tracks: Sequence[_Track], actions: list[Action], memory: bool) -> None:
-        active = [t for t in tracks if (t.awake or t.arrivals) and not t.members]
-        if not active:
+        # One pass: the least tolerance of the models with a worker or traffic, and the most tolerant of them not
+        # shed yet (by name among equals).
+        shed = self.shed
+        least = math.inf
+        chosen: _Track | None = None
+        for t in tracks:
+            if t.members or not (t.awake or t.arrivals2):
+                continue
+            tolerance = t.tolerance
+            if tolerance < least:
+                least = tolerance
+            if t.model not in shed and (chosen is None or tolerance > chosen.tolerance
+                                        or (tolerance == chosen.tolerance and t.model < chosen.model)):
+                chosen = t
+        if chosen is None or chosen.tolerance <= least:
             return
-        least = min(t.tolerance for t in active)
-        candidates = [t for t in active if t.model not in self.shed and t.tolerance > least]
-        if not candidates:
-            return
-        chosen = min(candidates, key=lambda t: (-t.tolerance, t.model))
         self.shed.add(chosen.model)
         actions.append(Shed(chosen.model, self.settings.autonomy_shed_retry_after_ms))
         if memory and chosen.awake:
