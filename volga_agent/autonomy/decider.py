@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -155,6 +156,10 @@ class Violation(typing.NamedTuple):
     windows: int  # consecutive violating windows, this one included
     violating_ms: float  # since the first of them started
     past_deadline: bool  # longer than the model's recoveryDeadlineMs
+
+
+# A Violation made without the Python-level __new__ a NamedTuple class has (many per window on a loaded node).
+_violation = functools.partial(tuple.__new__, Violation)
 
 
 class Decision(typing.NamedTuple):
@@ -266,9 +271,11 @@ class Decider:
         loads = window.models
         get = loads.get
         tracks = self._bind(views)
-        total_completed = 0
-        for w in loads.values():
-            total_completed += w.completed
+        total_completed = window.completed
+        if total_completed < 0:  # a window not made by window.build
+            total_completed = 0
+            for w in loads.values():
+                total_completed += w.completed
         for track in self._ensembles:  # its steps count in its models' completions
             if (own := get(track.model)) is not None:
                 total_completed -= own.completed
@@ -349,7 +356,7 @@ class Decider:
             if late or violating_ms > track.share_ms:
                 urgent = True
                 past_deadline = past_deadline or late
-            violations.append(Violation(model, p99, limit, other, track.violating, violating_ms, late))
+            violations.append(_violation((model, p99, limit, other, track.violating, violating_ms, late)))
             if path is not None:
                 path.append(f"{model}: p99 {p99:.3f} ms > {limit:.3f} ms (tolerance {pct:g}% at other load "
                             f"{other:.1f}%), {track.violating} windows, {violating_ms:.0f} ms"
