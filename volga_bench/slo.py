@@ -634,4 +634,15 @@ def format_report(r: dict[str, Any]) -> str:
                      f"{s['episodes']:>10}{s['episodes_past_deadline']:>11}{t['shed']:>15}{t['p99_ms'] or 0:>14.1f}")
     lines.append(f"decision p50 {r['decision_us']['p50']} us, p99 {r['decision_us']['p99']} us; sampling jitter p99 "
                  f"{r['sampling_jitter_ms']['p99']} ms; {r['fewer_violating_windows_x']}x fewer violating windows")
+    for model, check in r.get("calibration", {}).items():
+        lines.append(f"calibration of {model}: p50 {check['p50_ms']} ms, p99 {check['p99_ms']} ms after "
+                     f"{len(check['attempts'])} attempt(s)" + ("" if check["sane"] else " (disturbed: p99 > "
+                                                               f"{DISTURBED_P99_OVER_P50:g} x p50)"))
+    for name in ("off", "on"):
+        for run in r["runs"][name]:
+            cpu = run["cpu"]
+            for kind in ("violating", "ok"):
+                if cpu["cpu_ms_per_window"][kind]:
+                    lines.append(f"autonomy {name}, {cpu['windows'][kind]} {kind} windows, CPU ms per 100 ms: "
+                                 + ", ".join(f"{k} {v:g}" for k, v in cpu["cpu_ms_per_window"][kind].items()))
     return "\n".join(lines)
