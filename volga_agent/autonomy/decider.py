@@ -232,6 +232,7 @@ class Decider:
         self._bound: list[_Track] = []  # the tracks of the views last seen, in their order
         self._ensembles: list[_Track] = []  # those of ensembles
         self._windows = 0  # decided so far
+        self._seen_values: list[ModelView] = []
         s = self.settings
         self._window_s = s.autonomy_sample_ms * s.autonomy_window_samples / 1e3
         self._deadline_share = s.autonomy_deadline_share_pct / 100.0
@@ -241,15 +242,12 @@ class Decider:
 
     def _bind(self, views: Mapping[str, ModelView]) -> list[_Track]:
         """The tracks of `views` in their order, bound to them; the same list while the views stay the same
-        objects (what a window costs must not grow with the work of working out each model's constants). Each
-        track holds its view, so an identity check per model, with nothing allocated, tells."""
-        bound = self._bound
-        if len(views) == len(bound):
-            for (model, view), held in zip(views.items(), bound, strict=True):
-                if held.view is not view or held.model != model:
-                    break
-            else:
-                return bound
+        objects (what a window costs must not grow with the work of working out each model's constants). Views
+        are keyed by their own model, so the views alone tell; the lists compare in C, each item by identity
+        first (a view equal to the one bound has the same constants)."""
+        values = list(views.values())
+        if values == self._seen_values:
+            return self._bound
         tracks = self._tracks
         for gone in [m for m in tracks if m not in views]:
             del tracks[gone]
@@ -260,7 +258,7 @@ class Decider:
                 track = tracks[model] = _Track(model, self._windows)
             track.bind(view, self._deadline_share)
             bound.append(track)
-        self._bound = bound
+        self._bound, self._seen_values = bound, values
         self._ensembles = [t for t in bound if t.members]
         return bound
 
