@@ -171,6 +171,9 @@ class Decision(typing.NamedTuple):
     path: tuple[str, ...] = ()  # why, step by step; filled only when asked (`explain`)
 
 
+_decision = functools.partial(tuple.__new__, Decision)  # as _violation: one per window
+
+
 class _Track:
     """One model between windows: its arrivals, idleness and violation, and the constants of its current view
     (bound again only when the model set changes, so that a window reads them without working them out: a
@@ -265,7 +268,9 @@ class Decider:
     def decide(self, window: windows.Window, views: Mapping[str, ModelView], explain: bool = False) -> Decision:
         s = self.settings
         path: list[str] | None = [] if explain else None
-        seconds = window.seconds if window.seconds > 0 else self._window_s
+        seconds = window.end - window.start
+        if seconds <= 0:
+            seconds = self._window_s
         loads = window.models
         get = loads.get
         tracks = self._bind(views)
@@ -408,8 +413,8 @@ class Decider:
             self._yield(tracks, violations, state, actions)
         if path is not None:
             path.append(f"actions: {actions or 'none'}")
-        return Decision(state, candidate, state != previous, tuple(actions), tuple(violations),
-                        tuple(path) if path is not None else ())
+        return _decision((state, candidate, state != previous, tuple(actions), tuple(violations),
+                          tuple(path) if path is not None else ()))
 
     @staticmethod
     def _other(track: _Track, load: windows.ModelWindow | None, get: Callable[[str], windows.ModelWindow | None],
