@@ -298,3 +298,37 @@ def test_the_decider_rereads_views_that_change_and_keeps_the_same_ones() -> None
     assert run.window(m=load(5, p99=2.0)).violations == ()
     run.views["n"] = view("n", 10.0, baselines={1: 1.0})
     assert [v.model for v in run.window(m=load(5, p99=2.0), n=load(5, p99=2.0)).violations] == ["n"]
+
+
+def test_a_violation_makes_much_more_tolerant_co_runners_yield_at_once_until_a_calm_accept() -> None:
+    run = Run([view("strict", 10.0, baselines={1: 1.0}), view("near", 15.0), view("loose", 300.0),
+               view("asleep", 500.0, awake=False)], autonomy_yield_nice=19, autonomy_yield_calm_windows=4)
+    bad = {"strict": load(5, p99=2.0), "loose": load(5, p99=1.0)}
+    first = run.window(**bad)
+    # At the first violating window, before the state moves: only co-runners at least twice as tolerant (near is
+    # not; asleep has no worker to lower).
+    assert first.state is State.ACCEPT and first.actions == (decider.LowerPriority("loose", 19),)
+    assert run.window(**bad).actions == ()  # once
+    decisions = run.windows(5, strict=load(5, p99=1.0), loose=load(5, p99=1.0))
+    # Four windows after strict's last violation, the state being ACCEPT, the priority comes back.
+    assert all(d.state is State.ACCEPT for d in decisions)
+    assert [d.actions for d in decisions] == [(), (), (), (decider.RestorePriority("loose"),), ()]
+    assert run.decider.yielding == set()
+
+
+def test_yielding_holds_through_optimize_and_is_off_by_default() -> None:
+    run = Run([view("strict", 10.0, baselines={1: 1.0}), view("loose", 300.0, baselines={1: 1.0})],
+              autonomy_yield_nice=10, autonomy_yield_calm_windows=2)
+    assert decider.LowerPriority("loose", 10) in run.windows(3, strict=load(5, p99=2.0))[0].actions
+    assert run.decider.state is State.OPTIMIZE
+    # The yielding model's own violations (9 ms > 4 ms) hold the state at OPTIMIZE, and so the yield; strict's
+    # calm windows count all the same.
+    held = run.windows(4, strict=load(5, p99=1.0), loose=load(5, p99=9.0))
+    assert all(d.state is State.OPTIMIZE and not any(isinstance(a, decider.RestorePriority) for a in d.actions)
+               for d in held)
+    leaving = run.windows(3, strict=load(5, p99=1.0), loose=load(5, p99=1.0))
+    assert leaving[-1].state is State.ACCEPT
+    assert decider.RestorePriority("loose") in leaving[-1].actions and run.decider.yielding == set()
+    off = Run([view("strict", 10.0, baselines={1: 1.0}), view("loose", 300.0)])
+    assert not any(isinstance(a, (decider.LowerPriority, decider.RestorePriority))
+                   for d in off.windows(10, strict=load(5, p99=2.0)) + off.windows(10) for a in d.actions)

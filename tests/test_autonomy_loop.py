@@ -189,6 +189,31 @@ def test_the_sampler_hands_windows_on_and_reports_its_jitter() -> None:
     assert len(run.jitter_ms) >= 16 and 0 <= p50 <= p99
 
 
+def test_the_cpu_probe_reads_its_open_files_again_at_each_sample(tmp_path: pathlib.Path) -> None:
+    proc = tmp_path
+    (proc / "pressure").mkdir()
+
+    def write(user: int, idle: int, available_kb: int, cpu_stall_us: int) -> None:
+        (proc / "stat").write_text(f"cpu  {user} 0 0 {idle} 0 0 0 0 0 0\ncpu0 1 2 3 4\nintr 1 2 3\n")
+        (proc / "meminfo").write_text(f"MemTotal:       1000 kB\nMemFree:         100 kB\n"
+                                      f"MemAvailable:    {available_kb} kB\nBuffers: 1 kB\n")
+        (proc / "pressure" / "cpu").write_text(f"some avg10=0.00 avg60=0.00 avg300=0.00 total={cpu_stall_us}\n")
+
+    write(100, 100, 800, 0)
+    probe = sampler.CpuProbe(proc)
+    try:
+        write(175, 125, 250, 50_000)  # 75 of 100 ticks busy; 75 % of memory in use
+        first = probe.sample(probe._at + 0.1)  # 50 ms of CPU stall in 100 ms
+        assert first.util_pct == pytest.approx(75.0) and first.memory_pct == pytest.approx(75.0)
+        assert first.cpu_pressure_pct == pytest.approx(50.0) and first.io_pressure_pct == 0.0  # no io file
+        write(185, 215, 900, 50_000)
+        second = probe.sample(probe._at + 0.1)
+        assert second.util_pct == pytest.approx(10.0) and second.memory_pct == pytest.approx(10.0)
+        assert second.cpu_pressure_pct == 0.0
+    finally:
+        probe.close()
+
+
 class FakeNvml:
     """pynvml's calls the GPU probe makes, answering for two GPUs (no GPU here: the real one runs on GPU nodes)."""
 

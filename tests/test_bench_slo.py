@@ -32,6 +32,14 @@ def test_bench_slo_prints_its_numbers() -> None:
     assert {"shed", "p99_ms"} <= set(report["tolerant"]["on"]) and "p99_ms" in report["tolerant"]["off"]
     assert report["tolerant"]["off"]["shed"] == 0  # nothing sheds without the loop
     assert report["baseline_p99_ms"][slo.PROTECTED] > 0 and len(report["load_average"]) == 3
+    # Where the CPU went, per window, and what each calibration measured.
+    cpu = report["runs"]["on"][0]["cpu"]
+    assert cpu["windows"]["violating"] + cpu["windows"]["ok"] > 0
+    assert {"gateway", "clients", slo.PROTECTED, slo.TOLERANT, "other", "tolerant_in_flight"} <= set(
+        cpu["cpu_ms_per_window"]["ok"] or cpu["cpu_ms_per_window"]["violating"])
+    assert cpu["cpu_ms_per_window"]["ok"].get(slo.PROTECTED, 1.0) > 0 or cpu["windows"]["ok"] == 0
+    for model in (slo.PROTECTED, slo.TOLERANT):
+        assert 1 <= len(report["calibration"][model]["attempts"]) <= slo.CALIBRATION_ATTEMPTS
 
 
 def test_the_histogram_quantiles_interpolate_within_buckets() -> None:
@@ -49,3 +57,19 @@ def test_violating_windows_and_episodes_are_counted_by_completion_time() -> None
     assert (judged["violating_windows"], judged["episodes"], judged["episodes_past_deadline"]) == (3, 2, 1)
     assert judged["violating_at_s"] == [0.1, 0.2, 0.4]
     assert slo.retry_hint_ms("model 'heavy' is shedding load; retry after 1000 ms") == 1000.0
+
+
+def test_the_cpu_of_violating_windows_is_told_apart_from_the_others() -> None:
+    records = [slo.Record(slo.PROTECTED, 0.01, 5.0, "OK"), slo.Record(slo.PROTECTED, 0.11, 50.0, "OK"),
+               slo.Record(slo.PROTECTED, 0.21, 5.0, "OK"), slo.Record(slo.TOLERANT, 0.05, 150.0, "OK")]
+    rows = [{"gateway": 1.0, "clients": 2.0, slo.PROTECTED: 5.0, slo.TOLERANT: 10.0, "other": 0.0},
+            {"gateway": 3.0, "clients": 2.0, slo.PROTECTED: 5.0, slo.TOLERANT: 90.0, "other": 20.0},
+            {}]  # a window whose workers changed: not counted
+    judged = slo.judge(records, limit_ms=10.0, deadline_ms=1000.0, seconds=0.3)
+    cpu = slo.attribute(records, rows, judged["violating_at_s"], 10.0)
+    assert cpu["windows"] == {"violating": 1, "ok": 1}
+    assert cpu["cpu_ms_per_window"]["violating"][slo.TOLERANT] == 90.0
+    assert cpu["cpu_ms_per_window"]["violating"]["tolerant_in_flight"] == 1.0
+    assert cpu["cpu_ms_per_window"]["ok"][slo.TOLERANT] == 10.0
+    assert [w["at_s"] for w in cpu["violating"]] == [0.1] and cpu["violating"][0]["p99_ms"] == 50.0
+    assert cpu["protected_requests_per_window"] == {"mean": 1.0, "max": 1}

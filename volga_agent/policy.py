@@ -137,6 +137,14 @@ class Settings(pydantic.BaseModel):
     autonomy_deadline_share_pct: Annotated[float, pydantic.Field(gt=0, le=100)] = 100.0
     # How often a sidecar gateway sends its per-model load to the agent and takes the loop's directives back.
     autonomy_exchange_ms: Annotated[float, pydantic.Field(ge=5, le=1000)] = 50.0
+    # A violation makes the workers of co-runners at least autonomy_yield_tolerance_ratio times as tolerant as the
+    # violating model yield the CPU: their threads (and their session's scheduling group) run at nice
+    # autonomy_yield_nice until the state is PRELOAD or ACCEPT again and autonomy_yield_calm_windows windows have
+    # passed without a violation. 0 leaves priorities alone: giving a priority back needs CAP_SYS_NICE, which a
+    # node agent has and an unprivileged `volga up` does not.
+    autonomy_yield_nice: Annotated[int, pydantic.Field(ge=0, le=19)] = 0
+    autonomy_yield_tolerance_ratio: Annotated[float, pydantic.Field(ge=1)] = 2.0
+    autonomy_yield_calm_windows: Annotated[int, pydantic.Field(ge=1, le=10_000)] = 10
     # Folders ModelSpec sources must resolve inside (symlinks followed); empty: anywhere. `volga up` and
     # `volga-agent --kube` fill it in (docs/security.md).
     model_roots: Annotated[tuple[str, ...], pydantic.Strict(False)] = ()

@@ -46,7 +46,9 @@ def synthetic(models: int, count: int, seed: int = 7) -> tuple[dict[str, decider
             arrivals = int(rate * WINDOW_S) + rng.randint(0, 2)
             p99 = 5.0 * (1.0 + rng.random() * (0.6 if (k // 25 + i) % 4 == 0 else 0.1))
             loads[name] = window.ModelWindow(arrivals, arrivals, rng.randint(0, 3), 0, p99 if arrivals else None)
-        windows.append(window.Window(k * WINDOW_S, (k + 1) * WINDOW_S, memory, rng.uniform(10, 90), False, loads))
+        # As the sampler's windows (window.build), with the completed requests counted.
+        windows.append(window.Window(k * WINDOW_S, (k + 1) * WINDOW_S, memory, rng.uniform(10, 90), False, loads,
+                                     completed=sum(w.completed for w in loads.values())))
     return views, windows
 
 

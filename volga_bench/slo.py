@@ -49,9 +49,11 @@ PROTECTED, TOLERANT = "critical", "heavy"
 WINDOW_S = 0.1
 # The node settings of both runs; the on-run adds --autonomy. Tuned for bursts of a few seconds: into
 # EMERGENCY at once when a violation has lasted 15 % of the recovery deadline, out of it (unshed) only after
-# 3 s without one.
+# 3 s without one; the tolerant model's worker yields the CPU (nice 19) from the first violation until 3 s of
+# calm.
 SETTINGS: dict[str, Any] = {"autonomyEmergencyWindows": 1, "autonomyCalmWindows": 30,
-                            "autonomyDeadlineSharePct": 15.0, "autonomyShedRetryAfterMs": 1000}
+                            "autonomyDeadlineSharePct": 15.0, "autonomyShedRetryAfterMs": 1000,
+                            "autonomyYieldNice": 19, "autonomyYieldCalmWindows": 30}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,16 +168,34 @@ def spec_document(model: Model, path: pathlib.Path, gpu: bool = False) -> dict[s
                  "runtime": {"intraOpThreads": model.threads, "warmupIterations": 3}}}
 
 
-def calibrated(document: dict[str, Any], batch: int, iterations: int, device: str = "cpu"
-               ) -> tuple[dict[str, Any], float]:
-    """The document with its baseline measured alone (`volga calibrate`) and tagged; the baseline p99 in ms."""
+# A calibration whose p99 is more than this many times its p50 was disturbed (on a shared machine, by another
+# process): its p99 is no baseline, and a limit built on it would hide every violation. It is measured again.
+DISTURBED_P99_OVER_P50 = 1.5
+CALIBRATION_ATTEMPTS = 3
+
+
+def calibrated(document: dict[str, Any], batch: int, iterations: int, device: str = "cpu",
+               attempts: int = CALIBRATION_ATTEMPTS) -> tuple[dict[str, Any], float, dict[str, Any]]:
+    """The document with its baseline measured alone (`volga calibrate`) and tagged; the baseline p99 in ms; and
+    what each attempt measured (up to `attempts` while the p99 says the measurement was disturbed; the lowest p99
+    is kept)."""
     spec = api.ModelSpec.model_validate(document).spec
-    result = calibrate.measure(spec, [batch], iterations, device)
+    tried: list[api.Calibration] = []
+    for _ in range(attempts):
+        tried.append(calibrate.measure(spec, [batch], iterations, device))
+        first = tried[-1].batches[0]
+        if first.p99_ms <= DISTURBED_P99_OVER_P50 * first.p50_ms:
+            break
+    result = min(tried, key=lambda r: r.batches[0].p99_ms)
+    kept = result.batches[0]
+    check = {"p50_ms": round(kept.p50_ms, 3), "p99_ms": round(kept.p99_ms, 3),
+             "attempts": [[round(r.batches[0].p50_ms, 3), round(r.batches[0].p99_ms, 3)] for r in tried],
+             "sane": kept.p99_ms <= DISTURBED_P99_OVER_P50 * kept.p50_ms}
     slo = dict(document["spec"]["slo"])
     slo["baselineLatencyMs"] = result.baselines()
     slo["baselineFor"] = {"version": result.version, "inputHash": result.input_hash, "device": result.device}
     out = {**document, "spec": {**document["spec"], "slo": slo}}
-    return out, float(result.batches[0].p99_ms)
+    return out, float(kept.p99_ms), check
 
 
 def arrivals(config: Config) -> list[float]:
@@ -229,10 +249,12 @@ def warm_up(client: grpcclient.InferenceServerClient, model: str, inputs: list[A
     client.infer(model, inputs)
 
 
-def drive(address: str, config: Config, inputs: dict[str, list[Any]], drain_s: float = 30.0) -> list[Record]:
+def drive(address: str, config: Config, inputs: dict[str, list[Any]], drain_s: float = 30.0,
+          start: float | None = None) -> list[Record]:
     """The protected model's arrivals open-loop (each at its time, answered or not the earlier ones); the tolerant
     model's clients closed-loop, each a request then a think time, as many as the pulse in force asks for, and
-    each honouring the retry hint of a shed answer as a well-behaved client does."""
+    each honouring the retry hint of a shed answer as a well-behaved client does. `start` (perf_counter) is the
+    schedule's zero, now when not given."""
     protected = grpcclient.InferenceServerClient(address)
     records: list[Record] = []
     lock = threading.Lock()
@@ -240,7 +262,7 @@ def drive(address: str, config: Config, inputs: dict[str, list[Any]], drain_s: f
     sent_protected = 0
     stop = threading.Event()
     plan = pulses(config)
-    start = time.perf_counter()
+    start = time.perf_counter() if start is None else start
 
     def answered(record: Record, sent: float, result: Any, error: Any) -> None:
         record.latency_ms = (time.perf_counter() - sent) * 1e3
@@ -299,6 +321,130 @@ def drive(address: str, config: Config, inputs: dict[str, list[Any]], drain_s: f
         stop.set()
         protected.close()
     return records
+
+
+class CpuWatch:
+    """Where the CPU time of each 100 ms window went, read from /proc (clock ticks) at each window's end: `volga
+    up`'s own process (gateway, agent, loop), each model's worker (a child of it, known by its work folder), this
+    process (the clients) and, on the CPUs this process may use, everything else on the machine ("other")."""
+
+    def __init__(self, up_pid: int, start: float) -> None:
+        self.up_pid = up_pid
+        self.start = start
+        self.cpus = sorted(os.sched_getaffinity(0))
+        self.tick_ms = 1000.0 / os.sysconf("SC_CLK_TCK")
+        self.rows: list[dict[str, float]] = []
+        self._stop = threading.Event()
+        self._workers: dict[int, str] = {}
+        self._thread = threading.Thread(target=self._run, name="cpu-watch", daemon=True)
+
+    def __enter__(self) -> CpuWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    @staticmethod
+    def _process_ticks(pid: int) -> int:
+        try:
+            fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            return 0
+        return int(fields[11]) + int(fields[12])  # utime + stime, all threads
+
+    def _find_workers(self) -> None:
+        found = {}
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                fields = pathlib.Path(f"/proc/{entry.name}/stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[1]) != self.up_pid:
+                    continue
+                folder = os.path.basename(os.readlink(f"/proc/{entry.name}/cwd"))
+            except (OSError, IndexError, ValueError):
+                continue
+            model = next((m for m in (PROTECTED, TOLERANT) if folder.startswith(f"{m}-")), None)
+            if model is not None:
+                found[int(entry.name)] = model
+        self._workers = found
+
+    def _node_ticks(self) -> int:
+        busy = 0
+        wanted = {f"cpu{c}" for c in self.cpus}
+        for line in pathlib.Path("/proc/stat").read_text().splitlines():
+            parts = line.split()
+            if parts and parts[0] in wanted:
+                busy += sum(int(parts[i]) for i in (1, 2, 3, 6, 7, 8))  # user nice system irq softirq steal
+        return busy
+
+    def _read(self) -> dict[str, int]:
+        out = {"gateway": self._process_ticks(self.up_pid), "clients": self._process_ticks(os.getpid()),
+               PROTECTED: 0, TOLERANT: 0, "node": self._node_ticks()}
+        for pid, model in self._workers.items():
+            out[model] += self._process_ticks(pid)
+        return out
+
+    def _run(self) -> None:
+        k = 0
+        self._find_workers()
+        before = self._read()
+        while not self._stop.is_set():
+            k += 1
+            delay = self.start + k * WINDOW_S - time.perf_counter()
+            if delay > 0 and self._stop.wait(delay):
+                break
+            if k % 10 == 0:  # a demoted or restored worker has a new PID
+                workers = dict(self._workers)
+                self._find_workers()
+                if workers != self._workers:
+                    before = self._read()
+                    self.rows.append({})
+                    continue
+            now = self._read()
+            ms = {name: (now[name] - before[name]) * self.tick_ms for name in now}
+            ours = sum(v for name, v in ms.items() if name != "node")
+            row = {name: ms[name] for name in ("gateway", "clients", PROTECTED, TOLERANT)}
+            row["other"] = max(0.0, ms["node"] - ours)
+            self.rows.append(row)
+            before = now
+
+
+def attribute(records: Sequence[Record], rows: Sequence[dict[str, float]], violating_at_s: Sequence[float],
+              limit_ms: float) -> dict[str, Any]:
+    """The CPU time (ms per 100 ms window, by whom) and the tolerant model's requests in flight, in the windows
+    where the protected model violated and in the others; and each violating window in full."""
+    bad = {round(t / WINDOW_S) for t in violating_at_s}
+    tolerant = [(r.sent, r.sent + r.latency_ms / 1e3) for r in records if r.model == TOLERANT
+                and not math.isnan(r.latency_ms)]
+    protected: dict[int, list[float]] = {}
+    for r in records:
+        if r.model == PROTECTED and r.status == "OK":
+            protected.setdefault(int((r.sent + r.latency_ms / 1e3) / WINDOW_S), []).append(r.latency_ms)
+
+    def in_flight(w: int) -> int:
+        a, b = w * WINDOW_S, (w + 1) * WINDOW_S
+        return sum(1 for s, e in tolerant if s < b and e > a)
+
+    groups: dict[str, list[dict[str, float]]] = {"violating": [], "ok": []}
+    detail = []
+    for w, row in enumerate(rows):
+        if not row or w not in protected:
+            continue
+        full = {**row, "tolerant_in_flight": float(in_flight(w))}
+        groups["violating" if w in bad else "ok"].append(full)
+        if w in bad:
+            detail.append({"at_s": round(w * WINDOW_S, 1), "p99_ms": round(max(protected[w]), 2),
+                           "requests": len(protected[w]), **{k: round(v, 1) for k, v in full.items()}})
+    means = {name: ({k: round(sum(g[k] for g in group) / len(group), 1) for k in group[0]} if group else {})
+             for name, group in groups.items()}
+    per_window = [len(v) for v in protected.values()]
+    return {"cpu_ms_per_window": means, "windows": {k: len(v) for k, v in groups.items()},
+            "protected_requests_per_window": {"mean": round(sum(per_window) / len(per_window), 2) if per_window
+                                              else 0.0, "max": max(per_window, default=0)},
+            "limit_ms": round(limit_ms, 3), "violating": detail}
 
 
 def nearest_rank_p99(values: Sequence[float]) -> float:
@@ -380,7 +526,9 @@ def one_run(specs: pathlib.Path, settings: pathlib.Path, autonomy: bool, config:
         warm.close()
         progress(f"autonomy {'on' if autonomy else 'off'}: {config.seconds:g} s of traffic ...")
         load_before = os.getloadavg()[0]
-        records = drive(up.endpoints["grpc"], config, inputs)
+        start = time.perf_counter()
+        with CpuWatch(up.proc.pid, start) as watch:
+            records = drive(up.endpoints["grpc"], config, inputs, start=start)
         metrics_text = urllib.request.urlopen(up.endpoints["metrics"], timeout=10).read().decode()
     protected = judge(records, limit_ms, deadline_ms, config.seconds)
     decision = histogram_quantiles(metrics_text, "volga_autonomy_decision_latency_us", (0.5, 0.99))
@@ -388,6 +536,7 @@ def one_run(specs: pathlib.Path, settings: pathlib.Path, autonomy: bool, config:
     actions = {line.split('action="', 1)[1].split('"', 1)[0]: float(line.split()[-1])
                for line in metrics_text.splitlines() if line.startswith("volga_autonomy_decisions_total{")}
     return {"protected": protected, "tolerant": tolerant_summary(records),
+            "cpu": attribute(records, watch.rows, protected["violating_at_s"], limit_ms),
             "decision_us": {"p50": _round(decision[0.5]), "p99": _round(decision[0.99])},
             "sampling_jitter_ms": {"p50": _round(jitter[0.5]), "p99": _round(jitter[0.99])},
             "actions": actions, "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
@@ -402,15 +551,15 @@ def run(config: Config | None = None, progress: Callable[[str], None] = lambda _
     config = config or Config()
     with tempfile.TemporaryDirectory(prefix="volga-bench-slo-", dir=workdir) as folder:
         root = pathlib.Path(folder)
-        documents, baselines = [], {}
+        documents, baselines, checks = [], {}, {}
         for model in config.models:
             path = (build_torchscript(model, root / model.name / "model.pt") if config.gpu
                     else build_onnx(model, root / model.name / "model.onnx"))
             progress(f"calibrating {model.name} alone (batch {model.batch}, {config.calibrate_iterations} "
                      "requests) ...")
-            document, baselines[model.name] = calibrated(spec_document(model, path, config.gpu), model.batch,
-                                                         config.calibrate_iterations,
-                                                         "cuda:0" if config.gpu else "cpu")
+            document, baselines[model.name], checks[model.name] = calibrated(
+                spec_document(model, path, config.gpu), model.batch, config.calibrate_iterations,
+                "cuda:0" if config.gpu else "cpu")
             documents.append(document)
         specs = root / "specs.yaml"
         specs.write_text(yaml.safe_dump_all(documents))
@@ -431,7 +580,7 @@ def run(config: Config | None = None, progress: Callable[[str], None] = lambda _
                 progress(f"round {round_ + 1}/{config.rounds}")
                 runs["on" if autonomy else "off"].append(
                     one_run(specs, settings, autonomy, config, inputs, limit_ms, progress))
-    return report(config, baselines, limit_ms, runs)
+    return {**report(config, baselines, limit_ms, runs), "calibration": checks}
 
 
 def report(config: Config, baselines: dict[str, float], limit_ms: float,
@@ -485,4 +634,15 @@ def format_report(r: dict[str, Any]) -> str:
                      f"{s['episodes']:>10}{s['episodes_past_deadline']:>11}{t['shed']:>15}{t['p99_ms'] or 0:>14.1f}")
     lines.append(f"decision p50 {r['decision_us']['p50']} us, p99 {r['decision_us']['p99']} us; sampling jitter p99 "
                  f"{r['sampling_jitter_ms']['p99']} ms; {r['fewer_violating_windows_x']}x fewer violating windows")
+    for model, check in r.get("calibration", {}).items():
+        lines.append(f"calibration of {model}: p50 {check['p50_ms']} ms, p99 {check['p99_ms']} ms after "
+                     f"{len(check['attempts'])} attempt(s)" + ("" if check["sane"] else " (disturbed: p99 > "
+                                                               f"{DISTURBED_P99_OVER_P50:g} x p50)"))
+    for name in ("off", "on"):
+        for run in r["runs"][name]:
+            cpu = run["cpu"]
+            for kind in ("violating", "ok"):
+                if cpu["cpu_ms_per_window"][kind]:
+                    lines.append(f"autonomy {name}, {cpu['windows'][kind]} {kind} windows, CPU ms per 100 ms: "
+                                 + ", ".join(f"{k} {v:g}" for k, v in cpu["cpu_ms_per_window"][kind].items()))
     return "\n".join(lines)

@@ -35,15 +35,24 @@ Actions by state:
                 what the emergency is about (a checkpoint frees memory but costs the CPU and PCIe time a latency
                 emergency needs for the protected models); the least tolerant models are never shed
     leaving EMERGENCY: Unshed every shed model; reaching PRELOAD or ACCEPT: RestoreBatchCap every capped model
+
+With autonomy_yield_nice set, a CPU-bound co-runner also yields (LowerPriority): in any window where a model
+violates, every awake model at least autonomy_yield_tolerance_ratio times as tolerant as it, and not violating
+itself, has its worker run at that nice, at once (no hysteresis: it is cheap, undone as cheaply, and it is what
+frees a shared CPU while the co-runner is serving, which caps and sheds in bursts do not); RestorePriority gives
+it back once the state is PRELOAD or ACCEPT and autonomy_yield_calm_windows windows have passed without a
+violation of a model it yields to. A yielding model's own violations are what it was made to pay: they neither
+stop the yield nor hold it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from volga_agent import policy
 from volga_agent.autonomy import window as windows
@@ -92,7 +101,20 @@ class RestoreBatchCap:
     model: str
 
 
-Action = Preload | LowerBatchCap | Demote | Shed | Unshed | RestoreBatchCap
+@dataclasses.dataclass(frozen=True, slots=True)
+class LowerPriority:
+    """The model's workers run at `nice` (their threads, and their session's scheduling group)."""
+
+    model: str
+    nice: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RestorePriority:
+    model: str
+
+
+Action = Preload | LowerBatchCap | Demote | Shed | Unshed | RestoreBatchCap | LowerPriority | RestorePriority
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +158,10 @@ class Violation(typing.NamedTuple):
     past_deadline: bool  # longer than the model's recoveryDeadlineMs
 
 
+# A Violation made without the Python-level __new__ a NamedTuple class has (many per window on a loaded node).
+_violation = functools.partial(tuple.__new__, Violation)
+
+
 class Decision(typing.NamedTuple):
     state: State
     candidate: State
@@ -145,33 +171,42 @@ class Decision(typing.NamedTuple):
     path: tuple[str, ...] = ()  # why, step by step; filled only when asked (`explain`)
 
 
+_decision = functools.partial(tuple.__new__, Decision)  # as _violation: one per window
+
+
 class _Track:
     """One model between windows: its arrivals, idleness and violation, and the constants of its current view
-    (bound again only when the model set changes, so that a window reads them without working them out)."""
+    (bound again only when the model set changes, so that a window reads them without working them out: a
+    window's cost is this loop's, per model, and every attribute it need not touch counts at 64 models)."""
 
-    __slots__ = ("arrivals", "arrivals1", "arrivals2", "awake", "baselines", "capped_at", "capped_base",
-                 "deadline_ms", "idle", "members", "model", "scalar", "seen", "steps", "tolerance", "uncapped",
-                 "view", "violating", "violation_start")
+    __slots__ = ("arrivals1", "arrivals2", "awake", "baselines", "capped_at", "capped_base", "deadline_ms",
+                 "first", "idle", "limit", "members", "model", "preloadable", "scalar", "share_ms", "steps",
+                 "tolerance", "uncapped", "view", "violating", "violation_start")
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, first: int) -> None:
         self.model = model
-        self.arrivals1 = self.arrivals2 = 0  # arrivals in the window before last, and in the last
-        self.arrivals = 0  # in this window
-        self.seen = 0  # windows seen, up to 2
+        self.arrivals1 = self.arrivals2 = 0  # arrivals in the window before last, and in the last (this one, after)
+        self.first = first  # the decider's count of windows when this model came
         self.idle = 0
         self.violating = 0
         self.violation_start = 0.0
         self.tolerance = 0.0  # at this window's other load
 
-    def bind(self, view: ModelView) -> None:
+    def bind(self, view: ModelView, share: float) -> None:
         self.view = view
         self.awake = view.awake
         self.members = view.members
+        self.preloadable = not view.awake and not view.members
         self.baselines = view.baselines
-        self.uncapped = view.uncapped
         self.deadline_ms = float(view.slo.recovery_deadline_ms)
+        self.share_ms = self.deadline_ms * share  # a violation this long is urgent
         self.steps = view.steps
+        # A scalar tolerance: it and the uncapped limit are constants. None: worked out per window.
         self.scalar: float | None = view.steps[0][1] if len(view.steps) == 1 else None
+        self.tolerance = self.scalar if self.scalar is not None else 0.0
+        # No baselines: nothing to violate.
+        self.uncapped = view.uncapped if view.baselines else math.inf
+        self.limit = self.uncapped * (1.0 + self.tolerance / 100.0)
         self.capped_at = 0  # the cap whose baseline capped_base holds
         self.capped_base = 0.0
 
@@ -194,48 +229,56 @@ class Decider:
         self._agree = 0
         self.caps: dict[str, int] = {}
         self.shed: set[str] = set()
+        self.yielding: set[str] = set()  # models whose workers run at autonomy_yield_nice
+        self._calm = 0  # windows since a violation of a model the yielding ones yield to
         self._tracks: dict[str, _Track] = {}
         self._bound: list[_Track] = []  # the tracks of the views last seen, in their order
         self._ensembles: list[_Track] = []  # those of ensembles
-        self._seen_keys: tuple[str, ...] = ()
-        self._seen_ids: tuple[int, ...] = ()
+        self._windows = 0  # decided so far
+        self._seen_values: list[ModelView] = []
         s = self.settings
         self._window_s = s.autonomy_sample_ms * s.autonomy_window_samples / 1e3
         self._deadline_share = s.autonomy_deadline_share_pct / 100.0
         self._windows_to = {_EMERGENCY: s.autonomy_emergency_windows or s.autonomy_hysteresis_windows}
         self._calm_windows = s.autonomy_calm_windows or s.autonomy_hysteresis_windows
+        self._yield_nice = s.autonomy_yield_nice
 
     def _bind(self, views: Mapping[str, ModelView]) -> list[_Track]:
         """The tracks of `views` in their order, bound to them; the same list while the views stay the same
-        objects (what a window costs must not grow with the work of working out each model's constants)."""
-        keys = tuple(views)
-        ids = tuple(map(id, views.values()))
-        if keys == self._seen_keys and ids == self._seen_ids:
+        objects (what a window costs must not grow with the work of working out each model's constants). Views
+        are keyed by their own model, so the views alone tell; the lists compare in C, each item by identity
+        first (a view equal to the one bound has the same constants)."""
+        values = list(views.values())
+        if values == self._seen_values:
             return self._bound
         tracks = self._tracks
         for gone in [m for m in tracks if m not in views]:
             del tracks[gone]
         bound = []
         for model, view in views.items():
-            track = tracks.get(model)
+            track: _Track | None = tracks.get(model)
             if track is None:
-                track = tracks[model] = _Track(model)
-            track.bind(view)
+                track = tracks[model] = _Track(model, self._windows)
+            track.bind(view, self._deadline_share)
             bound.append(track)
-        self._bound, self._seen_keys, self._seen_ids = bound, keys, ids
+        self._bound, self._seen_values = bound, values
         self._ensembles = [t for t in bound if t.members]
         return bound
 
     def decide(self, window: windows.Window, views: Mapping[str, ModelView], explain: bool = False) -> Decision:
         s = self.settings
         path: list[str] | None = [] if explain else None
-        seconds = window.seconds if window.seconds > 0 else self._window_s
+        seconds = window.end - window.start
+        if seconds <= 0:
+            seconds = self._window_s
         loads = window.models
         get = loads.get
         tracks = self._bind(views)
-        total_completed = 0
-        for w in loads.values():
-            total_completed += w.completed
+        total_completed = window.completed
+        if total_completed < 0:  # a window not made by window.build
+            total_completed = 0
+            for w in loads.values():
+                total_completed += w.completed
         for track in self._ensembles:  # its steps count in its models' completions
             if (own := get(track.model)) is not None:
                 total_completed -= own.completed
@@ -246,72 +289,79 @@ class Decider:
         util = window.util_pct
         min_arrivals = s.autonomy_preload_min_rate * seconds
         caps = self.caps
-        share = self._deadline_share
         end = window.end
+        mature = self._windows - 2  # models that came before this count have two windows of arrivals behind them
+        self._windows += 1
         for track in tracks:
-            load = get(track.model)
+            model = track.model
+            load = get(model)
             if load is None:
-                arrivals, p99, completed = 0, None, 0
+                arrivals = 0
+                p99 = None
                 track.idle += 1
             else:
-                arrivals, p99, completed = load.arrivals, load.p99_ms, load.completed
+                arrivals = load.arrivals
+                p99 = load.p99_ms
                 if arrivals or load.queue_depth:
                     track.idle = 0
                 else:
                     track.idle += 1
-            if track.members:  # the chain's share of the node's work is its models'
-                completed = 0
-                for member in track.members:
-                    if (step := get(member)) is not None:
-                        completed += step.completed
-                completed = min(completed, total_completed)
+            # Slope and acceleration in arrivals per window (windows are of one length but for jitter, which
+            # would make a flat rate look like it wobbles up and down).
+            before = track.arrivals2
+            if (track.preloadable and arrivals > before and arrivals >= min_arrivals
+                    and arrivals - before > before - track.arrivals1 and track.first <= mature):
+                accelerating.append(model)
+            track.arrivals1 = before
+            track.arrivals2 = arrivals
             pct = track.scalar
+            other = -1.0  # the other models' load, once worked out
             if pct is None:
-                other = util * (1.0 - completed / total_completed) if total_completed else util
+                if track.members:
+                    other = self._other(track, load, get, util, total_completed)
+                elif total_completed:
+                    other = util * (1.0 - (load.completed if load is not None else 0) / total_completed)
+                else:
+                    other = util
                 steps = track.steps
                 pct = steps[-1][1]
                 for below, step_pct in steps:
                     if other < below:
                         pct = step_pct
                         break
-            track.tolerance = pct
-            track.arrivals = arrivals
-            before = track.arrivals2
-            # Slope and acceleration in arrivals per window (windows are of one length but for jitter, which
-            # would make a flat rate look like it wobbles up and down).
-            if (not track.awake and not track.members and track.seen == 2 and arrivals >= min_arrivals
-                    and arrivals > before and arrivals - before > before - track.arrivals1):
-                accelerating.append(track.model)
-            track.arrivals1 = before
-            track.arrivals2 = arrivals
-            if track.seen < 2:
-                track.seen += 1
-            if p99 is None or not track.baselines:
+                track.tolerance = pct
+                limit = track.uncapped * (1.0 + pct / 100.0)
+            else:
+                limit = track.limit
+            if p99 is None:
                 track.violating = 0
                 continue
-            cap = caps.get(track.model) if caps else None
-            if cap is None:
-                base = track.uncapped
-            elif cap == track.capped_at:
-                base = track.capped_base
-            else:
-                base = track.capped_base = baseline(track.baselines, cap)
-                track.capped_at = cap
-            limit = base * (1.0 + pct / 100.0)
+            if caps and (cap := caps.get(model)) is not None and track.baselines:
+                if cap != track.capped_at:
+                    track.capped_base = baseline(track.baselines, cap)
+                    track.capped_at = cap
+                limit = track.capped_base * (1.0 + pct / 100.0)
             if p99 <= limit:
                 track.violating = 0
                 continue
-            other = util * (1.0 - completed / total_completed) if total_completed else util
+            if other < 0.0:
+                if track.members:
+                    other = self._other(track, load, get, util, total_completed)
+                elif total_completed and load is not None:
+                    other = util * (1.0 - load.completed / total_completed)
+                else:
+                    other = util
             if track.violating == 0:
                 track.violation_start = window.start
             track.violating += 1
             violating_ms = (end - track.violation_start) * 1e3
             late = violating_ms > track.deadline_ms
-            past_deadline = past_deadline or late
-            urgent = urgent or late or violating_ms > track.deadline_ms * share
-            violations.append(Violation(track.model, p99, limit, other, track.violating, violating_ms, late))
+            if late or violating_ms > track.share_ms:
+                urgent = True
+                past_deadline = past_deadline or late
+            violations.append(_violation((model, p99, limit, other, track.violating, violating_ms, late)))
             if path is not None:
-                path.append(f"{track.model}: p99 {p99:.3f} ms > {limit:.3f} ms (tolerance {pct:g}% at other load "
+                path.append(f"{model}: p99 {p99:.3f} ms > {limit:.3f} ms (tolerance {pct:g}% at other load "
                             f"{other:.1f}%), {track.violating} windows, {violating_ms:.0f} ms"
                             + (" past its recovery deadline" if late else ""))
 
@@ -359,10 +409,28 @@ class Decider:
             self._optimize(tracks, violations, actions)
         elif state == _EMERGENCY:
             self._emergency(tracks, actions, memory >= s.autonomy_emergency_above_pct)
+        if self._yield_nice and (violations or self.yielding):
+            self._yield(tracks, violations, state, actions)
         if path is not None:
             path.append(f"actions: {actions or 'none'}")
-        return Decision(state, candidate, state != previous, tuple(actions), tuple(violations),
-                        tuple(path) if path is not None else ())
+        return _decision((state, candidate, state != previous, tuple(actions), tuple(violations),
+                          tuple(path) if path is not None else ()))
+
+    @staticmethod
+    def _other(track: _Track, load: windows.ModelWindow | None, get: Callable[[str], windows.ModelWindow | None],
+               util: float, total_completed: int) -> float:
+        """The load of the node's other models: its utilisation times their share of the completed requests."""
+        if not total_completed:
+            return util
+        if track.members:  # the chain's share of the node's work is its models'
+            completed = 0
+            for member in track.members:
+                if (step := get(member)) is not None:
+                    completed += step.completed
+            completed = min(completed, total_completed)
+        else:
+            completed = load.completed if load is not None else 0
+        return util * (1.0 - completed / total_completed)
 
     def _optimize(self, tracks: Sequence[_Track], violations: Sequence[Violation], actions: list[Action]) -> None:
         caps = self.caps
@@ -388,15 +456,45 @@ class Decider:
                 if track.tolerance > least:
                     actions.append(Demote(track.model, _rest(track.view)))
 
+    def _yield(self, tracks: Sequence[_Track], violations: Sequence[Violation], state: State,
+               actions: list[Action]) -> None:
+        yielding = self.yielding
+        protected = {v.model for v in violations if v.model not in yielding}
+        if protected:
+            self._calm = 0
+            # A violating ensemble's models are part of it, not co-runners.
+            excepted = {v.model for v in violations}.union(*(t.members for t in self._ensembles
+                                                             if t.model in protected))
+            ratio = self.settings.autonomy_yield_tolerance_ratio
+            floor = min(t.tolerance for t in tracks if t.model in protected) * ratio
+            for track in tracks:
+                if (track.awake and not track.members and track.tolerance >= floor and track.model not in excepted
+                        and track.model not in yielding):
+                    yielding.add(track.model)
+                    actions.append(LowerPriority(track.model, self._yield_nice))
+            return
+        self._calm += 1
+        if yielding and state in (_PRELOAD, _ACCEPT) and self._calm >= self.settings.autonomy_yield_calm_windows:
+            actions += [RestorePriority(m) for m in sorted(yielding)]
+            yielding.clear()
+
     def _emergency(self, tracks: Sequence[_Track], actions: list[Action], memory: bool) -> None:
-        active = [t for t in tracks if (t.awake or t.arrivals) and not t.members]
-        if not active:
+        # One pass: the least tolerance of the models with a worker or traffic, and the most tolerant of them not
+        # shed yet (by name among equals).
+        shed = self.shed
+        least = math.inf
+        chosen: _Track | None = None
+        for t in tracks:
+            if t.members or not (t.awake or t.arrivals2):
+                continue
+            tolerance = t.tolerance
+            if tolerance < least:
+                least = tolerance
+            if t.model not in shed and (chosen is None or tolerance > chosen.tolerance
+                                        or (tolerance == chosen.tolerance and t.model < chosen.model)):
+                chosen = t
+        if chosen is None or chosen.tolerance <= least:
             return
-        least = min(t.tolerance for t in active)
-        candidates = [t for t in active if t.model not in self.shed and t.tolerance > least]
-        if not candidates:
-            return
-        chosen = min(candidates, key=lambda t: (-t.tolerance, t.model))
         self.shed.add(chosen.model)
         actions.append(Shed(chosen.model, self.settings.autonomy_shed_retry_after_ms))
         if memory and chosen.awake:

@@ -1,7 +1,10 @@
 """The node autonomy loop: the sampler's windows through the decider, and the decisions applied.
 
 Wakes (`Preload`) and demotions (`Demote`) go to the pool (`Pool.activate`, `Pool.move_to`) on a small thread pool
-of their own, one at a time per model, so that a CRIU restore never holds up the next decision. Batch caps and
+of their own, one at a time per model, so that a CRIU restore never holds up the next decision. A model's CPU
+priority (`LowerPriority`, `RestorePriority`) is set on its HOT workers' threads right away, a few system calls
+after the decision and outside it (`priority`); workers that wake while their model yields are lowered after the
+next window, and every lowered worker gets its normal priority back when the loop stops. Batch caps and
 shedding go to the gateway, which the loop knows only as the `Gateway` protocol: the gateway's data plane
 provides those four methods, and the autonomy package imports nothing of the gateway (docs/architecture.md).
 
@@ -22,7 +25,7 @@ import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
-from volga_agent import errors, gpus, metrics, policy, pool
+from volga_agent import errors, gpus, metrics, policy, pool, priority, process
 from volga_agent.autonomy import decider, sampler
 from volga_agent.autonomy import window as windows
 from volga_operator import api, planner
@@ -65,6 +68,13 @@ class Actuator(Protocol):
 
     def unshed(self, model: str) -> None: ...
 
+    def lower_priority(self, model: str, nice: int) -> None: ...
+
+    def restore_priority(self, model: str) -> None: ...
+
+    def refresh(self) -> None:
+        """The pool's workers may have changed (woken, frozen, restored)."""
+
 
 class PoolActuator:
     """Wakes and demotions through the pool (in the background, one in flight per model); batch caps and shedding
@@ -76,6 +86,8 @@ class PoolActuator:
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="autonomy")
         self._busy: set[str] = set()
         self._lock = threading.Lock()
+        self._yielding: dict[str, int] = {}  # model -> the nice its workers run at
+        self._lowered: dict[int, tuple[str, int | None]] = {}  # worker PID -> (model, its start time)
 
     def _once(self, model: str, work: Callable[[], None]) -> None:
         with self._lock:
@@ -123,7 +135,58 @@ class PoolActuator:
         if self.gateway is not None:
             self.gateway.unshed(model)
 
+    def lower_priority(self, model: str, nice: int) -> None:
+        self._yielding[model] = nice
+        self._lower(model, nice)
+
+    def _lower(self, model: str, nice: int) -> None:
+        for slot in list(self.pool.slots.values()):
+            inst = slot.inst
+            pid = inst.pid
+            if inst.spec.model_id != model or pid is None or inst.tier != api.Tier.HOT or pid in self._lowered:
+                continue
+            started = process.start_time(pid)
+            try:
+                applied = priority.lower(pid, nice)
+            except ProcessLookupError:
+                continue
+            except PermissionError as exc:
+                log.warning("autonomy: %s yields no CPU: %s", model, exc)
+                continue
+            self._lowered[pid] = (model, started)
+            log.info("autonomy: %s yields the CPU: worker %d at nice %d (%d threads%s)", model, pid, nice,
+                     applied.threads, ", its session's group too" if applied.group else "")
+
+    def restore_priority(self, model: str) -> None:
+        self._yielding.pop(model, None)
+        for pid, (owner, started) in list(self._lowered.items()):
+            if owner == model:
+                self._give_back(pid, started)
+
+    def _give_back(self, pid: int, started: int | None) -> None:
+        model, _ = self._lowered.pop(pid)
+        if process.start_time(pid) != started:
+            return  # gone: a restored worker is given its normal priority by its instance
+        try:
+            priority.restore(pid)
+        except ProcessLookupError:
+            return
+        except PermissionError as exc:
+            log.warning("autonomy: %s: worker %d keeps its lowered priority: %s", model, pid, exc)
+            return
+        log.info("autonomy: %s: worker %d back at normal priority", model, pid)
+
+    def refresh(self) -> None:
+        live = {slot.inst.pid for slot in list(self.pool.slots.values())}
+        for pid in [pid for pid in self._lowered if pid not in live]:
+            del self._lowered[pid]  # frozen or gone: a restored worker starts at normal priority
+        for model, nice in self._yielding.items():
+            self._lower(model, nice)
+
     def close(self) -> None:
+        self._yielding.clear()
+        for pid, (_, started) in list(self._lowered.items()):
+            self._give_back(pid, started)
         self._executor.shutdown(wait=True, cancel_futures=True)
 
 
@@ -141,6 +204,10 @@ def apply(action: decider.Action, actuator: Actuator) -> None:
             actuator.shed(model, retry_after_ms)
         case decider.Unshed(model):
             actuator.unshed(model)
+        case decider.LowerPriority(model, nice):
+            actuator.lower_priority(model, nice)
+        case decider.RestorePriority(model):
+            actuator.restore_priority(model)
 
 
 # model id -> baselines measured on the cluster (the ModelSpec status' `calibrated` entries of its current version):
@@ -298,6 +365,8 @@ class Loop:
         self._publish(decision, views)
         for action in decision.actions:
             apply(action, self.actuator)
+        if self.decider.yielding:
+            self.actuator.refresh()
         return decision
 
     def _publish(self, decision: decider.Decision, views: Mapping[str, decider.ModelView]) -> None:

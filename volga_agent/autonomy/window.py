@@ -65,6 +65,7 @@ class Window:
     cpu_pressure_pct: float = 0.0
     memory_pressure_pct: float = 0.0
     io_pressure_pct: float = 0.0
+    completed: int = -1  # requests completed over all models (-1: not counted; the decider counts them)
 
     @property
     def seconds(self) -> float:
@@ -104,4 +105,4 @@ def build(samples: Sequence[NodeSample], loads: Sequence[Mapping[str, LoadReadin
         pcie_tx_bytes_per_s=sum(s.pcie_tx_bytes_per_s for s in samples) / n,
         cpu_pressure_pct=sum(s.cpu_pressure_pct for s in samples) / n,
         memory_pressure_pct=sum(s.memory_pressure_pct for s in samples) / n,
-        io_pressure_pct=sum(s.io_pressure_pct for s in samples) / n)
+        io_pressure_pct=sum(s.io_pressure_pct for s in samples) / n, completed=sum(completed.values()))
