@@ -22,6 +22,8 @@ EMBEDDING_ROWS = 250_000
 EMBEDDING_DIM = 64
 HIDDEN = (1024, 512, 256)
 SEED = 20261129
+# IR version 8 (opset 17's own): onnx releases newer than a node's onnxruntime write IR versions it refuses.
+IR_VERSION = 8
 
 
 def build_onnx(path: pathlib.Path, rows: int = EMBEDDING_ROWS) -> pathlib.Path:
@@ -30,7 +32,7 @@ def build_onnx(path: pathlib.Path, rows: int = EMBEDDING_ROWS) -> pathlib.Path:
     from onnx import TensorProto, helper, numpy_helper
 
     stamp = path.with_suffix(".stamp")
-    key = f"{rows}-{EMBEDDING_DIM}-{HIDDEN}-{SEED}"
+    key = f"{rows}-{EMBEDDING_DIM}-{HIDDEN}-{SEED}-ir{IR_VERSION}"
     if path.exists() and stamp.exists() and stamp.read_text() == key:
         return path
     rng = np.random.default_rng(SEED)
@@ -61,7 +63,8 @@ def build_onnx(path: pathlib.Path, rows: int = EMBEDDING_ROWS) -> pathlib.Path:
          helper.make_tensor_value_info("sparse", TensorProto.INT64, ["batch", SPARSE_FIELDS])],
         [helper.make_tensor_value_info("probability", TensorProto.FLOAT, ["batch", 1])],
         inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="volga")
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="volga",
+                              ir_version=IR_VERSION)
     onnx.checker.check_model(model)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
