@@ -67,6 +67,7 @@ def test_a_violation_makes_the_tolerant_worker_yield_and_a_restored_worker_comes
         assert first.state is decider.State.ACCEPT
         assert first.actions == (decider.LowerPriority("loose", 19),)
         assert set(priority.nice_of(loose)) == {19} and len(priority.nice_of(loose)) > 1
+        assert priority.idle_threads_of(loose) == len(priority.nice_of(loose))  # preempted by any waking thread
         assert priority.group_nice_of(loose) in (None, 19)
         assert set(priority.nice_of(strict)) == {normal}
         assert step(5.0).actions == ()  # yielding already
@@ -77,7 +78,7 @@ def test_a_violation_makes_the_tolerant_worker_yield_and_a_restored_worker_comes
         assert p.activate("loose").woke_from is Tier.FROZEN
         restored = pid_of(p, "loose")
         assert restored != loose
-        assert set(priority.nice_of(restored)) == {normal}
+        assert set(priority.nice_of(restored)) == {normal} and priority.idle_threads_of(restored) == 0
         assert priority.group_nice_of(restored) in (None, 0)
         # The loop still has it yield: its next window lowers the restored worker (the views changed).
         step(5.0)
@@ -87,7 +88,7 @@ def test_a_violation_makes_the_tolerant_worker_yield_and_a_restored_worker_comes
         calm = [step(1.0) for _ in range(3)]
         assert calm[-1].state is decider.State.ACCEPT
         assert [decider.RestorePriority("loose") in d.actions for d in calm] == [False, False, True]
-        assert set(priority.nice_of(restored)) == {normal}
+        assert set(priority.nice_of(restored)) == {normal} and priority.idle_threads_of(restored) == 0
         assert priority.group_nice_of(restored) in (None, 0)
 
         step(5.0)
@@ -95,7 +96,7 @@ def test_a_violation_makes_the_tolerant_worker_yield_and_a_restored_worker_comes
     finally:
         autonomy.stop()
     # Stopping the loop gives every lowered worker its priority back.
-    assert set(priority.nice_of(restored)) == {normal}
+    assert set(priority.nice_of(restored)) == {normal} and priority.idle_threads_of(restored) == 0
     registry = p.metrics.registry
     assert registry.get_sample_value("volga_autonomy_decisions_total", {"action": "LowerPriority"}) == 2
     assert registry.get_sample_value("volga_autonomy_decisions_total", {"action": "RestorePriority"}) == 1

@@ -462,7 +462,8 @@ def cmd_bench_slo(args: argparse.Namespace) -> int:
     except ImportError as exc:
         return _no_bench("bench slo", exc)
     config = slo.Config(seconds=args.seconds, rounds=args.rounds, calibrate_iterations=args.calibrate_iterations,
-                        pulse_every_s=args.pulse_every, pulse_s=args.pulse_seconds, gpu=args.gpu)
+                        pulse_every_s=args.pulse_every, pulse_s=args.pulse_seconds, gpu=args.gpu,
+                        yield_calm_windows=args.yield_calm_windows)
     report = slo.run(config, progress=_progress(args.json))
     _emit(args, report, lambda: slo.format_report(report))
     return 0
@@ -626,6 +627,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pulse-seconds", type=float, default=3.0, help="how long a pulse lasts")
     p.add_argument("--calibrate-iterations", type=int, default=300, help="timed requests of each baseline")
     p.add_argument("--gpu", action="store_true", help="two PyTorch models sharing cuda:0 instead of ONNX on the CPU")
+    p.add_argument("--yield-calm-windows", type=int, default=30,
+                   help="windows without a violation before the tolerant worker gets its CPU priority back")
     _report_args(p)
     p.set_defaults(func=cmd_bench_slo)
 

@@ -145,6 +145,9 @@ class Settings(pydantic.BaseModel):
     autonomy_yield_nice: Annotated[int, pydantic.Field(ge=0, le=19)] = 0
     autonomy_yield_tolerance_ratio: Annotated[float, pydantic.Field(ge=1)] = 2.0
     autonomy_yield_calm_windows: Annotated[int, pydantic.Field(ge=1, le=10_000)] = 10
+    # Yielding threads also run under SCHED_IDLE, so that a waking thread of any other worker (or the gateway)
+    # preempts them at once instead of after their time slice.
+    autonomy_yield_sched_idle: bool = True
     # Folders ModelSpec sources must resolve inside (symlinks followed); empty: anywhere. `volga up` and
     # `volga-agent --kube` fill it in (docs/security.md).
     model_roots: Annotated[tuple[str, ...], pydantic.Strict(False)] = ()

@@ -6,6 +6,10 @@ processes by session for scheduling (autogroup: on unless the processes live in 
 worker is a session leader (worker/nsinit.py) and so a group of its own, whose weight against the other workers
 only the group's nice sets (/proc/PID/autogroup): both are set. CRIU dumps and restores each thread's nice with
 it, so the instance gives a restored worker its normal priority back (`restore`).
+
+A nice value alone still lets a busy low-priority thread run out its time slice when a normal thread wakes (a few
+ms, on every wake-up of the protected model's request path); `idle` also puts the threads under SCHED_IDLE, which
+any waking normal thread preempts at once.
 """
 
 from __future__ import annotations
@@ -31,10 +35,11 @@ def normal() -> int:
     return os.getpriority(os.PRIO_PROCESS, 0)
 
 
-def set_nice(pid: int, nice: int) -> Applied:
-    """Every thread of process `pid` at `nice`, and its session's scheduling group at `nice` (0 at the least: a
-    group above normal priority needs privileges the agent may not have). ProcessLookupError when `pid` is gone;
-    PermissionError when raising a priority needs CAP_SYS_NICE and the agent lacks it."""
+def set_nice(pid: int, nice: int, idle: bool = False) -> Applied:
+    """Every thread of process `pid` at `nice` (under SCHED_IDLE with `idle`, else SCHED_OTHER), and its session's
+    scheduling group at `nice` (0 at the least: a group above normal priority needs privileges the agent may not
+    have). ProcessLookupError when `pid` is gone; PermissionError when raising a priority needs CAP_SYS_NICE and the
+    agent lacks it."""
     if not -20 <= nice <= MAX_NICE:
         raise ValueError(f"nice: must be between -20 and {MAX_NICE}, got {nice}")
     try:
@@ -44,6 +49,7 @@ def set_nice(pid: int, nice: int) -> Applied:
     threads = 0
     for tid in tids:
         try:
+            _set_policy(int(tid), idle)
             os.setpriority(os.PRIO_PROCESS, int(tid), nice)
         except ProcessLookupError:  # the thread ended meanwhile
             continue
@@ -53,13 +59,19 @@ def set_nice(pid: int, nice: int) -> Applied:
     return Applied(threads, _set_group(pid, max(0, nice)))
 
 
-def lower(pid: int, nice: int = MAX_NICE) -> Applied:
-    return set_nice(pid, nice)
+def lower(pid: int, nice: int = MAX_NICE, idle: bool = False) -> Applied:
+    return set_nice(pid, nice, idle)
 
 
 def restore(pid: int) -> Applied:
-    """Back to normal priority (`normal()`), threads and group."""
+    """Back to normal priority (`normal()`, SCHED_OTHER), threads and group."""
     return set_nice(pid, normal())
+
+
+def _set_policy(tid: int, idle: bool) -> None:
+    policy = os.SCHED_IDLE if idle else os.SCHED_OTHER
+    if os.sched_getscheduler(tid) != policy:
+        os.sched_setscheduler(tid, policy, os.sched_param(0))
 
 
 def normalise(pid: int) -> None:
@@ -93,6 +105,17 @@ def nice_of(pid: int) -> tuple[int, ...]:
         except ProcessLookupError:
             continue
     return tuple(out)
+
+
+def idle_threads_of(pid: int) -> int:
+    """How many threads of `pid` run under SCHED_IDLE (for checks)."""
+    count = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            count += os.sched_getscheduler(int(tid)) == os.SCHED_IDLE
+        except ProcessLookupError:
+            continue
+    return count
 
 
 def group_nice_of(pid: int) -> int | None:

@@ -49,11 +49,11 @@ PROTECTED, TOLERANT = "critical", "heavy"
 WINDOW_S = 0.1
 # The node settings of both runs; the on-run adds --autonomy. Tuned for bursts of a few seconds: into
 # EMERGENCY at once when a violation has lasted 15 % of the recovery deadline, out of it (unshed) only after
-# 3 s without one; the tolerant model's worker yields the CPU (nice 19) from the first violation until 3 s of
-# calm.
+# 3 s without one; the tolerant model's worker yields the CPU (nice 19) from the first violation until
+# `Config.yield_calm_windows` windows of calm (a yield costs the tolerant model only while the CPU is contended).
 SETTINGS: dict[str, Any] = {"autonomyEmergencyWindows": 1, "autonomyCalmWindows": 30,
                             "autonomyDeadlineSharePct": 15.0, "autonomyShedRetryAfterMs": 1000,
-                            "autonomyYieldNice": 19, "autonomyYieldCalmWindows": 30}
+                            "autonomyYieldNice": 19}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +91,7 @@ class Config:
     calibrate_iterations: int = 300
     seed: int = 11
     gpu: bool = False  # PyTorch models on cuda:0 instead of ONNX models on the CPU
+    yield_calm_windows: int = 30  # autonomy_yield_calm_windows
 
     @property
     def models(self) -> tuple[Model, Model]:
@@ -564,7 +565,7 @@ def run(config: Config | None = None, progress: Callable[[str], None] = lambda _
         specs = root / "specs.yaml"
         specs.write_text(yaml.safe_dump_all(documents))
         settings = root / "settings.yaml"
-        settings.write_text(yaml.safe_dump(SETTINGS))
+        settings.write_text(yaml.safe_dump({**SETTINGS, "autonomyYieldCalmWindows": config.yield_calm_windows}))
         rng = np.random.default_rng(config.seed)
         inputs = {}
         for model in config.models:
@@ -616,7 +617,8 @@ def report(config: Config, baselines: dict[str, float], limit_ms: float,
         "protected_limit_ms": round(limit_ms, 3),
         "tolerance_pct": {m.name: m.tolerance_pct for m in config.models},
         "recovery_deadline_ms": config.models[0].deadline_ms,
-        "settings": SETTINGS, "config": dataclasses.asdict(config),
+        "settings": {**SETTINGS, "autonomyYieldCalmWindows": config.yield_calm_windows},
+        "config": dataclasses.asdict(config),
         "runs": runs, "device": reporting.device_description("cuda:0" if config.gpu else "cpu"),
         "load_average": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count(),
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

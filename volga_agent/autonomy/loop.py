@@ -147,15 +147,16 @@ class PoolActuator:
                 continue
             started = process.start_time(pid)
             try:
-                applied = priority.lower(pid, nice)
+                applied = priority.lower(pid, nice, idle=self.pool.settings.autonomy_yield_sched_idle)
             except ProcessLookupError:
                 continue
             except PermissionError as exc:
                 log.warning("autonomy: %s yields no CPU: %s", model, exc)
                 continue
             self._lowered[pid] = (model, started)
-            log.info("autonomy: %s yields the CPU: worker %d at nice %d (%d threads%s)", model, pid, nice,
-                     applied.threads, ", its session's group too" if applied.group else "")
+            log.info("autonomy: %s yields the CPU: worker %d at nice %d%s (%d threads%s)", model, pid, nice,
+                     " under SCHED_IDLE" if self.pool.settings.autonomy_yield_sched_idle else "", applied.threads,
+                     ", its session's group too" if applied.group else "")
 
     def restore_priority(self, model: str) -> None:
         self._yielding.pop(model, None)
