@@ -130,6 +130,7 @@ class EmiIndex(collections.UserDict[Key, EmiRecord]):
 
     def __init__(self) -> None:
         self._by_owner: dict[Key, dict[str, EmiRecord]] = {}
+        self.per_node: collections.Counter[str] = collections.Counter()  # EMIs by node: the planner's load
         super().__init__()
 
     def __setitem__(self, key: Key, record: EmiRecord) -> None:
@@ -137,11 +138,15 @@ class EmiIndex(collections.UserDict[Key, EmiRecord]):
             self._unindex(self.data[key])
         self.data[key] = record
         self._by_owner.setdefault((record.namespace, record.owner), {})[record.name] = record
+        self.per_node[record.node] += 1
 
     def __delitem__(self, key: Key) -> None:
         self._unindex(self.data.pop(key))
 
     def _unindex(self, record: EmiRecord) -> None:
+        self.per_node[record.node] -= 1
+        if self.per_node[record.node] <= 0:
+            del self.per_node[record.node]
         owner = (record.namespace, record.owner)
         mine = self._by_owner.get(owner, {})
         mine.pop(record.name, None)
@@ -378,13 +383,14 @@ def move_chains(state: State, specs: Mapping[str, api.ModelSpecSpec], now: str, 
     for move in moves:
         mine = {m: specs[m] for m in move.members}
         observed, leaving = [], set()
-        for o in _observed_for(state, mine, now):
-            if o.model_spec in mine and o.node in move.away:
+        own, base_load = _observed_for(state, mine, now)
+        for o in own:
+            if o.node in move.away:
                 leaving.add(o.name)
             else:
                 observed.append(o)
         nodes = [n for n in state.nodes.values() if n.name not in move.away]
-        trial = planner.plan(mine, nodes, observed, shared_images(state, mine), avoid)
+        trial = planner.plan(mine, nodes, observed, shared_images(state, mine), avoid, base_load)
         to = [d.node for d in trial.desired if d.name in leaving]
         if trial.unplaced or not to or any(node in avoid for node in to):
             continue  # no node out of EMERGENCY takes the chain: it stays
@@ -417,8 +423,8 @@ def place(state: State, planning: Mapping[str, api.ModelSpecSpec], now: str,
         return planner.Plan(tuple(desired), {})
     if avoid is None:
         avoid = frozenset(emergencies(state, conditions.unix(now) or 0.0))
-    result = planner.plan(rest, state.nodes.values(), _observed_for(state, rest, now), shared_images(state, rest),
-                          avoid)
+    own, base_load = _observed_for(state, rest, now)
+    result = planner.plan(rest, state.nodes.values(), own, shared_images(state, rest), avoid, base_load)
     return planner.Plan((*desired, *result.desired), result.unplaced)
 
 
@@ -474,21 +480,21 @@ def _kept(state: State, plan_key: str, spec: api.ModelSpecSpec) -> list[planner.
     return list(result.desired)
 
 
-def _observed_for(state: State, planned: Mapping[str, api.ModelSpecSpec], now: str) -> list[planner.Observed]:
-    """`observed` where it matters: ages and snapshot sizes score the planned specs' own nodes; every other EMI
-    only counts into its node's load."""
+def _observed_for(state: State, planned: Mapping[str, api.ModelSpecSpec], now: str
+                  ) -> tuple[list[planner.Observed], dict[str, int]]:
+    """The planned specs' own EMIs as the planner sees them (ages and snapshot sizes score their nodes), and every
+    other EMI as a count per node (it only counts into its node's load)."""
     clock = conditions.unix(now)
     out = []
-    for emi in state.emis.values():
-        owner = f"{emi.namespace}/{emi.owner}"
-        if owner not in planned:
-            out.append(planner.Observed(f"{emi.namespace}/{emi.name}", owner, emi.node))
-            continue
-        used = conditions.unix(emi.status.get("lastUsed") or "")
-        age = None if used is None or clock is None else max(0.0, clock - used)
-        out.append(planner.Observed(f"{emi.namespace}/{emi.name}", owner, emi.node, last_used_age_s=age,
-                                    snapshot_bytes=int(emi.status.get("snapshotBytes", 0) or 0)))
-    return out
+    base_load = dict(state.emis.per_node)
+    for plan_key in planned:
+        for emi in state.emis.owned(_key(plan_key)):
+            base_load[emi.node] -= 1
+            used = conditions.unix(emi.status.get("lastUsed") or "")
+            age = None if used is None or clock is None else max(0.0, clock - used)
+            out.append(planner.Observed(f"{emi.namespace}/{emi.name}", plan_key, emi.node, last_used_age_s=age,
+                                        snapshot_bytes=int(emi.status.get("snapshotBytes", 0) or 0)))
+    return out, base_load
 
 
 def _finalize(record: SpecRecord, emis: list[EmiRecord]) -> list[Action]:
