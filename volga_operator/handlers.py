@@ -345,7 +345,8 @@ class Loop:
             before = emis.get(key)
             after: reconcile.EmiRecord | None = None
             if action.verb == "create_emi":
-                after = reconcile.EmiRecord(action.namespace, action.name, action.body["spec"], {})
+                after = reconcile.EmiRecord(action.namespace, action.name, action.body["spec"], {},
+                                            owner_uid=reconcile.owner_uid(action.body["metadata"]))
             elif action.verb == "patch_emi" and before is not None:
                 after = dataclasses.replace(before, spec=action.body["spec"])
             if after is None:

@@ -6,6 +6,11 @@ limiter. Keeping the decisions here, free of I/O, is what lets the unit tests co
 the operator level-triggered: the same state always yields the same actions, and a periodic full pass
 repairs anything a missed event left behind.
 
+A ModelSpec gets no finalizer (that was a write per ModelSpec): its EMIs carry a controller ownerReference to it,
+so Kubernetes' garbage collector deletes them with it, and the operator deletes every EMI whose ModelSpec it no
+longer holds, when the watch says it is gone or, had the operator been away, at its first pass. An EMI whose
+ownerReference names an earlier ModelSpec of the same name is deleted, not adopted, and made again for the new one.
+
 The cluster tier (docs/architecture.md, "The cluster tier") is here too: the agents' published autonomy states
 (`Heard`), the cluster's memory watermarks (`watermarks`), the chain registry in each head's `status.chain`, and
 the one move the operator makes on its own, a chain off a node that has stayed in EMERGENCY (`TierSettings`).
@@ -107,6 +112,7 @@ class EmiRecord:
     spec: Mapping[str, Any]
     status: Mapping[str, Any]
     resource_version: int = 0
+    owner_uid: str = ""  # the uid in its controller ownerReference ("" where not known)
 
     @property
     def owner(self) -> str:
@@ -121,7 +127,14 @@ class EmiRecord:
         meta: Mapping[str, Any] = body.get("metadata") or {}
         status: Mapping[str, Any] = body.get("status") or {}
         kept = {k: status[k] for k in (*EMI_STATUS_FIELDS, *EMI_SHARED_FIELDS) if k in status}
-        return cls(meta.get("namespace", "default"), meta["name"], body.get("spec") or {}, kept, resource_version(meta))
+        return cls(meta.get("namespace", "default"), meta["name"], body.get("spec") or {}, kept, resource_version(meta),
+                   owner_uid(meta))
+
+
+def owner_uid(meta: Mapping[str, Any]) -> str:
+    """The uid of the ModelSpec an EMI's controller ownerReference names ("" when it has none)."""
+    return next((str(ref.get("uid", "")) for ref in meta.get("ownerReferences") or ()
+                 if ref.get("kind") == "ModelSpec" and ref.get("controller")), "")
 
 
 class EmiIndex(collections.UserDict[Key, EmiRecord]):
@@ -319,9 +332,6 @@ def compute(state: State, keys: Iterable[Key], now: str | None = None, settle: b
         if record.deleting:
             actions += _finalize(record, state.emis.owned(key))
             continue
-        if labels.FINALIZER not in record.finalizers:
-            actions.append(Action("patch_spec_meta", record.namespace, record.name,
-                                  {"metadata": {"finalizers": [*record.finalizers, labels.FINALIZER]}}))
         spec, problem = api.validate_spec(record.spec)
         if spec is None:
             invalid[key] = problem
@@ -498,6 +508,8 @@ def _observed_for(state: State, planned: Mapping[str, api.ModelSpecSpec], now: s
 
 
 def _finalize(record: SpecRecord, emis: list[EmiRecord]) -> list[Action]:
+    """A ModelSpec being deleted: its EMIs go, then the finalizer earlier versions of the operator added (a new
+    ModelSpec gets none, see the module's docstring)."""
     if emis:
         return [Action("delete_emi", e.namespace, e.name) for e in emis]
     if labels.FINALIZER in record.finalizers:
@@ -515,10 +527,13 @@ def _converge_emis(record: SpecRecord, emis: list[EmiRecord], desired: list[plan
     for d in desired:
         body = emi_body(record, d)
         name = body["metadata"]["name"]
-        current = existing.pop(name, None)
+        current = existing.get(name)
+        if current is not None and current.owner_uid and record.uid and current.owner_uid != record.uid:
+            continue  # a ModelSpec of the same name deleted before: its EMI goes (below), a new one comes after
+        existing.pop(name, None)
         if current is None:
             actions.append(Action("create_emi", record.namespace, name, body))
-            after.append(EmiRecord(record.namespace, name, body["spec"], {}))
+            after.append(EmiRecord(record.namespace, name, body["spec"], {}, owner_uid=record.uid))
             continue
         spec = _keep_gpu(current.spec, body["spec"], nodes.get(current.node))
         if dict(current.spec) != spec:
