@@ -14,7 +14,7 @@ import pytest
 
 from volga_operator import handlers, planner, reconcile
 from volga_operator.api import labels
-from volga_operator.kube import ratelimit
+from volga_operator.kube import ratelimit, watch
 
 NOW = "2026-11-29T00:00:00Z"
 
@@ -163,3 +163,22 @@ def test_the_completion_window_holds_a_slot_until_a_second_after_the_write() -> 
         window._changed.notify_all()
     assert got.wait(10)
     waiter.join()
+
+
+def test_a_relist_comes_a_page_at_a_time() -> None:
+    pages = {"": {"items": [{"metadata": {"name": "a"}}, {"metadata": {"name": "b"}}], "metadata": {"continue": "t"}},
+             "t": {"items": [{"metadata": {"name": "c"}}], "metadata": {"resourceVersion": "9"}}}
+    seen: list[tuple[list[str], bool]] = []
+    events = watch.Events("x", lambda **kw: pages[kw.get("_continue", "")], lambda items: None, lambda *_: None,
+                          lambda items, first: seen.append(([o["metadata"]["name"] for o in items], first)))
+    assert events._list() == ([], "9")
+    assert seen == [(["a", "b"], True), (["c"], False)]
+
+
+def test_the_loop_drops_what_a_paged_relist_no_longer_has() -> None:
+    loop = handlers.Loop()
+    for name in ("kept", "gone", "later"):
+        loop.see_spec({"metadata": {"name": name, "namespace": "ns", "resourceVersion": "1"}, "spec": spec_body(0)})
+    loop.see_page("modelspecs", [{"metadata": {"name": "kept", "namespace": "ns"}, "spec": spec_body(0)}], True)
+    loop.see_list("modelspecs", [{"metadata": {"name": "later", "namespace": "ns"}, "spec": spec_body(0)}])
+    assert sorted(loop.state.specs) == [("ns", "kept"), ("ns", "later")]
