@@ -182,3 +182,15 @@ def test_the_loop_drops_what_a_paged_relist_no_longer_has() -> None:
     loop.see_page("modelspecs", [{"metadata": {"name": "kept", "namespace": "ns"}, "spec": spec_body(0)}], True)
     loop.see_list("modelspecs", [{"metadata": {"name": "later", "namespace": "ns"}, "spec": spec_body(0)}])
     assert sorted(loop.state.specs) == [("ns", "kept"), ("ns", "later")]
+
+
+def test_the_spec_index_counts_chained_specs_per_namespace() -> None:
+    state = cluster(2)
+    assert not state.specs.chained
+    head = dataclasses.replace(state.specs[("ns", "ms0")], spec={**spec_body(0), "chain": ["m1"]})
+    state.specs[("ns", "ms0")] = head
+    state.specs[("other", "ms0")] = dataclasses.replace(head, namespace="other")
+    assert state.specs.chained == {"ns": 1, "other": 1}
+    state.specs[("ns", "ms0")] = dataclasses.replace(head, spec=spec_body(0))
+    state.specs.pop(("other", "ms0"))
+    assert not state.specs.chained

@@ -174,9 +174,38 @@ class EmiIndex(collections.UserDict[Key, EmiRecord]):
         return list(self._by_owner)
 
 
+class SpecIndex(collections.UserDict[Key, SpecRecord]):
+    """The ModelSpecs by (namespace, name), counting per namespace those that name a chain or an ensemble: where a
+    namespace has none, a pass skips the chain checks, which read every ModelSpec of the namespace."""
+
+    def __init__(self) -> None:
+        self.chained: collections.Counter[str] = collections.Counter()
+        super().__init__()
+
+    def __setitem__(self, key: Key, record: SpecRecord) -> None:
+        if key in self.data:
+            self._uncount(self.data[key])
+        self.data[key] = record
+        if _chained(record):
+            self.chained[record.namespace] += 1
+
+    def __delitem__(self, key: Key) -> None:
+        self._uncount(self.data.pop(key))
+
+    def _uncount(self, record: SpecRecord) -> None:
+        if _chained(record):
+            self.chained[record.namespace] -= 1
+            if self.chained[record.namespace] <= 0:
+                del self.chained[record.namespace]
+
+
+def _chained(record: SpecRecord) -> bool:
+    return bool(record.spec.get("chain") or record.spec.get("ensemble"))
+
+
 @dataclasses.dataclass
 class State:
-    specs: dict[Key, SpecRecord] = dataclasses.field(default_factory=dict)
+    specs: SpecIndex = dataclasses.field(default_factory=SpecIndex)
     emis: EmiIndex = dataclasses.field(default_factory=EmiIndex)
     nodes: dict[str, planner.NodeProfile] = dataclasses.field(default_factory=dict)
     autonomy: dict[str, Heard] = dataclasses.field(default_factory=dict)  # nodes whose agents publish one
@@ -323,7 +352,10 @@ def compute(state: State, keys: Iterable[Key], now: str | None = None, settle: b
     actions: list[Action] = []
     valid: dict[str, api.ModelSpecSpec] = {}
     invalid: dict[Key, str] = {}
-    for key in sorted(api.chain_peers(keys, {k: record.spec for k, record in state.specs.items()})):
+    keys = set(keys)
+    if any(ns in state.specs.chained for ns, _ in keys):
+        keys = api.chain_peers(keys, {k: record.spec for k, record in state.specs.items()})
+    for key in sorted(keys):
         record = state.specs.get(key)
         if record is None:
             # The ModelSpec is gone (deleted while we were not looking): its EMIs are orphans.
@@ -337,8 +369,9 @@ def compute(state: State, keys: Iterable[Key], now: str | None = None, settle: b
             invalid[key] = problem
         else:
             valid[f"{record.namespace}/{record.name}"] = spec
-    everything = {f"{ns}/{name}": record.spec for (ns, name), record in state.specs.items()}
-    for plan_key, problem in api.chain_invalid(valid, everything).items():
+    chained = {plan_key for plan_key in valid if plan_key.partition("/")[0] in state.specs.chained}
+    everything = {f"{ns}/{name}": record.spec for (ns, name), record in state.specs.items()} if chained else {}
+    for plan_key, problem in api.chain_invalid({k: valid[k] for k in chained}, everything).items():
         del valid[plan_key]
         invalid[(plan_key.partition("/")[0], plan_key.partition("/")[2])] = problem
     clock = conditions.unix(now) or 0.0
