@@ -163,3 +163,12 @@ def test_base_load_counts_as_observed_emis_of_other_specs() -> None:
     busy = [planner.Observed(f"other-{i}", "other", f"n{i % 2}") for i in range(5)]
     specs = {f"ms{i}": spec(frozen=2) for i in range(3)}
     assert planner.plan(specs, nodes, busy) == planner.plan(specs, nodes, base_load={"n0": 3, "n1": 2})
+
+
+def test_the_placement_bench_times_both_ways_to_the_same_placements() -> None:
+    from volga_bench import scale
+
+    report = scale.placement(nodes=50, modelspecs=300, batch=20, rounds=1)
+    assert report["same_placements"] is True
+    assert report["index_ms_per_placement"] > 0 and report["exhaustive_ms_per_placement"] > 0
+    assert report["instances_placed_before"] == 280 * 2
