@@ -8,6 +8,8 @@ import bisect
 import collections
 import dataclasses
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -194,3 +196,33 @@ def test_the_spec_index_counts_chained_specs_per_namespace() -> None:
     state.specs[("ns", "ms0")] = dataclasses.replace(head, spec=spec_body(0))
     state.specs.pop(("other", "ms0"))
     assert not state.specs.chained
+
+
+def until(check: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 10
+    while not check():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_writers_waiting_for_the_completion_window_take_slots_in_order() -> None:
+    now = [0.0]
+    window = ratelimit.CompletionWindow(1, 1.0, clock=lambda: now[0])
+    window.acquire()
+    order: list[int] = []
+    waiters = []
+    for i in range(3):
+        waiter = threading.Thread(target=lambda i=i: (window.acquire(), order.append(i), window.release()),
+                                  daemon=True)
+        waiter.start()
+        waiters.append(waiter)
+        until(lambda i=i: len(window._line) == i + 1)  # in line before the next one starts
+    window.release()
+    for step in range(1, 4):
+        now[0] = float(step)
+        with window._changed:
+            window._changed.notify()
+        until(lambda step=step: len(order) == step)
+    for waiter in waiters:
+        waiter.join(10)
+    assert order == [0, 1, 2]
