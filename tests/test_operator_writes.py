@@ -8,13 +8,15 @@ import bisect
 import collections
 import dataclasses
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from volga_operator import handlers, planner, reconcile
 from volga_operator.api import labels
-from volga_operator.kube import ratelimit
+from volga_operator.kube import ratelimit, watch
 
 NOW = "2026-11-29T00:00:00Z"
 
@@ -163,3 +165,64 @@ def test_the_completion_window_holds_a_slot_until_a_second_after_the_write() -> 
         window._changed.notify_all()
     assert got.wait(10)
     waiter.join()
+
+
+def test_a_relist_comes_a_page_at_a_time() -> None:
+    pages = {"": {"items": [{"metadata": {"name": "a"}}, {"metadata": {"name": "b"}}], "metadata": {"continue": "t"}},
+             "t": {"items": [{"metadata": {"name": "c"}}], "metadata": {"resourceVersion": "9"}}}
+    seen: list[tuple[list[str], bool]] = []
+    events = watch.Events("x", lambda **kw: pages[kw.get("_continue", "")], lambda items: None, lambda *_: None,
+                          lambda items, first: seen.append(([o["metadata"]["name"] for o in items], first)))
+    assert events._list() == ([], "9")
+    assert seen == [(["a", "b"], True), (["c"], False)]
+
+
+def test_the_loop_drops_what_a_paged_relist_no_longer_has() -> None:
+    loop = handlers.Loop()
+    for name in ("kept", "gone", "later"):
+        loop.see_spec({"metadata": {"name": name, "namespace": "ns", "resourceVersion": "1"}, "spec": spec_body(0)})
+    loop.see_page("modelspecs", [{"metadata": {"name": "kept", "namespace": "ns"}, "spec": spec_body(0)}], True)
+    loop.see_list("modelspecs", [{"metadata": {"name": "later", "namespace": "ns"}, "spec": spec_body(0)}])
+    assert sorted(loop.state.specs) == [("ns", "kept"), ("ns", "later")]
+
+
+def test_the_spec_index_counts_chained_specs_per_namespace() -> None:
+    state = cluster(2)
+    assert not state.specs.chained
+    head = dataclasses.replace(state.specs[("ns", "ms0")], spec={**spec_body(0), "chain": ["m1"]})
+    state.specs[("ns", "ms0")] = head
+    state.specs[("other", "ms0")] = dataclasses.replace(head, namespace="other")
+    assert state.specs.chained == {"ns": 1, "other": 1}
+    state.specs[("ns", "ms0")] = dataclasses.replace(head, spec=spec_body(0))
+    state.specs.pop(("other", "ms0"))
+    assert not state.specs.chained
+
+
+def until(check: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 10
+    while not check():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_writers_waiting_for_the_completion_window_take_slots_in_order() -> None:
+    now = [0.0]
+    window = ratelimit.CompletionWindow(1, 1.0, clock=lambda: now[0])
+    window.acquire()
+    order: list[int] = []
+    waiters = []
+    for i in range(3):
+        waiter = threading.Thread(target=lambda i=i: (window.acquire(), order.append(i), window.release()),
+                                  daemon=True)
+        waiter.start()
+        waiters.append(waiter)
+        until(lambda i=i: len(window._line) == i + 1)  # in line before the next one starts
+    window.release()
+    for step in range(1, 4):
+        now[0] = float(step)
+        with window._changed:
+            window._changed.notify()
+        until(lambda step=step: len(order) == step)
+    for waiter in waiters:
+        waiter.join(10)
+    assert order == [0, 1, 2]

@@ -1,5 +1,6 @@
-"""The operator's writes on a real kube-apiserver + etcd: a new ModelSpec costs its finalizer, its EMIs and one
-status write; a reconcile with nothing to change writes nothing; a restarted operator writes nothing where all is
+"""The operator's writes on a real kube-apiserver + etcd: a new ModelSpec costs its EMIs and one status write (no
+finalizer: a deleted ModelSpec's EMIs go all the same, without the garbage collector this API server lacks); a
+reconcile with nothing to change writes nothing; a restarted operator writes nothing where all is
 right; the write limit holds as the API server counts writes.
 
 The module has its own control plane, so the API server's request counters (`apiserver_request_total`) hold only
@@ -141,9 +142,9 @@ def test_a_noop_reconcile_writes_nothing(plane: ControlPlane, kube: k8s.CustomOb
         names = create_specs(kube, "noop", 4)
         wait_for("the ModelSpecs to converge", lambda: converged(kube, "noop", len(names)))
         after_resyncs(daemon)
-        # A finalizer, the EMIs and one status write per ModelSpec: nothing else.
+        # The EMIs and one status write per ModelSpec: nothing else.
         assert delta(writes(plane), before) == {
-            "operator": 4 * len(names), "modelspec_creates": len(names), "PATCH modelspecs": len(names),
+            "operator": 3 * len(names), "modelspec_creates": len(names),
             "POST executablemodelinstances": WANT_EMIS * len(names), "PATCH modelspecs/status": len(names)}
 
         held = versions(kube)
@@ -203,8 +204,49 @@ def test_the_write_limit_holds_as_the_api_server_counts(plane: ControlPlane, kub
         sampler.join()
     start = samples[0][1]
     total = samples[-1][1] - start
-    assert total == 4 * len(names)
+    assert total == 3 * len(names)
     # All the writes landed between the last sample that saw none of them and the first that saw all of them.
     began = max(t for t, n in samples if n == start)
     ended = min(t for t, n in samples if n == samples[-1][1])
     assert total <= limit * (ended - began) + 1, (total, ended - began)
+
+
+def owned_emis(kube: k8s.CustomObjectsApi, namespace: str, name: str) -> list[dict[str, Any]]:
+    return [e for e in items(kube, namespace, "executablemodelinstances") if e["spec"]["modelSpec"] == name]
+
+
+def test_deleted_modelspecs_lose_their_emis_without_a_finalizer(plane: ControlPlane, kube: k8s.CustomObjectsApi,
+                                                                 tmp_path: pathlib.Path) -> None:
+    """This API server runs no garbage collector (no kube-controller-manager), so what removes the EMIs here is the
+    operator alone: at once while it runs, at its first pass when it was away; and an EMI of a deleted ModelSpec is
+    not adopted by a new one of the same name."""
+    create_namespace(kube, "delete")
+    with operator(plane, tmp_path, "operator"):
+        names = create_specs(kube, "delete", 3)
+        wait_for("the ModelSpecs to converge", lambda: converged(kube, "delete", len(names)))
+        first = cast(dict[str, Any], kube.get_namespaced_custom_object(api.GROUP, api.VERSION, "delete",
+                                                                      "modelspecs", names[2]))
+        assert not first["metadata"].get("finalizers")
+        kube.delete_namespaced_custom_object(api.GROUP, api.VERSION, "delete", "modelspecs", names[0])
+        assert names[0] not in [m["metadata"]["name"] for m in items(kube, "delete", "modelspecs")]
+        wait_for("the deleted ModelSpec's EMIs to go", lambda: not owned_emis(kube, "delete", names[0]))
+    # While the operator is away: one ModelSpec deleted, one deleted and made again under the same name.
+    kube.delete_namespaced_custom_object(api.GROUP, api.VERSION, "delete", "modelspecs", names[1])
+    kube.delete_namespaced_custom_object(api.GROUP, api.VERSION, "delete", "modelspecs", names[2])
+    body = scale.modelspec(2, "/models/model.onnx")
+    body["metadata"]["namespace"] = "delete"
+    again = cast(dict[str, Any], kube.create_namespaced_custom_object(api.GROUP, api.VERSION, "delete", "modelspecs",
+                                                                      body))
+    assert again["metadata"]["uid"] != first["metadata"]["uid"]
+    assert len(owned_emis(kube, "delete", names[1])) == WANT_EMIS
+
+    def renewed() -> bool:
+        emis = owned_emis(kube, "delete", names[2])
+        return len(emis) == WANT_EMIS and all(
+            [r["uid"] for r in e["metadata"]["ownerReferences"]] == [again["metadata"]["uid"]] for e in emis)
+
+    with operator(plane, tmp_path, "operator-again"):
+        wait_for("the EMIs of the ModelSpec deleted while away to go", lambda: not owned_emis(kube, "delete", names[1]))
+        wait_for("the new ModelSpec's own EMIs", renewed)
+        wait_for("the new ModelSpec to converge", lambda: converged(kube, "delete", 1))
+    assert not owned_emis(kube, "delete", names[0])

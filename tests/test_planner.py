@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import dataclasses
+import random
+
 import pytest
 
 from volga_operator import api, planner
@@ -115,3 +118,57 @@ def test_not_ready_nodes_are_skipped() -> None:
     down = planner.NodeProfile("n0", ready=False)
     result = planner.plan({"ms": spec(frozen=1)}, [down])
     assert "not ready" in result.unplaced["ms"]
+
+
+def random_cluster(rng: random.Random) -> tuple[dict[str, api.ModelSpecSpec], list[planner.NodeProfile],
+                                                list[planner.Observed], dict[str, list[planner.SharedImage]],
+                                                frozenset[str]]:
+    """Nodes of a few kinds (so the index's groups hold many nodes each), specs asking for them, and EMIs already
+    placed, some of the planned specs' own (recency, snapshot sizes) and many of others (load)."""
+    kinds = [planner.NodeProfile("", 8, "NVIDIA H200", 141 * 2**30, (0, 1), gpu_driver="570"),
+             planner.NodeProfile("", 8, "NVIDIA H200", 141 * 2**30, (0, 1), gpu_driver="580"),
+             planner.NodeProfile("", 1, "NVIDIA A10", 24 * 2**30, ()),
+             planner.NodeProfile("", 4, "NVIDIA L4", 24 * 2**30, (0,), ready=False),
+             planner.NodeProfile("")]
+    nodes = [dataclasses.replace(rng.choice(kinds), name=f"n{i:03d}") for i in range(rng.randint(0, 60))]
+    specs = {}
+    for i in range(rng.randint(1, 25)):
+        gpu = rng.random() < 0.7
+        specs[f"ms{i:02d}"] = spec(gpu=gpu, product=rng.choice([None, "NVIDIA H200", "A10", "H100"]) if gpu else None,
+                                   min_gib=rng.choice([0, 0, 20, 100]) if gpu else 0, numa=rng.random() < 0.2,
+                                   hot=rng.randint(0, 2), warm=rng.randint(0, 2), frozen=rng.randint(0, 3))
+    names = [n.name for n in nodes] + ["gone"]
+    observed = [planner.Observed(f"other-{i}", f"other{i % 7}", rng.choice(names)) for i in range(rng.randint(0, 300))]
+    for name in rng.sample(sorted(specs), k=len(specs) // 2):
+        for k in range(rng.randint(0, 3)):
+            observed.append(planner.Observed(f"{name}-{k}", name, rng.choice(names),
+                                             last_used_age_s=rng.choice([None, 5.0, 300.0, 5000.0]),
+                                             snapshot_bytes=rng.choice([0, 100, 400])))
+    shared = {name: [planner.SharedImage("NVIDIA H200", rng.choice(["", "570"]))]
+              for name in rng.sample(sorted(specs), k=len(specs) // 3)}
+    avoid = frozenset(rng.sample(names, k=min(len(names), rng.randint(0, 5))))
+    return specs, nodes, observed, shared, avoid
+
+
+def test_the_node_index_places_as_scoring_every_node_does() -> None:
+    rng = random.Random(20)
+    for _ in range(300):
+        specs, nodes, observed, shared, avoid = random_cluster(rng)
+        fast = planner.plan(specs, nodes, observed, shared, avoid)
+        assert fast == planner.plan(specs, nodes, observed, shared, avoid, exhaustive=True)
+
+
+def test_base_load_counts_as_observed_emis_of_other_specs() -> None:
+    nodes = [planner.NodeProfile(f"n{i}") for i in range(4)]
+    busy = [planner.Observed(f"other-{i}", "other", f"n{i % 2}") for i in range(5)]
+    specs = {f"ms{i}": spec(frozen=2) for i in range(3)}
+    assert planner.plan(specs, nodes, busy) == planner.plan(specs, nodes, base_load={"n0": 3, "n1": 2})
+
+
+def test_the_placement_bench_times_both_ways_to_the_same_placements() -> None:
+    from volga_bench import scale
+
+    report = scale.placement(nodes=50, modelspecs=300, batch=20, rounds=1)
+    assert report["same_placements"] is True
+    assert report["index_ms_per_placement"] > 0 and report["exhaustive_ms_per_placement"] > 0
+    assert report["instances_placed_before"] == 280 * 2

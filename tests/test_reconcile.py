@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from volga_operator import api, planner, reconcile
@@ -78,12 +79,26 @@ def test_status_counts_tiers_and_ready() -> None:
     assert status["conditions"][0]["type"] == "Ready" and status["conditions"][0]["status"] == "True"
 
 
-def test_finalizer_is_added_first() -> None:
+def test_a_new_spec_gets_no_finalizer_but_its_emis_an_owner_reference() -> None:
     state = state_with()
     state.specs[("ns", "ms")] = reconcile.SpecRecord("ns", "ms", "u", 1, spec_body(), {})
     actions = reconcile.compute(state, [("ns", "ms")], NOW)
-    assert actions[0].verb == "patch_spec_meta"
-    assert actions[0].body == {"metadata": {"finalizers": [labels.FINALIZER]}}
+    assert verbs(actions) == [("create_emi", "ms-0"), ("patch_spec_status", "ms")]
+    [owner] = actions[0].body["metadata"]["ownerReferences"]
+    assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == ("ModelSpec", "ms", "u", True)
+
+
+def test_an_emi_of_an_earlier_spec_of_the_same_name_is_replaced_not_adopted() -> None:
+    state = state_with()
+    apply(state, reconcile.compute(state, [("ns", "ms")], NOW))
+    emi = state.emis[("ns", "ms-0")]
+    state.emis[("ns", "ms-0")] = dataclasses.replace(emi, owner_uid="uid-of-the-deleted-one")
+    actions = reconcile.compute(state, [("ns", "ms")], NOW)
+    assert verbs(actions) == [("delete_emi", "ms-0"), ("patch_spec_status", "ms")]
+    apply(state, actions)
+    actions = reconcile.compute(state, [("ns", "ms")], NOW)
+    assert verbs(actions)[0] == ("create_emi", "ms-0")
+    assert actions[0].body["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
 
 
 def test_invalid_spec_gets_a_condition_naming_the_field_and_no_emis() -> None:

@@ -382,6 +382,11 @@ def cmd_bench_scale(args: argparse.Namespace) -> int:
         from volga_bench import scale
     except ImportError as exc:
         return _no_bench("bench scale", exc)
+    if args.placement:
+        placed = scale.placement(args.nodes, args.modelspecs)
+        _emit(args, placed, lambda: f"{placed['index_ms_per_placement']} ms per placement on {placed['nodes']} nodes "
+              f"({placed['exhaustive_ms_per_placement']} ms scoring every node)")
+        return 0
     show = _progress(args.json)
     report = scale.run(args.nodes, args.modelspecs, args.writes_per_sec, progress=show)
     _emit(args, report, lambda:
@@ -610,6 +615,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, default=200)
     p.add_argument("--modelspecs", type=int, default=1000)
     p.add_argument("--writes-per-sec", type=float, default=200.0, help="the operator's API write limit")
+    p.add_argument("--placement", action="store_true", help="only the planner's cost per placement, no API server")
     _report_args(p)
     p.set_defaults(func=cmd_bench_scale)
 

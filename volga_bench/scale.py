@@ -14,7 +14,12 @@ operator as a separate process, exactly as deployed. Then it creates `modelspecs
   apart, from the server's request counters;
 - the operator's peak RSS and CPU seconds (from /proc), and the API server's and etcd's CPU beside them;
 - restart_writes: the operator is stopped and started again on the converged cluster; what it writes until its
-  first pass is done (and a few seconds more) should be nothing.
+  first pass is done (and a few seconds more) should be nothing;
+- converged_after_last_create_s, how far the operator trails the user's creations, and apiserver_writes_per_s,
+  the creations and the operator's writes together over the run: where the API server (on a shared machine)
+  takes the creations in more slowly than the write floor, these show that it, not the operator, set the pace;
+- placement: the planner alone, ms per instance placed through its node index and by scoring every node, side by
+  side (`placement`, also `volga bench scale --placement` without an API server).
 """
 
 from __future__ import annotations
@@ -229,8 +234,34 @@ def _rates(samples: list[tuple[float, dict[str, float]]], source: str) -> list[f
     return [(b[1][source] - a[1][source]) / (b[0] - a[0]) for a, b in itertools.pairwise(samples)]
 
 
+def placement(nodes: int = 1000, modelspecs: int = 5000, batch: int = 100, rounds: int = 3) -> dict[str, Any]:
+    """The planner alone, side by side: ms per new instance placed, through the node index and by scoring every
+    node (`planner.plan(exhaustive=True)`, what each placement cost before the index), for `batch` new ModelSpecs
+    of the bench's kind on `nodes` nodes that already hold the other ModelSpecs' instances (best of `rounds`)."""
+    profiles = [planner.NodeProfile(f"gpu-{i:03d}", 8, PRODUCT, 141 * 2**30, (0, 1)) for i in range(nodes)]
+    spec = api.ModelSpecSpec.model_validate(modelspec(0, "/models/model.onnx")["spec"])
+    slots = sum(modelspec(0, "")["spec"]["pool"].values())
+    placed = max(0, modelspecs - batch) * slots
+    base_load = {n.name: placed // nodes + (i < placed % nodes) for i, n in enumerate(profiles)}
+    specs = {f"default/model-{i:04d}": spec for i in range(batch)}
+    out: dict[str, Any] = {"nodes": nodes, "instances_placed_before": placed, "new_modelspecs": batch}
+    plans = []
+    for name, exhaustive in (("exhaustive", True), ("index", False)):
+        best = float("inf")
+        for _ in range(rounds):
+            began = time.perf_counter()
+            result = planner.plan(specs, profiles, base_load=base_load, exhaustive=exhaustive)
+            best = min(best, time.perf_counter() - began)
+        plans.append(result)
+        out[f"{name}_ms_per_placement"] = round(best * 1000 / len(result.desired), 4)
+    out["same_placements"] = plans[0] == plans[1]
+    out["speedup"] = round(out["exhaustive_ms_per_placement"] / out["index_ms_per_placement"], 1)
+    return out
+
+
 def run(nodes: int = 200, modelspecs: int = 1000, writes_per_sec: float = 200.0,
         progress: Callable[[str], None] = lambda _: None, timeout: float = 900.0) -> dict[str, Any]:
+    placing = placement(nodes, modelspecs)
     folder = pathlib.Path(tempfile.mkdtemp(prefix="volga-scale-", dir="/tmp"))
     (folder / "audit-policy.yaml").write_text(AUDIT_POLICY)
     audit_log = folder / "audit.log"
@@ -357,7 +388,9 @@ def run(nodes: int = 200, modelspecs: int = 1000, writes_per_sec: float = 200.0,
             "cpu_cores": os.cpu_count(), "load_avg_1m": [load_before, load_after],
             "restart_writes": int(restart_writes), "restart_first_pass_s": round(restart_settle_s, 2),
             "restart_operator_cpu_s": restart_used.cpu_s, "restart_operator_peak_rss_mib": restart_used.peak_rss_mib,
-            "modelspec_create_s": round(created_s, 2),
+            "modelspec_create_s": round(created_s, 2), "placement": placing,
+            "converged_after_last_create_s": round(converge_s - created_s, 2),
+            "apiserver_writes_per_s": round((total + modelspecs) / converge_s, 1),
             "peak_other_writes_per_s": round(max(_rates(samples, "other")), 1), "kwok_nodes_ready": bool(kwok_ready),
             "samples": len(samples), "kube_apiserver": "v1.34.4 (built from k8s.io/kubernetes)",
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -21,11 +21,16 @@ For each ModelSpec:
    `minMemoryGiB` together fit in it; with no node eligible for every member, no member is placed.
 5. Nodes in `avoid` (the operator passes those whose agents report EMERGENCY) take a new instance only when no
    other eligible node can; instances already on them stay (moving them is the operator's decision, not churn).
+
+A new instance is not scored against every node: nodes alike in all but name and load score alike but for their
+load, so `NodeIndex` keeps each such group in a heap by load and a placement scores each group's least loaded node
+and the spec's own nodes (a handful at 1000 nodes, not 1000); `plan(exhaustive=True)` scores them all, for the tests.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import json
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -238,22 +243,67 @@ def chains(specs: Mapping[str, api.ModelSpecSpec]) -> dict[str, tuple[str, ...]]
     return groups
 
 
+class NodeIndex:
+    """The nodes of one planning pass, grouped by everything but their name and load (nodes of one group are
+    equally eligible and score alike but for their load), each group a heap by (load, name) kept as instances are
+    placed. The best node of a group for a new instance is its least loaded, so a placement scores one node per
+    group instead of every node; `load` is shared with the caller, and every change to it goes through `add`."""
+
+    def __init__(self, nodes: Sequence[NodeProfile], load: dict[str, int], avoid: frozenset[str]) -> None:
+        self.load = load
+        self.max_load = max(load.values(), default=0)
+        self.groups: dict[tuple[object, ...], list[tuple[int, str]]] = {}
+        self.members: dict[tuple[object, ...], list[NodeProfile]] = {}
+        self.by_name = {n.name: n for n in nodes}
+        self.group_of: dict[str, tuple[object, ...]] = {}
+        for node in nodes:
+            group = (node.gpu_count, node.gpu_product, node.gpu_memory_bytes, bool(node.numa_nodes), node.ready,
+                     node.gpu_driver, node.name in avoid)
+            self.group_of[node.name] = group
+            self.members.setdefault(group, []).append(node)
+            self.groups.setdefault(group, []).append((load[node.name], node.name))
+        for heap in self.groups.values():
+            heapq.heapify(heap)
+
+    def add(self, node: str) -> None:
+        """One more instance on the node."""
+        self.load[node] += 1
+        self.max_load = max(self.max_load, self.load[node])
+        heapq.heappush(self.groups[self.group_of[node]], (self.load[node], node))
+
+    def least_loaded(self, group: tuple[object, ...]) -> NodeProfile | None:
+        """The group's node with the fewest instances (then by name). A spec's own instances only add to a node's
+        score, so where one of its nodes is the group's least loaded, that node is still the group's best."""
+        heap = self.groups[group]
+        while heap and heap[0][0] != self.load[heap[0][1]]:
+            heapq.heappop(heap)  # an entry from before the node's last placement
+        return self.by_name[heap[0][1]] if heap else None
+
+
 def plan(specs: Mapping[str, api.ModelSpecSpec], nodes: Iterable[NodeProfile],
          observed: Sequence[Observed] = (), shared: Mapping[str, Sequence[SharedImage]] | None = None,
-         avoid: frozenset[str] = frozenset()) -> Plan:
+         avoid: frozenset[str] = frozenset(), base_load: Mapping[str, int] | None = None,
+         exhaustive: bool = False) -> Plan:
     """Desired EMIs for the given ModelSpecs (keyed by name), deterministic for equal inputs; a new instance goes
     to a node of `avoid` only when no other eligible node can take it.
 
     `observed` may hold EMIs of other ModelSpecs too: they count into node load, so planning a few specs at a
-    time (the operator plans the ones that changed) spreads as well as planning all at once.
+    time (the operator plans the ones that changed) spreads as well as planning all at once. `base_load` adds
+    instances per node that `observed` leaves out (the operator's count of every other EMI). `exhaustive`
+    scores every eligible node for every new instance: the same choices as the index (`NodeIndex`) makes,
+    at the cost of every node per placement (what the index is checked against).
     """
     node_list = sorted(nodes, key=lambda n: n.name)
-    load = {n.name: 0 for n in node_list}
+    load = {n.name: (base_load or {}).get(n.name, 0) for n in node_list}
     by_spec_node: dict[tuple[str, str], list[Observed]] = {}
+    by_spec: dict[str, list[Observed]] = {}
     for o in observed:
         by_spec_node.setdefault((o.model_spec, o.node), []).append(o)
-        if o.model_spec not in specs and o.node in load:
+        if o.model_spec in specs:
+            by_spec.setdefault(o.model_spec, []).append(o)
+        elif o.node in load:
             load[o.node] += 1
+    index = NodeIndex(node_list, load, avoid)
     desired: list[Desired] = []
     unplaced: dict[str, str] = {}
     groups = chains(specs)
@@ -261,44 +311,51 @@ def plan(specs: Mapping[str, api.ModelSpecSpec], nodes: Iterable[NodeProfile],
         spec = specs[spec_name]
         if spec_name in groups:
             if spec_name == min(groups[spec_name]):
-                _place_chain(groups[spec_name], specs, node_list, load, by_spec_node, desired, unplaced, avoid)
+                _place_chain(groups[spec_name], specs, node_list, index, by_spec_node, desired, unplaced, avoid)
             continue
-        reasons = {n.name: eligible(spec, n) for n in node_list}
-        candidates = [n for n in node_list if reasons[n.name] is None]
-        if not candidates:
+        reasons = {group: eligible(spec, members[0]) for group, members in index.members.items()}
+        if all(reason is not None for reason in reasons.values()):
             counts: dict[str, int] = {}
-            for reason in reasons.values():
-                counts[reason or ""] = counts.get(reason or "", 0) + 1
+            for group, reason in reasons.items():
+                counts[reason or ""] = counts.get(reason or "", 0) + len(index.members[group])
             why = "; ".join(f"{n} node(s): {r}" for r, n in sorted(counts.items())) or "no nodes"
             unplaced[spec_name] = f"no eligible node ({why})"
             continue
-        by_name = {n.name: n for n in candidates}
-        mine = [o for n in candidates for o in by_spec_node.get((spec_name, n.name), ())]
+        open_groups = [group for group, reason in reasons.items() if reason is None]
+        mine = sorted((o for o in by_spec.get(spec_name, ()) if o.node in index.by_name
+                       and reasons[index.group_of[o.node]] is None), key=lambda o: o.node)
         kept = {o.name: o.node for o in mine}
+        own_nodes = sorted({o.node for o in mine})
         sizes = [o.snapshot_bytes for o in mine if o.snapshot_bytes > 0]
         smallest = min(sizes) if sizes else 0
-        for index, tier in enumerate(_slots(spec.pool)):
-            name = f"{spec_name}-{index}"
+        images = (shared or {}).get(spec_name, ())
+        for slot, tier in enumerate(_slots(spec.pool)):
+            name = f"{spec_name}-{slot}"
             if name in kept:
-                node = by_name[kept[name]]
+                node = index.by_name[kept[name]]
             else:
-                max_load = max(load.values(), default=0) + 1
-                node = min(candidates, key=lambda n: (
+                if exhaustive:
+                    contenders = [n for g in open_groups for n in index.members[g]]
+                else:
+                    contenders = [index.by_name[n] for n in own_nodes]
+                    contenders += [n for g in open_groups if (n := index.least_loaded(g)) is not None]
+                node = min(contenders, key=lambda n: (
                     n.name in avoid,
-                    -score(spec, n, load[n.name], max_load, by_spec_node.get((spec_name, n.name), ()), smallest,
-                           restorable(n, (shared or {}).get(spec_name, ()))),
+                    -score(spec, n, load[n.name], index.max_load + 1, by_spec_node.get((spec_name, n.name), ()),
+                           smallest, restorable(n, images)),
                     load[n.name], n.name))
             # Spread a node's GPU instances over its GPUs.
             gpu_index = load[node.name] % max(node.gpu_count, 1) if spec.hardware.gpu else None
-            load[node.name] += 1
+            index.add(node.name)
             desired.append(Desired(name, spec_name, spec.model_id, node.name, _tier_on(node, tier), gpu_index))
     return Plan(tuple(desired), unplaced)
 
 
 def _place_chain(members: Sequence[str], specs: Mapping[str, api.ModelSpecSpec], node_list: Sequence[NodeProfile],
-                 load: dict[str, int], by_spec_node: Mapping[tuple[str, str], Sequence[Observed]],
+                 by_load: NodeIndex, by_spec_node: Mapping[tuple[str, str], Sequence[Observed]],
                  desired: list[Desired], unplaced: dict[str, str], avoid: frozenset[str] = frozenset()) -> None:
     """One chain's instances: the K-th instance of every member on one node, on one GPU where memory allows."""
+    load = by_load.load
     reasons = {n.name: next((f"{specs[m].model_id}: {why}" for m in members
                              if (why := eligible(specs[m], n)) is not None), None) for n in node_list}
     candidates = [n for n in node_list if reasons[n.name] is None]
@@ -315,7 +372,7 @@ def _place_chain(members: Sequence[str], specs: Mapping[str, api.ModelSpecSpec],
             node_name = max(sorted(set(kept)), key=kept.count)
             node = next(n for n in candidates if n.name == node_name)
         else:
-            max_load = max(load.values(), default=0) + 1
+            max_load = by_load.max_load + 1
             node = min(candidates, key=lambda n: (
                 n.name in avoid,
                 -sum(score(specs[m], n, load[n.name], max_load, by_spec_node.get((m, n.name), ()), smallest[m])
@@ -329,6 +386,6 @@ def _place_chain(members: Sequence[str], specs: Mapping[str, api.ModelSpecSpec],
             gpu_index = None
             if specs[m].hardware.gpu:
                 gpu_index = shared if shared is not None else load[node.name] % max(node.gpu_count, 1)
-            load[node.name] += 1
+            by_load.add(node.name)
             desired.append(Desired(f"{m}-{index}", m, specs[m].model_id, node.name,
                                    _tier_on(node, slots[m][index]), gpu_index))

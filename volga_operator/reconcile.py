@@ -6,6 +6,11 @@ limiter. Keeping the decisions here, free of I/O, is what lets the unit tests co
 the operator level-triggered: the same state always yields the same actions, and a periodic full pass
 repairs anything a missed event left behind.
 
+A ModelSpec gets no finalizer (that was a write per ModelSpec): its EMIs carry a controller ownerReference to it,
+so Kubernetes' garbage collector deletes them with it, and the operator deletes every EMI whose ModelSpec it no
+longer holds, when the watch says it is gone or, had the operator been away, at its first pass. An EMI whose
+ownerReference names an earlier ModelSpec of the same name is deleted, not adopted, and made again for the new one.
+
 The cluster tier (docs/architecture.md, "The cluster tier") is here too: the agents' published autonomy states
 (`Heard`), the cluster's memory watermarks (`watermarks`), the chain registry in each head's `status.chain`, and
 the one move the operator makes on its own, a chain off a node that has stayed in EMERGENCY (`TierSettings`).
@@ -107,6 +112,7 @@ class EmiRecord:
     spec: Mapping[str, Any]
     status: Mapping[str, Any]
     resource_version: int = 0
+    owner_uid: str = ""  # the uid in its controller ownerReference ("" where not known)
 
     @property
     def owner(self) -> str:
@@ -121,7 +127,14 @@ class EmiRecord:
         meta: Mapping[str, Any] = body.get("metadata") or {}
         status: Mapping[str, Any] = body.get("status") or {}
         kept = {k: status[k] for k in (*EMI_STATUS_FIELDS, *EMI_SHARED_FIELDS) if k in status}
-        return cls(meta.get("namespace", "default"), meta["name"], body.get("spec") or {}, kept, resource_version(meta))
+        return cls(meta.get("namespace", "default"), meta["name"], body.get("spec") or {}, kept, resource_version(meta),
+                   owner_uid(meta))
+
+
+def owner_uid(meta: Mapping[str, Any]) -> str:
+    """The uid of the ModelSpec an EMI's controller ownerReference names ("" when it has none)."""
+    return next((str(ref.get("uid", "")) for ref in meta.get("ownerReferences") or ()
+                 if ref.get("kind") == "ModelSpec" and ref.get("controller")), "")
 
 
 class EmiIndex(collections.UserDict[Key, EmiRecord]):
@@ -130,6 +143,7 @@ class EmiIndex(collections.UserDict[Key, EmiRecord]):
 
     def __init__(self) -> None:
         self._by_owner: dict[Key, dict[str, EmiRecord]] = {}
+        self.per_node: collections.Counter[str] = collections.Counter()  # EMIs by node: the planner's load
         super().__init__()
 
     def __setitem__(self, key: Key, record: EmiRecord) -> None:
@@ -137,11 +151,15 @@ class EmiIndex(collections.UserDict[Key, EmiRecord]):
             self._unindex(self.data[key])
         self.data[key] = record
         self._by_owner.setdefault((record.namespace, record.owner), {})[record.name] = record
+        self.per_node[record.node] += 1
 
     def __delitem__(self, key: Key) -> None:
         self._unindex(self.data.pop(key))
 
     def _unindex(self, record: EmiRecord) -> None:
+        self.per_node[record.node] -= 1
+        if self.per_node[record.node] <= 0:
+            del self.per_node[record.node]
         owner = (record.namespace, record.owner)
         mine = self._by_owner.get(owner, {})
         mine.pop(record.name, None)
@@ -156,9 +174,38 @@ class EmiIndex(collections.UserDict[Key, EmiRecord]):
         return list(self._by_owner)
 
 
+class SpecIndex(collections.UserDict[Key, SpecRecord]):
+    """The ModelSpecs by (namespace, name), counting per namespace those that name a chain or an ensemble: where a
+    namespace has none, a pass skips the chain checks, which read every ModelSpec of the namespace."""
+
+    def __init__(self) -> None:
+        self.chained: collections.Counter[str] = collections.Counter()
+        super().__init__()
+
+    def __setitem__(self, key: Key, record: SpecRecord) -> None:
+        if key in self.data:
+            self._uncount(self.data[key])
+        self.data[key] = record
+        if _chained(record):
+            self.chained[record.namespace] += 1
+
+    def __delitem__(self, key: Key) -> None:
+        self._uncount(self.data.pop(key))
+
+    def _uncount(self, record: SpecRecord) -> None:
+        if _chained(record):
+            self.chained[record.namespace] -= 1
+            if self.chained[record.namespace] <= 0:
+                del self.chained[record.namespace]
+
+
+def _chained(record: SpecRecord) -> bool:
+    return bool(record.spec.get("chain") or record.spec.get("ensemble"))
+
+
 @dataclasses.dataclass
 class State:
-    specs: dict[Key, SpecRecord] = dataclasses.field(default_factory=dict)
+    specs: SpecIndex = dataclasses.field(default_factory=SpecIndex)
     emis: EmiIndex = dataclasses.field(default_factory=EmiIndex)
     nodes: dict[str, planner.NodeProfile] = dataclasses.field(default_factory=dict)
     autonomy: dict[str, Heard] = dataclasses.field(default_factory=dict)  # nodes whose agents publish one
@@ -305,7 +352,10 @@ def compute(state: State, keys: Iterable[Key], now: str | None = None, settle: b
     actions: list[Action] = []
     valid: dict[str, api.ModelSpecSpec] = {}
     invalid: dict[Key, str] = {}
-    for key in sorted(api.chain_peers(keys, {k: record.spec for k, record in state.specs.items()})):
+    keys = set(keys)
+    if any(ns in state.specs.chained for ns, _ in keys):
+        keys = api.chain_peers(keys, {k: record.spec for k, record in state.specs.items()})
+    for key in sorted(keys):
         record = state.specs.get(key)
         if record is None:
             # The ModelSpec is gone (deleted while we were not looking): its EMIs are orphans.
@@ -314,16 +364,14 @@ def compute(state: State, keys: Iterable[Key], now: str | None = None, settle: b
         if record.deleting:
             actions += _finalize(record, state.emis.owned(key))
             continue
-        if labels.FINALIZER not in record.finalizers:
-            actions.append(Action("patch_spec_meta", record.namespace, record.name,
-                                  {"metadata": {"finalizers": [*record.finalizers, labels.FINALIZER]}}))
         spec, problem = api.validate_spec(record.spec)
         if spec is None:
             invalid[key] = problem
         else:
             valid[f"{record.namespace}/{record.name}"] = spec
-    everything = {f"{ns}/{name}": record.spec for (ns, name), record in state.specs.items()}
-    for plan_key, problem in api.chain_invalid(valid, everything).items():
+    chained = {plan_key for plan_key in valid if plan_key.partition("/")[0] in state.specs.chained}
+    everything = {f"{ns}/{name}": record.spec for (ns, name), record in state.specs.items()} if chained else {}
+    for plan_key, problem in api.chain_invalid({k: valid[k] for k in chained}, everything).items():
         del valid[plan_key]
         invalid[(plan_key.partition("/")[0], plan_key.partition("/")[2])] = problem
     clock = conditions.unix(now) or 0.0
@@ -378,13 +426,14 @@ def move_chains(state: State, specs: Mapping[str, api.ModelSpecSpec], now: str, 
     for move in moves:
         mine = {m: specs[m] for m in move.members}
         observed, leaving = [], set()
-        for o in _observed_for(state, mine, now):
-            if o.model_spec in mine and o.node in move.away:
+        own, base_load = _observed_for(state, mine, now)
+        for o in own:
+            if o.node in move.away:
                 leaving.add(o.name)
             else:
                 observed.append(o)
         nodes = [n for n in state.nodes.values() if n.name not in move.away]
-        trial = planner.plan(mine, nodes, observed, shared_images(state, mine), avoid)
+        trial = planner.plan(mine, nodes, observed, shared_images(state, mine), avoid, base_load)
         to = [d.node for d in trial.desired if d.name in leaving]
         if trial.unplaced or not to or any(node in avoid for node in to):
             continue  # no node out of EMERGENCY takes the chain: it stays
@@ -417,8 +466,8 @@ def place(state: State, planning: Mapping[str, api.ModelSpecSpec], now: str,
         return planner.Plan(tuple(desired), {})
     if avoid is None:
         avoid = frozenset(emergencies(state, conditions.unix(now) or 0.0))
-    result = planner.plan(rest, state.nodes.values(), _observed_for(state, rest, now), shared_images(state, rest),
-                          avoid)
+    own, base_load = _observed_for(state, rest, now)
+    result = planner.plan(rest, state.nodes.values(), own, shared_images(state, rest), avoid, base_load)
     return planner.Plan((*desired, *result.desired), result.unplaced)
 
 
@@ -474,24 +523,26 @@ def _kept(state: State, plan_key: str, spec: api.ModelSpecSpec) -> list[planner.
     return list(result.desired)
 
 
-def _observed_for(state: State, planned: Mapping[str, api.ModelSpecSpec], now: str) -> list[planner.Observed]:
-    """`observed` where it matters: ages and snapshot sizes score the planned specs' own nodes; every other EMI
-    only counts into its node's load."""
+def _observed_for(state: State, planned: Mapping[str, api.ModelSpecSpec], now: str
+                  ) -> tuple[list[planner.Observed], dict[str, int]]:
+    """The planned specs' own EMIs as the planner sees them (ages and snapshot sizes score their nodes), and every
+    other EMI as a count per node (it only counts into its node's load)."""
     clock = conditions.unix(now)
     out = []
-    for emi in state.emis.values():
-        owner = f"{emi.namespace}/{emi.owner}"
-        if owner not in planned:
-            out.append(planner.Observed(f"{emi.namespace}/{emi.name}", owner, emi.node))
-            continue
-        used = conditions.unix(emi.status.get("lastUsed") or "")
-        age = None if used is None or clock is None else max(0.0, clock - used)
-        out.append(planner.Observed(f"{emi.namespace}/{emi.name}", owner, emi.node, last_used_age_s=age,
-                                    snapshot_bytes=int(emi.status.get("snapshotBytes", 0) or 0)))
-    return out
+    base_load = dict(state.emis.per_node)
+    for plan_key in planned:
+        for emi in state.emis.owned(_key(plan_key)):
+            base_load[emi.node] -= 1
+            used = conditions.unix(emi.status.get("lastUsed") or "")
+            age = None if used is None or clock is None else max(0.0, clock - used)
+            out.append(planner.Observed(f"{emi.namespace}/{emi.name}", plan_key, emi.node, last_used_age_s=age,
+                                        snapshot_bytes=int(emi.status.get("snapshotBytes", 0) or 0)))
+    return out, base_load
 
 
 def _finalize(record: SpecRecord, emis: list[EmiRecord]) -> list[Action]:
+    """A ModelSpec being deleted: its EMIs go, then the finalizer earlier versions of the operator added (a new
+    ModelSpec gets none, see the module's docstring)."""
     if emis:
         return [Action("delete_emi", e.namespace, e.name) for e in emis]
     if labels.FINALIZER in record.finalizers:
@@ -509,10 +560,13 @@ def _converge_emis(record: SpecRecord, emis: list[EmiRecord], desired: list[plan
     for d in desired:
         body = emi_body(record, d)
         name = body["metadata"]["name"]
-        current = existing.pop(name, None)
+        current = existing.get(name)
+        if current is not None and current.owner_uid and record.uid and current.owner_uid != record.uid:
+            continue  # a ModelSpec of the same name deleted before: its EMI goes (below), a new one comes after
+        existing.pop(name, None)
         if current is None:
             actions.append(Action("create_emi", record.namespace, name, body))
-            after.append(EmiRecord(record.namespace, name, body["spec"], {}))
+            after.append(EmiRecord(record.namespace, name, body["spec"], {}, owner_uid=record.uid))
             continue
         spec = _keep_gpu(current.spec, body["spec"], nodes.get(current.node))
         if dict(current.spec) != spec:

@@ -64,7 +64,8 @@ class TokenBucket:
 class CompletionWindow:
     """At most `limit` writes complete in any `window` seconds however their latencies bunch them (the API server
     counts a write when it completes, and a stalled server answers a backlog at once): a write holds one of
-    `limit` slots from its start until `window` after it completes. Thread-safe."""
+    `limit` slots from its start until `window` after it completes. Thread-safe. Waiting writers queue in order and
+    only the first of them watches the clock, so a slot coming free wakes one thread, not every writer."""
 
     def __init__(self, limit: int, window: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
         if limit < 1:
@@ -72,24 +73,38 @@ class CompletionWindow:
         self.limit, self.window, self.clock = limit, window, clock
         self._in_flight = 0
         self._completed: collections.deque[float] = collections.deque()
-        self._changed = threading.Condition()
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # what the first writer in line waits on
+        self._line: collections.deque[threading.Condition] = collections.deque()
+
+    def _take(self) -> bool:
+        now = self.clock()
+        while self._completed and self._completed[0] <= now - self.window:
+            self._completed.popleft()
+        if self._in_flight + len(self._completed) < self.limit:
+            self._in_flight += 1
+            return True
+        return False
 
     def acquire(self) -> None:
-        with self._changed:
-            while True:
-                now = self.clock()
-                while self._completed and self._completed[0] <= now - self.window:
-                    self._completed.popleft()
-                if self._in_flight + len(self._completed) < self.limit:
-                    self._in_flight += 1
-                    return
-                self._changed.wait(self._completed[0] + self.window - now if self._completed else None)
+        with self._lock:
+            if not self._line and self._take():
+                return
+            turn = threading.Condition(self._lock)
+            self._line.append(turn)
+            while self._line[0] is not turn:
+                turn.wait()
+            while not self._take():
+                self._changed.wait(self._completed[0] + self.window - self.clock() if self._completed else None)
+            self._line.popleft()
+            if self._line:
+                self._line[0].notify()
 
     def release(self) -> None:
-        with self._changed:
+        with self._lock:
             self._in_flight -= 1
             self._completed.append(self.clock())
-            self._changed.notify_all()
+            self._changed.notify()
 
 
 def status_of(exc: BaseException) -> int | None:

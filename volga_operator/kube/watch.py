@@ -41,14 +41,20 @@ class Events:
     set (`Watch`): for a controller holding thousands of objects, where a copy of them all per event would cost
     more than the event. `on_list(objects)` gets every object of a (re)list, `on_event(type, obj)` each watch event
     after it (ADDED, MODIFIED, DELETED). Objects are the API server's JSON as dicts (no client models); lists come
-    LIST_PAGE at a time. A watch that ends resumes where it stopped; one too far behind (410) lists again."""
+    LIST_PAGE at a time. A watch that ends resumes where it stopped; one too far behind (410) lists again.
+
+    With `on_page(objects, first)`, a (re)list is not held whole: each page goes there as it arrives (`first` for a
+    list's first page, also when a failed list starts over) and `on_list` gets [] once the list is complete, so
+    what a relist of thousands of objects holds at once is one page."""
 
     def __init__(self, name: str, lister: Callable[..., Any], on_list: Callable[[list[Any]], None],
-                 on_event: Callable[[str, Any], None], **list_kwargs: Any) -> None:
+                 on_event: Callable[[str, Any], None], on_page: Callable[[list[Any], bool], None] | None = None,
+                 **list_kwargs: Any) -> None:
         self.name = name
         self.lister = lister
         self.on_list = on_list
         self.on_event = on_event
+        self.on_page = on_page
         self.list_kwargs = list_kwargs
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name=f"watch-{name}", daemon=True)
@@ -84,7 +90,10 @@ class Events:
         while True:
             page = self.lister(limit=LIST_PAGE, _request_timeout=30, **({"_continue": token} if token else {}),
                                **self.list_kwargs)
-            items += page.get("items") or []
+            if self.on_page is not None:
+                self.on_page(page.get("items") or [], token is None)
+            else:
+                items += page.get("items") or []
             token = page["metadata"].get("continue")
             if not token:
                 return items, page["metadata"]["resourceVersion"]
