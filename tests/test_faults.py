@@ -266,6 +266,45 @@ def test_flipped_bytes_the_canary_does_not_read_fail_the_checksum(
         inst.close()
 
 
+
+@pytest.mark.integration
+def test_an_untouched_image_of_its_own_is_restored_without_a_crc_pass(
+        default_spec: api.ModelSpecSpec, rundir: pathlib.Path, criu_engine: criu.CriuEngine,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CRC pass over the pages files is off the wake path while they keep the stamps they had when the CRCs
+    were taken; a file written since (the same bytes written back: nothing to find) is checked in full again."""
+    criu_engine.checksums = True
+    passes: list[pathlib.Path] = []
+    crcs = criu._checksums
+
+    def counted(folder: pathlib.Path) -> criu.Checksums:
+        passes.append(folder)
+        return crcs(folder)
+
+    monkeypatch.setattr(criu, "_checksums", counted)
+    inst = instance.Instance("stamped", default_spec, rundir, criu_engine)
+    try:
+        inst.to(Tier.HOT)
+        for rewrite in (False, True):
+            inst.to(Tier.FROZEN)
+            assert inst.image is not None and inst.image.checksums is not None
+            inst.image.checksums.result(timeout=60)
+            assert inst.image.stamps is not None and inst.image.stamps.result() is not None
+            pages = next(inst.image.path.glob("pages-*.img"))
+            if rewrite:
+                with pages.open("r+b") as f:
+                    first = f.read(4096)
+                    f.seek(0)
+                    f.write(first)
+            passes.clear()
+            woke = inst.wake()
+            assert not woke.fallback, woke.detail
+            assert passes == ([inst.image.path] if rewrite else []), passes
+            x = contract.sample_inputs(inst.config.inputs, batch=8, seed=11)
+            assert np.array_equal(inst.infer(x)["probability"], harness_reference(default_spec, x))
+    finally:
+        inst.close()
+
 PAUSED_AGENT = """
 import pathlib, sys, time
 from volga_agent import defaultmodel, instance
