@@ -200,7 +200,8 @@ class Pool:
                                              verify_restores=self.settings.verify_restores,
                                              shared_store=self.shared,
                                              cuda_stack_bytes=self.settings.gpu_stack_bytes,
-                                             worker_user=self.settings.worker_ids())
+                                             worker_user=self.settings.worker_ids(),
+                                             model_roots=s.model_roots)
                 except (OSError, ValueError) as exc:
                     self.failed[name] = f"{type(exc).__name__}: {exc}"
                     self._failed_specs[name] = spec
