@@ -936,6 +936,29 @@ def test_metrics_tokens_come_from_a_secret_and_the_service_monitor_sends_one(def
     assert not any(d["kind"] == "Secret" and d["metadata"]["name"] == "scrape-token" for d in rendered.docs)
 
 
+def test_the_operators_metrics_take_the_same_token(default: Rendered) -> None:
+    """metricsAuth reaches the operator too: its Deployment mounts the Secret (readable by its non-root user, which
+    has no fsGroup) and passes the token file; without metricsAuth, neither."""
+
+    def operator(rendered: Rendered) -> tuple[dict[str, Any], dict[str, Any]]:
+        pod = rendered.get("Deployment", "volga-operator")["spec"]["template"]["spec"]
+        return pod, next(c for c in pod["containers"] if c["name"] == "operator")
+
+    pod, container = operator(default)
+    assert not any(a.startswith("--metrics-token-file") for a in container["args"])
+    assert "/etc/volga/metrics-auth" not in mounts_of(container)
+    assert "metrics-auth" not in {v["name"] for v in pod["volumes"]}
+    rendered = template("--set", "metricsAuth.existingSecret=scrape-token", "--set", "metricsAuth.key=scrape")
+    pod, container = operator(rendered)
+    assert "--metrics-port=8081" in container["args"]
+    assert "--metrics-token-file=/etc/volga/metrics-auth/scrape" in container["args"]
+    assert mounts_of(container)["/etc/volga/metrics-auth"] == {
+        "name": "metrics-auth", "mountPath": "/etc/volga/metrics-auth", "readOnly": True}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["metrics-auth"]["secret"] == {"secretName": "scrape-token", "defaultMode": 0o444}
+    assert "fsGroup" not in pod["securityContext"]  # why the file is readable by all (one container)
+
+
 @pytest.mark.k8s
 def test_neighbours_install_and_keep_their_token_across_upgrades(control_plane: ControlPlane) -> None:
     """Installed into the real API server: the generated token Secret is accepted, kept by `helm upgrade` (read back

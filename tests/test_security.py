@@ -27,10 +27,10 @@ import yaml
 from prometheus_client import parser as prometheus_parser
 from tritonclient.utils import InferenceServerException
 
-from volga_agent import admission, auth, defaultmodel, local, policy, pool, server
+from volga_agent import admission, auth, defaultmodel, errors, instance, local, policy, pool, server
 from volga_agent.gateway import app, catalog, links
 from volga_agent.rpc.volga.v1 import agent_pb2, agent_pb2_grpc
-from volga_agent.worker import contract
+from volga_agent.worker import contract, protocol
 from volga_bench import harness
 from volga_operator import api, planner
 
@@ -124,6 +124,51 @@ def test_a_refused_source_is_the_models_readiness_reason(models: pathlib.Path) -
     finally:
         bg.call(up.stop(), timeout=60)
         bg.close()
+
+
+@pytest.mark.integration
+def test_a_model_file_swapped_after_the_check_is_refused_by_the_worker(models: pathlib.Path, tmp_path: pathlib.Path,
+                                                                        rundir: pathlib.Path,
+                                                                        default_spec: api.ModelSpecSpec) -> None:
+    """The pool checks each source when it creates the instance; the file, or a folder above it, is then swapped
+    for a link to a loadable model outside the roots before the worker starts. The real workers refuse the file
+    they opened, naming spec.source, what they reached and why; the instance's start fails with that, and the
+    untouched instance serves."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    shutil.copy(models / "m.onnx", outside / "evil.onnx")
+    shutil.copy(models / "m.onnx", outside / "f.onnx")
+    shutil.copy(models / "m.onnx", models / "swapped.onnx")
+    (models / "sub").mkdir()
+    shutil.copy(models / "m.onnx", models / "sub" / "f.onnx")
+    sources = {"good": models / "m.onnx", "swapped": models / "swapped.onnx", "folder": models / "sub" / "f.onnx"}
+    specs = {name: spec_at(str(source), name).spec for name, source in sources.items()}
+    p = pool.Pool("n1", rundir, None, policy.Settings(model_roots=(str(models),)))
+    try:
+        p.apply([planner.Desired(name, name, name, "n1", Tier.COLD) for name in specs], specs)
+        assert set(p.slots) == set(specs) and not p.failed  # every source passed the agent's check
+        (models / "swapped.onnx").unlink()
+        (models / "swapped.onnx").symlink_to(outside / "evil.onnx")
+        shutil.rmtree(models / "sub")
+        (models / "sub").symlink_to(outside)
+        p.apply([planner.Desired(name, name, name, "n1", Tier.HOT) for name in specs], specs)
+        p.wait_converged(timeout=240)
+        expected = {"swapped": (sources["swapped"], outside / "evil.onnx"), "folder": (sources["folder"],
+                                                                                     outside / "f.onnx")}
+        for name, (source, reached) in expected.items():
+            slot = p.slots[name]
+            assert slot.inst.tier == Tier.COLD, (name, slot.inst.tier, slot.reason)
+            assert f"worker failed: ValueError: spec.source: {source}: the worker opened {reached}, outside the " \
+                f"model roots ({models})" in slot.reason, (name, slot.reason)
+            with pytest.raises(errors.ActivationFailed, match="outside the model roots"):
+                p.activate(name, joint=False)
+        good = p.activate("good", joint=False).instance
+        assert good.tier == Tier.HOT
+        with protocol.WorkerClient(good.socket) as client:
+            out = client.infer(contract.sample_inputs(instance.decls(default_spec.inputs)))
+        assert out["probability"].shape == (1, 1)
+    finally:
+        p.close()
 
 
 def test_volga_up_defaults_its_model_roots_to_the_spec_folders(tmp_path: pathlib.Path) -> None:

@@ -1,6 +1,7 @@
 """Who may call Volga's control and data surfaces: bearer tokens for gRPC (an interceptor) and REST (a middleware).
 
-Tokens come from a file (one per line, `#` comments; in a cluster a Secret mounted into the container), are
+Tokens come from a file (one per line, `#` comments; in a cluster a Secret mounted into the container; the
+tokens and the REST middleware live in `volga_operator.kube.bearer`, which the operator shares), are
 compared in constant time, and are checked before any handler runs: a call without a valid
 `authorization: Bearer TOKEN` gets gRPC UNAUTHENTICATED or HTTP 401. Health checks stay open, so probes need no
 token. The Agent API listens on a UNIX socket and loopback unless it has tokens (docs/security.md).
@@ -8,46 +9,19 @@ token. The Agent API listens on a UNIX socket and loopback unless it has tokens 
 
 from __future__ import annotations
 
-import dataclasses
-import hmac
 import logging
-import pathlib
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import grpc
-from aiohttp import web
+
+from volga_operator.kube import bearer
 
 log = logging.getLogger(__name__)
-SCHEME = "bearer"
 
-
-@dataclasses.dataclass(frozen=True)
-class Tokens:
-    """The bearer tokens a surface accepts."""
-
-    values: tuple[bytes, ...]
-
-    @classmethod
-    def from_file(cls, path: str | pathlib.Path) -> Tokens:
-        """The tokens of a file; ValueError when it holds none."""
-        lines = pathlib.Path(path).read_text().splitlines()
-        values = tuple(line.strip().encode() for line in lines if line.strip() and not line.lstrip().startswith("#"))
-        if not values:
-            raise ValueError(f"{path}: no token in the file (one token per line)")
-        return cls(values)
-
-    def accepts(self, authorization: str | None) -> bool:
-        """Whether an `authorization` header value carries one of the tokens; every token is compared, in
-        constant time, so the answer's timing says nothing about them."""
-        scheme, _, given = (authorization or "").strip().partition(" ")
-        if scheme.lower() != SCHEME or not given:
-            return False
-        offered = given.strip().encode()
-        matched = False
-        for token in self.values:
-            matched |= hmac.compare_digest(offered, token)
-        return matched
+# The tokens and the REST guard are the operator's too (its /metrics): one implementation, in the kit both share.
+Tokens = bearer.Tokens
+rest_middleware = bearer.rest_middleware
 
 
 def is_loopback(host: str) -> bool:
@@ -93,20 +67,6 @@ def _refusal(handler: Any, method: str) -> Any:
     if handler.stream_unary:
         return grpc.stream_unary_rpc_method_handler(unary, **codec)
     return grpc.stream_stream_rpc_method_handler(unary, **codec)
-
-
-def rest_middleware(tokens: Tokens, open_prefixes: tuple[str, ...]) -> Any:
-    """An aiohttp middleware answering 401 to requests without a valid bearer token, but for `open_prefixes`."""
-
-    @web.middleware
-    async def check(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-                    ) -> web.StreamResponse:
-        if request.path.startswith(open_prefixes) or tokens.accepts(request.headers.get("Authorization")):
-            return await handler(request)
-        return web.json_response({"error": "a bearer token is required (header 'Authorization: Bearer TOKEN')"},
-                                 status=401, headers={"WWW-Authenticate": 'Bearer realm="volga"'})
-
-    return check
 
 
 def call_credentials(token: str) -> list[tuple[str, str]]:

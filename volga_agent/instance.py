@@ -87,11 +87,12 @@ def decls(tensors: Sequence[api.TensorSpec]) -> tuple[contract.TensorDecl, ...]:
 def worker_config(spec: api.ModelSpecSpec, workdir: pathlib.Path, device: str, cpus: tuple[int, ...] = (),
                   warmup_cache_ratio: float | None = None, reset_rng_on_restore: bool = False,
                   cuda_stack_bytes: int = contract.DEFAULT_CUDA_STACK_BYTES,
-                  worker_user: tuple[int, int] = contract.NOBODY) -> contract.WorkerConfig:
+                  worker_user: tuple[int, int] = contract.NOBODY,
+                  model_roots: Sequence[str] = ()) -> contract.WorkerConfig:
     """The worker's configuration from its ModelSpec and the node's defaults: `warmup_cache_ratio` applies
     where the ModelSpec sets none; `reset_rng_on_restore` makes every restored copy re-seed, whatever the
     ModelSpec says (otherwise its runtime.resetRngOnRestore decides); the worker drops to `worker_user`
-    (uid, gid; (0, 0) keeps it root) once started."""
+    (uid, gid; (0, 0) keeps it root) once started, and refuses a model file it opens outside `model_roots`."""
     return warmup.configure(contract.WorkerConfig(
         model_id=spec.model_id, framework=spec.framework.value, path=str(spec.source_path),
         inputs=decls(spec.inputs), outputs=decls(spec.outputs), socket=str(workdir / "worker.sock"),
@@ -102,6 +103,7 @@ def worker_config(spec: api.ModelSpecSpec, workdir: pathlib.Path, device: str, c
         cuda_graph_batches=tuple(sorted(int(b) for b in spec.slo.baseline_latency_ms) or (1, 8))
         if spec.hardware.cuda_graphs and device.startswith("cuda") else (),
         cpus=cpus, precision=spec.hardware.precision.value, uid=worker_user[0], gid=worker_user[1],
+        model_roots=tuple(str(pathlib.Path(root).resolve()) for root in model_roots),
         cuda_stack_bytes=cuda_stack_bytes if device.startswith("cuda") else 0,
         restore_warmups=round((spec.runtime.warmup_cache_ratio or warmup_cache_ratio or 0.0)
                               * spec.runtime.warmup_iterations)), spec)
@@ -129,7 +131,8 @@ class Instance:
                  verify_restores: bool = True, park_weights: bool = True,
                  die_with_agent: bool = True, shared_store: shared.Context | None = None,
                  cuda_stack_bytes: int = contract.DEFAULT_CUDA_STACK_BYTES,
-                 worker_user: tuple[int, int] = contract.NOBODY, unprivileged_snapshots: bool = False) -> None:
+                 worker_user: tuple[int, int] = contract.NOBODY, unprivileged_snapshots: bool = False,
+                 model_roots: Sequence[str] = ()) -> None:
         self.name = name
         self.spec = spec
         self.workdir = pathlib.Path(workdir)
@@ -144,7 +147,7 @@ class Instance:
         if self.root_reason:
             log.info("%s: the worker stays root: %s", name, self.root_reason)
         self.config = worker_config(spec, self.workdir, device, cpus, warmup_cache_ratio, reset_rng_on_restore,
-                                    cuda_stack_bytes, (0, 0) if self.root_reason else worker_user)
+                                    cuda_stack_bytes, (0, 0) if self.root_reason else worker_user, model_roots)
         if len(self.config.socket) > MAX_SOCKET_PATH:
             raise ValueError(f"socket path {self.config.socket} is longer than {MAX_SOCKET_PATH} bytes: "
                              "use a shorter run folder")

@@ -14,6 +14,7 @@ import prometheus_client as prom
 from aiohttp import web
 
 from volga_agent import auth
+from volga_operator.kube import bearer
 
 LATENCY_MS_BUCKETS = (0.25, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 350, 500, 1000, 2000, 5000, 10000, 30000, 60000)
 FAST_MS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 50)
@@ -132,16 +133,9 @@ class GatewayMetrics:
 
 
 def app(registries: Sequence[prom.CollectorRegistry], tokens: auth.Tokens | None = None) -> web.Application:
-    """`GET /metrics`: the series of these registries, in Prometheus' text format; with `tokens`, only for a
-    request that carries one of them (`Authorization: Bearer TOKEN`), else 401."""
-
-    async def handle(_: web.Request) -> web.Response:
-        body = b"".join(prom.generate_latest(r) for r in registries)
-        return web.Response(body=body, headers={"Content-Type": prom.CONTENT_TYPE_LATEST})
-
-    metrics_app = web.Application(middlewares=[auth.rest_middleware(tokens, ())] if tokens is not None else [])
-    metrics_app.router.add_get("/metrics", handle)
-    return metrics_app
+    """`GET /metrics`: the series of these registries; with `tokens`, only for a request that carries one of them
+    (`Authorization: Bearer TOKEN`), else 401. The operator serves its own the same way."""
+    return bearer.metrics_app(registries, tokens)
 
 
 async def listen(http_app: web.Application, host: str, port: int, **options: Any) -> tuple[web.AppRunner, int]:

@@ -201,7 +201,8 @@ class Pool:
                                              shared_store=self.shared,
                                              cuda_stack_bytes=self.settings.gpu_stack_bytes,
                                              worker_user=self.settings.worker_ids(),
-                                             unprivileged_snapshots=self.settings.unprivileged_snapshots)
+                                             unprivileged_snapshots=self.settings.unprivileged_snapshots,
+                                             model_roots=s.model_roots)
                 except (OSError, ValueError) as exc:
                     self.failed[name] = f"{type(exc).__name__}: {exc}"
                     self._failed_specs[name] = spec

@@ -10,6 +10,7 @@ import sys
 import kopf
 
 from volga_operator import handlers, reconcile  # importing handlers registers them with kopf
+from volga_operator.kube import bearer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,6 +19,9 @@ def main(argv: list[str] | None = None) -> int:
     defaults = handlers.Options.from_env()
     parser.add_argument("--metrics-port", type=int, default=defaults.metrics_port,
                         help="the operator's /metrics (VOLGA_METRICS_PORT; -1: none, 0: a free port)")
+    parser.add_argument("--metrics-token-file", default=defaults.metrics_token_file,
+                        help="bearer tokens (one a line) a /metrics scrape must carry (VOLGA_METRICS_TOKEN_FILE); "
+                             "default: none asked")
     parser.add_argument("--chain-migration-after-sec", type=float, default=defaults.tier.migrate_after_sec,
                         help="move the chains off a node whose agent has reported EMERGENCY this long "
                              "(VOLGA_CHAIN_MIGRATION_AFTER_SEC)")
@@ -30,8 +34,14 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, flag) < (-1 if flag == "metrics_port" else 0):
             parser.error(f"--{flag.replace('_', '-')}: must be >= {-1 if flag == 'metrics_port' else 0}, "
                          f"got {getattr(args, flag)}")
+    if args.metrics_token_file:
+        try:
+            bearer.Tokens.from_file(args.metrics_token_file)
+        except (OSError, ValueError) as exc:
+            parser.error(f"--metrics-token-file: {exc}")
     options = dataclasses.replace(defaults, metrics_port=args.metrics_port, tier=reconcile.TierSettings(
-        args.chain_migration_after_sec, args.chain_migration_min_interval_sec))
+        args.chain_migration_after_sec, args.chain_migration_min_interval_sec),
+        metrics_token_file=args.metrics_token_file)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # The operator's own lines are few (what it listed at start, when its first pass is done): always shown;

@@ -49,8 +49,8 @@ import kubernetes
 from volga_operator import api, planner, reconcile
 from volga_operator import metrics as operator_metrics
 from volga_operator.api import labels
+from volga_operator.kube import bearer, ratelimit, watch
 from volga_operator.kube import client as kube_client
-from volga_operator.kube import ratelimit, watch
 
 log = logging.getLogger("volga.operator")
 
@@ -76,6 +76,7 @@ class Options:
     metrics_port: int = -1  # -1: no metrics endpoint
     namespace: str = "default"  # where the cluster's watermarks ConfigMap goes
     tier: reconcile.TierSettings = dataclasses.field(default_factory=reconcile.TierSettings)
+    metrics_token_file: str = ""  # bearer tokens (one a line) a /metrics scrape must carry; "": none asked
 
     @classmethod
     def from_env(cls) -> Options:
@@ -83,7 +84,8 @@ class Options:
         return cls(env("VOLGA_METRICS_HOST", "0.0.0.0"), int(env("VOLGA_METRICS_PORT", "-1")),
                    env("VOLGA_NAMESPACE") or env("POD_NAMESPACE") or "default",
                    reconcile.TierSettings(float(env("VOLGA_CHAIN_MIGRATION_AFTER_SEC", "30")),
-                                          float(env("VOLGA_CHAIN_MIGRATION_MIN_INTERVAL_SEC", "300"))))
+                                          float(env("VOLGA_CHAIN_MIGRATION_MIN_INTERVAL_SEC", "300"))),
+                   env("VOLGA_METRICS_TOKEN_FILE", ""))
 
 
 def write_bucket(limit_per_sec: float) -> ratelimit.TokenBucket:
@@ -512,8 +514,9 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf
     loop = Loop(options=options)
     memo[LOOP_KEY] = loop
     if options.metrics_port >= 0:
-        port = loop.metrics.serve(options.metrics_host, options.metrics_port)
-        log.info("metrics on %s:%d", options.metrics_host, port)
+        tokens = bearer.Tokens.from_file(options.metrics_token_file) if options.metrics_token_file else None
+        memo["metrics"], port = await loop.metrics.serve(options.metrics_host, options.metrics_port, tokens)
+        log.info("metrics on %s:%d%s", options.metrics_host, port, " (bearer token required)" if tokens else "")
     await loop.start_watching()
     memo["task"] = asyncio.get_running_loop().create_task(loop.run(), name="volga-reconcile")
     logger.info("volga operator: API writes limited to %.0f/s; chains leave a node in EMERGENCY after %g s, at most "
@@ -529,3 +532,6 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+    runner = memo.get("metrics")
+    if runner is not None:
+        await runner.cleanup()

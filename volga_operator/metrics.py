@@ -1,4 +1,5 @@
-"""The operator's Prometheus metrics and their `/metrics` endpoint (`--metrics-port`, VOLGA_METRICS_PORT).
+"""The operator's Prometheus metrics and their `/metrics` endpoint (`--metrics-port`, VOLGA_METRICS_PORT; with
+`--metrics-token-file`, VOLGA_METRICS_TOKEN_FILE, a scrape must carry a bearer token, as the node daemons' do).
 
 Its own registry, so that tests may run several operators' loops in one process.
 """
@@ -6,6 +7,9 @@ Its own registry, so that tests may run several operators' loops in one process.
 from __future__ import annotations
 
 import prometheus_client as prom
+from aiohttp import web
+
+from volga_operator.kube import bearer
 
 
 class OperatorMetrics:
@@ -26,7 +30,10 @@ class OperatorMetrics:
             "volga_operator_cluster_memory_pct", "Memory use of the nodes with a fresh heartbeat, as published to "
             "the agents", ["stat"], registry=r)
 
-    def serve(self, host: str, port: int) -> int:
-        """The `/metrics` endpoint on a thread of its own; returns its port (0 picks a free one)."""
-        server, _ = prom.start_http_server(port, host, registry=self.registry)
-        return int(server.server_port)
+    async def serve(self, host: str, port: int, tokens: bearer.Tokens | None = None) -> tuple[web.AppRunner, int]:
+        """The `/metrics` endpoint on the running event loop (with `tokens`: a bearer token required); its runner
+        (`cleanup()` stops it) and its port (0 picks a free one)."""
+        runner = web.AppRunner(bearer.metrics_app([self.registry], tokens), access_log=None, handle_signals=False)
+        await runner.setup()
+        await web.TCPSite(runner, host, port, reuse_address=True).start()
+        return runner, int(runner.addresses[0][1])

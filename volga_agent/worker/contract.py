@@ -152,10 +152,14 @@ class WorkerConfig:
     # The user and group the worker drops to once started (`serve.drop_privileges`); 0 and 0: it stays the agent's.
     uid: int = 0
     gid: int = 0
+    # The folders (symlinks resolved) the model file must lie in, checked again on the file the worker opened,
+    # since the agent's check (admission.check_source) came earlier; () allows any regular file.
+    model_roots: tuple[str, ...] = ()
 
     @classmethod
     def from_json(cls, text: str) -> WorkerConfig:
         raw = json.loads(text)
+        raw["model_roots"] = tuple(raw.get("model_roots", ()))
         raw["cuda_graph_batches"] = tuple(raw.get("cuda_graph_batches", ()))
         raw["cpus"] = tuple(raw.get("cpus", ()))
         raw["inputs"] = tuple(TensorDecl(t["name"], t["dtype"], tuple(t["shape"])) for t in raw["inputs"])

@@ -362,12 +362,31 @@ def _through_descriptor(path: str) -> tuple[str, int]:
     return f"/proc/self/fd/{fd}", fd
 
 
+def _open_model(path: str, roots: tuple[str, ...]) -> tuple[str, int]:
+    """The model file, as `_through_descriptor`, once the file actually reached is known to be a regular file
+    inside `roots` (any regular file when empty): the agent checked the path earlier (admission.check_source),
+    and a file or folder swapped for a link since then must not make the worker load another file. ValueError
+    naming spec.source and the file reached otherwise."""
+    where = os.open(path, os.O_PATH | os.O_CLOEXEC)  # names the file without opening it (a FIFO, a device)
+    try:
+        reached = os.readlink(f"/proc/self/fd/{where}")
+        if roots and not any(pathlib.PurePath(reached).is_relative_to(root) for root in roots):
+            raise ValueError(f"spec.source: {path}: the worker opened {reached}, outside the model roots "
+                             f"({', '.join(roots)}): the file or a folder above it was replaced after the agent "
+                             "checked it; model files must live under settings.model_roots")
+        if not stat.S_ISREG(os.fstat(where).st_mode):
+            raise ValueError(f"spec.source: {path}: the worker opened {reached}, which is not a regular file")
+        return _through_descriptor(f"/proc/self/fd/{where}")  # the very file checked
+    finally:
+        os.close(where)
+
+
 def open_as_agent(config: contract.WorkerConfig) -> tuple[contract.WorkerConfig, socket.socket, list[int]]:
     """What the worker takes while it is the agent's user: the config naming its signal folder, model and warm-up
     file through descriptors; its bound listener; the descriptors to close once the model is loaded."""
     signal_dir = f"/proc/self/fd/{os.open(config.signal_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)}"
     transient = []
-    path, fd = _through_descriptor(config.path)
+    path, fd = _open_model(config.path, config.model_roots)
     transient.append(fd)
     warmup_file = config.warmup_file
     if warmup_file:
