@@ -8,8 +8,12 @@ import re
 import signal
 import subprocess
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from typing import Any
+
+from prometheus_client import parser as prometheus_parser
 
 
 def wait_for(what: str, check: Callable[[], Any], timeout: float = 120.0, every: float = 0.25) -> Any:
@@ -57,3 +61,20 @@ class Daemon:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         return self.proc.returncode
+
+
+def scrape(port: int, token: str | None = None) -> tuple[int, dict[str, str], str]:
+    """GET /metrics on 127.0.0.1:port, with `Authorization: Bearer token` when given: status, headers, body."""
+    headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            return reply.status, dict(reply.headers), reply.read().decode()
+    except urllib.error.HTTPError as err:
+        with err:
+            return err.code, dict(err.headers), err.read().decode()
+
+
+def families(text: str) -> set[str]:
+    """The metric family names of a /metrics page."""
+    return {family.name for family in prometheus_parser.text_string_to_metric_families(text)}

@@ -8,12 +8,9 @@ from __future__ import annotations
 import os
 import pathlib
 import sys
-import urllib.error
-import urllib.request
 
 import pytest
-from procs import Daemon, wait_for
-from prometheus_client import parser as prometheus_parser
+from procs import Daemon, families, scrape, wait_for
 
 from volga_bench.controlplane import ControlPlane, free_ports
 from volga_operator import handlers
@@ -23,20 +20,6 @@ pytestmark = [pytest.mark.k8s, pytest.mark.integration]
 TOKEN = "operator-scrape-token"
 
 
-def scrape(port: int, token: str | None = None) -> tuple[int, dict[str, str], str]:
-    """GET /metrics on 127.0.0.1:port, with `Authorization: Bearer token` when given: status, headers, body."""
-    headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=10) as reply:
-            return reply.status, dict(reply.headers), reply.read().decode()
-    except urllib.error.HTTPError as err:
-        with err:
-            return err.code, dict(err.headers), err.read().decode()
-
-
-def families(text: str) -> set[str]:
-    return {family.name for family in prometheus_parser.text_string_to_metric_families(text)}
 
 
 @pytest.mark.parametrize("given", ["flag", "env", "none"])

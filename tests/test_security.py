@@ -24,7 +24,6 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import trustme
 import yaml
-from prometheus_client import parser as prometheus_parser
 from tritonclient.utils import InferenceServerException
 
 from volga_agent import admission, auth, defaultmodel, errors, instance, local, policy, pool, server
@@ -470,20 +469,6 @@ def test_the_gateway_daemon_warns_without_authentication_beyond_loopback(tmp_pat
 # --- metrics -------------------------------------------------------------------------------------------------------
 
 
-def scrape(port: int, token: str | None = None) -> tuple[int, dict[str, str], str]:
-    """GET /metrics on 127.0.0.1:port, with `Authorization: Bearer token` when given: status, headers, body."""
-    headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=10) as reply:
-            return reply.status, dict(reply.headers), reply.read().decode()
-    except urllib.error.HTTPError as err:
-        with err:
-            return err.code, dict(err.headers), err.read().decode()
-
-
-def families(text: str) -> set[str]:
-    return {family.name for family in prometheus_parser.text_string_to_metric_families(text)}
 
 
 def test_gateway_metrics_are_open_unless_tokens_are_set(token_file: pathlib.Path) -> None:
@@ -495,14 +480,14 @@ def test_gateway_metrics_are_open_unless_tokens_are_set(token_file: pathlib.Path
     bg.call(open_gateway.start())
     bg.call(guarded_gateway.start())
     try:
-        status, _, body = scrape(open_gateway.ports["metrics"])
-        assert status == 200 and "volga_gateway_requests" in families(body)
+        status, _, body = procs.scrape(open_gateway.ports["metrics"])
+        assert status == 200 and "volga_gateway_requests" in procs.families(body)
         for token in (None, "wrong", ""):
-            status, headers, body = scrape(guarded_gateway.ports["metrics"], token)
+            status, headers, body = procs.scrape(guarded_gateway.ports["metrics"], token)
             assert status == 401 and headers["WWW-Authenticate"] == 'Bearer realm="volga"', (token, status)
             assert "volga_gateway" not in body and "a bearer token is required" in body
-        status, _, body = scrape(guarded_gateway.ports["metrics"], TOKEN)
-        assert status == 200 and "volga_gateway_requests" in families(body)
+        status, _, body = procs.scrape(guarded_gateway.ports["metrics"], TOKEN)
+        assert status == 200 and "volga_gateway_requests" in procs.families(body)
         # The REST port keeps its own setting: no client tokens were asked for.
         with urllib.request.urlopen(f"http://127.0.0.1:{guarded_gateway.ports['http']}/v2", timeout=10) as reply:
             assert reply.status == 200
@@ -534,11 +519,11 @@ def test_metrics_token_file_guards_the_daemons_metrics(daemon: str, token_file: 
         assert match, process.line
         port = int(match.group(1))
         for token in (None, "wrong", TOKEN + "x"):
-            status, headers, body = scrape(port, token)
+            status, headers, body = procs.scrape(port, token)
             assert status == 401 and headers["WWW-Authenticate"] == 'Bearer realm="volga"', (token, status, body)
             assert "volga_" not in body
         for token in (TOKEN, "another-token"):
-            status, _, body = scrape(port, token)
-            assert status == 200 and expected in families(body), body[:500]
+            status, _, body = procs.scrape(port, token)
+            assert status == 200 and expected in procs.families(body), body[:500]
     finally:
         assert process.stop() == 0, process.log.read_text()[-3000:]
