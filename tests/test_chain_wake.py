@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import pathlib
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -88,6 +89,24 @@ def test_waking_one_model_of_a_frozen_chain_wakes_the_others_without_waiting(up:
     up.pool.activate(SEPARATE[0])
     up.pool.wait_converged(120)
     assert tiers(up, SEPARATE) == [Tier.HOT, Tier.FROZEN, Tier.FROZEN]
+
+
+def test_a_member_hot_only_on_its_way_to_its_resting_tier_wakes_with_its_chain(up: local.Embedded) -> None:
+    """A member that is HOT because its instance is walking through HOT to its resting tier (a new instance's cold
+    start on its way to FROZEN, under the slot's lock) is woken with its chain once the walk is done, not taken
+    for awake and left FROZEN."""
+    for model in CHAIN:
+        up.pool.activate(model)
+    up.pool.wait_converged(120)
+    freeze(up, CHAIN[:1])
+    last = up.pool.slots[up.pool.instances(CHAIN[-1])[0].name]
+    with last.lock:  # as `Pool._converge` holds it for the whole walk
+        assert up.pool.activate(CHAIN[0]).woke_from is Tier.FROZEN
+        last.inst.to(Tier.FROZEN)  # the walk's last step
+    deadline = time.monotonic() + 120
+    while tiers(up, CHAIN) != [Tier.HOT] * 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert tiers(up, CHAIN) == [Tier.HOT] * 3
 
 
 def test_a_chain_is_demoted_for_idleness_as_one(up: local.Embedded) -> None:

@@ -385,12 +385,15 @@ class Pool:
             return Activation(self._info(slot), source, wake_ms, fallback)
 
     def _wake_peers(self, model_id: str, device_hint: str) -> None:
-        """Start waking the chain's other models that have an instance here and none HOT, once each at a time."""
+        """Start waking the chain's other models that have an instance here and none settled HOT, once each at a
+        time. An instance HOT while it moves (its lock held: a walk through HOT to its resting tier) is not settled:
+        the wake waits for the move and brings it back."""
         for peer in self.chains.peers(model_id):
             with self._slots_lock:
-                tiers = [s.inst.tier for s in self.slots.values() if s.inst.spec.model_id == peer and not s.removed]
+                peers = [s for s in self.slots.values() if s.inst.spec.model_id == peer and not s.removed]
                 pending = self._joint.get(peer)
-                if not tiers or Tier.HOT in tiers or (pending is not None and not pending.done()):
+                settled = any(s.inst.tier == Tier.HOT and not s.lock.locked() for s in peers)
+                if not peers or settled or (pending is not None and not pending.done()):
                     continue
                 self._joint[peer] = self._executor.submit(self._joint_wake, peer, device_hint)
 
