@@ -210,6 +210,9 @@ def test_a_chain_leaves_a_node_that_stays_in_emergency(cluster: Cluster, tmp_pat
         link = links.GrpcAgentLink(agent_api)
         return {m: ",".join(i.tier for i in await link.instances(m) or ()) for m in ("tier-det", "tier-rec")}
 
+    # The EMIs' status may still be the pressed node's last report: wait for the target's own instances.
+    wait_for("both members FROZEN at the target's agent", lambda: set(asyncio.run(tiers()).values()) == {"FROZEN"},
+             timeout=300)
     route = asyncio.run(wake())
     assert route.instance.endswith("tier-det-0"), route
     try:
