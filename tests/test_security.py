@@ -399,8 +399,10 @@ def test_the_gateway_wants_a_token_over_rest(guarded: local.Embedded) -> None:
     assert http_err.value.code == 401 and http_err.value.headers["WWW-Authenticate"] == 'Bearer realm="volga"'
     http_err.value.close()
     request = urllib.request.Request(f"{url}/v2/models/{model}", headers={"Authorization": f"Bearer {TOKEN}"})
-    assert urllib.request.urlopen(request, timeout=10).status == 200
-    assert urllib.request.urlopen(f"{url}/v2/health/live", timeout=10).status == 200
+    with urllib.request.urlopen(request, timeout=10) as reply:
+        assert reply.status == 200
+    with urllib.request.urlopen(f"{url}/v2/health/live", timeout=10) as reply:
+        assert reply.status == 200
 
 
 def test_tokens_files_and_headers() -> None:
