@@ -317,12 +317,7 @@ class Decider:
             pct = track.scalar
             other = -1.0  # the other models' load, once worked out
             if pct is None:
-                if track.members:
-                    other = self._other(track, load, get, util, total_completed)
-                elif total_completed:
-                    other = util * (1.0 - (load.completed if load is not None else 0) / total_completed)
-                else:
-                    other = util
+                other = self._other(track, load, get, util, total_completed)
                 steps = track.steps
                 pct = steps[-1][1]
                 for below, step_pct in steps:
@@ -344,13 +339,8 @@ class Decider:
             if p99 <= limit:
                 track.violating = 0
                 continue
-            if other < 0.0:
-                if track.members:
-                    other = self._other(track, load, get, util, total_completed)
-                elif total_completed and load is not None:
-                    other = util * (1.0 - load.completed / total_completed)
-                else:
-                    other = util
+            if other < 0.0:  # not worked out above (a scalar tolerance): only a violation needs it
+                other = self._other(track, load, get, util, total_completed)
             if track.violating == 0:
                 track.violation_start = window.start
             track.violating += 1
