@@ -75,9 +75,12 @@ def _set_policy(tid: int, idle: bool) -> None:
 
 
 def normalise(pid: int) -> None:
-    """`restore`, where it can: a process gone is left alone, and one the agent may not raise stays as it is
-    (logged)."""
+    """`restore`, where needed and where it can: a process whose main thread runs at normal priority was not
+    lowered (a yield lowers every thread), so two system calls settle the common case on a restore's path; a
+    process gone is left alone, and one the agent may not raise stays as it is (logged)."""
     try:
+        if os.getpriority(os.PRIO_PROCESS, pid) == normal() and os.sched_getscheduler(pid) != os.SCHED_IDLE:
+            return
         restore(pid)
     except ProcessLookupError:
         return
