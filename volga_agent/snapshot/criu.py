@@ -366,8 +366,8 @@ class CriuEngine:
         if image.checksums is None or image.checksums.exception() is not None:
             return ""
         try:
-            if image.stamps is not None and image.stamps.result() is not None \
-                    and image.stamps.result() == _stamps(image.path):
+            stamps = image.stamps.result() if image.stamps is not None else None
+            if stamps is not None and stamps == _stamps(image.path):
                 return ""  # untouched since the CRCs were taken from it
             if image.checksums.result() == _checksums(image.path):
                 return ""
