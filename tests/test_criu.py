@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from volga_agent import instance
-from volga_agent.snapshot import criu
+from volga_agent.snapshot import criu, kdat
 from volga_agent.worker import contract
 from volga_operator import api
 
@@ -33,6 +33,15 @@ def inst(default_spec: api.ModelSpecSpec, rundir: pathlib.Path,
 def test_criu_is_4x(criu_engine: criu.CriuEngine) -> None:
     assert criu_engine.version().startswith("Version: 4.")
     criu_engine.check()
+
+
+def test_criu_reads_its_kernel_probes_from_a_cache(criu_engine: criu.CriuEngine, tmp_path: pathlib.Path) -> None:
+    # criu keeps the cache itself only on a tmpfs /run; where /run is a disk the engine gives it one.
+    made = kdat.ensure(criu_engine.criu)
+    assert (made is None) == (kdat.filesystem(kdat.RUN) == "tmpfs"), made
+    log = tmp_path / "check.log"
+    subprocess.run([criu_engine.criu, "check", "-v4", "-o", str(log)], capture_output=True, timeout=60)
+    assert f"Loaded kdat cache from {kdat.RUN / kdat.CACHE_NAME}" in log.read_text()
 
 
 def test_freeze_thaw_many_times_identical_outputs(inst: instance.Instance, criu_engine: criu.CriuEngine) -> None:

@@ -25,6 +25,8 @@ Facts this code is built on (measured on the target kernels; docs/architecture.m
   carry those stamps (nothing wrote, truncated or replaced them since) skips the CRC pass, which on 2 shared
   cores cost a 98 MiB FROZEN wake 20-45 ms; a changed stamp, or an image from a shared store (no stamps), gets
   the full check. The canary still checks every restore.
+- criu probes the kernel at the start of every call (~30 ms) unless /run/criu.kdat caches the result, which
+  it keeps only on a tmpfs /run; `kdat.ensure` gives it that cache where /run is a disk.
 - criu runs with a parent-death signal (through `setpriv`, where it is installed) and with the agent's owner
   token in its environment, so it dies with the agent, and what a killed agent leaves can be proven its own
   (see `process`). Image folders carry an owner marker; `sweep` removes those whose owner is dead.
@@ -50,6 +52,7 @@ from collections.abc import Callable
 from typing import Any
 
 from volga_agent import process
+from volga_agent.snapshot import kdat
 from volga_agent.worker import nsinit
 
 # Where scripts/install-criu.sh installs, under the home folder (read only when looking for CRIU: a process
@@ -249,6 +252,7 @@ class CriuEngine:
         self._daemons: set[LazyPages] = set()
         self._closed = False
         nsinit.become_subreaper()  # restored trees and the children of killed criu calls come back to us
+        kdat.ensure(self.criu)
         self.sweep()
 
     def sweep(self) -> list[pathlib.Path]:
