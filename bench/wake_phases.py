@@ -1,13 +1,16 @@
 """Where the SUSPENDED and FROZEN (eager and lazy) wakes of a 0.125 GiB MLP go: criu's restore, the CUDA
-driver's restore, the worker's own wake (instance.Transition.phases), with criu's restore log and stats kept.
+driver's restore, the worker's own wake (instance.Transition.phases), with criu's restore log and stats kept;
+FROZEN both with the CUDA graphs kept in the image and captured again after the restore (the default).
 
-On the GPU machine: OUT=/some/folder python3 bench/wake_phases.py (rows in $OUT/phases.json).
+On the GPU machine: OUT=/some/folder python3 bench/wake_phases.py (rows in $OUT/phases.json; WAKES=8 wakes a
+pass; KEEP_LOGS=1 keeps criu's logs of the second wake of each).
 """
 
 import json
 import os
 import pathlib
 import shutil
+import statistics
 import tempfile
 import time
 
@@ -17,8 +20,11 @@ from volga_agent.worker import contract
 from volga_bench import tiers
 from volga_operator.api import Tier
 
-PASSES = [("suspended", Tier.SUSPENDED, None), ("frozen_eager", Tier.FROZEN, False), ("frozen_lazy", Tier.FROZEN, True)]
-WAKES = 6
+# (label, tier, lazy restore, graphs kept in the image)
+PASSES = [("suspended", Tier.SUSPENDED, None, False),
+          ("frozen_eager", Tier.FROZEN, False, False), ("frozen_lazy", Tier.FROZEN, True, False),
+          ("frozen_eager_graphs_kept", Tier.FROZEN, False, True), ("frozen_lazy_graphs_kept", Tier.FROZEN, True, True)]
+WAKES = int(os.environ.get("WAKES", "8"))
 
 
 def main() -> None:
@@ -26,14 +32,18 @@ def main() -> None:
     base = pathlib.Path(tempfile.mkdtemp(dir="/dev/shm"))
     spec = tiers.build_torch_mlp(base / "models" / "model.pt", 0.125)
     driver = cuda.DriverCheckpoint()
-    inst = instance.Instance("phases", spec, base / "w", criu.CriuEngine(base / "snap"), driver, "cuda:0",
-                             reuse_image_sec=float("inf"))
-    inputs = contract.sample_inputs(inst.config.inputs, batch=8, seed=1)
+    engine = criu.CriuEngine(base / "snap")
+    insts = {kept: instance.Instance(f"phases-{kept}", spec, base / f"w{kept}", engine, driver, "cuda:0",
+                                     reuse_image_sec=float("inf"), graphs_in_images=kept) for kept in (False, True)}
+    inputs = contract.sample_inputs(insts[False].config.inputs, batch=8, seed=1)
     rows = []
     try:
-        inst.to(Tier.HOT)
-        inst.infer(inputs)
-        for label, tier, lazy in PASSES:
+        reference = {}
+        for kept, inst in insts.items():
+            inst.to(Tier.HOT)
+            reference[kept] = inst.infer(inputs)["y"]
+        for label, tier, lazy, kept in PASSES:
+            inst = insts[kept]
             for i in range(WAKES):
                 inst.lazy_restore = lazy
                 start = time.perf_counter()
@@ -42,22 +52,36 @@ def main() -> None:
                 pid = inst.pid
                 start = time.perf_counter()
                 woke = inst.wake()
-                inst.infer(inputs)
+                answer = inst.infer(inputs)["y"]
                 total = time.perf_counter() - start
                 row = {"tier": label, "i": i, "enter_ms": enter * 1e3, "wake_ms": total * 1e3,
-                       "fallback": woke.fallback, "phases_ms": {k: v * 1e3 for k, v in woke.phases.items()},
+                       "fallback": woke.fallback, "same_answer": bool((answer == reference[kept]).all()),
+                       "phases_ms": {k: v * 1e3 for k, v in woke.phases.items()},
                        "driver": driver.timings.get(pid, {})}
                 if tier == Tier.FROZEN and inst.image is not None:
                     row["image_bytes"] = inst.image.size_bytes
-                    for name in ("restore.log", "lazy-pages.log", "stats-restore") if i == 1 else ():
+                    keep = i == 1 and os.environ.get("KEEP_LOGS") == "1"
+                    for name in ("restore.log", "lazy-pages.log", "stats-restore") if keep else ():
                         if (inst.image.path / name).exists():
                             shutil.copy(inst.image.path / name, out / f"{label}-{name}")
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     finally:
-        inst.close()
+        for inst in insts.values():
+            inst.close()
         shutil.rmtree(base, ignore_errors=True)
     (out / "phases.json").write_text(json.dumps(rows, indent=1))
+    for label, *_ in PASSES:
+        mine = [r for r in rows if r["tier"] == label]
+        wakes = sorted(r["wake_ms"] for r in mine)
+        print(json.dumps({"tier": label, "wake_p50_ms": round(statistics.median(wakes), 1),
+                          "wake_max_ms": round(wakes[-1], 1),
+                          "enter_p50_ms": round(statistics.median(r["enter_ms"] for r in mine), 1),
+                          "image_mib": round(mine[-1].get("image_bytes", 0) / 2**20, 1),
+                          "phases_p50_ms": {k: round(statistics.median(r["phases_ms"].get(k, 0) for r in mine), 1)
+                                            for k in mine[-1]["phases_ms"]},
+                          "fallbacks": sum(r["fallback"] for r in mine),
+                          "different_answers": sum(not r["same_answer"] for r in mine)}), flush=True)
 
 
 if __name__ == "__main__":

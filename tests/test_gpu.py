@@ -262,3 +262,31 @@ def test_a_small_cuda_stack_floor_shrinks_images_and_keeps_the_answers(mlp_spec:
             inst.close()
     assert np.array_equal(answers[0], answers[contract.DEFAULT_CUDA_STACK_BYTES])
     assert sizes[0] - sizes[contract.DEFAULT_CUDA_STACK_BYTES] > 100 * 2**20, sizes
+
+
+def test_graphs_are_captured_again_after_a_frozen_wake_and_kept_out_of_the_image(
+        mlp_spec: api.ModelSpecSpec, rundir: pathlib.Path, criu_engine: criu.CriuEngine) -> None:
+    """The same worker with its CUDA graphs kept in the FROZEN image and dropped before the dump: the same
+    answers before and after the wake, the graphs replayed again after it, and a smaller image without them."""
+    sizes, answers = {}, {}
+    x = contract.sample_inputs(instance.decls(mlp_spec.inputs), batch=8, seed=6)
+    for kept in (True, False):
+        inst = instance.Instance(f"mlp-graphs-{kept}", mlp_spec, rundir / str(kept), criu_engine,
+                                 cuda.DriverCheckpoint(), "cuda:0", graphs_in_images=kept)
+        try:
+            inst.to(Tier.HOT)
+            graphs = inst.client().call("stats").header["cuda_graphs"]
+            assert graphs, "the model captures graphs"
+            answers[kept] = inst.infer(x)["y"]
+            for _ in range(2):
+                inst.to(Tier.FROZEN)
+                assert inst.image is not None
+                sizes[kept] = inst.image.size_bytes
+                woke = inst.wake()
+                assert not woke.fallback, woke.detail
+                assert inst.client().call("stats").header["cuda_graphs"] == graphs
+                assert np.array_equal(inst.infer(x)["y"], answers[kept])
+        finally:
+            inst.close()
+    assert np.array_equal(answers[True], answers[False])
+    assert sizes[True] - sizes[False] > 64 * 2**20, sizes

@@ -88,7 +88,7 @@ def worker_config(spec: api.ModelSpecSpec, workdir: pathlib.Path, device: str, c
                   warmup_cache_ratio: float | None = None, reset_rng_on_restore: bool = False,
                   cuda_stack_bytes: int = contract.DEFAULT_CUDA_STACK_BYTES,
                   worker_user: tuple[int, int] = contract.NOBODY,
-                  model_roots: Sequence[str] = ()) -> contract.WorkerConfig:
+                  model_roots: Sequence[str] = (), graphs_in_images: bool = False) -> contract.WorkerConfig:
     """The worker's configuration from its ModelSpec and the node's defaults: `warmup_cache_ratio` applies
     where the ModelSpec sets none; `reset_rng_on_restore` makes every restored copy re-seed, whatever the
     ModelSpec says (otherwise its runtime.resetRngOnRestore decides); the worker drops to `worker_user`
@@ -104,7 +104,7 @@ def worker_config(spec: api.ModelSpecSpec, workdir: pathlib.Path, device: str, c
         if spec.hardware.cuda_graphs and device.startswith("cuda") else (),
         cpus=cpus, precision=spec.hardware.precision.value, uid=worker_user[0], gid=worker_user[1],
         model_roots=tuple(str(pathlib.Path(root).resolve()) for root in model_roots),
-        cuda_stack_bytes=cuda_stack_bytes if device.startswith("cuda") else 0,
+        cuda_stack_bytes=cuda_stack_bytes if device.startswith("cuda") else 0, graphs_in_images=graphs_in_images,
         restore_warmups=round((spec.runtime.warmup_cache_ratio or warmup_cache_ratio or 0.0)
                               * spec.runtime.warmup_iterations)), spec)
 
@@ -132,7 +132,7 @@ class Instance:
                  die_with_agent: bool = True, shared_store: shared.Context | None = None,
                  cuda_stack_bytes: int = contract.DEFAULT_CUDA_STACK_BYTES,
                  worker_user: tuple[int, int] = contract.NOBODY, unprivileged_snapshots: bool = False,
-                 model_roots: Sequence[str] = ()) -> None:
+                 model_roots: Sequence[str] = (), graphs_in_images: bool = False) -> None:
         self.name = name
         self.spec = spec
         self.workdir = pathlib.Path(workdir)
@@ -147,7 +147,8 @@ class Instance:
         if self.root_reason:
             log.info("%s: the worker stays root: %s", name, self.root_reason)
         self.config = worker_config(spec, self.workdir, device, cpus, warmup_cache_ratio, reset_rng_on_restore,
-                                    cuda_stack_bytes, (0, 0) if self.root_reason else worker_user, model_roots)
+                                    cuda_stack_bytes, (0, 0) if self.root_reason else worker_user, model_roots,
+                                    graphs_in_images)
         if len(self.config.socket) > MAX_SOCKET_PATH:
             raise ValueError(f"socket path {self.config.socket} is longer than {MAX_SOCKET_PATH} bytes: "
                              "use a shorter run folder")

@@ -202,7 +202,8 @@ class Pool:
                                              cuda_stack_bytes=self.settings.gpu_stack_bytes,
                                              worker_user=self.settings.worker_ids(),
                                              unprivileged_snapshots=self.settings.unprivileged_snapshots,
-                                             model_roots=s.model_roots)
+                                             model_roots=s.model_roots,
+                                             graphs_in_images=self.settings.gpu_graphs_in_images)
                 except (OSError, ValueError) as exc:
                     self.failed[name] = f"{type(exc).__name__}: {exc}"
                     self._failed_specs[name] = spec

@@ -149,6 +149,9 @@ class WorkerConfig:
     warmup: tuple[WarmupSample, ...] = ()  # declared warm-up samples (runtime.warmup); () runs made-up inputs
     warmup_file: str = ""  # an .npz of real inputs run after the declared samples (runtime.warmupFile)
     cuda_stack_bytes: int = 0  # per-thread stack the CUDA context reserves (CU_LIMIT_STACK_SIZE); 0: the driver's
+    # Keep captured CUDA graphs in FROZEN images; False drops them before the dump and captures them again after
+    # the restore (`backends.TorchBackend.park`): a smaller image for a few milliseconds of capture.
+    graphs_in_images: bool = False
     # The user and group the worker drops to once started (`serve.drop_privileges`); 0 and 0: it stays the agent's.
     uid: int = 0
     gid: int = 0
