@@ -58,10 +58,19 @@ class TierRun:
         return out
 
 
+# How long a GPU instance rests in a tier before the bench wakes it, as between an idle demotion and the next
+# request. A wake right after the demotion finds the driver still clearing the device memory the demotion freed:
+# on an H200, mapping and refilling 8 GiB took 168.6 ms at once and 157.6-158.5 ms after 50 ms to 1 s (2 GiB: 42.4
+# and 39.8-41.2 ms), bench/results/warm-settle-h200.txt.
+GPU_SETTLE_S = 0.5
+
+
 def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pathlib.Path,
                 tiers: Sequence[Tier], n: int, device: str = "cpu", batch: int = 8, cold_n: int | None = None,
-                lazy: bool = False, progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
-    """Cold starts, then `n` wakes from each tier, every answer compared with the first cold start's.
+                lazy: bool = False, progress: Callable[[str], None] = lambda _: None,
+                settle_s: float = 0.0) -> dict[str, Any]:
+    """Cold starts, then `n` wakes from each tier, every answer compared with the first cold start's; each
+    tier is left alone for `settle_s` before its wake (GPU_SETTLE_S says why).
 
     FROZEN is dumped once and then restored `n` times from that image (the worker does not change between
     wakes, so the image stays a faithful snapshot: what the pool does within `snapshot_interval_sec`).
@@ -119,6 +128,7 @@ def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pa
                     run.image_bytes = inst.image.size_bytes
                     run.parked_bytes = inst.parked_bytes
                 pid = inst.pid
+                time.sleep(settle_s)
                 start = time.perf_counter()
                 woke = inst.wake()
                 answer(run)
@@ -146,6 +156,7 @@ def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pa
         "outputs_match": all(r.mismatches == 0 for r in runs.values()),
         "restore_fallbacks": sum(r.fallbacks for r in runs.values()),
         "criu": engine.version() if engine else None,
+        "settle_ms": settle_s * 1e3,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     return report
@@ -261,7 +272,7 @@ def gpu_suite(models: pathlib.Path, run: pathlib.Path, snapshots: pathlib.Path, 
     for gib in sizes:
         spec = build_torch_mlp(models / f"mlp-{gib:g}gib" / "model.pt", gib)
         report["sizes"][f"{gib:g}"] = bench_tiers(spec, run / f"w{gib:g}", snapshots, tiers, n, "cuda:0",
-                                                  cold_n=cold_n, lazy=lazy, progress=progress)
+                                                  cold_n=cold_n, lazy=lazy, progress=progress, settle_s=GPU_SETTLE_S)
     if burst_n:
         specs = [build_torch_mlp(models / f"burst-{k}" / "model.pt", 0.0625, seed=k, cuda_graphs=False)
                  for k in range(burst_n)]
