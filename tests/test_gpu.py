@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from volga_agent import instance
+from volga_agent import gpus, instance
 from volga_agent.snapshot import criu, cuda
 from volga_agent.worker import contract, protocol
 from volga_bench import tiers
@@ -66,6 +66,24 @@ def test_warm_offloads_weights_and_restores_them(gpu_inst: instance.Instance) ->
         assert warm["gpu_allocated_bytes"] <= hot["gpu_allocated_bytes"] - hot["weights_bytes"]
         gpu_inst.wake()
         assert np.array_equal(gpu_inst.infer(x)["y"], reference)
+
+
+def test_nvml_sees_a_warm_worker_give_back_its_weights(gpu_inst: instance.Instance) -> None:
+    """What one worker holds on the device, as NVML reports it per process (the tiers bench's
+    worker_gpu_mib_in_tier): less by at least its weights while WARM, 0 while SUSPENDED."""
+    assert gpu_inst.pid is not None
+    hot = gpus.process_memory_bytes(0, gpu_inst.pid)
+    if hot is None:
+        pytest.skip("NVML reports no per-process memory here")
+    weights = int(gpu_inst.client().call("stats").header["weights_bytes"])
+    assert hot > weights
+    gpu_inst.to(Tier.WARM)
+    warm = gpus.process_memory_bytes(0, gpu_inst.pid)
+    assert warm is not None and warm <= hot - weights, (hot, warm, weights)
+    gpu_inst.wake()
+    gpu_inst.to(Tier.SUSPENDED)
+    assert gpus.process_memory_bytes(0, gpu_inst.pid) == 0
+    gpu_inst.wake()
 
 
 def test_suspended_holds_no_gpu_memory(gpu_inst: instance.Instance) -> None:

@@ -134,6 +134,30 @@ def discover(sysfs_root: str | pathlib.Path = "/sys") -> list[GpuInfo]:
             log.debug("nvmlShutdown failed: %s", exc)
 
 
+def process_memory_bytes(index: int, pid: int) -> int | None:
+    """Device memory process `pid` holds on GPU `index` (NVML's compute processes), 0 when it holds none;
+    None without NVML or where the driver does not say (NVML reports no usage inside some containers)."""
+    try:
+        pynvml.nvmlInit()
+    except (pynvml.NVMLError, OSError):
+        return None
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if int(proc.pid) == pid:
+                used = proc.usedGpuMemory
+                return None if used is None else int(used)
+        return 0
+    except pynvml.NVMLError as exc:
+        log.debug("NVML has no per-process memory for GPU %d: %s", index, exc)
+        return None
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except pynvml.NVMLError as exc:
+            log.debug("nvmlShutdown failed: %s", exc)
+
+
 def kind_of(device: str, found: Sequence[GpuInfo]) -> str:
     """What a device is, as calibrations and device hints name it: "cpu", or the product of the GPU `device`
     ("cuda:N") names among `found` (the device itself when it is not among them)."""

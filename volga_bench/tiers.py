@@ -39,6 +39,7 @@ class TierRun:
     fallbacks: int = 0
     mismatches: int = 0
     gpu_mib_in_tier: float | None = None
+    worker_gpu_mib_in_tier: float | None = None  # what the instance's worker process itself holds (NVML)
     image_bytes: int | None = None
     parked_bytes: int | None = None  # weights the image maps from a file beside it (GPU FROZEN)
     phases: dict[str, list[float]] = dataclasses.field(default_factory=dict)
@@ -49,6 +50,8 @@ class TierRun:
                                "fallbacks": self.fallbacks, "mismatches": self.mismatches}
         if self.gpu_mib_in_tier is not None:
             out["gpu_used_mib_in_tier"] = self.gpu_mib_in_tier
+        if self.worker_gpu_mib_in_tier is not None:
+            out["worker_gpu_mib_in_tier"] = self.worker_gpu_mib_in_tier
         if self.image_bytes is not None:
             out["image_bytes"] = self.image_bytes
         if self.parked_bytes:
@@ -111,6 +114,8 @@ def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pa
         hot = runs[Tier.HOT] = TierRun()
         if gpu_index is not None:
             hot.gpu_mib_in_tier = gpu_memory_used_mib(gpu_index)
+            held = gpus.process_memory_bytes(gpu_index, inst.pid) if inst.pid else None
+            hot.worker_gpu_mib_in_tier = None if held is None else round(held / 2**20, 1)
         for _ in range(n * 5):
             start = time.perf_counter()
             answer(hot)
@@ -124,6 +129,8 @@ def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pa
                 run.enter_s.append(entered.seconds)
                 if i == 0 and gpu_index is not None:
                     run.gpu_mib_in_tier = gpu_memory_used_mib(gpu_index)
+                    held = gpus.process_memory_bytes(gpu_index, inst.pid) if inst.pid else 0
+                    run.worker_gpu_mib_in_tier = None if held is None else round(held / 2**20, 1)
                 if tier == Tier.FROZEN and inst.image is not None:
                     run.image_bytes = inst.image.size_bytes
                     run.parked_bytes = inst.parked_bytes
