@@ -80,6 +80,7 @@ class DutyCycle:
         self.period = period_s
         self._targets: dict[str, tuple[Target, ...]] = {}
         self._mutex = threading.Lock()  # guards _targets and _held
+        self._released = threading.Condition(self._mutex)  # a held worker was continued
         self._held: list[_Held] = []
         self._changed = threading.Event()  # targets dropped or added, or closing
         self._closing = False
@@ -103,11 +104,16 @@ class DutyCycle:
                 self._thread.start()
         self._changed.set()
 
-    def drop(self, key: str) -> None:
-        """`key`'s workers run freely again, those stopped now at once."""
+    def drop(self, key: str, timeout: float = 1.0) -> None:
+        """`key`'s workers run freely again: those stopped now are continued before this returns."""
         with self._mutex:
             self._targets.pop(key, None)
         self._changed.set()
+        with self._released:
+            if not self._released.wait_for(lambda: all(h.key != key for h in self._held), timeout):
+                for held in self._held:  # the thread is late: continue them all the same
+                    if held.key == key:
+                        resume(held.pid)
 
     def keys(self) -> frozenset[str]:
         with self._mutex:
@@ -134,33 +140,42 @@ class DutyCycle:
         for key, target in targets:
             if target.share <= 0.0 or not target.lock.acquire(blocking=False):
                 continue  # a tier move (or a check) holds the instance: it runs this period
-            pid: int | None = None
             try:
                 pid = target.pid()
-                if pid is not None:
-                    os.kill(pid, signal.SIGSTOP)
-            except (ProcessLookupError, PermissionError) as exc:
-                if isinstance(exc, PermissionError):
-                    log.warning("cannot stop worker %s of %s: %s", pid, key, exc)
-                pid = None
             except BaseException:
                 target.lock.release()
                 raise
-            if pid is None:
+            entry = None if pid is None else self._stop(key, pid, target, start)
+            if entry is None:
                 target.lock.release()
                 continue
-            entry = _Held(key, pid, target.lock, start + target.share * self.period, target.share)
-            with self._mutex:
-                self._held.append(entry)
             held.append(entry)
             self.stops += 1
         held.sort(key=lambda h: h.until)
         return held
 
+    def _stop(self, key: str, pid: int, target: Target, start: float) -> _Held | None:
+        """Stop `pid` and hold it, unless its key was dropped meanwhile (under the mutex: a `drop` that returned
+        has no worker of its key stopped, nor will have)."""
+        with self._mutex:
+            if key not in self._targets:
+                return None
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                return None
+            except PermissionError as exc:
+                log.warning("cannot stop worker %d of %s: %s", pid, key, exc)
+                return None
+            entry = _Held(key, pid, target.lock, start + target.share * self.period, target.share)
+            self._held.append(entry)
+            return entry
+
     def _release(self, entry: _Held) -> float:
         resume(entry.pid)
         with self._mutex:
             self._held.remove(entry)
+            self._released.notify_all()
         entry.lock.release()
         # It runs at least the rest of a period before it is stopped again.
         return time.monotonic() + (1.0 - entry.share) * self.period
@@ -202,7 +217,9 @@ class DutyCycle:
         finally:
             with self._mutex:
                 left = list(self._held)
+                for entry in left:
+                    resume(entry.pid)
                 self._held.clear()
+                self._released.notify_all()
             for entry in left:
-                resume(entry.pid)
                 entry.lock.release()
