@@ -73,3 +73,27 @@ def test_the_cpu_of_violating_windows_is_told_apart_from_the_others() -> None:
     assert cpu["cpu_ms_per_window"]["ok"][slo.TOLERANT] == 10.0
     assert [w["at_s"] for w in cpu["violating"]] == [0.1] and cpu["violating"][0]["p99_ms"] == 50.0
     assert cpu["protected_requests_per_window"] == {"mean": 1.0, "max": 1}
+
+
+def test_the_throttle_arm_is_run_beside_the_yield_alone() -> None:
+    config = slo.Config(throttle_share=0.75, throttle_period_ms=25.0)
+    assert config.arms == ("off", "yield", "on") and slo.Config().arms == ("off", "on")
+    assert "autonomyThrottleShare" not in config.settings("yield") and config.settings("yield")["autonomyYieldNice"]
+    assert (config.settings("on")["autonomyThrottleShare"], config.settings("on")["autonomyThrottlePeriodMs"]) == (
+        0.75, 25.0)
+    side = {"violating_windows": 0, "windows_judged": 1, "p99_ms": 1.0, "episodes": 0, "episodes_past_deadline": 0,
+            "longest_episode_ms": 0.0}
+    tolerant = {"requests": 2, "answered": 2, "shed": 0, "other_errors": 0, "p99_ms": 3.0, "p50_ms": 2.0}
+    one = {"decision_us": {"p50": 1.0, "p99": 2.0}, "sampling_jitter_ms": {"p50": 0.1, "p99": 0.2},
+           "tolerant": tolerant,
+           "cpu": {"cpu_ms_per_window": {"violating": {}, "ok": {}}, "windows": {}}}
+    runs = {arm: [{**one, "protected": {**side, "violating_windows": n}}] for arm, n in
+            (("off", 12), ("yield", 6), ("on", 2))}
+    report = slo.report(config, {slo.PROTECTED: 1.0, slo.TOLERANT: 2.0}, 1.15, runs)
+    assert report["autonomy_yield"]["violating_windows"] == 6 and report["autonomy_on"]["violating_windows"] == 2
+    assert report["throttle"] == {"share": 0.75, "period_ms": 25.0, "fewer_violating_windows_than_yield_x": 3.0}
+    assert set(report["tolerant"]) == {"off", "yield", "on"} and report["fewer_violating_windows_x"] == 6.0
+    text = slo.format_report({**report, "calibration": {}})
+    assert "    yield" in text and "3.0x fewer violating windows than the yield alone" in text
+    assert "autonomy_yield" not in slo.report(slo.Config(), {slo.PROTECTED: 1.0, slo.TOLERANT: 2.0}, 1.15,
+                                              {arm: runs[arm] for arm in ("off", "on")})

@@ -468,10 +468,21 @@ def cmd_bench_slo(args: argparse.Namespace) -> int:
         return _no_bench("bench slo", exc)
     config = slo.Config(seconds=args.seconds, rounds=args.rounds, calibrate_iterations=args.calibrate_iterations,
                         pulse_every_s=args.pulse_every, pulse_s=args.pulse_seconds, gpu=args.gpu,
-                        yield_calm_windows=args.yield_calm_windows)
+                        yield_calm_windows=args.yield_calm_windows, throttle_share=args.throttle_share,
+                        throttle_period_ms=args.throttle_period_ms)
     report = slo.run(config, progress=_progress(args.json))
     _emit(args, report, lambda: slo.format_report(report))
     return 0
+
+
+def _share(text: str) -> float:
+    try:
+        share = float(text)
+    except ValueError:
+        share = -1.0
+    if not 0.0 <= share < 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a share of each period, at least 0 and below 1, e.g. 0.75")
+    return share
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -635,6 +646,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", action="store_true", help="two PyTorch models sharing cuda:0 instead of ONNX on the CPU")
     p.add_argument("--yield-calm-windows", type=int, default=30,
                    help="windows without a violation before the tolerant worker gets its CPU priority back")
+    p.add_argument("--throttle-share", type=_share, default=0.0,
+                   help="with the loop on, also stop the tolerant worker this share of every period while it gives "
+                        "way (autonomy_throttle_share), beside a run with the yield alone; 0: no throttle")
+    p.add_argument("--throttle-period-ms", type=float, default=20.0, help="the throttle's period")
     _report_args(p)
     p.set_defaults(func=cmd_bench_slo)
 

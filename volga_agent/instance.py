@@ -46,7 +46,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from volga_agent import priority, process, warmup
+from volga_agent import priority, process, throttle, warmup
 from volga_agent.snapshot import criu, cuda, shared
 from volga_agent.worker import contract, protocol
 from volga_operator import api
@@ -641,6 +641,7 @@ class Instance:
             restored = self.criu.restore(self.image, lazy=self.lazy_restore if lazy is None else lazy)
         self.pid, self._restored = restored.pid, restored
         priority.normalise(restored.pid)  # the image kept its threads' nice: it may have been taken while yielding
+        throttle.resume(restored.pid)  # an image of a stopped worker would restore it stopped
         return restored.pid
 
     def _frozen_to_suspended(self, lazy: bool | None = None) -> None:

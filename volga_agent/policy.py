@@ -151,6 +151,12 @@ class Settings(pydantic.BaseModel):
     # Yielding threads also run under SCHED_IDLE, so that a waking thread of any other worker (or the gateway)
     # preempts them at once instead of after their time slice.
     autonomy_yield_sched_idle: bool = True
+    # The same violation also throttles those co-runners' HOT workers (volga_agent/throttle.py): the agent stops
+    # each (SIGSTOP, every thread) for autonomy_throttle_share of every autonomy_throttle_period_ms and lets it run
+    # the rest, entered and left as the yield is. A co-runner's share is at most what its own tolerance t allows,
+    # t / (100 + t) (0.75 at 300 %). 0 leaves the co-runners running.
+    autonomy_throttle_share: Annotated[float, pydantic.Field(ge=0, lt=1)] = 0.0
+    autonomy_throttle_period_ms: Annotated[float, pydantic.Field(ge=2, le=1000)] = 20.0
     # Folders ModelSpec sources must resolve inside (symlinks followed); empty: anywhere. `volga up` and
     # `volga-agent --kube` fill it in (docs/security.md).
     model_roots: Annotated[tuple[str, ...], pydantic.Strict(False)] = ()

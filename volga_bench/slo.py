@@ -18,6 +18,10 @@ decision time and the sampler's jitter, as quantiles interpolated within the loo
 load average is reported: the machine may be shared.
 
 `--gpu` runs the same two shapes as PyTorch (TorchScript) models sharing cuda:0, calibrated there.
+
+`--throttle-share` adds the CPU throttle (`autonomy_throttle_share`: the tolerant model's worker is stopped for that
+share of every period while it gives way) to the on-run, and runs a third arm, `yield`, with the loop on and the
+yield alone, so that the throttle is compared with the yield side by side in one run.
 """
 
 from __future__ import annotations
@@ -92,6 +96,20 @@ class Config:
     seed: int = 11
     gpu: bool = False  # PyTorch models on cuda:0 instead of ONNX models on the CPU
     yield_calm_windows: int = 30  # autonomy_yield_calm_windows
+    throttle_share: float = 0.0  # autonomy_throttle_share of the on-run; above 0 adds the arm `yield` (without it)
+    throttle_period_ms: float = 20.0  # autonomy_throttle_period_ms
+
+    @property
+    def arms(self) -> tuple[str, ...]:
+        """The runs of a round, in order: the loop off, on with the yield alone (with a throttle only), on."""
+        return ("off", "yield", "on") if self.throttle_share else ("off", "on")
+
+    def settings(self, arm: str) -> dict[str, Any]:
+        """The node settings file of an arm."""
+        out: dict[str, Any] = {**SETTINGS, "autonomyYieldCalmWindows": self.yield_calm_windows}
+        if arm == "on" and self.throttle_share:
+            out.update(autonomyThrottleShare=self.throttle_share, autonomyThrottlePeriodMs=self.throttle_period_ms)
+        return out
 
     @property
     def models(self) -> tuple[Model, Model]:
@@ -564,8 +582,10 @@ def run(config: Config | None = None, progress: Callable[[str], None] = lambda _
             documents.append(document)
         specs = root / "specs.yaml"
         specs.write_text(yaml.safe_dump_all(documents))
-        settings = root / "settings.yaml"
-        settings.write_text(yaml.safe_dump({**SETTINGS, "autonomyYieldCalmWindows": config.yield_calm_windows}))
+        settings = {}
+        for arm in config.arms:
+            settings[arm] = root / f"settings-{arm}.yaml"
+            settings[arm].write_text(yaml.safe_dump(config.settings(arm)))
         rng = np.random.default_rng(config.seed)
         inputs = {}
         for model in config.models:
@@ -575,12 +595,11 @@ def run(config: Config | None = None, progress: Callable[[str], None] = lambda _
             inputs[model.name] = [item]
         protected = config.models[0]
         limit_ms = baselines[PROTECTED] * (1 + protected.tolerance_pct / 100)
-        runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+        runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in config.arms}
         for round_ in range(config.rounds):
-            for autonomy in (False, True):
-                progress(f"round {round_ + 1}/{config.rounds}")
-                runs["on" if autonomy else "off"].append(
-                    one_run(specs, settings, autonomy, config, inputs, limit_ms, progress))
+            for arm in config.arms:
+                progress(f"round {round_ + 1}/{config.rounds}: {arm}")
+                runs[arm].append(one_run(specs, settings[arm], arm != "off", config, inputs, limit_ms, progress))
     return {**report(config, baselines, limit_ms, runs), "calibration": checks}
 
 
@@ -599,25 +618,33 @@ def report(config: Config, baselines: dict[str, float], limit_ms: float,
     def tolerant(name: str) -> dict[str, Any]:
         items = [r["tolerant"] for r in runs[name]]
         p99s = [t["p99_ms"] for t in items if t["p99_ms"] is not None]
+        p50s = [t["p50_ms"] for t in items if t["p50_ms"] is not None]
         return {"requests": sum(t["requests"] for t in items), "shed": sum(t["shed"] for t in items),
-                "other_errors": sum(t["other_errors"] for t in items), "p99_ms": max(p99s) if p99s else None}
+                "answered": sum(t["answered"] for t in items),
+                "other_errors": sum(t["other_errors"] for t in items), "p99_ms": max(p99s) if p99s else None,
+                "p50_ms": max(p50s) if p50s else None}
 
     on_runs = runs["on"]
     off, on = side("off"), side("on")
+    # With a throttle: the on-run beside the yield alone.
+    arm = {"autonomy_yield": side("yield"), "throttle": {
+        "share": config.throttle_share, "period_ms": config.throttle_period_ms,
+        "fewer_violating_windows_than_yield_x": (round(side("yield")["violating_windows"] / on["violating_windows"], 2)
+                                                 if on["violating_windows"] else None)}} if "yield" in runs else {}
     return {
-        "autonomy_off": off, "autonomy_on": on,
+        "autonomy_off": off, "autonomy_on": on, **arm,
         "fewer_violating_windows_x": (round(off["violating_windows"] / on["violating_windows"], 2)
                                       if on["violating_windows"] else None),
         "decision_us": {"p50": max((r["decision_us"]["p50"] or 0.0) for r in on_runs) if on_runs else None,
                         "p99": max((r["decision_us"]["p99"] or 0.0) for r in on_runs) if on_runs else None},
         "sampling_jitter_ms": {"p99": max((r["sampling_jitter_ms"]["p99"] or 0.0) for r in on_runs)
                                if on_runs else None},
-        "tolerant": {"off": tolerant("off"), "on": tolerant("on")},
+        "tolerant": {name: tolerant(name) for name in runs},
         "baseline_p99_ms": {k: round(v, 3) for k, v in baselines.items()},
         "protected_limit_ms": round(limit_ms, 3),
         "tolerance_pct": {m.name: m.tolerance_pct for m in config.models},
         "recovery_deadline_ms": config.models[0].deadline_ms,
-        "settings": {**SETTINGS, "autonomyYieldCalmWindows": config.yield_calm_windows},
+        "settings": config.settings("on"),
         "config": dataclasses.asdict(config),
         "runs": runs, "device": reporting.device_description("cuda:0" if config.gpu else "cpu"),
         "load_average": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count(),
@@ -630,7 +657,8 @@ def format_report(r: dict[str, Any]) -> str:
              f"ms x 1.15), load average {r['load_average']} on {r['cpus']} CPUs",
              f"{'autonomy':>9}{'violating':>11}{'judged':>8}{'p99 ms':>9}{'episodes':>10}{'> deadline':>11}"
              f"{'tolerant shed':>15}{'tolerant p99':>14}"]
-    for name in ("off", "on"):
+    names = [name for name in ("off", "yield", "on") if name in r["runs"]]
+    for name in names:
         s, t = r[f"autonomy_{name}"], r["tolerant"][name]
         lines.append(f"{name:>9}{s['violating_windows']:>11}{s['windows_judged']:>8}{s['p99_ms'] or 0:>9.1f}"
                      f"{s['episodes']:>10}{s['episodes_past_deadline']:>11}{t['shed']:>15}{t['p99_ms'] or 0:>14.1f}")
@@ -640,7 +668,11 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append(f"calibration of {model}: p50 {check['p50_ms']} ms, p99 {check['p99_ms']} ms after "
                      f"{len(check['attempts'])} attempt(s)" + ("" if check["sane"] else " (disturbed: p99 > "
                                                                f"{DISTURBED_P99_OVER_P50:g} x p50)"))
-    for name in ("off", "on"):
+    if "throttle" in r:
+        lines.append(f"on: throttle {r['throttle']['share']:g} of every {r['throttle']['period_ms']:g} ms; yield: the "
+                     f"loop on without it; {r['throttle']['fewer_violating_windows_than_yield_x']}x fewer violating "
+                     "windows than the yield alone")
+    for name in names:
         for run in r["runs"][name]:
             cpu = run["cpu"]
             for kind in ("violating", "ok"):

@@ -43,6 +43,11 @@ frees a shared CPU while the co-runner is serving, which caps and sheds in burst
 it back once the state is PRELOAD or ACCEPT and autonomy_yield_calm_windows windows have passed without a
 violation of a model it yields to. A yielding model's own violations are what it was made to pay: they neither
 stop the yield nor hold it.
+
+With autonomy_throttle_share set, the same models are also throttled (Throttle), entered and left with the yield
+(Unthrottle): the agent stops their workers for that share of every autonomy_throttle_period_ms, capped by what the
+model's own tolerance t (at the window's other load) allows, t / (100 + t): its work then takes at most
+1 + t / 100 times as long, as its contract allows.
 """
 
 from __future__ import annotations
@@ -114,7 +119,21 @@ class RestorePriority:
     model: str
 
 
-Action = Preload | LowerBatchCap | Demote | Shed | Unshed | RestoreBatchCap | LowerPriority | RestorePriority
+@dataclasses.dataclass(frozen=True, slots=True)
+class Throttle:
+    """The model's HOT workers are stopped for `share` of every throttle period."""
+
+    model: str
+    share: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Unthrottle:
+    model: str
+
+
+Action = (Preload | LowerBatchCap | Demote | Shed | Unshed | RestoreBatchCap | LowerPriority | RestorePriority
+          | Throttle | Unthrottle)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,7 +248,8 @@ class Decider:
         self._agree = 0
         self.caps: dict[str, int] = {}
         self.shed: set[str] = set()
-        self.yielding: set[str] = set()  # models whose workers run at autonomy_yield_nice
+        self.yielding: set[str] = set()  # models giving way: run at autonomy_yield_nice, or throttled, or both
+        self.throttled: dict[str, float] = {}  # models throttled -> the share of each period they are stopped
         self._calm = 0  # windows since a violation of a model the yielding ones yield to
         self._tracks: dict[str, _Track] = {}
         self._bound: list[_Track] = []  # the tracks of the views last seen, in their order
@@ -242,6 +262,8 @@ class Decider:
         self._windows_to = {_EMERGENCY: s.autonomy_emergency_windows or s.autonomy_hysteresis_windows}
         self._calm_windows = s.autonomy_calm_windows or s.autonomy_hysteresis_windows
         self._yield_nice = s.autonomy_yield_nice
+        self._throttle_share = s.autonomy_throttle_share
+        self._give_way = bool(self._yield_nice or self._throttle_share)
 
     def _bind(self, views: Mapping[str, ModelView]) -> list[_Track]:
         """The tracks of `views` in their order, bound to them; the same list while the views stay the same
@@ -399,7 +421,7 @@ class Decider:
             self._optimize(tracks, violations, actions)
         elif state == _EMERGENCY:
             self._emergency(tracks, actions, memory >= s.autonomy_emergency_above_pct)
-        if self._yield_nice and (violations or self.yielding):
+        if self._give_way and (violations or self.yielding):
             self._yield(tracks, violations, state, actions)
         if path is not None:
             path.append(f"actions: {actions or 'none'}")
@@ -461,12 +483,26 @@ class Decider:
                 if (track.awake and not track.members and track.tolerance >= floor and track.model not in excepted
                         and track.model not in yielding):
                     yielding.add(track.model)
-                    actions.append(LowerPriority(track.model, self._yield_nice))
+                    if self._yield_nice:
+                        actions.append(LowerPriority(track.model, self._yield_nice))
+                    if self._throttle_share:
+                        self._throttle(track, actions)
             return
         self._calm += 1
         if yielding and state in (_PRELOAD, _ACCEPT) and self._calm >= self.settings.autonomy_yield_calm_windows:
-            actions += [RestorePriority(m) for m in sorted(yielding)]
+            if self._yield_nice:
+                actions += [RestorePriority(m) for m in sorted(yielding)]
+            actions += [Unthrottle(m) for m in sorted(self.throttled)]
             yielding.clear()
+            self.throttled.clear()
+
+    def _throttle(self, track: _Track, actions: list[Action]) -> None:
+        """Throttle a model that gives way, by no more than its own tolerance allows."""
+        tolerance = max(0.0, track.tolerance)
+        share = min(self._throttle_share, tolerance / (100.0 + tolerance))
+        if share > 0.0:
+            self.throttled[track.model] = share
+            actions.append(Throttle(track.model, share))
 
     def _emergency(self, tracks: Sequence[_Track], actions: list[Action], memory: bool) -> None:
         # One pass: the least tolerance of the models with a worker or traffic, and the most tolerant of them not

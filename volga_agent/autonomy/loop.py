@@ -4,7 +4,10 @@ Wakes (`Preload`) and demotions (`Demote`) go to the pool (`Pool.activate`, `Poo
 of their own, one at a time per model, so that a CRIU restore never holds up the next decision. A model's CPU
 priority (`LowerPriority`, `RestorePriority`) is set on its HOT workers' threads right away, a few system calls
 after the decision and outside it (`priority`); workers that wake while their model yields are lowered after the
-next window, and every lowered worker gets its normal priority back when the loop stops. Batch caps and
+next window, and every lowered worker gets its normal priority back when the loop stops. A throttled model's
+(`Throttle`, `Unthrottle`) HOT workers are stopped and continued by a duty cycle on a thread of its own
+(`throttle.DutyCycle`), which holds an instance's lock while its worker is stopped, so that no tier move finds it
+stopped, and continues every worker when the loop stops. Batch caps and
 shedding go to the gateway, which the loop knows only as the `Gateway` protocol: the gateway's data plane
 provides those four methods, and the autonomy package imports nothing of the gateway (docs/architecture.md).
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import queue
 import threading
@@ -25,7 +29,7 @@ import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
-from volga_agent import errors, gpus, metrics, policy, pool, priority, process
+from volga_agent import errors, gpus, metrics, policy, pool, priority, process, throttle
 from volga_agent.autonomy import decider, sampler
 from volga_agent.autonomy import window as windows
 from volga_operator import api, planner
@@ -72,6 +76,10 @@ class Actuator(Protocol):
 
     def restore_priority(self, model: str) -> None: ...
 
+    def throttle(self, model: str, share: float) -> None: ...
+
+    def unthrottle(self, model: str) -> None: ...
+
     def refresh(self) -> None:
         """The pool's workers may have changed (woken, frozen, restored)."""
 
@@ -88,6 +96,9 @@ class PoolActuator:
         self._lock = threading.Lock()
         self._yielding: dict[str, int] = {}  # model -> the nice its workers run at
         self._lowered: dict[int, tuple[str, int | None]] = {}  # worker PID -> (model, its start time)
+        self._throttled: dict[str, float] = {}  # model -> the share of each period its workers are stopped
+        self._throttled_slots: dict[str, tuple[int, ...]] = {}  # model -> the slots its duty cycle covers (ids)
+        self.cycle = throttle.DutyCycle(node_pool.settings.autonomy_throttle_period_ms / 1e3)
 
     def _once(self, model: str, work: Callable[[], None]) -> None:
         with self._lock:
@@ -177,14 +188,42 @@ class PoolActuator:
             return
         log.info("autonomy: %s: worker %d back at normal priority", model, pid)
 
+    def throttle(self, model: str, share: float) -> None:
+        self._throttled[model] = share
+        self._throttled_slots.pop(model, None)
+        self._cover(model, share)
+        log.info("autonomy: %s is throttled: its HOT workers stopped %.0f%% of every %g ms", model, share * 100,
+                 self.cycle.period * 1e3)
+
+    def _cover(self, model: str, share: float) -> None:
+        """The model's instances in its duty cycle; a worker that wakes, or is restored, is covered as it is (the
+        cycle reads the PID under the instance's lock), so only instances that came or went change it."""
+        slots = [slot for slot in list(self.pool.slots.values()) if slot.inst.spec.model_id == model]
+        ids = tuple(id(slot) for slot in slots)
+        if self._throttled_slots.get(model) == ids:
+            return
+        self._throttled_slots[model] = ids
+        self.cycle.set(model, [throttle.Target(slot.lock, functools.partial(_running, slot), share)
+                               for slot in slots])
+
+    def unthrottle(self, model: str) -> None:
+        self._throttled.pop(model, None)
+        self._throttled_slots.pop(model, None)
+        self.cycle.drop(model)
+        log.info("autonomy: %s is no longer throttled", model)
+
     def refresh(self) -> None:
         live = {slot.inst.pid for slot in list(self.pool.slots.values())}
         for pid in [pid for pid in self._lowered if pid not in live]:
             del self._lowered[pid]  # frozen or gone: a restored worker starts at normal priority
         for model, nice in self._yielding.items():
             self._lower(model, nice)
+        for model, share in self._throttled.items():
+            self._cover(model, share)
 
     def close(self) -> None:
+        self._throttled.clear()
+        self.cycle.close()
         self._yielding.clear()
         for pid, (_, started) in list(self._lowered.items()):
             self._give_back(pid, started)
@@ -209,6 +248,16 @@ def apply(action: decider.Action, actuator: Actuator) -> None:
             actuator.lower_priority(model, nice)
         case decider.RestorePriority(model):
             actuator.restore_priority(model)
+        case decider.Throttle(model, share):
+            actuator.throttle(model, share)
+        case decider.Unthrottle(model):
+            actuator.unthrottle(model)
+
+
+def _running(slot: pool.Slot) -> int | None:
+    """The worker of a HOT instance, the one a duty cycle may stop (read under the instance's lock)."""
+    inst = slot.inst
+    return inst.pid if inst.tier == api.Tier.HOT and not slot.removed else None
 
 
 # model id -> baselines measured on the cluster (the ModelSpec status' `calibrated` entries of its current version):
