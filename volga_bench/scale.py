@@ -132,6 +132,8 @@ class Progress:
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="converge-watch", daemon=True)
         self._shown = 0.0
+        self.version: str | None = None  # where the watch goes on from; None: list first
+        self.lists = 0
 
     def start(self) -> None:
         self.thread.start()
@@ -158,24 +160,33 @@ class Progress:
         while not self.stopping.is_set():
             try:
                 self._follow()
-            except (urllib3.exceptions.HTTPError, kubernetes.client.ApiException):
-                self.stopping.wait(0.5)  # the stream broke (the API server is busy or stopping): list again
+            except (urllib3.exceptions.HTTPError, kubernetes.client.ApiException) as exc:
+                if getattr(exc, "status", None) == 410:
+                    self.version = None  # too old a resource version: list again
+                self.stopping.wait(0.5)  # the stream broke (the API server is busy or stopping)
 
     def _follow(self) -> None:
-        listed = cast(dict[str, Any], self.custom.list_namespaced_custom_object(
-            api.GROUP, api.VERSION, "default", "modelspecs"))
-        for obj in listed["items"]:
-            self._see(obj)
+        """A list when there is no resourceVersion to go on from, then one watch request (it ends after a minute):
+        the next goes on where this one stopped, so thousands of ModelSpecs are not listed again every minute."""
+        if self.version is None:
+            listed = cast(dict[str, Any], self.custom.list_namespaced_custom_object(
+                api.GROUP, api.VERSION, "default", "modelspecs"))
+            self.lists += 1
+            for obj in listed["items"]:
+                self._see(obj)
+            self.version = listed["metadata"]["resourceVersion"]
         stream = kubernetes.watch.Watch().stream(
             self.custom.list_namespaced_custom_object, api.GROUP, api.VERSION, "default", "modelspecs",
-            resource_version=listed["metadata"]["resourceVersion"], timeout_seconds=60)
+            resource_version=self.version, timeout_seconds=60, allow_watch_bookmarks=True)
         for event in stream:
             if self.stopping.is_set():
                 return
+            if event["type"] == "ERROR":
+                self.version = None  # too old a resource version: list again
+                return
+            self.version = event["object"]["metadata"].get("resourceVersion") or self.version
             if event["type"] in ("ADDED", "MODIFIED"):
                 self._see(event["object"])
-            elif event["type"] == "ERROR":
-                return  # too old a resource version: list again
 
 
 def count(custom: k8s.CustomObjectsApi, plural: str) -> int:
