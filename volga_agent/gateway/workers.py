@@ -117,7 +117,8 @@ class Connection(asyncio.Protocol):
             end = head_end + payload_len
             if len(buffer) < end:
                 return
-            frame = bytes(buffer[protocol.PREFIX.size:head_end]), bytes(buffer[head_end:end]) if payload_len else b""
+            with memoryview(buffer) as view:  # one copy of each part, released before the buffer shrinks
+                frame = bytes(view[protocol.PREFIX.size:head_end]), bytes(view[head_end:end]) if payload_len else b""
             del buffer[:end]
             waiter, self._waiter = self._waiter, None
             if waiter is not None and not waiter.done():
