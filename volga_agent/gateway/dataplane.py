@@ -240,7 +240,7 @@ class Dataplane:
     def _arrived(self, model: str, queued: bool = True) -> _Load:
         """A request of the model (or an ensemble's step of it) starts; with `queued`, it is in the model's queue
         until `_answered`. Called under the lock."""
-        counts = self._loads.setdefault(model, _Load())
+        counts = self._load(model)
         counts.arrivals += 1
         if queued:
             self._outstanding[model] = self._outstanding.get(model, 0) + 1
@@ -250,9 +250,17 @@ class Dataplane:
         """A request `_arrived` got its answer (any status). Called under the lock."""
         if queued:
             self._outstanding[model] -= 1
-        counts = self._loads.setdefault(model, _Load())
+        counts = self._load(model)
         counts.completed += 1
         counts.latencies_ms.append(elapsed_ms)
+
+    def _load(self, model: str) -> _Load:
+        """The model's counts since the last drain (made on first use, not on every request: each holds a deque).
+        Called under the lock."""
+        counts = self._loads.get(model)
+        if counts is None:
+            counts = self._loads[model] = _Load()
+        return counts
 
     @contextlib.contextmanager
     def _step(self, model: str) -> Iterator[None]:
