@@ -37,6 +37,9 @@ def test_bench_peers_prints_both_sides_in_json() -> None:
     assert volga["errors"] == kserve["errors"] == 0
     assert volga["frozen_wake"]["n"] == 2 and kserve["cold_start"]["n"] == 1
     assert volga["hot"]["n"] == kserve["hot"]["n"] == 40
+    # The CPU time each server's processes spent per answer at 8 clients (gateway and worker apart for Volga).
+    assert all(volga["conc8_cpu_us"][role] > 0 for role in ("gateway", "worker", "clients")), volga["conc8_cpu_us"]
+    assert kserve["conc8_cpu_us"]["server"] > 0 and kserve["conc8_cpu_us"]["clients"] > 0, kserve["conc8_cpu_us"]
     assert report["kserve_versions"]["kserve"]
     batched = report["volga_batched"]  # the default model with dynamic batching in the gateway
     assert batched["conc8_rps"] > 0 and batched["hot"]["n"] == 40 and batched["outputs_match"]

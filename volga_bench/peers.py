@@ -13,8 +13,10 @@ bench runs, one after the other, in one run:
 
 The steady state is the same for both: an unmodified tritonclient over gRPC at batch 1; HOT p50/p99 with one
 client sending `requests` requests back to back, then the throughput of 8 and 32 clients (threads, each its own
-client, closed loop) for `seconds` each. Every answer is compared with onnxruntime run directly in this process
-on the same inputs. The model alone in-process (no server) is measured too, as the floor both stand on.
+client, closed loop) for `seconds` each, with the CPU time per answer of each server's processes over that window
+(`concN_cpu_us`: Volga's `volga up` process, agent and gateway, apart from its worker; KServe's server; and this
+process, the clients, for both). Every answer is compared with onnxruntime run directly in this process on the
+same inputs. The model alone in-process (no server) is measured too, as the floor both stand on.
 
 KServe comes from the `peers` extra (the last KServe release that installs beside the project's grpcio and
 protobuf pins) or from any interpreter given with `kserve_python` (a separate virtual environment with a newer
@@ -166,10 +168,58 @@ def hot(address: str, work: Workload, settings: Settings, check: Checker) -> dic
     return reporting.summarize(latencies)
 
 
-def throughput(address: str, work: Workload, clients: int, seconds: float, check: Checker) -> float:
-    """`clients` threads, each with its own tritonclient, closed loop for `seconds`: answers per second."""
+@dataclasses.dataclass(frozen=True)
+class Watched:
+    """The server's processes whose CPU time a throughput run divides by its answers, by role ("gateway",
+    "worker", "server"); the bench's own process (the clients) is always counted, as "clients"."""
+
+    roles: dict[str, tuple[int, ...]]
+
+    def cpu_seconds(self) -> dict[str, float]:
+        roles = {role: sum(map(cpu_seconds, pids)) for role, pids in self.roles.items()}
+        return {"clients": time.process_time(), **roles}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of a process so far (all its threads); 0 when it is gone."""
+    try:
+        fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below `pid` (children, theirs, ...), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in pathlib.Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def throughput(address: str, work: Workload, clients: int, seconds: float, check: Checker,
+               watched: Watched | None = None) -> tuple[float, dict[str, float]]:
+    """`clients` threads, each with its own tritonclient, closed loop for `seconds`: answers per second, and the
+    CPU microseconds per answer that each of the `watched` processes spent from the window's start until the last
+    client stopped."""
     window: list[float] = []  # when the timed window ends, set as the last thread reaches the barrier
-    ready = threading.Barrier(clients + 1, action=lambda: window.append(time.perf_counter() + seconds))
+    spent: list[dict[str, float]] = []
+
+    def begin() -> None:
+        spent.append(watched.cpu_seconds() if watched else {})
+        window.append(time.perf_counter() + seconds)
+
+    ready = threading.Barrier(clients + 1, action=begin)
     counts = [0] * clients
 
     def client_loop(i: int) -> None:
@@ -200,18 +250,42 @@ def throughput(address: str, work: Workload, clients: int, seconds: float, check
         raise RuntimeError(f"the {clients} clients could not start: {check.first_error}") from None
     for t in threads:
         t.join()
-    return round(sum(counts) / (time.perf_counter() - (window[0] - seconds)), 1)
+    rps = round(sum(counts) / (time.perf_counter() - (window[0] - seconds)), 1)
+    after = watched.cpu_seconds() if watched else {}
+    return rps, {role: round((after[role] - before) / max(1, sum(counts)) * 1e6) for role, before in spent[0].items()}
 
 
 def steady_state(address: str, work: Workload, settings: Settings, check: Checker,
-                 progress: Callable[[str], None]) -> dict[str, Any]:
+                 progress: Callable[[str], None], watched: Watched | None = None) -> dict[str, Any]:
+    """HOT latency with one client, then the throughput of each concurrency with the CPU time per answer of the
+    `watched` processes (`concN_cpu_us`)."""
     progress(f"  HOT: one client, {settings.requests} requests")
     one = hot(address, work, settings, check)
     out: dict[str, Any] = {"hot_p50_ms": one["p50_ms"], "hot_p99_ms": one["p99_ms"], "hot": one}
     for clients in settings.concurrency:
         progress(f"  {clients} clients for {settings.seconds:g} s")
-        out[f"conc{clients}_rps"] = throughput(address, work, clients, settings.seconds, check)
+        rps, cpu = throughput(address, work, clients, settings.seconds, check, watched)
+        out[f"conc{clients}_rps"] = rps
+        out[f"conc{clients}_cpu_us"] = cpu
     return out
+
+
+def _server(pid: int) -> Watched:
+    """A server process with all it started: one role."""
+    return Watched({"server": (pid, *descendants(pid))})
+
+
+def _volga(pid: int) -> Watched:
+    """`volga up` (agent and gateway, one process) and its HOT workers apart."""
+    workers = tuple(p for p in descendants(pid) if _is_worker(p))
+    return Watched({"gateway": (pid,), "worker": workers})
+
+
+def _is_worker(pid: int) -> bool:
+    try:
+        return b"volga_agent.worker.serve" in pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
 
 
 def first_answer(address: str, work: Workload, started: float, alive: Callable[[], bool],
@@ -285,7 +359,7 @@ def run_kserve(python: str, model_path: pathlib.Path, work: Workload, threads: i
         with kserve_server(python, model_path, work.model, threads, log) as (proc, address, started):
             colds.append(first_answer(address, work, started, lambda: proc.poll() is None, check))
             if i == max(1, settings.cold_starts) - 1:
-                out = steady_state(address, work, settings, check, progress)
+                out = steady_state(address, work, settings, check, progress, _server(proc.pid))
     cold = reporting.summarize(colds)
     return {**out, "cold_start_ms": cold["p50_ms"], "cold_start": cold, **check.report()}
 
@@ -329,7 +403,7 @@ def run_volga(work: Workload, settings: Settings, progress: Callable[[str], None
                 agent_wakes.append(max(i.last_wake_ms for i in _instances(stub, work.model)) / 1e3)
                 if i == 0:
                     # The steady state right after the first wake, before the instance idles back to FROZEN.
-                    out = steady_state(address, work, settings, check, progress)
+                    out = steady_state(address, work, settings, check, progress, _volga(up.proc.pid))
         finally:
             client.close()
     wake = reporting.summarize(wakes)
@@ -356,7 +430,7 @@ def run_volga_batched(work: Workload, settings: Settings, folder: pathlib.Path,
     progress("Volga, dynamic batching: starting volga up -f (the default model, batched, HOT) ...")
     with harness.volga_up(["-f", str(path)]) as up, grpc.insecure_channel(up.endpoints["agent"]) as channel:
         _wait_tier(agent_pb2_grpc.AgentStub(channel), work.model, api.Tier.HOT.value)
-        out = steady_state(up.endpoints["grpc"], work, settings, check, progress)
+        out = steady_state(up.endpoints["grpc"], work, settings, check, progress, _volga(up.proc.pid))
     return {**out, **check.report()}
 
 
@@ -445,6 +519,11 @@ def format_report(report: dict[str, Any]) -> str:
     lines += [f"{label:<28}{v[key]:>12.2f}{k[key]:>12.2f}" + (f"{b[key]:>16.2f}" if b else "") for label, key in rows]
     lines.append(f"{'first answer ms':<28}{v['frozen_wake_ms']:>12.1f}{k['cold_start_ms']:>12.1f}"
                  "   (Volga: FROZEN wake; KServe: process start)")
+    for key in conc:
+        vc, kc = v.get(f"{key[:-4]}_cpu_us"), k.get(f"{key[:-4]}_cpu_us")
+        if vc and kc:
+            lines.append(f"CPU us per answer, {key[4:-4]} clients: Volga gateway {vc['gateway']} + worker "
+                         f"{vc['worker']}, KServe {kc['server']}; the clients {vc['clients']} / {kc['clients']}")
     lines.append(f"model alone in-process: p50 {report['model_alone']['p50_ms']:.3f} ms, "
                  f"p99 {report['model_alone']['p99_ms']:.3f} ms; outputs match onnxruntime: "
                  f"Volga {v['outputs_match']}, KServe {k['outputs_match']}")

@@ -180,6 +180,9 @@ class Dataplane:
         self._outstanding: dict[str, int] = {}
         self._state = ""  # the node's autonomy state
         self._neighbours: tuple[neighbours.Heard, ...] = ()
+        # The labelled children of the request counters, looked up once each: labels() locks and hashes every time.
+        self._counted: dict[tuple[str, str, str], Any] = {}
+        self._timed: dict[tuple[str, str], Any] = {}
 
     # -- control (a node's autonomy loop; any thread) ------------------------------------------------
 
@@ -237,7 +240,7 @@ class Dataplane:
     def _arrived(self, model: str, queued: bool = True) -> _Load:
         """A request of the model (or an ensemble's step of it) starts; with `queued`, it is in the model's queue
         until `_answered`. Called under the lock."""
-        counts = self._loads.setdefault(model, _Load())
+        counts = self._load(model)
         counts.arrivals += 1
         if queued:
             self._outstanding[model] = self._outstanding.get(model, 0) + 1
@@ -247,9 +250,17 @@ class Dataplane:
         """A request `_arrived` got its answer (any status). Called under the lock."""
         if queued:
             self._outstanding[model] -= 1
-        counts = self._loads.setdefault(model, _Load())
+        counts = self._load(model)
         counts.completed += 1
         counts.latencies_ms.append(elapsed_ms)
+
+    def _load(self, model: str) -> _Load:
+        """The model's counts since the last drain (made on first use, not on every request: each holds a deque).
+        Called under the lock."""
+        counts = self._loads.get(model)
+        if counts is None:
+            counts = self._loads[model] = _Load()
+        return counts
 
     @contextlib.contextmanager
     def _step(self, model: str) -> Iterator[None]:
@@ -524,9 +535,15 @@ class Dataplane:
             # Names clients make up must not become label values: one series per known model only.
             label = model if known or found is not None else UNKNOWN_MODEL_LABEL
             elapsed_ms = (time.perf_counter() - start) * 1e3
-            self.metrics.requests.labels(label, proto, code).inc()
+            counted = self._counted.get((label, proto, code))
+            if counted is None:
+                counted = self._counted[label, proto, code] = self.metrics.requests.labels(label, proto, code)
+            counted.inc()
             if code == "OK":
-                self.metrics.latency.labels(label, proto).observe(elapsed_ms)
+                timed = self._timed.get((label, proto))
+                if timed is None:
+                    timed = self._timed[label, proto] = self.metrics.latency.labels(label, proto)
+                timed.observe(elapsed_ms)
             if (known or found is not None) and retry_after_ms is None and not diverted:
                 with self._lock:
                     self._answered(model, elapsed_ms, queued=known)

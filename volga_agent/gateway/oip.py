@@ -159,6 +159,13 @@ def _shape(dims: Sequence[Any], where: str) -> tuple[int, ...]:
     return tuple(shape)
 
 
+def _grpc_shape(dims: tuple[int, ...], where: str) -> tuple[int, ...]:
+    """`_shape` for the dimensions of a protobuf message, which are integers already."""
+    if dims and (min(dims) < 0 or math.prod(dims) > MAX_ELEMENTS or (0 in dims and len(dims) > 1)):
+        return _shape(dims, where)  # what is wrong, or a 0 dimension beside others (counted as 1 there)
+    return dims
+
+
 def _from_bytes(data: bytes | memoryview, dtype: np.dtype[Any], shape: tuple[int, ...], where: str) -> Tensor:
     expected = math.prod(shape) * dtype.itemsize
     if len(data) != expected:
@@ -238,22 +245,24 @@ def decode_grpc_request(req: pb.ModelInferRequest) -> tuple[dict[str, Tensor], l
         )
     inputs: dict[str, Tensor] = {}
     for i, tensor in enumerate(req.inputs):
-        if not tensor.name:
+        name = tensor.name
+        if not name:
             raise _invalid(f"input #{i} has no name")
-        where = f"input {tensor.name!r}"
-        if tensor.name in inputs:
+        where = f"input {name!r}"
+        if name in inputs:
             raise _invalid(f"{where} appears more than once")
-        _reject_shared_memory(tensor.parameters, where)
-        dtype = numpy_dtype(tensor.datatype, where)
-        shape = _shape(tensor.shape, where)
+        if tensor.parameters:
+            _reject_shared_memory(tensor.parameters, where)
+        dtype = NUMPY_DTYPES.get(tensor.datatype) or numpy_dtype(tensor.datatype, where)
+        shape = _grpc_shape(tuple(tensor.shape), where)
         if raw:
             if tensor.HasField("contents"):
                 raise _invalid(f"{where}: has both contents and raw_input_contents; send one of them")
-            inputs[tensor.name] = _from_bytes(raw[i], dtype, shape, where)
+            inputs[name] = _from_bytes(raw[i], dtype, shape, where)
         elif tensor.HasField("contents"):
-            inputs[tensor.name] = _from_contents(tensor.contents, tensor.datatype, dtype, shape, where)
+            inputs[name] = _from_contents(tensor.contents, tensor.datatype, dtype, shape, where)
         elif math.prod(shape) == 0:
-            inputs[tensor.name] = np.empty(shape, dtype=dtype)
+            inputs[name] = np.empty(shape, dtype=dtype)
         else:
             raise _invalid(f"{where}: no data (neither raw_input_contents nor contents)")
 

@@ -14,14 +14,16 @@ Tensors larger than the segment travel inline in the frame instead.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import dataclasses
 import mmap
 import os
 import pathlib
 import tempfile
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import numpy as np
 
@@ -53,18 +55,42 @@ class WorkerDied(ConnectionError):
     """The connection broke after the request was sent: the worker died with it, so this request fails."""
 
 
-class Connection:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
+@dataclasses.dataclass(frozen=True)
+class _Request:
+    """How tensors of one set of names, dtypes and shapes travel in a connection's segment: the frame head that
+    describes them and views of the segment to copy each into."""
+
+    head: bytes
+    views: tuple[tuple[str, np.ndarray], ...]
+
+
+class Connection(asyncio.Protocol):
+    """One connection to a worker, one request at a time: a frame out, the worker's reply back.
+
+    Frames are parsed as the bytes arrive (no stream reader in between) and each reply resolves the one future its
+    request waits on. What a request and a reply of the same layout looked like before (the frame head, the
+    views of the segment) is kept, so that the same again is only copies.
+    """
+
+    LAYOUTS = 256  # per connection, of requests and of replies; past that they start again
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
         self.segment: mmap.mmap | None = None
+        self._buffer = bytearray()
+        self._frames: collections.deque[tuple[bytes, bytes]] = collections.deque()  # replies nobody waits for yet
+        self._waiter: asyncio.Future[tuple[bytes, bytes]] | None = None
+        self._lost: Exception | None = None  # why the connection ended (read or written past it)
+        self._writable: asyncio.Future[None] | None = None  # while the transport's buffer is full
+        self._requests: dict[tuple[Any, ...], _Request | None] = {}
+        self._replies: dict[bytes, tuple[tuple[str, np.ndarray], ...]] = {}
 
     @classmethod
     async def open(cls, path: str, shm_bytes: int) -> Connection:
         try:
-            reader, writer = await asyncio.open_unix_connection(path, limit=2**20)
+            _, conn = await asyncio.get_running_loop().create_unix_connection(cls, path)
         except OSError as exc:
             raise WorkerGone(f"cannot connect to {path}: {exc.strerror or exc}") from exc
-        conn = cls(reader, writer)
         if shm_bytes > 0:
             try:
                 await conn._attach(shm_bytes)
@@ -72,6 +98,63 @@ class Connection:
                 conn.close()
                 raise WorkerGone(f"{path}: closed while attaching shared memory: {exc}") from exc
         return conn
+
+    # -- asyncio.Protocol ---------------------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast("asyncio.Transport", transport)  # uvloop's transports do not subclass asyncio's
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self._buffer
+        buffer += data
+        while len(buffer) >= protocol.PREFIX.size:
+            try:
+                head_len, payload_len = protocol.frame_sizes(buffer)
+            except protocol.ProtocolError as exc:
+                self._end(exc)
+                return
+            head_end = protocol.PREFIX.size + head_len
+            end = head_end + payload_len
+            if len(buffer) < end:
+                return
+            with memoryview(buffer) as view:  # one copy of each part, released before the buffer shrinks
+                frame = bytes(view[protocol.PREFIX.size:head_end]), bytes(view[head_end:end]) if payload_len else b""
+            del buffer[:end]
+            waiter, self._waiter = self._waiter, None
+            if waiter is not None and not waiter.done():
+                waiter.set_result(frame)
+            else:
+                self._frames.append(frame)
+
+    def eof_received(self) -> bool:
+        got = len(self._buffer)
+        self._end(protocol.ProtocolError(f"connection closed after {got} bytes of a frame" if got
+                                         else "connection closed"))
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._end(exc or protocol.ProtocolError("connection closed"))
+
+    def pause_writing(self) -> None:
+        self._writable = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        writable, self._writable = self._writable, None
+        if writable is not None and not writable.done():
+            writable.set_result(None)
+
+    def _end(self, why: Exception) -> None:
+        if self._lost is None:
+            self._lost = why
+        for future in (self._waiter, self._writable):
+            if future is not None and not future.done():
+                future.set_exception(self._lost)
+                future.exception()  # retrieved: its caller may have given up already
+        self._waiter = self._writable = None
+        if self.transport is not None:
+            self.transport.close()
+
+    # -- frames -------------------------------------------------------------------------------------------------
 
     async def _attach(self, size: int) -> None:
         # The worker names the segment (a random name for this connection alone); we create it, it maps it.
@@ -103,27 +186,113 @@ class Connection:
 
     def usable(self) -> bool:
         """False once the worker closed its end (it does so before every checkpoint)."""
-        return not self.reader.at_eof() and not self.writer.is_closing()
+        return self._lost is None and self.transport is not None and not self.transport.is_closing()
+
+    async def exchange(self, head: bytes, payload: Sequence[bytes | memoryview] = ()) -> tuple[bytes, bytes]:
+        """Send a frame (`head`: its prefix and header, as `protocol.encode_head` makes them) and return the reply's
+        header bytes and payload. WorkerGone when it could not be sent, WorkerDied when no reply came."""
+        if not self.usable():
+            raise WorkerGone(f"worker connection lost: {self._lost or 'closed'}")
+        assert self.transport is not None
+        if payload:
+            self.transport.writelines([head, *payload])  # one writev where the socket takes it all
+        else:
+            self.transport.write(head)
+        if self.transport.is_closing() and not self._frames:  # the write failed at once: the worker is gone
+            raise WorkerGone(f"worker connection lost: {self._lost or 'closed while sending'}")
+        if self._writable is not None:
+            try:
+                await self._writable
+            except (OSError, protocol.ProtocolError) as exc:
+                raise WorkerGone(f"worker connection lost: {exc}") from exc
+        if self._frames:
+            return self._frames.popleft()
+        if self._lost is not None:
+            raise self._died(self._lost)
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            return await self._waiter
+        except (OSError, protocol.ProtocolError) as exc:
+            raise self._died(exc) from exc
+
+    @staticmethod
+    def _died(exc: Exception) -> ConnectionError:
+        """What a connection lost while a request was out means: a write that failed (EPIPE, the worker closed its
+        end, as it does before a checkpoint) never reached it, so it may be sent again; else the worker had it."""
+        if isinstance(exc, BrokenPipeError):
+            return WorkerGone(f"worker connection lost: {exc}")
+        return WorkerDied(f"worker connection lost mid-request: {exc}")
 
     async def call(self, header: dict[str, Any],
                    payload: list[memoryview] | None = None) -> tuple[dict[str, Any], bytes | memoryview]:
+        head, body = await self.exchange(protocol.encode_head(header, payload or ()), payload or ())
+        return self._reply(head), body
+
+    def _reply(self, head: bytes) -> dict[str, Any]:
+        """A reply's header; WorkerGone when the worker handed the request back unrun."""
         try:
-            await protocol.write_frame(self.writer, header, payload or ())
-        except OSError as exc:
-            raise WorkerGone(f"worker connection lost: {exc}") from exc
-        try:
-            frame = await protocol.read_frame(self.reader)
-        except (OSError, protocol.ProtocolError) as exc:
+            reply = protocol.decode_head(head)
+        except protocol.ProtocolError as exc:
+            self.close()
             raise WorkerDied(f"worker connection lost mid-request: {exc}") from exc
-        reply, body = frame.header, frame.payload
         if reply.get("unrun"):
             if reply.get("goodbye"):
-                self.writer.close()
+                self.close()
             raise WorkerGone(str(reply.get("message", "the worker did not run the request")))
-        return reply, body
+        return reply
+
+    async def infer_shm(self, inputs: dict[str, np.ndarray], copied: Callable[[float], None] = lambda _: None
+                        ) -> dict[str, np.ndarray] | None:
+        """An inference with the tensors in the segment (inputs in its first half, the worker's outputs in the
+        second): the outputs, copied out of it; None when this connection has no segment or the inputs do not fit.
+        Outputs too large for the segment come inline; a refusal raises as `call` does. `copied` gets the
+        milliseconds spent placing the inputs and reading the outputs."""
+        segment = self.segment
+        if segment is None:
+            return None
+        start = time.perf_counter()
+        key = tuple((name, array.dtype, array.shape) for name, array in inputs.items())
+        request = self._requests[key] if key in self._requests else self._layout(key, inputs, segment)
+        if request is None:
+            return None
+        for name, view in request.views:
+            np.copyto(view, inputs[name], casting="no")
+        spent = time.perf_counter() - start
+        head, body = await self.exchange(request.head)
+        start = time.perf_counter()
+        views = self._replies.get(head)
+        if views is None:
+            reply = self._reply(head)
+            if not reply.get("ok"):
+                raise protocol.WorkerError.from_reply(reply)
+            if not reply.get("shm"):
+                return protocol.unpack_tensors(reply["tensors"], body)
+            views = tuple(protocol.unpack_shm_tensors(reply["tensors"], segment).items())
+            if len(self._replies) >= self.LAYOUTS:
+                self._replies.clear()
+            self._replies[head] = views
+        outputs = {name: view.copy() for name, view in views}
+        copied((spent + time.perf_counter() - start) * 1e3)
+        return outputs
+
+    def _layout(self, key: tuple[Any, ...], inputs: dict[str, np.ndarray], segment: mmap.mmap) -> _Request | None:
+        """Where tensors like `inputs` go in the segment (None: they do not fit), remembered under `key`."""
+        half = len(segment) // 2
+        meta = protocol.shm_layout(inputs, half, 0)
+        request = None
+        if meta is not None:
+            head = protocol.encode_head({"op": "infer", "tensors": meta, "shm": True, "out_offset": half})
+            request = _Request(head, tuple(protocol.unpack_shm_tensors(meta, segment).items()))
+        if len(self._requests) >= self.LAYOUTS:
+            self._requests.clear()
+        self._requests[key] = request
+        return request
 
     def close(self) -> None:
-        self.writer.close()
+        if self.transport is not None:
+            self.transport.close()
+        self._requests.clear()  # their views first: a segment with views into it cannot be unmapped
+        self._replies.clear()
         if self.segment is not None:
             with contextlib.suppress(BufferError):
                 self.segment.close()
@@ -169,22 +338,9 @@ class WorkerClients:
         return outputs
 
     async def _infer(self, conn: Connection, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        segment = conn.segment
-        if segment is not None:
-            # Inputs in the first half of the segment, the worker's outputs in the second.
-            half = len(segment) // 2
-            start = time.perf_counter()
-            with memoryview(segment) as whole, whole[:half] as first_half:
-                meta = protocol.write_shm_tensors(inputs, first_half, 0)
-            spent = time.perf_counter() - start
-            if meta is not None:
-                reply, body = await conn.call({"op": "infer", "tensors": meta, "shm": True, "out_offset": half})
-                if reply.get("ok") and reply.get("shm"):
-                    start = time.perf_counter()
-                    outputs = {k: v.copy() for k, v in protocol.unpack_shm_tensors(reply["tensors"], segment).items()}
-                    self.on_zero_copy((spent + time.perf_counter() - start) * 1e3)
-                    return outputs
-                return self._unpack(reply, body)
+        outputs = await conn.infer_shm(inputs, self.on_zero_copy)
+        if outputs is not None:
+            return outputs
         meta, parts = protocol.pack_tensors(inputs)
         reply, body = await conn.call({"op": "infer", "tensors": meta}, parts)
         return self._unpack(reply, body)

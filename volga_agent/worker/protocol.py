@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 PREFIX = struct.Struct("<IQ")
 MAX_HEADER = 1 << 20
 MAX_PAYLOAD = 1 << 34
+_IOV_MAX = 1024  # the most buffers one sendmsg takes (Linux's UIO_MAXIOV)
 
 # Open Inference Protocol dtype names <-> numpy: the tensor types Volga carries, end to end (the ModelSpec's
 # api.DType names the same set; the gateway reads them little-endian off the wire).
@@ -98,24 +99,25 @@ class Frame:
     payload: bytes | memoryview = b""
 
 
-def _encode(header: dict[str, Any], payload: Sequence[bytes | memoryview]) -> bytes:
+def encode_head(header: dict[str, Any], payload: Sequence[bytes | memoryview] = ()) -> bytes:
     """The prefix and the header of a frame; its payload parts follow as they are."""
     head = _HEADER_ENCODER.encode(header).encode()
     total = sum(memoryview(p).nbytes for p in payload) if payload else 0
     return PREFIX.pack(len(head), total) + head
 
 
-def _sizes(prefix: bytes | bytearray) -> tuple[int, int]:
-    """Header and payload lengths from a frame's prefix, within the limits."""
-    head_len, payload_len = PREFIX.unpack(prefix)
+def frame_sizes(buffer: bytes | bytearray | memoryview) -> tuple[int, int]:
+    """Header and payload lengths from the prefix at the start of `buffer`, within the limits."""
+    head_len, payload_len = PREFIX.unpack_from(buffer)
     if head_len > MAX_HEADER or payload_len > MAX_PAYLOAD:
         raise ProtocolError(f"frame too large: header {head_len} bytes, payload {payload_len} bytes")
     return int(head_len), int(payload_len)
 
 
-def _decode(head: bytes | bytearray) -> dict[str, Any]:
+def decode_head(head: bytes | bytearray | memoryview) -> dict[str, Any]:
+    """A frame's header (the JSON between the prefix and the payload) as a dict."""
     try:
-        header = json.loads(head.decode())
+        header = json.loads(bytes(head))
     except ValueError as exc:
         raise ProtocolError(f"header is not JSON: {exc}") from None
     if not isinstance(header, dict):
@@ -139,9 +141,21 @@ def _recv_exact(sock: socket.socket, size: int) -> bytearray:
 
 
 def send_frame(sock: socket.socket, header: dict[str, Any], payload: Sequence[bytes | memoryview] = ()) -> None:
-    sock.sendall(_encode(header, payload))
-    for part in payload:
-        sock.sendall(part)
+    send_parts(sock, [encode_head(header, payload), *payload])
+
+
+def send_parts(sock: socket.socket, parts: Sequence[bytes | memoryview]) -> None:
+    """Send the parts back to back, with one sendmsg (one system call) for as many of them as the socket takes."""
+    if len(parts) == 1:
+        sock.sendall(parts[0])
+        return
+    views = [memoryview(p).cast("B") for p in parts if memoryview(p).nbytes]
+    while views:
+        sent = sock.sendmsg(views[:_IOV_MAX])
+        while views and sent >= views[0].nbytes:
+            sent -= views.pop(0).nbytes
+        if views and sent:
+            views[0] = views[0][sent:]
 
 
 def say_goodbye(sock: socket.socket) -> None:
@@ -162,10 +176,15 @@ def say_goodbye(sock: socket.socket) -> None:
 
 
 def recv_frame(sock: socket.socket) -> Frame:
-    head_len, payload_len = _sizes(_recv_exact(sock, PREFIX.size))
-    header = _decode(_recv_exact(sock, head_len))
-    payload = memoryview(_recv_exact(sock, payload_len)) if payload_len else memoryview(b"")
-    return Frame(header, payload)
+    head, payload = recv_raw(sock)
+    return Frame(decode_head(head), payload)
+
+
+def recv_raw(sock: socket.socket) -> tuple[bytes, memoryview]:
+    """One frame's header bytes (undecoded) and payload: the prefix, then the rest in one read."""
+    head_len, payload_len = frame_sizes(_recv_exact(sock, PREFIX.size))
+    rest = memoryview(_recv_exact(sock, head_len + payload_len))
+    return bytes(rest[:head_len]), rest[head_len:]
 
 
 # -- asyncio streams -------------------------------------------------------------------------------------
@@ -174,9 +193,7 @@ def recv_frame(sock: socket.socket) -> Frame:
 async def write_frame(writer: asyncio.StreamWriter, header: dict[str, Any],
                       payload: Sequence[bytes | memoryview] = ()) -> None:
     """Send one frame and wait until the stream has taken it (OSError when the peer is gone)."""
-    writer.write(_encode(header, payload))
-    for part in payload:
-        writer.write(part)
+    writer.writelines([encode_head(header, payload), *payload])
     await writer.drain()
 
 
@@ -190,8 +207,8 @@ async def _read_exact(reader: asyncio.StreamReader, size: int) -> bytes:
 
 async def read_frame(reader: asyncio.StreamReader) -> Frame:
     """Read one frame, under the same limits as `recv_frame` (OSError when the connection breaks)."""
-    head_len, payload_len = _sizes(await _read_exact(reader, PREFIX.size))
-    header = _decode(await _read_exact(reader, head_len))
+    head_len, payload_len = frame_sizes(await _read_exact(reader, PREFIX.size))
+    header = decode_head(await _read_exact(reader, head_len))
     payload = await _read_exact(reader, payload_len) if payload_len else b""
     return Frame(header, payload)
 
@@ -270,15 +287,36 @@ def unpack_shm_tensors(meta: list[dict[str, Any]], segment: Any) -> dict[str, np
 def write_shm_tensors(tensors: dict[str, np.ndarray], segment: Any, offset: int) -> list[dict[str, Any]] | None:
     """Copy tensors into the segment from `offset` on; None when they do not fit (send them inline)."""
     meta, parts = pack_tensors(tensors)
-    aligned = [-(-m["nbytes"] // 64) * 64 for m in meta]
-    if offset < 0 or offset + sum(aligned) > len(segment):
+    if not _place(meta, len(segment), offset):
         return None
     view = memoryview(segment)
-    for item, part, step in zip(meta, parts, aligned, strict=True):
-        view[offset:offset + item["nbytes"]] = part
+    for item, part in zip(meta, parts, strict=True):
+        view[item["offset"]:item["offset"] + item["nbytes"]] = part
+    return meta
+
+
+def shm_layout(tensors: dict[str, np.ndarray], size: int, offset: int) -> list[dict[str, Any]] | None:
+    """The descriptors `write_shm_tensors` would write for tensors of these names, dtypes and shapes (their values
+    do not matter), without copying anything; None when they do not fit."""
+    meta = []
+    for name, array in tensors.items():
+        dtype = DTYPE_NAMES.get(array.dtype)
+        if dtype is None:
+            raise WorkerError("INVALID_ARGUMENT", f"tensor {name!r}: dtype {array.dtype} is not supported")
+        meta.append({"name": name, "dtype": dtype, "shape": list(array.shape), "nbytes": array.nbytes})
+    return meta if _place(meta, size, offset) else None
+
+
+def _place(meta: list[dict[str, Any]], size: int, offset: int) -> bool:
+    """Give each descriptor its `offset` in a segment of `size` bytes, from `offset` on, 64-byte aligned; False
+    (leaving them unplaced) when they do not fit."""
+    aligned = [-(-m["nbytes"] // 64) * 64 for m in meta]
+    if offset < 0 or offset + sum(aligned) > size:
+        return False
+    for item, step in zip(meta, aligned, strict=True):
         item["offset"] = offset
         offset += step
-    return meta
+    return True
 
 
 class WorkerClient:

@@ -44,7 +44,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -79,7 +79,10 @@ class Worker:
         self.shm: dict[socket.socket, mmap.mmap] = {}
         # The one segment path each connection may attach: named by this worker with a random token (shm_token).
         self.shm_offers: dict[socket.socket, pathlib.Path] = {}
+        # Per connection with a segment: the layouts its requests and replies took before (`_Layouts`).
+        self.layouts: dict[socket.socket, _Layouts] = {}
         self._conn: socket.socket | None = None
+        self._head = b""  # the header bytes of the frame being served
         self.requests = 0
         self.restores = 0
         self.restore_warmups_done = 0
@@ -87,7 +90,7 @@ class Worker:
         # The tier the agent put this worker in while its process stays up ("" when serving): requests that
         # reach it then are handed back unrun (NotRun), never half-run against offloaded or locked GPU state.
         self.asleep = ""
-        self.ops: dict[str, Callable[[protocol.Frame], tuple[dict[str, Any], list[memoryview]]]] = {
+        self.ops: dict[str, Callable[[protocol.Frame], tuple[dict[str, Any] | bytes, list[memoryview]]]] = {
             "infer": self._op_infer,
             "ping": self._op_ping,
             "metadata": self._op_metadata,
@@ -150,26 +153,54 @@ class Worker:
     def _op_ping(self, frame: protocol.Frame) -> tuple[dict[str, Any], list[memoryview]]:
         return {"pid": os.getpid(), "restores": self.restores, "generation": self.generation}, []
 
-    def _op_infer(self, frame: protocol.Frame) -> tuple[dict[str, Any], list[memoryview]]:
+    def _op_infer(self, frame: protocol.Frame) -> tuple[dict[str, Any] | bytes, list[memoryview]]:
         if self.asleep:
             raise protocol.NotRun(message=f"the instance is {self.asleep}; wake it first")
         segment = self.shm.get(self._conn) if frame.header.get("shm") and self._conn else None
         if frame.header.get("shm") and segment is None:
             raise protocol.WorkerError("FAILED_PRECONDITION", "no shared memory attached to this connection")
-        if segment is not None:
-            inputs = protocol.unpack_shm_tensors(frame.header.get("tensors", []), segment)
-        else:
+        if segment is None:
             inputs = protocol.unpack_tensors(frame.header.get("tensors", []), frame.payload)
+            contract.check_inputs(self.config.inputs, inputs, self.config.max_batch_size)
+            return self._inline(self._run(inputs))
+        out_offset = int(frame.header.get("out_offset", 0))
+        inputs = protocol.unpack_shm_tensors(frame.header.get("tensors", []), segment)
         contract.check_inputs(self.config.inputs, inputs, self.config.max_batch_size)
-        outputs = self.backend.run(inputs)
-        del inputs
+        assert self._conn is not None
+        # The same header again means the same tensors at the same places: views, checks and all hold.
+        layouts = self.layouts.setdefault(self._conn, _Layouts(segment))
+        layouts.remember(self._head, _Request(inputs, out_offset))
+        return self._infer_shm(layouts, layouts.requests[self._head])
+
+    def _run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        outputs: dict[str, np.ndarray] = self.backend.run(inputs)
         self.requests += 1
-        if segment is not None:
-            meta = protocol.write_shm_tensors(outputs, segment, int(frame.header.get("out_offset", 0)))
-            if meta is not None:
-                return {"tensors": meta, "shm": True}, []
+        return outputs
+
+    @staticmethod
+    def _inline(outputs: dict[str, np.ndarray]) -> tuple[dict[str, Any], list[memoryview]]:
         meta, parts = protocol.pack_tensors(outputs)
         return {"tensors": meta}, parts
+
+    def _infer_shm(self, layouts: _Layouts, request: _Request) -> tuple[dict[str, Any] | bytes, list[memoryview]]:
+        """A request whose inputs are in the connection's segment; the outputs go there too when they fit, into the
+        places the same outputs took before (the reply's header then is the one encoded then)."""
+        if self.asleep:
+            raise protocol.NotRun(message=f"the instance is {self.asleep}; wake it first")
+        outputs = self._run(request.inputs)
+        key = (request.out_offset, *((name, a.dtype, a.shape) for name, a in outputs.items()))
+        reply = layouts.replies.get(key)
+        if reply is None:
+            meta = protocol.write_shm_tensors(outputs, layouts.segment, request.out_offset)
+            if meta is None:
+                return self._inline(outputs)
+            head = protocol.encode_head({"ok": True, "tensors": meta, "shm": True})
+            views = protocol.unpack_shm_tensors(meta, layouts.segment)
+            layouts.replies[key] = reply = _Reply(head, tuple(views.items()))
+            return reply.head, []
+        for name, view in reply.views:
+            np.copyto(view, outputs[name])
+        return reply.head, []
 
     def _op_shm_token(self, frame: protocol.Frame) -> tuple[dict[str, Any], list[memoryview]]:
         """Name the segment this connection may attach: a fresh random name in SHM_DIR, for the peer to create."""
@@ -226,6 +257,7 @@ class Worker:
 
     def _detach(self, conn: socket.socket) -> None:
         self.shm_offers.pop(conn, None)
+        self.layouts.pop(conn, None)  # its views first: a segment with views into it stays mapped
         segment = self.shm.pop(conn, None)
         if segment is not None:
             with contextlib.suppress(BufferError):  # a view is still alive; the mapping goes with the process
@@ -260,37 +292,56 @@ class Worker:
     def handle(self, conn: socket.socket) -> bool:
         """Serve one frame; False when the connection is gone or the worker paused for a checkpoint."""
         try:
-            frame = protocol.recv_frame(conn)
+            head, payload = protocol.recv_raw(conn)
         except (protocol.ProtocolError, OSError):
             return False
-        op = frame.header.get("op")
-        if op in CONTROL_OPS and not _trusted(conn):
+        layouts = self.layouts.get(conn)
+        request = layouts.requests.get(head) if layouts is not None else None
+        if layouts is not None and request is not None:  # an inference request this connection sent before
+            reply = self._reply(lambda: self._infer_shm(layouts, request))
+        else:
             try:
-                protocol.send_frame(conn, protocol.WorkerError(
-                    "PERMISSION_DENIED", f"{op}: only the agent's user may move this worker").reply())
-            except OSError:
+                frame = protocol.Frame(protocol.decode_head(head), payload)
+            except protocol.ProtocolError:
                 return False
-            return True
-        if op == "prepare_checkpoint":
-            protocol.send_frame(conn, {"ok": True})
-            self.pause_for_checkpoint(str(frame.header.get("park") or ""))
-            return False
-        handler = self.ops.get(str(op))
-        self._conn = conn
-        try:
+            op = frame.header.get("op")
+            if op in CONTROL_OPS and not _trusted(conn):
+                try:
+                    protocol.send_frame(conn, protocol.WorkerError(
+                        "PERMISSION_DENIED", f"{op}: only the agent's user may move this worker").reply())
+                except OSError:
+                    return False
+                return True
+            if op == "prepare_checkpoint":
+                protocol.send_frame(conn, {"ok": True})
+                self.pause_for_checkpoint(str(frame.header.get("park") or ""))
+                return False
+            handler = self.ops.get(str(op))
+            self._conn, self._head = conn, head
             if handler is None:
-                raise protocol.WorkerError("UNIMPLEMENTED", f"unknown op {op!r}")
-            header, parts = handler(frame)
+                reply = [protocol.encode_head(protocol.WorkerError("UNIMPLEMENTED", f"unknown op {op!r}").reply())]
+            else:
+                reply = self._reply(lambda: handler(frame))
+        try:
+            protocol.send_parts(conn, reply)
+        except OSError:
+            return False
+        return True
+
+    @staticmethod
+    def _reply(run: Callable[[], tuple[dict[str, Any] | bytes, list[memoryview]]]) -> list[bytes | memoryview]:
+        """The frame answering a request: `run`'s header (a dict, or bytes encoded before) and payload, or the
+        error it raised."""
+        try:
+            header, parts = run()
+            if isinstance(header, bytes):
+                return [header, *parts]
             header = {"ok": True, **header}
         except protocol.WorkerError as exc:
             header, parts = exc.reply(), []
         except Exception as exc:  # the framework failed on this request: report it, keep serving
             header, parts = {"ok": False, "code": "INTERNAL", "message": f"{type(exc).__name__}: {exc}"}, []
-        try:
-            protocol.send_frame(conn, header, parts)
-        except OSError:
-            return False
-        return True
+        return [protocol.encode_head(header, parts), *parts]
 
     def pause_for_checkpoint(self, park: str = "") -> None:
         """Close every connection, say we are ready, and wait for the agent's restore-complete signal.
@@ -345,6 +396,41 @@ class Worker:
                     self.selector.register(conn, selectors.EVENT_READ)
                 elif sock in self.conns and not self.handle(sock):
                     self.close_conn(sock)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Request:
+    """An inference request's inputs as views into a connection's segment (checked against the contract), and
+    where its outputs go."""
+
+    inputs: dict[str, np.ndarray]
+    out_offset: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Reply:
+    """A reply's encoded frame head, and the views of the segment its outputs are copied into."""
+
+    head: bytes
+    views: tuple[tuple[str, np.ndarray], ...]
+
+
+@dataclasses.dataclass
+class _Layouts:
+    """What a connection's requests (by their header bytes) and replies (by their outputs' names, dtypes and shapes)
+    looked like, so that the same again costs no decoding, checking or encoding. A gateway sends the same few
+    layouts (batch sizes) over and over; past `LIMIT` of either, they start again."""
+
+    LIMIT: ClassVar[int] = 256
+    segment: mmap.mmap
+    requests: dict[bytes, _Request] = dataclasses.field(default_factory=dict)
+    replies: dict[tuple[Any, ...], _Reply] = dataclasses.field(default_factory=dict)
+
+    def remember(self, head: bytes, request: _Request) -> None:
+        if len(self.requests) >= self.LIMIT or len(self.replies) >= self.LIMIT:
+            self.requests.clear()
+            self.replies.clear()
+        self.requests[head] = request
 
 
 def listen(path: str) -> socket.socket:

@@ -1,0 +1,62 @@
+"""The gateway-to-worker hop with real workers: what each connection keeps of the layouts it carried (frame heads,
+views of its shared-memory segment) serves every request of that layout with its own values, and goes with the
+connection, so neither side keeps the segment mapped (a checkpoint must find no mapping of it)."""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from volga_agent import instance
+from volga_agent.gateway import workers
+from volga_agent.worker import contract
+from volga_operator import api
+
+pytestmark = pytest.mark.integration
+SIZE = 1 << 20
+
+
+@pytest.fixture
+def hot(default_spec: api.ModelSpecSpec, rundir: pathlib.Path) -> Iterator[instance.Instance]:
+    inst = instance.Instance("w", default_spec, rundir, None)
+    inst.to(api.Tier.HOT)
+    yield inst
+    inst.close()
+
+
+def segments_mapped(pid: int | str) -> list[str]:
+    return [line for line in pathlib.Path(f"/proc/{pid}/maps").read_text().splitlines() if workers.SHM_PREFIX in line]
+
+
+def test_repeated_layouts_carry_each_requests_values_and_go_with_the_connection(hot: instance.Instance) -> None:
+    assert hot.pid is not None
+    # Batches 1, 3 and 2, each layout several times with new values: the layouts remembered after the first of
+    # each must carry the values of the request at hand, in and out.
+    requests = [contract.sample_inputs(hot.config.inputs, batch=b, seed=i) for i, b in enumerate([1, 3, 1, 3, 2, 1, 2])]
+    expected = [hot.infer(x)["probability"] for x in requests]  # inline frames, on the agent's own connection
+    assert not np.array_equal(expected[0], expected[2])
+
+    async def scenario() -> None:
+        conn = await workers.Connection.open(hot.config.socket, SIZE)
+        try:
+            assert conn.segment is not None
+            for x, want in zip(requests, expected, strict=True):
+                got = await conn.infer_shm(x)
+                assert got is not None and np.array_equal(got["probability"], want)
+            assert segments_mapped("self") and segments_mapped(hot.pid or 0)
+        finally:
+            conn.close()
+        assert not segments_mapped("self")  # closed: the gateway's views went first, so its mapping could go
+
+    asyncio.run(scenario())
+    deadline = time.monotonic() + 10
+    while segments_mapped(hot.pid) and time.monotonic() < deadline:  # the worker sees the close at its next poll
+        time.sleep(0.01)
+    assert not segments_mapped(hot.pid), segments_mapped(hot.pid)
+    assert hot.client().call("ping").header["ok"]
+
