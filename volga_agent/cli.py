@@ -356,7 +356,7 @@ def cmd_bench_peers(args: argparse.Namespace) -> int:
     settings = peers.Settings(requests=args.requests, warmup=args.warmup, seconds=args.seconds,
                               concurrency=tuple(args.clients), cold_starts=args.cold_starts, wakes=args.wakes,
                               idle_sec=args.idle_sec, kserve_python=args.kserve_python or "",
-                              batched=not args.no_batched)
+                              batched=not args.no_batched, external_data=args.external_data)
     try:
         report = peers.run(settings, progress=_progress(args.json))
     except peers.KServeMissing as exc:
@@ -605,6 +605,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cold-starts", type=int, default=3, help="KServe process starts")
     p.add_argument("--wakes", type=int, default=5, help="Volga FROZEN wakes")
     p.add_argument("--idle-sec", type=float, default=2.0, help="volga up --idle-sec: back to FROZEN between wakes")
+    p.add_argument("--external-data", action="store_true",
+                   help="both servers load the default model with its weights beside it (ONNX external data)")
     p.add_argument("--kserve-python", help="the interpreter that runs KServe (default: $VOLGA_KSERVE_PYTHON, "
                    "else this one, with the peers extra)")
     p.add_argument("--no-batched", action="store_true", help="leave out Volga with dynamic batching")

@@ -26,13 +26,14 @@ SEED = 20261129
 IR_VERSION = 8
 
 
-def build_onnx(path: pathlib.Path, rows: int = EMBEDDING_ROWS) -> pathlib.Path:
-    """Write the model to `path` (skipped when an identical build is already there)."""
+def build_onnx(path: pathlib.Path, rows: int = EMBEDDING_ROWS, external_data: bool = False) -> pathlib.Path:
+    """Write the model to `path` (skipped when an identical build is already there); with `external_data`, its
+    weights go to `<path>.data` beside it (ONNX external data), which workers map rather than copy."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     stamp = path.with_suffix(".stamp")
-    key = f"{rows}-{EMBEDDING_DIM}-{HIDDEN}-{SEED}-ir{IR_VERSION}"
+    key = f"{rows}-{EMBEDDING_DIM}-{HIDDEN}-{SEED}-ir{IR_VERSION}" + ("-external" if external_data else "")
     if path.exists() and stamp.exists() and stamp.read_text() == key:
         return path
     rng = np.random.default_rng(SEED)
@@ -68,7 +69,14 @@ def build_onnx(path: pathlib.Path, rows: int = EMBEDDING_ROWS) -> pathlib.Path:
     onnx.checker.check_model(model)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    onnx.save(model, tmp)
+    if external_data:
+        data = path.name + ".data"
+        pathlib.Path(tmp.parent / data).unlink(missing_ok=True)
+        onnx.save(model, tmp, save_as_external_data=True, all_tensors_to_one_file=True, location=data,
+                  size_threshold=1024)
+        (tmp.parent / data).chmod(0o644)  # onnx writes it for its owner only; workers run as another user
+    else:
+        onnx.save(model, tmp)
     tmp.rename(path)
     stamp.write_text(key)
     return path

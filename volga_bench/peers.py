@@ -67,6 +67,9 @@ class Settings:
     idle_sec: float = 2.0  # `volga up --idle-sec`: how soon an idle instance goes back to FROZEN
     kserve_python: str = ""  # the interpreter that runs KServe; "" finds one (`find_kserve`)
     batched: bool = True  # also Volga with dynamic batching in the gateway (`run_volga_batched`)
+    # Both servers load the default model with its weights beside it (ONNX external data) rather than inside it:
+    # Volga's workers then map them, and its FROZEN images leave them out.
+    external_data: bool = False
 
 
 class KServeMissing(RuntimeError):
@@ -380,10 +383,13 @@ def _wait_tier(stub: agent_pb2_grpc.AgentStub, model: str, tier: str, timeout: f
         time.sleep(0.02)
 
 
-def run_volga(work: Workload, settings: Settings, progress: Callable[[str], None]) -> dict[str, Any]:
+def run_volga(work: Workload, settings: Settings, progress: Callable[[str], None],
+              spec_file: pathlib.Path | None = None) -> dict[str, Any]:
+    """`volga up` serving the default model (or `spec_file`'s): its FROZEN wakes, then its steady state."""
     check = Checker(work.reference)
     progress("Volga: starting volga up (default model; cold start, then freeze) ...")
-    with harness.volga_up(["--idle-sec", f"{settings.idle_sec:g}"]) as up, \
+    serve = ["-f", str(spec_file)] if spec_file is not None else []
+    with harness.volga_up([*serve, "--idle-sec", f"{settings.idle_sec:g}"]) as up, \
             grpc.insecure_channel(up.endpoints["agent"]) as channel:
         stub = agent_pb2_grpc.AgentStub(channel)
         address = up.endpoints["grpc"]
@@ -462,6 +468,12 @@ def run(settings: Settings | None = None, progress: Callable[[str], None] = lamb
     peer_versions = versions(python)
     spec = defaultmodel.ensure().spec
     model_path = pathlib.Path(spec.source.removeprefix("file://"))
+    spec_file = None
+    if settings.external_data:
+        folder = defaultmodel.default_cache() / f"{spec.model_id}-external"
+        model_path = defaultmodel.build_onnx(folder / "model.onnx", external_data=True)
+        spec_file = folder / "modelspec.yaml"
+        spec_file.write_text(yaml.safe_dump(defaultmodel.spec_document(model_path)))
     threads = spec.runtime.intra_op_threads or 0
     decls = instance.decls(spec.inputs)
     arrays = contract.sample_inputs(decls, batch=1, seed=9)
@@ -471,7 +483,7 @@ def run(settings: Settings | None = None, progress: Callable[[str], None] = lamb
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="volga-peers-") as logdir:
         kserve = run_kserve(python, model_path, work, threads, settings, pathlib.Path(logdir), progress)
-        volga = run_volga(work, settings, progress)
+        volga = run_volga(work, settings, progress, spec_file)
         batched = run_volga_batched(work, settings, pathlib.Path(logdir), progress) if settings.batched else None
     load_end = os.getloadavg()
     first = settings.concurrency[0] if settings.concurrency else None
@@ -487,6 +499,7 @@ def run(settings: Settings | None = None, progress: Callable[[str], None] = lamb
             "wake_vs_cold_start": round(kserve["cold_start_ms"] / volga["frozen_wake_ms"], 1),
         },
         "model": spec.model_id,
+        "model_weights": "external data" if settings.external_data else "embedded",
         "batch": 1,
         "intra_op_threads": threads,
         "client": f"tritonclient.grpc {_version('tritonclient')}",

@@ -75,7 +75,14 @@ class OnnxBackend(Backend):
         # Spinning intra-op threads burn a core each between requests; on a node shared by many models the
         # core is worth more than the microseconds spinning saves.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        session = self._ort.InferenceSession(path, options, providers=self.providers)
+        try:
+            session = self._ort.InferenceSession(path, options, providers=self.providers)
+        except Exception as exc:
+            if os.geteuid() != 0 and ("13" in str(exc) or "Permission denied" in str(exc)):
+                raise RuntimeError(f"{exc}: the worker runs as uid {os.geteuid()} (settings.worker_user), and every "
+                                   "file of the model, its external data beside it included, must be readable by "
+                                   "that user") from exc
+            raise
         have = {i.name for i in session.get_inputs()}
         want = {t.name for t in self.config.inputs}
         if have != want:

@@ -213,3 +213,13 @@ def check_inputs(decls: tuple[TensorDecl, ...], inputs: dict[str, np.ndarray], m
             raise protocol.WorkerError("INVALID_ARGUMENT", f"input {decl.name!r}: batch {array.shape[0]} is "
                                        f"over maxBatchSize {max_batch}")
 
+
+def mapped_files(pid: int | str = "self") -> set[str]:
+    """The regular files process `pid` maps, by the paths /proc shows."""
+    files = set()
+    with open(f"/proc/{pid}/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith("/") and not fields[5].rstrip().endswith("(deleted)"):
+                files.add(fields[5].rstrip("\n"))
+    return files

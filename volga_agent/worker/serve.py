@@ -448,11 +448,41 @@ def _through_descriptor(path: str) -> tuple[str, int]:
     return f"/proc/self/fd/{fd}", fd
 
 
-def _open_model(path: str, roots: tuple[str, ...]) -> tuple[str, int]:
-    """The model file, as `_through_descriptor`, once the file actually reached is known to be a regular file
-    inside `roots` (any regular file when empty): the agent checked the path earlier (admission.check_source),
-    and a file or folder swapped for a link since then must not make the worker load another file. ValueError
-    naming spec.source and the file reached otherwise."""
+def _may(info: os.stat_result, uid: int, gid: int, bits: int) -> bool:
+    """Whether `uid`/`gid` (root when both are 0) holds every permission in `bits` (r=4, w=2, x=1) on a file."""
+    if uid == 0 and gid == 0:
+        return True
+    shift = 6 if info.st_uid == uid else 3 if info.st_gid == gid else 0
+    return (info.st_mode >> shift) & bits == bits
+
+
+def _model_folder(reached: str, where: int, uid: int, gid: int) -> int | None:
+    """An O_PATH descriptor of the folder holding the model file `where` (reached at `reached`), where the worker's
+    user may reach that folder (onnxruntime resolves it to its real path, every folder above included) and read
+    the file: loading the model through it lets the framework find the files beside the model (an ONNX model's
+    external data, whose pages then stay file-backed: out of CRIU images). None where the user may not (a
+    root-only folder) or the name no longer holds the file checked."""
+    folder = os.open(os.path.dirname(reached), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        named = os.stat(os.path.basename(reached), dir_fd=folder, follow_symlinks=False)
+        checked = os.fstat(where)
+        above = pathlib.PurePath(reached).parents
+        if ((named.st_dev, named.st_ino) == (checked.st_dev, checked.st_ino) and _may(checked, uid, gid, 4)
+                and all(_may(os.stat(path), uid, gid, 1) for path in above)):
+            return folder
+    except OSError:
+        pass
+    os.close(folder)
+    return None
+
+
+def _open_model(path: str, roots: tuple[str, ...], uid: int = 0, gid: int = 0) -> tuple[str, int]:
+    """The model file, once the file actually reached is known to be a regular file inside `roots` (any regular
+    file when empty): the agent checked the path earlier (admission.check_source), and a file or folder swapped
+    for a link since then must not make the worker load another file. ValueError naming spec.source and the file
+    reached otherwise. The path names the file through a descriptor of its folder where the worker's user may
+    enter it (`_model_folder`), else through a descriptor of the file itself (`_through_descriptor`); the
+    descriptor is returned to be closed once the model is loaded."""
     where = os.open(path, os.O_PATH | os.O_CLOEXEC)  # names the file without opening it (a FIFO, a device)
     try:
         reached = os.readlink(f"/proc/self/fd/{where}")
@@ -462,9 +492,23 @@ def _open_model(path: str, roots: tuple[str, ...]) -> tuple[str, int]:
                              "checked it; model files must live under settings.model_roots")
         if not stat.S_ISREG(os.fstat(where).st_mode):
             raise ValueError(f"spec.source: {path}: the worker opened {reached}, which is not a regular file")
+        folder = _model_folder(reached, where, uid, gid)
+        if folder is not None:
+            return f"/proc/self/fd/{folder}/{os.path.basename(reached)}", folder
         return _through_descriptor(f"/proc/self/fd/{where}")  # the very file checked
     finally:
         os.close(where)
+
+
+def mapped_outside(roots: tuple[str, ...], before: set[str]) -> list[str]:
+    """Files this process maps now, and did not map in `before` (`contract.mapped_files()`), that lie outside
+    `roots` and are not shared libraries: what a model's loading mapped from elsewhere (an ONNX external-data file
+    swapped for a link out of the model roots). [] when `roots` is empty."""
+    if not roots:
+        return []
+    return sorted(f for f in contract.mapped_files() - before
+                  if ".so" not in os.path.basename(f) and not f.startswith(("/dev/", "/proc/", "/sys/"))
+                  and not any(pathlib.PurePath(f).is_relative_to(root) for root in roots))
 
 
 def open_as_agent(config: contract.WorkerConfig) -> tuple[contract.WorkerConfig, socket.socket, list[int]]:
@@ -472,7 +516,7 @@ def open_as_agent(config: contract.WorkerConfig) -> tuple[contract.WorkerConfig,
     file through descriptors; its bound listener; the descriptors to close once the model is loaded."""
     signal_dir = f"/proc/self/fd/{os.open(config.signal_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)}"
     transient = []
-    path, fd = _open_model(config.path, config.model_roots)
+    path, fd = _open_model(config.path, config.model_roots, config.uid, config.gid)
     transient.append(fd)
     warmup_file = config.warmup_file
     if warmup_file:
@@ -521,13 +565,20 @@ def main(argv: list[str] | None = None) -> int:
     config = contract.WorkerConfig.from_json(pathlib.Path(argv[0]).read_text())
     # A change of user disarms the parent-death signal nsinit armed: armed again against the same agent after it.
     agent = nsinit.host_ppid() if nsinit.parent_death_signal() else 0
+    source = config.path
     try:
         config, listener, transient = open_as_agent(config)
         backends.preload(config.framework)
         drop_privileges(config.uid, config.gid)
         if agent:
             nsinit.die_with(agent)
+        before = contract.mapped_files() if config.framework == "onnx" and config.model_roots else set()
         worker = Worker(config, listener)
+        outside = mapped_outside(config.model_roots, before) if before else []
+        if outside:
+            raise ValueError(f"spec.source: {source}: loading the model mapped {', '.join(outside)}, outside "
+                             f"the model roots ({', '.join(config.model_roots)}): a file beside the model (ONNX "
+                             "external data) leads out of them")
         for fd in transient:
             os.close(fd)
     except Exception as exc:
