@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from volga_agent import defaultmodel
+from volga_agent import defaultmodel, instance
 from volga_agent.snapshot import criu
 from volga_operator import api
 
@@ -29,6 +29,16 @@ def rundir() -> Iterator[pathlib.Path]:
     # AF_UNIX paths are limited to 107 bytes: keep run folders short.
     with tempfile.TemporaryDirectory(prefix="vt-", dir="/tmp") as path:
         yield pathlib.Path(path)
+
+
+@pytest.fixture
+def hot(default_spec: api.ModelSpecSpec, rundir: pathlib.Path) -> Iterator[instance.Instance]:
+    """A worker of the default model, HOT, without snapshots."""
+    inst = instance.Instance("w", default_spec, rundir, None)
+    inst.to(api.Tier.HOT)
+    yield inst
+    inst.close()
+    assert inst.pid is None
 
 
 @pytest.fixture

@@ -9,39 +9,24 @@ import pathlib
 from collections.abc import Iterator
 
 import pytest
+import shared_workers
 from test_autonomy_loop import NoProbe, RecordingGateway
 
 from volga_agent import policy, pool, priority
 from volga_agent.autonomy import decider, loop, window
-from volga_operator import api, planner
+from volga_operator import api
 
 Tier = api.Tier
 pytestmark = pytest.mark.integration
-
-
-def spec_of(base: api.ModelSpecSpec, model: str, tolerance: float) -> api.ModelSpecSpec:
-    slo = base.slo.model_copy(update={"interference_tolerance_pct": tolerance, "baseline_latency_ms": {"1": 1.0}})
-    return base.model_copy(update={"model_id": model, "slo": slo})
 
 
 @pytest.fixture
 def two_workers(rundir: pathlib.Path, criu_engine, default_spec: api.ModelSpecSpec) -> Iterator[pool.Pool]:
     settings = policy.Settings(autonomy_yield_nice=19, autonomy_yield_calm_windows=3, autonomy_debug=True,
                                autonomy_preload_below_pct=0)
-    p = pool.Pool("n1", rundir / "work", criu_engine.root, settings)
-    specs = {"s": spec_of(default_spec, "strict", 10.0), "l": spec_of(default_spec, "loose", 300.0)}
-    p.apply([planner.Desired("s-0", "s", "strict", "n1", Tier.HOT),
-             planner.Desired("l-0", "l", "loose", "n1", Tier.HOT)], specs)
-    p.wait_converged(180)
-    assert {i.model_id: i.tier for i in p.instances()} == {"strict": Tier.HOT, "loose": Tier.HOT}
+    p = shared_workers.strict_and_loose(rundir, criu_engine.root, default_spec, settings)
     yield p
     p.close()
-
-
-def pid_of(p: pool.Pool, model: str) -> int:
-    pid = next(s.inst.pid for s in p.slots.values() if s.inst.spec.model_id == model)
-    assert pid is not None
-    return pid
 
 
 def test_a_violation_makes_the_tolerant_worker_yield_and_a_restored_worker_comes_back_at_normal_priority(
@@ -60,7 +45,7 @@ def test_a_violation_makes_the_tolerant_worker_yield_and_a_restored_worker_comes
             loads["strict"] = window.ModelWindow(5, 5, 0, 0, strict_p99)
         return autonomy.step(window.Window(t - 0.1, t, 50.0, 90.0, False, loads))
 
-    strict, loose = pid_of(p, "strict"), pid_of(p, "loose")
+    strict, loose = shared_workers.pid_of(p, "strict"), shared_workers.pid_of(p, "loose")
     assert set(priority.nice_of(loose)) == {normal}
     try:
         first = step(5.0)  # 5 ms against 1 ms x 1.1: at once, before any state changes
@@ -76,7 +61,7 @@ def test_a_violation_makes_the_tolerant_worker_yield_and_a_restored_worker_comes
         # restored worker its normal priority before it serves.
         assert p.move_to("l-0", Tier.FROZEN) is not None
         assert p.activate("loose").woke_from is Tier.FROZEN
-        restored = pid_of(p, "loose")
+        restored = shared_workers.pid_of(p, "loose")
         assert restored != loose
         assert set(priority.nice_of(restored)) == {normal} and priority.idle_threads_of(restored) == 0
         assert priority.group_nice_of(restored) in (None, 0)

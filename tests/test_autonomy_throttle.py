@@ -17,13 +17,14 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+import shared_workers
 from procs import wait_for
 from test_autonomy_loop import NoProbe, RecordingGateway
 
 from volga_agent import instance, policy, pool, throttle
 from volga_agent.autonomy import decider, loop, window
 from volga_agent.worker import contract, protocol
-from volga_operator import api, planner
+from volga_operator import api
 
 Tier = api.Tier
 pytestmark = pytest.mark.integration
@@ -85,29 +86,13 @@ def test_the_duty_cycle_stops_only_what_it_may_and_lets_go_at_once(busy: subproc
         throttle.DutyCycle(0.02).set("x", [throttle.Target(lock, lambda: busy.pid, 1.0)])
 
 
-def spec_of(base: api.ModelSpecSpec, model: str, tolerance: float) -> api.ModelSpecSpec:
-    slo = base.slo.model_copy(update={"interference_tolerance_pct": tolerance, "baseline_latency_ms": {"1": 1.0}})
-    return base.model_copy(update={"model_id": model, "slo": slo})
-
-
 @pytest.fixture
 def two_workers(rundir: pathlib.Path, criu_engine, default_spec: api.ModelSpecSpec) -> Iterator[pool.Pool]:
     settings = policy.Settings(autonomy_throttle_share=0.9, autonomy_throttle_period_ms=20.0,
                                autonomy_yield_calm_windows=3, autonomy_debug=True, autonomy_preload_below_pct=0)
-    p = pool.Pool("n1", rundir / "work", criu_engine.root, settings)
-    specs = {"s": spec_of(default_spec, "strict", 10.0), "l": spec_of(default_spec, "loose", 300.0)}
-    p.apply([planner.Desired("s-0", "s", "strict", "n1", Tier.HOT),
-             planner.Desired("l-0", "l", "loose", "n1", Tier.HOT)], specs)
-    p.wait_converged(180)
-    assert {i.model_id: i.tier for i in p.instances()} == {"strict": Tier.HOT, "loose": Tier.HOT}
+    p = shared_workers.strict_and_loose(rundir, criu_engine.root, default_spec, settings)
     yield p
     p.close()
-
-
-def pid_of(p: pool.Pool, model: str) -> int:
-    pid = next(s.inst.pid for s in p.slots.values() if s.inst.spec.model_id == model)
-    assert pid is not None
-    return pid
 
 
 class Requests:
@@ -157,7 +142,7 @@ def test_a_violation_throttles_the_tolerant_worker_to_its_share_and_never_leaves
         loads = {"loose": window.ModelWindow(5, 5, 1, 0, 1.0), "strict": window.ModelWindow(5, 5, 0, 0, strict_p99)}
         return autonomy.step(window.Window(t - 0.1, t, 50.0, 90.0, False, loads))
 
-    strict, loose = pid_of(p, "strict"), pid_of(p, "loose")
+    strict, loose = shared_workers.pid_of(p, "strict"), shared_workers.pid_of(p, "loose")
     requests = Requests(p, "loose")
     restored = loose
     try:
@@ -182,7 +167,7 @@ def test_a_violation_throttles_the_tolerant_worker_to_its_share_and_never_leaves
         assert stopped_in_dump == [False]
         woke = p.activate("loose")
         assert woke.woke_from is Tier.FROZEN and not woke.fallback
-        restored = pid_of(p, "loose")
+        restored = shared_workers.pid_of(p, "loose")
         assert restored != loose
         # Still throttled: the cycle stops the restored worker as it is (it reads the PID under the lock).
         samples = stopped_samples(restored)

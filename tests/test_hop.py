@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import pathlib
 import time
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -15,18 +14,9 @@ import pytest
 from volga_agent import instance
 from volga_agent.gateway import workers
 from volga_agent.worker import contract
-from volga_operator import api
 
 pytestmark = pytest.mark.integration
 SIZE = 1 << 20
-
-
-@pytest.fixture
-def hot(default_spec: api.ModelSpecSpec, rundir: pathlib.Path) -> Iterator[instance.Instance]:
-    inst = instance.Instance("w", default_spec, rundir, None)
-    inst.to(api.Tier.HOT)
-    yield inst
-    inst.close()
 
 
 def segments_mapped(pid: int | str) -> list[str]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import pathlib
 import tempfile
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -17,15 +16,6 @@ from volga_operator import api
 
 pytestmark = pytest.mark.integration
 Tier = api.Tier
-
-
-@pytest.fixture
-def hot(default_spec: api.ModelSpecSpec, rundir: pathlib.Path) -> Iterator[instance.Instance]:
-    inst = instance.Instance("w", default_spec, rundir, None)
-    inst.to(Tier.HOT)
-    yield inst
-    inst.close()
-    assert inst.pid is None
 
 
 def request(inst: instance.Instance, batch: int = 4) -> dict[str, np.ndarray]:

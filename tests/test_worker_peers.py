@@ -9,7 +9,6 @@ import json
 import mmap
 import os
 import pathlib
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -17,19 +16,10 @@ import pytest
 from volga_agent import instance
 from volga_agent.gateway import workers
 from volga_agent.worker import contract, protocol, serve
-from volga_operator import api
 
 pytestmark = pytest.mark.integration
 SIZE = 1 << 20
 GATEWAY_UID = 65532  # the chart's gateway user
-
-
-@pytest.fixture
-def hot(default_spec: api.ModelSpecSpec, rundir: pathlib.Path) -> Iterator[instance.Instance]:
-    inst = instance.Instance("w", default_spec, rundir, None)
-    inst.to(api.Tier.HOT)
-    yield inst
-    inst.close()
 
 
 def digest(path: pathlib.Path) -> str:
