@@ -53,3 +53,30 @@ def test_repeated_layouts_carry_each_requests_values_and_go_with_the_connection(
     assert not segments_mapped(hot.pid), segments_mapped(hot.pid)
     assert hot.client().call("ping").header["ok"]
 
+
+
+def test_a_request_that_failed_in_flight_keeps_no_view_of_a_closed_connections_segment(
+        hot: instance.Instance, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whoever handles a failed request may keep its exception, and with it the frames it went through: none of
+    them may hold a view of the segment, or closing the connection could not unmap it."""
+    x = contract.sample_inputs(hot.config.inputs, batch=2, seed=7)
+
+    async def scenario() -> BaseException:
+        earlier = set(segments_mapped("self"))
+        conn = await workers.Connection.open(hot.config.socket, SIZE)
+        mine = set(segments_mapped("self")) - earlier
+        assert mine
+
+        async def lost(head: bytes, payload: object = ()) -> tuple[bytes, bytes]:
+            raise workers.WorkerDied("worker connection lost mid-request: test")
+
+        monkeypatch.setattr(conn, "exchange", lost)
+        try:
+            await conn.infer_shm(x)
+        except workers.WorkerDied as exc:
+            kept = exc  # its traceback holds infer_shm's frame
+        conn.close()
+        assert not mine & set(segments_mapped("self"))
+        return kept
+
+    assert asyncio.run(scenario()).__traceback__ is not None

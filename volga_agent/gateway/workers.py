@@ -251,14 +251,11 @@ class Connection(asyncio.Protocol):
         if segment is None:
             return None
         start = time.perf_counter()
-        key = tuple((name, array.dtype, array.shape) for name, array in inputs.items())
-        request = self._requests[key] if key in self._requests else self._layout(key, inputs, segment)
-        if request is None:
+        request_head = self._place(inputs, segment)
+        if request_head is None:
             return None
-        for name, view in request.views:
-            np.copyto(view, inputs[name], casting="no")
         spent = time.perf_counter() - start
-        head, body = await self.exchange(request.head)
+        head, body = await self.exchange(request_head)
         start = time.perf_counter()
         views = self._replies.get(head)
         if views is None:
@@ -274,6 +271,18 @@ class Connection(asyncio.Protocol):
         outputs = {name: view.copy() for name, view in views}
         copied((spent + time.perf_counter() - start) * 1e3)
         return outputs
+
+    def _place(self, inputs: dict[str, np.ndarray], segment: mmap.mmap) -> bytes | None:
+        """Copy `inputs` into the segment's first half and return the frame head that describes them (None: they
+        do not fit). No view of the segment outlives this call: a request that fails in flight, its traceback kept
+        by whoever handles it, must not keep the segment mapped after `close`."""
+        key = tuple((name, array.dtype, array.shape) for name, array in inputs.items())
+        request = self._requests[key] if key in self._requests else self._layout(key, inputs, segment)
+        if request is None:
+            return None
+        for name, view in request.views:
+            np.copyto(view, inputs[name], casting="no")
+        return request.head
 
     def _layout(self, key: tuple[Any, ...], inputs: dict[str, np.ndarray], segment: mmap.mmap) -> _Request | None:
         """Where tensors like `inputs` go in the segment (None: they do not fit), remembered under `key`."""
