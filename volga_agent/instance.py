@@ -120,10 +120,6 @@ WAKE_ERRORS = (criu.CriuError, cuda.DriverCheckpointError, process.WorkerStartEr
 SHARED_ERRORS = (*WAKE_ERRORS, shared.SharedImageError)
 
 
-def _identity(info: os.stat_result) -> tuple[int, ...]:
-    return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns
-
-
 class Instance:
     """Owns one worker and moves it between tiers. Not thread-safe: the pool serialises calls per instance."""
 
@@ -174,8 +170,6 @@ class Instance:
         # image maps by reference: the image and its restore then carry only the process and the CUDA context.
         self.park_weights = park_weights
         self._parked: pathlib.Path | None = None  # the parked weights the current image maps
-        # The model's files the current image maps (ONNX external data, say), as they were when it was taken.
-        self._mapped_model: dict[str, tuple[int, ...]] = {}
         self.die_with_agent = die_with_agent
         # (worker generation, digest of its canary answer); None until recorded, or when the model's answer
         # to the canary is not reproducible and so cannot tell a damaged restore.
@@ -388,7 +382,6 @@ class Instance:
                                              self.parked_dir)
         if entry.manifest.parked is not None:
             self._parked = pathlib.Path(entry.manifest.parked.path)  # the weights the image maps, placed by fetch
-        self._mapped_model = {}  # another node's files: the compatibility key holds the model's version
         self.shared.store.place_log(entry, self.logfile)
         self.signals.mkdir(parents=True, exist_ok=True)
         generation = entry.manifest.generation
@@ -526,9 +519,9 @@ class Instance:
         assert self.criu is not None  # to() refuses FROZEN without CRIU
         assert self.pid is not None
         old = self.image
-        mapped = self._model_files_mapped(self.pid)
         try:
-            self.image = self.criu.dump(self.pid, self.name)
+            # The model's folder is watched: a file the image maps from it (ONNX external data) may be replaced.
+            self.image = self.criu.dump(self.pid, self.name, watch=(self.spec.source_path.resolve().parent,))
         except (criu.CriuTimeout, criu.CriuCancelled) as exc:
             # criu was killed mid-dump: the worker may hold its parasite or be half-dumped; it is not trusted.
             self._gone_cold(f"dump stopped: {exc}")
@@ -543,7 +536,6 @@ class Instance:
             raise
         if parked is not None:
             self._drop_parked(keep=parked)
-        self._mapped_model = mapped
         self._image_generation, self._image_taken = generation, time.monotonic()
         self._snapshot_generation = generation
         process.reap(self.pid)
@@ -640,28 +632,9 @@ class Instance:
         if not restored:
             self._drop_parked()
 
-    def _model_files_mapped(self, pid: int) -> dict[str, tuple[int, ...]]:
-        """The files in the model's folder that process `pid` maps, with what identifies their contents: CRIU
-        records a file mapping by path, not by content, so an image restored after one changed would mix the old
-        process with the new file."""
-        folder = self.spec.source_path.resolve().parent
-        found = {}
-        for path in contract.mapped_files(pid):
-            if pathlib.PurePath(path).is_relative_to(folder):
-                with contextlib.suppress(OSError):
-                    found[path] = _identity(os.stat(path))
-        return found
-
     def _restore(self, lazy: bool | None) -> int:
         if self.image is None or self.criu is None:
             raise criu.CriuError(f"{self.name}: no image to restore")
-        for path, identity in self._mapped_model.items():
-            try:
-                now = _identity(os.stat(path))
-            except OSError:
-                now = ()
-            if now != identity:
-                raise criu.CriuError(f"{self.name}: {path}, which the image maps, changed since the snapshot")
         pathlib.Path(self.config.socket).unlink(missing_ok=True)
         (self.signals / contract.RESTORE_COMPLETE).unlink(missing_ok=True)
         self._announce()

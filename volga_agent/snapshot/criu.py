@@ -48,12 +48,12 @@ import threading
 import time
 import uuid
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from volga_agent import process
 from volga_agent.snapshot import kdat
-from volga_agent.worker import nsinit
+from volga_agent.worker import contract, nsinit
 
 # Where scripts/install-criu.sh installs, under the home folder (read only when looking for CRIU: a process
 # whose user has no home, such as a gateway running under a bare UID, imports this module too).
@@ -99,6 +99,10 @@ class Image:
     # The pages files' stamps the CRCs were computed under (None inside: they changed during the pass); None when
     # not recorded, as for images from a shared store.
     stamps: concurrent.futures.Future[Stamps | None] | None = None
+    # Files the process mapped from the folders `dump` was told to watch, with their identity then: CRIU records a
+    # file mapping by path, not by content, so a restore after one changed would mix the old process with the new
+    # file (an ONNX model's external data replaced by new weights). `restore` refuses then.
+    mapped: tuple[tuple[str, Identity], ...] = ()
 
 
 class LazyPages:
@@ -189,17 +193,41 @@ def _checksums(folder: pathlib.Path) -> Checksums:
     return tuple(sums)
 
 
-# Per pages file of an image: its name, device, inode, size, modification and change times (ns). Any write,
-# truncation or replacement through the filesystem changes one of them.
-Stamps = tuple[tuple[str, int, int, int, int, int], ...]
+# A file's device, inode, size, modification and change times (ns): any write, truncation or replacement through
+# the filesystem changes one of them.
+Identity = tuple[int, int, int, int, int]
+Stamps = tuple[tuple[str, int, int, int, int, int], ...]  # per pages file of an image: its name and identity
+
+
+def identity(path: str | pathlib.Path) -> Identity | None:
+    """What tells a file's contents unchanged since (None when it is gone)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def _stamps(folder: pathlib.Path) -> Stamps:
     stamps = []
     for pages in sorted(folder.glob("pages-*.img")):
-        st = pages.stat()
-        stamps.append((pages.name, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+        found = identity(pages)
+        if found is not None:
+            stamps.append((pages.name, *found))
     return tuple(stamps)
+
+
+def _mapped(pid: int, folders: Sequence[pathlib.Path]) -> tuple[tuple[str, Identity], ...]:
+    """The files process `pid` maps from inside `folders`, each with its identity now."""
+    if not folders:
+        return ()
+    found = []
+    for path in sorted(contract.mapped_files(pid)):
+        if any(pathlib.PurePath(path).is_relative_to(folder) for folder in folders):
+            now = identity(path)
+            if now is not None:
+                found.append((path, now))
+    return tuple(found)
 
 
 def _record(folder: pathlib.Path, sums: concurrent.futures.Future[Checksums],
@@ -329,9 +357,10 @@ class CriuEngine:
         if out.returncode != 0:
             raise CriuError(f"criu check failed: {out.stdout}{out.stderr}")
 
-    def dump(self, pid: int, name: str, leave_running: bool = False) -> Image:
-        """Dump the tree rooted at `pid` (killing it unless leave_running) into a new image of `name`.
-        CriuTimeout after the deadline for the tree's resident memory; the tree may then be left half-dumped."""
+    def dump(self, pid: int, name: str, leave_running: bool = False, watch: Sequence[pathlib.Path] = ()) -> Image:
+        """Dump the tree rooted at `pid` (killing it unless leave_running) into a new image of `name`, recording
+        the files it maps from the folders in `watch` (`Image.mapped`). CriuTimeout after the deadline for the
+        tree's resident memory; the tree may then be left half-dumped."""
         if name == FAILED:
             raise ValueError(f"{FAILED!r} is the folder of failed restores, not an image name")
         folder = self.root / name
@@ -340,6 +369,7 @@ class CriuEngine:
         args = ["dump", "-t", str(pid), "-D", str(tmp), "-o", "dump.log", "-v2", "--file-locks", "--shell-job"]
         if leave_running:
             args.append("--leave-running")
+        mapped = _mapped(pid, watch)
         start = time.perf_counter()
         try:
             folder.mkdir(parents=True, exist_ok=True)
@@ -363,7 +393,7 @@ class CriuEngine:
         if self.checksums:
             sums, stamps = concurrent.futures.Future[Checksums](), concurrent.futures.Future[Stamps | None]()
             threading.Thread(target=_record, args=(final, sums, stamps), name="image-checksums", daemon=True).start()
-        return Image(final, snapshot_id, _tree_size(final), seconds, sums, stamps)
+        return Image(final, snapshot_id, _tree_size(final), seconds, sums, stamps, mapped)
 
     def damage(self, image: Image) -> str:
         """Why the image's pages files are not the ones its dump wrote ("" when they are, or are not recorded)."""
@@ -387,8 +417,12 @@ class CriuEngine:
         daemon exits once every page is delivered.
 
         CriuTimeout when criu has not finished within the deadline for the image's size: criu, the tree it was
-        restoring and the lazy-pages daemon are killed.
+        restoring and the lazy-pages daemon are killed. CriuError, before criu runs, when a file the image maps
+        changed since the dump (`Image.mapped`).
         """
+        for path, then in image.mapped:
+            if identity(path) != then:
+                raise CriuError(f"{path}, which the image maps, changed since the snapshot")
         check = concurrent.futures.Future[str]()
         threading.Thread(target=_settle, args=(check, lambda: self.damage(image)), name="image-check",
                          daemon=True).start()
