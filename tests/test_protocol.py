@@ -62,33 +62,49 @@ def test_oversized_or_garbled_frames() -> None:
 
 
 
-def test_async_face_shares_the_layout_and_the_limits() -> None:
-    """Frames written on asyncio streams read back on a blocking socket and the other way round."""
+def test_the_gateway_face_shares_the_layout_and_the_limits() -> None:
+    """Frames the gateway's connection sends read back on a blocking socket and the other way round; a frame over
+    the limits, a header that is not a JSON object or a stream that ends mid-frame ends that connection."""
     import asyncio
 
-    async def scenario() -> None:
+    from volga_agent.gateway import workers
+
+    async def connected() -> tuple[workers.Connection, socket.socket]:
         mine, theirs = socket.socketpair(socket.AF_UNIX)
-        reader, writer = await asyncio.open_unix_connection(sock=mine)
+        _, conn = await asyncio.get_running_loop().create_unix_connection(workers.Connection, sock=mine)
+        return conn, theirs
+
+    async def scenario() -> None:
+        conn, theirs = await connected()
         payload = [memoryview(np.arange(100, dtype=np.int32)).cast("B")]
-        await protocol.write_frame(writer, {"op": "y"}, payload)
-        frame = await asyncio.to_thread(protocol.recv_frame, theirs)
-        assert frame.header == {"op": "y"} and bytes(frame.payload) == bytes(payload[0])
-        await asyncio.to_thread(protocol.send_frame, theirs, {"ok": True}, payload)
-        back = await protocol.read_frame(reader)
-        assert back.header == {"ok": True} and np.array_equal(np.frombuffer(back.payload, np.int32), np.arange(100))
-        theirs.sendall(protocol.PREFIX.pack(3, 0) + b"[1]")
-        with pytest.raises(protocol.ProtocolError, match="not a JSON object"):
-            await protocol.read_frame(reader)
-        theirs.sendall(protocol.PREFIX.pack(0, protocol.MAX_PAYLOAD + 1))
-        with pytest.raises(protocol.ProtocolError, match="too large"):
-            await protocol.read_frame(reader)
-        theirs.sendall(protocol.PREFIX.pack(10, 0) + b"{}")
-        theirs.close()
-        with pytest.raises(protocol.ProtocolError, match="closed after 2 of 10 bytes"):
-            await protocol.read_frame(reader)
-        writer.close()
+
+        def answer() -> None:
+            frame = protocol.recv_frame(theirs)
+            assert frame.header == {"op": "y"} and bytes(frame.payload) == bytes(payload[0])
+            protocol.send_frame(theirs, {"ok": True}, payload)
+
+        (back, body), _ = await asyncio.gather(conn.call({"op": "y"}, payload), asyncio.to_thread(answer))
+        assert back == {"ok": True} and np.array_equal(np.frombuffer(body, np.int32), np.arange(100))
+        conn.close()
+        for bad, match in ((protocol.PREFIX.pack(3, 0) + b"[1]", "not a JSON object"),
+                           (protocol.PREFIX.pack(0, protocol.MAX_PAYLOAD + 1), "too large"),
+                           (protocol.PREFIX.pack(10, 0) + b"{}", "closed after 14 bytes of a frame")):
+            conn, theirs = await connected()
+
+            def answer_badly(sock: socket.socket = theirs, reply: bytes = bad) -> None:
+                protocol.recv_frame(sock)
+                sock.sendall(reply)
+                sock.close()
+
+            replied = asyncio.ensure_future(asyncio.to_thread(answer_badly))
+            with pytest.raises(workers.WorkerDied, match=match):
+                await conn.call({"op": "y"})
+            await replied
+            assert not conn.usable()
+            conn.close()
 
     asyncio.run(scenario())
+
 
 def test_modelspec_dtypes_are_the_ones_workers_and_gateways_carry() -> None:
     """A type the ModelSpec accepts but a worker cannot carry would fail only at the first cold start."""

@@ -5,12 +5,12 @@ and a raw payload. Tensors travel in the payload, back to back, described by the
 (name, dtype, shape, nbytes) in order, so no tensor is ever encoded as text.
 
 One codec, two faces sharing the prefix layout and the size limits: `send_frame`/`recv_frame` on a blocking
-socket (the worker, the agent's `WorkerClient`) and `write_frame`/`read_frame` on asyncio streams (the
-gateway). A frame over the limits, a header that is not a JSON object or a stream that ends mid-frame is a
-`ProtocolError` on either face.
+socket (the worker, the agent's `WorkerClient`), and the parts a gateway's asyncio connection parses frames with
+as they arrive (`encode_head`, `frame_sizes`, `decode_head`; `gateway.workers.Connection`). A frame over the
+limits, a header that is not a JSON object or a stream that ends mid-frame is a `ProtocolError` on either face.
 
 This module is imported by the worker, the process that gets frozen: it uses the standard library and
-numpy only, and does not import asyncio (the async face only needs the streams it is given).
+numpy only.
 """
 
 from __future__ import annotations
@@ -22,12 +22,9 @@ import math
 import socket
 import struct
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
-
-if TYPE_CHECKING:
-    import asyncio
 
 PREFIX = struct.Struct("<IQ")
 MAX_HEADER = 1 << 20
@@ -187,32 +184,6 @@ def recv_raw(sock: socket.socket) -> tuple[bytes, memoryview]:
     return bytes(rest[:head_len]), rest[head_len:]
 
 
-# -- asyncio streams -------------------------------------------------------------------------------------
-
-
-async def write_frame(writer: asyncio.StreamWriter, header: dict[str, Any],
-                      payload: Sequence[bytes | memoryview] = ()) -> None:
-    """Send one frame and wait until the stream has taken it (OSError when the peer is gone)."""
-    writer.writelines([encode_head(header, payload), *payload])
-    await writer.drain()
-
-
-async def _read_exact(reader: asyncio.StreamReader, size: int) -> bytes:
-    try:
-        return await reader.readexactly(size)
-    except EOFError as exc:  # asyncio.IncompleteReadError
-        got, want = len(getattr(exc, "partial", b"")), getattr(exc, "expected", size)
-        raise ProtocolError(f"connection closed after {got} of {want} bytes") from None
-
-
-async def read_frame(reader: asyncio.StreamReader) -> Frame:
-    """Read one frame, under the same limits as `recv_frame` (OSError when the connection breaks)."""
-    head_len, payload_len = frame_sizes(await _read_exact(reader, PREFIX.size))
-    header = decode_head(await _read_exact(reader, head_len))
-    payload = await _read_exact(reader, payload_len) if payload_len else b""
-    return Frame(header, payload)
-
-
 # -- tensors ---------------------------------------------------------------------------------------------
 
 
@@ -222,14 +193,19 @@ def contiguous(array: np.ndarray) -> np.ndarray:
     return array if array.flags.c_contiguous else np.ascontiguousarray(array)
 
 
+def _describe(name: str, array: np.ndarray) -> dict[str, Any]:
+    """A tensor's descriptor in a frame's header (its place, `offset`, added where it goes into a segment)."""
+    dtype = DTYPE_NAMES.get(array.dtype)
+    if dtype is None:
+        raise WorkerError("INVALID_ARGUMENT", f"tensor {name!r}: dtype {array.dtype} is not supported")
+    return {"name": name, "dtype": dtype, "shape": list(array.shape), "nbytes": array.nbytes}
+
+
 def pack_tensors(tensors: dict[str, np.ndarray]) -> tuple[list[dict[str, Any]], list[memoryview]]:
     meta, parts = [], []
     for name, array in tensors.items():
         array = contiguous(array)
-        dtype = DTYPE_NAMES.get(array.dtype)
-        if dtype is None:
-            raise WorkerError("INVALID_ARGUMENT", f"tensor {name!r}: dtype {array.dtype} is not supported")
-        meta.append({"name": name, "dtype": dtype, "shape": list(array.shape), "nbytes": array.nbytes})
+        meta.append(_describe(name, array))
         flat: Any = array.reshape(-1)
         parts.append(memoryview(flat).cast("B") if array.size else memoryview(b""))
     return meta, parts
@@ -298,12 +274,7 @@ def write_shm_tensors(tensors: dict[str, np.ndarray], segment: Any, offset: int)
 def shm_layout(tensors: dict[str, np.ndarray], size: int, offset: int) -> list[dict[str, Any]] | None:
     """The descriptors `write_shm_tensors` would write for tensors of these names, dtypes and shapes (their values
     do not matter), without copying anything; None when they do not fit."""
-    meta = []
-    for name, array in tensors.items():
-        dtype = DTYPE_NAMES.get(array.dtype)
-        if dtype is None:
-            raise WorkerError("INVALID_ARGUMENT", f"tensor {name!r}: dtype {array.dtype} is not supported")
-        meta.append({"name": name, "dtype": dtype, "shape": list(array.shape), "nbytes": array.nbytes})
+    meta = [_describe(name, array) for name, array in tensors.items()]
     return meta if _place(meta, size, offset) else None
 
 
