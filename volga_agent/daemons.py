@@ -33,6 +33,7 @@ from volga_agent.autonomy import exchange, loop
 from volga_agent.gateway import app, catalog, links
 from volga_operator import api, planner
 from volga_operator.api import signature
+from volga_operator.kube import bearer
 
 log = logging.getLogger("volga")
 # Where `volga-agent --kube` lets ModelSpec sources point unless settings.model_roots says otherwise: the chart's
@@ -174,8 +175,8 @@ def agent_main(argv: list[str] | None = None) -> int:
                                               settings.neighbours_period_ms, node_metrics)
         grpc_server, port = await server.serve(node_pool, args.agent_host, args.port, args.socket, tokens,
                                                steering, settings.autonomy_exchange_ms, levels, off)
-        metrics_runner, metrics_port = await metrics.serve([node_metrics.registry], args.host, args.metrics_port,
-                                                           metrics_tokens)
+        metrics_runner, metrics_port = await bearer.serve_metrics([node_metrics.registry], args.host,
+                                                                  args.metrics_port, metrics_tokens)
         cluster: Any = None
         tier: Any = None
         if args.kube:

@@ -7,14 +7,7 @@ dashboards and alerts read them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-
 import prometheus_client as prom
-from aiohttp import web
-
-from volga_agent import auth
-from volga_operator.kube import bearer
 
 LATENCY_MS_BUCKETS = (0.25, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 350, 500, 1000, 2000, 5000, 10000, 30000, 60000)
 FAST_MS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 50)
@@ -130,26 +123,3 @@ class GatewayMetrics:
         self.shed = prom.Counter(
             "volga_gateway_shed_requests", "Requests refused at once while their model was shed", ["model"],
             registry=r)
-
-
-def app(registries: Sequence[prom.CollectorRegistry], tokens: auth.Tokens | None = None) -> web.Application:
-    """`GET /metrics`: the series of these registries; with `tokens`, only for a request that carries one of them
-    (`Authorization: Bearer TOKEN`), else 401. The operator serves its own the same way."""
-    return bearer.metrics_app(registries, tokens)
-
-
-async def listen(http_app: web.Application, host: str, port: int, **options: Any) -> tuple[web.AppRunner, int]:
-    """Serve an aiohttp app on host:port (0 picks a free port): its runner (`cleanup()` stops it) and the port.
-    `options` go to the runner's request handler (e.g. auto_decompress)."""
-    runner = web.AppRunner(http_app, access_log=None, handle_signals=False, **options)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True)
-    await site.start()
-    sockets = getattr(site._server, "sockets", None) or []
-    return runner, int(sockets[0].getsockname()[1]) if sockets else port
-
-
-async def serve(registries: Sequence[prom.CollectorRegistry], host: str, port: int,
-                tokens: auth.Tokens | None = None) -> tuple[web.AppRunner, int]:
-    """The `/metrics` endpoint of these registries on host:port (with `tokens`: bearer tokens required)."""
-    return await listen(app(registries, tokens), host, port)

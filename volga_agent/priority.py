@@ -59,10 +59,6 @@ def set_nice(pid: int, nice: int, idle: bool = False) -> Applied:
     return Applied(threads, _set_group(pid, max(0, nice)))
 
 
-def lower(pid: int, nice: int = MAX_NICE, idle: bool = False) -> Applied:
-    return set_nice(pid, nice, idle)
-
-
 def restore(pid: int) -> Applied:
     """Back to normal priority (`normal()`, SCHED_OTHER), threads and group."""
     return set_nice(pid, normal())

@@ -33,7 +33,4 @@ class OperatorMetrics:
     async def serve(self, host: str, port: int, tokens: bearer.Tokens | None = None) -> tuple[web.AppRunner, int]:
         """The `/metrics` endpoint on the running event loop (with `tokens`: a bearer token required); its runner
         (`cleanup()` stops it) and its port (0 picks a free one)."""
-        runner = web.AppRunner(bearer.metrics_app([self.registry], tokens), access_log=None, handle_signals=False)
-        await runner.setup()
-        await web.TCPSite(runner, host, port, reuse_address=True).start()
-        return runner, int(runner.addresses[0][1])
+        return await bearer.serve_metrics([self.registry], host, port, tokens)

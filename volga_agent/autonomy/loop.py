@@ -158,7 +158,7 @@ class PoolActuator:
                 continue
             started = process.start_time(pid)
             try:
-                applied = priority.lower(pid, nice, idle=self.pool.settings.autonomy_yield_sched_idle)
+                applied = priority.set_nice(pid, nice, idle=self.pool.settings.autonomy_yield_sched_idle)
             except ProcessLookupError:
                 continue
             except PermissionError as exc:

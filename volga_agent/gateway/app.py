@@ -18,6 +18,7 @@ from aiohttp import web
 from volga_agent import auth, metrics
 from volga_agent.gateway import catalog, dataplane, grpc_service, links, rest
 from volga_agent.rpc.inference import grpc_service_pb2_grpc as pb_grpc
+from volga_operator.kube import bearer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,11 +72,11 @@ class Gateway:
             raise OSError(f"cannot listen on {s.host}:{s.grpc_port} (gRPC)")
         await self._grpc.start()
         self.ports["http"] = await self._listen(rest.app(self.dataplane, s.tokens), s.http_port, **rest.RUNNER_OPTIONS)
-        self.ports["metrics"] = await self._listen(metrics.app([self.metrics.registry, *self.extra_metrics],
-                                                               s.metrics_tokens), s.metrics_port)
+        self.ports["metrics"] = await self._listen(bearer.metrics_app([self.metrics.registry, *self.extra_metrics],
+                                                                      s.metrics_tokens), s.metrics_port)
 
     async def _listen(self, http_app: web.Application, port: int, **options: Any) -> int:
-        runner, bound = await metrics.listen(http_app, self.settings.host, port, **options)
+        runner, bound = await bearer.listen(http_app, self.settings.host, port, **options)
         self._runners.append(runner)
         return bound
 

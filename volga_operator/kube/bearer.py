@@ -75,3 +75,18 @@ def metrics_app(registries: Sequence[prom.CollectorRegistry], tokens: Tokens | N
     app = web.Application(middlewares=[rest_middleware(tokens, ())] if tokens is not None else [])
     app.router.add_get("/metrics", handle)
     return app
+
+
+async def listen(http_app: web.Application, host: str, port: int, **options: Any) -> tuple[web.AppRunner, int]:
+    """Serve an aiohttp app on host:port (0 picks a free port) on the running event loop: its runner (`cleanup()`
+    stops it) and the port. `options` go to the runner's request handler (e.g. auto_decompress)."""
+    runner = web.AppRunner(http_app, access_log=None, handle_signals=False, **options)
+    await runner.setup()
+    await web.TCPSite(runner, host, port, reuse_address=True).start()
+    return runner, int(runner.addresses[0][1])
+
+
+async def serve_metrics(registries: Sequence[prom.CollectorRegistry], host: str, port: int,
+                        tokens: Tokens | None = None) -> tuple[web.AppRunner, int]:
+    """`metrics_app` served on host:port, as `listen`."""
+    return await listen(metrics_app(registries, tokens), host, port)
