@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -126,10 +127,10 @@ def test_a_violation_throttles_the_tolerant_worker_to_its_share_and_never_leaves
     dump = p.criu.dump
     stopped_in_dump: list[bool] = []
 
-    def watched(pid: int, name: str) -> object:
+    def watched(pid: int, name: str, **options: Any) -> object:
         # Over five periods just before the dump: a worker stopped now would be restored stopped.
         stopped_in_dump.append(any(stopped_samples(pid, 0.1, 0.001)))
-        return dump(pid, name)
+        return dump(pid, name, **options)
 
     monkeypatch.setattr(p.criu, "dump", watched)
     autonomy = loop.Loop(p, RecordingGateway(), probe=NoProbe())
