@@ -378,3 +378,44 @@ def test_a_large_json_body_is_decoded_off_the_event_loop(up: local.Embedded, g: 
     start, end = window
     during = [s for s in small if s[0] > start and s[1] < end]
     assert len(during) >= 3, (end - start, len(small), len(during))
+
+
+# --- a sidecar that starts before its agent ---------------------------------------------------------------------
+
+
+def test_a_sidecar_started_before_its_agent_answers_once_the_agent_listens(
+        stack: tuple[harness.Background, local.Embedded]) -> None:
+    """The sidecar's load exchange fails while nothing listens on the agent's port, and gRPC's channel backs off
+    further after each failure (1 s, 1.6 s, 2.6 s, ... by default): a request that came between two attempts
+    used to fail at once with the last one's "connection refused", though the agent was listening by then."""
+    from volga_agent import server
+    from volga_bench import controlplane
+
+    bg, embedded = stack
+    [port] = controlplane.free_ports(1)
+
+    async def sidecar() -> tuple[app.Gateway, links.Exchanger]:
+        link = links.GrpcAgentLink(f"127.0.0.1:{port}")
+        gw = app.Gateway(catalog.Catalog(embedded.specs), link, app.Settings(http_port=0, grpc_port=0, metrics_port=0))
+        await gw.start()
+        exchanger = links.Exchanger(gw.dataplane, link)
+        exchanger.start()
+        return gw, exchanger
+
+    gw, exchanger = bg.call(sidecar())
+    agent: Any = None
+    g = grpcclient.InferenceServerClient(f"127.0.0.1:{gw.ports['grpc']}")
+    try:
+        time.sleep(6.0)  # four or five failed attempts: the channel's next one is seconds away
+        assert exchanger.exchanges == 0
+        agent, bound = bg.call(server.serve(embedded.pool, "127.0.0.1", port))
+        assert bound == port
+        x = np.array([[1.0, 4.0, 0.25]], np.float32)
+        answer = g.infer(NAN, infer_input(grpcclient, x), client_timeout=30).as_numpy("root")
+        np.testing.assert_array_equal(answer, np.sqrt(x))
+    finally:
+        g.close()
+        bg.call(exchanger.stop())
+        bg.call(gw.stop())
+        if agent is not None:
+            bg.call(agent.stop(0))

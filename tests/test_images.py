@@ -195,6 +195,10 @@ def test_agent_image_freezes_restores_and_serves(rootfs: Rootfs, tmp_path: pathl
         assert agent_metric("volga_snapshot_restore_failures_total") == 0
         assert stop(gateway) == 0
         assert stop(agent) == 0
+    except BaseException:
+        for name in ("agent.log", "gateway.log"):  # shown with the failure (pytest prints what a test printed)
+            print(f"--- {name} (last 4000 characters)\n{(tmp_path / name).read_text(errors='replace')[-4000:]}")
+        raise
     finally:
         for proc in (gateway, agent):
             if proc.poll() is None:

@@ -42,6 +42,13 @@ from volga_operator import api
 log = logging.getLogger(__name__)
 FORWARDED = "x-volga-forwarded"
 PASSED_ON = ("x-input-hash", "x-device-hint", "authorization")  # the gateways of a cluster share tokens
+# The agent is the gateway's own node's: its channel tries again within a second once the agent (re)starts,
+# not after gRPC's default backoff, which grows to two minutes while nothing listens (a sidecar that starts
+# before its agent, an agent restart).
+AGENT_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                         ("grpc.max_reconnect_backoff_ms", 1000)]
+# How long a wake waits, within its request's deadline, for the agent's channel to connect; then UNAVAILABLE.
+AGENT_CONNECT_WAIT_S = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,11 +101,24 @@ class GrpcAgentLink:
 
     def __init__(self, address: str, token: str = "") -> None:
         self.address = address  # host:port, or unix:PATH
-        self.channel = grpc.aio.insecure_channel(address)
+        self.channel = grpc.aio.insecure_channel(address, options=AGENT_CHANNEL_OPTIONS)
         self.stub = agent_grpc.AgentStub(self.channel)
         self.metadata = [("authorization", f"Bearer {token}")] if token else None
 
+    async def _connected(self, timeout_ms: int) -> None:
+        """Wait a little for the channel to connect: a call on a channel that is between two attempts fails at
+        once with the last attempt's error, though the agent may be listening by now."""
+        if self.channel.get_state(try_to_connect=True) is grpc.ChannelConnectivity.READY:
+            return
+        wait = min(AGENT_CONNECT_WAIT_S, timeout_ms / 1e3) if timeout_ms else AGENT_CONNECT_WAIT_S
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.channel.channel_ready(), wait)
+
     async def activate(self, model_id: str, device_hint: str, timeout_ms: int) -> Route:
+        started = time.monotonic()
+        await self._connected(timeout_ms)
+        if timeout_ms:
+            timeout_ms = max(1, timeout_ms - int((time.monotonic() - started) * 1e3))
         request = agent_pb.ActivateRequest(model_id=model_id, device_hint=device_hint, timeout_ms=timeout_ms)
         try:
             reply = await self.stub.Activate(request, timeout=timeout_ms / 1e3 if timeout_ms else None,
