@@ -1,11 +1,14 @@
 """Where the SUSPENDED and FROZEN (eager and lazy) wakes of a 0.125 GiB MLP go: criu's restore, the CUDA
 driver's restore, the worker's own wake (instance.Transition.phases), with criu's restore log and stats kept;
-FROZEN both with the CUDA graphs kept in the image and captured again after the restore (the default).
+FROZEN both with the CUDA graphs kept in the image and captured again after the restore (the default);
+SUSPENDED both with graphs and weights left to the driver's checkpoint and with the worker copying its weights
+to pinned memory and dropping its graphs first (`TorchBackend.sleep`, `suspend_copies_weights`).
 
 On the GPU machine: OUT=/some/folder python3 bench/wake_phases.py (rows in $OUT/phases.json; WAKES=8 wakes a
 pass; KEEP_LOGS=1 keeps criu's logs of the second wake of each).
 """
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -20,8 +23,8 @@ from volga_agent.worker import contract
 from volga_bench import tiers
 from volga_operator.api import Tier
 
-# (label, tier, lazy restore, graphs kept in the image)
-PASSES = [("suspended", Tier.SUSPENDED, None, False),
+# (label, tier, lazy restore, graphs and weights kept in the driver's checkpoint)
+PASSES = [("suspended", Tier.SUSPENDED, None, False), ("suspended_driver_copies_all", Tier.SUSPENDED, None, True),
           ("frozen_eager", Tier.FROZEN, False, False), ("frozen_lazy", Tier.FROZEN, True, False),
           ("frozen_eager_graphs_kept", Tier.FROZEN, False, True), ("frozen_lazy_graphs_kept", Tier.FROZEN, True, True)]
 WAKES = int(os.environ.get("WAKES", "8"))
@@ -35,6 +38,7 @@ def main() -> None:
     engine = criu.CriuEngine(base / "snap")
     insts = {kept: instance.Instance(f"phases-{kept}", spec, base / f"w{kept}", engine, driver, "cuda:0",
                                      reuse_image_sec=float("inf"), graphs_in_images=kept) for kept in (False, True)}
+    insts[False].config = dataclasses.replace(insts[False].config, suspend_copies_weights=True)
     inputs = contract.sample_inputs(insts[False].config.inputs, batch=8, seed=1)
     rows = []
     try:

@@ -6,6 +6,7 @@ in-place weight swap, and outputs compared bit for bit after every wake.
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 from collections.abc import Iterator
 
@@ -308,3 +309,48 @@ def test_graphs_are_captured_again_after_a_frozen_wake_and_kept_out_of_the_image
             inst.close()
     assert np.array_equal(answers[True], answers[False])
     assert sizes[True] - sizes[False] > 64 * 2**20, sizes
+
+
+def rss_anon_bytes(pid: int) -> int:
+    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no RssAnon in /proc/{pid}/status")
+
+
+def test_a_suspended_worker_hands_the_driver_little_more_than_its_context(
+        mlp_spec: api.ModelSpecSpec, rundir: pathlib.Path, criu_engine: criu.CriuEngine) -> None:
+    """The same worker with its graphs and weights left to the driver's SUSPENDED checkpoint, and with the worker
+    dropping its graphs and copying its weights to pinned host memory first (`TorchBackend.sleep`): the driver's
+    copy in the process's memory is smaller by the graphs, the answers are the same after each wake, the graphs
+    replay again, and the weights came back through the worker's own copy."""
+    rss, answers = {}, {}
+    x = contract.sample_inputs(instance.decls(mlp_spec.inputs), batch=8, seed=7)
+    for kept in (True, False):
+        inst = instance.Instance(f"mlp-sleep-{kept}", mlp_spec, rundir / str(kept), criu_engine,
+                                 cuda.DriverCheckpoint(), "cuda:0", graphs_in_images=kept)
+        inst.config = dataclasses.replace(inst.config, suspend_copies_weights=not kept)
+        try:
+            inst.to(Tier.HOT)
+            graphs = inst.client().call("stats").header["cuda_graphs"]
+            assert graphs, "the model captures graphs"
+            answers[kept] = inst.infer(x)["y"]
+            for _ in range(2):
+                inst.to(Tier.SUSPENDED)
+                assert inst.pid is not None
+                rss[kept] = rss_anon_bytes(inst.pid)
+                woke = inst.wake()
+                assert not woke.fallback, woke.detail
+                stats = inst.client().call("stats").header
+                assert stats["cuda_graphs"] == graphs and not stats["offloaded"]
+                # With the worker's own copy, its pinned copy stays for the next checkpoint.
+                assert stats["host_copy_bytes"] == (0 if kept else stats["weights_bytes"])
+                assert np.array_equal(inst.infer(x)["y"], answers[kept])
+            if not kept:  # and through FROZEN, whose image then carries the pinned copy
+                inst.to(Tier.FROZEN)
+                inst.to(Tier.HOT)
+                assert np.array_equal(inst.infer(x)["y"], answers[kept])
+        finally:
+            inst.close()
+    assert np.array_equal(answers[True], answers[False])
+    assert rss[True] - rss[False] > 64 * 2**20, rss

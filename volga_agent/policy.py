@@ -104,8 +104,9 @@ class Settings(pydantic.BaseModel):
     # The per-thread stack each GPU worker's CUDA context reserves (0: the driver's 1 KiB); see
     # worker/contract.py DEFAULT_CUDA_STACK_BYTES for why it is small.
     gpu_stack_bytes: Annotated[int, pydantic.Field(ge=0)] = contract.DEFAULT_CUDA_STACK_BYTES
-    # Keep GPU workers' captured CUDA graphs in their FROZEN images. Off: they are dropped before the dump and
-    # captured again after the restore, which keeps their memory (graph pools, cuBLAS workspaces) out of the image.
+    # Keep GPU workers' captured CUDA graphs in their snapshots (FROZEN images, SUSPENDED driver checkpoints). Off:
+    # they are dropped before the checkpoint and captured again after the restore, which keeps their memory (graph
+    # pools, cuBLAS workspaces) out of what the driver and CRIU copy.
     gpu_graphs_in_images: bool = False
     # Failed restores whose image and logs stay under the snapshot root's failed/ folder, newest first.
     keep_failed_restores: Annotated[int, pydantic.Field(ge=0)] = 3

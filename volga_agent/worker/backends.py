@@ -49,6 +49,14 @@ class Backend(abc.ABC):
     def unpark(self) -> None:  # noqa: B027 (a hook: only backends that park need it)
         """After a restore (or an abandoned dump): bring parked weights back and drop the file mapping."""
 
+    def sleep(self) -> dict[str, Any]:
+        """Before the CUDA driver checkpoints this process (SUSPENDED): make what it copies smaller. What this
+        does, `awake` undoes; the default backend does nothing."""
+        return {}
+
+    def awake(self) -> None:  # noqa: B027 (a hook: only backends that sleep need it)
+        """After the driver's restore (or a checkpoint that did not happen): serve as before `sleep`."""
+
     def stats(self) -> dict[str, Any]:
         return {}
 
@@ -157,7 +165,8 @@ class TorchBackend(Backend):
         self._bind(self.arena, copy=True)  # straight from host memory into the arena: one copy on the GPU
         self.module.to(self.device)  # anything that is neither parameter nor buffer
         self.graphs: dict[int, tuple[Any, list[Any], Any]] = {}
-        self._released_graphs: tuple[int, ...] = ()  # captured again when the parked weights come back
+        self._released_graphs: tuple[int, ...] = ()  # captured again on `unpark` or `awake`
+        self._slept_offloaded = False  # `sleep` moved the weights to host memory: `awake` brings them back
         if self.device.type == "cuda" and self.vmm is not None:
             for batch in config.cuda_graph_batches:
                 self._capture(batch)
@@ -301,17 +310,49 @@ class TorchBackend(Backend):
         return True
 
     def _release_graphs(self) -> None:
-        """Drop the captured graphs, their memory pool and cuBLAS's workspaces before a FROZEN dump.
+        """Drop the captured graphs, their memory pool and cuBLAS's workspaces before a driver checkpoint.
 
-        They are device memory the driver's checkpoint copies into the image (graphs for batch 1 and 8 of a
-        0.13 GiB MLP on an H200: 176 MiB of a 1 GiB image, about 120 ms of a restore at the page-fault rate);
-        capturing them again after the restore takes a few milliseconds a batch size.
+        They are device memory the driver's checkpoint copies (graphs for batch 1 and 8 of a 0.13 GiB MLP on
+        an H200: 176 MiB of a 1 GiB FROZEN image, about 120 ms of its restore at the page-fault rate);
+        capturing them again afterwards (`_capture_released`) takes a few milliseconds a batch size.
         """
-        self._released_graphs = tuple(self.graphs)
+        self._released_graphs = tuple(sorted({*self._released_graphs, *self.graphs}))
         self.graphs.clear()
         clear_workspaces = getattr(self.torch._C, "_cuda_clearCublasWorkspaces", None)
         if clear_workspaces is not None:
             clear_workspaces()
+
+    def _capture_released(self) -> None:
+        batches, self._released_graphs = self._released_graphs, ()
+        for batch in batches:
+            self._capture(batch)
+
+    def sleep(self) -> dict[str, Any]:
+        """Before the driver's checkpoint (SUSPENDED): unless `graphs_in_images`, the graphs and workspaces go,
+        and with `suspend_copies_weights` the weights go to pinned host memory by the worker's own copy, so that
+        the driver copies little more than the context. The driver copies device memory at a few GB/s each way
+        (about 3.5 GB/s on an H200: ~70 ms per 250 MiB of a restore), the copy engine from and to pinned memory
+        at tens of GB/s. The pinned copy stays after `awake`, as after a WARM wake: the next checkpoint reuses
+        it."""
+        if self.device.type != "cuda":
+            return {}
+        out: dict[str, Any] = {}
+        if not self.offloaded and self.config.suspend_copies_weights:
+            try:
+                out = self.offload()
+                self._slept_offloaded = True
+            except protocol.WorkerError as exc:  # no pinned memory to be had: the driver's copy takes them
+                print(f"sleep: weights stay on the GPU for the driver's checkpoint: {exc.message}", file=sys.stderr)
+        if not self.config.graphs_in_images:
+            self._release_graphs()
+        self.torch.cuda.empty_cache()  # cached blocks would go into the driver's checkpoint too
+        return out
+
+    def awake(self) -> None:
+        if self._slept_offloaded:
+            self.reload()
+            self._slept_offloaded = False
+        self._capture_released()
 
     def unpark(self) -> None:
         if self._parked is None:
@@ -338,9 +379,7 @@ class TorchBackend(Backend):
             mapping.close()
         except BufferError:  # a view outlived the copy: the mapping stays until it goes (and a dump carries it)
             print("parked weights: a view still holds the file mapping", file=sys.stderr)
-        batches, self._released_graphs = self._released_graphs, ()
-        for batch in batches:
-            self._capture(batch)
+        self._capture_released()
 
     def _unregister_host(self) -> None:
         if self._host_buffer is not None and self.device.type == "cuda":

@@ -149,9 +149,13 @@ class WorkerConfig:
     warmup: tuple[WarmupSample, ...] = ()  # declared warm-up samples (runtime.warmup); () runs made-up inputs
     warmup_file: str = ""  # an .npz of real inputs run after the declared samples (runtime.warmupFile)
     cuda_stack_bytes: int = 0  # per-thread stack the CUDA context reserves (CU_LIMIT_STACK_SIZE); 0: the driver's
-    # Keep captured CUDA graphs in FROZEN images; False drops them before the dump and captures them again after
-    # the restore (`backends.TorchBackend.park`): a smaller image for a few milliseconds of capture.
+    # Keep captured CUDA graphs in snapshots; False drops them before the driver's checkpoint and captures them
+    # again after the restore (`backends.TorchBackend.park`, `sleep`): less to copy for a few ms of capture.
     graphs_in_images: bool = False
+    # Before the driver's SUSPENDED checkpoint the worker copies its weights to pinned host memory itself
+    # (`backends.TorchBackend.sleep`) instead of leaving them on the device for the driver to copy. Off until
+    # measured on a GPU: `bench/wake_phases.py` compares both.
+    suspend_copies_weights: bool = False
     # The user and group the worker drops to once started (`serve.drop_privileges`); 0 and 0: it stays the agent's.
     uid: int = 0
     gid: int = 0

@@ -86,6 +86,7 @@ class Worker:
         self.requests = 0
         self.restores = 0
         self.restore_warmups_done = 0
+        self._rewarm = False  # restored since the last wake, with restore warm-ups to run
         self.generation = 0  # bumped when the process state changes in a way a snapshot must capture (swap)
         # The tier the agent put this worker in while its process stays up ("" when serving): requests that
         # reach it then are handed back unrun (NotRun), never half-run against offloaded or locked GPU state.
@@ -125,12 +126,19 @@ class Worker:
         return result, []
 
     def _op_sleep(self, frame: protocol.Frame) -> tuple[dict[str, Any], list[memoryview]]:
-        """Sent before the agent checkpoints the GPU state (SUSPENDED), so no request then waits on a lock."""
+        """Sent before the agent checkpoints the GPU state (SUSPENDED), so no request then waits on a lock; the
+        backend makes the checkpoint smaller (`Backend.sleep`)."""
         self.asleep = str(frame.header.get("tier") or "asleep")
-        return {}, []
+        return self.backend.sleep(), []
 
     def _op_wake(self, frame: protocol.Frame) -> tuple[dict[str, Any], list[memoryview]]:
-        """Serve again; with `canary`, answer the canary first (the agent compares it before any request)."""
+        """Serve again; with `canary`, answer the canary first (the agent compares it before any request). After
+        a restore, the restore warm-ups (warmupCacheRatio) run first."""
+        self.backend.awake()
+        if self._rewarm:
+            warmup.run(self.backend.run, self.warm, self.config.restore_warmups)
+            self.restore_warmups_done += self.config.restore_warmups
+            self._rewarm = False
         self.asleep = ""
         header, _ = self._op_ping(frame)
         if frame.header.get("canary"):
@@ -377,9 +385,8 @@ class Worker:
         self.restores += 1
         if self.config.reset_rng_on_restore:
             reseed_rngs()
-        if self.config.restore_warmups:
-            warmup.run(self.backend.run, self.warm, self.config.restore_warmups)
-            self.restore_warmups_done += self.config.restore_warmups
+        # At the wake that follows (`_op_wake`): a worker restored asleep may have its weights in host memory.
+        self._rewarm = self.config.restore_warmups > 0
 
     def serve(self) -> None:
         ready = {"pid": os.getpid(), "load_seconds": self.load_seconds}
