@@ -246,3 +246,10 @@ def test_numa_cpus_reads_the_cpulist(tmp_path: pathlib.Path) -> None:
     assert gpus.numa_cpus(1, tmp_path) == (0, 1, 2, 3, 8, 9, 12)
     assert gpus.numa_cpus(0, tmp_path) == ()
     assert gpus.numa_cpus(-1, tmp_path) == ()
+
+
+def test_cpu_lists_parse_as_taskset_and_sysfs_write_them() -> None:
+    assert gpus.cpu_list("0-3,8,10-11\n") == (0, 1, 2, 3, 8, 10, 11)
+    assert gpus.cpu_list("5") == (5,)
+    with pytest.raises(ValueError):
+        gpus.cpu_list("two")

@@ -23,8 +23,10 @@ def bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.skipif(not HAS_KSERVE, reason="KServe is not installed (pip install 'volga[peers]', as make setup does)")
 def test_bench_peers_prints_both_sides_in_json() -> None:
+    cpus = sorted(os.sched_getaffinity(0))
+    placed = ["--server-cpus", str(cpus[0]), "--client-cpus", str(cpus[-1])] if len(cpus) > 1 else []
     out = bench("--json", "--requests", "40", "--warmup", "10", "--seconds", "0.5", "--cold-starts", "1",
-                "--wakes", "2", "--idle-sec", "1")
+                "--wakes", "2", "--idle-sec", "1", *placed)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)
     volga, kserve = report["volga"], report["kserve"]
@@ -43,6 +45,10 @@ def test_bench_peers_prints_both_sides_in_json() -> None:
     assert report["kserve_versions"]["kserve"]
     batched = report["volga_batched"]  # the default model with dynamic batching in the gateway
     assert batched["conc8_rps"] > 0 and batched["hot"]["n"] == 40 and batched["outputs_match"]
+    if placed:  # where each process was allowed to run, as read from the processes themselves
+        assert volga["cpus"] == batched["cpus"] == {"clients": [cpus[-1]], "gateway": [cpus[0]],
+                                                     "worker": [cpus[0]]}, volga["cpus"]
+        assert kserve["cpus"] == {"clients": [cpus[-1]], "server": [cpus[0]]}, kserve["cpus"]
 
 
 def test_bench_peers_names_a_missing_kserve_interpreter() -> None:

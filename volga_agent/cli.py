@@ -348,6 +348,21 @@ def cmd_bench_gateway(args: argparse.Namespace) -> int:
     return 0 if not args.batching or report["outputs_match"] else 1
 
 
+def _cpus(text: str) -> tuple[int, ...]:
+    """An argparse type: a CPU list such as 0,1 or 2-9, of CPUs this process may run on."""
+    from volga_agent import gpus
+
+    try:
+        cpus = gpus.cpu_list(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a CPU list such as 0,1 or 2-9") from None
+    missing = sorted(set(cpus) - os.sched_getaffinity(0))
+    if not cpus or missing:
+        raise argparse.ArgumentTypeError(f"{text!r}: CPUs {missing or 'none'} are not available here "
+                                         f"(available: {sorted(os.sched_getaffinity(0))})")
+    return cpus
+
+
 def cmd_bench_peers(args: argparse.Namespace) -> int:
     try:
         from volga_bench import peers
@@ -356,7 +371,8 @@ def cmd_bench_peers(args: argparse.Namespace) -> int:
     settings = peers.Settings(requests=args.requests, warmup=args.warmup, seconds=args.seconds,
                               concurrency=tuple(args.clients), cold_starts=args.cold_starts, wakes=args.wakes,
                               idle_sec=args.idle_sec, kserve_python=args.kserve_python or "",
-                              batched=not args.no_batched, external_data=args.external_data)
+                              batched=not args.no_batched, external_data=args.external_data,
+                              server_cpus=args.server_cpus, client_cpus=args.client_cpus)
     try:
         report = peers.run(settings, progress=_progress(args.json))
     except peers.KServeMissing as exc:
@@ -610,6 +626,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kserve-python", help="the interpreter that runs KServe (default: $VOLGA_KSERVE_PYTHON, "
                    "else this one, with the peers extra)")
     p.add_argument("--no-batched", action="store_true", help="leave out Volga with dynamic batching")
+    p.add_argument("--server-cpus", type=_cpus, default=(), metavar="LIST",
+                   help="CPUs the servers run on, e.g. 0,1 or 0-3 (default: all)")
+    p.add_argument("--client-cpus", type=_cpus, default=(), metavar="LIST",
+                   help="CPUs the clients run on, e.g. 2-9 (default: all)")
     _report_args(p)
     p.set_defaults(func=cmd_bench_peers)
     p = bench.add_parser("faults", help="volga up under traffic: corrupt and truncated images, killed workers "

@@ -64,11 +64,15 @@ def numa_cpus(node: int, sysfs_root: str | pathlib.Path = "/sys") -> tuple[int, 
         return ()
     path = pathlib.Path(sysfs_root) / "devices" / "system" / "node" / f"node{node}" / "cpulist"
     try:
-        text = path.read_text().strip()
+        return cpu_list(path.read_text())
     except OSError:
         return ()
+
+
+def cpu_list(text: str) -> tuple[int, ...]:
+    """The CPUs of a Linux CPU list such as "0-15,32-47" (sysfs, taskset -c); ValueError when it is none."""
     cpus: list[int] = []
-    for part in filter(None, text.split(",")):
+    for part in filter(None, text.strip().split(",")):
         first, _, last = part.partition("-")
         cpus.extend(range(int(first), int(last or first) + 1))
     return tuple(cpus)

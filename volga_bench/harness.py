@@ -77,12 +77,16 @@ class UpProcess:
 
 
 @contextlib.contextmanager
-def volga_up(extra: list[str] | None = None, timeout: float = 180.0) -> Iterator[UpProcess]:
-    """Run `volga up` on ephemeral ports until it announces its endpoints; stop it with SIGTERM afterwards."""
+def volga_up(extra: list[str] | None = None, timeout: float = 180.0, cpus: tuple[int, ...] = ()
+             ) -> Iterator[UpProcess]:
+    """Run `volga up` on ephemeral ports until it announces its endpoints; stop it with SIGTERM afterwards. With
+    `cpus`, it runs on those CPUs only, its workers too (they inherit its affinity)."""
     cmd = [sys.executable, "-m", "volga_agent.cli", "up", "--http-port", "0", "--grpc-port", "0",
            "--metrics-port", "0", "--agent-port", "0", *(extra or [])]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if cpus:
+        os.sched_setaffinity(proc.pid, cpus)  # before it starts a thread or a worker, which inherit it
     up = UpProcess(proc, {}, [])
     try:
         deadline = time.monotonic() + timeout

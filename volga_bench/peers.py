@@ -70,6 +70,11 @@ class Settings:
     # Both servers load the default model with its weights beside it (ONNX external data) rather than inside it:
     # Volga's workers then map them, and its FROZEN images leave them out.
     external_data: bool = False
+    # Where the servers (KServe's; `volga up` with its workers) and this process (the clients, the model alone)
+    # run; () leaves them on every CPU. On a machine with more cores than the servers get, clients on other CPUs
+    # leave the servers' CPUs to the servers, as in a cluster, where the clients are elsewhere.
+    server_cpus: tuple[int, ...] = ()
+    client_cpus: tuple[int, ...] = ()
 
 
 class KServeMissing(RuntimeError):
@@ -182,6 +187,17 @@ class Watched:
         roles = {role: sum(map(cpu_seconds, pids)) for role, pids in self.roles.items()}
         return {"clients": time.process_time(), **roles}
 
+    def cpus(self) -> dict[str, list[int]]:
+        """The CPUs each role's processes may run on, read from the processes themselves."""
+        def allowed(pids: tuple[int, ...]) -> list[int]:
+            found: set[int] = set()
+            for pid in pids:
+                with contextlib.suppress(OSError):
+                    found |= os.sched_getaffinity(pid)
+            return sorted(found)
+
+        return {"clients": sorted(os.sched_getaffinity(0)), **{r: allowed(p) for r, p in self.roles.items()}}
+
 
 def cpu_seconds(pid: int) -> float:
     """User and system CPU time of a process so far (all its threads); 0 when it is gone."""
@@ -265,6 +281,8 @@ def steady_state(address: str, work: Workload, settings: Settings, check: Checke
     progress(f"  HOT: one client, {settings.requests} requests")
     one = hot(address, work, settings, check)
     out: dict[str, Any] = {"hot_p50_ms": one["p50_ms"], "hot_p99_ms": one["p99_ms"], "hot": one}
+    if watched is not None:
+        out["cpus"] = watched.cpus()
     for clients in settings.concurrency:
         progress(f"  {clients} clients for {settings.seconds:g} s")
         rps, cpu = throughput(address, work, clients, settings.seconds, check, watched)
@@ -331,15 +349,18 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def kserve_server(python: str, model_path: pathlib.Path, model: str, threads: int, log: pathlib.Path
-                  ) -> Iterator[tuple[subprocess.Popen[bytes], str, float]]:
-    """KServe's ModelServer on free ports: (process, gRPC address, when it was started)."""
+def kserve_server(python: str, model_path: pathlib.Path, model: str, threads: int, log: pathlib.Path,
+                  cpus: tuple[int, ...] = ()) -> Iterator[tuple[subprocess.Popen[bytes], str, float]]:
+    """KServe's ModelServer on free ports (on `cpus` only, when given): (process, gRPC address, when it was
+    started)."""
     grpc_port, http_port = _free_port(), _free_port()
     cmd = [python, str(KSERVE_SERVER), "--model_name", model, "--model_path", str(model_path),
            "--intra_op_threads", str(threads), "--http_port", str(http_port), "--grpc_port", str(grpc_port)]
     with log.open("ab") as out:
         started = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": ""})
+    if cpus:
+        os.sched_setaffinity(proc.pid, cpus)  # before it starts a thread, which inherits it
     try:
         yield proc, f"127.0.0.1:{grpc_port}", started
     finally:
@@ -359,7 +380,8 @@ def run_kserve(python: str, model_path: pathlib.Path, work: Workload, threads: i
     log = logdir / "kserve.log"
     for i in range(max(1, settings.cold_starts)):
         progress(f"KServe: start {i + 1}/{settings.cold_starts}, process start -> first answer")
-        with kserve_server(python, model_path, work.model, threads, log) as (proc, address, started):
+        with kserve_server(python, model_path, work.model, threads, log, settings.server_cpus) as \
+                (proc, address, started):
             colds.append(first_answer(address, work, started, lambda: proc.poll() is None, check))
             if i == max(1, settings.cold_starts) - 1:
                 out = steady_state(address, work, settings, check, progress, _server(proc.pid))
@@ -389,7 +411,7 @@ def run_volga(work: Workload, settings: Settings, progress: Callable[[str], None
     check = Checker(work.reference)
     progress("Volga: starting volga up (default model; cold start, then freeze) ...")
     serve = ["-f", str(spec_file)] if spec_file is not None else []
-    with harness.volga_up([*serve, "--idle-sec", f"{settings.idle_sec:g}"]) as up, \
+    with harness.volga_up([*serve, "--idle-sec", f"{settings.idle_sec:g}"], cpus=settings.server_cpus) as up, \
             grpc.insecure_channel(up.endpoints["agent"]) as channel:
         stub = agent_pb2_grpc.AgentStub(channel)
         address = up.endpoints["grpc"]
@@ -434,7 +456,8 @@ def run_volga_batched(work: Workload, settings: Settings, folder: pathlib.Path,
     path.write_text(yaml.safe_dump(doc))
     check = Checker(work.reference)
     progress("Volga, dynamic batching: starting volga up -f (the default model, batched, HOT) ...")
-    with harness.volga_up(["-f", str(path)]) as up, grpc.insecure_channel(up.endpoints["agent"]) as channel:
+    with harness.volga_up(["-f", str(path)], cpus=settings.server_cpus) as up, \
+            grpc.insecure_channel(up.endpoints["agent"]) as channel:
         _wait_tier(agent_pb2_grpc.AgentStub(channel), work.model, api.Tier.HOT.value)
         out = steady_state(up.endpoints["grpc"], work, settings, check, progress, _volga(up.proc.pid))
     return {**out, **check.report()}
@@ -464,6 +487,8 @@ def model_alone(model_path: pathlib.Path, arrays: dict[str, np.ndarray], threads
 
 def run(settings: Settings | None = None, progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     settings = settings or Settings()
+    if settings.client_cpus:
+        os.sched_setaffinity(0, settings.client_cpus)  # the client threads, started later, inherit it
     python = find_kserve(settings.kserve_python)
     peer_versions = versions(python)
     spec = defaultmodel.ensure().spec
@@ -526,7 +551,9 @@ def format_report(report: dict[str, Any]) -> str:
             *((f"{key[4:-4]} clients, requests/s", key) for key in conc)]
     b = report.get("volga_batched")
     lines = [f"{report['model']}, batch 1, {report['intra_op_threads']} intra-op thread(s); {report['device']}; "
-             f"KServe {report['kserve_versions']['kserve']}; load average {report['load_avg_1m']}",
+             f"KServe {report['kserve_versions']['kserve']}; load average {report['load_avg_1m']}"
+             + "".join(f"; {who} on CPUs {report['settings'][key]}" for who, key in
+                       (("servers", "server_cpus"), ("clients", "client_cpus")) if report["settings"][key]),
              f"{'':<28}{'Volga':>12}{'KServe':>12}"]
     lines[-1] += f"{'Volga batched':>16}" if b else ""
     lines += [f"{label:<28}{v[key]:>12.2f}{k[key]:>12.2f}" + (f"{b[key]:>16.2f}" if b else "") for label, key in rows]
