@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -283,74 +283,77 @@ def test_a_small_cuda_stack_floor_shrinks_images_and_keeps_the_answers(mlp_spec:
     assert sizes[0] - sizes[contract.DEFAULT_CUDA_STACK_BYTES] > 100 * 2**20, sizes
 
 
-def test_graphs_are_captured_again_after_a_frozen_wake_and_kept_out_of_the_image(
-        mlp_spec: api.ModelSpecSpec, rundir: pathlib.Path, criu_engine: criu.CriuEngine) -> None:
-    """The same worker with its CUDA graphs kept in the FROZEN image and dropped before the dump: the same
-    answers before and after the wake, the graphs replayed again after it, and a smaller image without them."""
-    sizes, answers = {}, {}
-    x = contract.sample_inputs(instance.decls(mlp_spec.inputs), batch=8, seed=6)
+def wakes_with_graphs_kept_and_dropped(spec: api.ModelSpecSpec, rundir: pathlib.Path, engine: criu.CriuEngine,
+                                       tier: api.Tier, measure: Callable[[instance.Instance], int],
+                                       copy_weights: bool = False,
+                                       after: Callable[[instance.Instance, bool], None] = lambda inst, kept: None
+                                       ) -> dict[bool, int]:
+    """The same worker with its CUDA graphs kept in its snapshots and dropped before them (with `copy_weights`,
+    the one that drops them also copies its weights to pinned memory before a SUSPENDED checkpoint), woken twice
+    from `tier` each: the same answers before and after every wake and both ways, and the graphs listed again
+    after each wake. `measure` is taken in the tier; `after(inst, kept)` checks each wake further."""
+    measured, answers = {}, {}
+    x = contract.sample_inputs(instance.decls(spec.inputs), batch=8, seed=6)
     for kept in (True, False):
-        inst = instance.Instance(f"mlp-graphs-{kept}", mlp_spec, rundir / str(kept), criu_engine,
-                                 cuda.DriverCheckpoint(), "cuda:0", graphs_in_images=kept)
+        inst = instance.Instance(f"mlp-graphs-{kept}", spec, rundir / str(kept), engine, cuda.DriverCheckpoint(),
+                                 "cuda:0", graphs_in_images=kept)
+        inst.config = dataclasses.replace(inst.config, suspend_copies_weights=copy_weights and not kept)
         try:
             inst.to(Tier.HOT)
             graphs = inst.client().call("stats").header["cuda_graphs"]
             assert graphs, "the model captures graphs"
             answers[kept] = inst.infer(x)["y"]
             for _ in range(2):
-                inst.to(Tier.FROZEN)
-                assert inst.image is not None
-                sizes[kept] = inst.image.size_bytes
+                inst.to(tier)
+                measured[kept] = measure(inst)
                 woke = inst.wake()
                 assert not woke.fallback, woke.detail
                 assert inst.client().call("stats").header["cuda_graphs"] == graphs
                 assert np.array_equal(inst.infer(x)["y"], answers[kept])
+                after(inst, kept)
         finally:
             inst.close()
     assert np.array_equal(answers[True], answers[False])
-    assert sizes[True] - sizes[False] > 64 * 2**20, sizes
+    return measured
 
 
-def rss_anon_bytes(pid: int) -> int:
-    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+def image_bytes(inst: instance.Instance) -> int:
+    assert inst.image is not None
+    return inst.image.size_bytes
+
+
+def rss_anon_bytes(inst: instance.Instance) -> int:
+    """The worker's anonymous memory, the driver's copy of its device memory included while it is SUSPENDED."""
+    for line in pathlib.Path(f"/proc/{inst.pid}/status").read_text().splitlines():
         if line.startswith("RssAnon:"):
             return int(line.split()[1]) * 1024
-    raise AssertionError(f"no RssAnon in /proc/{pid}/status")
+    raise AssertionError(f"no RssAnon in /proc/{inst.pid}/status")
+
+
+def test_graphs_are_captured_again_after_a_frozen_wake_and_kept_out_of_the_image(
+        mlp_spec: api.ModelSpecSpec, rundir: pathlib.Path, criu_engine: criu.CriuEngine) -> None:
+    sizes = wakes_with_graphs_kept_and_dropped(mlp_spec, rundir, criu_engine, Tier.FROZEN, image_bytes)
+    assert sizes[True] - sizes[False] > 64 * 2**20, sizes
 
 
 def test_a_suspended_worker_hands_the_driver_little_more_than_its_context(
         mlp_spec: api.ModelSpecSpec, rundir: pathlib.Path, criu_engine: criu.CriuEngine) -> None:
-    """The same worker with its graphs and weights left to the driver's SUSPENDED checkpoint, and with the worker
-    dropping its graphs and copying its weights to pinned host memory first (`TorchBackend.sleep`): the driver's
-    copy in the process's memory is smaller by the graphs, the answers are the same after each wake, the graphs
-    replay again, and the weights came back through the worker's own copy."""
-    rss, answers = {}, {}
-    x = contract.sample_inputs(instance.decls(mlp_spec.inputs), batch=8, seed=7)
-    for kept in (True, False):
-        inst = instance.Instance(f"mlp-sleep-{kept}", mlp_spec, rundir / str(kept), criu_engine,
-                                 cuda.DriverCheckpoint(), "cuda:0", graphs_in_images=kept)
-        inst.config = dataclasses.replace(inst.config, suspend_copies_weights=not kept)
-        try:
+    """Before the driver's SUSPENDED checkpoint the worker drops its graphs and copies its weights to pinned
+    memory itself (`TorchBackend.sleep`): the driver's copy in the process is smaller by the graphs, the weights
+    came back through the worker's own copy (which it keeps for the next checkpoint), and an image taken from
+    SUSPENDED, which then carries that copy, wakes with the same answers."""
+    def after(inst: instance.Instance, kept: bool) -> None:
+        stats = inst.client().call("stats").header
+        assert not stats["offloaded"]
+        assert stats["host_copy_bytes"] == (0 if kept else stats["weights_bytes"])
+        if not kept:
+            before = inst.infer(x)["y"]
+            inst.to(Tier.SUSPENDED)
+            inst.to(Tier.FROZEN)
             inst.to(Tier.HOT)
-            graphs = inst.client().call("stats").header["cuda_graphs"]
-            assert graphs, "the model captures graphs"
-            answers[kept] = inst.infer(x)["y"]
-            for _ in range(2):
-                inst.to(Tier.SUSPENDED)
-                assert inst.pid is not None
-                rss[kept] = rss_anon_bytes(inst.pid)
-                woke = inst.wake()
-                assert not woke.fallback, woke.detail
-                stats = inst.client().call("stats").header
-                assert stats["cuda_graphs"] == graphs and not stats["offloaded"]
-                # With the worker's own copy, its pinned copy stays for the next checkpoint.
-                assert stats["host_copy_bytes"] == (0 if kept else stats["weights_bytes"])
-                assert np.array_equal(inst.infer(x)["y"], answers[kept])
-            if not kept:  # and through FROZEN, whose image then carries the pinned copy
-                inst.to(Tier.FROZEN)
-                inst.to(Tier.HOT)
-                assert np.array_equal(inst.infer(x)["y"], answers[kept])
-        finally:
-            inst.close()
-    assert np.array_equal(answers[True], answers[False])
+            assert np.array_equal(inst.infer(x)["y"], before)
+
+    x = contract.sample_inputs(instance.decls(mlp_spec.inputs), batch=4, seed=7)
+    rss = wakes_with_graphs_kept_and_dropped(mlp_spec, rundir, criu_engine, Tier.SUSPENDED, rss_anon_bytes,
+                                             copy_weights=True, after=after)
     assert rss[True] - rss[False] > 64 * 2**20, rss
