@@ -120,6 +120,43 @@ class Requests:
         assert not self._thread.is_alive()
 
 
+def test_a_guarded_cycle_stops_its_targets_only_while_protected_work_is_in_flight(
+        busy: subprocess.Popen[bytes]) -> None:
+    """Guarded, a real busy process is stopped while a protected request is in flight (entered, not yet left), at
+    most its share of the time while the request lasts, and runs freely otherwise; the target's own requests
+    and unknown keys do not count as protected."""
+    cycle = throttle.DutyCycle(0.02, guarded=True)
+    lock = threading.Lock()
+    try:
+        assert not cycle.protects("critical")  # no targets: nothing to protect
+        cycle.set("heavy", [throttle.Target(lock, lambda: busy.pid, 0.75)])
+        assert cycle.protects("critical") and not cycle.protects("heavy")
+        assert not any(stopped_samples(busy.pid, 0.2)) and cycle.stops == 0  # no protected work: it runs
+        cycle.enter()
+        wait_for("the target stopped", lambda: throttle.stopped(busy.pid), timeout=5, every=0.001)
+        during = stopped_samples(busy.pid, 0.6, 0.002)
+        share = sum(during) / len(during)
+        assert 0.4 < share < 0.9, share  # 0.75 of the time at most while the request lasts, most of it
+        cycle.leave()
+        wait_for("the target running", lambda: not throttle.stopped(busy.pid), timeout=5, every=0.001)
+        assert not any(stopped_samples(busy.pid, 0.2)) and not lock.locked()
+        # A short request: stopped about as long as it lasts, then running again.
+        stops = cycle.stops
+        cycle.enter()
+        wait_for("the target stopped", lambda: throttle.stopped(busy.pid), timeout=5, every=0.001)
+        cycle.leave()
+        wait_for("the target running", lambda: not throttle.stopped(busy.pid), timeout=1, every=0.001)
+        assert cycle.stops == stops + 1
+        cycle.enter()
+        wait_for("the target stopped", lambda: throttle.stopped(busy.pid), timeout=5, every=0.001)
+        cycle.drop("heavy")  # mid-request: continued before it returns
+        assert not throttle.stopped(busy.pid) and not cycle.protects("critical")
+        cycle.leave()
+    finally:
+        cycle.close()
+    assert not throttle.stopped(busy.pid)
+
+
 def test_a_violation_throttles_the_tolerant_worker_to_its_share_and_never_leaves_it_stopped(
         two_workers: pool.Pool, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     p = two_workers
@@ -195,6 +232,47 @@ def test_a_violation_throttles_the_tolerant_worker_to_its_share_and_never_leaves
     lines = [r.getMessage() for r in caplog.records]
     assert any("autonomy decision" in m and "Throttle(model='loose', share=0.75)" in m for m in lines)
     assert any("loose is throttled: its HOT workers stopped 75% of every 20 ms" in m for m in lines)
+
+
+class GuardingGateway(RecordingGateway):
+    """A gateway in the agent's process: it takes the loop's guarded throttle (as `Dataplane.set_guard`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.guard: Any = None
+
+    def set_guard(self, guard: Any) -> None:
+        self.guard = guard
+
+
+def test_a_guarded_throttle_stops_the_tolerant_worker_only_while_the_strict_one_computes(
+        rundir: pathlib.Path, criu_engine: Any, default_spec: api.ModelSpecSpec) -> None:
+    settings = policy.Settings(autonomy_throttle_share=0.9, autonomy_throttle_period_ms=20.0,
+                               autonomy_throttle_guard=True, autonomy_preload_below_pct=0)
+    p = shared_workers.strict_and_loose(rundir, criu_engine.root, default_spec, settings)
+    gateway = GuardingGateway()
+    autonomy = loop.Loop(p, gateway, probe=NoProbe())
+    loose = shared_workers.pid_of(p, "loose")
+    try:
+        guard = gateway.guard
+        assert guard is not None and guard.guarded  # the loop handed its cycle to the gateway
+        loads = {"loose": window.ModelWindow(5, 5, 1, 0, 1.0), "strict": window.ModelWindow(5, 5, 0, 0, 5.0)}
+        assert autonomy.step(window.Window(0.0, 0.1, 50.0, 90.0, False, loads)).actions == (
+            decider.Throttle("loose", 0.75),)
+        assert guard.protects("strict") and not guard.protects("loose")
+        assert not any(stopped_samples(loose, 0.3))  # throttled, but nothing of `strict` is in flight
+        guard.enter()  # a request of `strict` at its worker
+        wait_for("the loose worker stopped", lambda: throttle.stopped(loose), timeout=5, every=0.001)
+        guard.leave()
+        wait_for("the loose worker running", lambda: not throttle.stopped(loose), timeout=1, every=0.001)
+        assert not any(stopped_samples(loose, 0.2))
+        guard.enter()
+        wait_for("the loose worker stopped", lambda: throttle.stopped(loose), timeout=5, every=0.001)
+    finally:
+        autonomy.stop()
+        p.close()
+    assert gateway.guard is None  # taken back when the loop stops
+    assert not throttle.stopped(loose)
 
 
 STOPPED_AGENT = """

@@ -31,6 +31,9 @@ def test_bench_slo_prints_its_numbers() -> None:
     assert report["sampling_jitter_ms"]["p99"] is not None
     assert {"shed", "p99_ms"} <= set(report["tolerant"]["on"]) and "p99_ms" in report["tolerant"]["off"]
     assert report["tolerant"]["off"]["shed"] == 0  # nothing sheds without the loop
+    # The protected model alone: its windows judged, and no tolerant request sent.
+    assert report["protected_alone"]["windows_judged"] > 0 and report["tolerant"]["alone"]["requests"] == 0
+    assert set(report["violating_windows_above_alone"]) == {"off", "on"}
     assert report["baseline_p99_ms"][slo.PROTECTED] > 0 and len(report["load_average"]) == 3
     # Where the CPU went, per window, and what each calibration measured.
     cpu = report["runs"]["on"][0]["cpu"]
@@ -77,7 +80,7 @@ def test_the_cpu_of_violating_windows_is_told_apart_from_the_others() -> None:
 
 def test_the_throttle_arm_is_run_beside_the_yield_alone() -> None:
     config = slo.Config(throttle_share=0.75, throttle_period_ms=25.0)
-    assert config.arms == ("off", "yield", "on") and slo.Config().arms == ("off", "on")
+    assert config.arms == ("alone", "off", "yield", "on") and slo.Config(alone=False).arms == ("off", "on")
     assert "autonomyThrottleShare" not in config.settings("yield") and config.settings("yield")["autonomyYieldNice"]
     assert (config.settings("on")["autonomyThrottleShare"], config.settings("on")["autonomyThrottlePeriodMs"]) == (
         0.75, 25.0)
@@ -88,12 +91,20 @@ def test_the_throttle_arm_is_run_beside_the_yield_alone() -> None:
            "tolerant": tolerant,
            "cpu": {"cpu_ms_per_window": {"violating": {}, "ok": {}}, "windows": {}}}
     runs = {arm: [{**one, "protected": {**side, "violating_windows": n}}] for arm, n in
-            (("off", 12), ("yield", 6), ("on", 2))}
+            (("alone", 1), ("off", 12), ("yield", 6), ("on", 2))}
     report = slo.report(config, {slo.PROTECTED: 1.0, slo.TOLERANT: 2.0}, 1.15, runs)
     assert report["autonomy_yield"]["violating_windows"] == 6 and report["autonomy_on"]["violating_windows"] == 2
-    assert report["throttle"] == {"share": 0.75, "period_ms": 25.0, "fewer_violating_windows_than_yield_x": 3.0}
-    assert set(report["tolerant"]) == {"off", "yield", "on"} and report["fewer_violating_windows_x"] == 6.0
+    assert report["throttle"] == {"share": 0.75, "period_ms": 25.0, "guard": False,
+                                  "fewer_violating_windows_than_yield_x": 3.0}
+    assert set(report["tolerant"]) == {"alone", "off", "yield", "on"} and report["fewer_violating_windows_x"] == 6.0
+    # The protected model alone: the floor, and each arm above it.
+    assert report["protected_alone"]["violating_windows"] == 1
+    assert report["violating_windows_above_alone"] == {"off": 11, "yield": 5, "on": 1}
+    assert report["fewer_violating_windows_above_alone_x"] == 11.0
     text = slo.format_report({**report, "calibration": {}})
     assert "    yield" in text and "3.0x fewer violating windows than the yield alone" in text
+    assert "    alone" in text and "alone: off 11, on 1 (11.0x fewer)" in text
     assert "autonomy_yield" not in slo.report(slo.Config(), {slo.PROTECTED: 1.0, slo.TOLERANT: 2.0}, 1.15,
                                               {arm: runs[arm] for arm in ("off", "on")})
+    assert "protected_alone" not in slo.report(slo.Config(alone=False), {slo.PROTECTED: 1.0, slo.TOLERANT: 2.0}, 1.15,
+                                               {arm: runs[arm] for arm in ("off", "on")})

@@ -419,3 +419,38 @@ def test_a_sidecar_started_before_its_agent_answers_once_the_agent_listens(
         bg.call(gw.stop())
         if agent is not None:
             bg.call(agent.stop(0))
+
+
+# --- the autonomy loop's guarded throttle ----------------------------------------------------------------------
+
+
+class RecordingGuard:
+    def __init__(self, protected: set[str]) -> None:
+        self.protected = protected
+        self.events: list[str] = []
+
+    def protects(self, model: str) -> bool:
+        return model in self.protected
+
+    def enter(self) -> None:
+        self.events.append("enter")
+
+    def leave(self) -> None:
+        self.events.append("leave")
+
+
+def test_worker_calls_of_protected_models_are_marked_in_flight(up: local.Embedded,
+                                                               g: grpcclient.InferenceServerClient) -> None:
+    plane = up.gateway.dataplane
+    guard = RecordingGuard({NAN})
+    plane.set_guard(guard)
+    try:
+        g.infer(NAN, infer_input(grpcclient))
+        with pytest.raises(InferenceServerException):
+            g.infer(BROKEN, infer_input(grpcclient))  # not protected (and its worker never starts)
+        assert guard.events == ["enter", "leave"]
+        guard.protected = {BROKEN}
+        g.infer(NAN, infer_input(grpcclient))
+        assert guard.events == ["enter", "leave"]
+    finally:
+        plane.set_guard(None)

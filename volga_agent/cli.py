@@ -485,7 +485,8 @@ def cmd_bench_slo(args: argparse.Namespace) -> int:
     config = slo.Config(seconds=args.seconds, rounds=args.rounds, calibrate_iterations=args.calibrate_iterations,
                         pulse_every_s=args.pulse_every, pulse_s=args.pulse_seconds, gpu=args.gpu,
                         yield_calm_windows=args.yield_calm_windows, throttle_share=args.throttle_share,
-                        throttle_period_ms=args.throttle_period_ms)
+                        throttle_period_ms=args.throttle_period_ms, throttle_guard=args.throttle_guard,
+                        alone=not args.no_alone)
     report = slo.run(config, progress=_progress(args.json))
     _emit(args, report, lambda: slo.format_report(report))
     return 0
@@ -672,6 +673,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with the loop on, also stop the tolerant worker this share of every period while it gives "
                         "way (autonomy_throttle_share), beside a run with the yield alone; 0: no throttle")
     p.add_argument("--throttle-period-ms", type=float, default=20.0, help="the throttle's period")
+    p.add_argument("--throttle-guard", action="store_true",
+                   help="the throttle stops the tolerant worker only while the protected model computes "
+                   "(autonomy_throttle_guard)")
+    p.add_argument("--no-alone", action="store_true",
+                   help="leave out the run of the protected model alone (the floor of violating windows)")
     _report_args(p)
     p.set_defaults(func=cmd_bench_slo)
 

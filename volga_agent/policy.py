@@ -158,6 +158,11 @@ class Settings(pydantic.BaseModel):
     # t / (100 + t) (0.75 at 300 %). 0 leaves the co-runners running.
     autonomy_throttle_share: Annotated[float, pydantic.Field(ge=0, lt=1)] = 0.0
     autonomy_throttle_period_ms: Annotated[float, pydantic.Field(ge=2, le=1000)] = 20.0
+    # Guarded: the throttle stops those co-runners only while a request of a model they give way to is at its
+    # worker (and still at most their share of the time), so they lose about that model's busy time instead of
+    # the whole share. It needs the gateway in the agent's process (`volga up --autonomy`); an agent whose gateway
+    # is a sidecar throttles by the plain duty cycle.
+    autonomy_throttle_guard: bool = False
     # Folders ModelSpec sources must resolve inside (symlinks followed); empty: anywhere. `volga up` and
     # `volga-agent --kube` fill it in (docs/security.md).
     model_roots: Annotated[tuple[str, ...], pydantic.Strict(False)] = ()

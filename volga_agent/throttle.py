@@ -21,6 +21,15 @@ A stopped worker is never left stopped:
 
 A request that reaches a stopped worker waits for the end of the stop phase: a share of one period at most, and the
 share is what the co-runner's own tolerance allows (the autonomy loop's decider caps it).
+
+Guarded (`guarded=True`), the targets stop only while the models they give way to have work in flight: the
+gateway calls `enter` as it hands a request of any model that is not a target to a worker, and `leave` when the
+answer is back (`protects` says which). The first `enter` of a run of them stops the targets on the gateway's own
+thread, the last `leave` continues them, and the cycle's thread continues them earlier when their share of a
+period is spent; after a stop a target runs for at least as long as keeps its stopped time within its share. So
+a co-runner stops exactly while the protected model computes, where sharing a core's caches (or its sibling
+hyperthread) would slow it, and runs freely between its requests: it loses about the protected model's busy share
+of its time, not the whole throttle share. The same invariants hold: the instance's lock is held while stopped.
 """
 
 from __future__ import annotations
@@ -74,10 +83,22 @@ class _Held:
 class DutyCycle:
     """Stops and continues the targets of each key on a thread of its own, one period after another."""
 
-    def __init__(self, period_s: float) -> None:
+    def __init__(self, period_s: float, guarded: bool = False) -> None:
         if not 0.001 <= period_s <= 10.0:
             raise ValueError(f"period: must be between 1 ms and 10 s, got {period_s * 1e3:g} ms")
         self.period = period_s
+        self.guarded = guarded
+        # Guarded: protected requests in flight, the stops they made (held until the last is answered or the
+        # share is spent), when those began, and when the targets may be stopped again.
+        self._busy = 0
+        self._busy_lock = threading.Lock()  # taken before `_mutex`, never after it
+        self._guard_held: list[_Held] = []
+        self._guard_start = 0.0
+        self._next_stop = 0.0
+        self._holding = threading.Event()  # set while a guard stop holds workers
+        self._guard_over = threading.Event()  # set when it ends
+        self._poke = threading.Event()  # set only by `close`: the guarded thread's timed waits end
+        self._keys: frozenset[str] = frozenset()  # the targets' keys, read without the mutex by `protects`
         self._targets: dict[str, tuple[Target, ...]] = {}
         self._mutex = threading.Lock()  # guards _targets and _held
         self._released = threading.Condition(self._mutex)  # a held worker was continued
@@ -99,8 +120,10 @@ class DutyCycle:
                 self._targets[key] = tuple(targets)
             else:
                 self._targets.pop(key, None)
+            self._keys = frozenset(self._targets)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="throttle", daemon=True)
+                self._thread = threading.Thread(target=self._watch if self.guarded else self._run, name="throttle",
+                                                daemon=True)
                 self._thread.start()
         self._changed.set()
 
@@ -108,7 +131,11 @@ class DutyCycle:
         """`key`'s workers run freely again: those stopped now are continued before this returns."""
         with self._mutex:
             self._targets.pop(key, None)
+            self._keys = frozenset(self._targets)
         self._changed.set()
+        if self.guarded:
+            with self._busy_lock:
+                self._guard_release(key)
         with self._released:
             if not self._released.wait_for(lambda: all(h.key != key for h in self._held), timeout):
                 for held in self._held:  # the thread is late: continue them all the same
@@ -116,18 +143,94 @@ class DutyCycle:
                         resume(held.pid)
 
     def keys(self) -> frozenset[str]:
-        with self._mutex:
-            return frozenset(self._targets)
+        return self._keys
+
+    def protects(self, key: str) -> bool:
+        """Guarded: whether a request of `key` makes the targets stop (some are set, and `key` is none of them)."""
+        keys = self._keys
+        return self.guarded and bool(keys) and key not in keys
+
+    def enter(self) -> None:
+        """Guarded: a protected request is handed to its worker. The first of a run of them stops the targets at
+        once, on the caller's thread (a hand-over to the cycle's thread would wait for Python's lock, up to
+        milliseconds of the request it protects), unless they have yet to run long enough to stay within
+        their share; so it costs a few system calls on the request path."""
+        with self._busy_lock:
+            self._busy += 1
+            if self._busy == 1:
+                self._guard_stop()
+
+    def leave(self) -> None:
+        """Guarded: a protected request was answered (or failed); the last of them continues the targets."""
+        with self._busy_lock:
+            self._busy -= 1
+            if self._busy == 0:
+                self._guard_release()
+
+    def _guard_stop(self) -> None:
+        """Stop the targets for protected work, if none are held and they have run long enough; under
+        `_busy_lock`."""
+        now = time.monotonic()
+        if self._guard_held or now < self._next_stop:
+            return
+        held = self._stop_phase(now)
+        if held:
+            self._guard_held, self._guard_start = held, now
+            self._guard_over.clear()
+            self._holding.set()
+
+    def _guard_release(self, key: str | None = None) -> None:
+        """Continue what a guard stop holds (of `key` only, when given); under `_busy_lock`."""
+        for entry in [h for h in self._guard_held if key is None or h.key == key]:
+            self._guard_held.remove(entry)
+            self._next_stop = max(self._next_stop, self._release(entry, self._guard_start))
+        if not self._guard_held:
+            self._holding.clear()
+            self._guard_over.set()
+
+    def _watch(self) -> None:
+        """Guarded: continue the workers of a guard stop once their share of the period is spent, and stop them
+        again once they have run long enough, while protected work is still in flight."""
+        while True:
+            with self._mutex:
+                if self._closing:
+                    return
+            with self._busy_lock:
+                until = min((h.until for h in self._guard_held), default=None)
+                busy, next_stop = self._busy, self._next_stop
+            now = time.monotonic()
+            if until is not None:  # held: until the work is done or the share is spent
+                if until > now and self._guard_over.wait(until - now):
+                    continue
+                with self._busy_lock:
+                    if self._guard_held and min(h.until for h in self._guard_held) <= time.monotonic():
+                        self._guard_release()
+            elif busy and next_stop > now:  # protected work goes on: stop them again once they have run enough
+                self._poke.wait(next_stop - now)
+            elif busy:
+                with self._busy_lock:
+                    if self._busy:
+                        self._guard_stop()
+                if not self._holding.is_set():  # none to stop now (moving, or not HOT): not before a period
+                    self._poke.wait(self.period)
+            else:
+                self._holding.wait(self.period)  # until `enter` stops them
 
     def close(self, timeout: float = 5.0) -> None:
         """Continue every stopped worker and end the thread."""
         with self._mutex:
             self._closing = True
             self._targets.clear()
+            self._keys = frozenset()
             thread = self._thread
         self._changed.set()
+        self._holding.set()  # a guarded thread's waits end
+        self._poke.set()
         if thread is not None:
             thread.join(timeout)
+        if self.guarded:
+            with self._busy_lock:
+                self._guard_release()
         with self._mutex:  # the thread did not end in time: continue what it holds all the same
             for held in self._held:
                 resume(held.pid)
@@ -171,14 +274,18 @@ class DutyCycle:
             self._held.append(entry)
             return entry
 
-    def _release(self, entry: _Held) -> float:
+    def _release(self, entry: _Held, stopped_at: float | None = None) -> float:
+        """Continue a held worker; when it may be stopped again. It runs at least the rest of a period, or, for
+        a guarded stop that began at `stopped_at`, long enough to keep its stopped time within its share."""
         resume(entry.pid)
         with self._mutex:
             self._held.remove(entry)
             self._released.notify_all()
         entry.lock.release()
-        # It runs at least the rest of a period before it is stopped again.
-        return time.monotonic() + (1.0 - entry.share) * self.period
+        now = time.monotonic()
+        if stopped_at is not None:
+            return now + (now - stopped_at) * (1.0 - entry.share) / entry.share
+        return now + (1.0 - entry.share) * self.period
 
     def _run(self) -> None:
         try:

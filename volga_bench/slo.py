@@ -19,6 +19,10 @@ load average is reported: the machine may be shared.
 
 `--gpu` runs the same two shapes as PyTorch (TorchScript) models sharing cuda:0, calibrated there.
 
+Each round first runs the protected model alone (`volga up` serving it only, the same arrivals, no co-runner):
+its violating windows are the floor no action of the loop can take away (the machine's own noise, the model's own
+tail), and the report also says how many each arm had above that floor.
+
 `--throttle-share` adds the CPU throttle (`autonomy_throttle_share`: the tolerant model's worker is stopped for that
 share of every period while it gives way) to the on-run, and runs a third arm, `yield`, with the loop on and the
 yield alone, so that the throttle is compared with the yield side by side in one run.
@@ -98,17 +102,22 @@ class Config:
     yield_calm_windows: int = 30  # autonomy_yield_calm_windows
     throttle_share: float = 0.0  # autonomy_throttle_share of the on-run; above 0 adds the arm `yield` (without it)
     throttle_period_ms: float = 20.0  # autonomy_throttle_period_ms
+    throttle_guard: bool = False  # autonomy_throttle_guard: stop the co-runner only while the protected one computes
+
+    alone: bool = True  # each round also runs the protected model alone, under the same arrivals
 
     @property
     def arms(self) -> tuple[str, ...]:
-        """The runs of a round, in order: the loop off, on with the yield alone (with a throttle only), on."""
-        return ("off", "yield", "on") if self.throttle_share else ("off", "on")
+        """The runs of a round, in order: the protected model alone (`alone`), the loop off, on with the yield
+        alone (with a throttle only), on."""
+        return ("alone",) * self.alone + (("off", "yield", "on") if self.throttle_share else ("off", "on"))
 
     def settings(self, arm: str) -> dict[str, Any]:
         """The node settings file of an arm."""
         out: dict[str, Any] = {**SETTINGS, "autonomyYieldCalmWindows": self.yield_calm_windows}
         if arm == "on" and self.throttle_share:
-            out.update(autonomyThrottleShare=self.throttle_share, autonomyThrottlePeriodMs=self.throttle_period_ms)
+            out.update(autonomyThrottleShare=self.throttle_share, autonomyThrottlePeriodMs=self.throttle_period_ms,
+                       autonomyThrottleGuard=self.throttle_guard)
         return out
 
     @property
@@ -534,16 +543,22 @@ def histogram_quantiles(text: str, name: str, quantiles: Sequence[float]) -> dic
 
 
 def one_run(specs: pathlib.Path, settings: pathlib.Path, autonomy: bool, config: Config,
-            inputs: dict[str, list[Any]], limit_ms: float, progress: Callable[[str], None]) -> dict[str, Any]:
+            inputs: dict[str, list[Any]], limit_ms: float, progress: Callable[[str], None],
+            alone: bool = False) -> dict[str, Any]:
+    """One `volga up` under the traffic; with `alone`, `specs` holds the protected model only and no tolerant
+    client runs, so the protected model's arrivals are the same and nothing else is."""
     deadline_ms = config.models[0].deadline_ms
     args = ["-f", str(specs), "--settings", str(settings), *(["--autonomy"] if autonomy else [])]
+    if alone:
+        config = dataclasses.replace(config, tolerant_clients=0)  # and so no pulses
     with harness.volga_up(args) as up:
         warm = grpcclient.InferenceServerClient(up.endpoints["grpc"])
-        for model in (PROTECTED, TOLERANT):  # both HOT before the clock starts
+        for model in (PROTECTED,) if alone else (PROTECTED, TOLERANT):  # HOT before the clock starts
             for _ in range(3):
                 warm_up(warm, model, inputs[model])
         warm.close()
-        progress(f"autonomy {'on' if autonomy else 'off'}: {config.seconds:g} s of traffic ...")
+        progress(f"{'alone' if alone else 'autonomy on' if autonomy else 'autonomy off'}: {config.seconds:g} s of "
+                 "traffic ...")
         load_before = os.getloadavg()[0]
         start = time.perf_counter()
         with CpuWatch(up.proc.pid, start) as watch:
@@ -582,6 +597,8 @@ def run(config: Config | None = None, progress: Callable[[str], None] = lambda _
             documents.append(document)
         specs = root / "specs.yaml"
         specs.write_text(yaml.safe_dump_all(documents))
+        alone_specs = root / "alone.yaml"
+        alone_specs.write_text(yaml.safe_dump_all(documents[:1]))
         settings = {}
         for arm in config.arms:
             settings[arm] = root / f"settings-{arm}.yaml"
@@ -599,7 +616,9 @@ def run(config: Config | None = None, progress: Callable[[str], None] = lambda _
         for round_ in range(config.rounds):
             for arm in config.arms:
                 progress(f"round {round_ + 1}/{config.rounds}: {arm}")
-                runs[arm].append(one_run(specs, settings[arm], arm != "off", config, inputs, limit_ms, progress))
+                runs[arm].append(one_run(alone_specs if arm == "alone" else specs, settings[arm],
+                                         arm not in ("off", "alone"), config, inputs, limit_ms, progress,
+                                         alone=arm == "alone"))
     return {**report(config, baselines, limit_ms, runs), "calibration": checks}
 
 
@@ -628,11 +647,21 @@ def report(config: Config, baselines: dict[str, float], limit_ms: float,
     off, on = side("off"), side("on")
     # With a throttle: the on-run beside the yield alone.
     arm = {"autonomy_yield": side("yield"), "throttle": {
-        "share": config.throttle_share, "period_ms": config.throttle_period_ms,
+        "share": config.throttle_share, "period_ms": config.throttle_period_ms, "guard": config.throttle_guard,
         "fewer_violating_windows_than_yield_x": (round(side("yield")["violating_windows"] / on["violating_windows"], 2)
                                                  if on["violating_windows"] else None)}} if "yield" in runs else {}
+    # The protected model alone under the same arrivals: the violating windows no co-runner causes (the machine's
+    # own noise, the model's own tail), which no action of the loop can take away.
+    floor: dict[str, Any] = {}
+    if "alone" in runs:
+        alone = side("alone")
+        above = {name: max(0, side(name)["violating_windows"] - alone["violating_windows"])
+                 for name in runs if name != "alone"}
+        floor = {"protected_alone": alone, "violating_windows_above_alone": above,
+                 "fewer_violating_windows_above_alone_x": round(above["off"] / above["on"], 2) if above["on"]
+                 else None}
     return {
-        "autonomy_off": off, "autonomy_on": on, **arm,
+        "autonomy_off": off, "autonomy_on": on, **arm, **floor,
         "fewer_violating_windows_x": (round(off["violating_windows"] / on["violating_windows"], 2)
                                       if on["violating_windows"] else None),
         "decision_us": {"p50": max((r["decision_us"]["p50"] or 0.0) for r in on_runs) if on_runs else None,
@@ -657,19 +686,25 @@ def format_report(r: dict[str, Any]) -> str:
              f"ms x 1.15), load average {r['load_average']} on {r['cpus']} CPUs",
              f"{'autonomy':>9}{'violating':>11}{'judged':>8}{'p99 ms':>9}{'episodes':>10}{'> deadline':>11}"
              f"{'tolerant shed':>15}{'tolerant p99':>14}"]
-    names = [name for name in ("off", "yield", "on") if name in r["runs"]]
+    names = [name for name in ("alone", "off", "yield", "on") if name in r["runs"]]
     for name in names:
-        s, t = r[f"autonomy_{name}"], r["tolerant"][name]
+        s, t = r["protected_alone" if name == "alone" else f"autonomy_{name}"], r["tolerant"][name]
         lines.append(f"{name:>9}{s['violating_windows']:>11}{s['windows_judged']:>8}{s['p99_ms'] or 0:>9.1f}"
                      f"{s['episodes']:>10}{s['episodes_past_deadline']:>11}{t['shed']:>15}{t['p99_ms'] or 0:>14.1f}")
     lines.append(f"decision p50 {r['decision_us']['p50']} us, p99 {r['decision_us']['p99']} us; sampling jitter p99 "
                  f"{r['sampling_jitter_ms']['p99']} ms; {r['fewer_violating_windows_x']}x fewer violating windows")
+    if "protected_alone" in r:
+        above = r["violating_windows_above_alone"]
+        lines.append(f"above the {r['protected_alone']['violating_windows']} violating windows of the protected model "
+                     f"alone: off {above['off']}, on {above['on']} "
+                     + (f"({r['fewer_violating_windows_above_alone_x']}x fewer)" if above["on"] else "(none left)"))
     for model, check in r.get("calibration", {}).items():
         lines.append(f"calibration of {model}: p50 {check['p50_ms']} ms, p99 {check['p99_ms']} ms after "
                      f"{len(check['attempts'])} attempt(s)" + ("" if check["sane"] else " (disturbed: p99 > "
                                                                f"{DISTURBED_P99_OVER_P50:g} x p50)"))
     if "throttle" in r:
-        lines.append(f"on: throttle {r['throttle']['share']:g} of every {r['throttle']['period_ms']:g} ms; yield: the "
+        lines.append(f"on: throttle {r['throttle']['share']:g} of every {r['throttle']['period_ms']:g} ms"
+                     + (" while the protected model computes" if r["throttle"].get("guard") else "") + "; yield: the "
                      f"loop on without it; {r['throttle']['fewer_violating_windows_than_yield_x']}x fewer violating "
                      "windows than the yield alone")
     for name in names:

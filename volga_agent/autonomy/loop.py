@@ -98,7 +98,15 @@ class PoolActuator:
         self._lowered: dict[int, tuple[str, int | None]] = {}  # worker PID -> (model, its start time)
         self._throttled: dict[str, float] = {}  # model -> the share of each period its workers are stopped
         self._throttled_slots: dict[str, tuple[int, ...]] = {}  # model -> the slots its duty cycle covers (ids)
-        self.cycle = throttle.DutyCycle(node_pool.settings.autonomy_throttle_period_ms / 1e3)
+        settings = node_pool.settings
+        # Guarded where the gateway is in this process and says when protected work is in flight.
+        self._guarded = gateway if settings.autonomy_throttle_guard and hasattr(gateway, "set_guard") else None
+        if settings.autonomy_throttle_guard and self._guarded is None and settings.autonomy_throttle_share:
+            log.warning("autonomy: autonomy_throttle_guard needs the gateway in the agent's process; the throttle "
+                        "stops co-runners by the plain duty cycle")
+        self.cycle = throttle.DutyCycle(settings.autonomy_throttle_period_ms / 1e3, guarded=self._guarded is not None)
+        if self._guarded is not None:
+            self._guarded.set_guard(self.cycle)
 
     def _once(self, model: str, work: Callable[[], None]) -> None:
         with self._lock:
@@ -223,6 +231,8 @@ class PoolActuator:
 
     def close(self) -> None:
         self._throttled.clear()
+        if self._guarded is not None:
+            self._guarded.set_guard(None)
         self.cycle.close()
         self._yielding.clear()
         for pid, (_, started) in list(self._lowered.items()):

@@ -47,7 +47,7 @@ import math
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, Protocol, TypeVar
 
 import numpy as np
 
@@ -160,6 +160,17 @@ def _tensor_specs(tensors: Iterable[api.TensorSpec], skip: int = 0) -> tuple[oip
     return tuple((t.name, t.dtype.value, list(t.shape[skip:])) for t in tensors)
 
 
+class Guard(Protocol):
+    """A guarded throttle of the node's autonomy loop (`volga_agent.throttle.DutyCycle`, guarded), in this process:
+    while co-runners give way, each worker call of a model they give way to is marked in flight."""
+
+    def protects(self, model: str) -> bool: ...
+
+    def enter(self) -> None: ...
+
+    def leave(self) -> None: ...
+
+
 class Dataplane:
     def __init__(self, models: catalog.Catalog, link: links.AgentLink, node: str = "", cache_ttl_sec: float = 60.0,
                  max_request_bytes: int = 64 * 2**20, shm_bytes: int = 16 * 2**20,
@@ -183,6 +194,12 @@ class Dataplane:
         # The labelled children of the request counters, looked up once each: labels() locks and hashes every time.
         self._counted: dict[tuple[str, str, str], Any] = {}
         self._timed: dict[tuple[str, str], Any] = {}
+        self.guard: Guard | None = None  # `set_guard`
+
+    def set_guard(self, guard: Guard | None) -> None:
+        """The autonomy loop's guarded throttle, when it runs in this process (`volga up --autonomy`): the worker
+        calls of the models it protects tell it when their work is in flight; None: no more."""
+        self.guard = guard
 
     # -- control (a node's autonomy loop; any thread) ------------------------------------------------
 
@@ -419,7 +436,7 @@ class Dataplane:
         for attempt in range(1, UNRUN_ATTEMPTS + 1):
             route = await _within(deadline, self.router.route(model, hint, _ms_left(deadline)), "waking an instance")
             try:
-                return await _within(deadline, self.workers.infer(route.socket, inputs), "inference")
+                return await self._infer(model, route.socket, inputs, deadline)
             except (workers.WorkerGone, workers.WorkerDied) as exc:
                 self.router.invalidate(model)
                 self.workers.forget(route.socket)
@@ -435,6 +452,18 @@ class Dataplane:
             except protocol.WorkerError as exc:
                 raise oip.error(exc.code, exc.message) from None
         raise AssertionError("unreachable")
+
+    async def _infer(self, model: str, socket: str, inputs: dict[str, np.ndarray], deadline: float | None
+                     ) -> dict[str, np.ndarray]:
+        """One worker call; while the guard protects the model, marked in flight for as long as it lasts."""
+        guard = self.guard
+        if guard is None or not guard.protects(model):
+            return await _within(deadline, self.workers.infer(socket, inputs), "inference")
+        guard.enter()
+        try:
+            return await _within(deadline, self.workers.infer(socket, inputs), "inference")
+        finally:
+            guard.leave()
 
     async def _forward(self, model: str, request_headers: Mapping[str, str], inputs: dict[str, np.ndarray],
                        deadline: float | None) -> dict[str, np.ndarray]:
