@@ -81,7 +81,8 @@ class _Held:
 
 
 class DutyCycle:
-    """Stops and continues the targets of each key on a thread of its own, one period after another."""
+    """Stops and continues the targets of each key on a thread of its own, one period after another; guarded, only
+    while protected work is in flight (`enter`, `leave`), within each target's share."""
 
     def __init__(self, period_s: float, guarded: bool = False) -> None:
         if not 0.001 <= period_s <= 10.0:
