@@ -282,3 +282,40 @@ def test_the_agent_api_trades_levels_and_hands_them_to_its_gateway(tmp_path: pat
         run(scenario())
     finally:
         node_pool.close()
+
+
+def test_a_neighbour_that_starts_late_is_heard_within_a_second_of_listening(tmp_path: pathlib.Path) -> None:
+    """Node b trades with node a while nothing listens on a's address; gRPC's channel backs off further after each
+    failed attempt (1 s, 1.6 s, 2.6 s, ... by default), so a's level used to go unheard for seconds, up to two
+    minutes, after a started. Now b hears it within about a second."""
+    from volga_bench import controlplane
+
+    [port] = controlplane.free_ports(1)
+    node_pool = pool.Pool("a", tmp_path / "w", None)
+
+    async def scenario() -> None:
+        b = neighbours.LevelExchange("b", Fixed(level("b")))
+        b.set_directory({"a": f"127.0.0.1:{port}", "b": "127.0.0.1:1"})
+        assert b.neighbours() == ("a",)
+        deadline = time.monotonic() + 6.0
+        while time.monotonic() < deadline:  # five or six failed attempts: the next is seconds away by default
+            await b.exchange_once()
+            await asyncio.sleep(0.05)
+        assert not b.fresh()
+        a, bound = await server.serve(node_pool, "127.0.0.1", port, levels=neighbours.LevelExchange(
+            "a", Fixed(level("a", state="OPTIMIZE"))))
+        assert bound == port
+        try:
+            heard = time.monotonic() + 1.5
+            while not b.fresh() and time.monotonic() < heard:
+                await b.exchange_once()
+                await asyncio.sleep(0.05)
+            assert [h.level.node for h in b.fresh()] == ["a"], "a's level was not heard within 1.5 s"
+        finally:
+            await a.stop(0)
+            await b.stop()
+
+    try:
+        run(scenario())
+    finally:
+        node_pool.close()

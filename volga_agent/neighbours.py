@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from volga_agent import metrics
+from volga_agent import metrics, ports
 from volga_agent.rpc.volga.v1 import agent_pb2 as pb
 from volga_agent.rpc.volga.v1 import agent_pb2_grpc as pb_grpc
 
@@ -292,7 +292,7 @@ class LevelExchange:
     def _stub(self, address: str) -> pb_grpc.AgentStub:
         found = self._channels.get(address)
         if found is None:
-            channel = grpc.aio.insecure_channel(address)
+            channel = grpc.aio.insecure_channel(address, options=ports.RECONNECT_OPTIONS)
             found = self._channels[address] = (channel, pb_grpc.AgentStub(channel))  # type: ignore[no-untyped-call]
         return found[1]
 

@@ -20,3 +20,10 @@ class Ports:
 
 
 DEFAULT = Ports()
+
+# gRPC channel options for what a node calls on other processes of the cluster (its agent, its neighbours' agents,
+# other nodes' gateways): try again within a second once one is back, not after gRPC's default backoff, which
+# grows to two minutes while nothing listens (a sidecar that starts before its agent, any restart), and in which
+# every call fails at once with the last attempt's error.
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                     ("grpc.max_reconnect_backoff_ms", 1000)]

@@ -32,7 +32,7 @@ from typing import Protocol
 import grpc
 import numpy as np
 
-from volga_agent import errors, load, neighbours
+from volga_agent import errors, load, neighbours, ports
 from volga_agent.gateway import oip
 from volga_agent.rpc.inference import grpc_service_pb2_grpc as oip_grpc
 from volga_agent.rpc.volga.v1 import agent_pb2 as agent_pb
@@ -42,11 +42,6 @@ from volga_operator import api
 log = logging.getLogger(__name__)
 FORWARDED = "x-volga-forwarded"
 PASSED_ON = ("x-input-hash", "x-device-hint", "authorization")  # the gateways of a cluster share tokens
-# The agent is the gateway's own node's: its channel tries again within a second once the agent (re)starts,
-# not after gRPC's default backoff, which grows to two minutes while nothing listens (a sidecar that starts
-# before its agent, an agent restart).
-AGENT_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                         ("grpc.max_reconnect_backoff_ms", 1000)]
 # How long a wake waits, within its request's deadline, for the agent's channel to connect; then UNAVAILABLE.
 AGENT_CONNECT_WAIT_S = 5.0
 
@@ -101,7 +96,7 @@ class GrpcAgentLink:
 
     def __init__(self, address: str, token: str = "") -> None:
         self.address = address  # host:port, or unix:PATH
-        self.channel = grpc.aio.insecure_channel(address, options=AGENT_CHANNEL_OPTIONS)
+        self.channel = grpc.aio.insecure_channel(address, options=ports.RECONNECT_OPTIONS)
         self.stub = agent_grpc.AgentStub(self.channel)
         self.metadata = [("authorization", f"Bearer {token}")] if token else None
 
@@ -288,7 +283,7 @@ class Forwarder:
         channel = self._channels.get(address)
         if channel is None:
             options = [("grpc.max_receive_message_length", self.max_message_bytes),
-                       ("grpc.max_send_message_length", self.max_message_bytes)]
+                       ("grpc.max_send_message_length", self.max_message_bytes), *ports.RECONNECT_OPTIONS]
             channel = self._channels[address] = grpc.aio.insecure_channel(address, options=options)
         return oip_grpc.GRPCInferenceServiceStub(channel)
 
