@@ -22,26 +22,20 @@ import shared_workers
 from procs import wait_for
 from test_autonomy_loop import NoProbe, RecordingGateway
 
-from volga_agent import instance, policy, pool, throttle
+from volga_agent import instance, policy, pool, process, throttle
 from volga_agent.autonomy import decider, loop, window
 from volga_agent.worker import contract, protocol
 from volga_operator import api
 
 Tier = api.Tier
 pytestmark = pytest.mark.integration
-TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime, all threads
 
 
 def cpu_rate(pid: int, seconds: float) -> float:
     """The CPU seconds `pid` used per second of wall time over `seconds`."""
-    before, start = cpu_seconds(pid), time.monotonic()
+    before, start = process.cpu_seconds(pid), time.monotonic()
     time.sleep(seconds)
-    return (cpu_seconds(pid) - before) / (time.monotonic() - start)
+    return (process.cpu_seconds(pid) - before) / (time.monotonic() - start)
 
 
 def stopped_samples(pid: int, seconds: float = 0.4, every: float = 0.003) -> list[bool]:

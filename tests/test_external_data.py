@@ -125,3 +125,17 @@ def test_a_file_mapped_from_outside_the_roots_is_named(models: pathlib.Path) -> 
         assert serve.mapped_outside((str(models / "external"),), before) == [str(outside)]
         assert serve.mapped_outside((str(models),), before) == []
         assert serve.mapped_outside((), before) == []
+
+
+def test_weights_the_worker_user_may_not_read_are_named_as_such(models: pathlib.Path, rundir: pathlib.Path) -> None:
+    """A worker that dropped to its own user (no snapshots: it may) and cannot read the external data says which
+    user it runs as and what it must read, not onnxruntime's bare "SystemError : 13"."""
+    (models / "external" / "model.onnx.data").chmod(0o600)  # the agent's (root's) only
+    inst = instance.Instance("x-denied", spec_for(models / "external" / "model.onnx"), rundir, None,
+                             model_roots=[str(models)])
+    try:
+        assert inst.config.uid != 0
+        with pytest.raises(process.WorkerStartError, match=r"the worker runs as uid .* must be readable by that user"):
+            inst.to(Tier.HOT)
+    finally:
+        inst.close()

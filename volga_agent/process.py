@@ -96,6 +96,23 @@ def start_time(pid: int) -> int | None:
     return int(fields[19]) if fields else None
 
 
+def parent(pid: int) -> int | None:
+    """The parent's PID of process `pid` (None when it does not exist)."""
+    fields = _stat(pid)
+    return int(fields[1]) if fields else None
+
+
+def cpu_ticks(pid: int) -> int:
+    """User and system CPU time of process `pid` so far, all its threads, in clock ticks (0 when it is gone)."""
+    fields = _stat(pid)
+    return int(fields[11]) + int(fields[12]) if fields else 0
+
+
+def cpu_seconds(pid: int) -> float:
+    """`cpu_ticks` in seconds."""
+    return cpu_ticks(pid) / os.sysconf("SC_CLK_TCK")
+
+
 def me() -> Owner:
     """This process as an owner."""
     pid = os.getpid()

@@ -45,7 +45,7 @@ import onnxruntime as ort
 import tritonclient.grpc as grpcclient
 import yaml
 
-from volga_agent import defaultmodel, instance
+from volga_agent import defaultmodel, instance, process
 from volga_agent.rpc.volga.v1 import agent_pb2, agent_pb2_grpc
 from volga_agent.worker import contract
 from volga_bench import harness, reporting
@@ -184,7 +184,7 @@ class Watched:
     roles: dict[str, tuple[int, ...]]
 
     def cpu_seconds(self) -> dict[str, float]:
-        roles = {role: sum(map(cpu_seconds, pids)) for role, pids in self.roles.items()}
+        roles = {role: sum(map(process.cpu_seconds, pids)) for role, pids in self.roles.items()}
         return {"clients": time.process_time(), **roles}
 
     def cpus(self) -> dict[str, list[int]]:
@@ -199,25 +199,12 @@ class Watched:
         return {"clients": sorted(os.sched_getaffinity(0)), **{r: allowed(p) for r, p in self.roles.items()}}
 
 
-def cpu_seconds(pid: int) -> float:
-    """User and system CPU time of a process so far (all its threads); 0 when it is gone."""
-    try:
-        fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def descendants(pid: int) -> list[int]:
     """The processes below `pid` (children, theirs, ...), from /proc."""
     children: dict[int, list[int]] = {}
     for entry in pathlib.Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(parent, []).append(int(entry.name))
+        if entry.name.isdigit() and (up := process.parent(int(entry.name))) is not None:
+            children.setdefault(up, []).append(int(entry.name))
     found, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):

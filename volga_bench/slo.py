@@ -49,7 +49,7 @@ import tritonclient.grpc as grpcclient
 import yaml
 from tritonclient.utils import InferenceServerException
 
-from volga_agent import calibrate
+from volga_agent import calibrate, process
 from volga_bench import harness, reporting
 from volga_operator import api
 
@@ -374,25 +374,16 @@ class CpuWatch:
         self._stop.set()
         self._thread.join(timeout=5)
 
-    @staticmethod
-    def _process_ticks(pid: int) -> int:
-        try:
-            fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            return 0
-        return int(fields[11]) + int(fields[12])  # utime + stime, all threads
-
     def _find_workers(self) -> None:
         found = {}
         for entry in os.scandir("/proc"):
             if not entry.name.isdigit():
                 continue
+            if process.parent(int(entry.name)) != self.up_pid:
+                continue
             try:
-                fields = pathlib.Path(f"/proc/{entry.name}/stat").read_text().rsplit(")", 1)[1].split()
-                if int(fields[1]) != self.up_pid:
-                    continue
                 folder = os.path.basename(os.readlink(f"/proc/{entry.name}/cwd"))
-            except (OSError, IndexError, ValueError):
+            except OSError:
                 continue
             model = next((m for m in (PROTECTED, TOLERANT) if folder.startswith(f"{m}-")), None)
             if model is not None:
@@ -409,10 +400,10 @@ class CpuWatch:
         return busy
 
     def _read(self) -> dict[str, int]:
-        out = {"gateway": self._process_ticks(self.up_pid), "clients": self._process_ticks(os.getpid()),
+        out = {"gateway": process.cpu_ticks(self.up_pid), "clients": process.cpu_ticks(os.getpid()),
                PROTECTED: 0, TOLERANT: 0, "node": self._node_ticks()}
         for pid, model in self._workers.items():
-            out[model] += self._process_ticks(pid)
+            out[model] += process.cpu_ticks(pid)
         return out
 
     def _run(self) -> None:
@@ -542,11 +533,13 @@ def histogram_quantiles(text: str, name: str, quantiles: Sequence[float]) -> dic
     return out
 
 
-def one_run(specs: pathlib.Path, settings: pathlib.Path, autonomy: bool, config: Config,
-            inputs: dict[str, list[Any]], limit_ms: float, progress: Callable[[str], None],
-            alone: bool = False) -> dict[str, Any]:
-    """One `volga up` under the traffic; with `alone`, `specs` holds the protected model only and no tolerant
-    client runs, so the protected model's arrivals are the same and nothing else is."""
+def one_run(specs: pathlib.Path, settings: pathlib.Path, arm: str, config: Config,
+            inputs: dict[str, list[Any]], limit_ms: float, progress: Callable[[str], None]) -> dict[str, Any]:
+    """One `volga up` under the traffic of `arm` (`Config.arms`): the loop runs in all but "off" and "alone"; for
+    "alone", `specs` holds the protected model only and no tolerant client runs, so the protected model's arrivals
+    are the same and nothing else is."""
+    alone = arm == "alone"
+    autonomy = arm not in ("off", "alone")
     deadline_ms = config.models[0].deadline_ms
     args = ["-f", str(specs), "--settings", str(settings), *(["--autonomy"] if autonomy else [])]
     if alone:
@@ -557,8 +550,7 @@ def one_run(specs: pathlib.Path, settings: pathlib.Path, autonomy: bool, config:
             for _ in range(3):
                 warm_up(warm, model, inputs[model])
         warm.close()
-        progress(f"{'alone' if alone else 'autonomy on' if autonomy else 'autonomy off'}: {config.seconds:g} s of "
-                 "traffic ...")
+        progress(f"{arm}: {config.seconds:g} s of traffic ...")
         load_before = os.getloadavg()[0]
         start = time.perf_counter()
         with CpuWatch(up.proc.pid, start) as watch:
@@ -616,9 +608,8 @@ def run(config: Config | None = None, progress: Callable[[str], None] = lambda _
         for round_ in range(config.rounds):
             for arm in config.arms:
                 progress(f"round {round_ + 1}/{config.rounds}: {arm}")
-                runs[arm].append(one_run(alone_specs if arm == "alone" else specs, settings[arm],
-                                         arm not in ("off", "alone"), config, inputs, limit_ms, progress,
-                                         alone=arm == "alone"))
+                runs[arm].append(one_run(alone_specs if arm == "alone" else specs, settings[arm], arm, config,
+                                         inputs, limit_ms, progress))
     return {**report(config, baselines, limit_ms, runs), "calibration": checks}
 
 

@@ -68,6 +68,13 @@ class TierRun:
 GPU_SETTLE_S = 0.5
 
 
+def _worker_gpu_mib(gpu_index: int, pid: int | None) -> float | None:
+    """What the instance's worker holds on the GPU (NVML, per process): 0 with no worker (FROZEN, COLD), None where
+    NVML does not say."""
+    held = gpus.process_memory_bytes(gpu_index, pid) if pid else 0
+    return None if held is None else round(held / 2**20, 1)
+
+
 def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pathlib.Path,
                 tiers: Sequence[Tier], n: int, device: str = "cpu", batch: int = 8, cold_n: int | None = None,
                 lazy: bool = False, progress: Callable[[str], None] = lambda _: None,
@@ -114,8 +121,7 @@ def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pa
         hot = runs[Tier.HOT] = TierRun()
         if gpu_index is not None:
             hot.gpu_mib_in_tier = gpu_memory_used_mib(gpu_index)
-            held = gpus.process_memory_bytes(gpu_index, inst.pid) if inst.pid else None
-            hot.worker_gpu_mib_in_tier = None if held is None else round(held / 2**20, 1)
+            hot.worker_gpu_mib_in_tier = _worker_gpu_mib(gpu_index, inst.pid)
         for _ in range(n * 5):
             start = time.perf_counter()
             answer(hot)
@@ -129,8 +135,7 @@ def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pa
                 run.enter_s.append(entered.seconds)
                 if i == 0 and gpu_index is not None:
                     run.gpu_mib_in_tier = gpu_memory_used_mib(gpu_index)
-                    held = gpus.process_memory_bytes(gpu_index, inst.pid) if inst.pid else 0
-                    run.worker_gpu_mib_in_tier = None if held is None else round(held / 2**20, 1)
+                    run.worker_gpu_mib_in_tier = _worker_gpu_mib(gpu_index, inst.pid)
                 if tier == Tier.FROZEN and inst.image is not None:
                     run.image_bytes = inst.image.size_bytes
                     run.parked_bytes = inst.parked_bytes

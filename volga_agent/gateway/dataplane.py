@@ -457,13 +457,15 @@ class Dataplane:
                      ) -> dict[str, np.ndarray]:
         """One worker call; while the guard protects the model, marked in flight for as long as it lasts."""
         guard = self.guard
-        if guard is None or not guard.protects(model):
-            return await _within(deadline, self.workers.infer(socket, inputs), "inference")
-        guard.enter()
+        if guard is not None and not guard.protects(model):
+            guard = None
+        if guard is not None:
+            guard.enter()
         try:
             return await _within(deadline, self.workers.infer(socket, inputs), "inference")
         finally:
-            guard.leave()
+            if guard is not None:
+                guard.leave()
 
     async def _forward(self, model: str, request_headers: Mapping[str, str], inputs: dict[str, np.ndarray],
                        deadline: float | None) -> dict[str, np.ndarray]:

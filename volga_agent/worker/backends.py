@@ -13,6 +13,7 @@ import importlib
 import mmap
 import os
 import pathlib
+import re
 import sys
 import time
 from typing import Any
@@ -20,6 +21,9 @@ from typing import Any
 import numpy as np
 
 from volga_agent.worker import contract, pinning, protocol
+
+# How onnxruntime words a file it may not read: "SystemError : 13" (EACCES) for external data, else the OS's text.
+_DENIED = re.compile(r"SystemError : 13\b|Permission denied")
 
 
 class Backend(abc.ABC):
@@ -86,7 +90,7 @@ class OnnxBackend(Backend):
         try:
             session = self._ort.InferenceSession(path, options, providers=self.providers)
         except Exception as exc:
-            if os.geteuid() != 0 and ("13" in str(exc) or "Permission denied" in str(exc)):
+            if os.geteuid() != 0 and _DENIED.search(str(exc)):
                 raise RuntimeError(f"{exc}: the worker runs as uid {os.geteuid()} (settings.worker_user), and every "
                                    "file of the model, its external data beside it included, must be readable by "
                                    "that user") from exc
