@@ -1,8 +1,9 @@
 """Where the SUSPENDED and FROZEN (eager and lazy) wakes of a 0.125 GiB MLP go: criu's restore, the CUDA
 driver's restore, the worker's own wake (instance.Transition.phases), with criu's restore log and stats kept;
 FROZEN both with the CUDA graphs kept in the image and captured again after the restore (the default);
-SUSPENDED both with graphs and weights left to the driver's checkpoint and with the worker copying its weights
-to pinned memory and dropping its graphs first (`TorchBackend.sleep`, `suspend_copies_weights`).
+SUSPENDED three ways: the default (the worker drops its graphs before the driver's checkpoint,
+`TorchBackend.sleep`), the worker also copying its weights to pinned memory (`suspend_copies_weights`), and
+graphs and weights all left to the driver's checkpoint (`gpu_graphs_in_images`).
 
 On the GPU machine: OUT=/some/folder python3 bench/wake_phases.py (rows in $OUT/phases.json; WAKES=8 wakes a
 pass; KEEP_LOGS=1 keeps criu's logs of the second wake of each).
@@ -23,10 +24,15 @@ from volga_agent.worker import contract
 from volga_bench import tiers
 from volga_operator.api import Tier
 
-# (label, tier, lazy restore, graphs and weights kept in the driver's checkpoint)
-PASSES = [("suspended", Tier.SUSPENDED, None, False), ("suspended_driver_copies_all", Tier.SUSPENDED, None, True),
-          ("frozen_eager", Tier.FROZEN, False, False), ("frozen_lazy", Tier.FROZEN, True, False),
-          ("frozen_eager_graphs_kept", Tier.FROZEN, False, True), ("frozen_lazy_graphs_kept", Tier.FROZEN, True, True)]
+# (label, tier, lazy restore, variant): "default", "copies" (the worker copies its weights before a driver
+# checkpoint), "kept" (graphs and weights left in the driver's checkpoint and the image)
+PASSES = [("suspended", Tier.SUSPENDED, None, "default"),
+          ("suspended_worker_copies_weights", Tier.SUSPENDED, None, "copies"),
+          ("suspended_driver_copies_all", Tier.SUSPENDED, None, "kept"),
+          ("frozen_eager", Tier.FROZEN, False, "default"), ("frozen_lazy", Tier.FROZEN, True, "default"),
+          ("frozen_lazy_worker_copies_weights", Tier.FROZEN, True, "copies"),
+          ("frozen_eager_graphs_kept", Tier.FROZEN, False, "kept"),
+          ("frozen_lazy_graphs_kept", Tier.FROZEN, True, "kept")]
 WAKES = int(os.environ.get("WAKES", "8"))
 
 
@@ -36,18 +42,19 @@ def main() -> None:
     spec = tiers.build_torch_mlp(base / "models" / "model.pt", 0.125)
     driver = cuda.DriverCheckpoint()
     engine = criu.CriuEngine(base / "snap")
-    insts = {kept: instance.Instance(f"phases-{kept}", spec, base / f"w{kept}", engine, driver, "cuda:0",
-                                     reuse_image_sec=float("inf"), graphs_in_images=kept) for kept in (False, True)}
-    insts[False].config = dataclasses.replace(insts[False].config, suspend_copies_weights=True)
-    inputs = contract.sample_inputs(insts[False].config.inputs, batch=8, seed=1)
+    insts = {variant: instance.Instance(f"phases-{variant}", spec, base / variant, engine, driver, "cuda:0",
+                                        reuse_image_sec=float("inf"), graphs_in_images=variant == "kept")
+             for variant in ("default", "copies", "kept")}
+    insts["copies"].config = dataclasses.replace(insts["copies"].config, suspend_copies_weights=True)
+    inputs = contract.sample_inputs(insts["default"].config.inputs, batch=8, seed=1)
     rows = []
     try:
         reference = {}
-        for kept, inst in insts.items():
+        for variant, inst in insts.items():
             inst.to(Tier.HOT)
-            reference[kept] = inst.infer(inputs)["y"]
-        for label, tier, lazy, kept in PASSES:
-            inst = insts[kept]
+            reference[variant] = inst.infer(inputs)["y"]
+        for label, tier, lazy, variant in PASSES:
+            inst = insts[variant]
             for i in range(WAKES):
                 inst.lazy_restore = lazy
                 start = time.perf_counter()
@@ -59,7 +66,7 @@ def main() -> None:
                 answer = inst.infer(inputs)["y"]
                 total = time.perf_counter() - start
                 row = {"tier": label, "i": i, "enter_ms": enter * 1e3, "wake_ms": total * 1e3,
-                       "fallback": woke.fallback, "same_answer": bool((answer == reference[kept]).all()),
+                       "fallback": woke.fallback, "same_answer": bool((answer == reference[variant]).all()),
                        "phases_ms": {k: v * 1e3 for k, v in woke.phases.items()},
                        "driver": driver.timings.get(pid, {})}
                 if tier == Tier.FROZEN and inst.image is not None:

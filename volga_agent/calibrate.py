@@ -8,8 +8,11 @@ worker alone, through the gateway's own worker client (`gateway.workers.WorkerCl
 tensors in per-connection shared memory); the difference is the gateway's overhead. `through="worker"` (`volga
 calibrate --direct`) times only the worker, as baselines were measured before.
 
-Per batch size, ascending: warm-up requests, then `iterations` timed ones on each path; p50 and p99, samples per
-second, and the worker's peak memory (host: VmHWM; GPU: what the worker reports allocated). The result is an
+Per batch size, ascending: warm-up requests, then `iterations` timed ones on each path, back to back or, with
+`pace_ms`, one every `pace_ms` (sparse traffic finds CPUs and GPUs idle, in deeper power states and with colder
+caches, and is slower than back-to-back requests: a baseline for a model that gets a few requests a second is
+measured paced); p50 and p99, samples per second,
+and the worker's peak memory (host: VmHWM; GPU: what the worker reports allocated). The result is an
 `api.Calibration`, the shape of the ModelSpec status' `calibrated` entries (p50Ms/p99Ms the baseline path,
 workerP50Ms/workerP99Ms the worker alone).
 
@@ -63,8 +66,13 @@ def _peak_rss(pid: int) -> int:
     return 0
 
 
+def _pause(sent: float, pace_s: float) -> float:
+    """Seconds left of this request's slot: one request starts every `pace_s` (0: back to back)."""
+    return max(0.0, sent + pace_s - time.perf_counter())
+
+
 async def _measure(socket_path: str, decls: tuple[contract.TensorDecl, ...], batch: int, iterations: int,
-                   warmup: int) -> tuple[list[float], float]:
+                   warmup: int, pace_s: float = 0.0) -> tuple[list[float], float]:
     clients = workers.WorkerClients(per_worker=1)
     try:
         inputs = contract.sample_inputs(decls, batch=batch, seed=batch)
@@ -76,6 +84,7 @@ async def _measure(socket_path: str, decls: tuple[contract.TensorDecl, ...], bat
             sent = time.perf_counter()
             await clients.infer(socket_path, inputs)
             latencies.append((time.perf_counter() - sent) * 1e3)
+            await asyncio.sleep(_pause(sent, pace_s))
         return latencies, time.perf_counter() - started
     finally:
         clients.close()
@@ -134,7 +143,7 @@ class _Gateway:
 
 
 def _measure_gateway(address: str, model: str, decls: tuple[contract.TensorDecl, ...], batch: int, iterations: int,
-                     warmup: int) -> tuple[list[float], float]:
+                     warmup: int, pace_s: float = 0.0) -> tuple[list[float], float]:
     """Time requests as a client sends them: tritonclient's gRPC client, through the gateway."""
     client = grpcclient.InferenceServerClient(address)
     try:
@@ -152,6 +161,7 @@ def _measure_gateway(address: str, model: str, decls: tuple[contract.TensorDecl,
             sent = time.perf_counter()
             client.infer(model, inputs, client_timeout=120)
             latencies.append((time.perf_counter() - sent) * 1e3)
+            time.sleep(_pause(sent, pace_s))
         return latencies, time.perf_counter() - started
     finally:
         client.close()
@@ -159,9 +169,11 @@ def _measure_gateway(address: str, model: str, decls: tuple[contract.TensorDecl,
 
 def measure(spec: api.ModelSpecSpec, batch_sizes: Sequence[int], iterations: int, device: str = "cpu",
             workdir: pathlib.Path | None = None, warmup: int = WARMUP,
-            progress: Callable[[str], None] = lambda _: None, through: Through = "gateway") -> api.Calibration:
+            progress: Callable[[str], None] = lambda _: None, through: Through = "gateway",
+            pace_ms: float = 0.0) -> api.Calibration:
     """Start a worker for `spec` on `device`, time each batch size alone (through a gateway and on the worker
-    alone, or with `through="worker"` on the worker alone), stop the worker."""
+    alone, or with `through="worker"` on the worker alone; one request every `pace_ms`, or back to back),
+    stop the worker. Samples per second are only meaningful back to back."""
     if not spec.has_signature:
         raise ValueError("spec.inputs: the signature must be known (read it from the model file first)")
     too_big = [b for b in batch_sizes if b > spec.runtime.max_batch_size]
@@ -169,6 +181,8 @@ def measure(spec: api.ModelSpecSpec, batch_sizes: Sequence[int], iterations: int
         raise ValueError(f"--batch-sizes: {too_big} above spec.runtime.maxBatchSize ({spec.runtime.max_batch_size})")
     if iterations < 1:
         raise ValueError(f"--iterations: {iterations}: time at least one request per batch size")
+    if pace_ms < 0:
+        raise ValueError(f"--pace-ms: {pace_ms}: a request every 0 ms (back to back) or more")
     with tempfile.TemporaryDirectory(prefix="volga-cal-", dir=workdir) as run:
         inst = instance.Instance(f"calibrate-{spec.model_id}", spec, pathlib.Path(run) / "w", None, None, device)
         progress(f"starting a worker for {spec.model_id} on {device} ...")
@@ -191,11 +205,11 @@ def measure(spec: api.ModelSpecSpec, batch_sizes: Sequence[int], iterations: int
                         progress(f"batch {batch}: {warmup} warm-up, {iterations} timed requests through the "
                                  f"gateway ...")
                         latencies, seconds = _measure_gateway(address, spec.model_id, decls, batch, iterations,
-                                                              warmup)
+                                                              warmup, pace_ms / 1e3)
                         gateway_p = _percentiles(latencies)
                     progress(f"batch {batch}: {warmup} warm-up, {iterations} timed requests to the worker ...")
                     worker_latencies, worker_seconds = asyncio.run(
-                        _measure(inst.config.socket, decls, batch, iterations, warmup))
+                        _measure(inst.config.socket, decls, batch, iterations, warmup, pace_ms / 1e3))
                     worker_p = _percentiles(worker_latencies)
                     if gateway_p is None:
                         gateway_p, seconds = worker_p, worker_seconds

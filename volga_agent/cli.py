@@ -444,7 +444,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     device = args.device or ("cuda:0" if filled.hardware.gpu else "cpu")
     try:
         result = calibrate.measure(filled, args.batch_sizes, args.iterations, device, progress=_progress(args.json),
-                                   through="worker" if args.direct else "gateway")
+                                   through="worker" if args.direct else "gateway", pace_ms=args.pace_ms)
     except ValueError as exc:
         print(f"volga calibrate: {label}: {exc}", file=sys.stderr)
         return 2
@@ -483,6 +483,7 @@ def cmd_bench_slo(args: argparse.Namespace) -> int:
     except ImportError as exc:
         return _no_bench("bench slo", exc)
     config = slo.Config(seconds=args.seconds, rounds=args.rounds, calibrate_iterations=args.calibrate_iterations,
+                        calibrate_pace_ms=args.calibrate_pace_ms,
                         pulse_every_s=args.pulse_every, pulse_s=args.pulse_seconds, gpu=args.gpu,
                         yield_calm_windows=args.yield_calm_windows, throttle_share=args.throttle_share,
                         throttle_period_ms=args.throttle_period_ms, throttle_guard=args.throttle_guard,
@@ -666,6 +667,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pulse-every", type=float, default=10.0, help="seconds between the tolerant model's pulses")
     p.add_argument("--pulse-seconds", type=float, default=3.0, help="how long a pulse lasts")
     p.add_argument("--calibrate-iterations", type=int, default=300, help="timed requests of each baseline")
+    p.add_argument("--calibrate-pace-ms", type=float, default=0.0,
+                   help="calibrate with one request every this many ms, as the protected model's traffic comes "
+                        "(default: back to back)")
     p.add_argument("--gpu", action="store_true", help="two PyTorch models sharing cuda:0 instead of ONNX on the CPU")
     p.add_argument("--yield-calm-windows", type=int, default=30,
                    help="windows without a violation before the tolerant worker gets its CPU priority back")
@@ -686,6 +690,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", help="which ModelSpec of a multi-document file (metadata.name)")
     p.add_argument("--batch-sizes", type=_batch_sizes, default=[1, 8], help="comma-separated (default 1,8)")
     p.add_argument("--iterations", type=int, default=200, help="timed requests per batch size")
+    p.add_argument("--pace-ms", type=float, default=0.0,
+                   help="start one timed request every this many ms, as sparse traffic comes (default: back to back)")
     p.add_argument("--device", help="cpu or cuda:N (default: cuda:0 for a GPU ModelSpec, cpu otherwise)")
     p.add_argument("--write", action="store_true", help="write the baselines into the file, tagged with the "
                                                         "version and input hash")
