@@ -81,6 +81,8 @@ def test_the_cpu_of_violating_windows_is_told_apart_from_the_others() -> None:
 def test_the_throttle_arm_is_run_beside_the_yield_alone() -> None:
     config = slo.Config(throttle_share=0.75, throttle_period_ms=25.0)
     assert config.arms == ("alone", "off", "yield", "on") and slo.Config(alone=False).arms == ("off", "on")
+    # Calibrated as the protected model's traffic comes, unless told otherwise.
+    assert config.pace_ms == 125.0 and slo.Config(calibrate_pace_ms=0).pace_ms == 0
     assert "autonomyThrottleShare" not in config.settings("yield") and config.settings("yield")["autonomyYieldNice"]
     assert (config.settings("on")["autonomyThrottleShare"], config.settings("on")["autonomyThrottlePeriodMs"]) == (
         0.75, 25.0)

@@ -85,9 +85,25 @@ def test_the_baseline_written_is_the_gateway_path(spec_file: pathlib.Path) -> No
     assert b["p99Ms"] == b["workerP99Ms"] > 0
 
 
+@pytest.mark.integration
+def test_a_paced_calibration_sends_one_request_every_pace(spec_file: pathlib.Path) -> None:
+    """--pace-ms starts one timed request every so many ms, as sparse traffic comes; back to back is the default."""
+    paced = volga("calibrate", "-f", str(spec_file), "--batch-sizes", "1", "--iterations", "10", "--pace-ms", "60",
+                  "--json", "--direct")
+    assert paced.returncode == 0, paced.stderr
+    [b] = json.loads(paced.stdout)["batches"]
+    assert b["p50Ms"] > 0 and b["throughputPerSec"] <= 1000 / 60
+    back_to_back = volga("calibrate", "-f", str(spec_file), "--batch-sizes", "1", "--iterations", "10", "--json",
+                         "--direct")
+    assert back_to_back.returncode == 0, back_to_back.stderr
+    assert json.loads(back_to_back.stdout)["batches"][0]["throughputPerSec"] > 1000 / 60
+
+
 def test_calibrate_refuses_bad_input(spec_file: pathlib.Path, tmp_path: pathlib.Path) -> None:
     out = volga("calibrate", "-f", str(spec_file), "--batch-sizes", "0,8")
     assert out.returncode == 2 and "--batch-sizes: '0,8': write batch sizes as positive integers" in out.stderr
+    out = volga("calibrate", "-f", str(spec_file), "--pace-ms", "-5")
+    assert out.returncode == 2 and "--pace-ms: -5.0: a request every 0 ms (back to back) or more" in out.stderr
     out = volga("calibrate", "-f", str(spec_file), "--batch-sizes", "1024")
     assert out.returncode == 2 and "[1024] above spec.runtime.maxBatchSize (256)" in out.stderr
     two = tmp_path / "two.yaml"

@@ -666,10 +666,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=1, help="off/on pairs")
     p.add_argument("--pulse-every", type=float, default=10.0, help="seconds between the tolerant model's pulses")
     p.add_argument("--pulse-seconds", type=float, default=3.0, help="how long a pulse lasts")
-    p.add_argument("--calibrate-iterations", type=int, default=300, help="timed requests of each baseline")
-    p.add_argument("--calibrate-pace-ms", type=float, default=0.0,
-                   help="calibrate with one request every this many ms, as the protected model's traffic comes "
-                        "(default: back to back)")
+    p.add_argument("--calibrate-iterations", type=int, default=100, help="timed requests of each baseline")
+    p.add_argument("--calibrate-pace-ms", type=float, default=None,
+                   help="one calibration request every this many ms (default: the protected model's mean arrival "
+                        "period, as its traffic comes; 0: back to back)")
     p.add_argument("--gpu", action="store_true", help="two PyTorch models sharing cuda:0 instead of ONNX on the CPU")
     p.add_argument("--yield-calm-windows", type=int, default=30,
                    help="windows without a violation before the tolerant worker gets its CPU priority back")
