@@ -91,12 +91,21 @@ def test_a_paced_calibration_sends_one_request_every_pace(spec_file: pathlib.Pat
     paced = volga("calibrate", "-f", str(spec_file), "--batch-sizes", "1", "--iterations", "10", "--pace-ms", "60",
                   "--json", "--direct")
     assert paced.returncode == 0, paced.stderr
-    [b] = json.loads(paced.stdout)["batches"]
-    assert b["p50Ms"] > 0 and b["throughputPerSec"] <= 1000 / 60
+    report = json.loads(paced.stdout)
+    [b] = report["batches"]
+    assert report["paceMs"] == 60 and b["p50Ms"] > 0 and b["throughputPerSec"] <= 1000 / 60
     back_to_back = volga("calibrate", "-f", str(spec_file), "--batch-sizes", "1", "--iterations", "10", "--json",
                          "--direct")
     assert back_to_back.returncode == 0, back_to_back.stderr
-    assert json.loads(back_to_back.stdout)["batches"][0]["throughputPerSec"] > 1000 / 60
+    report = json.loads(back_to_back.stdout)
+    assert report["paceMs"] == 0 and report["batches"][0]["throughputPerSec"] > 1000 / 60
+    # The spec's slo.calibrationPaceMs is the default; --pace-ms overrides it.
+    document = yaml.safe_load(spec_file.read_text())
+    document["spec"].setdefault("slo", {})["calibrationPaceMs"] = 30
+    spec_file.write_text(yaml.safe_dump(document))
+    from_spec = volga("calibrate", "-f", str(spec_file), "--batch-sizes", "1", "--iterations", "5", "--direct")
+    assert from_spec.returncode == 0, from_spec.stderr
+    assert "5 requests per batch size, one every 30 ms" in from_spec.stdout
 
 
 def test_calibrate_refuses_bad_input(spec_file: pathlib.Path, tmp_path: pathlib.Path) -> None:

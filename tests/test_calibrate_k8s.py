@@ -79,11 +79,14 @@ def kubectl_json(cp: ControlPlane, *args: str) -> dict[str, Any]:
     return dict(json.loads(cp.kubectl(*args, "-o", "json").stdout))
 
 
-def place(cp: ControlPlane, tmp: pathlib.Path, name: str, source: pathlib.Path | None = None) -> None:
+def place(cp: ControlPlane, tmp: pathlib.Path, name: str, source: pathlib.Path | None = None,
+          pace_ms: float = 0.0) -> None:
     """A ModelSpec of the default model and one HOT EMI of it on each node (placed by hand: no operator)."""
     doc = defaultmodel.spec_document(source or defaultmodel.ensure().spec.source_path)
     doc["metadata"] = {"name": name, "namespace": NS}
     doc["spec"]["modelId"] = name
+    if pace_ms:
+        doc["spec"].setdefault("slo", {})["calibrationPaceMs"] = pace_ms
     objects = [doc] + [{
         "apiVersion": api.API_VERSION, "kind": "ExecutableModelInstance",
         "metadata": {"name": f"{name}-{i}", "namespace": NS,
@@ -125,7 +128,7 @@ def loop_baselines(agents: dict[str, Daemon], name: str, node: str) -> list[tupl
 def test_calibration_on_request(control_plane: ControlPlane, agents: dict[str, Daemon],
                                 tmp_path: pathlib.Path) -> None:
     cp = control_plane
-    place(cp, tmp_path, "cal")
+    place(cp, tmp_path, "cal", pace_ms=4.0)
     wait_for("both instances HOT", lambda: all(
         e.get("status", {}).get("tier") == "HOT"
         for e in kubectl_json(cp, "get", "-n", NS, "emi", "-l", "volga.dev/modelspec=cal")["items"]), timeout=180)
@@ -143,6 +146,7 @@ def test_calibration_on_request(control_plane: ControlPlane, agents: dict[str, D
     spec = defaultmodel.ensure().spec
     assert (first.device, first.version, first.input_hash, first.node) == ("cpu", "1", spec.input_hash(), given.node)
     assert first.measured_through == "gateway" and first.iterations == 40
+    assert first.pace_ms == 4.0  # as the spec's slo.calibrationPaceMs asks
     assert [b.batch_size for b in first.batches] == [1, 8]
     for b in first.batches:
         assert 0 < b.p50_ms <= b.p99_ms and b.worker_p99_ms is not None and b.worker_p99_ms > 0

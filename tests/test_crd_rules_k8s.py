@@ -94,6 +94,8 @@ def test_schema_refuses_what_validate_refuses(custom: tuple[k8s_client.CustomObj
         assert "spec.outputs[0].name" in refused and "should match" in refused, name
     refused = create(custom, modelspec("floors", pool={"frozen": 65}))
     assert "spec.pool.frozen" in refused and "less than or equal to 64" in refused
+    refused = create(custom, modelspec("pace", slo={"calibrationPaceMs": -5}))
+    assert "spec.slo.calibrationPaceMs" in refused and "greater than or equal to 0" in refused
     refused = create(custom, modelspec("a" * 64, modelId="long"))
     assert "metadata.name: at most 63 characters" in refused
     refused = create(custom, modelspec("under", modelId="a_b"))
@@ -103,6 +105,7 @@ def test_schema_refuses_what_validate_refuses(custom: tuple[k8s_client.CustomObj
     # Everything the server refused, `volga validate`'s parser refuses too.
     for doc in (modelspec("big", inputs=tensor(shape=[-1, 2**31])), modelspec("floors", pool={"frozen": 65}),
                 modelspec("names", outputs=tensor("y\u202e")), modelspec("a" * 64, modelId="long"),
-                modelspec("flag", inputs=tensor(shape=[True, 13])), modelspec("under", modelId="a_b")):
+                modelspec("flag", inputs=tensor(shape=[True, 13])), modelspec("under", modelId="a_b"),
+                modelspec("pace", slo={"calibrationPaceMs": -5})):
         with pytest.raises(api.SpecError):
             api.parse_model_spec(doc)

@@ -8,11 +8,11 @@ worker alone, through the gateway's own worker client (`gateway.workers.WorkerCl
 tensors in per-connection shared memory); the difference is the gateway's overhead. `through="worker"` (`volga
 calibrate --direct`) times only the worker, as baselines were measured before.
 
-Per batch size, ascending: warm-up requests, then `iterations` timed ones on each path, back to back or, with
-`pace_ms`, one every `pace_ms` (sparse traffic finds CPUs and GPUs idle, in deeper power states and with colder
-caches, and is slower than back-to-back requests: a baseline for a model that gets a few requests a second is
-measured paced); p50 and p99, samples per second,
-and the worker's peak memory (host: VmHWM; GPU: what the worker reports allocated). The result is an
+Per batch size, ascending: warm-up requests, then `iterations` timed ones on each path, back to back or one
+every `pace_ms` (by default the spec's slo.calibrationPaceMs): sparse traffic finds CPUs and GPUs idle, in deeper
+power states and with colder caches, and is slower than back-to-back requests, so a baseline for a model that gets
+a few requests a second is measured paced. Per batch size: p50 and p99, samples per second, and the worker's peak
+memory (host: VmHWM; GPU: what the worker reports allocated). The result is an
 `api.Calibration`, the shape of the ModelSpec status' `calibrated` entries (p50Ms/p99Ms the baseline path,
 workerP50Ms/workerP99Ms the worker alone).
 
@@ -170,10 +170,13 @@ def _measure_gateway(address: str, model: str, decls: tuple[contract.TensorDecl,
 def measure(spec: api.ModelSpecSpec, batch_sizes: Sequence[int], iterations: int, device: str = "cpu",
             workdir: pathlib.Path | None = None, warmup: int = WARMUP,
             progress: Callable[[str], None] = lambda _: None, through: Through = "gateway",
-            pace_ms: float = 0.0) -> api.Calibration:
+            pace_ms: float | None = None) -> api.Calibration:
     """Start a worker for `spec` on `device`, time each batch size alone (through a gateway and on the worker
-    alone, or with `through="worker"` on the worker alone; one request every `pace_ms`, or back to back),
-    stop the worker. Samples per second are only meaningful back to back."""
+    alone, or with `through="worker"` on the worker alone; one request every `pace_ms`, by default the spec's
+    slo.calibrationPaceMs, 0 back to back), stop the worker. Samples per second are only meaningful back to
+    back."""
+    if pace_ms is None:
+        pace_ms = spec.slo.calibration_pace_ms
     if not spec.has_signature:
         raise ValueError("spec.inputs: the signature must be known (read it from the model file first)")
     too_big = [b for b in batch_sizes if b > spec.runtime.max_batch_size]
@@ -224,14 +227,15 @@ def measure(spec: api.ModelSpecSpec, batch_sizes: Sequence[int], iterations: int
             inst.to(api.Tier.COLD)
     return api.Calibration(device=device_name(device), version=spec.version, input_hash=spec.input_hash(),
                            measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                           node=socket.gethostname(), iterations=iterations, batches=profiles,
+                           node=socket.gethostname(), iterations=iterations, pace_ms=pace_ms, batches=profiles,
                            measured_through=through)
 
 
 def table(calibration: api.Calibration) -> str:
     through = calibration.measured_through
+    pace = f"one every {calibration.pace_ms:g} ms" if calibration.pace_ms else "back to back"
     lines = [f"{calibration.device}, version {calibration.version}, input hash {calibration.input_hash[:16]}..., "
-             f"{calibration.iterations} requests per batch size; the baseline (p99): "
+             f"{calibration.iterations} requests per batch size, {pace}; the baseline (p99): "
              + ("through a gateway (tritonclient gRPC)" if through == "gateway" else "the worker alone"),
              f"{'batch':>6}{'p50 ms':>10}{'p99 ms':>10}"
              + (f"{'worker p50':>12}{'worker p99':>12}{'gateway +p99':>14}" if through == "gateway" else "")

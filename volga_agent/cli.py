@@ -690,8 +690,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", help="which ModelSpec of a multi-document file (metadata.name)")
     p.add_argument("--batch-sizes", type=_batch_sizes, default=[1, 8], help="comma-separated (default 1,8)")
     p.add_argument("--iterations", type=int, default=200, help="timed requests per batch size")
-    p.add_argument("--pace-ms", type=float, default=0.0,
-                   help="start one timed request every this many ms, as sparse traffic comes (default: back to back)")
+    p.add_argument("--pace-ms", type=float, default=None,
+                   help="start one timed request every this many ms, as sparse traffic comes; 0: back to back "
+                        "(default: the spec's slo.calibrationPaceMs)")
     p.add_argument("--device", help="cpu or cuda:N (default: cuda:0 for a GPU ModelSpec, cpu otherwise)")
     p.add_argument("--write", action="store_true", help="write the baselines into the file, tagged with the "
                                                         "version and input hash")

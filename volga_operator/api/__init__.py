@@ -247,6 +247,12 @@ class Slo(Model):
         default=1000.0, gt=0,
         description="how long the model may stay out of its SLO before it must recover, in milliseconds (> 0). "
                     "Default: 1000")
+    calibration_pace_ms: float = pydantic.Field(
+        default=0.0, ge=0, le=60_000,
+        description="how calibrations time the baselines (`volga calibrate`, a cluster's volga.dev/calibrate): "
+                    "one request every calibrationPaceMs milliseconds, as a model that gets a few requests a "
+                    "second sees them (an idle CPU or GPU answers slower than back-to-back requests), or back to "
+                    "back with 0 (0-60000). Default: 0")
 
     @pydantic.field_validator("baseline_latency_ms")
     @classmethod
@@ -1075,6 +1081,8 @@ class Calibration(Model):
     measured_at: str = pydantic.Field(default="", description="when, RFC 3339 in UTC")
     node: str = pydantic.Field(default="", description="the node measured on")
     iterations: int = pydantic.Field(default=0, ge=0, description="timed requests per batch size")
+    pace_ms: float = pydantic.Field(default=0.0, ge=0, description="milliseconds between the starts of two timed "
+                                                                   "requests; 0: back to back")
     batches: list[BatchProfile] = pydantic.Field(default_factory=list, max_length=64,
                                                  description="per batch size, ascending")
 
