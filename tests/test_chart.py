@@ -720,6 +720,29 @@ def test_gateway_authentication_and_tls_come_from_secrets() -> None:
         "drop": ["ALL"]}
 
 
+def test_gateway_processes_get_their_metrics_ports_scraped() -> None:
+    """gateway.processes: the gateway's --processes, and the metrics ports of processes 1.. in the container, the
+    Service, the ServiceMonitor and the NetworkPolicy."""
+    assert not any(a.startswith("--processes") for a in template().container("gateway")["args"])
+    rendered = template("--set", "gateway.processes=3", "--set", "serviceMonitor.enabled=true",
+                        "--set", "metricsAuth.existingSecret=scrape")
+    gateway = rendered.container("gateway")
+    assert "--processes=3" in gateway["args"]
+    assert {(p["name"], p["containerPort"]) for p in gateway["ports"]} >= {
+        ("gateway-metrics", 8002), ("gw-metrics-1", 8003), ("gw-metrics-2", 8004)}
+    service = next(d for d in rendered.docs if d["kind"] == "Service" and any(
+        p["name"] == "grpc" for p in d["spec"]["ports"]))
+    assert {(p["name"], p["port"], p["targetPort"]) for p in service["spec"]["ports"]} >= {
+        ("metrics", 8002, "gateway-metrics"), ("metrics-1", 8003, "gw-metrics-1"), ("metrics-2", 8004, "gw-metrics-2")}
+    monitor = next(d for d in rendered.docs if d["kind"] == "ServiceMonitor")
+    assert [e["port"] for e in monitor["spec"]["endpoints"]] == ["metrics", "metrics-1", "metrics-2"]
+    assert all(e["bearerTokenSecret"]["name"] == "scrape" for e in monitor["spec"]["endpoints"])
+    policy = rendered.get("NetworkPolicy", "volga-agent")["spec"]
+    assert {p["port"] for p in policy["ingress"][1]["ports"]} == {8002, 8003, 8004, 8012}
+    failed = run(helm(), "template", RELEASE, str(CHART), "--set", "gateway.processes=0", check=False)
+    assert failed.returncode != 0 and "gateway.processes: 0: at least 1 gateway process" in failed.stderr
+
+
 def test_network_policy_admits_metrics_from_monitoring_and_restricts_egress(default: Rendered) -> None:
     spec = default.get("NetworkPolicy", "volga-agent")["spec"]
     assert spec["policyTypes"] == ["Ingress", "Egress"]

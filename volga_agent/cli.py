@@ -182,6 +182,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     import uvloop
 
     from volga_agent import local
+    from volga_agent.gateway import siblings
 
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -202,14 +203,15 @@ def cmd_up(args: argparse.Namespace) -> int:
                             metrics_port=args.metrics_port, agent_port=args.agent_port,
                             snapshot_root=pathlib.Path(args.snapshot_dir) if args.snapshot_dir else None,
                             workroot=pathlib.Path(args.workdir) if args.workdir else None,
-                            settings=settings, tokens=tokens)
+                            settings=settings, tokens=tokens, token_file=args.token_file or "",
+                            gateway_processes=args.gateway_processes)
     print(f"volga up: {len(specs)} ModelSpec(s); listening on", flush=True)
     try:
         uvloop.run(local.run(specs, options, lambda line: print(line, flush=True)))
     except ValueError as exc:  # what the node refuses before starting anything (too many instances)
         print(f"volga up: {exc}", file=sys.stderr)
         return 2
-    except OSError as exc:
+    except (OSError, siblings.SiblingFailed) as exc:
         print(f"volga up: {exc}", file=sys.stderr)
         return 1
     return 0
@@ -372,7 +374,8 @@ def cmd_bench_peers(args: argparse.Namespace) -> int:
                               concurrency=tuple(args.clients), cold_starts=args.cold_starts, wakes=args.wakes,
                               idle_sec=args.idle_sec, kserve_python=args.kserve_python or "",
                               batched=not args.no_batched, external_data=args.external_data,
-                              server_cpus=args.server_cpus, client_cpus=args.client_cpus)
+                              server_cpus=args.server_cpus, client_cpus=args.client_cpus,
+                              gateway_processes=args.gateway_processes)
     try:
         report = peers.run(settings, progress=_progress(args.json))
     except peers.KServeMissing as exc:
@@ -542,6 +545,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-user", help="user workers drop to where their tiers allow it: NAME, UID or UID:GID; "
                    "root keeps them root (default: nobody)")
     p.add_argument("--token-file", help="bearer tokens (one a line) the gateway requires, but for health checks")
+    p.add_argument("--gateway-processes", type=int, default=1,
+                   help="gateway processes on the same ports (SO_REUSEPORT), each with its own /metrics "
+                        "(volga_agent/gateway/siblings.py); default 1")
     p.add_argument("--criu-timeout-sec", type=float,
                    help="seconds a CRIU call may take before it is killed, plus 10 per GiB it moves (default 10)")
     p.add_argument("--set", action="append", metavar="NAME=VALUE",
@@ -632,6 +638,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CPUs the servers run on, e.g. 0,1 or 0-3 (default: all)")
     p.add_argument("--client-cpus", type=_cpus, default=(), metavar="LIST",
                    help="CPUs the clients run on, e.g. 2-9 (default: all)")
+    p.add_argument("--gateway-processes", type=int, default=1,
+                   help="Volga's gateway processes (volga up --gateway-processes; default 1)")
     _report_args(p)
     p.set_defaults(func=cmd_bench_peers)
     p = bench.add_parser("faults", help="volga up under traffic: corrupt and truncated images, killed workers "

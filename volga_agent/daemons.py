@@ -30,7 +30,7 @@ import uvloop
 
 from volga_agent import admission, auth, defaultmodel, gpus, metrics, neighbours, policy, pool, ports, server
 from volga_agent.autonomy import exchange, loop
-from volga_agent.gateway import app, catalog, links
+from volga_agent.gateway import app, catalog, links, siblings
 from volga_operator import api, planner
 from volga_operator.api import signature
 from volga_operator.kube import bearer
@@ -256,10 +256,19 @@ def gateway_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tls-cert", default="", help="gRPC over TLS: the server certificate (PEM)")
     parser.add_argument("--tls-key", default="", help="gRPC over TLS: the server key (PEM)")
     parser.add_argument("--tls-client-ca", default="", help="gRPC mutual TLS: the CA of client certificates (PEM)")
+    parser.add_argument("--processes", type=int, default=int(os.environ.get("VOLGA_GATEWAY_PROCESSES", "1")),
+                        help="gateway processes on the same ports (SO_REUSEPORT), each with its own /metrics on "
+                             "--metrics-port + its index (volga_agent/gateway/siblings.py); default 1")
+    parser.add_argument("--sibling", type=int, default=0, help=argparse.SUPPRESS)  # set by process 0 for the others
     parser.add_argument("-v", "--verbose", action="store_true")
     args = _parse(parser, argv)
     if bool(args.tls_cert) != bool(args.tls_key):
         parser.error("--tls-cert and --tls-key go together")
+    if args.processes < 1:
+        parser.error(f"--processes: {args.processes}: at least 1 gateway process")
+    spawns = args.processes > 1 and args.sibling == 0
+    if args.sibling:
+        siblings.die_with_parent()
     tokens = auth.Tokens.from_file(args.token_file) if args.token_file else None
     metrics_tokens = auth.Tokens.from_file(args.metrics_token_file) if args.metrics_token_file else None
     agent_token = auth.Tokens.from_file(args.agent_token_file).values[0].decode() if args.agent_token_file else ""
@@ -273,7 +282,8 @@ def gateway_main(argv: list[str] | None = None) -> int:
                                 metrics_port=args.metrics_port, cache_ttl_sec=args.cache_ttl_sec, tokens=tokens,
                                 metrics_tokens=metrics_tokens,
                                 tls_cert_file=args.tls_cert, tls_key_file=args.tls_key,
-                                tls_client_ca_file=args.tls_client_ca)
+                                tls_client_ca_file=args.tls_client_ca,
+                                reuse_port=args.processes > 1 or args.sibling > 0)
         link = links.GrpcAgentLink(args.agent, agent_token)
         gw = app.Gateway(models, link, settings)
         exchanger = links.Exchanger(gw.dataplane, link)
@@ -289,8 +299,22 @@ def gateway_main(argv: list[str] | None = None) -> int:
         exchanger.start()
         print(f"volga-gateway: HTTP {args.host}:{gw.ports['http']}, gRPC {args.host}:{gw.ports['grpc']}, "
               f"metrics :{gw.ports['metrics']}, agent {args.agent}", flush=True)
+        others: siblings.Siblings | None = None
+        if spawns:
+            given = list(sys.argv[1:] if argv is None else argv)
+
+            def command(index: int) -> list[str]:  # the same arguments, on the ports process 0 holds
+                return [*siblings.GATEWAY_MAIN, *given, "--sibling", str(index), "--grpc-port", str(gw.ports["grpc"]),
+                        "--http-port", str(gw.ports["http"])]
+
+            others = siblings.Siblings(command, args.processes, args.metrics_port)
+            await asyncio.to_thread(others.start)
+            print(f"volga-gateway: {args.processes} processes; the others' metrics on :"
+                  + ", :".join(map(str, others.metrics_ports())), flush=True)
 
         async def stop() -> None:
+            if others is not None:
+                await asyncio.to_thread(others.stop)
             await exchanger.stop()
             if watcher is not None:
                 await watcher.stop()

@@ -24,10 +24,11 @@ import tempfile
 from collections.abc import Callable, Sequence
 
 import grpc
+import yaml
 
 from volga_agent import admission, auth, gpus, metrics, policy, pool, ports, process, server
 from volga_agent.autonomy import loop as autonomy
-from volga_agent.gateway import app, catalog, links
+from volga_agent.gateway import app, catalog, links, siblings
 from volga_operator import api, planner
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,8 @@ class Options(ports.Ports):
     settings: policy.Settings = dataclasses.field(default_factory=policy.Settings)
     tick_sec: float = 1.0
     tokens: auth.Tokens | None = None  # bearer tokens the gateway requires (the Agent API stays on loopback)
+    token_file: str = ""  # where `tokens` came from: the other gateway processes read it too
+    gateway_processes: int = 1  # gateway processes on the gateway's ports (`gateway/siblings.py`)
 
 
 class Embedded:
@@ -60,6 +63,16 @@ class Embedded:
         if dupes:
             raise ValueError(f"metadata.name must be unique; repeated: {', '.join(dupes)}")
         self.specs = {s.metadata.name: s.spec for s in specs}
+        self._documents = [s.to_wire() for s in specs]
+        processes = self.options.gateway_processes
+        if processes < 1:
+            raise ValueError(f"--gateway-processes: {processes}: at least 1 gateway process")
+        if processes > 1 and self.options.agent_port < 0:
+            raise ValueError("--gateway-processes: the other gateway processes reach the pool through the Agent API; "
+                             "it is off (--agent-port -1)")
+        if processes > 1 and self.options.settings.autonomy_enabled:
+            raise ValueError("--gateway-processes: the autonomy loop of `volga up` steers its one in-process gateway; "
+                             "run one gateway process with --autonomy")
         self.gpus = gpus.discover()
         self.settings = admission.node_settings(self.options.settings)
         self.plan = planner.plan(self.specs, [gpus.node_profile(self.gpus, NODE)])
@@ -77,7 +90,8 @@ class Embedded:
         gw_settings = app.Settings(
             host=self.options.host, http_port=self.options.http_port, grpc_port=self.options.grpc_port,
             metrics_port=self.options.metrics_port, cache_ttl_sec=self.options.settings.gateway_cache_ttl_sec,
-            tokens=self.options.tokens)
+            tokens=self.options.tokens, reuse_port=processes > 1)
+        self.siblings: siblings.Siblings | None = None
         self.gateway = app.Gateway(catalog.Catalog({s.model_id: s for s in self.specs.values()}),
                                    links.LocalAgentLink(self._activate, self._instances), gw_settings,
                                    extra_metrics=[self.agent_metrics.registry])
@@ -113,11 +127,29 @@ class Embedded:
                         "" if self.options.tokens else " without authentication (--token-file)", AGENT_HOST)
         if self.options.agent_port >= 0:
             self._agent, self.agent_port = await server.serve(self.pool, AGENT_HOST, self.options.agent_port)
+        if self.options.gateway_processes > 1:
+            self.siblings = siblings.Siblings(self._sibling_command, self.options.gateway_processes,
+                                              self.options.metrics_port)
+            await asyncio.to_thread(self.siblings.start)
+
+    def _sibling_command(self, index: int) -> list[str]:
+        """Gateway process `index`: a `volga-gateway` on this gateway's ports, the same ModelSpecs (as loaded
+        here, signatures read), routing through the Agent API."""
+        specs = self.folders["workdir"] / "gateway-modelspecs.yaml"
+        if not specs.exists():
+            specs.write_text(yaml.safe_dump_all(self._documents, sort_keys=False))
+        o, bound = self.options, self.gateway.ports
+        return [*siblings.GATEWAY_MAIN, "--agent", f"{AGENT_HOST}:{self.agent_port}", "-f", str(specs),
+                "--host", o.host, "--http-port", str(bound["http"]), "--grpc-port", str(bound["grpc"]),
+                "--cache-ttl-sec", str(o.settings.gateway_cache_ttl_sec), "--sibling", str(index),
+                *(["--token-file", o.token_file] if o.token_file else [])]
 
     async def wait_converged(self, timeout: float = 300.0) -> None:
         await asyncio.to_thread(self.pool.wait_converged, timeout)
 
     async def stop(self) -> None:
+        if self.siblings is not None:
+            await asyncio.to_thread(self.siblings.stop)
         if self.autonomy is not None:
             await asyncio.to_thread(self.autonomy.stop)
         self.pool.interrupt()
@@ -131,8 +163,12 @@ class Embedded:
     def endpoints(self) -> dict[str, str]:
         host = self.options.host
         ports = self.gateway.ports
-        return {"http": f"http://{host}:{ports['http']}", "grpc": f"{host}:{ports['grpc']}",
-                "metrics": f"http://{host}:{ports['metrics']}/metrics", "agent": f"{AGENT_HOST}:{self.agent_port}"}
+        out = {"http": f"http://{host}:{ports['http']}", "grpc": f"{host}:{ports['grpc']}",
+               "metrics": f"http://{host}:{ports['metrics']}/metrics"}
+        # the other gateway processes' own /metrics (metrics1, metrics2, ...)
+        for index, port in enumerate(self.siblings.metrics_ports() if self.siblings else [], start=1):
+            out[f"metrics{index}"] = f"http://{host}:{port}/metrics"
+        return {**out, "agent": f"{AGENT_HOST}:{self.agent_port}"}
 
 
 async def run(specs: Sequence[api.ModelSpec], options: Options, announce: Callable[[str], None] = print) -> None:
@@ -142,7 +178,11 @@ async def run(specs: Sequence[api.ModelSpec], options: Options, announce: Callab
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await embedded.start()
+    try:
+        await embedded.start()
+    except BaseException:
+        await embedded.stop()  # what did start (the pool's workers, the gateway) stops, before the error is told
+        raise
     try:
         for name, url in embedded.endpoints().items():
             announce(f"  {name:<8} {url}")

@@ -75,6 +75,12 @@ class Settings:
     # leave the servers' CPUs to the servers, as in a cluster, where the clients are elsewhere.
     server_cpus: tuple[int, ...] = ()
     client_cpus: tuple[int, ...] = ()
+    gateway_processes: int = 1  # `volga up --gateway-processes`: Volga's gateway processes on its ports
+
+
+# Each client thread of a throughput run on a TCP connection of its own, as separate clients are (channels with
+# the same arguments would otherwise share one connection through gRPC's global subchannel pool).
+OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
 
 
 class KServeMissing(RuntimeError):
@@ -215,7 +221,8 @@ def descendants(pid: int) -> list[int]:
 
 def throughput(address: str, work: Workload, clients: int, seconds: float, check: Checker,
                watched: Watched | None = None) -> tuple[float, dict[str, float]]:
-    """`clients` threads, each with its own tritonclient, closed loop for `seconds`: answers per second, and the
+    """`clients` threads, each with its own tritonclient and connection, closed loop for `seconds`: answers per
+    second, and the
     CPU microseconds per answer that each of the `watched` processes spent from the window's start until the last
     client stopped."""
     window: list[float] = []  # when the timed window ends, set as the last thread reaches the barrier
@@ -229,7 +236,7 @@ def throughput(address: str, work: Workload, clients: int, seconds: float, check
     counts = [0] * clients
 
     def client_loop(i: int) -> None:
-        client = grpcclient.InferenceServerClient(address)
+        client = grpcclient.InferenceServerClient(address, channel_args=OWN_CONNECTION)
         inputs = work.inputs()
         try:
             for _ in range(3):  # the channel and the server's first calls, outside the window
@@ -270,6 +277,7 @@ def steady_state(address: str, work: Workload, settings: Settings, check: Checke
     out: dict[str, Any] = {"hot_p50_ms": one["p50_ms"], "hot_p99_ms": one["p99_ms"], "hot": one}
     if watched is not None:
         out["cpus"] = watched.cpus()
+        out["processes"] = {role: len(pids) for role, pids in watched.roles.items()}
     for clients in settings.concurrency:
         progress(f"  {clients} clients for {settings.seconds:g} s")
         rps, cpu = throughput(address, work, clients, settings.seconds, check, watched)
@@ -284,14 +292,16 @@ def _server(pid: int) -> Watched:
 
 
 def _volga(pid: int) -> Watched:
-    """`volga up` (agent and gateway, one process) and its HOT workers apart."""
-    workers = tuple(p for p in descendants(pid) if _is_worker(p))
-    return Watched({"gateway": (pid,), "worker": workers})
+    """`volga up` (agent and gateway, one process) with its other gateway processes, and its HOT workers apart."""
+    below = descendants(pid)
+    gateways = tuple(p for p in below if _runs(p, b"gateway_main"))
+    workers = tuple(p for p in below if _runs(p, b"volga_agent.worker.serve"))
+    return Watched({"gateway": (pid, *gateways), "worker": workers})
 
 
-def _is_worker(pid: int) -> bool:
+def _runs(pid: int, what: bytes) -> bool:
     try:
-        return b"volga_agent.worker.serve" in pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
+        return what in pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
 
@@ -392,13 +402,18 @@ def _wait_tier(stub: agent_pb2_grpc.AgentStub, model: str, tier: str, timeout: f
         time.sleep(0.02)
 
 
+def _gateways(settings: Settings) -> list[str]:
+    return ["--gateway-processes", str(settings.gateway_processes)] if settings.gateway_processes > 1 else []
+
+
 def run_volga(work: Workload, settings: Settings, progress: Callable[[str], None],
               spec_file: pathlib.Path | None = None) -> dict[str, Any]:
     """`volga up` serving the default model (or `spec_file`'s): its FROZEN wakes, then its steady state."""
     check = Checker(work.reference)
     progress("Volga: starting volga up (default model; cold start, then freeze) ...")
     serve = ["-f", str(spec_file)] if spec_file is not None else []
-    with harness.volga_up([*serve, "--idle-sec", f"{settings.idle_sec:g}"], cpus=settings.server_cpus) as up, \
+    with harness.volga_up([*serve, "--idle-sec", f"{settings.idle_sec:g}", *_gateways(settings)],
+                          cpus=settings.server_cpus) as up, \
             grpc.insecure_channel(up.endpoints["agent"]) as channel:
         stub = agent_pb2_grpc.AgentStub(channel)
         address = up.endpoints["grpc"]
@@ -443,7 +458,7 @@ def run_volga_batched(work: Workload, settings: Settings, folder: pathlib.Path,
     path.write_text(yaml.safe_dump(doc))
     check = Checker(work.reference)
     progress("Volga, dynamic batching: starting volga up -f (the default model, batched, HOT) ...")
-    with harness.volga_up(["-f", str(path)], cpus=settings.server_cpus) as up, \
+    with harness.volga_up(["-f", str(path), *_gateways(settings)], cpus=settings.server_cpus) as up, \
             grpc.insecure_channel(up.endpoints["agent"]) as channel:
         _wait_tier(agent_pb2_grpc.AgentStub(channel), work.model, api.Tier.HOT.value)
         out = steady_state(up.endpoints["grpc"], work, settings, check, progress, _volga(up.proc.pid))
@@ -540,7 +555,9 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [f"{report['model']}, batch 1, {report['intra_op_threads']} intra-op thread(s); {report['device']}; "
              f"KServe {report['kserve_versions']['kserve']}; load average {report['load_avg_1m']}"
              + "".join(f"; {who} on CPUs {report['settings'][key]}" for who, key in
-                       (("servers", "server_cpus"), ("clients", "client_cpus")) if report["settings"][key]),
+                       (("servers", "server_cpus"), ("clients", "client_cpus")) if report["settings"][key])
+             + (f"; Volga with {report['settings']['gateway_processes']} gateway processes"
+                if report["settings"].get("gateway_processes", 1) > 1 else ""),
              f"{'':<28}{'Volga':>12}{'KServe':>12}"]
     lines[-1] += f"{'Volga batched':>16}" if b else ""
     lines += [f"{label:<28}{v[key]:>12.2f}{k[key]:>12.2f}" + (f"{b[key]:>16.2f}" if b else "") for label, key in rows]

@@ -38,6 +38,8 @@ class Settings:
     tls_cert_file: str = ""
     tls_key_file: str = ""
     tls_client_ca_file: str = ""
+    # Let other gateway processes listen on the same HTTP and gRPC ports (SO_REUSEPORT; `siblings.py`).
+    reuse_port: bool = False
 
 
 class Gateway:
@@ -59,7 +61,7 @@ class Gateway:
     async def start(self) -> None:
         s = self.settings
         options = [("grpc.max_receive_message_length", s.max_request_bytes),
-                   ("grpc.max_send_message_length", s.max_request_bytes), ("grpc.so_reuseport", 0)]
+                   ("grpc.max_send_message_length", s.max_request_bytes), ("grpc.so_reuseport", int(s.reuse_port))]
         interceptors = [auth.GrpcAuth(s.tokens, grpc_service.OPEN_METHODS)] if s.tokens is not None else None
         self._grpc = grpc.aio.server(options=options, interceptors=interceptors)
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(grpc_service.Servicer(self.dataplane), self._grpc)
@@ -71,12 +73,13 @@ class Gateway:
         if self.ports["grpc"] == 0:
             raise OSError(f"cannot listen on {s.host}:{s.grpc_port} (gRPC)")
         await self._grpc.start()
-        self.ports["http"] = await self._listen(rest.app(self.dataplane, s.tokens), s.http_port, **rest.RUNNER_OPTIONS)
+        self.ports["http"] = await self._listen(rest.app(self.dataplane, s.tokens), s.http_port,
+                                                reuse_port=s.reuse_port, **rest.RUNNER_OPTIONS)
         self.ports["metrics"] = await self._listen(bearer.metrics_app([self.metrics.registry, *self.extra_metrics],
                                                                       s.metrics_tokens), s.metrics_port)
 
-    async def _listen(self, http_app: web.Application, port: int, **options: Any) -> int:
-        runner, bound = await bearer.listen(http_app, self.settings.host, port, **options)
+    async def _listen(self, http_app: web.Application, port: int, reuse_port: bool = False, **options: Any) -> int:
+        runner, bound = await bearer.listen(http_app, self.settings.host, port, reuse_port, **options)
         self._runners.append(runner)
         return bound
 

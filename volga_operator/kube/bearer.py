@@ -77,12 +77,14 @@ def metrics_app(registries: Sequence[prom.CollectorRegistry], tokens: Tokens | N
     return app
 
 
-async def listen(http_app: web.Application, host: str, port: int, **options: Any) -> tuple[web.AppRunner, int]:
+async def listen(http_app: web.Application, host: str, port: int, reuse_port: bool = False,
+                 **options: Any) -> tuple[web.AppRunner, int]:
     """Serve an aiohttp app on host:port (0 picks a free port) on the running event loop: its runner (`cleanup()`
-    stops it) and the port. `options` go to the runner's request handler (e.g. auto_decompress)."""
+    stops it) and the port. With `reuse_port` other processes may listen on the same port (SO_REUSEPORT; the
+    kernel spreads connections over them). `options` go to the runner's request handler (e.g. auto_decompress)."""
     runner = web.AppRunner(http_app, access_log=None, handle_signals=False, **options)
     await runner.setup()
-    await web.TCPSite(runner, host, port, reuse_address=True).start()
+    await web.TCPSite(runner, host, port, reuse_address=True, reuse_port=reuse_port or None).start()
     return runner, int(runner.addresses[0][1])
 
 

@@ -1,0 +1,149 @@
+"""Several gateway processes on one node's ports (`volga up --gateway-processes`, `volga-gateway --processes`):
+connections spread over them, every one answers correctly, one that dies comes back, they end with the first."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from prometheus_client.parser import text_string_to_metric_families
+
+from volga_agent import defaultmodel, instance
+from volga_agent.worker import contract
+from volga_bench import harness
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+CONNECTIONS = 24  # all on one of two processes by chance: 2 in 2**24
+
+
+def answered(metrics_url: str, protocol: str) -> float:
+    """Requests the gateway process behind `metrics_url` answered OK over `protocol`."""
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == "volga_gateway_requests_total" and sample.labels.get("code") == "OK"
+               and sample.labels.get("protocol") == protocol)
+
+
+def gone(pid: int) -> bool:
+    """Whether the process has exited (a zombie holds no sockets any more)."""
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def wait_until(what: str, done: Callable[[], object], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def gateway_processes(pid: int) -> dict[int, int]:
+    """sibling index -> pid of the gateway processes `volga up` started."""
+    found = {}
+    for entry in pathlib.Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            args = (entry / "cmdline").read_bytes().split(b"\0")
+            status = (entry / "status").read_text()
+        except OSError:
+            continue
+        if b"--sibling" in args and re.search(rf"^PPid:\s+{pid}$", status, re.M):
+            found[int(args[args.index(b"--sibling") + 1])] = int(entry.name)
+    return found
+
+
+def spread_requests(up: harness.UpProcess, reference: np.ndarray | None = None) -> np.ndarray:
+    """One request on each of CONNECTIONS fresh gRPC connections and as many HTTP ones; every answer the same."""
+    spec = defaultmodel.ensure().spec
+    decls = instance.decls(spec.inputs)
+    x = contract.sample_inputs(decls, batch=2, seed=7)
+    for index in range(CONNECTIONS):
+        # A subchannel pool of its own: a new TCP connection, not one shared with the other clients' channels.
+        client = grpcclient.InferenceServerClient(up.endpoints["grpc"],
+                                                  channel_args=[("grpc.use_local_subchannel_pool", 1)])
+        out = client.infer(spec.model_id, harness.triton_inputs(decls, x, grpcclient),
+                           client_timeout=60).as_numpy("probability")
+        client.close()
+        reference = out if reference is None else reference
+        assert np.array_equal(out, reference), index
+        web = httpclient.InferenceServerClient(up.endpoints["http"].removeprefix("http://"), concurrency=1)
+        out = web.infer(spec.model_id, harness.triton_inputs(decls, x, httpclient)).as_numpy("probability")
+        web.close()
+        assert np.array_equal(out, reference), index
+    assert reference is not None
+    return reference
+
+
+def test_two_gateway_processes_share_the_ports_and_both_answer() -> None:
+    with harness.volga_up(["--gateway-processes", "2"]) as up:
+        metrics = [up.endpoints["metrics"], up.endpoints["metrics1"]]
+        reference = spread_requests(up)
+        for protocol in ("grpc", "http"):
+            counts = [answered(url, protocol) for url in metrics]
+            assert sum(counts) == CONNECTIONS and min(counts) > 0, (protocol, counts)
+
+        # Process 1 killed: process 0 answers every new connection meanwhile, and process 1 comes back on the same
+        # ports (its metrics port too) within a few seconds.
+        [(_, first)] = gateway_processes(up.proc.pid).items()
+        os.kill(first, signal.SIGKILL)
+        wait_until("gateway process 1 exits", lambda: gone(first))
+        spread_requests(up, reference)
+        wait_until("gateway process 1 started again",
+                   lambda: gateway_processes(up.proc.pid).get(1) not in (None, first))
+        again = gateway_processes(up.proc.pid)[1]
+        wait_until("gateway process 1 serves its metrics again", lambda: _serves(up.endpoints["metrics1"]))
+        before = answered(up.endpoints["metrics1"], "grpc")
+        spread_requests(up, reference)
+        assert answered(up.endpoints["metrics1"], "grpc") > before
+
+        up.proc.send_signal(signal.SIGTERM)
+        assert up.proc.wait(timeout=60) == 0
+    wait_until("gateway process 1 ends with volga up", lambda: gone(again), timeout=10)
+
+
+def _serves(url: str) -> bool:
+    try:
+        urllib.request.urlopen(url, timeout=5).read()
+        return True
+    except OSError:
+        return False
+
+
+def test_gateway_processes_die_with_the_first() -> None:
+    with harness.volga_up(["--gateway-processes", "2"]) as up:
+        [(_, other)] = gateway_processes(up.proc.pid).items()
+        up.proc.kill()  # SIGKILL: no stop of its own, the kernel's parent-death signal only
+        up.proc.wait(timeout=30)
+        wait_until("gateway process 1 ends with a killed volga up", lambda: gone(other), timeout=15)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["up", "--gateway-processes", "0"], "--gateway-processes: 0: at least 1 gateway process"),
+    (["up", "--gateway-processes", "2", "--autonomy"], "--gateway-processes: the autonomy loop of `volga up`"),
+    (["up", "--gateway-processes", "2", "--agent-port", "-1"], "--gateway-processes: the other gateway processes"),
+])
+def test_volga_up_refuses_gateway_processes_it_cannot_run(args: list[str], message: str) -> None:
+    out = subprocess.run([sys.executable, "-m", "volga_agent.cli", *args, "--http-port", "0", "--grpc-port", "0",
+                          "--metrics-port", "0"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and message in out.stderr, out.stderr[-2000:]
+
+
+def test_volga_gateway_refuses_no_processes() -> None:
+    out = subprocess.run([sys.executable, "-c", "import sys; from volga_agent.daemons import gateway_main; "
+                          "sys.exit(gateway_main())", "-f", "x.yaml", "--processes", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--processes: 0: at least 1 gateway process" in out.stderr
