@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from volga_agent import defaultmodel, instance
@@ -129,6 +130,37 @@ def test_gateway_processes_die_with_the_first() -> None:
         up.proc.kill()  # SIGKILL: no stop of its own, the kernel's parent-death signal only
         up.proc.wait(timeout=30)
         wait_until("gateway process 1 ends with a killed volga up", lambda: gone(other), timeout=15)
+
+
+def test_a_sidecar_gateway_runs_as_several_processes(tmp_path: pathlib.Path) -> None:
+    """`volga-gateway --processes 2` beside an agent (here `volga up`'s Agent API): both processes answer."""
+    spec_file = tmp_path / "model.yaml"
+    spec_file.write_text(yaml.safe_dump(defaultmodel.spec_document(defaultmodel.ensure().spec.source_path)))
+    with harness.volga_up() as up:
+        sidecar = subprocess.Popen([sys.executable, "-c", "import sys; from volga_agent.daemons import gateway_main; "
+                                    "sys.exit(gateway_main())", "--agent", up.endpoints["agent"], "-f", str(spec_file),
+                                    "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--processes", "2"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            assert sidecar.stdout is not None
+            lines: list[str] = []
+            while not any("processes; the others' metrics on" in line for line in lines):
+                line = sidecar.stdout.readline()
+                assert line, "volga-gateway exited:\n" + "".join(lines[-30:])
+                lines.append(line)
+            first = next(re.search(r"HTTP (\S+), gRPC (\S+), metrics :(\d+)", line) for line in lines
+                         if line.startswith("volga-gateway: HTTP"))
+            assert first is not None
+            [other] = re.findall(r":(\d+)", lines[-1])
+            endpoints = {"http": f"http://{first.group(1)}", "grpc": first.group(2)}
+            spread_requests(harness.UpProcess(up.proc, endpoints, []))
+            counts = [answered(f"http://127.0.0.1:{port}/metrics", "grpc") for port in (first.group(3), other)]
+            assert sum(counts) == CONNECTIONS and min(counts) > 0, counts
+            sidecar.send_signal(signal.SIGTERM)
+            assert sidecar.wait(timeout=30) == 0
+        finally:
+            if sidecar.poll() is None:
+                sidecar.kill()
 
 
 @pytest.mark.parametrize(("args", "message"), [
