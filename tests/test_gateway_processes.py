@@ -1,5 +1,6 @@
 """Several gateway processes on one node's ports (`volga up --gateway-processes`, `volga-gateway --processes`):
-connections spread over them, every one answers correctly, one that dies comes back, they end with the first."""
+connections spread over them, every one answers correctly, one that dies comes back, they end with the first. And
+several HOT instances of one model (pool.hot 2 on one node): the gateway spreads requests over their workers."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
 
+import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
@@ -21,11 +24,13 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from volga_agent import defaultmodel, instance
-from volga_agent.worker import contract
+from volga_agent.rpc.volga.v1 import agent_pb2, agent_pb2_grpc
+from volga_agent.worker import contract, protocol
 from volga_bench import harness
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 CONNECTIONS = 24  # all on one of two processes by chance: 2 in 2**24
+SIDECAR = [sys.executable, "-c", "import sys; from volga_agent.daemons import gateway_main; sys.exit(gateway_main())"]
 
 
 def answered(metrics_url: str, protocol: str) -> float:
@@ -37,9 +42,12 @@ def answered(metrics_url: str, protocol: str) -> float:
 
 
 def gone(pid: int) -> bool:
-    """Whether the process has exited (a zombie holds no sockets any more)."""
+    """Whether the process has exited with all its threads: reaped, or a zombie left alone in its thread group. (A
+    zombie group leader is not enough while its other threads still exit: the listening sockets stay open,
+    unattended, until the last one is gone.)"""
     try:
-        return pathlib.Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
+        state = pathlib.Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        return state == "Z" and len(os.listdir(f"/proc/{pid}/task")) == 1
     except OSError:
         return True
 
@@ -137,8 +145,7 @@ def test_a_sidecar_gateway_runs_as_several_processes(tmp_path: pathlib.Path) -> 
     spec_file = tmp_path / "model.yaml"
     spec_file.write_text(yaml.safe_dump(defaultmodel.spec_document(defaultmodel.ensure().spec.source_path)))
     with harness.volga_up() as up:
-        sidecar = subprocess.Popen([sys.executable, "-c", "import sys; from volga_agent.daemons import gateway_main; "
-                                    "sys.exit(gateway_main())", "--agent", up.endpoints["agent"], "-f", str(spec_file),
+        sidecar = subprocess.Popen([*SIDECAR, "--agent", up.endpoints["agent"], "-f", str(spec_file),
                                     "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--processes", "2"],
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
@@ -175,7 +182,72 @@ def test_volga_up_refuses_gateway_processes_it_cannot_run(args: list[str], messa
 
 
 def test_volga_gateway_refuses_no_processes() -> None:
-    out = subprocess.run([sys.executable, "-c", "import sys; from volga_agent.daemons import gateway_main; "
-                          "sys.exit(gateway_main())", "-f", "x.yaml", "--processes", "0"],
+    out = subprocess.run([*SIDECAR, "-f", "x.yaml", "--processes", "0"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--processes: 0: at least 1 gateway process" in out.stderr
+
+
+def worker_requests(agent: str) -> dict[str, int]:
+    """Requests each HOT worker of the default model has run, by instance, as the workers count them."""
+    with grpc.insecure_channel(agent) as channel:
+        reply = agent_pb2_grpc.AgentStub(channel).ListInstances(agent_pb2.ListInstancesRequest(), timeout=10)
+    counts = {}
+    for inst in reply.instances:
+        if inst.tier == agent_pb2.Tier.Value("HOT"):
+            with protocol.WorkerClient(inst.socket) as client:
+                counts[inst.name] = int(client.call("stats").header["requests"])
+    return counts
+
+
+def steady(address: str, clients: int = 4, requests: int = 60) -> None:
+    """`clients` threads, each on a connection of its own, `requests` requests each, every answer checked."""
+    spec = defaultmodel.ensure().spec
+    decls = instance.decls(spec.inputs)
+    x = contract.sample_inputs(decls, batch=1, seed=3)
+    answers: list[np.ndarray] = []
+
+    def run() -> None:
+        client = grpcclient.InferenceServerClient(address, channel_args=[("grpc.use_local_subchannel_pool", 1)])
+        inputs = harness.triton_inputs(decls, x, grpcclient)
+        for _ in range(requests):
+            answers.append(client.infer(spec.model_id, inputs, client_timeout=60).as_numpy("probability"))
+        client.close()
+
+    threads = [threading.Thread(target=run) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(answers) == clients * requests and all(np.array_equal(a, answers[0]) for a in answers)
+
+
+def test_requests_spread_over_a_models_hot_instances(tmp_path: pathlib.Path) -> None:
+    """pool.hot: 2 on one node: the activation names both HOT instances, and the gateway sends each request to
+    the one it has fewer requests at, in `volga up` (in-process link) and in a sidecar (the Agent API)."""
+    doc = defaultmodel.spec_document(defaultmodel.ensure().spec.source_path)
+    doc["spec"]["pool"] = {"hot": 2, "frozen": 0}
+    spec_file = tmp_path / "hot2.yaml"
+    spec_file.write_text(yaml.safe_dump(doc))
+    with harness.volga_up(["-f", str(spec_file)]) as up:
+        wait_until("two HOT instances", lambda: len(worker_requests(up.endpoints["agent"])) == 2, timeout=120)
+        before = worker_requests(up.endpoints["agent"])
+        steady(up.endpoints["grpc"])
+        after = worker_requests(up.endpoints["agent"])
+        served = {name: after[name] - before[name] for name in after}
+        assert sum(served.values()) >= 240 and min(served.values()) > 0, served
+
+        sidecar = subprocess.Popen([*SIDECAR, "--agent", up.endpoints["agent"], "-f", str(spec_file),
+                                    "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            assert sidecar.stdout is not None
+            line = sidecar.stdout.readline()
+            found = re.search(r"gRPC (\S+),", line)
+            assert found, line + (sidecar.stdout.read() if sidecar.poll() is not None else "")
+            steady(found.group(1))
+            again = worker_requests(up.endpoints["agent"])
+            served = {name: again[name] - after[name] for name in again}
+            assert sum(served.values()) >= 240 and min(served.values()) > 0, served
+        finally:
+            sidecar.send_signal(signal.SIGTERM)
+            sidecar.wait(timeout=30)

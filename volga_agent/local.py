@@ -103,7 +103,7 @@ class Embedded:
     def _activate(self, model_id: str, device_hint: str) -> links.Route:
         """The gateway's in-process link to the pool."""
         act = self.pool.activate(model_id, "", device_hint)
-        return links.Route(act.instance.name, act.instance.socket)
+        return links.Route(act.instance.name, act.instance.socket, tuple(other.socket for other in act.also))
 
     def _instances(self, model_id: str) -> list[pool.InstanceInfo]:
         return self.pool.instances(model_id, include_failed=True)

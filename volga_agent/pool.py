@@ -79,6 +79,8 @@ class Activation:
     woke_from: Tier
     wake_ms: float
     fallback: bool
+    # The model's other HOT instances here (on the hinted device kind): requests may spread over them too.
+    also: tuple[InstanceInfo, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -383,7 +385,28 @@ class Pool:
                 slot.reason = "RestoreFailed" if fallback else ""
             inst.last_used = time.monotonic()
             slot.last_used_unix = time.time()
-            return Activation(self._info(slot), source, wake_ms, fallback)
+            activated = self._info(slot)
+        return Activation(activated, source, wake_ms, fallback, () if name else self._hot_besides(slot, device_hint))
+
+    def _hot_besides(self, chosen: Slot, device_hint: str) -> tuple[InstanceInfo, ...]:
+        """The model's instances other than `chosen` that are HOT now, with a live worker, on the device kind of
+        `chosen` (the hinted one, when the hint chose it), and not moving."""
+        kind = gpu_discovery.kind_of(chosen.inst.device, self.gpus)
+        with self._slots_lock:
+            others = [s for s in self.slots.values() if s is not chosen and not s.removed
+                      and s.inst.spec.model_id == chosen.inst.spec.model_id]
+        found = []
+        for slot in sorted(others, key=lambda s: s.inst.name):
+            if slot.inst.tier != Tier.HOT or gpu_discovery.kind_of(slot.inst.device, self.gpus) != kind:
+                continue
+            if not slot.lock.acquire(blocking=False):
+                continue  # on its way somewhere: not a place to send requests to now
+            try:
+                if slot.inst.tier == Tier.HOT and not slot.removed and not slot.inst.worker_gone():
+                    found.append(self._info(slot))
+            finally:
+                slot.lock.release()
+        return tuple(found)
 
     def _wake_peers(self, model_id: str, device_hint: str) -> None:
         """Start waking the chain's other models that have an instance here and none settled HOT, once each at a

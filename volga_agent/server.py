@@ -84,7 +84,8 @@ class AgentService(pb_grpc.AgentServicer):
         except errors.ActivationFailed as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{exc}; the instance is marked failed, retry later")
         return pb.ActivateResponse(instance=instance_pb(activation.instance), woke_from=tier_pb(activation.woke_from),
-                                   wake_ms=activation.wake_ms, fallback=activation.fallback)
+                                   wake_ms=activation.wake_ms, fallback=activation.fallback,
+                                   also=[instance_pb(other) for other in activation.also])
 
     async def Release(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:

@@ -435,11 +435,12 @@ class Dataplane:
         """One worker call (a request, or a batch of them): wake, send, and resend what comes back unrun."""
         for attempt in range(1, UNRUN_ATTEMPTS + 1):
             route = await _within(deadline, self.router.route(model, hint, _ms_left(deadline)), "waking an instance")
+            socket = self.workers.least_busy((route.socket, *route.also)) if route.also else route.socket
             try:
-                return await self._infer(model, route.socket, inputs, deadline)
+                return await self._infer(model, socket, inputs, deadline)
             except (workers.WorkerGone, workers.WorkerDied) as exc:
                 self.router.invalidate(model)
-                self.workers.forget(route.socket)
+                self.workers.forget(socket)
                 if isinstance(exc, workers.WorkerDied):
                     # It died while holding this request (which may be what killed it): fail this one only;
                     # the next request's activation finds the worker dead and restarts it.

@@ -50,6 +50,7 @@ AGENT_CONNECT_WAIT_S = 5.0
 class Route:
     instance: str
     socket: str  # the HOT worker's AF_UNIX socket
+    also: tuple[str, ...] = ()  # the sockets of the model's other HOT instances there, to spread requests over
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +125,7 @@ class GrpcAgentLink:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise TimeoutError(exc.details()) from None
             raise errors.ActivationFailed(f"agent {self.address}: {exc.code().name}: {exc.details()}") from None
-        return Route(reply.instance.name, reply.instance.socket)
+        return Route(reply.instance.name, reply.instance.socket, tuple(other.socket for other in reply.also))
 
     async def instances(self, model_id: str) -> list[InstanceState] | None:
         try:

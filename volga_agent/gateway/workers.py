@@ -318,8 +318,23 @@ class WorkerClients:
         self.on_zero_copy = on_zero_copy
         self._idle: dict[str, list[Connection]] = {}
         self._slots: dict[str, asyncio.Semaphore] = {}
+        self._busy: dict[str, int] = {}  # requests this gateway has at (or waiting for) each worker
+
+    def least_busy(self, sockets: Sequence[str]) -> str:
+        """Of the workers of one model's HOT instances, the one this gateway has the fewest requests at (the
+        first of those tied): each answers one request at a time, so that is the one likely to answer soonest."""
+        return min(sockets, key=lambda path: self._busy.get(path, 0))
 
     async def infer(self, socket_path: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self._busy[socket_path] = self._busy.get(socket_path, 0) + 1
+        try:
+            return await self._infer_at(socket_path, inputs)
+        finally:
+            self._busy[socket_path] -= 1
+            if not self._busy[socket_path]:
+                del self._busy[socket_path]  # sockets of instances long gone do not pile up
+
+    async def _infer_at(self, socket_path: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         # A worker answers one request at a time: a few connections keep it busy, more only queue there.
         slots = self._slots.setdefault(socket_path, asyncio.Semaphore(self.per_worker))
         async with slots:

@@ -34,16 +34,18 @@ class ActivateRequest(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., instance: _Optional[str] = ..., device_hint: _Optional[str] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
 
 class ActivateResponse(_message.Message):
-    __slots__ = ("instance", "woke_from", "wake_ms", "fallback")
+    __slots__ = ("instance", "woke_from", "wake_ms", "fallback", "also")
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
     WOKE_FROM_FIELD_NUMBER: _ClassVar[int]
     WAKE_MS_FIELD_NUMBER: _ClassVar[int]
     FALLBACK_FIELD_NUMBER: _ClassVar[int]
+    ALSO_FIELD_NUMBER: _ClassVar[int]
     instance: Instance
     woke_from: Tier
     wake_ms: float
     fallback: bool
-    def __init__(self, instance: _Optional[_Union[Instance, _Mapping]] = ..., woke_from: _Optional[_Union[Tier, str]] = ..., wake_ms: _Optional[float] = ..., fallback: bool = ...) -> None: ...
+    also: _containers.RepeatedCompositeFieldContainer[Instance]
+    def __init__(self, instance: _Optional[_Union[Instance, _Mapping]] = ..., woke_from: _Optional[_Union[Tier, str]] = ..., wake_ms: _Optional[float] = ..., fallback: bool = ..., also: _Optional[_Iterable[_Union[Instance, _Mapping]]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("instance",)
