@@ -16,7 +16,8 @@
 # grpcio stay out of Volga's processes.
 #
 #     bash bench/peers_gpu_machine.sh [SERVER_CPUS] [CLIENT_CPUS] [NAME]     (defaults: 0,1  2-9  peers-h200-2-server-cores)
-# Results go to $OUT (or bench/results/ when OUT is unset).
+# runs the bench twice: Volga as `volga up` runs by default, then with 2 gateway processes and, beside it, 2 HOT
+# instances of the model (NAME-2x). Results go to $OUT (or bench/results/ when OUT is unset).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-bench/results}
@@ -29,6 +30,10 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 printf '#!/bin/sh\nPYTHONPATH=/tmp/kserve-site exec python3 "$@"\n' >/tmp/kserve-python
 chmod +x /tmp/kserve-python
 name=${3:-peers-h200-2-server-cores}
-python3 -m volga_agent.cli bench peers --kserve-python /tmp/kserve-python --server-cpus "${1:-0,1}" \
-  --client-cpus "${2:-2-9}" --out "$out/$name.json" 2>"$out/$name.log" | tee "$out/$name.txt"
-tail -5 "$out/$name.log"
+for run in "$name" "$name-2x"; do
+  extra=()
+  [ "$run" = "$name-2x" ] && extra=(--gateway-processes 2 --hot-instances 2 --no-batched)
+  python3 -m volga_agent.cli bench peers --kserve-python /tmp/kserve-python --server-cpus "${1:-0,1}" \
+    --client-cpus "${2:-2-9}" "${extra[@]}" --out "$out/$run.json" 2>"$out/$run.log" | tee "$out/$run.txt"
+  tail -3 "$out/$run.log"
+done

@@ -26,7 +26,7 @@ def test_bench_peers_prints_both_sides_in_json() -> None:
     cpus = sorted(os.sched_getaffinity(0))
     placed = ["--server-cpus", str(cpus[0]), "--client-cpus", str(cpus[-1])] if len(cpus) > 1 else []
     out = bench("--json", "--requests", "40", "--warmup", "10", "--seconds", "0.5", "--cold-starts", "1",
-                "--wakes", "2", "--idle-sec", "1", "--gateway-processes", "2", *placed)
+                "--wakes", "2", "--idle-sec", "1", "--gateway-processes", "2", "--hot-instances", "2", *placed)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)
     volga, kserve = report["volga"], report["kserve"]
@@ -45,6 +45,9 @@ def test_bench_peers_prints_both_sides_in_json() -> None:
     assert report["kserve_versions"]["kserve"]
     # Volga's two gateway processes (--gateway-processes 2) counted as its gateway; KServe's one process.
     assert volga["processes"] == {"gateway": 2, "worker": 1} and kserve["processes"]["server"] >= 1
+    # And with two HOT instances (--hot-instances 2): two workers.
+    replicas = report["volga_hot_instances"]
+    assert replicas["conc8_rps"] > 0 and replicas["outputs_match"] and replicas["processes"]["worker"] == 2
     batched = report["volga_batched"]  # the default model with dynamic batching in the gateway
     assert batched["conc8_rps"] > 0 and batched["hot"]["n"] == 40 and batched["outputs_match"]
     if placed:  # where each process was allowed to run, as read from the processes themselves

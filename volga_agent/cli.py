@@ -375,7 +375,7 @@ def cmd_bench_peers(args: argparse.Namespace) -> int:
                               idle_sec=args.idle_sec, kserve_python=args.kserve_python or "",
                               batched=not args.no_batched, external_data=args.external_data,
                               server_cpus=args.server_cpus, client_cpus=args.client_cpus,
-                              gateway_processes=args.gateway_processes)
+                              gateway_processes=args.gateway_processes, hot_instances=args.hot_instances)
     try:
         report = peers.run(settings, progress=_progress(args.json))
     except peers.KServeMissing as exc:
@@ -640,6 +640,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CPUs the clients run on, e.g. 2-9 (default: all)")
     p.add_argument("--gateway-processes", type=int, default=1,
                    help="Volga's gateway processes (volga up --gateway-processes; default 1)")
+    p.add_argument("--hot-instances", type=int, default=1,
+                   help="above 1: also Volga with this many HOT instances of the model (pool.hot), requests spread "
+                        "over their workers")
     _report_args(p)
     p.set_defaults(func=cmd_bench_peers)
     p = bench.add_parser("faults", help="volga up under traffic: corrupt and truncated images, killed workers "

@@ -66,7 +66,7 @@ class Settings:
     wakes: int = 5  # Volga FROZEN wakes
     idle_sec: float = 2.0  # `volga up --idle-sec`: how soon an idle instance goes back to FROZEN
     kserve_python: str = ""  # the interpreter that runs KServe; "" finds one (`find_kserve`)
-    batched: bool = True  # also Volga with dynamic batching in the gateway (`run_volga_batched`)
+    batched: bool = True  # also Volga with dynamic batching in the gateway (`run_volga_steady`)
     # Both servers load the default model with its weights beside it (ONNX external data) rather than inside it:
     # Volga's workers then map them, and its FROZEN images leave them out.
     external_data: bool = False
@@ -76,6 +76,7 @@ class Settings:
     server_cpus: tuple[int, ...] = ()
     client_cpus: tuple[int, ...] = ()
     gateway_processes: int = 1  # `volga up --gateway-processes`: Volga's gateway processes on its ports
+    hot_instances: int = 1  # above 1: also Volga with this many HOT instances of the model (pool.hot)
 
 
 # Each client thread of a throughput run on a TCP connection of its own, as separate clients are (channels with
@@ -441,26 +442,28 @@ def run_volga(work: Workload, settings: Settings, progress: Callable[[str], None
             "frozen_wake_in_agent": reporting.summarize(agent_wakes), **check.report()}
 
 
-# -- dynamic batching ------------------------------------------------------------------------------------------
+# -- dynamic batching, several HOT instances ------------------------------------------------------------------
 
 
-def run_volga_batched(work: Workload, settings: Settings, folder: pathlib.Path,
-                      progress: Callable[[str], None]) -> dict[str, Any]:
-    """The same steady state against `volga up` serving the default model with dynamic batching in the gateway
-    (`spec.runtime.dynamicBatching`, no added queue delay), HOT. KServe has no batcher in its ModelServer (it
-    batches through a separate agent container), so it has no batched counterpart here."""
+def run_volga_steady(work: Workload, settings: Settings, folder: pathlib.Path, progress: Callable[[str], None],
+                     batched: bool = False, hot: int = 1) -> dict[str, Any]:
+    """The same steady state against `volga up` serving the default model HOT, with dynamic batching in the gateway
+    (`spec.runtime.dynamicBatching`, no added queue delay) or with `hot` HOT instances (pool.hot), over whose
+    workers the gateway spreads requests. KServe has no batcher in its ModelServer (it batches through a separate
+    agent container), and its gRPC server is one process, so neither has a counterpart here."""
     doc: dict[str, Any] = defaultmodel.spec_document(pathlib.Path(defaultmodel.ensure().spec.source_path))
-    doc["spec"]["pool"] = {"hot": 1, "frozen": 0}
-    doc["spec"]["runtime"]["dynamicBatching"] = {"enabled": True, "maxQueueDelayMicroseconds": 0,
-                                                 "maxQueueSize": 4096}
+    doc["spec"]["pool"] = {"hot": hot, "frozen": 0}
+    if batched:
+        doc["spec"]["runtime"]["dynamicBatching"] = {"enabled": True, "maxQueueDelayMicroseconds": 0,
+                                                     "maxQueueSize": 4096}
     api.parse_model_spec(doc)
-    path = folder / "batched.yaml"
+    path = folder / f"steady-{'batched' if batched else 'hot'}-{hot}.yaml"
     path.write_text(yaml.safe_dump(doc))
     check = Checker(work.reference)
-    progress("Volga, dynamic batching: starting volga up -f (the default model, batched, HOT) ...")
+    progress(f"Volga, {'dynamic batching' if batched else f'{hot} HOT instances'}: starting volga up -f ...")
     with harness.volga_up(["-f", str(path), *_gateways(settings)], cpus=settings.server_cpus) as up, \
             grpc.insecure_channel(up.endpoints["agent"]) as channel:
-        _wait_tier(agent_pb2_grpc.AgentStub(channel), work.model, api.Tier.HOT.value)
+        _wait_tier(agent_pb2_grpc.AgentStub(channel), work.model, ",".join([api.Tier.HOT.value] * hot))
         out = steady_state(up.endpoints["grpc"], work, settings, check, progress, _volga(up.proc.pid))
     return {**out, **check.report()}
 
@@ -511,13 +514,17 @@ def run(settings: Settings | None = None, progress: Callable[[str], None] = lamb
     with tempfile.TemporaryDirectory(prefix="volga-peers-") as logdir:
         kserve = run_kserve(python, model_path, work, threads, settings, pathlib.Path(logdir), progress)
         volga = run_volga(work, settings, progress, spec_file)
-        batched = run_volga_batched(work, settings, pathlib.Path(logdir), progress) if settings.batched else None
+        batched = (run_volga_steady(work, settings, pathlib.Path(logdir), progress, batched=True)
+                   if settings.batched else None)
+        replicas = (run_volga_steady(work, settings, pathlib.Path(logdir), progress, hot=settings.hot_instances)
+                    if settings.hot_instances > 1 else None)
     load_end = os.getloadavg()
     first = settings.concurrency[0] if settings.concurrency else None
     return {
         "volga": volga,
         "kserve": kserve,
         **({"volga_batched": batched} if batched else {}),
+        **({"volga_hot_instances": replicas} if replicas else {}),
         "model_alone": alone,
         "volga_vs_kserve": {
             "hot_p50_ratio": round(volga["hot_p50_ms"] / kserve["hot_p50_ms"], 3),
@@ -551,7 +558,8 @@ def format_report(report: dict[str, Any]) -> str:
     conc = [key for key in v if key.startswith("conc") and key.endswith("_rps")]
     rows = [("HOT p50 ms (1 client)", "hot_p50_ms"), ("HOT p99 ms (1 client)", "hot_p99_ms"),
             *((f"{key[4:-4]} clients, requests/s", key) for key in conc)]
-    b = report.get("volga_batched")
+    b, h = report.get("volga_batched"), report.get("volga_hot_instances")
+    hot = report["settings"].get("hot_instances", 1)
     lines = [f"{report['model']}, batch 1, {report['intra_op_threads']} intra-op thread(s); {report['device']}; "
              f"KServe {report['kserve_versions']['kserve']}; load average {report['load_avg_1m']}"
              + "".join(f"; {who} on CPUs {report['settings'][key]}" for who, key in
@@ -559,8 +567,9 @@ def format_report(report: dict[str, Any]) -> str:
              + (f"; Volga with {report['settings']['gateway_processes']} gateway processes"
                 if report["settings"].get("gateway_processes", 1) > 1 else ""),
              f"{'':<28}{'Volga':>12}{'KServe':>12}"]
-    lines[-1] += f"{'Volga batched':>16}" if b else ""
-    lines += [f"{label:<28}{v[key]:>12.2f}{k[key]:>12.2f}" + (f"{b[key]:>16.2f}" if b else "") for label, key in rows]
+    lines[-1] += (f"{'Volga batched':>16}" if b else "") + (f"{f'Volga {hot} HOT':>16}" if h else "")
+    lines += [f"{label:<28}{v[key]:>12.2f}{k[key]:>12.2f}" + (f"{b[key]:>16.2f}" if b else "")
+              + (f"{h[key]:>16.2f}" if h else "") for label, key in rows]
     lines.append(f"{'first answer ms':<28}{v['frozen_wake_ms']:>12.1f}{k['cold_start_ms']:>12.1f}"
                  "   (Volga: FROZEN wake; KServe: process start)")
     for key in conc:
