@@ -308,7 +308,13 @@ def gateway_main(argv: list[str] | None = None) -> int:
                         "--http-port", str(gw.ports["http"])]
 
             others = siblings.Siblings(command, args.processes, args.metrics_port)
-            await asyncio.to_thread(others.start)
+            try:
+                await asyncio.to_thread(others.start)
+            except siblings.SiblingFailed as exc:
+                print(f"volga-gateway: {exc}", file=sys.stderr, flush=True)
+                await exchanger.stop()
+                await gw.stop()
+                raise SystemExit(1) from None
             print(f"volga-gateway: {args.processes} processes; the others' metrics on :"
                   + ", :".join(map(str, others.metrics_ports())), flush=True)
 

@@ -386,11 +386,11 @@ class Pool:
             inst.last_used = time.monotonic()
             slot.last_used_unix = time.time()
             activated = self._info(slot)
-        return Activation(activated, source, wake_ms, fallback, () if name else self._hot_besides(slot, device_hint))
+        return Activation(activated, source, wake_ms, fallback, () if name else self._hot_besides(slot))
 
-    def _hot_besides(self, chosen: Slot, device_hint: str) -> tuple[InstanceInfo, ...]:
+    def _hot_besides(self, chosen: Slot) -> tuple[InstanceInfo, ...]:
         """The model's instances other than `chosen` that are HOT now, with a live worker, on the device kind of
-        `chosen` (the hinted one, when the hint chose it), and not moving."""
+        `chosen` (so of the hinted one, when a hint chose it), and not moving."""
         kind = gpu_discovery.kind_of(chosen.inst.device, self.gpus)
         with self._slots_lock:
             others = [s for s in self.slots.values() if s is not chosen and not s.removed
