@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import dataclasses
 import os
+import queue
 import re
 import signal
 import subprocess
@@ -80,7 +81,8 @@ class UpProcess:
 def volga_up(extra: list[str] | None = None, timeout: float = 180.0, cpus: tuple[int, ...] = ()
              ) -> Iterator[UpProcess]:
     """Run `volga up` on ephemeral ports until it announces its endpoints; stop it with SIGTERM afterwards. With
-    `cpus`, it runs on those CPUs only, its workers too (they inherit its affinity)."""
+    `cpus`, it runs on those CPUs only, its workers too (they inherit its affinity). Its output is read all along
+    (into `output`), so that a talkative run never blocks on a full pipe."""
     cmd = [sys.executable, "-m", "volga_agent.cli", "up", "--http-port", "0", "--grpc-port", "0",
            "--metrics-port", "0", "--agent-port", "0", *(extra or [])]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -88,26 +90,36 @@ def volga_up(extra: list[str] | None = None, timeout: float = 180.0, cpus: tuple
     if cpus:
         os.sched_setaffinity(proc.pid, cpus)  # before it starts a thread or a worker, which inherit it
     up = UpProcess(proc, {}, [])
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            up.output.append(line)
+            lines.put(line)
+        lines.put(None)
+
+    reader = threading.Thread(target=read, name="volga-up-output", daemon=True)
+    reader.start()
     try:
         deadline = time.monotonic() + timeout
-        assert proc.stdout is not None
         while "agent" not in up.endpoints or "models" not in up.endpoints:
-            line = proc.stdout.readline()
-            if not line:
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError("volga up did not announce its endpoints:\n" + "".join(up.output[-20:])) from None
+            if line is None:
                 raise RuntimeError("volga up exited:\n" + "".join(up.output[-20:]))
-            up.output.append(line)
             match = re.match(r"\s+(\w+)\s+(\S+)", line)
             if match:
                 up.endpoints[match.group(1)] = match.group(2)
-            if time.monotonic() > deadline:
-                raise TimeoutError("volga up did not announce its endpoints")
         yield up
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
         try:
-            rest, _ = proc.communicate(timeout=60)
-            up.output.extend(rest.splitlines(keepends=True))
+            proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        reader.join(timeout=10)
