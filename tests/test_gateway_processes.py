@@ -23,7 +23,7 @@ import tritonclient.http as httpclient
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from volga_agent import defaultmodel, instance
+from volga_agent import defaultmodel, instance, process
 from volga_agent.rpc.volga.v1 import agent_pb2, agent_pb2_grpc
 from volga_agent.worker import contract, protocol
 from volga_bench import harness
@@ -63,14 +63,13 @@ def gateway_processes(pid: int) -> dict[int, int]:
     """sibling index -> pid of the gateway processes `volga up` started."""
     found = {}
     for entry in pathlib.Path("/proc").iterdir():
-        if not entry.name.isdigit():
+        if not entry.name.isdigit() or process.parent(int(entry.name)) != pid:
             continue
         try:
             args = (entry / "cmdline").read_bytes().split(b"\0")
-            status = (entry / "status").read_text()
         except OSError:
             continue
-        if b"--sibling" in args and re.search(rf"^PPid:\s+{pid}$", status, re.M):
+        if b"--sibling" in args:
             found[int(args[args.index(b"--sibling") + 1])] = int(entry.name)
     return found
 

@@ -297,6 +297,7 @@ def gateway_main(argv: list[str] | None = None) -> int:
             models.replace([s.spec for s in _specs(args.file)])
         await gw.start()
         exchanger.start()
+        # Process 0 of several reads this line from the others for their metrics port (`siblings.READY`).
         print(f"volga-gateway: HTTP {args.host}:{gw.ports['http']}, gRPC {args.host}:{gw.ports['grpc']}, "
               f"metrics :{gw.ports['metrics']}, agent {args.agent}", flush=True)
         others: siblings.Siblings | None = None

@@ -128,21 +128,21 @@ class Embedded:
         if self.options.agent_port >= 0:
             self._agent, self.agent_port = await server.serve(self.pool, AGENT_HOST, self.options.agent_port)
         if self.options.gateway_processes > 1:
-            self.siblings = siblings.Siblings(self._sibling_command, self.options.gateway_processes,
-                                              self.options.metrics_port)
-            await asyncio.to_thread(self.siblings.start)
+            await self._start_siblings()
 
-    def _sibling_command(self, index: int) -> list[str]:
-        """Gateway process `index`: a `volga-gateway` on this gateway's ports, the same ModelSpecs (as loaded
-        here, signatures read), routing through the Agent API."""
-        specs = self.folders["workdir"] / "gateway-modelspecs.yaml"
-        if not specs.exists():
-            specs.write_text(yaml.safe_dump_all(self._documents, sort_keys=False))
+    async def _start_siblings(self) -> None:
+        """Gateway processes 1..N-1: each a `volga-gateway` on this gateway's ports, with the same ModelSpecs (as
+        loaded here, signatures read), routing through the Agent API."""
         o, bound = self.options, self.gateway.ports
-        return [*siblings.GATEWAY_MAIN, "--agent", f"{AGENT_HOST}:{self.agent_port}", "-f", str(specs),
-                "--host", o.host, "--http-port", str(bound["http"]), "--grpc-port", str(bound["grpc"]),
-                "--cache-ttl-sec", str(o.settings.gateway_cache_ttl_sec), "--sibling", str(index),
-                *(["--token-file", o.token_file] if o.token_file else [])]
+        specs = self.folders["workdir"] / "gateway-modelspecs.yaml"
+        specs.write_text(yaml.safe_dump_all(self._documents, sort_keys=False))
+        common = [*siblings.GATEWAY_MAIN, "--agent", f"{AGENT_HOST}:{self.agent_port}", "-f", str(specs),
+                  "--host", o.host, "--http-port", str(bound["http"]), "--grpc-port", str(bound["grpc"]),
+                  "--cache-ttl-sec", str(o.settings.gateway_cache_ttl_sec),
+                  *(["--token-file", o.token_file] if o.token_file else [])]
+        self.siblings = siblings.Siblings(lambda index: [*common, "--sibling", str(index)], o.gateway_processes,
+                                          o.metrics_port)
+        await asyncio.to_thread(self.siblings.start)
 
     async def wait_converged(self, timeout: float = 300.0) -> None:
         await asyncio.to_thread(self.pool.wait_converged, timeout)

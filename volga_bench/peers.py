@@ -223,9 +223,8 @@ def descendants(pid: int) -> list[int]:
 def throughput(address: str, work: Workload, clients: int, seconds: float, check: Checker,
                watched: Watched | None = None) -> tuple[float, dict[str, float]]:
     """`clients` threads, each with its own tritonclient and connection, closed loop for `seconds`: answers per
-    second, and the
-    CPU microseconds per answer that each of the `watched` processes spent from the window's start until the last
-    client stopped."""
+    second, and the CPU microseconds per answer that each of the `watched` processes spent from the window's start
+    until the last client stopped."""
     window: list[float] = []  # when the timed window ends, set as the last thread reaches the barrier
     spent: list[dict[str, float]] = []
 
@@ -558,8 +557,10 @@ def format_report(report: dict[str, Any]) -> str:
     conc = [key for key in v if key.startswith("conc") and key.endswith("_rps")]
     rows = [("HOT p50 ms (1 client)", "hot_p50_ms"), ("HOT p99 ms (1 client)", "hot_p99_ms"),
             *((f"{key[4:-4]} clients, requests/s", key) for key in conc)]
-    b, h = report.get("volga_batched"), report.get("volga_hot_instances")
-    hot = report["settings"].get("hot_instances", 1)
+    # Volga's other steady states, a column each beside the two servers
+    extra = [(title, report[key]) for title, key in (
+        ("Volga batched", "volga_batched"), (f"Volga {report['settings'].get('hot_instances', 1)} HOT",
+                                             "volga_hot_instances")) if key in report]
     lines = [f"{report['model']}, batch 1, {report['intra_op_threads']} intra-op thread(s); {report['device']}; "
              f"KServe {report['kserve_versions']['kserve']}; load average {report['load_avg_1m']}"
              + "".join(f"; {who} on CPUs {report['settings'][key]}" for who, key in
@@ -567,9 +568,9 @@ def format_report(report: dict[str, Any]) -> str:
              + (f"; Volga with {report['settings']['gateway_processes']} gateway processes"
                 if report["settings"].get("gateway_processes", 1) > 1 else ""),
              f"{'':<28}{'Volga':>12}{'KServe':>12}"]
-    lines[-1] += (f"{'Volga batched':>16}" if b else "") + (f"{f'Volga {hot} HOT':>16}" if h else "")
-    lines += [f"{label:<28}{v[key]:>12.2f}{k[key]:>12.2f}" + (f"{b[key]:>16.2f}" if b else "")
-              + (f"{h[key]:>16.2f}" if h else "") for label, key in rows]
+    lines[-1] += "".join(f"{title:>16}" for title, _ in extra)
+    lines += [f"{label:<28}{v[key]:>12.2f}{k[key]:>12.2f}" + "".join(f"{run[key]:>16.2f}" for _, run in extra)
+              for label, key in rows]
     lines.append(f"{'first answer ms':<28}{v['frozen_wake_ms']:>12.1f}{k['cold_start_ms']:>12.1f}"
                  "   (Volga: FROZEN wake; KServe: process start)")
     for key in conc:

@@ -60,8 +60,7 @@ class Sibling:
     proc: subprocess.Popen[str] | None = None
     metrics_port: int = 0
     started: float = 0.0
-    pause: float = FIRST_PAUSE_SEC
-    restarts: int = 0
+    quick_exits: int = 0  # exits in a row within STABLE_SEC of a start: the pause before the next start doubles
 
 
 class SiblingFailed(RuntimeError):
@@ -74,8 +73,6 @@ class Siblings:
 
     def __init__(self, command: Callable[[int], Sequence[str]], count: int, metrics_port: int = 0,
                  start_timeout: float = 60.0) -> None:
-        if count < 1:
-            raise ValueError(f"--processes: {count}: at least 1 gateway process")
         self.command = command
         self.metrics_port = metrics_port
         self.start_timeout = start_timeout
@@ -97,9 +94,6 @@ class Siblings:
 
     def metrics_ports(self) -> list[int]:
         return [s.metrics_port for s in self.siblings]
-
-    def pids(self) -> list[int]:
-        return [s.proc.pid for s in self.siblings if s.proc is not None and s.proc.poll() is None]
 
     def _spawn(self, sibling: Sibling) -> None:
         port = self.metrics_port + sibling.index if self.metrics_port else sibling.metrics_port
@@ -125,6 +119,8 @@ class Siblings:
         while not ready.wait(0.05):
             if proc.poll() is not None or time.monotonic() > deadline:
                 what = f"exited ({proc.returncode})" if proc.poll() is not None else "did not listen in time"
+                proc.kill()  # one that hangs is not left holding the ports; the watch starts it again
+                proc.wait()
                 raise SiblingFailed(f"gateway process {sibling.index} {what}:\n" + "".join(tail[-20:]))
 
     def _keep(self) -> None:
@@ -134,14 +130,14 @@ class Siblings:
                 if proc is None or proc.poll() is None:
                     continue
                 lived = time.monotonic() - sibling.started
-                sibling.pause = FIRST_PAUSE_SEC if lived > STABLE_SEC else min(2 * sibling.pause, LAST_PAUSE_SEC)
+                sibling.quick_exits = 0 if lived > STABLE_SEC else sibling.quick_exits + 1
+                pause = min(FIRST_PAUSE_SEC * 2 ** max(0, sibling.quick_exits - 1), LAST_PAUSE_SEC)
                 log.warning("gateway process %d (pid %d) exited (%s) after %.1f s; starting it again in %.0f s",
-                            sibling.index, proc.pid, proc.returncode, lived, sibling.pause)
-                if self._stopping.wait(sibling.pause):
+                            sibling.index, proc.pid, proc.returncode, lived, pause)
+                if self._stopping.wait(pause):
                     return
                 try:
                     self._spawn(sibling)
-                    sibling.restarts += 1
                 except SiblingFailed as exc:
                     log.warning("%s", exc)
 
