@@ -7,6 +7,9 @@ on a GPU node), freezes it, and prints the largest regions beside the image size
 adds to an image over its weights can be found and dropped.
 
     python3 bench/image_breakdown.py [--gib 0.1] [--device cuda:0] [--out FILE.json]
+
+It also lists the mappings the driver's checkpoint filled (`driver_checkpoint_grew`: new or grown, with their
+VmFlags), the memory a FROZEN image carries for the driver.
 """
 
 from __future__ import annotations
@@ -39,6 +42,37 @@ def regions(pid: int) -> dict[str, int]:
     return dict(sizes)
 
 
+def vmas(pid: int) -> dict[tuple[int, int], dict[str, object]]:
+    """Each mapping's range with its name, permissions, private present bytes and VmFlags."""
+    out: dict[tuple[int, int], dict[str, object]] = {}
+    current: dict[str, object] = {}
+    for line in pathlib.Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5 and ":" not in fields[0]:
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            current = {"name": fields[5] if len(fields) > 5 else "", "perms": fields[1], "private": 0}
+            out[(start, end)] = current
+        elif fields[0] in ("Private_Clean:", "Private_Dirty:"):
+            current["private"] = int(current["private"]) + int(fields[1]) * 1024  # type: ignore[call-overload]
+        elif fields[0] == "VmFlags:":
+            current["flags"] = " ".join(fields[1:])
+    return out
+
+
+def grown(before: dict[tuple[int, int], dict[str, object]], after: dict[tuple[int, int], dict[str, object]],
+          least: int = 2**20) -> list[dict[str, object]]:
+    """The mappings whose private present bytes grew by `least` or more (or that are new), largest first."""
+    rows = []
+    for (start, end), vma in after.items():
+        old = before.get((start, end))
+        gain = int(vma["private"]) - (int(old["private"]) if old else 0)  # type: ignore[call-overload]
+        if gain >= least:
+            rows.append({"start": hex(start), "size_mib": round((end - start) / 2**20, 1), "new": old is None,
+                         "grew_mib": round(gain / 2**20, 1), "name": vma["name"], "perms": vma["perms"],
+                         "flags": vma.get("flags", "")})
+    return sorted(rows, key=lambda r: -float(r["grew_mib"]))  # type: ignore[arg-type]
+
+
 def _size_class(size: int) -> str:
     for limit, label in ((2**20, "<1M"), (16 * 2**20, "1-16M"), (128 * 2**20, "16-128M"), (2**30, "128M-1G")):
         if size < limit:
@@ -69,6 +103,7 @@ def main(argv: list[str]) -> int:
         inst.to(api.Tier.HOT)
         assert inst.pid is not None
         hot = regions(inst.pid)
+        hot_vmas = vmas(inst.pid)
         report["hot_private_mib"] = round(sum(hot.values()) / 2**20, 1)
         report["hot_top"] = top(hot)
         if gpu:
@@ -77,6 +112,7 @@ def main(argv: list[str]) -> int:
             suspended = regions(inst.pid)
             report["suspended_private_mib"] = round(sum(suspended.values()) / 2**20, 1)
             report["suspended_top"] = top(suspended)
+            report["driver_checkpoint_grew"] = grown(hot_vmas, vmas(inst.pid))
         inst.to(api.Tier.FROZEN)
         assert inst.image is not None
         report["image_mib"] = round(inst.image.size_bytes / 2**20, 1)

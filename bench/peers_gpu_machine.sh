@@ -12,7 +12,8 @@
 #       protobuf==6.33.6 grpcio==1.85.3 orjson==3.13.0 timing-asgi==0.3.2 python-multipart==0.0.34 pyjwt==2.15.1 \
 #       pyasn1==0.6.5 cryptography==50.0.2 cffi==2.1.1 pycparser==3.12 httptools==0.9.0 websockets==17.4 \
 #       python-dotenv==1.2.4 opentelemetry-api==1.45.2
-# KServe runs from its own folder (/tmp/kserve-site, through a wrapper interpreter), so that its protobuf 6 and
+# KServe runs from its own folder (/tmp/kserve-site, then the shared /tmp/site for pydantic and the like, through
+# a wrapper interpreter), so that its protobuf 6 and
 # grpcio stay out of Volga's processes.
 #
 #     bash bench/peers_gpu_machine.sh [SERVER_CPUS] [CLIENT_CPUS] [NAME]     (defaults: 0,1  2-9  peers-h200-2-server-cores)
@@ -27,7 +28,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   .whl-peers/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 [ -x .cache/criu/bin/criu ] && export VOLGA_CRIU=$PWD/.cache/criu/bin/criu
-printf '#!/bin/sh\nPYTHONPATH=/tmp/kserve-site exec python3 "$@"\n' >/tmp/kserve-python
+printf '#!/bin/sh\nPYTHONPATH=/tmp/kserve-site:/tmp/site exec python3 "$@"\n' >/tmp/kserve-python
 chmod +x /tmp/kserve-python
 name=${3:-peers-h200-2-server-cores}
 for run in "$name" "$name-2x"; do

@@ -1,9 +1,9 @@
 """Where the SUSPENDED and FROZEN (eager and lazy) wakes of a 0.125 GiB MLP go: criu's restore, the CUDA
-driver's restore, the worker's own wake (instance.Transition.phases), with criu's restore log and stats kept;
-FROZEN both with the CUDA graphs kept in the image and captured again after the restore (the default);
-SUSPENDED three ways: the default (the worker drops its graphs before the driver's checkpoint,
-`TorchBackend.sleep`), the worker also copying its weights to pinned memory (`suspend_copies_weights`), and
-graphs and weights all left to the driver's checkpoint (`gpu_graphs_in_images`).
+driver's restore, the worker's own wake (instance.Transition.phases), with criu's restore log and stats kept.
+FROZEN with the driver's copy of the device memory mapped from the parked file (the default, `worker.regions`)
+and left in the image, and with the CUDA graphs kept in the image; SUSPENDED the default way (the worker drops
+its graphs and copies its weights to pinned memory before the driver's checkpoint, `TorchBackend.sleep`) and with
+graphs and weights left to the driver's checkpoint (`gpu_graphs_in_images`, `suspend_copies_weights` off).
 
 On the GPU machine: OUT=/some/folder python3 bench/wake_phases.py (rows in $OUT/phases.json; WAKES=8 wakes a
 pass; KEEP_LOGS=1 keeps criu's logs of the second wake of each).
@@ -24,14 +24,13 @@ from volga_agent.worker import contract
 from volga_bench import tiers
 from volga_operator.api import Tier
 
-# (label, tier, lazy restore, variant): "default", "copies" (the worker copies its weights before a driver
-# checkpoint), "kept" (graphs and weights left in the driver's checkpoint and the image)
+# (label, tier, lazy restore, variant): "default", "in_image" (the driver's copy left in the FROZEN image), "kept"
+# (graphs and weights left in the driver's checkpoint and the image)
 PASSES = [("suspended", Tier.SUSPENDED, None, "default"),
-          ("suspended_worker_copies_weights", Tier.SUSPENDED, None, "copies"),
           ("suspended_driver_copies_all", Tier.SUSPENDED, None, "kept"),
           ("frozen_eager", Tier.FROZEN, False, "default"), ("frozen_lazy", Tier.FROZEN, True, "default"),
-          ("frozen_lazy_worker_copies_weights", Tier.FROZEN, True, "copies"),
-          ("frozen_eager_graphs_kept", Tier.FROZEN, False, "kept"),
+          ("frozen_eager_driver_copy_in_image", Tier.FROZEN, False, "in_image"),
+          ("frozen_lazy_driver_copy_in_image", Tier.FROZEN, True, "in_image"),
           ("frozen_lazy_graphs_kept", Tier.FROZEN, True, "kept")]
 WAKES = int(os.environ.get("WAKES", "8"))
 
@@ -43,9 +42,10 @@ def main() -> None:
     driver = cuda.DriverCheckpoint()
     engine = criu.CriuEngine(base / "snap")
     insts = {variant: instance.Instance(f"phases-{variant}", spec, base / variant, engine, driver, "cuda:0",
-                                        reuse_image_sec=float("inf"), graphs_in_images=variant == "kept")
-             for variant in ("default", "copies", "kept")}
-    insts["copies"].config = dataclasses.replace(insts["copies"].config, suspend_copies_weights=True)
+                                        reuse_image_sec=float("inf"), graphs_in_images=variant == "kept",
+                                        park_driver_copy=variant != "in_image")
+             for variant in ("default", "in_image", "kept")}
+    insts["kept"].config = dataclasses.replace(insts["kept"].config, suspend_copies_weights=False)
     inputs = contract.sample_inputs(insts["default"].config.inputs, batch=8, seed=1)
     rows = []
     try:
@@ -71,6 +71,8 @@ def main() -> None:
                        "driver": driver.timings.get(pid, {})}
                 if tier == Tier.FROZEN and inst.image is not None:
                     row["image_bytes"] = inst.image.size_bytes
+                    row["parked_bytes"] = inst.parked_bytes
+                    row["driver_copy"] = dict(inst.driver_copy)
                     keep = i == 1 and os.environ.get("KEEP_LOGS") == "1"
                     for name in ("restore.log", "lazy-pages.log", "stats-restore") if keep else ():
                         if (inst.image.path / name).exists():
@@ -89,6 +91,8 @@ def main() -> None:
                           "wake_max_ms": round(wakes[-1], 1),
                           "enter_p50_ms": round(statistics.median(r["enter_ms"] for r in mine), 1),
                           "image_mib": round(mine[-1].get("image_bytes", 0) / 2**20, 1),
+                          "parked_mib": round(mine[-1].get("parked_bytes", 0) / 2**20, 1),
+                          "driver_copy_mib": round(int(mine[-1].get("driver_copy", {}).get("bytes", 0)) / 2**20, 1),
                           "phases_p50_ms": {k: round(statistics.median(r["phases_ms"].get(k, 0) for r in mine), 1)
                                             for k in mine[-1]["phases_ms"]},
                           "fallbacks": sum(r["fallback"] for r in mine),

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import pathlib
@@ -48,7 +49,7 @@ import numpy as np
 
 from volga_agent import priority, process, throttle, warmup
 from volga_agent.snapshot import criu, cuda, shared
-from volga_agent.worker import contract, protocol
+from volga_agent.worker import contract, protocol, regions
 from volga_operator import api
 
 Tier = api.Tier
@@ -132,7 +133,8 @@ class Instance:
                  die_with_agent: bool = True, shared_store: shared.Context | None = None,
                  cuda_stack_bytes: int = contract.DEFAULT_CUDA_STACK_BYTES,
                  worker_user: tuple[int, int] = contract.NOBODY, unprivileged_snapshots: bool = False,
-                 model_roots: Sequence[str] = (), graphs_in_images: bool = False) -> None:
+                 model_roots: Sequence[str] = (), graphs_in_images: bool = False,
+                 park_driver_copy: bool = True) -> None:
         self.name = name
         self.spec = spec
         self.workdir = pathlib.Path(workdir)
@@ -170,6 +172,9 @@ class Instance:
         # image maps by reference: the image and its restore then carry only the process and the CUDA context.
         self.park_weights = park_weights
         self._parked: pathlib.Path | None = None  # the parked weights the current image maps
+        # With them, the driver's copy of the device memory goes into the same file, by reference too
+        # (`_park_driver_copy`): the image leaves it out and its restore maps it from the page cache.
+        self.park_driver_copy = park_driver_copy
         self.die_with_agent = die_with_agent
         # (worker generation, digest of its canary answer); None until recorded, or when the model's answer
         # to the canary is not reproducible and so cannot tell a damaged restore.
@@ -182,6 +187,10 @@ class Instance:
         self.history: list[Transition] = []
         self.restore_failures = 0
         self.lazy_restore_failures = 0  # lazy restores that failed and were served by an eager one
+        # What the worker said of the driver's copy at the last freeze (`_park_driver_copy`): bytes, regions,
+        # seconds, or the error that left it in the image; and the bytes of it an earlier restore had left mapped
+        # from a parked file that was going (stale_bytes).
+        self.driver_copy: dict[str, object] = {}
         self.last_used = time.monotonic()
         self._client: protocol.WorkerClient | None = None
         self._paused = False  # the worker waits in its pause hook (after a restore into SUSPENDED)
@@ -583,6 +592,7 @@ class Instance:
         parked = park if park is not None and park.exists() else None
         if self.gpu:
             assert self.driver is not None and self.pid is not None
+            before = self._presence() if parked is not None and self.park_driver_copy else None
             try:
                 self.driver.suspend(self.pid)
             except cuda.DriverCheckpointError:
@@ -590,9 +600,53 @@ class Instance:
                 if parked is not None:
                     parked.unlink(missing_ok=True)
                 raise
+            if parked is not None and before is not None:
+                self._park_driver_copy(parked, before)
         self._dump(generation, gpu_checkpointed=self.gpu, parked=parked)
         self._publish(generation, parked)
         return None
+
+    def _presence(self) -> regions.Presence | None:
+        """The paused worker's pages before the driver's checkpoint, to tell the driver's copy after it (None, and
+        the copy stays in the image, where /proc does not show them)."""
+        assert self.pid is not None
+        try:
+            return regions.presence(self.pid)
+        except OSError as exc:
+            log.warning("%s: the driver's copy stays in the image: %s", self.name, exc)
+            return None
+
+    def _park_driver_copy(self, parked: pathlib.Path, before: regions.Presence) -> None:
+        """The driver has checkpointed the paused worker: name the pages its checkpoint filled (and what an earlier
+        restore left mapped from parked files that are going) to the worker, which maps them from its parked file
+        so that the image leaves them out (`worker.regions`). The pages are read while the worker idles in its
+        pause, before it is told. A worker that cannot move them leaves them in the image (and says why); one
+        that does not answer is not trusted any more."""
+        assert self.pid is not None and self.parked_dir is not None
+        report_file = self.signals / contract.DRIVER_COPY_PARKED
+        report_file.unlink(missing_ok=True)
+        try:
+            with self._phase("park_driver_copy"):
+                filled = regions.filled(self.pid, before)
+                stale = regions.stale(self.pid, self.parked_dir.resolve(), parked.resolve())
+                moving = filled + stale
+                contract.publish(self.signals, contract.DRIVER_CHECKPOINTED,
+                                 json.dumps({"regions": [r.to_json() for r in moving]}))
+                os.kill(self.pid, contract.WAKE_SIGNAL)
+                self._wait_for(self.pid, report_file.exists, "done with the driver's copy", 30.0)
+        except process.WorkerStartError as exc:
+            self._gone_cold(str(exc))
+            raise
+        finally:
+            (self.signals / contract.DRIVER_CHECKPOINTED).unlink(missing_ok=True)
+        try:
+            self.driver_copy = json.loads(contract.read_signal(report_file))
+        except ValueError as exc:
+            self.driver_copy = {"error": f"unreadable report: {exc}"}
+        self.driver_copy["stale_bytes"] = sum(r.end - r.start for r in stale)
+        report_file.unlink(missing_ok=True)
+        if "error" in self.driver_copy:
+            log.warning("%s: the driver's copy stays in the image: %s", self.name, self.driver_copy["error"])
 
     def _park_path(self, generation: int) -> pathlib.Path:
         assert self.parked_dir is not None

@@ -25,6 +25,12 @@ READY = "ready"
 FAILED = "failed"
 READY_FOR_CHECKPOINT = "ready-for-checkpoint"
 RESTORE_COMPLETE = "restore-complete"
+# A paused GPU worker whose weights were parked: once the driver has checkpointed it, the agent writes
+# DRIVER_CHECKPOINTED, JSON {"regions": [[start, end, prot], ...]} (`regions.filled`, `regions.stale`), and sends
+# WAKE_SIGNAL; the worker maps those regions from its parked file (`regions.move`) and writes DRIVER_COPY_PARKED,
+# JSON {"bytes": N, "regions": N, "seconds": S} or {"error": "..."}.
+DRIVER_CHECKPOINTED = "driver-checkpointed"
+DRIVER_COPY_PARKED = "driver-copy-parked"
 # The agent a paused worker waits for ("PID START", written before each pause and restore): a worker whose agent
 # is gone while it waits (its parent-death signal is disarmed for the dump) exits instead of waiting forever.
 AGENT = "agent"

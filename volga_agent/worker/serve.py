@@ -48,7 +48,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from volga_agent.worker import backends, contract, nsinit, protocol, warmup
+from volga_agent.worker import backends, contract, nsinit, protocol, regions, warmup
 
 # Segments attached by gateways: files in SHM_DIR named by the worker (SHM_PREFIX + a random token).
 SHM_DIR = pathlib.Path("/dev/shm") if pathlib.Path("/dev/shm").is_dir() else pathlib.Path(tempfile.gettempdir())
@@ -361,8 +361,10 @@ class Worker:
         for conn in list(self.conns):
             protocol.say_goodbye(conn)
             self.close_conn(conn)
-        if not (park and self.backend.park(park)):
+        parked = bool(park) and self.backend.park(park)
+        if not parked:
             self.backend.drop_host_copy()
+        driver_done = self.signal_dir / contract.DRIVER_CHECKPOINTED
         done = self.signal_dir / contract.RESTORE_COMPLETE
         # CRIU would restore an armed parent-death signal while criu is the parent, and its exit would kill us.
         armed = nsinit.release_parent()
@@ -371,6 +373,9 @@ class Worker:
         while not done.exists():
             signal.sigtimedwait([contract.WAKE_SIGNAL], 0.05)
             waits += 1
+            if parked and driver_done.exists():
+                self._park_driver_copy(park, driver_done)
+                parked = False
             if armed and waits % 20 == 0 and not contract.agent_alive(self.signal_dir / contract.AGENT):
                 # Our agent died while we waited (the dump's window): no one is left to resume us.
                 print(f"the agent named in {self.signal_dir / contract.AGENT} is gone; exiting", file=sys.stderr,
@@ -387,6 +392,21 @@ class Worker:
             reseed_rngs()
         # At the wake that follows (`_op_wake`): a worker restored asleep may have its weights in host memory.
         self._rewarm = self.config.restore_warmups > 0
+
+    def _park_driver_copy(self, park: str, named: pathlib.Path) -> None:
+        """The driver has checkpointed us: map the regions the agent named in `named` (what the checkpoint filled,
+        and what an earlier restore left mapped from parked files that are going) from the parked file `park`,
+        so that the image leaves them out (`regions`); then say how much, or why not (they stay in the image)."""
+        start = time.perf_counter()
+        try:
+            moving = [regions.Region.from_json(r) for r in json.loads(contract.read_signal(named))["regions"]]
+            moved = regions.move(moving, park)
+            report: dict[str, Any] = {"bytes": moved.copied_bytes, "regions": moved.regions,
+                                      "seconds": round(time.perf_counter() - start, 4)}
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            report = {"error": f"{type(exc).__name__}: {exc}"}
+            print(f"the driver's copy stays in the image: {report['error']}", file=sys.stderr, flush=True)
+        contract.publish(self.signal_dir, contract.DRIVER_COPY_PARKED, json.dumps(report))
 
     def serve(self) -> None:
         ready = {"pid": os.getpid(), "load_seconds": self.load_seconds}

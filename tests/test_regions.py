@@ -1,0 +1,159 @@
+"""Anonymous memory mapped from a file by `worker.regions` leaves CRIU's image and comes back the same.
+
+On a GPU node the worker does this with the CUDA driver's copy of its device memory (tests/test_gpu.py proves
+that path on the H200); here a child process fills a region the way the driver's checkpoint does while this test
+plays the agent (reads the child's pages before and after, names the filled runs), and the real CRIU freezes and
+restores the child, eagerly and lazily.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from volga_agent import process
+from volga_agent.snapshot import criu
+from volga_agent.worker import regions
+
+MIB = 2**20
+RW = mmap.PROT_READ | mmap.PROT_WRITE
+# The child: once told to fill, writes 40 MiB of a 48 MiB region (its last 8 MiB never touched) and hashes it;
+# then maps the regions it is given from `parked.bin` behind 5000 bytes that stand for parked weights; once told
+# to go on (after its restore), hashes the region again and writes to its first page.
+CHILD = r"""
+import hashlib, json, mmap, pathlib, sys, time
+from volga_agent.worker import regions
+folder = pathlib.Path(sys.argv[1])
+def wait(name):
+    while not (folder / name).exists():
+        time.sleep(0.005)
+    return (folder / name).read_text()
+(folder / "ready").write_text("")
+wait("fill")
+region = mmap.mmap(-1, 48 << 20, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+seed = hashlib.sha256(b"driver").digest()
+for offset in range(0, 40 << 20, 1 << 20):
+    region[offset:offset + (1 << 20)] = hashlib.shake_256(seed + offset.to_bytes(8, "little")).digest(1 << 20)
+(folder / "filled.json").write_text(json.dumps({"digest": hashlib.sha256(region).hexdigest()}))
+moving = [regions.Region.from_json(r) for r in json.loads(wait("regions.json"))]
+park = folder / "parked.bin"
+park.write_bytes(b"w" * 5000)
+moved = regions.move(moving, park)
+(folder / "moved.json").write_text(json.dumps({"bytes": moved.copied_bytes, "offset": moved.file_offset}))
+wait("go")
+after = hashlib.sha256(region).hexdigest()
+region[:4096] = b"\0" * 4096
+(folder / "restored.json").write_text(json.dumps({"digest": after}))
+time.sleep(60)
+"""
+
+
+def _wait(path: pathlib.Path, timeout: float = 30.0) -> dict[str, object]:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path.name} never came"
+        time.sleep(0.01)
+    time.sleep(0.05)  # written whole by now (a few hundred bytes)
+    return dict(json.loads(path.read_text() or "{}"))
+
+
+def test_resident_names_only_the_touched_pages() -> None:
+    region = mmap.mmap(-1, 16 * mmap.PAGESIZE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    view = np.frombuffer(region, dtype=np.uint8)
+    try:
+        for page in (1, 2, 3, 9):
+            view[page * mmap.PAGESIZE] = 1
+        start = view.ctypes.data
+        assert regions.runs(regions.resident("self", start, start + 16 * mmap.PAGESIZE)) == [(1, 4), (9, 10)]
+    finally:
+        del view
+        region.close()
+
+
+def test_a_moved_region_reads_the_same_and_its_writes_leave_the_file(tmp_path: pathlib.Path) -> None:
+    region = mmap.mmap(-1, 4 * MIB, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    view = np.frombuffer(region, dtype=np.uint8)
+    try:
+        view[: 3 * MIB] = np.arange(3 * MIB, dtype=np.uint64).astype(np.uint8)
+        expected = hashlib.sha256(region).hexdigest()
+        start = view.ctypes.data
+        park = tmp_path / "parked.bin"
+        park.write_bytes(b"weights")
+        moved = regions.move([regions.Region(start, start + 4 * MIB, RW)], park)
+        assert (moved.regions, moved.copied_bytes, moved.file_offset) == (1, 4 * MIB, mmap.PAGESIZE)
+        (mapping,) = [m for m in regions.mappings() if m.start <= start < m.end]
+        assert mapping.path == str(park) and mapping.private and mapping.rss == 0
+        assert hashlib.sha256(region).hexdigest() == expected
+        view[0] = 255  # copied on write: the file keeps what was moved
+        with park.open("rb") as f:
+            f.seek(moved.file_offset)
+            assert f.read(1) == bytes([0])
+        # Mapped from a file the next image will not keep, it is stale, and moves again whole.
+        assert regions.stale("self", tmp_path, keep=park) == []
+        written = hashlib.sha256(region).hexdigest()
+        following = tmp_path / "next.bin"
+        following.write_bytes(b"")
+        (old,) = regions.stale("self", tmp_path, keep=following)
+        assert (old.start, old.end) == (start, start + 4 * MIB)
+        regions.move([old], following)
+        assert [m.path for m in regions.mappings() if m.start <= start < m.end] == [str(following)]
+        assert hashlib.sha256(region).hexdigest() == written
+    finally:
+        del view
+        region.close()
+
+
+def test_a_region_is_whole_pages() -> None:
+    assert regions.Region.from_json([4096, 8192, RW]) == regions.Region(4096, 8192, RW)
+    for bad in ([4096, 4096, RW], [4095, 8192, RW], [4096, 8192], "4096-8192", [4096, 8192.0, RW]):
+        with pytest.raises(ValueError, match="region"):
+            regions.Region.from_json(bad)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_criu_leaves_a_filled_region_out_of_the_image_and_restores_it(lazy: bool, tmp_path: pathlib.Path,
+                                                                      criu_engine: criu.CriuEngine) -> None:
+    folder = pathlib.Path(os.path.realpath(tmp_path))
+    env = {**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[1])}
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(folder)], env=env, start_new_session=True,
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    restored = None
+    try:
+        _wait(folder / "ready")
+        before = regions.presence(child.pid)
+        (folder / "fill").write_text("")
+        filled = _wait(folder / "filled.json")
+        moving = regions.filled(child.pid, before)
+        # The 40 MiB written (and the rest, which hashing it mapped to the zero page), nothing the child held before.
+        assert [(r.end - r.start, r.prot) for r in moving] == [(48 * MIB, RW)], moving
+        (folder / "regions.json").write_text(json.dumps([r.to_json() for r in moving]))
+        moved = _wait(folder / "moved.json")
+        image = criu_engine.dump(child.pid, f"regions-{'lazy' if lazy else 'eager'}")
+        child.wait(timeout=30)
+        # The child's interpreter and its 40 MiB region: without the move the image would hold the region's pages.
+        assert image.size_bytes < 40 * MIB, image.size_bytes
+        restored = criu_engine.restore(image, lazy=lazy)
+        (folder / "go").write_text("")
+        after = _wait(folder / "restored.json")
+        assert after["digest"] == filled["digest"]
+        # The child's write after its restore went to its own copy of the page: the file still holds the region.
+        with (folder / "parked.bin").open("rb") as f:
+            f.seek(int(moved["offset"]))  # type: ignore[call-overload]
+            assert hashlib.sha256(f.read(40 * MIB) + bytes(8 * MIB)).hexdigest() == filled["digest"]
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        if restored is not None:
+            process.kill(restored.pid)
+            restored.stop()

@@ -1,0 +1,221 @@
+"""Anonymous memory a worker hands to CRIU by reference instead of by content.
+
+The CUDA driver's checkpoint copies the device memory of a process into anonymous host memory: the driver's
+copy (the context's own allocations; the weights too unless they were parked). A CRIU image carries anonymous
+memory page by page, and a restore brings it back at the machine's page-fault rate (about 1.3 GB/s on the H200
+machine; with lazy pages one fault at a time through criu's daemon, while the driver's restore reads it). A
+private mapping of a file whose pages were never written is different: CRIU records it by path and dumps no
+pages of it. `move` copies regions into a file and maps that file privately over them, at the same addresses
+with the same contents, so that the image leaves them out and a restore maps them from the file's page cache
+(read faults map 16 pages at a time). A write to such a page copies it first: the file, which every later restore
+of the image maps, never changes.
+
+Which regions: the agent reads the paused worker's pages before the driver's checkpoint (`presence`) and after it
+(`filled`: runs of pages that only the checkpoint made resident), while the worker idles in its pause loop, so
+that no page the worker's own Python is using can be among them (a new mapping of the driver's may sit right
+beside one of the interpreter's, and the kernel merges the two). `stale` adds regions an earlier `move` left
+mapped from files the next image will not keep. The worker then moves them (`serve.Worker.pause_for_checkpoint`);
+docs/architecture.md tells the whole sequence. Linux only: /proc/PID/smaps and /proc/PID/pagemap.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import dataclasses
+import mmap
+import os
+import pathlib
+
+import numpy as np
+
+PAGE = mmap.PAGESIZE
+MAP_FIXED = 0x10  # not in Python's mmap module; the same on every Linux architecture Volga runs on
+# A mapping counts as filled by the driver's checkpoint when the checkpoint made this much of it resident, and
+# runs of such pages shorter than RUN_BYTES stay where they are (each run moved is a mapping of its own).
+FILLED_BYTES = 8 * 2**20
+RUN_BYTES = 2**20
+_CHUNK = 16 * 2**20  # bytes one copying thread takes at a time
+_RESIDENT = np.uint64((1 << 63) | (1 << 62))  # pagemap: present, or swapped
+
+
+@dataclasses.dataclass(frozen=True)
+class Mapping:
+    """One mapping of /proc/PID/smaps, with its resident bytes."""
+
+    start: int
+    end: int
+    perms: str
+    path: str  # "" for anonymous memory; " (deleted)" stripped
+    rss: int = 0
+    deleted: bool = False
+
+    @property
+    def private(self) -> bool:
+        return self.perms.endswith("p")
+
+    @property
+    def prot(self) -> int:
+        return ((mmap.PROT_READ if "r" in self.perms else 0) | (mmap.PROT_WRITE if "w" in self.perms else 0)
+                | (mmap.PROT_EXEC if "x" in self.perms else 0))
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """An address range to map from a file, with the protection it has."""
+
+    start: int
+    end: int
+    prot: int
+
+    def to_json(self) -> list[int]:
+        return [self.start, self.end, self.prot]
+
+    @classmethod
+    def from_json(cls, raw: object) -> Region:
+        if not (isinstance(raw, list) and len(raw) == 3 and all(isinstance(x, int) for x in raw)):
+            raise ValueError(f"a region is [start, end, prot], not {raw!r}")
+        start, end, prot = raw
+        if start % PAGE or end % PAGE or end <= start:
+            raise ValueError(f"region [{start:#x}, {end:#x}) is not a range of whole pages")
+        return cls(start, end, prot)
+
+
+@dataclasses.dataclass(frozen=True)
+class Moved:
+    """What `move` did: the bytes it copied, and where in the file they start."""
+
+    regions: int
+    copied_bytes: int
+    file_offset: int
+
+
+# Per private anonymous mapping (by its range), which of its pages were resident.
+Presence = dict[tuple[int, int], np.ndarray]
+
+
+def mappings(pid: int | str = "self") -> list[Mapping]:
+    """The process's mappings with their resident bytes (/proc/PID/smaps)."""
+    out: list[Mapping] = []
+    head: list[str] = []
+    rss = 0
+
+    def flush() -> None:
+        if head:
+            start, end = (int(x, 16) for x in head[0].split("-"))
+            path = " ".join(head[5:])
+            deleted = path.endswith(" (deleted)")
+            out.append(Mapping(start, end, head[1], path.removesuffix(" (deleted)"), rss, deleted))
+
+    for line in pathlib.Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        fields = line.split()
+        if not fields:
+            continue
+        if fields[0].endswith(":"):
+            if fields[0] == "Rss:":
+                rss = int(fields[1]) * 1024
+            continue
+        flush()
+        head, rss = fields, 0
+    flush()
+    return out
+
+
+def _anonymous(found: list[Mapping]) -> list[Mapping]:
+    """Private anonymous mappings without a name ([heap], [stack] and the like keep theirs)."""
+    return [m for m in found if m.private and not m.path]
+
+
+def resident(pid: int | str, start: int, end: int) -> np.ndarray:
+    """Which pages of [start, end) are resident (or swapped out) in the process, one bool a page."""
+    with open(f"/proc/{pid}/pagemap", "rb", buffering=0) as pagemap:
+        raw = os.pread(pagemap.fileno(), (end - start) // PAGE * 8, start // PAGE * 8)
+    pages: np.ndarray = (np.frombuffer(raw, dtype=np.uint64) & _RESIDENT) != 0
+    return pages
+
+
+def runs(pages: np.ndarray) -> list[tuple[int, int]]:
+    """The [first, last + 1) page index ranges where `pages` is true."""
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], pages.astype(np.int8), [0]))))
+    return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2], strict=True)]
+
+
+def presence(pid: int | str) -> Presence:
+    """Which pages of each private anonymous mapping that holds any are resident now."""
+    return {(m.start, m.end): resident(pid, m.start, m.end) for m in _anonymous(mappings(pid)) if m.rss}
+
+
+def filled(pid: int | str, before: Presence, least: int = FILLED_BYTES, run: int = RUN_BYTES) -> list[Region]:
+    """The runs of pages resident now that `before` saw absent (or outside any mapping), of `run` bytes or more,
+    in private anonymous mappings where such pages make up `least` bytes or more."""
+    out = []
+    for m in _anonymous(mappings(pid)):
+        if m.rss < least:
+            continue
+        fresh = resident(pid, m.start, m.end)
+        for (start, end), was in before.items():
+            lo, hi = max(start, m.start), min(end, m.end)
+            if lo < hi:
+                fresh[(lo - m.start) // PAGE:(hi - m.start) // PAGE] &= ~was[(lo - start) // PAGE:(hi - start) // PAGE]
+        if int(fresh.sum()) * PAGE < least:
+            continue
+        out += [Region(m.start + a * PAGE, m.start + b * PAGE, m.prot) for a, b in runs(fresh) if (b - a) * PAGE >= run]
+    return out
+
+
+def stale(pid: int | str, folder: str | pathlib.Path, keep: str | pathlib.Path | None = None) -> list[Region]:
+    """Private mappings of files in `folder` other than `keep`: regions an earlier `move` mapped from a file that
+    the next image will not keep (CRIU could carry a deleted file's pages only as a ghost file in its image)."""
+    prefix = str(pathlib.Path(folder)) + os.sep
+    kept = str(keep) if keep is not None else None
+    return [Region(m.start, m.end, m.prot) for m in mappings(pid)
+            if m.private and m.path.startswith(prefix) and (m.deleted or m.path != kept)]
+
+
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_long]
+    return libc
+
+
+def move(regions: list[Region], path: str | pathlib.Path, threads: int = 8) -> Moved:
+    """In this process: append `regions`' contents to the file at `path` (after what it holds, from a page
+    boundary) and map the file privately over each region, at its address.
+
+    The copy runs on `threads` threads, since one thread fills fresh pages at well under the memory's bandwidth.
+    Nothing may write the regions meanwhile: they are pages the driver's checkpoint filled, which nothing
+    touches until the driver restores the process.
+    """
+    if not regions:
+        return Moved(0, 0, 0)
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        offset = -(-os.fstat(fd).st_size // PAGE) * PAGE
+        total = sum(r.end - r.start for r in regions)
+        os.ftruncate(fd, offset + total)
+        at, copies = 0, []
+        for r in regions:
+            copies += [(at + c - r.start, c, min(_CHUNK, r.end - c)) for c in range(r.start, r.end, _CHUNK)]
+            at += r.end - r.start
+        window = mmap.mmap(fd, total, mmap.MAP_SHARED, offset=offset)
+        base = ctypes.c_char.from_buffer(window)
+        try:
+            address = ctypes.addressof(base)
+            with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:  # memmove lets go of the GIL
+                list(pool.map(lambda job: ctypes.memmove(address + job[0], job[1], job[2]), copies))
+        finally:
+            del base
+            window.close()
+        libc, at = _libc(), offset
+        for r in regions:
+            got = libc.mmap(r.start, r.end - r.start, r.prot, mmap.MAP_PRIVATE | MAP_FIXED, fd, at)
+            if got != r.start:
+                errno = ctypes.get_errno()
+                raise OSError(errno, f"mapping {r.end - r.start} bytes of {path} at {r.start:#x}: "
+                                     f"{os.strerror(errno)}")
+            at += r.end - r.start
+        return Moved(len(regions), total, offset)
+    finally:
+        os.close(fd)
