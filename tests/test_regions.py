@@ -8,6 +8,7 @@ restores the child, eagerly and lazily.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import mmap
@@ -157,3 +158,33 @@ def test_criu_leaves_a_filled_region_out_of_the_image_and_restores_it(lazy: bool
         if restored is not None:
             process.kill(restored.pid)
             restored.stop()
+
+
+def test_a_file_that_cannot_grow_leaves_the_region_as_it_was(tmp_path: pathlib.Path) -> None:
+    """Out of space for the copy (here a file size limit), `move` raises before it maps anything: the region stays
+    anonymous memory with its contents, and the worker reports why (the copy then stays in the image)."""
+    script = r"""
+import hashlib, mmap, pathlib, resource, sys
+from volga_agent.worker import regions
+region = mmap.mmap(-1, 4 << 20, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+region[:] = b"\x07" * (4 << 20)
+before = hashlib.sha256(region).hexdigest()
+park = pathlib.Path(sys.argv[1])
+park.write_bytes(b"w")
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+import ctypes
+start = ctypes.addressof(ctypes.c_char.from_buffer(region))
+try:
+    regions.move([regions.Region(start, start + (4 << 20), mmap.PROT_READ | mmap.PROT_WRITE)], park)
+except OSError as exc:
+    print("refused", exc.errno)
+mapped = [m.path for m in regions.mappings() if m.start <= start < m.end]
+print(mapped == [""], hashlib.sha256(region).hexdigest() == before, park.stat().st_size)
+"""
+    env = {**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[1])}
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "parked.bin")], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    refused, kept = out.stdout.splitlines()
+    assert refused == f"refused {errno.EFBIG}"
+    assert kept == "True True 1"

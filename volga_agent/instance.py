@@ -626,10 +626,13 @@ class Instance:
         report_file = self.signals / contract.DRIVER_COPY_PARKED
         report_file.unlink(missing_ok=True)
         try:
+            stale = regions.stale(self.pid, self.parked_dir.resolve(), parked.resolve())
+            moving = regions.filled(self.pid, before) + stale
+        except OSError as exc:
+            log.warning("%s: the driver's copy stays in the image: %s", self.name, exc)
+            return
+        try:
             with self._phase("park_driver_copy"):
-                filled = regions.filled(self.pid, before)
-                stale = regions.stale(self.pid, self.parked_dir.resolve(), parked.resolve())
-                moving = filled + stale
                 contract.publish(self.signals, contract.DRIVER_CHECKPOINTED,
                                  json.dumps({"regions": [r.to_json() for r in moving]}))
                 os.kill(self.pid, contract.WAKE_SIGNAL)

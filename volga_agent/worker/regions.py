@@ -23,6 +23,7 @@ from __future__ import annotations
 import concurrent.futures
 import ctypes
 import dataclasses
+import errno
 import mmap
 import os
 import pathlib
@@ -195,6 +196,12 @@ def move(regions: list[Region], path: str | pathlib.Path, threads: int = 8) -> M
         offset = -(-os.fstat(fd).st_size // PAGE) * PAGE
         total = sum(r.end - r.start for r in regions)
         os.ftruncate(fd, offset + total)
+        try:  # the space now, or an error now: a full disk under a shared mapping is a SIGBUS in the copy
+            os.posix_fallocate(fd, offset, total)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):
+                os.ftruncate(fd, offset)
+                raise
         at, copies = 0, []
         for r in regions:
             copies += [(at + c - r.start, c, min(_CHUNK, r.end - c)) for c in range(r.start, r.end, _CHUNK)]
@@ -212,9 +219,9 @@ def move(regions: list[Region], path: str | pathlib.Path, threads: int = 8) -> M
         for r in regions:
             got = libc.mmap(r.start, r.end - r.start, r.prot, mmap.MAP_PRIVATE | MAP_FIXED, fd, at)
             if got != r.start:
-                errno = ctypes.get_errno()
-                raise OSError(errno, f"mapping {r.end - r.start} bytes of {path} at {r.start:#x}: "
-                                     f"{os.strerror(errno)}")
+                code = ctypes.get_errno()
+                raise OSError(code, f"mapping {r.end - r.start} bytes of {path} at {r.start:#x}: "
+                                    f"{os.strerror(code)}")
             at += r.end - r.start
         return Moved(len(regions), total, offset)
     finally:
