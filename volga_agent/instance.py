@@ -643,9 +643,11 @@ class Instance:
         finally:
             (self.signals / contract.DRIVER_CHECKPOINTED).unlink(missing_ok=True)
         try:
-            self.driver_copy = json.loads(contract.read_signal(report_file))
+            report = json.loads(contract.read_signal(report_file))
         except ValueError as exc:
-            self.driver_copy = {"error": f"unreadable report: {exc}"}
+            report = f"{exc}"
+        # The worker runs model code: what it reports is read as data, never trusted to be well formed.
+        self.driver_copy = report if isinstance(report, dict) else {"error": f"unreadable report: {report!r:.200}"}
         self.driver_copy["stale_bytes"] = sum(r.end - r.start for r in stale)
         report_file.unlink(missing_ok=True)
         if "error" in self.driver_copy:
