@@ -34,11 +34,14 @@ CHILD = r"""
 import hashlib, json, mmap, pathlib, sys, time
 from volga_agent.worker import regions
 folder = pathlib.Path(sys.argv[1])
+def put(name, text):  # whole or not at all: written aside, then renamed
+    (folder / (name + ".tmp")).write_text(text)
+    (folder / (name + ".tmp")).rename(folder / name)
 def wait(name):
     while not (folder / name).exists():
         time.sleep(0.005)
     return (folder / name).read_text()
-(folder / "ready").write_text("")
+put("ready", "")
 wait("fill")
 region = mmap.mmap(-1, 48 << 20, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 seed = hashlib.sha256(b"driver").digest()
@@ -46,26 +49,32 @@ for offset in range(0, 40 << 20, 1 << 20):
     region[offset:offset + (1 << 20)] = hashlib.shake_256(seed + offset.to_bytes(8, "little")).digest(1 << 20)
 import ctypes
 address = ctypes.addressof(ctypes.c_char.from_buffer(region))
-(folder / "filled.json").write_text(json.dumps({"digest": hashlib.sha256(region).hexdigest(), "at": address}))
+put("filled.json", json.dumps({"digest": hashlib.sha256(region).hexdigest(), "at": address}))
 moving = [regions.Region.from_json(r) for r in json.loads(wait("regions.json"))]
 park = folder / "parked.bin"
 park.write_bytes(b"w" * 5000)
 moved = regions.move(moving, park)
-(folder / "moved.json").write_text(json.dumps({"bytes": moved.copied_bytes, "offset": moved.file_offset}))
+put("moved.json", json.dumps({"bytes": moved.copied_bytes, "offset": moved.file_offset}))
 wait("go")
 after = hashlib.sha256(region).hexdigest()
 region[:4096] = b"\0" * 4096
-(folder / "restored.json").write_text(json.dumps({"digest": after}))
+put("restored.json", json.dumps({"digest": after}))
 time.sleep(60)
 """
 
 
-def _wait(path: pathlib.Path, timeout: float = 30.0) -> dict[str, object]:
+def _put(path: pathlib.Path, text: str) -> None:
+    """Write a file whole or not at all (aside, then renamed): the other side reads it as soon as it exists."""
+    aside = path.with_name(path.name + ".tmp")
+    aside.write_text(text)
+    aside.rename(path)
+
+
+def _wait(path: pathlib.Path, log: pathlib.Path, timeout: float = 30.0) -> dict[str, object]:
     deadline = time.monotonic() + timeout
     while not path.exists():
-        assert time.monotonic() < deadline, f"{path.name} never came"
+        assert time.monotonic() < deadline, f"{path.name} never came; the child said:\n{log.read_text()}"
         time.sleep(0.01)
-    time.sleep(0.05)  # written whole by now (a few hundred bytes)
     return dict(json.loads(path.read_text() or "{}"))
 
 
@@ -128,14 +137,16 @@ def test_criu_leaves_a_filled_region_out_of_the_image_and_restores_it(lazy: bool
                                                                       criu_engine: criu.CriuEngine) -> None:
     folder = pathlib.Path(os.path.realpath(tmp_path))
     env = {**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[1])}
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(folder)], env=env, start_new_session=True,
-                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tmp_path / "child.log"
+    with log.open("w") as output:
+        child = subprocess.Popen([sys.executable, "-c", CHILD, str(folder)], env=env, start_new_session=True,
+                                 stdin=subprocess.DEVNULL, stdout=output, stderr=output)
     restored = None
     try:
-        _wait(folder / "ready")
+        _wait(folder / "ready", log)
         before = regions.presence(child.pid)
-        (folder / "fill").write_text("")
-        filled = _wait(folder / "filled.json")
+        _put(folder / "fill", "")
+        filled = _wait(folder / "filled.json", log)
         at = int(filled["at"])  # type: ignore[call-overload]
         found = regions.filled(child.pid, before)
         # The 40 MiB written, and the rest, which hashing it mapped to the zero page: the whole region, as one run
@@ -146,15 +157,15 @@ def test_criu_leaves_a_filled_region_out_of_the_image_and_restores_it(lazy: bool
             for (start, end), was in before.items():
                 lo, hi = max(start, r.start), min(end, r.end)
                 assert lo >= hi or not was[(lo - start) // mmap.PAGESIZE:(hi - start) // mmap.PAGESIZE].any()
-        (folder / "regions.json").write_text(json.dumps([region.to_json()]))
-        moved = _wait(folder / "moved.json")
+        _put(folder / "regions.json", json.dumps([region.to_json()]))
+        moved = _wait(folder / "moved.json", log)
         image = criu_engine.dump(child.pid, f"regions-{'lazy' if lazy else 'eager'}")
         child.wait(timeout=30)
         # The child's interpreter and its 40 MiB region: without the move the image would hold the region's pages.
         assert image.size_bytes < 40 * MIB, image.size_bytes
         restored = criu_engine.restore(image, lazy=lazy)
-        (folder / "go").write_text("")
-        after = _wait(folder / "restored.json")
+        _put(folder / "go", "")
+        after = _wait(folder / "restored.json", log)
         assert after["digest"] == filled["digest"]
         # The child's write after its restore went to its own copy of the page: the file still holds the region.
         with (folder / "parked.bin").open("rb") as f:
