@@ -26,7 +26,7 @@ import trustme
 import yaml
 from tritonclient.utils import InferenceServerException
 
-from volga_agent import admission, auth, defaultmodel, errors, instance, local, policy, pool, server
+from volga_agent import admission, auth, defaultmodel, errors, instance, policy, pool, server
 from volga_agent.gateway import app, catalog, links
 from volga_agent.rpc.volga.v1 import agent_pb2, agent_pb2_grpc
 from volga_agent.worker import contract, protocol
@@ -337,29 +337,28 @@ def test_volga_up_host_warns_and_never_exposes_the_agent_api(default_spec: api.M
 
 
 @pytest.fixture(scope="module")
-def guarded() -> Iterator[local.Embedded]:
-    with tempfile.NamedTemporaryFile("w", prefix="volga-tokens-") as tokens:
-        tokens.write(TOKEN + "\n")
-        tokens.flush()
-        spec = defaultmodel.ensure()
-        bg, up = harness.start_embedded([spec], tokens=auth.Tokens.from_file(tokens.name))
-        bg.call(up.wait_converged(), timeout=300)
+def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[harness.UpProcess]:
+    """`volga up --token-file` serving the default model, as a user runs it."""
+    tokens = tmp_path_factory.mktemp("tokens") / "tokens"
+    tokens.write_text(TOKEN + "\n")
+    with harness.volga_up(["--token-file", str(tokens)]) as up:
         yield up
-        bg.call(up.stop(), timeout=60)
-        bg.close()
 
 
+def default_decls() -> tuple[contract.TensorDecl, ...]:
+    return instance.decls(defaultmodel.ensure().spec.inputs)
 BEARER = {"authorization": f"Bearer {TOKEN}"}
 
 
 @pytest.mark.integration
-def test_the_gateway_wants_a_token_over_grpc(guarded: local.Embedded) -> None:
+def test_the_gateway_wants_a_token_over_grpc(guarded: harness.UpProcess) -> None:
     model = defaultmodel.MODEL_ID
-    x = contract.sample_inputs(guarded.gateway.catalog.decls(model), batch=2, seed=8)
-    client = grpcclient.InferenceServerClient(guarded.endpoints()["grpc"])
+    decls = default_decls()
+    x = contract.sample_inputs(decls, batch=2, seed=8)
+    client = grpcclient.InferenceServerClient(guarded.endpoints["grpc"])
     try:
         assert client.is_server_live() and client.is_server_ready()  # health checks need no token
-        inputs = harness.triton_inputs(guarded.gateway.catalog.decls(model), x)
+        inputs = harness.triton_inputs(decls, x)
         for call in (lambda h: client.infer(model, inputs, headers=h),
                      lambda h: client.get_model_metadata(model, headers=h),
                      lambda h: client.is_model_ready(model, headers=h)):
@@ -375,11 +374,11 @@ def test_the_gateway_wants_a_token_over_grpc(guarded: local.Embedded) -> None:
 
 
 @pytest.mark.integration
-def test_the_gateway_wants_a_token_over_rest(guarded: local.Embedded) -> None:
+def test_the_gateway_wants_a_token_over_rest(guarded: harness.UpProcess) -> None:
     model = defaultmodel.MODEL_ID
-    decls = guarded.gateway.catalog.decls(model)
+    decls = default_decls()
     x = contract.sample_inputs(decls, batch=2, seed=9)
-    url = guarded.endpoints()["http"]
+    url = guarded.endpoints["http"]
     client = httpclient.InferenceServerClient(url.removeprefix("http://"))
     try:
         assert client.is_server_live() and client.is_server_ready()
