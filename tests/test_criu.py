@@ -391,9 +391,15 @@ def test_a_lazily_restored_worker_is_frozen_only_with_all_its_pages(default_spec
         x = contract.sample_inputs(inst.config.inputs, batch=4, seed=12)
         inst.to(Tier.HOT)
         reference = inst.infer(x)["probability"]
-        inst.to(Tier.FROZEN)
-        assert not inst.wake().fallback
-        assert started and started[-1].poll() is None, "the page server should still be streaming"
+        for _ in range(5):
+            inst.to(Tier.FROZEN)
+            assert not inst.wake().fallback
+            if started and started[-1].poll() is None:
+                break  # pages still pending: the freeze below comes while the page server streams
+            # Its first answer touches most of the worker's pages, so a page server that gets any CPU at all (a
+            # busy machine may schedule even an idle-class one) can be done already: freeze and wake again.
+        else:
+            pytest.fail("the starved page server had delivered every page by the end of each of 5 wakes")
         await_pages = inst._await_pages
 
         def unstarved_await_pages() -> None:
