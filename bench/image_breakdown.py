@@ -23,53 +23,29 @@ import tempfile
 
 from volga_agent import defaultmodel, instance
 from volga_agent.snapshot import criu, cuda
+from volga_agent.worker import regions
 from volga_bench import tiers
 from volga_operator import api
 
 
-def regions(pid: int) -> dict[str, int]:
+def by_name(found: list[regions.Mapping]) -> dict[str, int]:
     """Private present bytes by mapping name (anonymous regions named by their size class)."""
     sizes: collections.Counter[str] = collections.Counter()
-    name = ""
-    for line in pathlib.Path(f"/proc/{pid}/smaps").read_text().splitlines():
-        fields = line.split()
-        if "-" in fields[0] and len(fields) >= 5 and ":" not in fields[0]:
-            start, end = (int(x, 16) for x in fields[0].split("-"))
-            path = fields[5] if len(fields) > 5 else ""
-            name = path or f"[anon {_size_class(end - start)}]"
-        elif fields[0] in ("Private_Clean:", "Private_Dirty:"):
-            sizes[name] += int(fields[1]) * 1024
+    for m in found:
+        sizes[m.path or f"[anon {_size_class(m.end - m.start)}]"] += m.private_bytes
     return dict(sizes)
 
 
-def vmas(pid: int) -> dict[tuple[int, int], dict[str, object]]:
-    """Each mapping's range with its name, permissions, private present bytes and VmFlags."""
-    out: dict[tuple[int, int], dict[str, object]] = {}
-    current: dict[str, object] = {}
-    for line in pathlib.Path(f"/proc/{pid}/smaps").read_text().splitlines():
-        fields = line.split()
-        if "-" in fields[0] and len(fields) >= 5 and ":" not in fields[0]:
-            start, end = (int(x, 16) for x in fields[0].split("-"))
-            current = {"name": fields[5] if len(fields) > 5 else "", "perms": fields[1], "private": 0}
-            out[(start, end)] = current
-        elif fields[0] in ("Private_Clean:", "Private_Dirty:"):
-            current["private"] = int(current["private"]) + int(fields[1]) * 1024  # type: ignore[call-overload]
-        elif fields[0] == "VmFlags:":
-            current["flags"] = " ".join(fields[1:])
-    return out
-
-
-def grown(before: dict[tuple[int, int], dict[str, object]], after: dict[tuple[int, int], dict[str, object]],
-          least: int = 2**20) -> list[dict[str, object]]:
+def grown(before: list[regions.Mapping], after: list[regions.Mapping], least: int = 2**20) -> list[dict[str, object]]:
     """The mappings whose private present bytes grew by `least` or more (or that are new), largest first."""
+    then = {(m.start, m.end): m.private_bytes for m in before}
     rows = []
-    for (start, end), vma in after.items():
-        old = before.get((start, end))
-        gain = int(vma["private"]) - (int(old["private"]) if old else 0)  # type: ignore[call-overload]
+    for m in after:
+        gain = m.private_bytes - then.get((m.start, m.end), 0)
         if gain >= least:
-            rows.append({"start": hex(start), "size_mib": round((end - start) / 2**20, 1), "new": old is None,
-                         "grew_mib": round(gain / 2**20, 1), "name": vma["name"], "perms": vma["perms"],
-                         "flags": vma.get("flags", "")})
+            rows.append({"start": hex(m.start), "size_mib": round((m.end - m.start) / 2**20, 1),
+                         "new": (m.start, m.end) not in then, "grew_mib": round(gain / 2**20, 1), "name": m.path,
+                         "perms": m.perms, "flags": m.flags})
     return sorted(rows, key=lambda r: -float(r["grew_mib"]))  # type: ignore[arg-type]
 
 
@@ -102,17 +78,18 @@ def main(argv: list[str]) -> int:
     try:
         inst.to(api.Tier.HOT)
         assert inst.pid is not None
-        hot = regions(inst.pid)
-        hot_vmas = vmas(inst.pid)
+        hot_mappings = regions.mappings(inst.pid)
+        hot = by_name(hot_mappings)
         report["hot_private_mib"] = round(sum(hot.values()) / 2**20, 1)
         report["hot_top"] = top(hot)
         if gpu:
             inst.to(api.Tier.SUSPENDED)
             assert inst.pid is not None
-            suspended = regions(inst.pid)
+            suspended_mappings = regions.mappings(inst.pid)
+            suspended = by_name(suspended_mappings)
             report["suspended_private_mib"] = round(sum(suspended.values()) / 2**20, 1)
             report["suspended_top"] = top(suspended)
-            report["driver_checkpoint_grew"] = grown(hot_vmas, vmas(inst.pid))
+            report["driver_checkpoint_grew"] = grown(hot_mappings, suspended_mappings)
         inst.to(api.Tier.FROZEN)
         assert inst.image is not None
         report["image_mib"] = round(inst.image.size_bytes / 2**20, 1)

@@ -183,6 +183,13 @@ def test_gpu_worker_threads_block_the_wake_signal(gpu_inst: instance.Instance) -
         assert int(blocked.split()[1], 16) & bit, (task.name, blocked)
 
 
+def hot_with_reference(inst: instance.Instance, seed: int) -> tuple[dict[str, np.ndarray], np.ndarray, int]:
+    """Start the instance HOT: a batch-8 input, its answer there, and the worker's weight bytes."""
+    inst.to(Tier.HOT)
+    x = contract.sample_inputs(inst.config.inputs, batch=8, seed=seed)
+    return x, inst.infer(x)["y"], int(inst.client().call("stats").header["weights_bytes"])
+
+
 def _maps(pid: int, path: pathlib.Path) -> bool:
     return str(path) in pathlib.Path(f"/proc/{pid}/maps").read_text()
 
@@ -197,10 +204,7 @@ def test_frozen_weights_wait_outside_the_image(mlp_spec: api.ModelSpecSpec, rund
         inst = instance.Instance(f"mlp-park-{int(park)}", mlp_spec, rundir / str(park), criu_engine,
                                  cuda.DriverCheckpoint(), "cuda:0", park_weights=park)
         try:
-            inst.to(Tier.HOT)
-            x = contract.sample_inputs(inst.config.inputs, batch=8, seed=7)
-            reference = inst.infer(x)["y"]
-            weights = int(inst.client().call("stats").header["weights_bytes"])
+            x, reference, weights = hot_with_reference(inst, seed=7)
             inst.to(Tier.FROZEN)
             assert inst.image is not None
             sizes[park] = inst.image.size_bytes
@@ -241,10 +245,7 @@ def test_the_drivers_copy_waits_outside_the_image_too(mlp_spec: api.ModelSpecSpe
         inst = instance.Instance(f"mlp-driver-{int(moved)}", mlp_spec, rundir / str(moved), criu_engine,
                                  cuda.DriverCheckpoint(), "cuda:0", park_driver_copy=moved)
         try:
-            inst.to(Tier.HOT)
-            x = contract.sample_inputs(inst.config.inputs, batch=8, seed=9)
-            reference = inst.infer(x)["y"]
-            weights = int(inst.client().call("stats").header["weights_bytes"])
+            x, reference, weights = hot_with_reference(inst, seed=9)
             for lazy in (False, True, False):
                 inst.to(Tier.FROZEN)
                 sizes.setdefault(moved, image_bytes(inst))

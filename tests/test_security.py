@@ -338,7 +338,9 @@ def test_volga_up_host_warns_and_never_exposes_the_agent_api(default_spec: api.M
 
 @pytest.fixture(scope="module")
 def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[harness.UpProcess]:
-    """`volga up --token-file` serving the default model, as a user runs it."""
+    """`volga up --token-file` serving the default model, as a user runs it. (Embedded in this process, a stopped
+    token-guarded gateway stays alive until the interpreter exits: aiohttp keeps the handlers it built through a
+    middleware in a module-level cache, and tearing them down at exit printed a bare "Error in sys.excepthook".)"""
     tokens = tmp_path_factory.mktemp("tokens") / "tokens"
     tokens.write_text(TOKEN + "\n")
     with harness.volga_up(["--token-file", str(tokens)]) as up:

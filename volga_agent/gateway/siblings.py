@@ -18,6 +18,7 @@ later, SIGKILL.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import dataclasses
 import logging
@@ -38,8 +39,6 @@ GATEWAY_MAIN = (sys.executable, "-c",
 PR_SET_PDEATHSIG = 1
 READY = re.compile(r"^volga-gateway: .* metrics :(\d+)")
 FIRST_PAUSE_SEC, LAST_PAUSE_SEC, STABLE_SEC = 1.0, 30.0, 60.0
-
-
 PARENT_ENV = "VOLGA_GATEWAY_PARENT"  # the pid of process 0, in the environment of the others
 
 
@@ -102,12 +101,12 @@ class Siblings:
                                 env={**os.environ, PARENT_ENV: str(os.getpid())})
         sibling.proc, sibling.started = proc, time.monotonic()
         ready = threading.Event()
-        tail: list[str] = []
+        tail: collections.deque[str] = collections.deque(maxlen=20)
 
         def relay() -> None:  # its output, prefixed, into ours; the ready line gives its metrics port
             assert proc.stdout is not None
             for line in proc.stdout:
-                tail[:] = [*tail[-19:], line]
+                tail.append(line)
                 match = READY.match(line)
                 if match and not ready.is_set():
                     sibling.metrics_port = int(match.group(1))
@@ -121,7 +120,7 @@ class Siblings:
                 what = f"exited ({proc.returncode})" if proc.poll() is not None else "did not listen in time"
                 proc.kill()  # one that hangs is not left holding the ports; the watch starts it again
                 proc.wait()
-                raise SiblingFailed(f"gateway process {sibling.index} {what}:\n" + "".join(tail[-20:]))
+                raise SiblingFailed(f"gateway process {sibling.index} {what}:\n" + "".join(tail))
 
     def _keep(self) -> None:
         while not self._stopping.wait(0.5):

@@ -42,7 +42,7 @@ _RESIDENT = np.uint64((1 << 63) | (1 << 62))  # pagemap: present, or swapped
 
 @dataclasses.dataclass(frozen=True)
 class Mapping:
-    """One mapping of /proc/PID/smaps, with its resident bytes."""
+    """One mapping of /proc/PID/smaps, with its resident bytes, the private part of them and its VmFlags."""
 
     start: int
     end: int
@@ -50,6 +50,8 @@ class Mapping:
     path: str  # "" for anonymous memory; " (deleted)" stripped
     rss: int = 0
     deleted: bool = False
+    private_bytes: int = 0  # Private_Clean + Private_Dirty: what a CRIU image would carry of it
+    flags: str = ""
 
     @property
     def private(self) -> bool:
@@ -99,25 +101,28 @@ def mappings(pid: int | str = "self") -> list[Mapping]:
     """The process's mappings with their resident bytes (/proc/PID/smaps)."""
     out: list[Mapping] = []
     head: list[str] = []
-    rss = 0
+    fields_of: dict[str, list[str]] = {}
 
     def flush() -> None:
         if head:
             start, end = (int(x, 16) for x in head[0].split("-"))
             path = " ".join(head[5:])
-            deleted = path.endswith(" (deleted)")
-            out.append(Mapping(start, end, head[1], path.removesuffix(" (deleted)"), rss, deleted))
+            kib = {key: int(fields_of[key][0]) * 1024 for key in ("Rss:", "Private_Clean:", "Private_Dirty:")
+                   if key in fields_of}
+            out.append(Mapping(start, end, head[1], path.removesuffix(" (deleted)"), kib.get("Rss:", 0),
+                               path.endswith(" (deleted)"),
+                               kib.get("Private_Clean:", 0) + kib.get("Private_Dirty:", 0),
+                               " ".join(fields_of.get("VmFlags:", []))))
 
     for line in pathlib.Path(f"/proc/{pid}/smaps").read_text().splitlines():
         fields = line.split()
         if not fields:
             continue
         if fields[0].endswith(":"):
-            if fields[0] == "Rss:":
-                rss = int(fields[1]) * 1024
+            fields_of[fields[0]] = fields[1:]
             continue
         flush()
-        head, rss = fields, 0
+        head, fields_of = fields, {}
     flush()
     return out
 

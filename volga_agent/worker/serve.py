@@ -361,8 +361,9 @@ class Worker:
         for conn in list(self.conns):
             protocol.say_goodbye(conn)
             self.close_conn(conn)
-        parked = bool(park) and self.backend.park(park)
-        if not parked:
+        # With its weights parked, the worker maps the driver's copy from the same file once the agent names it.
+        copy_to_park = bool(park) and self.backend.park(park)
+        if not copy_to_park:
             self.backend.drop_host_copy()
         driver_done = self.signal_dir / contract.DRIVER_CHECKPOINTED
         done = self.signal_dir / contract.RESTORE_COMPLETE
@@ -373,9 +374,9 @@ class Worker:
         while not done.exists():
             signal.sigtimedwait([contract.WAKE_SIGNAL], 0.05)
             waits += 1
-            if parked and driver_done.exists():
+            if copy_to_park and driver_done.exists():
                 self._park_driver_copy(park, driver_done)
-                parked = False
+                copy_to_park = False
             if armed and waits % 20 == 0 and not contract.agent_alive(self.signal_dir / contract.AGENT):
                 # Our agent died while we waited (the dump's window): no one is left to resume us.
                 print(f"the agent named in {self.signal_dir / contract.AGENT} is gone; exiting", file=sys.stderr,
