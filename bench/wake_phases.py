@@ -4,6 +4,10 @@ FROZEN with the driver's copy of the device memory mapped from the parked file (
 and left in the image, and with the CUDA graphs kept in the image; SUSPENDED the default way (the worker drops
 its graphs and copies its weights to pinned memory before the driver's checkpoint, `TorchBackend.sleep`) and with
 graphs and weights left to the driver's checkpoint (`gpu_graphs_in_images`, `suspend_copies_weights` off).
+FROZEN from SUSPENDED too, the way idle instances go down: by default the driver gives the context back for the
+freeze and the image is the one a freeze from HOT makes; with weights not parked the image carries the pinned
+weights and the driver's copy (`park_weights` off). Those passes take a new image at every freeze, and report the
+freeze's own time (SUSPENDED -> FROZEN) as `enter_ms`; the other FROZEN passes reuse their image.
 
 On the GPU machine: OUT=/some/folder python3 bench/wake_phases.py (rows in $OUT/phases.json; WAKES=8 wakes a
 pass; KEEP_LOGS=1 keeps criu's logs of the second wake of each).
@@ -24,14 +28,17 @@ from volga_agent.worker import contract
 from volga_bench import tiers
 from volga_operator.api import Tier
 
-# (label, tier, lazy restore, variant): "default", "in_image" (the driver's copy left in the FROZEN image), "kept"
-# (graphs and weights left in the driver's checkpoint and the image)
-PASSES = [("suspended", Tier.SUSPENDED, None, "default"),
-          ("suspended_driver_copies_all", Tier.SUSPENDED, None, "kept"),
-          ("frozen_eager", Tier.FROZEN, False, "default"), ("frozen_lazy", Tier.FROZEN, True, "default"),
-          ("frozen_eager_driver_copy_in_image", Tier.FROZEN, False, "in_image"),
-          ("frozen_lazy_driver_copy_in_image", Tier.FROZEN, True, "in_image"),
-          ("frozen_lazy_graphs_kept", Tier.FROZEN, True, "kept")]
+# (label, tier, lazy restore, variant, frozen from SUSPENDED): variants "default", "in_image" (the driver's copy
+# left in the FROZEN image), "kept" (graphs and weights left in the driver's checkpoint and the image), "unparked"
+# (weights not parked)
+PASSES = [("suspended", Tier.SUSPENDED, None, "default", False),
+          ("suspended_driver_copies_all", Tier.SUSPENDED, None, "kept", False),
+          ("frozen_eager", Tier.FROZEN, False, "default", False), ("frozen_lazy", Tier.FROZEN, True, "default", False),
+          ("frozen_eager_driver_copy_in_image", Tier.FROZEN, False, "in_image", False),
+          ("frozen_lazy_driver_copy_in_image", Tier.FROZEN, True, "in_image", False),
+          ("frozen_lazy_graphs_kept", Tier.FROZEN, True, "kept", False),
+          ("frozen_lazy_from_suspended", Tier.FROZEN, True, "default", True),
+          ("frozen_lazy_from_suspended_unparked", Tier.FROZEN, True, "unparked", True)]
 WAKES = int(os.environ.get("WAKES", "8"))
 
 
@@ -43,8 +50,8 @@ def main() -> None:
     engine = criu.CriuEngine(base / "snap")
     insts = {variant: instance.Instance(f"phases-{variant}", spec, base / variant, engine, driver, "cuda:0",
                                         reuse_image_sec=float("inf"), graphs_in_images=variant == "kept",
-                                        park_driver_copy=variant != "in_image")
-             for variant in ("default", "in_image", "kept")}
+                                        park_driver_copy=variant != "in_image", park_weights=variant != "unparked")
+             for variant in ("default", "in_image", "kept", "unparked")}
     insts["kept"].config = dataclasses.replace(insts["kept"].config, suspend_copies_weights=False)
     inputs = contract.sample_inputs(insts["default"].config.inputs, batch=8, seed=1)
     rows = []
@@ -53,12 +60,15 @@ def main() -> None:
         for variant, inst in insts.items():
             inst.to(Tier.HOT)
             reference[variant] = inst.infer(inputs)["y"]
-        for label, tier, lazy, variant in PASSES:
+        for label, tier, lazy, variant, from_suspended in PASSES:
             inst = insts[variant]
+            inst.reuse_image_sec = 0.0 if from_suspended else float("inf")
             for i in range(WAKES):
                 inst.lazy_restore = lazy
+                if from_suspended:
+                    inst.to(Tier.SUSPENDED)
                 start = time.perf_counter()
-                inst.to(tier)
+                entered = inst.to(tier)
                 enter = time.perf_counter() - start
                 pid = inst.pid
                 start = time.perf_counter()
@@ -68,6 +78,7 @@ def main() -> None:
                 row = {"tier": label, "i": i, "enter_ms": enter * 1e3, "wake_ms": total * 1e3,
                        "fallback": woke.fallback, "same_answer": bool((answer == reference[variant]).all()),
                        "phases_ms": {k: v * 1e3 for k, v in woke.phases.items()},
+                       "enter_phases_ms": {k: v * 1e3 for k, v in entered.phases.items()},
                        "driver": driver.timings.get(pid, {})}
                 if tier == Tier.FROZEN and inst.image is not None:
                     row["image_bytes"] = inst.image.size_bytes

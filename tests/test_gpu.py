@@ -265,6 +265,46 @@ def test_the_drivers_copy_waits_outside_the_image_too(mlp_spec: api.ModelSpecSpe
     assert sizes[False] - sizes[True] > 0.9 * copied, (sizes, copied)
 
 
+def test_a_suspended_worker_is_frozen_into_the_small_image_too(mlp_spec: api.ModelSpecSpec, rundir: pathlib.Path,
+                                                                criu_engine: criu.CriuEngine) -> None:
+    """Frozen from SUSPENDED (the way idle instances go down), a live worker gets its context back from the driver
+    for the freeze and parks its weights and the driver's copy as one frozen from HOT does: the image is smaller
+    than the same worker's without parking by more than the weights, the worker stays asleep throughout (a request
+    sent to it straight is handed back), every wake (eager, lazy) answers the same, and a freeze of an unchanged
+    worker within `reuse_image_sec` keeps the image it has."""
+    sizes: dict[bool, int] = {}
+    weights = 0
+    for park in (False, True):
+        inst = instance.Instance(f"mlp-from-suspended-{int(park)}", mlp_spec, rundir / str(park), criu_engine,
+                                 cuda.DriverCheckpoint(), "cuda:0", park_weights=park)
+        try:
+            x, reference, weights = hot_with_reference(inst, seed=11)
+            for lazy in (False, True):
+                inst.to(Tier.SUSPENDED)
+                handed_back(inst, x, "SUSPENDED")
+                entered = inst.to(Tier.FROZEN)
+                assert entered.target == Tier.FROZEN and not entered.detail, entered
+                sizes.setdefault(park, image_bytes(inst))
+                if park:
+                    assert "driver" in entered.phases, entered
+                    assert "error" not in inst.driver_copy, inst.driver_copy
+                    assert inst.parked_bytes >= weights + int(inst.driver_copy["bytes"])  # type: ignore[call-overload]
+                else:
+                    assert inst.parked_bytes == 0 and "driver" not in entered.phases
+                inst.lazy_restore = lazy
+                woke = inst.wake()
+                assert not woke.fallback, woke.detail
+                assert np.array_equal(inst.infer(x)["y"], reference)
+            inst.reuse_image_sec = float("inf")
+            inst.to(Tier.SUSPENDED)
+            assert inst.to(Tier.FROZEN).detail == "image reused"
+            inst.wake()
+            assert np.array_equal(inst.infer(x)["y"], reference)
+        finally:
+            inst.close()
+    assert sizes[False] - sizes[True] > weights + 64 * 2**20, (sizes, weights)
+
+
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_precision_casts_the_weights_and_keeps_the_declared_dtypes(mlp_spec: api.ModelSpecSpec, precision: str,
                                                                    rundir: pathlib.Path,

@@ -583,6 +583,11 @@ class Instance:
         self._await_pages()
         generation = self._generation()
         self._record_canary(generation)
+        return self._freeze(generation)
+
+    def _freeze(self, generation: int) -> str | None:
+        """Dump the worker, which the driver has not checkpointed (HOT, or asleep with its context restored for
+        the freeze), parking its GPU weights and then the driver's copy outside the image where it can."""
         reuse = self._reusable(generation)
         park = self._park_path(generation) if self._parks and not reuse else None
         self._pause(park)  # requests that gateways just sent are handed back unrun, not reset
@@ -596,7 +601,7 @@ class Instance:
             try:
                 self.driver.suspend(self.pid)
             except cuda.DriverCheckpointError:
-                self._resume_worker(self.pid)  # still HOT: the paused worker must serve again
+                self._resume_worker(self.pid)  # the paused worker must serve again
                 if parked is not None:
                     parked.unlink(missing_ok=True)
                 raise
@@ -681,15 +686,67 @@ class Instance:
         """The size of the weights the current image maps from outside itself (0 when none)."""
         return self._parked.stat().st_size if self._parked is not None and self._parked.exists() else 0
 
-    def _suspended_to_frozen(self) -> None:
+    def _suspended_to_frozen(self) -> str | None:
+        """A worker restored into SUSPENDED is dumped as it is: it still maps the parked file its image had. A
+        live SUSPENDED worker holds its weights (pinned, or in the driver's copy) and the driver's copy in its
+        own memory, which an image would carry page by page and a restore fault back at the page-fault rate:
+        where weights are parked, the driver gives its context back for the freeze (`_driver_resumed_for_freeze`)
+        and the worker, still asleep, is frozen the way a HOT one is, into the same small image."""
         self._await_pages()
         generation = self._generation()
-        restored = self._paused  # a worker restored into SUSPENDED still maps the weights its image parked
+        if self._paused:
+            self._dump(generation)
+            self._publish(generation, self._parked)
+            return None
+        if self._reusable(generation):
+            self._pause()
+            self._kill()
+            return "image reused"
+        if self._parks and self._driver_resumed_for_freeze():
+            try:
+                return self._freeze(generation)
+            except BaseException:
+                self._suspend_again()
+                raise
         self._pause()
         self._dump(generation)
-        self._publish(generation, self._parked if restored else None)
-        if not restored:
-            self._drop_parked()
+        self._publish(generation, None)
+        self._drop_parked()
+        return None
+
+    def _driver_resumed_for_freeze(self) -> bool:
+        """Restore the SUSPENDED worker's GPU state (its context; the weights, which it copied to pinned memory
+        before the checkpoint, stay there unless `suspend_copies_weights` is off). False, and the image carries
+        it all, when the driver cannot and the process is still checkpointed; a process in any other state is not
+        trusted any more (COLD)."""
+        assert self.driver is not None and self.pid is not None
+        try:
+            with self._phase("driver"):
+                self.driver.resume(self.pid)
+            return True
+        except cuda.DriverCheckpointError as exc:
+            try:
+                state = self.driver.state(self.pid)
+            except cuda.DriverCheckpointError:
+                state = None
+            if state is not cuda.ProcessState.CHECKPOINTED:
+                self._gone_cold(f"the driver's restore before the freeze failed ({exc}); the process is {state}")
+                raise
+            log.warning("%s: the image carries the weights and the driver's copy: %s", self.name, exc)
+            return False
+
+    def _suspend_again(self) -> None:
+        """After a freeze from SUSPENDED that failed once the driver had restored the worker: the worker,
+        asleep and serving again, goes back to the driver's checkpoint (or COLD where it cannot)."""
+        if self.pid is None or self.tier != Tier.SUSPENDED:
+            return  # the failure already took the worker (COLD)
+        assert self.driver is not None
+        try:
+            self.client().call("sleep", tier=Tier.SUSPENDED.value)
+            self.disconnect()
+            self.driver.suspend(self.pid)
+        except (OSError, protocol.ProtocolError, protocol.WorkerError, cuda.DriverCheckpointError) as exc:
+            self._gone_cold(f"back to SUSPENDED after a failed freeze: {exc}")
 
     def _restore(self, lazy: bool | None) -> int:
         if self.image is None or self.criu is None:
