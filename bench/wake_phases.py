@@ -6,11 +6,13 @@ its graphs and copies its weights to pinned memory before the driver's checkpoin
 graphs and weights left to the driver's checkpoint (`gpu_graphs_in_images`, `suspend_copies_weights` off).
 FROZEN from SUSPENDED too, the way idle instances go down: by default the driver gives the context back for the
 freeze and the image is the one a freeze from HOT makes; with weights not parked the image carries the pinned
-weights and the driver's copy (`park_weights` off). Those passes take a new image at every freeze, and report the
-freeze's own time (SUSPENDED -> FROZEN) as `enter_ms`; the other FROZEN passes reuse their image.
+weights and the driver's copy (`park_weights` off), and is restored eagerly (a lazy restore of a worker that held
+pinned memory at the driver's checkpoint fails in the driver's restore); with `suspend_copies_weights` off as well
+the worker holds no pinned memory, and the image is restored lazily. Those passes take a new image at every freeze,
+and report the freeze's own time (SUSPENDED -> FROZEN) as `enter_ms`; the other FROZEN passes reuse their image.
 
 On the GPU machine: OUT=/some/folder python3 bench/wake_phases.py (rows in $OUT/phases.json; WAKES=8 wakes a
-pass; KEEP_LOGS=1 keeps criu's logs of the second wake of each).
+pass; ONLY=text runs only the passes whose label holds it; KEEP_LOGS=1 keeps criu's logs of the second wake of each).
 """
 
 import dataclasses
@@ -30,7 +32,7 @@ from volga_operator.api import Tier
 
 # (label, tier, lazy restore, variant, frozen from SUSPENDED): variants "default", "in_image" (the driver's copy
 # left in the FROZEN image), "kept" (graphs and weights left in the driver's checkpoint and the image), "unparked"
-# (weights not parked)
+# (weights not parked), "unpinned" (weights not parked, nor copied to pinned memory before the driver's checkpoint)
 PASSES = [("suspended", Tier.SUSPENDED, None, "default", False),
           ("suspended_driver_copies_all", Tier.SUSPENDED, None, "kept", False),
           ("frozen_eager", Tier.FROZEN, False, "default", False), ("frozen_lazy", Tier.FROZEN, True, "default", False),
@@ -38,7 +40,9 @@ PASSES = [("suspended", Tier.SUSPENDED, None, "default", False),
           ("frozen_lazy_driver_copy_in_image", Tier.FROZEN, True, "in_image", False),
           ("frozen_lazy_graphs_kept", Tier.FROZEN, True, "kept", False),
           ("frozen_lazy_from_suspended", Tier.FROZEN, True, "default", True),
-          ("frozen_lazy_from_suspended_unparked", Tier.FROZEN, True, "unparked", True)]
+          ("frozen_lazy_from_suspended_unparked", Tier.FROZEN, True, "unparked", True),
+          ("frozen_lazy_from_suspended_unpinned", Tier.FROZEN, True, "unpinned", True)]
+PASSES = [p for p in PASSES if os.environ.get("ONLY", "") in p[0]]
 WAKES = int(os.environ.get("WAKES", "8"))
 
 
@@ -50,9 +54,11 @@ def main() -> None:
     engine = criu.CriuEngine(base / "snap")
     insts = {variant: instance.Instance(f"phases-{variant}", spec, base / variant, engine, driver, "cuda:0",
                                         reuse_image_sec=float("inf"), graphs_in_images=variant == "kept",
-                                        park_driver_copy=variant != "in_image", park_weights=variant != "unparked")
-             for variant in ("default", "in_image", "kept", "unparked")}
-    insts["kept"].config = dataclasses.replace(insts["kept"].config, suspend_copies_weights=False)
+                                        park_driver_copy=variant != "in_image",
+                                        park_weights=variant not in ("unparked", "unpinned"))
+             for variant in ("default", "in_image", "kept", "unparked", "unpinned")}
+    for variant in ("kept", "unpinned"):
+        insts[variant].config = dataclasses.replace(insts[variant].config, suspend_copies_weights=False)
     inputs = contract.sample_inputs(insts["default"].config.inputs, batch=8, seed=1)
     rows = []
     try:
@@ -70,13 +76,15 @@ def main() -> None:
                 start = time.perf_counter()
                 entered = inst.to(tier)
                 enter = time.perf_counter() - start
-                pid = inst.pid
+                pid, lazy_failures = inst.pid, inst.lazy_restore_failures
                 start = time.perf_counter()
                 woke = inst.wake()
                 answer = inst.infer(inputs)["y"]
                 total = time.perf_counter() - start
                 row = {"tier": label, "i": i, "enter_ms": enter * 1e3, "wake_ms": total * 1e3,
-                       "fallback": woke.fallback, "same_answer": bool((answer == reference[variant]).all()),
+                       "fallback": woke.fallback, "lazy_failed": inst.lazy_restore_failures > lazy_failures,
+                       "restored_lazily": bool(lazy) and not inst.image_restores_eagerly,
+                       "same_answer": bool((answer == reference[variant]).all()),
                        "phases_ms": {k: v * 1e3 for k, v in woke.phases.items()},
                        "enter_phases_ms": {k: v * 1e3 for k, v in entered.phases.items()},
                        "driver": driver.timings.get(pid, {})}
@@ -107,6 +115,7 @@ def main() -> None:
                           "phases_p50_ms": {k: round(statistics.median(r["phases_ms"].get(k, 0) for r in mine), 1)
                                             for k in mine[-1]["phases_ms"]},
                           "fallbacks": sum(r["fallback"] for r in mine),
+                          "lazy_failures": sum(r["lazy_failed"] for r in mine),
                           "different_answers": sum(not r["same_answer"] for r in mine)}), flush=True)
 
 

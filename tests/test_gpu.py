@@ -270,7 +270,8 @@ def test_a_suspended_worker_is_frozen_into_the_small_image_too(mlp_spec: api.Mod
     """Frozen from SUSPENDED (the way idle instances go down), a live worker gets its context back from the driver
     for the freeze and parks its weights and the driver's copy as one frozen from HOT does: the image is smaller
     than the same worker's without parking by more than the weights, the worker stays asleep throughout (a request
-    sent to it straight is handed back), every wake (eager, lazy) answers the same, and a freeze of an unchanged
+    sent to it straight is handed back), every wake (eager, lazy) answers the same with no lazy restore failing (the
+    unparked image, taken while the worker held pinned memory, is restored eagerly), and a freeze of an unchanged
     worker within `reuse_image_sec` keeps the image it has."""
     sizes: dict[bool, int] = {}
     weights = 0
@@ -291,9 +292,12 @@ def test_a_suspended_worker_is_frozen_into_the_small_image_too(mlp_spec: api.Mod
                     assert inst.parked_bytes >= weights + int(inst.driver_copy["bytes"])  # type: ignore[call-overload]
                 else:
                     assert inst.parked_bytes == 0 and "driver" not in entered.phases
+                # Unparked, the worker held its weights in pinned memory at the driver's checkpoint: restored eagerly.
+                assert inst.image_restores_eagerly is not park
                 inst.lazy_restore = lazy
                 woke = inst.wake()
                 assert not woke.fallback, woke.detail
+                assert inst.lazy_restore_failures == 0, woke.detail
                 assert np.array_equal(inst.infer(x)["y"], reference)
             inst.reuse_image_sec = float("inf")
             inst.to(Tier.SUSPENDED)

@@ -184,6 +184,11 @@ class Instance:
         self._image_generation = -1
         self._snapshot_generation = -1  # the worker state last snapshotted, by CRIU or the driver
         self._image_taken = 0.0
+        # Pinned host memory the worker held when the driver last checkpointed it (its reply to `sleep`), and
+        # whether the current image holds such a worker: the driver's restore of one fails on pages still to come
+        # through CRIU's lazy pages, so that image is restored eagerly (`_restore`).
+        self._pinned_at_suspend = 0
+        self._image_eager_only = False
         self.history: list[Transition] = []
         self.restore_failures = 0
         self.lazy_restore_failures = 0  # lazy restores that failed and were served by an eager one
@@ -468,6 +473,11 @@ class Instance:
         self._drop_parked()
 
     @property
+    def image_restores_eagerly(self) -> bool:
+        """Whether the current image is restored eagerly whatever `lazy_restore` says (see `_pinned_at_suspend`)."""
+        return self._image_eager_only
+
+    @property
     def verifies_restores(self) -> bool:
         """Whether restores of this instance are checked against a recorded canary answer."""
         return self._canary is not None
@@ -490,13 +500,18 @@ class Instance:
         self._record_canary(self._snapshot_generation)
         # Requests that reach the worker directly (gateways) are handed back from now on instead of blocking
         # on the driver's lock; the gateway then asks for a wake.
-        self.client().call("sleep", tier=Tier.SUSPENDED.value)
-        self.disconnect()
+        self._sleep()
         try:
             self.driver.suspend(self.pid)
         except cuda.DriverCheckpointError:
             self.client().call("wake")  # still HOT
             raise
+
+    def _sleep(self) -> None:
+        """Tell the worker it is going into the driver's checkpoint (it makes what the driver copies smaller)."""
+        reply = self.client().call("sleep", tier=Tier.SUSPENDED.value).header
+        self._pinned_at_suspend = int(reply.get("pinned_bytes") or 0)
+        self.disconnect()
 
     def _suspended_to_hot(self) -> None:
         assert self.driver is not None and self.pid is not None
@@ -524,7 +539,8 @@ class Instance:
         ready = self.signals / contract.READY_FOR_CHECKPOINT
         self._wait_for(self.pid, ready.exists, "ready for checkpoint", 30.0)
 
-    def _dump(self, generation: int, gpu_checkpointed: bool = False, parked: pathlib.Path | None = None) -> None:
+    def _dump(self, generation: int, gpu_checkpointed: bool = False, parked: pathlib.Path | None = None,
+              eager_only: bool = False) -> None:
         assert self.criu is not None  # to() refuses FROZEN without CRIU
         assert self.pid is not None
         old = self.image
@@ -546,6 +562,7 @@ class Instance:
         if parked is not None:
             self._drop_parked(keep=parked)
         self._image_generation, self._image_taken = generation, time.monotonic()
+        self._image_eager_only = eager_only
         self._snapshot_generation = generation
         process.reap(self.pid)
         self.pid = None
@@ -695,7 +712,7 @@ class Instance:
         self._await_pages()
         generation = self._generation()
         if self._paused:
-            self._dump(generation)
+            self._dump(generation, eager_only=self._image_eager_only)
             self._publish(generation, self._parked)
             return None
         if self._reusable(generation):
@@ -709,7 +726,9 @@ class Instance:
                 self._suspend_again()
                 raise
         self._pause()
-        self._dump(generation)
+        # Restored lazily, a worker that held pinned memory at the driver's checkpoint failed the driver's restore
+        # (CUDA_ERROR_INVALID_VALUE, every time on an H200), and one restored eagerly did not.
+        self._dump(generation, eager_only=self.gpu and self._pinned_at_suspend > 0)
         self._publish(generation, None)
         self._drop_parked()
         return None
@@ -742,8 +761,7 @@ class Instance:
             return  # the failure already took the worker (COLD)
         assert self.driver is not None
         try:
-            self.client().call("sleep", tier=Tier.SUSPENDED.value)
-            self.disconnect()
+            self._sleep()
             self.driver.suspend(self.pid)
         except (OSError, protocol.ProtocolError, protocol.WorkerError, cuda.DriverCheckpointError) as exc:
             self._gone_cold(f"back to SUSPENDED after a failed freeze: {exc}")
@@ -755,7 +773,8 @@ class Instance:
         (self.signals / contract.RESTORE_COMPLETE).unlink(missing_ok=True)
         self._announce()
         with self._phase("restore"):
-            restored = self.criu.restore(self.image, lazy=self.lazy_restore if lazy is None else lazy)
+            lazy = (self.lazy_restore if lazy is None else lazy) and not self._image_eager_only
+            restored = self.criu.restore(self.image, lazy=lazy)
         self.pid, self._restored = restored.pid, restored
         priority.normalise(restored.pid)  # the image kept its threads' nice: it may have been taken while yielding
         throttle.resume(restored.pid)  # an image of a stopped worker would restore it stopped

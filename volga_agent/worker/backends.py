@@ -350,6 +350,7 @@ class TorchBackend(Backend):
         if not self.config.graphs_in_images:
             self._release_graphs()
         self.torch.cuda.empty_cache()  # cached blocks would go into the driver's checkpoint too
+        out["pinned_bytes"] = self.nbytes if self._host_buffer is not None else 0
         return out
 
     def awake(self) -> None:
