@@ -272,7 +272,8 @@ def test_a_suspended_worker_is_frozen_into_the_small_image_too(mlp_spec: api.Mod
     than the same worker's without parking by more than the weights, the worker stays asleep throughout (a request
     sent to it straight is handed back), every wake (eager, lazy) answers the same with no lazy restore failing (the
     unparked image, taken while the worker held pinned memory, is restored eagerly), and a freeze of an unchanged
-    worker within `reuse_image_sec` keeps the image it has."""
+    worker within `reuse_image_sec` keeps the image it has (also one restored into SUSPENDED, which is otherwise
+    dumped as it is)."""
     sizes: dict[bool, int] = {}
     weights = 0
     for park in (False, True):
@@ -302,7 +303,12 @@ def test_a_suspended_worker_is_frozen_into_the_small_image_too(mlp_spec: api.Mod
             inst.reuse_image_sec = float("inf")
             inst.to(Tier.SUSPENDED)
             assert inst.to(Tier.FROZEN).detail == "image reused"
-            inst.wake()
+            inst.to(Tier.SUSPENDED)  # restored into SUSPENDED and still paused: in the state of its image
+            assert inst.to(Tier.FROZEN).detail == "image reused"
+            inst.reuse_image_sec = 0.0
+            inst.to(Tier.SUSPENDED)
+            assert not inst.to(Tier.FROZEN).detail  # dumped as it is
+            assert not inst.wake().fallback
             assert np.array_equal(inst.infer(x)["y"], reference)
         finally:
             inst.close()

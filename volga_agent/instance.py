@@ -571,7 +571,10 @@ class Instance:
             self.criu.remove(old)
 
     def _generation(self) -> int:
-        return -1 if self._paused else int(self.client().call("ping").header.get("generation", 0))
+        """The worker's weights generation; a worker still paused since its restore has the one of its image."""
+        if self._paused:
+            return self._snapshot_generation
+        return int(self.client().call("ping").header.get("generation", 0))
 
     def _reusable(self, generation: int) -> bool:
         return (self.image is not None and generation == self._image_generation
@@ -711,14 +714,14 @@ class Instance:
         and the worker, still asleep, is frozen the way a HOT one is, into the same small image."""
         self._await_pages()
         generation = self._generation()
-        if self._paused:
-            self._dump(generation, eager_only=self._image_eager_only)
-            self._publish(generation, self._parked)
-            return None
         if self._reusable(generation):
             self._pause()
             self._kill()
             return "image reused"
+        if self._paused:
+            self._dump(generation, eager_only=self._image_eager_only)
+            self._publish(generation, self._parked)
+            return None
         if self._parks and self._driver_resumed_for_freeze():
             try:
                 return self._freeze(generation)
