@@ -233,6 +233,15 @@ def test_frozen_weights_wait_outside_the_image(mlp_spec: api.ModelSpecSpec, rund
     assert sizes[False] - sizes[True] > 0.9 * weights, sizes
 
 
+def driver_copy_parked(inst: instance.Instance, weights: int) -> int:
+    """The bytes of the driver's copy that the last freeze moved into the parked file, after the weights."""
+    assert "error" not in inst.driver_copy, inst.driver_copy
+    copied = int(inst.driver_copy["bytes"])  # type: ignore[call-overload]
+    assert copied > 64 * 2**20, inst.driver_copy
+    assert inst.parked_bytes >= weights + copied
+    return copied
+
+
 def test_the_drivers_copy_waits_outside_the_image_too(mlp_spec: api.ModelSpecSpec, rundir: pathlib.Path,
                                                       criu_engine: criu.CriuEngine) -> None:
     """Frozen from HOT, the worker also maps the driver's copy of its device memory from its parked file
@@ -250,10 +259,7 @@ def test_the_drivers_copy_waits_outside_the_image_too(mlp_spec: api.ModelSpecSpe
                 inst.to(Tier.FROZEN)
                 sizes.setdefault(moved, image_bytes(inst))
                 if moved:
-                    assert "error" not in inst.driver_copy, inst.driver_copy
-                    copied = int(inst.driver_copy["bytes"])  # type: ignore[call-overload]
-                    assert copied > 64 * 2**20, inst.driver_copy
-                    assert inst.parked_bytes >= weights + copied
+                    copied = driver_copy_parked(inst, weights)
                 else:
                     assert inst.driver_copy == {}
                 inst.lazy_restore = lazy
@@ -289,8 +295,7 @@ def test_a_suspended_worker_is_frozen_into_the_small_image_too(mlp_spec: api.Mod
                 sizes.setdefault(park, image_bytes(inst))
                 if park:
                     assert "driver" in entered.phases, entered
-                    assert "error" not in inst.driver_copy, inst.driver_copy
-                    assert inst.parked_bytes >= weights + int(inst.driver_copy["bytes"])  # type: ignore[call-overload]
+                    driver_copy_parked(inst, weights)
                 else:
                     assert inst.parked_bytes == 0 and "driver" not in entered.phases
                 # Unparked, the worker held its weights in pinned memory at the driver's checkpoint: restored eagerly.
