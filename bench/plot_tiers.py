@@ -11,7 +11,7 @@ import json
 import pathlib
 from typing import Any
 
-TIERS = ("warm", "suspended", "frozen", "cold")
+TIERS = ("warm", "suspended", "frozen_lazy", "frozen", "cold")  # FROZEN lazy where measured (`--lazy`)
 GIB = 2**30
 
 
@@ -41,17 +41,23 @@ def load(paths: list[str]) -> tuple[list[tuple[float, dict[str, Any]]], dict[str
     return sorted(points, key=lambda p: p[0]), limits, burst
 
 
+def measured(points: list[tuple[float, dict[str, Any]]]) -> list[str]:
+    """The tiers of TIERS that every size was measured in."""
+    return [tier for tier in TIERS if all(tier in size["tiers"] for _, size in points)]
+
+
 def table(points: list[tuple[float, dict[str, Any]]]) -> str:
     rows = ["| weights | pinned copy limit (that run) | tier | p50 ms | p99 ms | n | p99 / copy limit "
             "| vs cold p50 |",
             "|---|---|---|---|---|---|---|---|"]
     for gib, size in points:
         cold = size["tiers"]["cold"]["p50_ms"]
-        for tier in TIERS:
+        for tier in measured(points):
             r = size["tiers"][tier]
             pinned = size["limits_of"][tier].get("pinned_h2d_gbps", 0.0)
             limit_ms = gib * GIB / (pinned * 1e9) * 1e3 if pinned else float("nan")
-            rows.append(f"| {gib:.2f} GiB | {limit_ms:.1f} ms ({pinned:g} GB/s) | {tier.upper()} "
+            name = tier.upper().replace("_", " ")
+            rows.append(f"| {gib:.2f} GiB | {limit_ms:.1f} ms ({pinned:g} GB/s) | {name} "
                         f"| {r['p50_ms']:.1f} | {r['p99_ms']:.1f} "
                         f"| {r['n']} | {r['p99_ms'] / limit_ms:.1f}x | {cold / r['p50_ms']:.1f}x |")
     return "\n".join(rows)
@@ -66,10 +72,12 @@ def plot(points: list[tuple[float, dict[str, Any]]], limits: dict[str, float], o
 
     sizes = [gib for gib, _ in points]
     fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
-    for tier, marker in zip(TIERS, "osD^", strict=True):
+    for tier, marker in zip(TIERS, "osvD^", strict=True):
+        if tier not in measured(points):
+            continue
         p50 = [s["tiers"][tier]["p50_ms"] for _, s in points]
         p99 = [s["tiers"][tier]["p99_ms"] for _, s in points]
-        ax.plot(sizes, p50, marker=marker, label=f"{tier.upper()} p50")
+        ax.plot(sizes, p50, marker=marker, label=f"{tier.upper().replace('_', ' ')} p50")
         ax.fill_between(sizes, p50, p99, alpha=0.15)
     for kind, style in (("pinned", "k--"), ("pageable", "k:")):
         rate = limits.get(f"{kind}_h2d_gbps")
