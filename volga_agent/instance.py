@@ -293,7 +293,7 @@ class Instance:
             if not move.wake:
                 raise
             self._keep_failure()
-            if source == Tier.FROZEN and self.lazy_restore:
+            if source == Tier.FROZEN and self.lazy_restore and not self._image_eager_only:
                 eager = self._eager_retry(target, exc)
                 if eager is not None:
                     return self._record(source, target, start, detail=eager)

@@ -95,7 +95,7 @@ class Settings(pydantic.BaseModel):
     snapshot_disk_budget_bytes: Bytes = 0
     # Restore FROZEN images with CRIU lazy pages (userfaultfd): the process runs before its memory is read.
     # None (the default): lazily on GPU workers, whose images are large and whose first request touches little
-    # of them (0.13 GiB MLP on an H200: 383 / 428 ms p50 / p99 against 596 / 659 eager); eagerly on the CPU,
+    # of them (0.13 GiB MLP on an H200: 334 / 365 ms p50 / p99 against 492 / 545 eager); eagerly on the CPU,
     # where the first request touches most pages and lazy pages do not pay.
     lazy_restore: bool | None = None
     # Before a restored instance answers, it answers a fixed canary input, compared with the answer recorded
