@@ -52,7 +52,8 @@ test-fast: $(VENV)/.installed
 
 # On the GPU machine: the gpu-marked tests (torch, the driver checkpoint API, CRIU).
 test-gpu:
-	python3 -m pytest -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_gpus.py $(PYTEST_ARGS)
+	python3 -m pytest -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_gpus.py tests/test_shared_snapshots_gpu.py \
+	  tests/test_endtoend.py tests/test_examples_gpu.py $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .
