@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import ctypes
 import os
 import pathlib
 import shutil
-import signal
 import socket
 import ssl
 import subprocess
@@ -114,10 +112,12 @@ def eventually(check: Callable[[], T], timeout: float = 20.0, what: str = "condi
         time.sleep(0.2)
 
 
-def _die_with_parent() -> None:
-    # Runs in the child before exec: a killed pytest must not leave etcd or kube-apiserver behind.
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+def _dying_with_parent(args: list[str]) -> list[str]:
+    """`args` run through `setpriv --pdeathsig KILL` where it is installed: a killed pytest must not leave etcd or
+    kube-apiserver behind. Not a `preexec_fn`: Python code between fork and exec can deadlock in a process with
+    other threads (gRPC's, the kubernetes client's), and did, hanging a Popen for good."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "KILL", *args] if setpriv else args
 
 
 def _tail(path: pathlib.Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -385,14 +385,13 @@ class ControlPlane:
             out.write(f"\n=== {time.strftime('%H:%M:%S')} {' '.join(args)}\n".encode())
             out.flush()
             return subprocess.Popen(
-                args,
+                _dying_with_parent(args),
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 cwd=self.root,
                 # Own session: a Ctrl-C meant for pytest does not kill the servers before the fixture stops them.
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
             )
 
     def _wait(self, name: str, proc: subprocess.Popen[bytes], ready: Callable[[], tuple[bool, str]]) -> None:
