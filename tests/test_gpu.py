@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -32,10 +33,16 @@ def mlp_spec(tmp_path_factory: pytest.TempPathFactory) -> api.ModelSpecSpec:
     return tiers.build_torch_mlp(tmp_path_factory.mktemp("m") / "model.pt", 0.25)
 
 
+def on_gpu(name: str, spec: api.ModelSpecSpec, folder: pathlib.Path, engine: criu.CriuEngine,
+           **options: Any) -> instance.Instance:
+    """An instance of `spec` on cuda:0, with the driver's checkpoint API, in `folder`."""
+    return instance.Instance(name, spec, folder, engine, cuda.DriverCheckpoint(), "cuda:0", **options)
+
+
 @pytest.fixture
 def gpu_inst(mlp_spec: api.ModelSpecSpec, rundir: pathlib.Path,
              criu_engine: criu.CriuEngine) -> Iterator[instance.Instance]:
-    inst = instance.Instance("mlp", mlp_spec, rundir, criu_engine, cuda.DriverCheckpoint(), "cuda:0")
+    inst = on_gpu("mlp", mlp_spec, rundir, criu_engine)
     inst.to(Tier.HOT)
     yield inst
     inst.close()
@@ -201,8 +208,7 @@ def test_frozen_weights_wait_outside_the_image(mlp_spec: api.ModelSpecSpec, rund
     SUSPENDED) are the same, the woken worker no longer maps the file, and the file goes with the instance."""
     sizes = {}
     for park in (False, True):
-        inst = instance.Instance(f"mlp-park-{int(park)}", mlp_spec, rundir / str(park), criu_engine,
-                                 cuda.DriverCheckpoint(), "cuda:0", park_weights=park)
+        inst = on_gpu(f"mlp-park-{int(park)}", mlp_spec, rundir / str(park), criu_engine, park_weights=park)
         try:
             x, reference, weights = hot_with_reference(inst, seed=7)
             inst.to(Tier.FROZEN)
@@ -251,8 +257,8 @@ def test_the_drivers_copy_waits_outside_the_image_too(mlp_spec: api.ModelSpecSpe
     sizes: dict[bool, int] = {}
     copied = 0
     for moved in (False, True):
-        inst = instance.Instance(f"mlp-driver-{int(moved)}", mlp_spec, rundir / str(moved), criu_engine,
-                                 cuda.DriverCheckpoint(), "cuda:0", park_driver_copy=moved)
+        inst = on_gpu(f"mlp-driver-{int(moved)}", mlp_spec, rundir / str(moved), criu_engine,
+                      park_driver_copy=moved)
         try:
             x, reference, weights = hot_with_reference(inst, seed=9)
             for lazy in (False, True, False):
@@ -283,8 +289,8 @@ def test_a_suspended_worker_is_frozen_into_the_small_image_too(mlp_spec: api.Mod
     sizes: dict[bool, int] = {}
     weights = 0
     for park in (False, True):
-        inst = instance.Instance(f"mlp-from-suspended-{int(park)}", mlp_spec, rundir / str(park), criu_engine,
-                                 cuda.DriverCheckpoint(), "cuda:0", park_weights=park)
+        inst = on_gpu(f"mlp-from-suspended-{int(park)}", mlp_spec, rundir / str(park), criu_engine,
+                      park_weights=park)
         try:
             x, reference, weights = hot_with_reference(inst, seed=11)
             for lazy in (False, True):
@@ -299,7 +305,7 @@ def test_a_suspended_worker_is_frozen_into_the_small_image_too(mlp_spec: api.Mod
                 else:
                     assert inst.parked_bytes == 0 and "driver" not in entered.phases
                 # Unparked, the worker held its weights in pinned memory at the driver's checkpoint: restored eagerly.
-                assert inst.image_restores_eagerly is not park
+                assert inst.image is not None and inst.image.lazy_restorable is park
                 inst.lazy_restore = lazy
                 woke = inst.wake()
                 assert not woke.fallback, woke.detail
@@ -328,9 +334,8 @@ def test_precision_casts_the_weights_and_keeps_the_declared_dtypes(mlp_spec: api
     and the same answer after a FROZEN wake."""
     half = mlp_spec.model_copy(update={"hardware": mlp_spec.hardware.model_copy(
         update={"precision": api.Precision(precision)})})
-    full = instance.Instance("mlp-fp32", mlp_spec, rundir / "fp32", criu_engine, cuda.DriverCheckpoint(), "cuda:0")
-    inst = instance.Instance(f"mlp-{precision}", half, rundir / precision, criu_engine, cuda.DriverCheckpoint(),
-                             "cuda:0")
+    full = on_gpu("mlp-fp32", mlp_spec, rundir / "fp32", criu_engine)
+    inst = on_gpu(f"mlp-{precision}", half, rundir / precision, criu_engine)
     try:
         full.to(Tier.HOT)
         inst.to(Tier.HOT)
@@ -358,8 +363,7 @@ def test_a_small_cuda_stack_floor_shrinks_images_and_keeps_the_answers(mlp_spec:
     sizes, answers = {}, {}
     x = contract.sample_inputs(instance.decls(mlp_spec.inputs), batch=8, seed=5)
     for stack in (0, contract.DEFAULT_CUDA_STACK_BYTES):
-        inst = instance.Instance(f"mlp-stack-{stack}", mlp_spec, rundir / str(stack), criu_engine,
-                                 cuda.DriverCheckpoint(), "cuda:0", cuda_stack_bytes=stack)
+        inst = on_gpu(f"mlp-stack-{stack}", mlp_spec, rundir / str(stack), criu_engine, cuda_stack_bytes=stack)
         try:
             inst.to(Tier.HOT)
             answers[stack] = inst.infer(x)["y"]
@@ -386,8 +390,7 @@ def wakes_with_graphs_kept_and_dropped(spec: api.ModelSpecSpec, rundir: pathlib.
     measured, answers = {}, {}
     x = contract.sample_inputs(instance.decls(spec.inputs), batch=8, seed=6)
     for kept in (True, False):
-        inst = instance.Instance(f"mlp-graphs-{kept}", spec, rundir / str(kept), engine, cuda.DriverCheckpoint(),
-                                 "cuda:0", graphs_in_images=kept)
+        inst = on_gpu(f"mlp-graphs-{kept}", spec, rundir / str(kept), engine, graphs_in_images=kept)
         inst.config = dataclasses.replace(inst.config, suspend_copies_weights=copy_weights and not kept)
         try:
             inst.to(Tier.HOT)

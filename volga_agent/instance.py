@@ -184,11 +184,10 @@ class Instance:
         self._image_generation = -1
         self._snapshot_generation = -1  # the worker state last snapshotted, by CRIU or the driver
         self._image_taken = 0.0
-        # Pinned host memory the worker held when the driver last checkpointed it (its reply to `sleep`), and
-        # whether the current image holds such a worker: the driver's restore of one fails on pages still to come
-        # through CRIU's lazy pages, so that image is restored eagerly (`_restore`).
+        # Pinned host memory the worker held when the driver last checkpointed it (its reply to `sleep`): the
+        # driver's restore of such a worker fails on pages still to come through CRIU's lazy pages, so an image of
+        # it is restored eagerly (`criu.Image.lazy_restorable`).
         self._pinned_at_suspend = 0
-        self._image_eager_only = False
         self.history: list[Transition] = []
         self.restore_failures = 0
         self.lazy_restore_failures = 0  # lazy restores that failed and were served by an eager one
@@ -293,7 +292,7 @@ class Instance:
             if not move.wake:
                 raise
             self._keep_failure()
-            if source == Tier.FROZEN and self.lazy_restore and not self._image_eager_only:
+            if source == Tier.FROZEN and self.lazy_restore and self.image is not None and self.image.lazy_restorable:
                 eager = self._eager_retry(target, exc)
                 if eager is not None:
                     return self._record(source, target, start, detail=eager)
@@ -473,11 +472,6 @@ class Instance:
         self._drop_parked()
 
     @property
-    def image_restores_eagerly(self) -> bool:
-        """Whether the current image is restored eagerly whatever `lazy_restore` says (see `_pinned_at_suspend`)."""
-        return self._image_eager_only
-
-    @property
     def verifies_restores(self) -> bool:
         """Whether restores of this instance are checked against a recorded canary answer."""
         return self._canary is not None
@@ -540,7 +534,7 @@ class Instance:
         self._wait_for(self.pid, ready.exists, "ready for checkpoint", 30.0)
 
     def _dump(self, generation: int, gpu_checkpointed: bool = False, parked: pathlib.Path | None = None,
-              eager_only: bool = False) -> None:
+              lazy_restorable: bool = True) -> None:
         assert self.criu is not None  # to() refuses FROZEN without CRIU
         assert self.pid is not None
         old = self.image
@@ -562,7 +556,8 @@ class Instance:
         if parked is not None:
             self._drop_parked(keep=parked)
         self._image_generation, self._image_taken = generation, time.monotonic()
-        self._image_eager_only = eager_only
+        if not lazy_restorable:
+            self.image = dataclasses.replace(self.image, lazy_restorable=False)
         self._snapshot_generation = generation
         process.reap(self.pid)
         self.pid = None
@@ -719,7 +714,8 @@ class Instance:
             self._kill()
             return "image reused"
         if self._paused:
-            self._dump(generation, eager_only=self._image_eager_only)
+            assert self.image is not None  # the one it was restored from
+            self._dump(generation, lazy_restorable=self.image.lazy_restorable)
             self._publish(generation, self._parked)
             return None
         if self._parks and self._driver_resumed_for_freeze():
@@ -731,7 +727,7 @@ class Instance:
         self._pause()
         # Restored lazily, a worker that held pinned memory at the driver's checkpoint failed the driver's restore
         # (CUDA_ERROR_INVALID_VALUE, every time on an H200), and one restored eagerly did not.
-        self._dump(generation, eager_only=self.gpu and self._pinned_at_suspend > 0)
+        self._dump(generation, lazy_restorable=not (self.gpu and self._pinned_at_suspend > 0))
         self._publish(generation, None)
         self._drop_parked()
         return None
@@ -776,7 +772,7 @@ class Instance:
         (self.signals / contract.RESTORE_COMPLETE).unlink(missing_ok=True)
         self._announce()
         with self._phase("restore"):
-            lazy = (self.lazy_restore if lazy is None else lazy) and not self._image_eager_only
+            lazy = (self.lazy_restore if lazy is None else lazy) and self.image.lazy_restorable
             restored = self.criu.restore(self.image, lazy=lazy)
         self.pid, self._restored = restored.pid, restored
         priority.normalise(restored.pid)  # the image kept its threads' nice: it may have been taken while yielding

@@ -121,6 +121,14 @@ def me() -> Owner:
     return Owner(_boot_id(), _pid_ns(), pid, start)
 
 
+def dying_with_parent(args: list[str]) -> list[str]:
+    """`args` run through `setpriv --pdeathsig KILL` where it is installed: the process is killed when the one that
+    started it goes. Not a `preexec_fn`: Python code between fork and exec can deadlock in a process with other
+    threads (gRPC's, say), and did, hanging a Popen for good."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "KILL", *args] if setpriv else args
+
+
 def owned_env() -> dict[str, str]:
     """The environment of a process this one starts: its own, marked with this process's owner token."""
     return {**os.environ, OWNER_ENV: me().token}

@@ -36,6 +36,8 @@ from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 
+from volga_agent import process
+
 BIN_ENV = "VOLGA_K8S_BIN"
 DEFAULT_BIN_DIR = pathlib.Path.home() / ".cache" / "volga" / "k8s-bin"
 REQUIRED_BINARIES = ("etcd", "kube-apiserver")
@@ -110,14 +112,6 @@ def eventually(check: Callable[[], T], timeout: float = 20.0, what: str = "condi
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} not reached within {timeout}s (last error: {error})")
         time.sleep(0.2)
-
-
-def _dying_with_parent(args: list[str]) -> list[str]:
-    """`args` run through `setpriv --pdeathsig KILL` where it is installed: a killed pytest must not leave etcd or
-    kube-apiserver behind. Not a `preexec_fn`: Python code between fork and exec can deadlock in a process with
-    other threads (gRPC's, the kubernetes client's), and did, hanging a Popen for good."""
-    setpriv = shutil.which("setpriv")
-    return [setpriv, "--pdeathsig", "KILL", *args] if setpriv else args
 
 
 def _tail(path: pathlib.Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -385,7 +379,8 @@ class ControlPlane:
             out.write(f"\n=== {time.strftime('%H:%M:%S')} {' '.join(args)}\n".encode())
             out.flush()
             return subprocess.Popen(
-                _dying_with_parent(args),
+                # A killed pytest must not leave etcd or kube-apiserver behind.
+                process.dying_with_parent(args),
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,

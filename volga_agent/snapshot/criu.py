@@ -103,6 +103,9 @@ class Image:
     # file mapping by path, not by content, so a restore after one changed would mix the old process with the new
     # file (an ONNX model's external data replaced by new weights). `restore` refuses then.
     mapped: tuple[tuple[str, Identity], ...] = ()
+    # False when a lazy restore of this image is known to fail, so its owner restores it eagerly (a GPU worker
+    # that held pinned memory at the driver's checkpoint: `Instance._suspended_to_frozen`).
+    lazy_restorable: bool = True
 
 
 class LazyPages:
@@ -306,9 +309,8 @@ class CriuEngine:
             daemon.stop()
 
     def _command(self, args: list[str]) -> list[str]:
-        # setpriv: criu dies with the agent rather than finish a dump or a restore nobody waits for.
-        setpriv = shutil.which("setpriv")
-        return [setpriv, "--pdeathsig", "KILL", self.criu, *args] if setpriv else [self.criu, *args]
+        # criu dies with the agent rather than finish a dump or a restore nobody waits for.
+        return process.dying_with_parent([self.criu, *args])
 
     def _popen(self, args: list[str], **options: Any) -> subprocess.Popen[Any]:
         with self._lock:
