@@ -32,8 +32,8 @@ tools: $(VENV)/.installed
 setup: $(VENV)/.installed criu tools k8s-bins
 
 crds: $(VENV)/.installed
-	$(PY) -m volga_operator.api.crds --out crds
-	$(PY) -m volga_operator.api.crds --out charts/volga/crds
+	$(PY) -m volga_core.api.crds --out crds
+	$(PY) -m volga_core.api.crds --out charts/volga/crds
 
 # The demo needs only the venv and CRIU (no Kubernetes binaries).
 demo: $(VENV)/.installed criu

@@ -21,11 +21,12 @@ import pathlib
 import sys
 import tempfile
 
-from volga_agent import defaultmodel, instance
+from volga_agent.app import defaultmodel
+from volga_agent.node import instance
 from volga_agent.snapshot import criu, cuda
 from volga_agent.worker import regions
 from volga_bench import tiers
-from volga_operator import api
+from volga_core import api
 
 
 def by_name(found: list[regions.Mapping]) -> dict[str, int]:

@@ -24,11 +24,11 @@ import statistics
 import tempfile
 import time
 
-from volga_agent import instance
+from volga_agent.node import instance
 from volga_agent.snapshot import criu, cuda
 from volga_agent.worker import contract
 from volga_bench import tiers
-from volga_operator.api import Tier
+from volga_core.api import Tier
 
 # (label, tier, lazy restore, variant, frozen from SUSPENDED): variants "default", "in_image" (the driver's copy
 # left in the FROZEN image), "kept" (graphs and weights left in the driver's checkpoint and the image), "unparked"

@@ -8,15 +8,16 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from volga_agent import defaultmodel, instance
+from volga_agent.app import defaultmodel
+from volga_agent.node import instance
 from volga_agent.snapshot import criu
-from volga_operator import api
+from volga_core import api
 
 if TYPE_CHECKING:  # the GPU machine runs its tests without the gateway's clients
     import tritonclient.grpc as grpcclient
     import tritonclient.http as httpclient
 
-    from volga_agent import local
+    from volga_agent.app import up as volga_up
 
 
 @pytest.fixture(scope="session")
@@ -49,9 +50,9 @@ def criu_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[criu.CriuE
     shutil.rmtree(folder, ignore_errors=True)
 
 
-# Clients of the gateway of a module's `up` fixture (a running `volga_agent.local.Embedded`).
+# Clients of the gateway of a module's `up` fixture (a running `volga_agent.app.up.Embedded`).
 @pytest.fixture
-def g(up: local.Embedded) -> Iterator[grpcclient.InferenceServerClient]:
+def g(up: volga_up.Embedded) -> Iterator[grpcclient.InferenceServerClient]:
     import tritonclient.grpc as grpcclient
 
     client = grpcclient.InferenceServerClient(up.endpoints()["grpc"])
@@ -60,7 +61,7 @@ def g(up: local.Embedded) -> Iterator[grpcclient.InferenceServerClient]:
 
 
 @pytest.fixture
-def h(up: local.Embedded) -> Iterator[httpclient.InferenceServerClient]:
+def h(up: volga_up.Embedded) -> Iterator[httpclient.InferenceServerClient]:
     import tritonclient.http as httpclient
 
     client = httpclient.InferenceServerClient(up.endpoints()["http"].removeprefix("http://"))

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pathlib
 
-from volga_agent import policy, pool
-from volga_operator import api, planner
+from volga_agent.node import policy, pool
+from volga_core import api, planner
 
 Tier = api.Tier
 

@@ -6,9 +6,10 @@ import pathlib
 import pytest
 import yaml
 
-from volga_agent import cli, defaultmodel
-from volga_operator import api
-from volga_operator.api import signature
+from volga_agent import cli
+from volga_agent.app import defaultmodel
+from volga_agent.node import signature
+from volga_core import api
 
 
 @pytest.fixture

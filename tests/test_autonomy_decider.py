@@ -8,9 +8,9 @@ from typing import Any
 import pydantic
 import pytest
 
-from volga_agent import policy
 from volga_agent.autonomy import decider, window
-from volga_operator import api
+from volga_agent.node import policy
+from volga_core import api
 
 State = decider.State
 STEP = 0.1  # seconds per window

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from volga_agent import instance, policy, pool
 from volga_agent.autonomy import decider, loop, sampler, window
+from volga_agent.node import instance, policy, pool
 from volga_agent.worker import contract, protocol
-from volga_operator import api, planner
+from volga_core import api, planner
 
 Tier = api.Tier
 

@@ -12,9 +12,10 @@ import pytest
 import shared_workers
 from test_autonomy_loop import NoProbe, RecordingGateway
 
-from volga_agent import policy, pool, priority
 from volga_agent.autonomy import decider, loop, window
-from volga_operator import api
+from volga_agent.host import priority
+from volga_agent.node import policy, pool
+from volga_core import api
 
 Tier = api.Tier
 pytestmark = pytest.mark.integration

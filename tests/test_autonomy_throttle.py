@@ -22,10 +22,11 @@ import shared_workers
 from procs import wait_for
 from test_autonomy_loop import NoProbe, RecordingGateway
 
-from volga_agent import instance, policy, pool, process, throttle
 from volga_agent.autonomy import decider, loop, window
+from volga_agent.host import process, throttle
+from volga_agent.node import instance, policy, pool
 from volga_agent.worker import contract, protocol
-from volga_operator import api
+from volga_core import api
 
 Tier = api.Tier
 pytestmark = pytest.mark.integration
@@ -271,7 +272,9 @@ def test_a_guarded_throttle_stops_the_tolerant_worker_only_while_the_strict_one_
 
 STOPPED_AGENT = """
 import os, pathlib, signal, sys, time
-from volga_agent import defaultmodel, instance, throttle
+from volga_agent.app import defaultmodel
+from volga_agent.node import instance
+from volga_agent.host import throttle
 inst = instance.Instance("stopped", defaultmodel.ensure().spec, pathlib.Path(sys.argv[1]), None)
 inst.to(instance.Tier.HOT)
 os.kill(inst.pid, signal.SIGSTOP)

@@ -25,9 +25,11 @@ import yaml
 from procs import Daemon, wait_for
 from tritonclient.utils import InferenceServerException
 
-from volga_agent import defaultmodel, errors, instance
+from volga_agent import errors
+from volga_agent.app import defaultmodel
 from volga_agent.autonomy import exchange, window
 from volga_agent.gateway import links
+from volga_agent.node import instance
 from volga_agent.worker import contract
 from volga_bench import harness
 

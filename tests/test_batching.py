@@ -26,12 +26,14 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from volga_agent import defaultmodel, errors, local
+from volga_agent import errors
+from volga_agent.app import defaultmodel
+from volga_agent.app import up as volga_up
 from volga_agent.gateway import oip
 from volga_agent.rpc.inference import grpc_service_pb2_grpc as pb_grpc
 from volga_agent.worker import contract
 from volga_bench import harness
-from volga_operator import api
+from volga_core import api
 
 pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
 CTR, TOY = "ctr-batched", "toy-batched"
@@ -69,7 +71,7 @@ def toy_path(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 
 
 @pytest.fixture(scope="module")
-def up(toy_path: pathlib.Path) -> Iterator[local.Embedded]:
+def up(toy_path: pathlib.Path) -> Iterator[volga_up.Embedded]:
     default = defaultmodel.ensure()
     ctr = batched(defaultmodel.spec_document(default.spec.source_path), CTR,
                   {"preferredBatchSizes": [4], "maxQueueDelayMicroseconds": DELAY_US, "maxQueueSize": 16})
@@ -119,7 +121,7 @@ def triton_inputs(x: dict[str, np.ndarray], module: Any) -> list[Any]:
 Result = dict[str, np.ndarray] | InferenceServerException
 
 
-def fire(up: local.Embedded, g: grpcclient.InferenceServerClient, model: str,
+def fire(up: volga_up.Embedded, g: grpcclient.InferenceServerClient, model: str,
          requests: list[tuple[str, dict[str, np.ndarray]]], outputs: tuple[str, ...],
          headers: dict[str, str] | None = None) -> list[Callable[[], Result]]:
     """Send each (protocol, inputs) without waiting for the answers; one `result()` per request. gRPC requests
@@ -156,7 +158,7 @@ def fire(up: local.Embedded, g: grpcclient.InferenceServerClient, model: str,
     return results
 
 
-def batches(up: local.Embedded, model: str) -> tuple[float, float, float]:
+def batches(up: volga_up.Embedded, model: str) -> tuple[float, float, float]:
     """(worker calls, rows, requests) the batcher has sent for the model so far."""
     registry = up.gateway.metrics.registry
 
@@ -171,7 +173,7 @@ def since(before: tuple[float, ...], after: tuple[float, ...]) -> tuple[float, .
     return tuple(b - a for a, b in zip(before, after, strict=True))
 
 
-def wait_queued(up: local.Embedded, model: str, count: int) -> None:
+def wait_queued(up: volga_up.Embedded, model: str, count: int) -> None:
     """Until `count` requests of the model wait in its batch queue (they stay: their batch cannot fill)."""
     plane = up.gateway.dataplane
     for _ in range(12_000):  # a bound for a broken gateway, not a speed expectation
@@ -182,7 +184,7 @@ def wait_queued(up: local.Embedded, model: str, count: int) -> None:
 
 
 def test_requests_are_batched_and_each_client_gets_its_own_rows(
-        up: local.Embedded, g: grpcclient.InferenceServerClient) -> None:
+        up: volga_up.Embedded, g: grpcclient.InferenceServerClient) -> None:
     ort_ctr = session(defaultmodel.ensure().spec.source_path)
     inputs = [ctr_inputs(1, 1), ctr_inputs(2, 2), ctr_inputs(1, 3)]  # 4 rows: the preferred batch size
     before = batches(up, CTR)
@@ -194,7 +196,7 @@ def test_requests_are_batched_and_each_client_gets_its_own_rows(
         assert np.array_equal(got["probability"], ort_ctr.run(None, x)[0])
 
 
-def test_different_shapes_are_not_mixed(up: local.Embedded, g: grpcclient.InferenceServerClient,
+def test_different_shapes_are_not_mixed(up: volga_up.Embedded, g: grpcclient.InferenceServerClient,
                                         toy_path: pathlib.Path) -> None:
     ort_toy = session(toy_path)
     plane = up.gateway.dataplane
@@ -213,7 +215,7 @@ def test_different_shapes_are_not_mixed(up: local.Embedded, g: grpcclient.Infere
         assert got["y"].shape == x["x"].shape and all(np.array_equal(got[k], want[k]) for k in want)
 
 
-def test_a_failed_batch_fails_every_request_in_it(up: local.Embedded, g: grpcclient.InferenceServerClient) -> None:
+def test_a_failed_batch_fails_every_request_in_it(up: volga_up.Embedded, g: grpcclient.InferenceServerClient) -> None:
     plane = up.gateway.dataplane
     plane.set_batch_cap(TOY, 2)
     try:
@@ -230,7 +232,7 @@ def test_a_failed_batch_fails_every_request_in_it(up: local.Embedded, g: grpccli
 
 
 def test_a_full_queue_answers_resource_exhausted_and_429(
-        up: local.Embedded, g: grpcclient.InferenceServerClient,
+        up: volga_up.Embedded, g: grpcclient.InferenceServerClient,
         h: httpclient.InferenceServerClient, toy_path: pathlib.Path) -> None:
     ort_toy = session(toy_path)
     plane = up.gateway.dataplane
@@ -256,7 +258,7 @@ def test_a_full_queue_answers_resource_exhausted_and_429(
         assert np.array_equal(got["y"], ort_toy.run(["y"], x)[0])
 
 
-def test_set_batch_cap(up: local.Embedded, g: grpcclient.InferenceServerClient) -> None:
+def test_set_batch_cap(up: volga_up.Embedded, g: grpcclient.InferenceServerClient) -> None:
     plane = up.gateway.dataplane
     ort_ctr = session(defaultmodel.ensure().spec.source_path)
     inputs = [ctr_inputs(1, 30 + i) for i in range(4)]
@@ -280,7 +282,7 @@ def test_set_batch_cap(up: local.Embedded, g: grpcclient.InferenceServerClient) 
         plane.set_batch_cap("nope", 4)
 
 
-def test_deadline_inside_the_queue(up: local.Embedded, g: grpcclient.InferenceServerClient,
+def test_deadline_inside_the_queue(up: volga_up.Embedded, g: grpcclient.InferenceServerClient,
                                    h: httpclient.InferenceServerClient) -> None:
     before = batches(up, TOY)
     with pytest.raises(InferenceServerException, match="waiting in the batch queue") as err:
@@ -293,7 +295,7 @@ def test_deadline_inside_the_queue(up: local.Embedded, g: grpcclient.InferenceSe
     assert up.gateway.dataplane.drain_load()[TOY].queue_depth == 0
 
 
-def test_shed_and_unshed(up: local.Embedded, g: grpcclient.InferenceServerClient,
+def test_shed_and_unshed(up: volga_up.Embedded, g: grpcclient.InferenceServerClient,
                          h: httpclient.InferenceServerClient) -> None:
     plane = up.gateway.dataplane
     registry = up.gateway.metrics.registry
@@ -334,7 +336,7 @@ def test_shed_and_unshed(up: local.Embedded, g: grpcclient.InferenceServerClient
         plane.shed(CTR, -1)
 
 
-def test_drain_load(up: local.Embedded, g: grpcclient.InferenceServerClient) -> None:
+def test_drain_load(up: volga_up.Embedded, g: grpcclient.InferenceServerClient) -> None:
     plane = up.gateway.dataplane
     plane.drain_load()
     waiting = fire(up, g, TOY, [("grpc", toy_inputs(1, 2, 60 + i)) for i in range(3)], ("y",))

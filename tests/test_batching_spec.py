@@ -9,7 +9,7 @@ import pytest
 from kubernetes import client as k8s_client
 from test_crd_rules_k8s import create, custom, modelspec
 
-from volga_operator import api
+from volga_core import api
 
 pytest_plugins = ["k8s_fixtures"]
 __all__ = ["custom"]  # a fixture of the CRD tests, used here too (crds comes from k8s_fixtures)

@@ -12,9 +12,10 @@ import sys
 import pytest
 import yaml
 
-from volga_agent import defaultmodel, instance, pool
+from volga_agent.app import defaultmodel
 from volga_agent.autonomy import loop
-from volga_operator import api
+from volga_agent.node import instance, pool
+from volga_core import api
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

@@ -21,11 +21,12 @@ import yaml
 from kubernetes import client as k8s
 from procs import Daemon, wait_for
 
-from volga_agent import cluster, defaultmodel
+from volga_agent import cluster
+from volga_agent.app import defaultmodel
 from volga_bench.controlplane import ControlPlane
-from volga_operator import api
-from volga_operator.api import conditions
-from volga_operator.kube import ratelimit
+from volga_core import api
+from volga_core.api import conditions
+from volga_core.kube import ratelimit
 
 pytest_plugins = ["k8s_fixtures"]
 pytestmark = [pytest.mark.k8s, pytest.mark.integration, pytest.mark.slow]
@@ -58,7 +59,7 @@ def agents(control_plane: ControlPlane, crds: None, folder: pathlib.Path) -> Ite
     client.close()
     env = {**os.environ, "KUBECONFIG": str(control_plane.kubeconfig), "PYTHONUNBUFFERED": "1"}
     daemons = {node: Daemon(node, [
-        sys.executable, "-m", "volga_agent.daemons", "--kube", "--node", node, "--port", "0", "--metrics-port", "0",
+        sys.executable, "-m", "volga_agent.app.daemons", "--kube", "--node", node, "--port", "0", "--metrics-port", "0",
         "--workdir", f"/tmp/vw-{node}", "--snapshot-dir", str(folder / f"snapshots-{node}"),
         "--settings", str(settings), "--calibrate-iterations", "40", "-v"], env, folder, "volga-agent")
         for node in NODES}

@@ -16,9 +16,9 @@ import tritonclient.http as httpclient
 from onnx import numpy_helper
 from tritonclient.utils import InferenceServerException
 
-from volga_agent import local
+from volga_agent.app import up as volga_up
 from volga_bench import chain, harness
-from volga_operator import api
+from volga_core import api
 
 Tier = api.Tier
 CHAIN = [f"chain-{name}" for name, *_ in chain.STAGES]
@@ -34,7 +34,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]:
 
 
 @pytest.fixture(scope="module")
-def up(files: dict[str, pathlib.Path]) -> Iterator[local.Embedded]:
+def up(files: dict[str, pathlib.Path]) -> Iterator[volga_up.Embedded]:
     specs = [*chain.model_specs(files, "chain", True), *chain.model_specs(files, "separate", False)]
     bg, embedded = harness.start_embedded(specs, tick_sec=3600.0)  # only the tests move instances
     bg.call(embedded.wait_converged(), timeout=300)
@@ -63,18 +63,18 @@ def infer(client: grpcclient.InferenceServerClient, model: str, name: str, value
     return answer
 
 
-def freeze(up: local.Embedded, models: list[str]) -> list[str]:
+def freeze(up: volga_up.Embedded, models: list[str]) -> list[str]:
     names = [up.pool.instances(m)[0].name for m in models]
     for name in names:
         up.pool.move_to(name, Tier.FROZEN)
     return names
 
 
-def tiers(up: local.Embedded, models: list[str]) -> list[Tier]:
+def tiers(up: volga_up.Embedded, models: list[str]) -> list[Tier]:
     return [up.pool.instances(m)[0].tier for m in models]
 
 
-def test_waking_one_model_of_a_frozen_chain_wakes_the_others_without_waiting(up: local.Embedded) -> None:
+def test_waking_one_model_of_a_frozen_chain_wakes_the_others_without_waiting(up: volga_up.Embedded) -> None:
     freeze(up, CHAIN + SEPARATE)
     before = up.pool.activations
     last = up.pool.slots[up.pool.instances(CHAIN[-1])[0].name]
@@ -91,7 +91,7 @@ def test_waking_one_model_of_a_frozen_chain_wakes_the_others_without_waiting(up:
     assert tiers(up, SEPARATE) == [Tier.HOT, Tier.FROZEN, Tier.FROZEN]
 
 
-def test_a_member_hot_only_on_its_way_to_its_resting_tier_wakes_with_its_chain(up: local.Embedded) -> None:
+def test_a_member_hot_only_on_its_way_to_its_resting_tier_wakes_with_its_chain(up: volga_up.Embedded) -> None:
     """A member that is HOT because its instance is walking through HOT to its resting tier (a new instance's cold
     start on its way to FROZEN, under the slot's lock) is woken with its chain once the walk is done, not taken
     for awake and left FROZEN."""
@@ -109,7 +109,7 @@ def test_a_member_hot_only_on_its_way_to_its_resting_tier_wakes_with_its_chain(u
     assert tiers(up, CHAIN) == [Tier.HOT] * 3
 
 
-def test_a_chain_is_demoted_for_idleness_as_one(up: local.Embedded) -> None:
+def test_a_chain_is_demoted_for_idleness_as_one(up: volga_up.Embedded) -> None:
     for model in CHAIN:
         up.pool.activate(model)
     up.pool.wait_converged(120)
@@ -123,7 +123,7 @@ def test_a_chain_is_demoted_for_idleness_as_one(up: local.Embedded) -> None:
     assert sorted(m.instance for m in moves if m.target is Tier.FROZEN) >= sorted(s.inst.name for s in slots)
 
 
-def test_an_ensemble_is_one_model_to_tritonclient(up: local.Embedded, files: dict[str, pathlib.Path],
+def test_an_ensemble_is_one_model_to_tritonclient(up: volga_up.Embedded, files: dict[str, pathlib.Path],
                                                   g: grpcclient.InferenceServerClient,
                                                   h: httpclient.InferenceServerClient) -> None:
     config = g.get_model_config(ENSEMBLE).config

@@ -9,9 +9,11 @@ from typing import Any
 import pytest
 import yaml
 
-from volga_agent import chains, cli, policy
+from volga_agent import cli
+from volga_agent.node import chains, policy
 from volga_bench import chain as bench_chain
-from volga_operator import api, planner, reconcile
+from volga_core import api, nodes, planner
+from volga_operator import reconcile
 
 Tier = api.Tier
 
@@ -102,7 +104,7 @@ def test_the_operator_marks_a_chain_with_an_unknown_member_invalid() -> None:
 
 
 def test_a_chain_lands_on_one_node_and_one_gpu() -> None:
-    nodes = [planner.NodeProfile(f"n{i}", 4, "NVIDIA H200", 141 * 2**30) for i in range(3)]
+    nodes = [nodes.NodeProfile(f"n{i}", 4, "NVIDIA H200", 141 * 2**30) for i in range(3)]
     specs = {name: spec(s.model_id, tuple(s.chain), gpu=True, min_gib=20, inputs=s.inputs[0].name,
                         outputs=s.outputs[0].name) for name, s in ocr().items()}
     busy = [planner.Observed(f"other-{i}", "other", "n0") for i in range(3)]
@@ -112,7 +114,7 @@ def test_a_chain_lands_on_one_node_and_one_gpu() -> None:
 
 
 def test_a_chain_too_large_for_one_gpu_spreads_over_the_node_gpus() -> None:
-    node = planner.NodeProfile("n0", 4, "NVIDIA A10", 24 * 2**30)
+    node = nodes.NodeProfile("n0", 4, "NVIDIA A10", 24 * 2**30)
     specs = {name: spec(s.model_id, tuple(s.chain), gpu=True, min_gib=10) for name, s in ocr().items()}
     result = planner.plan(specs, [node])
     assert {d.node for d in result.desired} == {"n0"}
@@ -120,21 +122,21 @@ def test_a_chain_too_large_for_one_gpu_spreads_over_the_node_gpus() -> None:
 
 
 def test_without_a_chain_the_same_models_spread_over_nodes() -> None:
-    nodes = [planner.NodeProfile(f"n{i}") for i in range(3)]
+    nodes = [nodes.NodeProfile(f"n{i}") for i in range(3)]
     alone = {name: spec(s.model_id) for name, s in ocr().items()}
     assert len({d.node for d in planner.plan(alone, nodes).desired}) == 3
     assert len({d.node for d in planner.plan(ocr(), nodes).desired}) == 1
 
 
 def test_a_chain_follows_the_node_most_members_already_use() -> None:
-    nodes = [planner.NodeProfile(f"n{i}") for i in range(3)]
+    nodes = [nodes.NodeProfile(f"n{i}") for i in range(3)]
     observed = [planner.Observed("rec-0", "rec", "n2"), planner.Observed("fields-0", "fields", "n2"),
                 planner.Observed("det-0", "det", "n0")]
     assert {d.node for d in planner.plan(ocr(), nodes, observed).desired} == {"n2"}
 
 
 def test_each_replica_of_a_chain_is_whole_on_its_node() -> None:
-    nodes = [planner.NodeProfile(f"n{i}") for i in range(2)]
+    nodes = [nodes.NodeProfile(f"n{i}") for i in range(2)]
     specs = {name: spec(s.model_id, tuple(s.chain), frozen=2) for name, s in ocr().items()}
     by_index: dict[str, set[str]] = {}
     for d in planner.plan(specs, nodes).desired:
@@ -144,7 +146,7 @@ def test_each_replica_of_a_chain_is_whole_on_its_node() -> None:
 
 def test_a_chain_no_node_can_hold_is_not_placed() -> None:
     specs = ocr() | {"rec": spec("rec", inputs="boxes", outputs="text", gpu=True)}
-    result = planner.plan(specs, [planner.NodeProfile("cpu-0")])
+    result = planner.plan(specs, [nodes.NodeProfile("cpu-0")])
     assert result.desired == ()
     assert set(result.unplaced) == {"det", "rec", "fields"}
     assert result.unplaced["det"] == "no node is eligible for every model of its chain (cpu-0: rec: no GPU)"
@@ -198,7 +200,7 @@ def test_the_operator_plans_a_chain_with_the_member_that_changed() -> None:
     state = reconcile.State()
     for name, s in ocr().items():
         state.specs[("ns", name)] = reconcile.SpecRecord("ns", name, "uid", 1, s.to_wire(), {}, (), False)
-    state.nodes = {f"n{i}": planner.NodeProfile(f"n{i}") for i in range(3)}
+    state.nodes = {f"n{i}": nodes.NodeProfile(f"n{i}") for i in range(3)}
     actions = reconcile.compute(state, [("ns", "rec")], now="2025-01-01T00:00:00Z")
     created = {a.body["spec"]["modelId"]: a.body["spec"]["node"] for a in actions if a.verb == "create_emi"}
     assert set(created) == {"det", "rec", "fields"} and len(set(created.values())) == 1
@@ -211,7 +213,7 @@ def test_a_member_added_to_a_placed_chain_joins_its_node() -> None:
     specs = ocr()
     for name, s in specs.items():
         state.specs[("ns", name)] = reconcile.SpecRecord("ns", name, "uid", 1, s.to_wire(), {}, (), False)
-    state.nodes = {f"n{i}": planner.NodeProfile(f"n{i}") for i in range(5)}
+    state.nodes = {f"n{i}": nodes.NodeProfile(f"n{i}") for i in range(5)}
     first = [a for a in reconcile.compute(state, [("ns", n) for n in specs], now="2025-01-01T00:00:00Z")
              if a.verb == "create_emi"]
     for action in first:
@@ -222,7 +224,7 @@ def test_a_member_added_to_a_placed_chain_joins_its_node() -> None:
     node = {a.body["spec"]["node"] for a in first}
     assert len(node) == 1
     for i in range(1, 5):  # the other nodes look better now: fresher, emptier
-        state.nodes = {**state.nodes, f"n{i}": planner.NodeProfile(f"n{i}")}
+        state.nodes = {**state.nodes, f"n{i}": nodes.NodeProfile(f"n{i}")}
     again = reconcile.compute(state, [("ns", "fields")], now="2025-01-02T00:00:00Z")
     created = {a.body["spec"]["modelId"]: a.body["spec"]["node"] for a in again if a.verb == "create_emi"}
     assert created == {"fields": node.pop()}

@@ -17,7 +17,7 @@ from kubernetes import client as k8s
 from procs import Daemon, wait_for
 
 from volga_bench.controlplane import ControlPlane
-from volga_operator import api, planner
+from volga_core import api, nodes
 
 pytest_plugins = ["k8s_fixtures"]
 pytestmark = [pytest.mark.k8s]
@@ -35,7 +35,7 @@ def operator(control_plane: ControlPlane, crds: None, tmp_path_factory: pytest.T
     for node in NODES:
         # The hardware profile an agent publishes: a CPU node.
         core.create_node(k8s.V1Node(metadata=k8s.V1ObjectMeta(
-            name=node, annotations=planner.NodeProfile(node).annotations())))
+            name=node, annotations=nodes.NodeProfile(node).annotations())))
     env = {**os.environ, "KUBECONFIG": str(control_plane.kubeconfig), "VOLGA_RESYNC_SEC": "5"}
     daemon = Daemon("operator", [sys.executable, "-m", "volga_operator", "--liveness", "", "-v"], env, folder)
     yield

@@ -24,9 +24,10 @@ from typing import Any
 import pytest
 import yaml
 
-from volga_agent import auth, metrics, policy
+from volga_agent import auth, metrics
+from volga_agent.node import policy
 from volga_bench.controlplane import ControlPlane, bin_dir
-from volga_operator import api
+from volga_core import api
 
 pytest_plugins = ["k8s_fixtures"]
 
@@ -191,7 +192,7 @@ def test_dockerfiles_pass_hadolint() -> None:
 
 
 def test_chart_crds_are_the_generated_ones() -> None:
-    """The chart ships the CRDs of crds/ (generated from volga_operator.api) byte for byte."""
+    """The chart ships the CRDs of crds/ (generated from volga_core.api) byte for byte."""
     generated = {p.name: p.read_bytes() for p in (ROOT / "crds").glob("*.yaml")}
     shipped = {p.name: p.read_bytes() for p in (CHART / "crds").glob("*.yaml")}
     assert generated, "crds/ is empty"

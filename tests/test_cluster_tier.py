@@ -9,9 +9,10 @@ from typing import Any
 
 import pytest
 
-from volga_agent import policy
-from volga_operator import api, planner, reconcile
-from volga_operator.api import conditions, labels
+from volga_agent.node import policy
+from volga_core import api, nodes, planner
+from volga_core.api import conditions, labels
+from volga_operator import reconcile
 
 NOW = "2026-11-29T00:10:00Z"
 CLOCK = conditions.unix(NOW) or 0.0
@@ -30,14 +31,14 @@ def heard(state: str, in_state_for: float, age: float = 1.0, memory: float = 90.
     """A node's record: in `state` for `in_state_for` seconds, its last heartbeat received `age` seconds ago; the
     agent's clock runs `skew` seconds ahead of the operator's."""
     beat = CLOCK - age + skew
-    return reconcile.Heard(planner.NodeAutonomy(state, beat - (in_state_for - age), beat, memory, period),
+    return reconcile.Heard(nodes.NodeAutonomy(state, beat - (in_state_for - age), beat, memory, period),
                            CLOCK - age)
 
 
 def chain_state(nodes: int = 3, **tier: float) -> reconcile.State:
     """A chain det -> rec -> fields (one FROZEN instance each) placed on n0, a model in no chain beside it."""
     state = reconcile.State(tier=reconcile.TierSettings(**tier))
-    state.nodes = {f"n{i}": planner.NodeProfile(f"n{i}") for i in range(nodes)}
+    state.nodes = {f"n{i}": nodes.NodeProfile(f"n{i}") for i in range(nodes)}
     for name, body in (("det", spec_body("det", ["rec", "fields"])), ("rec", spec_body("rec")),
                        ("fields", spec_body("fields")), ("alone", spec_body("alone"))):
         state.specs[(NS, name)] = reconcile.SpecRecord(NS, name, f"uid-{name}", 1, body, {}, (labels.FINALIZER,))
@@ -76,29 +77,29 @@ def all_keys(state: reconcile.State) -> list[reconcile.Key]:
 
 
 def test_the_annotation_round_trips_and_garbage_reads_as_none() -> None:
-    published = planner.NodeAutonomy("EMERGENCY", 100.5, 130.25, 91.26, 5.0)
+    published = nodes.NodeAutonomy("EMERGENCY", 100.5, 130.25, 91.26, 5.0)
     annotations = {labels.AUTONOMY_KEY: published.annotation()}
-    assert planner.NodeAutonomy.from_annotations(annotations) == dataclass_rounded(published)
+    assert nodes.NodeAutonomy.from_annotations(annotations) == dataclass_rounded(published)
     for bad in ("", "{", "[]", '{"state": "EMERGENCY"}', '{"state": "X", "since": "soon", "heartbeat": 1}'):
-        assert planner.NodeAutonomy.from_annotations({labels.AUTONOMY_KEY: bad}) is None
-    assert planner.NodeAutonomy.from_annotations(None) is None
-    marks = planner.ClusterWatermarks(55.5, 91.0, 3, 1)
-    assert planner.ClusterWatermarks.from_json(marks.to_json()) == marks
-    assert planner.ClusterWatermarks.from_json("not json") is None
+        assert nodes.NodeAutonomy.from_annotations({labels.AUTONOMY_KEY: bad}) is None
+    assert nodes.NodeAutonomy.from_annotations(None) is None
+    marks = nodes.ClusterWatermarks(55.5, 91.0, 3, 1)
+    assert nodes.ClusterWatermarks.from_json(marks.to_json()) == marks
+    assert nodes.ClusterWatermarks.from_json("not json") is None
 
 
-def dataclass_rounded(a: planner.NodeAutonomy) -> planner.NodeAutonomy:
-    return planner.NodeAutonomy(a.state, round(a.since, 3), round(a.heartbeat, 3), round(a.memory_pct, 1),
+def dataclass_rounded(a: nodes.NodeAutonomy) -> nodes.NodeAutonomy:
+    return nodes.NodeAutonomy(a.state, round(a.since, 3), round(a.heartbeat, 3), round(a.memory_pct, 1),
                                 a.period_sec)
 
 
 def test_a_heartbeat_counts_from_when_the_operator_received_it_whatever_the_agents_clock() -> None:
-    ahead = planner.NodeAutonomy("EMERGENCY", since=10_000.0, heartbeat=10_020.0)  # the agent's clock: far ahead
+    ahead = nodes.NodeAutonomy("EMERGENCY", since=10_000.0, heartbeat=10_020.0)  # the agent's clock: far ahead
     first = reconcile.hear(None, ahead, now=500.0)
     assert first is not None and first.received == 500.0  # never later than now
     assert first.in_state_for(500.0) == 20.0 and first.in_state_for(510.0) == 30.0
     assert reconcile.hear(first, ahead, now=520.0) == first  # the same heartbeat again (a relist): no news
-    later = reconcile.hear(first, planner.NodeAutonomy("EMERGENCY", 10_000.0, 10_025.0), now=526.0)
+    later = reconcile.hear(first, nodes.NodeAutonomy("EMERGENCY", 10_000.0, 10_025.0), now=526.0)
     assert later is not None and later.received == 526.0 and later.in_state_for(526.0) == 25.0
     assert reconcile.hear(later, None, now=530.0) is None  # the annotation is gone
     # Fresh for three periods after it was received, then stale.
@@ -111,12 +112,12 @@ def test_a_heartbeat_counts_from_when_the_operator_received_it_whatever_the_agen
 def test_the_planner_avoids_emergency_nodes_for_new_instances_only() -> None:
     spec = api.validate_spec(spec_body("m", frozen=2))[0]
     assert spec is not None
-    nodes = [planner.NodeProfile("a"), planner.NodeProfile("b")]
-    assert {d.node for d in planner.plan({"m": spec}, nodes).desired} == {"a", "b"}
-    assert {d.node for d in planner.plan({"m": spec}, nodes, avoid=frozenset({"a"})).desired} == {"b"}
+    profiles = [nodes.NodeProfile("a"), nodes.NodeProfile("b")]
+    assert {d.node for d in planner.plan({"m": spec}, profiles).desired} == {"a", "b"}
+    assert {d.node for d in planner.plan({"m": spec}, profiles, avoid=frozenset({"a"})).desired} == {"b"}
     # With no other node, an avoided one still takes them; an instance already there stays.
-    assert {d.node for d in planner.plan({"m": spec}, nodes[:1], avoid=frozenset({"a"})).desired} == {"a"}
-    kept = planner.plan({"m": spec}, nodes, [planner.Observed("m-0", "m", "a")], avoid=frozenset({"a"}))
+    assert {d.node for d in planner.plan({"m": spec}, profiles[:1], avoid=frozenset({"a"})).desired} == {"a"}
+    kept = planner.plan({"m": spec}, profiles, [planner.Observed("m-0", "m", "a")], avoid=frozenset({"a"}))
     assert [(d.name, d.node) for d in kept.desired] == [("m-0", "a"), ("m-1", "b")]
 
 
@@ -172,7 +173,7 @@ def test_no_move_before_the_setting_nor_on_a_stale_heartbeat() -> None:
     created = {a.body["spec"]["node"] for a in reconcile.compute(state, [(NS, "alone")], NOW) if a.verb == "create_emi"}
     assert created == {"n0"}
     # A node whose agent publishes no autonomy at all is a fine target.
-    assert reconcile.watermarks(state, CLOCK) == planner.ClusterWatermarks()
+    assert reconcile.watermarks(state, CLOCK) == nodes.ClusterWatermarks()
 
 
 def test_no_flapping_a_chain_moves_at_most_once_per_period() -> None:
@@ -201,7 +202,7 @@ def test_a_chain_with_nowhere_to_go_stays() -> None:
     assert not [a for a in actions if a.verb == "delete_emi"]
     # A chain whose models need a GPU that no other node has stays too.
     state = chain_state(nodes=2)
-    state.nodes["n0"] = planner.NodeProfile("n0", gpu_count=1, gpu_memory_bytes=2**34)
+    state.nodes["n0"] = nodes.NodeProfile("n0", gpu_count=1, gpu_memory_bytes=2**34)
     for name in ("det", "rec", "fields"):
         old = state.specs[(NS, name)]
         state.specs[(NS, name)] = reconcile.SpecRecord(NS, name, old.uid, 1, {**old.spec, "hardware": {"gpu": True}},
@@ -245,7 +246,7 @@ def test_watermarks_are_over_the_fresh_heartbeats() -> None:
     state = chain_state()
     state.autonomy = {"n0": heard("EMERGENCY", 1.0, memory=90.0), "n1": heard("ACCEPT", 1.0, memory=41.0),
                       "n2": heard("PRELOAD", 1.0, memory=10.0, age=60.0)}
-    assert reconcile.watermarks(state, CLOCK) == planner.ClusterWatermarks(65.5, 90.0, 2, 1)
+    assert reconcile.watermarks(state, CLOCK) == nodes.ClusterWatermarks(65.5, 90.0, 2, 1)
 
 
 def test_the_heartbeat_setting_is_checked() -> None:

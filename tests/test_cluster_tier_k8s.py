@@ -23,11 +23,11 @@ import yaml
 from kubernetes import client as k8s
 from procs import Daemon, wait_for
 
-from volga_agent import defaultmodel
+from volga_agent.app import defaultmodel
 from volga_agent.gateway import links
 from volga_bench.controlplane import ControlPlane, free_ports
-from volga_operator import planner
-from volga_operator.api import labels
+from volga_core import nodes
+from volga_core.api import labels
 
 pytest_plugins = ["k8s_fixtures"]
 pytestmark = [pytest.mark.k8s, pytest.mark.integration, pytest.mark.slow]
@@ -63,7 +63,7 @@ class Cluster:
         path = self.folder / f"settings-{node}.yaml"
         path.write_text(yaml.safe_dump(settings))
         self.daemons[node] = Daemon(node, [
-            sys.executable, "-m", "volga_agent.daemons", "--kube", "--node", node, "--port", "0",
+            sys.executable, "-m", "volga_agent.app.daemons", "--kube", "--node", node, "--port", "0",
             "--metrics-port", str(self.agent_ports[node]), "--workdir", f"/tmp/vw-{node}",
             "--snapshot-dir", str(self.folder / f"snapshots-{node}"), "--settings", str(path)], self.env,
             self.folder, "volga-agent")
@@ -74,8 +74,8 @@ class Cluster:
     def agent_metrics(self, node: str) -> str:
         return self.metrics(f"http://127.0.0.1:{self.agent_ports[node]}/metrics")
 
-    def autonomy(self, node: str) -> planner.NodeAutonomy | None:
-        return planner.NodeAutonomy.from_annotations(self.core.read_node(node).metadata.annotations)
+    def autonomy(self, node: str) -> nodes.NodeAutonomy | None:
+        return nodes.NodeAutonomy.from_annotations(self.core.read_node(node).metadata.annotations)
 
     def emis(self) -> list[dict[str, Any]]:
         out = self.cp.kubectl("get", "emi", "-n", NAMESPACE, "-o", "json")
@@ -137,7 +137,7 @@ def test_a_chain_leaves_a_node_that_stays_in_emergency(cluster: Cluster, tmp_pat
 
     assert wait_for("the watermarks at the agents", watermarks_read) > 0
     configmap = c.core.read_namespaced_config_map(labels.CLUSTER_CONFIGMAP, NAMESPACE)
-    marks = planner.ClusterWatermarks.from_json(configmap.data[labels.CLUSTER_WATERMARKS_KEY])
+    marks = nodes.ClusterWatermarks.from_json(configmap.data[labels.CLUSTER_WATERMARKS_KEY])
     assert marks is not None and marks.nodes == 3 and marks.emergency_nodes == 0
 
     path = tmp_path / "chain.yaml"

@@ -16,7 +16,7 @@ from kubernetes.client.exceptions import ApiException
 from procs import wait_for
 
 from volga_bench.controlplane import ControlPlane
-from volga_operator import api
+from volga_core import api
 
 pytest_plugins = ["k8s_fixtures"]
 pytestmark = [pytest.mark.k8s]

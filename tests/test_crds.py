@@ -7,8 +7,8 @@ import pathlib
 import pytest
 import yaml
 
-from volga_operator import api
-from volga_operator.api import crds
+from volga_core import api
+from volga_core.api import crds
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

@@ -12,10 +12,10 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from volga_agent import instance
+from volga_agent.node import instance
 from volga_agent.snapshot import criu, kdat
 from volga_agent.worker import contract
-from volga_operator import api
+from volga_core import api
 
 pytestmark = pytest.mark.integration
 Tier = api.Tier
@@ -150,7 +150,7 @@ def test_frozen_to_cold_removes_the_image(inst: instance.Instance, criu_engine: 
 
 def test_fresh_image_is_reused_until_the_worker_changes(default_spec: api.ModelSpecSpec, rundir: pathlib.Path,
                                                         criu_engine: criu.CriuEngine, tmp_path: pathlib.Path) -> None:
-    from volga_agent import defaultmodel
+    from volga_agent.app import defaultmodel
 
     inst = instance.Instance("reuse", default_spec, rundir, criu_engine, reuse_image_sec=300)
     try:

@@ -12,7 +12,8 @@ import tritonclient.grpc as grpcclient
 import yaml
 from procs import Daemon, wait_for
 
-from volga_agent import defaultmodel, instance
+from volga_agent.app import defaultmodel
+from volga_agent.node import instance
 from volga_agent.rpc.volga.v1 import agent_pb2, agent_pb2_grpc
 from volga_agent.worker import contract
 from volga_bench import harness

@@ -22,7 +22,8 @@ from kubernetes import client as k8s
 from procs import Daemon, wait_for
 from tritonclient.utils import InferenceServerException
 
-from volga_agent import defaultmodel, instance
+from volga_agent.app import defaultmodel
+from volga_agent.node import instance
 from volga_agent.worker import contract
 from volga_bench import harness
 from volga_bench.controlplane import ControlPlane, free_ports
@@ -50,7 +51,7 @@ def cluster(control_plane: ControlPlane, crds: None, tmp_path_factory: pytest.Te
     gateway_ports = dict(zip(NODES, free_ports(len(NODES)), strict=True))
     for node in NODES:
         snapshots[node] = folder / f"snapshots-{node}"
-        daemons[node] = Daemon(node, [py, "-m", "volga_agent.daemons", "--kube", "--node", node, "--port", "0",
+        daemons[node] = Daemon(node, [py, "-m", "volga_agent.app.daemons", "--kube", "--node", node, "--port", "0",
                                       "--metrics-port", "0", "--workdir", f"/tmp/vw-{node}",
                                       "--snapshot-dir", str(snapshots[node]),
                                       "--gateway-address", f"127.0.0.1:{gateway_ports[node]}"], env, folder,

@@ -8,7 +8,7 @@ import pathlib
 import pytest
 
 from volga_bench import endtoend
-from volga_operator import api
+from volga_core import api
 
 Tier = api.Tier
 

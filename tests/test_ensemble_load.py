@@ -20,12 +20,13 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from volga_agent import load, local
+from volga_agent import load
+from volga_agent.app import up as volga_up
 from volga_agent.autonomy import decider, loop, window
 from volga_agent.gateway import oip
 from volga_agent.rpc.inference import grpc_service_pb2_grpc as pb_grpc
 from volga_bench import chain, harness
-from volga_operator import api
+from volga_core import api
 
 Tier = api.Tier
 CHAIN = [f"load-{name}" for name, *_ in chain.STAGES]
@@ -47,7 +48,7 @@ def specs(files: dict[str, pathlib.Path]) -> list[api.ModelSpec]:
 
 
 @pytest.fixture(scope="module")
-def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[local.Embedded]:
+def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[volga_up.Embedded]:
     files = chain.build_models(tmp_path_factory.mktemp("chain"))
     bg, embedded = harness.start_embedded(specs(files), tick_sec=3600.0)  # only requests move instances
     bg.call(embedded.wait_converged(), timeout=300)
@@ -94,7 +95,7 @@ def rows(n: int, width: int = chain.IMAGE_WIDTH) -> np.ndarray:
     return np.random.default_rng(n).standard_normal((n, width)).astype(np.float32)
 
 
-def test_each_step_of_an_ensemble_counts_once_in_its_models_load(up: local.Embedded,
+def test_each_step_of_an_ensemble_counts_once_in_its_models_load(up: volga_up.Embedded,
                                                                   g: grpcclient.InferenceServerClient) -> None:
     plane = up.gateway.dataplane
     totals = Totals(plane.drain_load)
@@ -128,7 +129,7 @@ def test_each_step_of_an_ensemble_counts_once_in_its_models_load(up: local.Embed
     assert all(got[m].arrivals == 0 for m in (*CHAIN[1:], ENSEMBLE))
 
 
-def test_a_shed_model_refuses_its_ensemble_before_the_first_step(up: local.Embedded,
+def test_a_shed_model_refuses_its_ensemble_before_the_first_step(up: volga_up.Embedded,
                                                                  g: grpcclient.InferenceServerClient,
                                                                  h: httpclient.InferenceServerClient) -> None:
     plane = up.gateway.dataplane
@@ -175,7 +176,7 @@ def test_a_shed_model_refuses_its_ensemble_before_the_first_step(up: local.Embed
     assert answer.as_numpy("fields").shape == (2, 16)
 
 
-def test_the_loop_judges_the_ensemble_against_its_heads_slo(up: local.Embedded,
+def test_the_loop_judges_the_ensemble_against_its_heads_slo(up: volga_up.Embedded,
                                                             g: grpcclient.InferenceServerClient) -> None:
     """The loop's views of the node hold the ensemble to its head's contract; the window of the data plane's real
     load, with the ensemble's end-to-end latency in it, violates it."""

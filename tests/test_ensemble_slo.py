@@ -8,10 +8,10 @@ from typing import Any
 
 from test_autonomy_decider import Run
 
-from volga_agent import instance, pool
 from volga_agent.autonomy import decider, loop, window
+from volga_agent.node import instance, pool
 from volga_bench import chain
-from volga_operator import api
+from volga_core import api
 
 State = decider.State
 MEMBERS = ("a", "b")

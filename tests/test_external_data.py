@@ -12,10 +12,12 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from volga_agent import defaultmodel, instance, process
+from volga_agent.app import defaultmodel
+from volga_agent.host import process
+from volga_agent.node import instance
 from volga_agent.snapshot import criu
 from volga_agent.worker import contract
-from volga_operator import api
+from volga_core import api
 
 pytestmark = pytest.mark.integration
 Tier = api.Tier

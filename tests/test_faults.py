@@ -19,11 +19,13 @@ import tritonclient.grpc as grpcclient
 import yaml
 from procs import wait_for
 
-from volga_agent import defaultmodel, instance, policy, pool, process
+from volga_agent.app import defaultmodel
+from volga_agent.host import process
+from volga_agent.node import instance, policy, pool
 from volga_agent.snapshot import criu
 from volga_agent.worker import contract
 from volga_bench import faults, harness
-from volga_operator import api, planner
+from volga_core import api, planner
 
 Tier = api.Tier
 
@@ -307,7 +309,8 @@ def test_an_untouched_image_of_its_own_is_restored_without_a_crc_pass(
 
 PAUSED_AGENT = """
 import pathlib, sys, time
-from volga_agent import defaultmodel, instance
+from volga_agent.app import defaultmodel
+from volga_agent.node import instance
 inst = instance.Instance("paused", defaultmodel.ensure().spec, pathlib.Path(sys.argv[1]), None)
 inst.to(instance.Tier.HOT)
 inst._pause()  # the worker disarms its parent-death signal for the dump that never comes

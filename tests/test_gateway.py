@@ -17,10 +17,11 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from volga_agent import defaultmodel, local
+from volga_agent.app import defaultmodel
+from volga_agent.app import up as volga_up
 from volga_agent.worker import contract
 from volga_bench import harness
-from volga_operator import api
+from volga_core import api
 
 # tritonclient.http's __del__ closes its gevent pool from whichever thread collects it, and warns.
 pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
@@ -29,7 +30,7 @@ A, B = "ctr-default", "ctr-b"
 
 
 @pytest.fixture(scope="module")
-def up() -> Iterator[local.Embedded]:
+def up() -> Iterator[volga_up.Embedded]:
     first = defaultmodel.ensure()
     doc = defaultmodel.spec_document(first.spec.source_path)
     doc["metadata"]["name"] = B
@@ -46,11 +47,11 @@ def up() -> Iterator[local.Embedded]:
     assert embedded.pool.criu is not None and not embedded.pool.criu.root.exists()
 
 
-def name_of(up: local.Embedded, model: str) -> str:
+def name_of(up: volga_up.Embedded, model: str) -> str:
     return up.pool.instances(model)[0].name
 
 
-def arrays(up: local.Embedded, model: str = A, batch: int = 4) -> dict[str, np.ndarray]:
+def arrays(up: volga_up.Embedded, model: str = A, batch: int = 4) -> dict[str, np.ndarray]:
     return contract.sample_inputs(up.gateway.catalog.decls(model), batch=batch, seed=21)
 
 
@@ -63,7 +64,7 @@ def grpc_inputs(x: dict[str, np.ndarray], module: Any = grpcclient) -> list[Any]
     return out
 
 
-def reference(up: local.Embedded, model: str, x: dict[str, np.ndarray]) -> np.ndarray:
+def reference(up: volga_up.Embedded, model: str, x: dict[str, np.ndarray]) -> np.ndarray:
     from volga_agent.worker import protocol
 
     info = up.pool.activate(model).instance
@@ -91,7 +92,7 @@ def test_server_and_model_metadata_http(h: httpclient.InferenceServerClient) -> 
     assert sorted(m["name"] for m in h.get_model_repository_index()) == [B, A]
 
 
-def test_infer_grpc_and_http_agree_with_the_worker(up: local.Embedded, g: grpcclient.InferenceServerClient,
+def test_infer_grpc_and_http_agree_with_the_worker(up: volga_up.Embedded, g: grpcclient.InferenceServerClient,
                                                    h: httpclient.InferenceServerClient) -> None:
     x = arrays(up)
     want = reference(up, A, x)
@@ -105,12 +106,12 @@ def test_infer_grpc_and_http_agree_with_the_worker(up: local.Embedded, g: grpccl
         assert np.array_equal(got, want)
 
 
-def gateway_activations(up: local.Embedded, model: str = A) -> float:
+def gateway_activations(up: volga_up.Embedded, model: str = A) -> float:
     value = up.gateway.metrics.registry.get_sample_value("volga_gateway_activations_total", {"model": model})
     return value or 0.0
 
 
-def test_frozen_model_wakes_once_for_200_concurrent_requests(up: local.Embedded) -> None:
+def test_frozen_model_wakes_once_for_200_concurrent_requests(up: volga_up.Embedded) -> None:
     name = name_of(up, A)
     up.pool.move_to(name, Tier.FROZEN)
     x = arrays(up, batch=2)
@@ -138,7 +139,7 @@ def test_frozen_model_wakes_once_for_200_concurrent_requests(up: local.Embedded)
     assert len(outs) == 200 and all(np.array_equal(o, want) for o in outs)
 
 
-def test_freezing_under_steady_traffic_costs_no_request(up: local.Embedded) -> None:
+def test_freezing_under_steady_traffic_costs_no_request(up: volga_up.Embedded) -> None:
     """The agent freezes a model while clients keep sending: requests caught by the freeze are handed back
     unrun and retried after a wake, so every one of them is answered, correctly."""
     name, x = name_of(up, A), arrays(up, batch=2)
@@ -181,7 +182,7 @@ def code_of(exc: InferenceServerException) -> str:
 
 
 def test_unknown_model(g: grpcclient.InferenceServerClient, h: httpclient.InferenceServerClient,
-                       up: local.Embedded) -> None:
+                       up: volga_up.Embedded) -> None:
     x = arrays(up)
     with pytest.raises(InferenceServerException, match="unknown model 'nope'") as err:
         g.infer("nope", grpc_inputs(x))
@@ -191,7 +192,7 @@ def test_unknown_model(g: grpcclient.InferenceServerClient, h: httpclient.Infere
     assert code_of(err.value) == "404"
 
 
-def test_input_hash_mismatch_is_rejected_before_any_wake(up: local.Embedded, g: grpcclient.InferenceServerClient,
+def test_input_hash_mismatch_is_rejected_before_any_wake(up: volga_up.Embedded, g: grpcclient.InferenceServerClient,
                                                          h: httpclient.InferenceServerClient) -> None:
     name = name_of(up, A)
     up.pool.move_to(name, Tier.FROZEN)
@@ -213,7 +214,7 @@ def test_input_hash_mismatch_is_rejected_before_any_wake(up: local.Embedded, g: 
     (lambda x: {"dense": x["dense"], "sparse": x["sparse"].astype(np.float32)}, "input 'sparse': dtype FP32"),
     (lambda x: {"dense": x["dense"]}, "inputs missing ['sparse']"),
 ])
-def test_malformed_tensors(up: local.Embedded, g: grpcclient.InferenceServerClient,
+def test_malformed_tensors(up: volga_up.Embedded, g: grpcclient.InferenceServerClient,
                            h: httpclient.InferenceServerClient, bad: Any, message: str) -> None:
     x = bad(arrays(up))
     with pytest.raises(InferenceServerException, match=message.replace("[", r"\[").replace("]", r"\]")) as err:
@@ -225,7 +226,7 @@ def test_malformed_tensors(up: local.Embedded, g: grpcclient.InferenceServerClie
     assert g.infer(A, grpc_inputs(arrays(up))).as_numpy("probability").shape == (4, 1)
 
 
-def test_oversized_body(up: local.Embedded, g: grpcclient.InferenceServerClient,
+def test_oversized_body(up: volga_up.Embedded, g: grpcclient.InferenceServerClient,
                         h: httpclient.InferenceServerClient) -> None:
     big = {"dense": np.zeros((2**21, 13), np.float32), "sparse": np.zeros((2**21, 26), np.int64)}  # ~540 MB
     with pytest.raises(InferenceServerException) as err:
@@ -237,7 +238,7 @@ def test_oversized_body(up: local.Embedded, g: grpcclient.InferenceServerClient,
     assert g.infer(A, grpc_inputs(arrays(up))).as_numpy("probability").shape == (4, 1)
 
 
-def test_expired_deadline(up: local.Embedded, g: grpcclient.InferenceServerClient,
+def test_expired_deadline(up: volga_up.Embedded, g: grpcclient.InferenceServerClient,
                           h: httpclient.InferenceServerClient) -> None:
     name = name_of(up, A)
     x = arrays(up)
@@ -255,7 +256,7 @@ def test_expired_deadline(up: local.Embedded, g: grpcclient.InferenceServerClien
     assert g.infer(A, grpc_inputs(x), headers={"x-timeout-ms": "30000"}).as_numpy("probability").shape == (4, 1)
 
 
-def test_worker_killed_mid_request(up: local.Embedded, g: grpcclient.InferenceServerClient) -> None:
+def test_worker_killed_mid_request(up: volga_up.Embedded, g: grpcclient.InferenceServerClient) -> None:
     x, y = arrays(up), arrays(up, B)
     assert g.infer(A, grpc_inputs(x)) is not None
     slot = up.pool.slots[name_of(up, A)]
@@ -286,7 +287,7 @@ def test_worker_killed_mid_request(up: local.Embedded, g: grpcclient.InferenceSe
     other.close()
 
 
-def test_metrics_endpoint(up: local.Embedded, g: grpcclient.InferenceServerClient) -> None:
+def test_metrics_endpoint(up: volga_up.Embedded, g: grpcclient.InferenceServerClient) -> None:
     g.infer(A, grpc_inputs(arrays(up)))
     text = urllib.request.urlopen(up.endpoints()["metrics"], timeout=10).read().decode()
     for name in ("volga_snapshot_restore_latency_ms_bucket", "volga_gateway_requests_total",
@@ -298,7 +299,7 @@ def test_metrics_endpoint(up: local.Embedded, g: grpcclient.InferenceServerClien
     assert 'model="nope"' not in text and 'code="NOT_FOUND",model="_unknown"' in text
 
 
-def test_shared_memory_is_used_and_leaves_no_files(up: local.Embedded, g: grpcclient.InferenceServerClient) -> None:
+def test_shared_memory_is_used_and_leaves_no_files(up: volga_up.Embedded, g: grpcclient.InferenceServerClient) -> None:
     before = up.gateway.metrics.zero_copy_latency._sum.get()  # type: ignore[attr-defined]
     g.infer(A, grpc_inputs(arrays(up)))
     assert up.gateway.metrics.zero_copy_latency._sum.get() > before  # type: ignore[attr-defined]

@@ -23,14 +23,17 @@ import tritonclient.http as httpclient
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from volga_agent import defaultmodel, instance, process
+from volga_agent.app import defaultmodel
+from volga_agent.host import process
+from volga_agent.node import instance
 from volga_agent.rpc.volga.v1 import agent_pb2, agent_pb2_grpc
 from volga_agent.worker import contract, protocol
 from volga_bench import harness
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 CONNECTIONS = 24  # all on one of two processes by chance: 2 in 2**24
-SIDECAR = [sys.executable, "-c", "import sys; from volga_agent.daemons import gateway_main; sys.exit(gateway_main())"]
+SIDECAR = [sys.executable, "-c",
+           "import sys; from volga_agent.app.daemons import gateway_main; sys.exit(gateway_main())"]
 
 
 def answered(metrics_url: str, protocol: str) -> float:

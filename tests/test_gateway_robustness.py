@@ -26,10 +26,10 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from volga_agent import local
+from volga_agent.app import up as volga_up
 from volga_agent.gateway import app, catalog, links, oip
 from volga_bench import harness
-from volga_operator import api
+from volga_core import api
 
 pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
 NAN, BROKEN = "nan", "broken"
@@ -63,7 +63,7 @@ def spec(model_id: str, source: pathlib.Path) -> api.ModelSpec:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[harness.Background, local.Embedded]]:
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[harness.Background, volga_up.Embedded]]:
     root = tmp_path_factory.mktemp("models")
     broken = root / "broken.onnx"
     broken.write_bytes(b"this is not an ONNX model")
@@ -75,7 +75,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[harness.Ba
 
 
 @pytest.fixture(scope="module")
-def up(stack: tuple[harness.Background, local.Embedded]) -> local.Embedded:
+def up(stack: tuple[harness.Background, volga_up.Embedded]) -> volga_up.Embedded:
     return stack[1]
 
 
@@ -91,13 +91,13 @@ def infer_input(module: Any, x: np.ndarray = X, binary: bool = True) -> list[Any
     return [item]
 
 
-def requests_counted(up: local.Embedded, code: str, protocol: str, model: str = NAN) -> float:
+def requests_counted(up: volga_up.Embedded, code: str, protocol: str, model: str = NAN) -> float:
     value = up.gateway.metrics.registry.get_sample_value(
         "volga_gateway_requests_total", {"model": model, "protocol": protocol, "code": code})
     return value or 0.0
 
 
-def post(up: local.Embedded, body: bytes, headers: dict[str, str] | None = None,
+def post(up: volga_up.Embedded, body: bytes, headers: dict[str, str] | None = None,
          model: str = NAN) -> tuple[int, bytes]:
     url = urllib.parse.urlsplit(up.endpoints()["http"])
     conn = http.client.HTTPConnection(url.hostname or "", url.port, timeout=120)
@@ -117,7 +117,7 @@ def json_request(x: np.ndarray = X) -> bytes:
 # --- NaN and infinities ---------------------------------------------------------------------------------------
 
 
-def test_non_finite_outputs_are_valid_json(up: local.Embedded, g: grpcclient.InferenceServerClient,
+def test_non_finite_outputs_are_valid_json(up: volga_up.Embedded, g: grpcclient.InferenceServerClient,
                                            h: httpclient.InferenceServerClient) -> None:
     with np.errstate(divide="ignore", invalid="ignore"):
         want = {"root": np.sqrt(X), "log": np.log(X), "inv": 1 / X}
@@ -163,7 +163,8 @@ def test_model_config_grpc_and_http(g: grpcclient.InferenceServerClient, h: http
 
 
 @pytest.fixture(scope="module", params=["agent-grpc", "in-process", "volga-up"])
-def gateway(request: pytest.FixtureRequest, stack: tuple[harness.Background, local.Embedded]) -> Iterator[app.Gateway]:
+def gateway(request: pytest.FixtureRequest,
+            stack: tuple[harness.Background, volga_up.Embedded]) -> Iterator[app.Gateway]:
     """A gateway that asks the agent about instances: over the Agent API (the sidecar), in-process, or the one
     `volga up` itself serves."""
     bg, embedded = stack
@@ -186,7 +187,7 @@ def gateway(request: pytest.FixtureRequest, stack: tuple[harness.Background, loc
     bg.call(gw.stop())
 
 
-def test_a_model_whose_worker_cannot_start_is_not_ready(up: local.Embedded, gateway: app.Gateway) -> None:
+def test_a_model_whose_worker_cannot_start_is_not_ready(up: volga_up.Embedded, gateway: app.Gateway) -> None:
     [broken] = up.pool.instances(BROKEN)
     assert broken.tier is api.Tier.COLD and "WorkerStartError" in broken.state_reason
     g = grpcclient.InferenceServerClient(f"127.0.0.1:{gateway.ports['grpc']}")
@@ -210,7 +211,7 @@ def test_a_model_whose_worker_cannot_start_is_not_ready(up: local.Embedded, gate
 # --- bad requests: a clear 4xx, counted with their code ---------------------------------------------------------
 
 
-def test_bad_timeouts_are_rejected_and_counted(up: local.Embedded, g: grpcclient.InferenceServerClient,
+def test_bad_timeouts_are_rejected_and_counted(up: volga_up.Embedded, g: grpcclient.InferenceServerClient,
                                                h: httpclient.InferenceServerClient) -> None:
     ok_grpc, ok_http = requests_counted(up, "OK", "grpc"), requests_counted(up, "OK", "http")
     bad_grpc, bad_http = requests_counted(up, "INVALID_ARGUMENT", "grpc"), requests_counted(up, "INVALID_ARGUMENT",
@@ -234,7 +235,7 @@ def binary_request(header: dict[str, Any], data: bytes) -> tuple[bytes, int]:
     return head + data, len(head)
 
 
-def test_malformed_bodies_and_headers(up: local.Embedded) -> None:
+def test_malformed_bodies_and_headers(up: volga_up.Embedded) -> None:
     raw = X.tobytes()
     good_header = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [2, 3],
                                "parameters": {"binary_data_size": len(raw)}}]}
@@ -282,7 +283,7 @@ def test_compressed_requests_from_tritonclient(h: httpclient.InferenceServerClie
             np.testing.assert_array_equal(result.as_numpy("inv"), want)
 
 
-def test_unexpected_errors_are_internal_and_counted(up: local.Embedded, g: grpcclient.InferenceServerClient,
+def test_unexpected_errors_are_internal_and_counted(up: volga_up.Embedded, g: grpcclient.InferenceServerClient,
                                                     h: httpclient.InferenceServerClient,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     def boom(*args: Any, **kwargs: Any) -> Any:
@@ -309,7 +310,7 @@ def test_unexpected_errors_are_internal_and_counted(up: local.Embedded, g: grpcc
     assert str(err.value.status()) == "500"
 
 
-def test_a_client_that_goes_away_is_one_log_line(up: local.Embedded, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_client_that_goes_away_is_one_log_line(up: volga_up.Embedded, caplog: pytest.LogCaptureFixture) -> None:
     url = urllib.parse.urlsplit(up.endpoints()["http"])
     cancelled = requests_counted(up, "CANCELLED", "http")
     with caplog.at_level(logging.INFO):
@@ -330,7 +331,7 @@ def test_a_client_that_goes_away_is_one_log_line(up: local.Embedded, caplog: pyt
 # --- route cache ------------------------------------------------------------------------------------------------
 
 
-def test_device_hints_do_not_grow_the_route_cache(up: local.Embedded, g: grpcclient.InferenceServerClient) -> None:
+def test_device_hints_do_not_grow_the_route_cache(up: volga_up.Embedded, g: grpcclient.InferenceServerClient) -> None:
     router = up.gateway.dataplane.router
     router.max_routes = 16
     for i in range(60):
@@ -342,7 +343,7 @@ def test_device_hints_do_not_grow_the_route_cache(up: local.Embedded, g: grpccli
 # --- a large body does not hold up the others -------------------------------------------------------------------
 
 
-def test_a_large_json_body_is_decoded_off_the_event_loop(up: local.Embedded, g: grpcclient.InferenceServerClient,
+def test_a_large_json_body_is_decoded_off_the_event_loop(up: volga_up.Embedded, g: grpcclient.InferenceServerClient,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """While a ~25 MB JSON request is being decoded, small requests sent after its decoding began are answered
     before it ends (with the decoding on the event loop, none could be)."""
@@ -384,11 +385,11 @@ def test_a_large_json_body_is_decoded_off_the_event_loop(up: local.Embedded, g: 
 
 
 def test_a_sidecar_started_before_its_agent_answers_once_the_agent_listens(
-        stack: tuple[harness.Background, local.Embedded]) -> None:
+        stack: tuple[harness.Background, volga_up.Embedded]) -> None:
     """The sidecar's load exchange fails while nothing listens on the agent's port, and gRPC's channel backs off
     further after each failure (1 s, 1.6 s, 2.6 s, ... by default): a request that came between two attempts
     used to fail at once with the last one's "connection refused", though the agent was listening by then."""
-    from volga_agent import server
+    from volga_agent.app import server
     from volga_bench import controlplane
 
     bg, embedded = stack
@@ -439,7 +440,7 @@ class RecordingGuard:
         self.events.append("leave")
 
 
-def test_worker_calls_of_protected_models_are_marked_in_flight(up: local.Embedded,
+def test_worker_calls_of_protected_models_are_marked_in_flight(up: volga_up.Embedded,
                                                                g: grpcclient.InferenceServerClient) -> None:
     plane = up.gateway.dataplane
     guard = RecordingGuard({NAN})

@@ -10,8 +10,8 @@ from collections.abc import Callable
 import pynvml
 import pytest
 
-from volga_agent import gpus
-from volga_operator import planner
+from volga_agent.host import gpus
+from volga_core import nodes
 
 GiB = 1 << 30
 
@@ -86,7 +86,7 @@ def nvml_loads() -> bool:
 def test_discover_without_a_driver_returns_empty(caplog: pytest.LogCaptureFixture) -> None:
     if nvml_loads():
         pytest.skip("this machine has an NVIDIA driver")
-    with caplog.at_level(logging.DEBUG, logger="volga_agent.gpus"):
+    with caplog.at_level(logging.DEBUG, logger="volga_agent.host.gpus"):
         assert gpus.discover() == []
     assert any("NVML unavailable" in record.message and record.levelno == logging.DEBUG
                for record in caplog.records)
@@ -186,7 +186,7 @@ def test_discover_skips_a_broken_gpu_and_keeps_the_rest(monkeypatch: pytest.Monk
                                                         caplog: pytest.LogCaptureFixture) -> None:
     fake = fake_nvml(DEVICES, numa=lambda index: 0, broken=frozenset({0}))
     monkeypatch.setattr(gpus, "pynvml", fake)
-    with caplog.at_level(logging.WARNING, logger="volga_agent.gpus"):
+    with caplog.at_level(logging.WARNING, logger="volga_agent.host.gpus"):
         found = gpus.discover(sysfs_root=tmp_path)
     assert [gpu.index for gpu in found] == [1]
     assert "skipping GPU 0: GPU is lost" in caplog.text
@@ -230,7 +230,7 @@ def test_node_profile_annotations() -> None:
 def test_node_profile_round_trip(node: list[gpus.GpuInfo]) -> None:
     """What the agent publishes is what the operator's planner reads back."""
     annotations = {"kubernetes.io/hostname": "n1", **gpus.node_profile(node, "n1").annotations()}
-    assert planner.NodeProfile.from_annotations("n1", annotations) == planner.NodeProfile(
+    assert nodes.NodeProfile.from_annotations("n1", annotations) == nodes.NodeProfile(
         "n1",
         gpu_count=len(node),
         gpu_product=",".join(sorted({g.product for g in node})),

@@ -11,8 +11,8 @@ import time
 import numpy as np
 import pytest
 
-from volga_agent import instance
 from volga_agent.gateway import workers
+from volga_agent.node import instance
 from volga_agent.worker import contract
 
 pytestmark = pytest.mark.integration

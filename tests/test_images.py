@@ -32,7 +32,8 @@ import yaml
 from images import Rootfs, have_buildah, image_exists
 from prometheus_client import parser as prom_parser
 
-from volga_agent import defaultmodel, instance
+from volga_agent.app import defaultmodel
+from volga_agent.node import instance
 from volga_agent.worker import contract
 from volga_bench.controlplane import ControlPlane, free_ports
 

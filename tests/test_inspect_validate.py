@@ -15,7 +15,8 @@ import tritonclient.http as httpclient
 import yaml
 from onnx import TensorProto, helper, numpy_helper
 
-from volga_agent import defaultmodel, instance
+from volga_agent.app import defaultmodel
+from volga_agent.node import instance
 from volga_agent.worker import contract
 from volga_bench import harness
 

@@ -14,9 +14,11 @@ from typing import Any
 import grpc
 import pytest
 
-from volga_agent import defaultmodel, neighbours, policy, pool, server
+from volga_agent import neighbours
+from volga_agent.app import defaultmodel, server
 from volga_agent.autonomy import exchange
 from volga_agent.gateway import catalog, dataplane, links
+from volga_agent.node import policy, pool
 from volga_agent.rpc.volga.v1 import agent_pb2 as pb
 from volga_agent.rpc.volga.v1 import agent_pb2_grpc as agent_grpc
 

@@ -16,7 +16,7 @@ from procs import Daemon, wait_for
 from test_neighbours_wiring import series
 
 from volga_bench.controlplane import ControlPlane, free_ports
-from volga_operator.api import labels
+from volga_core.api import labels
 
 pytest_plugins = ["k8s_fixtures"]
 pytestmark = [pytest.mark.k8s, pytest.mark.integration, pytest.mark.slow]
@@ -39,7 +39,7 @@ def test_agents_find_their_neighbours_through_node_annotations(control_plane: Co
         for i, node in enumerate(nodes):
             address = ["--agent-address", f"127.0.0.1:{agent_ports[i]}"]
             tokens = ["--token-file", str(folder / "token")] if i < 2 else []
-            daemons.append(Daemon(node, [sys.executable, "-m", "volga_agent.daemons", "--kube", "--node", node,
+            daemons.append(Daemon(node, [sys.executable, "-m", "volga_agent.app.daemons", "--kube", "--node", node,
                                          "--port", str(agent_ports[i]), "--metrics-port", str(metrics_ports[i]),
                                          "--workdir", str(folder / f"w{i}"), "--snapshot-dir", str(folder / f"s{i}"),
                                          "--settings", str(folder / "settings.yaml"), *address, *tokens], env, folder,

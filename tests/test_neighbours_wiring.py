@@ -23,7 +23,8 @@ from procs import Daemon, wait_for
 from test_autonomy_wiring import Traffic
 from tritonclient.utils import InferenceServerException
 
-from volga_agent import defaultmodel, instance
+from volga_agent.app import defaultmodel
+from volga_agent.node import instance
 from volga_agent.worker import contract
 from volga_bench import controlplane, harness
 

@@ -14,9 +14,10 @@ from typing import Any
 
 import pytest
 
-from volga_operator import handlers, planner, reconcile
-from volga_operator.api import labels
-from volga_operator.kube import ratelimit, watch
+from volga_core import nodes, planner
+from volga_core.api import labels
+from volga_core.kube import ratelimit, watch
+from volga_operator import handlers, reconcile
 
 NOW = "2026-11-29T00:00:00Z"
 
@@ -30,7 +31,7 @@ def spec_body(index: int) -> dict[str, Any]:
 
 def cluster(specs: int, nodes: int = 3) -> reconcile.State:
     state = reconcile.State()
-    state.nodes = {f"n{i}": planner.NodeProfile(f"n{i}", gpu_count=4) for i in range(nodes)}
+    state.nodes = {f"n{i}": nodes.NodeProfile(f"n{i}", gpu_count=4) for i in range(nodes)}
     for i in range(specs):
         state.specs[("ns", f"ms{i}")] = reconcile.SpecRecord("ns", f"ms{i}", f"uid-{i}", 1, spec_body(i), {},
                                                              (labels.FINALIZER,))
@@ -86,7 +87,7 @@ def test_the_shortcut_for_kept_specs_plans_as_the_planner_does() -> None:
     assert where(fast) == where(full) and not fast.unplaced
     # A lost node sends its specs back to the whole cluster.
     lost = state.emis[("ns", "ms0-0")].node
-    state.nodes[lost] = planner.NodeProfile(lost, gpu_count=4, ready=False)
+    state.nodes[lost] = nodes.NodeProfile(lost, gpu_count=4, ready=False)
     moved = reconcile.place(state, specs, NOW)
     assert lost not in {d.node for d in moved.desired}
     assert where(moved) == where(planner.plan(specs, state.nodes.values(), reconcile.observed(state, NOW)))

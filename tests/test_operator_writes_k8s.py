@@ -22,8 +22,8 @@ from procs import Daemon, wait_for
 
 from volga_bench import scale
 from volga_bench.controlplane import ControlPlane, ControlPlaneError
-from volga_operator import api, planner
-from volga_operator.api import crds
+from volga_core import api, nodes
+from volga_core.api import crds
 
 pytestmark = [pytest.mark.k8s, pytest.mark.integration, pytest.mark.slow]
 NODES = ("gpu-a", "gpu-b", "gpu-c")
@@ -44,7 +44,7 @@ def plane() -> Iterator[ControlPlane]:
         for crd in crds.all_crds().values():
             ext.create_custom_resource_definition(crd)  # type: ignore[arg-type]
         core = k8s.CoreV1Api(client)
-        profile = planner.NodeProfile("", 8, scale.PRODUCT, 141 * 2**30, (0,)).annotations()
+        profile = nodes.NodeProfile("", 8, scale.PRODUCT, 141 * 2**30, (0,)).annotations()
         for node in NODES:
             core.create_node(k8s.V1Node(metadata=k8s.V1ObjectMeta(name=node, annotations=profile)))
         wait_for("the CRDs to serve", lambda: k8s.CustomObjectsApi(client).list_cluster_custom_object(

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from volga_operator import api, planner
+from volga_core import api, nodes, planner
 
 Tier = api.Tier
 
@@ -20,9 +20,9 @@ def spec(gpu: bool = False, product: str | None = None, min_gib: float = 0, numa
         "pool": {"hot": 0, "warm": 0, "suspended": 0, "frozen": 0, **pool}})
 
 
-H200 = planner.NodeProfile("gpu-a", 8, "NVIDIA H200", 141 * 2**30, (0, 1))
-A10 = planner.NodeProfile("gpu-b", 1, "NVIDIA A10", 24 * 2**30, (0,))
-CPU = planner.NodeProfile("cpu-a")
+H200 = nodes.NodeProfile("gpu-a", 8, "NVIDIA H200", 141 * 2**30, (0, 1))
+A10 = nodes.NodeProfile("gpu-b", 1, "NVIDIA A10", 24 * 2**30, (0,))
+CPU = nodes.NodeProfile("cpu-a")
 
 
 def test_floors_become_one_emi_per_slot() -> None:
@@ -55,15 +55,15 @@ def test_hardware_filter(kwargs: dict, reason: str) -> None:
 
 
 def test_other_specs_count_into_load() -> None:
-    nodes = [planner.NodeProfile("n0"), planner.NodeProfile("n1")]
+    profiles = [nodes.NodeProfile("n0"), nodes.NodeProfile("n1")]
     busy = [planner.Observed(f"other-{i}", "other", "n0") for i in range(3)]
-    assert planner.plan({"ms": spec(frozen=1)}, nodes, busy).desired[0].node == "n1"
+    assert planner.plan({"ms": spec(frozen=1)}, profiles, busy).desired[0].node == "n1"
 
 
 def test_a_thousand_specs_on_two_hundred_nodes_spread_evenly() -> None:
-    nodes = [planner.NodeProfile(f"n{i:03d}", 8, "NVIDIA H200", 141 * 2**30, (0, 1)) for i in range(200)]
+    profiles = [nodes.NodeProfile(f"n{i:03d}", 8, "NVIDIA H200", 141 * 2**30, (0, 1)) for i in range(200)]
     specs = {f"ms{i:04d}": spec(gpu=True, frozen=1, warm=1) for i in range(1000)}
-    result = planner.plan(specs, nodes)
+    result = planner.plan(specs, profiles)
     assert len(result.desired) == 2000
     counts: dict[str, int] = {}
     for d in result.desired:
@@ -78,66 +78,66 @@ def test_profile_match_wins_over_load() -> None:
 
 
 def test_instances_spread_over_equal_nodes() -> None:
-    nodes = [planner.NodeProfile(f"n{i}") for i in range(3)]
-    result = planner.plan({"ms": spec(frozen=3)}, nodes)
+    profiles = [nodes.NodeProfile(f"n{i}") for i in range(3)]
+    result = planner.plan({"ms": spec(frozen=3)}, profiles)
     assert sorted(d.node for d in result.desired) == ["n0", "n1", "n2"]
 
 
 def test_existing_placements_are_kept_and_lost_nodes_replaced() -> None:
-    nodes = [planner.NodeProfile(f"n{i}") for i in range(3)]
+    profiles = [nodes.NodeProfile(f"n{i}") for i in range(3)]
     observed = [planner.Observed("ms-0", "ms", "n2"), planner.Observed("ms-1", "ms", "gone")]
-    result = planner.plan({"ms": spec(frozen=2)}, nodes, observed)
+    result = planner.plan({"ms": spec(frozen=2)}, profiles, observed)
     placed = {d.name: d.node for d in result.desired}
     assert placed["ms-0"] == "n2"
     assert placed["ms-1"] in {"n0", "n1"}
 
 
 def test_recency_and_snapshot_size_break_ties() -> None:
-    nodes = [planner.NodeProfile("n0"), planner.NodeProfile("n1")]
+    profiles = [nodes.NodeProfile("n0"), nodes.NodeProfile("n1")]
     observed = [planner.Observed("x-9", "ms", "n1", last_used_age_s=5, snapshot_bytes=100)]
-    result = planner.plan({"ms": spec(frozen=1)}, nodes, observed)
+    result = planner.plan({"ms": spec(frozen=1)}, profiles, observed)
     assert result.desired[0].node == "n1"
-    score_n1 = planner.score(spec(), nodes[1], 0, 1, observed, 100)
-    score_n0 = planner.score(spec(), nodes[0], 0, 1, [], 100)
+    score_n1 = planner.score(spec(), profiles[1], 0, 1, observed, 100)
+    score_n0 = planner.score(spec(), profiles[0], 0, 1, [], 100)
     assert score_n1 - score_n0 == pytest.approx(30 * (1 - 5 / 600) + 10)
 
 
 def test_deterministic() -> None:
     specs = {f"ms{i}": spec(frozen=2) for i in range(5)}
-    nodes = [planner.NodeProfile(f"n{i}") for i in range(4)]
-    assert planner.plan(specs, nodes) == planner.plan(dict(reversed(specs.items())), list(reversed(nodes)))
+    profiles = [nodes.NodeProfile(f"n{i}") for i in range(4)]
+    assert planner.plan(specs, profiles) == planner.plan(dict(reversed(specs.items())), list(reversed(profiles)))
 
 
 def test_annotations_round_trip() -> None:
-    back = planner.NodeProfile.from_annotations("gpu-a", H200.annotations())
+    back = nodes.NodeProfile.from_annotations("gpu-a", H200.annotations())
     assert back == H200
-    assert planner.NodeProfile.from_annotations("x", {"volga.dev/gpu-count": "lots"}).gpu_count == 0
+    assert nodes.NodeProfile.from_annotations("x", {"volga.dev/gpu-count": "lots"}).gpu_count == 0
 
 
 def test_not_ready_nodes_are_skipped() -> None:
-    down = planner.NodeProfile("n0", ready=False)
+    down = nodes.NodeProfile("n0", ready=False)
     result = planner.plan({"ms": spec(frozen=1)}, [down])
     assert "not ready" in result.unplaced["ms"]
 
 
-def random_cluster(rng: random.Random) -> tuple[dict[str, api.ModelSpecSpec], list[planner.NodeProfile],
+def random_cluster(rng: random.Random) -> tuple[dict[str, api.ModelSpecSpec], list[nodes.NodeProfile],
                                                 list[planner.Observed], dict[str, list[planner.SharedImage]],
                                                 frozenset[str]]:
-    """Nodes of a few kinds (so the index's groups hold many nodes each), specs asking for them, and EMIs already
+    """Nodes of a few kinds (so the index's groups hold many profiles each), specs asking for them, and EMIs already
     placed, some of the planned specs' own (recency, snapshot sizes) and many of others (load)."""
-    kinds = [planner.NodeProfile("", 8, "NVIDIA H200", 141 * 2**30, (0, 1), gpu_driver="570"),
-             planner.NodeProfile("", 8, "NVIDIA H200", 141 * 2**30, (0, 1), gpu_driver="580"),
-             planner.NodeProfile("", 1, "NVIDIA A10", 24 * 2**30, ()),
-             planner.NodeProfile("", 4, "NVIDIA L4", 24 * 2**30, (0,), ready=False),
-             planner.NodeProfile("")]
-    nodes = [dataclasses.replace(rng.choice(kinds), name=f"n{i:03d}") for i in range(rng.randint(0, 60))]
+    kinds = [nodes.NodeProfile("", 8, "NVIDIA H200", 141 * 2**30, (0, 1), gpu_driver="570"),
+             nodes.NodeProfile("", 8, "NVIDIA H200", 141 * 2**30, (0, 1), gpu_driver="580"),
+             nodes.NodeProfile("", 1, "NVIDIA A10", 24 * 2**30, ()),
+             nodes.NodeProfile("", 4, "NVIDIA L4", 24 * 2**30, (0,), ready=False),
+             nodes.NodeProfile("")]
+    profiles = [dataclasses.replace(rng.choice(kinds), name=f"n{i:03d}") for i in range(rng.randint(0, 60))]
     specs = {}
     for i in range(rng.randint(1, 25)):
         gpu = rng.random() < 0.7
         specs[f"ms{i:02d}"] = spec(gpu=gpu, product=rng.choice([None, "NVIDIA H200", "A10", "H100"]) if gpu else None,
                                    min_gib=rng.choice([0, 0, 20, 100]) if gpu else 0, numa=rng.random() < 0.2,
                                    hot=rng.randint(0, 2), warm=rng.randint(0, 2), frozen=rng.randint(0, 3))
-    names = [n.name for n in nodes] + ["gone"]
+    names = [n.name for n in profiles] + ["gone"]
     observed = [planner.Observed(f"other-{i}", f"other{i % 7}", rng.choice(names)) for i in range(rng.randint(0, 300))]
     for name in rng.sample(sorted(specs), k=len(specs) // 2):
         for k in range(rng.randint(0, 3)):
@@ -147,22 +147,22 @@ def random_cluster(rng: random.Random) -> tuple[dict[str, api.ModelSpecSpec], li
     shared = {name: [planner.SharedImage("NVIDIA H200", rng.choice(["", "570"]))]
               for name in rng.sample(sorted(specs), k=len(specs) // 3)}
     avoid = frozenset(rng.sample(names, k=min(len(names), rng.randint(0, 5))))
-    return specs, nodes, observed, shared, avoid
+    return specs, profiles, observed, shared, avoid
 
 
 def test_the_node_index_places_as_scoring_every_node_does() -> None:
     rng = random.Random(20)
     for _ in range(300):
-        specs, nodes, observed, shared, avoid = random_cluster(rng)
-        fast = planner.plan(specs, nodes, observed, shared, avoid)
-        assert fast == planner.plan(specs, nodes, observed, shared, avoid, exhaustive=True)
+        specs, profiles, observed, shared, avoid = random_cluster(rng)
+        fast = planner.plan(specs, profiles, observed, shared, avoid)
+        assert fast == planner.plan(specs, profiles, observed, shared, avoid, exhaustive=True)
 
 
 def test_base_load_counts_as_observed_emis_of_other_specs() -> None:
-    nodes = [planner.NodeProfile(f"n{i}") for i in range(4)]
+    profiles = [nodes.NodeProfile(f"n{i}") for i in range(4)]
     busy = [planner.Observed(f"other-{i}", "other", f"n{i % 2}") for i in range(5)]
     specs = {f"ms{i}": spec(frozen=2) for i in range(3)}
-    assert planner.plan(specs, nodes, busy) == planner.plan(specs, nodes, base_load={"n0": 3, "n1": 2})
+    assert planner.plan(specs, profiles, busy) == planner.plan(specs, profiles, base_load={"n0": 3, "n1": 2})
 
 
 def test_the_placement_bench_times_both_ways_to_the_same_placements() -> None:

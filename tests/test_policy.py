@@ -7,8 +7,8 @@ import threading
 import pydantic
 import pytest
 
-from volga_agent import policy
-from volga_operator import api
+from volga_agent.node import policy
+from volga_core import api
 
 Tier = api.Tier
 GiB = 1 << 30

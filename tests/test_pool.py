@@ -10,9 +10,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from volga_agent import errors, instance, policy, pool
+from volga_agent import errors
+from volga_agent.node import instance, policy, pool
 from volga_agent.snapshot import criu
-from volga_operator import api, planner
+from volga_core import api, planner
 
 Tier = api.Tier
 
@@ -137,7 +138,7 @@ def test_an_instance_that_cannot_be_created_is_reported(rundir: pathlib.Path,
 
 
 def test_numa_affinity_pins_to_the_gpus_node(default_spec: api.ModelSpecSpec, rundir: pathlib.Path) -> None:
-    from volga_agent import gpus
+    from volga_agent.host import gpus
 
     gpu = gpus.GpuInfo(0, "GPU-x", "NVIDIA H200", 1, 0, "580", "0000:00:06.0", 0)
     p = pool.Pool("n1", rundir, None, gpus=[gpu])

@@ -25,11 +25,12 @@ import pytest
 import tritonclient.grpc as grpcclient
 import yaml
 
-from volga_agent import defaultmodel, local
+from volga_agent.app import defaultmodel
+from volga_agent.app import up as volga_up
 from volga_agent.worker import contract
 from volga_bench import harness
 from volga_bench.controlplane import free_ports
-from volga_operator import api
+from volga_core import api
 
 # tritonclient's __del__ may warn from whichever thread collects it.
 pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
@@ -118,7 +119,7 @@ class Prometheus:
 
 
 @pytest.fixture(scope="module")
-def up() -> Iterator[local.Embedded]:
+def up() -> Iterator[volga_up.Embedded]:
     bg, embedded = harness.start_embedded([defaultmodel.ensure()])
     try:
         bg.call(embedded.wait_converged(), timeout=300)
@@ -129,7 +130,7 @@ def up() -> Iterator[local.Embedded]:
 
 
 @pytest.fixture(scope="module")
-def prometheus(up: local.Embedded, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
+def prometheus(up: volga_up.Embedded, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
     target = urllib.parse.urlsplit(up.endpoints()["metrics"]).netloc
     server = Prometheus(tmp_path_factory.mktemp("prometheus"), target)
     try:
@@ -138,7 +139,7 @@ def prometheus(up: local.Embedded, tmp_path_factory: pytest.TempPathFactory) -> 
         server.stop()
 
 
-def test_prometheus_sees_the_restores_performed(up: local.Embedded, prometheus: Prometheus) -> None:
+def test_prometheus_sees_the_restores_performed(up: volga_up.Embedded, prometheus: Prometheus) -> None:
     model = defaultmodel.MODEL_ID
     name = up.pool.instances(model)[0].name
     decls = up.gateway.catalog.decls(model)
@@ -180,7 +181,7 @@ def test_prometheus_sees_the_restores_performed(up: local.Embedded, prometheus: 
     assert (prometheus.scalar("sum(volga_emis_active_total)") or 0) >= 1
 
 
-def test_dashboard_queries_run_on_the_scraped_series(up: local.Embedded, prometheus: Prometheus) -> None:
+def test_dashboard_queries_run_on_the_scraped_series(up: volga_up.Embedded, prometheus: Prometheus) -> None:
     """Every PromQL expression of the Grafana dashboard parses and runs on real series (Grafana's variables set as
     Grafana would); the restore latency panels return the FROZEN tier of the default model."""
     wait_for("restores to be scraped",

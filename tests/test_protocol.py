@@ -109,6 +109,6 @@ def test_the_gateway_face_shares_the_layout_and_the_limits() -> None:
 def test_modelspec_dtypes_are_the_ones_workers_and_gateways_carry() -> None:
     """A type the ModelSpec accepts but a worker cannot carry would fail only at the first cold start."""
     from volga_agent.gateway import oip
-    from volga_operator import api
+    from volga_core import api
 
     assert {t.value for t in api.DType} == set(protocol.NP_DTYPES) == set(oip.NUMPY_DTYPES)

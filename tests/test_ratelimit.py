@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from volga_operator.kube import ratelimit
+from volga_core.kube import ratelimit
 
 
 class Clock:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from volga_operator import api, planner, reconcile
-from volga_operator.api import conditions, labels
+from volga_core import api, nodes
+from volga_core.api import conditions, labels
+from volga_operator import reconcile
 
 Tier = api.Tier
 NOW = "2026-11-29T00:00:00Z"
@@ -21,7 +22,7 @@ def spec_body(**pool: int) -> dict[str, Any]:
 
 def state_with(spec: dict[str, Any] | None = None, nodes: int = 2, **record: Any) -> reconcile.State:
     state = reconcile.State()
-    state.nodes = {f"n{i}": planner.NodeProfile(f"n{i}") for i in range(nodes)}
+    state.nodes = {f"n{i}": nodes.NodeProfile(f"n{i}") for i in range(nodes)}
     state.specs[("ns", "ms")] = reconcile.SpecRecord("ns", "ms", "uid-1", 3, spec or spec_body(), {},
                                                      (labels.FINALIZER,), **record)
     return state
@@ -140,7 +141,7 @@ def test_lost_node_moves_its_emis() -> None:
     state = state_with(spec_body(frozen=2))
     apply(state, reconcile.compute(state, [("ns", "ms")], NOW))
     lost = state.emis[("ns", "ms-0")].spec["node"]
-    state.nodes[lost] = planner.NodeProfile(lost, ready=False)
+    state.nodes[lost] = nodes.NodeProfile(lost, ready=False)
     actions = reconcile.compute(state, [("ns", "ms")], NOW)
     [patch] = [a for a in actions if a.verb == "patch_emi"]
     assert patch.name == "ms-0" and patch.body["spec"]["node"] != lost
@@ -155,7 +156,7 @@ def test_orphans_of_a_vanished_spec_are_deleted() -> None:
 
 def test_node_profiles_need_the_agent_annotation() -> None:
     assert reconcile.node_profile("n", {}, []) is None
-    annotations = planner.NodeProfile("n", 8, "NVIDIA H200", 1, (0,)).annotations()
+    annotations = nodes.NodeProfile("n", 8, "NVIDIA H200", 1, (0,)).annotations()
     profile = reconcile.node_profile("n", annotations, [{"type": "Ready", "status": "False"}])
     assert profile is not None and profile.gpu_count == 8 and not profile.ready
 

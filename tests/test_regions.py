@@ -21,7 +21,7 @@ import time
 import numpy as np
 import pytest
 
-from volga_agent import process
+from volga_agent.host import process
 from volga_agent.snapshot import criu
 from volga_agent.worker import regions
 

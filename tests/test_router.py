@@ -98,7 +98,7 @@ def test_a_caller_giving_up_does_not_cancel_the_wake() -> None:
 def test_catalog_knows_where_models_are_placed() -> None:
     from volga_agent.gateway import catalog as gateway_catalog
     from volga_agent.gateway import oip
-    from volga_operator import api
+    from volga_core import api
 
     spec = api.ModelSpecSpec.model_validate({
         "modelId": "m", "framework": "onnx", "source": "/m.onnx",

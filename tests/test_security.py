@@ -26,12 +26,14 @@ import trustme
 import yaml
 from tritonclient.utils import InferenceServerException
 
-from volga_agent import admission, auth, defaultmodel, errors, instance, policy, pool, server
+from volga_agent import auth, errors
+from volga_agent.app import defaultmodel, server
 from volga_agent.gateway import app, catalog, links
+from volga_agent.node import admission, instance, policy, pool
 from volga_agent.rpc.volga.v1 import agent_pb2, agent_pb2_grpc
 from volga_agent.worker import contract, protocol
 from volga_bench import harness
-from volga_operator import api, planner
+from volga_core import api, planner
 
 # tritonclient.http's __del__ closes its gevent pool from whichever thread collects it, and warns.
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
@@ -291,7 +293,7 @@ def test_the_agent_api_wants_a_token(token_file: pathlib.Path, rundir: pathlib.P
 def test_volga_agent_keeps_its_api_on_loopback_without_a_token(tmp_path: pathlib.Path) -> None:
     spec = tmp_path / "spec.yaml"
     spec.write_text(yaml.safe_dump(spec_at("/nope.onnx").to_wire()))
-    out = subprocess.run([sys.executable, "-m", "volga_agent.daemons", "-f", str(spec), "--agent-host", "0.0.0.0",
+    out = subprocess.run([sys.executable, "-m", "volga_agent.app.daemons", "-f", str(spec), "--agent-host", "0.0.0.0",
                           "--workdir", str(tmp_path / "w")], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "--agent-host 0.0.0.0: the Agent API leaves loopback only with --token-file" in out.stderr
@@ -513,7 +515,7 @@ def test_metrics_token_file_guards_the_daemons_metrics(daemon: str, token_file: 
         command = [sys.executable, "-c", main, *common, "--http-port", "0", "--grpc-port", "0"]
         expected = "volga_gateway_requests"
     else:
-        command = [sys.executable, "-m", "volga_agent.daemons", *common, "--port", "0",
+        command = [sys.executable, "-m", "volga_agent.app.daemons", *common, "--port", "0",
                    "--workdir", str(tmp_path / "w"), "--snapshot-dir", str(tmp_path / "s")]
         expected = "volga_activations"
     process = procs.Daemon(daemon, command, {}, tmp_path, announce=f"{daemon}")

@@ -15,10 +15,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from volga_agent import cli, instance, policy, process
+from volga_agent import cli
+from volga_agent.host import process
+from volga_agent.node import instance, policy
 from volga_agent.snapshot import criu, shared
 from volga_bench import shared as shared_bench
-from volga_operator import api, planner, reconcile
+from volga_core import api, nodes, planner
+from volga_operator import reconcile
 
 pytestmark = pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare(1) for the two nodes")
 
@@ -320,8 +323,8 @@ def test_instances_at_other_paths_do_not_take_each_other_s_images(
 
 def test_the_planner_prefers_nodes_that_can_restore_a_published_image(default_spec: api.ModelSpecSpec) -> None:
     gpu_spec = default_spec.model_copy(update={"hardware": default_spec.hardware.model_copy(update={"gpu": True})})
-    same = planner.NodeProfile("b-same", 1, "NVIDIA H200", 2**37, gpu_driver="580.65")
-    other = planner.NodeProfile("a-other-driver", 1, "NVIDIA H200", 2**37, gpu_driver="575.1")
+    same = nodes.NodeProfile("b-same", 1, "NVIDIA H200", 2**37, gpu_driver="580.65")
+    other = nodes.NodeProfile("a-other-driver", 1, "NVIDIA H200", 2**37, gpu_driver="575.1")
     image = planner.SharedImage("NVIDIA H200", "580.65")
     assert planner.restorable(same, [image]) and not planner.restorable(other, [image])
     assert planner.restorable(other, [planner.SharedImage()])  # a CPU image restores anywhere

@@ -30,8 +30,9 @@ from kubernetes import client as k8s
 from procs import Daemon, wait_for
 from prometheus_client import parser
 
-from volga_agent import defaultmodel, instance
+from volga_agent.app import defaultmodel
 from volga_agent.gateway import links
+from volga_agent.node import instance
 from volga_agent.snapshot import shared
 from volga_agent.worker import contract
 from volga_bench import harness
@@ -88,7 +89,7 @@ def cluster(control_plane: ControlPlane, crds: None) -> Iterator[dict[str, Any]]
     try:
         for node in NODES:
             daemons[node] = Daemon(node, in_node(base / node, common, [
-                py, "-m", "volga_agent.daemons", "--kube", "--node", node, "--port", "0",
+                py, "-m", "volga_agent.app.daemons", "--kube", "--node", node, "--port", "0",
                 "--metrics-port", str(metrics_ports[node]), "--workdir", str(common / "work"),
                 "--snapshot-dir", str(common / "snapshots"), "--shared-snapshots", str(store),
                 "--gateway-address", f"127.0.0.1:{grpc_ports[node]}", "-v"]), env, base, "volga-agent")

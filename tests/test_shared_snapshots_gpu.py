@@ -16,11 +16,12 @@ import tempfile
 import numpy as np
 import pytest
 
-from volga_agent import gpus, instance
+from volga_agent.host import gpus
+from volga_agent.node import instance
 from volga_agent.snapshot import criu, cuda, shared
 from volga_agent.worker import contract
 from volga_bench import tiers
-from volga_operator import api
+from volga_core import api
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")

@@ -11,8 +11,9 @@ import pytest
 from kubernetes import client as k8s_client
 from kubernetes.client import V1Namespace, V1ObjectMeta
 
-from volga_operator import api, reconcile
-from volga_operator.api import labels
+from volga_core import api
+from volga_core.api import labels
+from volga_operator import reconcile
 
 pytest_plugins = ["k8s_fixtures"]
 pytestmark = [pytest.mark.k8s]

@@ -16,8 +16,8 @@ from kubernetes.client import V1Namespace, V1ObjectMeta
 from kubernetes.client.exceptions import ApiException
 
 from volga_bench.controlplane import ControlPlane
-from volga_operator import api
-from volga_operator.api import labels
+from volga_core import api
+from volga_core.api import labels
 
 pytest_plugins = ["k8s_fixtures"]
 pytestmark = [pytest.mark.k8s]

@@ -6,9 +6,10 @@ import pathlib
 
 import pytest
 
-from volga_agent import defaultmodel, instance
+from volga_agent.app import defaultmodel
+from volga_agent.node import instance
 from volga_agent.snapshot import cuda
-from volga_operator import api
+from volga_core import api
 
 Tier = api.Tier
 
@@ -66,7 +67,7 @@ def test_driver_structs_match_the_header() -> None:
 
 def test_the_agent_proto_names_tiers_as_the_api_does() -> None:
     """server.tier_pb and the gateway's link convert tiers by name."""
-    from volga_agent import server
+    from volga_agent.app import server
     from volga_agent.rpc.volga.v1 import agent_pb2
 
     assert set(agent_pb2.Tier.keys()) - {"TIER_UNSPECIFIED"} == {t.value for t in Tier}

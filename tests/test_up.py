@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from volga_agent import defaultmodel, instance
+from volga_agent.app import defaultmodel
+from volga_agent.node import instance
 from volga_agent.worker import contract
 from volga_bench import harness
 

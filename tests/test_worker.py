@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 from procs import wait_for
 
-from volga_agent import defaultmodel, instance, process
+from volga_agent.app import defaultmodel
+from volga_agent.host import process
+from volga_agent.node import instance
 from volga_agent.worker import contract, protocol
-from volga_operator import api
+from volga_core import api
 
 pytestmark = pytest.mark.integration
 Tier = api.Tier

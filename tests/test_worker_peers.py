@@ -13,8 +13,8 @@ import pathlib
 import numpy as np
 import pytest
 
-from volga_agent import instance
 from volga_agent.gateway import workers
+from volga_agent.node import instance
 from volga_agent.worker import contract, protocol, serve
 
 pytestmark = pytest.mark.integration

@@ -10,10 +10,12 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from volga_agent import defaultmodel, instance, policy, process
+from volga_agent.app import defaultmodel
+from volga_agent.host import process
+from volga_agent.node import instance, policy
 from volga_agent.snapshot import criu
 from volga_agent.worker import contract, protocol
-from volga_operator import api
+from volga_core import api
 
 pytestmark = pytest.mark.integration
 

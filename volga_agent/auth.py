@@ -1,7 +1,7 @@
 """Who may call Volga's control and data surfaces: bearer tokens for gRPC (an interceptor) and REST (a middleware).
 
 Tokens come from a file (one per line, `#` comments; in a cluster a Secret mounted into the container; the
-tokens and the REST middleware live in `volga_operator.kube.bearer`, which the operator shares), are
+tokens and the REST middleware live in `volga_core.http`, which the operator shares), are
 compared in constant time, and are checked before any handler runs: a call without a valid
 `authorization: Bearer TOKEN` gets gRPC UNAUTHENTICATED or HTTP 401. Health checks stay open, so probes need no
 token. The Agent API listens on a UNIX socket and loopback unless it has tokens (docs/security.md).
@@ -15,13 +15,13 @@ from typing import Any
 
 import grpc
 
-from volga_operator.kube import bearer
+from volga_core import http
 
 log = logging.getLogger(__name__)
 
 # The tokens and the REST guard are the operator's too (its /metrics): one implementation, in the kit both share.
-Tokens = bearer.Tokens
-rest_middleware = bearer.rest_middleware
+Tokens = http.Tokens
+rest_middleware = http.rest_middleware
 
 
 def is_loopback(host: str) -> bool:

@@ -34,9 +34,9 @@ from typing import Any
 
 import yaml
 
-from volga_agent import policy, ports
-from volga_operator import api
-from volga_operator.api import signature
+from volga_agent import ports
+from volga_agent.node import policy, signature
+from volga_core import api
 
 Tier = api.Tier
 
@@ -112,7 +112,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_build_model(args: argparse.Namespace) -> int:
-    from volga_agent import defaultmodel
+    from volga_agent.app import defaultmodel
 
     spec = defaultmodel.ensure(pathlib.Path(args.out) if args.out else None)
     print(yaml.safe_dump(spec.to_wire(), sort_keys=False), end="")
@@ -129,7 +129,7 @@ def _progress(quiet: bool) -> Callable[[str], None]:
 def load_specs(files: list[str] | None) -> list[api.ModelSpec]:
     """The ModelSpecs in `files` (the embedded default without), inputs and outputs they leave out read from
     their model files; SpecError for the first problem, a name or model id used twice included."""
-    from volga_agent import defaultmodel
+    from volga_agent.app import defaultmodel
 
     if not files:
         return [defaultmodel.ensure()]
@@ -169,7 +169,8 @@ def settings_from(args: argparse.Namespace) -> policy.Settings:
 def model_roots(args: argparse.Namespace) -> tuple[str, ...]:
     """Where `volga up` lets model sources point: --model-root, else the folders of the ModelSpec files and the
     folder of the built models (`volga build-model`)."""
-    from volga_agent import admission, defaultmodel
+    from volga_agent.app import defaultmodel
+    from volga_agent.node import admission
 
     if args.model_root:
         return tuple(str(pathlib.Path(root).resolve()) for root in args.model_root)
@@ -181,7 +182,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     import uvloop
 
-    from volga_agent import local
+    from volga_agent.app import up
     from volga_agent.gateway import siblings
 
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
@@ -199,7 +200,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"volga up: {exc}", file=sys.stderr)
         return 2
-    options = local.Options(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
+    options = up.Options(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                             metrics_port=args.metrics_port, agent_port=args.agent_port,
                             snapshot_root=pathlib.Path(args.snapshot_dir) if args.snapshot_dir else None,
                             workroot=pathlib.Path(args.workdir) if args.workdir else None,
@@ -207,7 +208,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                             gateway_processes=args.gateway_processes)
     print(f"volga up: {len(specs)} ModelSpec(s); listening on", flush=True)
     try:
-        uvloop.run(local.run(specs, options, lambda line: print(line, flush=True)))
+        uvloop.run(up.run(specs, options, lambda line: print(line, flush=True)))
     except ValueError as exc:  # what the node refuses before starting anything (too many instances)
         print(f"volga up: {exc}", file=sys.stderr)
         return 2
@@ -218,17 +219,17 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from volga_agent import overview
+    from volga_agent.app import status
 
     try:
         if args.cluster or args.kubeconfig or args.namespace or args.context:
-            models = overview.from_cluster(args.kubeconfig, args.namespace, args.context)
+            models = status.from_cluster(args.kubeconfig, args.namespace, args.context)
         else:
-            models = overview.from_agent(args.agent)
-    except overview.SourceError as exc:
+            models = status.from_agent(args.agent)
+    except status.SourceError as exc:
         print(f"volga status: {exc}", file=sys.stderr)
         return 1
-    print(json.dumps({"models": [m.to_json() for m in models]}, indent=2) if args.json else overview.table(models))
+    print(json.dumps({"models": [m.to_json() for m in models]}, indent=2) if args.json else status.table(models))
     return 0
 
 
@@ -265,7 +266,7 @@ def _report_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_bench_tiers(args: argparse.Namespace) -> int:
-    from volga_agent import defaultmodel
+    from volga_agent.app import defaultmodel
 
     try:
         from volga_bench import tiers
@@ -352,7 +353,7 @@ def cmd_bench_gateway(args: argparse.Namespace) -> int:
 
 def _cpus(text: str) -> tuple[int, ...]:
     """An argparse type: a CPU list such as 0,1 or 2-9, of CPUs this process may run on."""
-    from volga_agent import gpus
+    from volga_agent.host import gpus
 
     try:
         cpus = gpus.cpu_list(text)
@@ -425,7 +426,7 @@ def _batch_sizes(text: str) -> list[int]:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from volga_agent import calibrate
+    from volga_agent.app import calibrate
 
     try:
         labelled = api.load_labelled(args.file)

@@ -34,13 +34,14 @@ import kubernetes
 import prometheus_client as prom
 import pydantic
 
-from volga_agent import gpus, pool
 from volga_agent.autonomy import loop as autonomy_loop
 from volga_agent.gateway import catalog as gateway_catalog
-from volga_operator import api, planner
-from volga_operator.api import conditions, labels, signature
-from volga_operator.kube import client as kube_client
-from volga_operator.kube import ratelimit, watch
+from volga_agent.host import gpus
+from volga_agent.node import pool, signature
+from volga_core import api, nodes, planner
+from volga_core.api import conditions, labels
+from volga_core.kube import client as kube_client
+from volga_core.kube import ratelimit, watch
 
 log = logging.getLogger(__name__)
 Tier = api.Tier
@@ -382,7 +383,7 @@ class TierSync:
 
     def _on_watermarks(self, objects: dict[tuple[str, str], Any]) -> None:
         for obj in objects.values():
-            marks = planner.ClusterWatermarks.from_json((obj.get("data") or {}).get(labels.CLUSTER_WATERMARKS_KEY))
+            marks = nodes.ClusterWatermarks.from_json((obj.get("data") or {}).get(labels.CLUSTER_WATERMARKS_KEY))
             if marks is None:
                 log.warning("ConfigMap %s/%s: no readable %s", self.namespace, labels.CLUSTER_CONFIGMAP,
                             labels.CLUSTER_WATERMARKS_KEY)
@@ -396,7 +397,7 @@ class TierSync:
     def beat(self, why: str) -> None:
         """Write the loop's standing now."""
         standing = self.loop.standing
-        value = planner.NodeAutonomy(standing.state.value, standing.since, time.time(), standing.memory_pct,
+        value = nodes.NodeAutonomy(standing.state.value, standing.since, time.time(), standing.memory_pct,
                                      self.period).annotation()
         body = {"metadata": {"annotations": {labels.AUTONOMY_KEY: value}}}
         ratelimit.write_sync(self.sync.bucket, lambda: self.sync.core.patch_node(self.sync.node, body,

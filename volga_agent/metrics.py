@@ -1,5 +1,5 @@
 """Prometheus metrics of the agent and the gateway (names in `docs/architecture.md`); their `/metrics` endpoint is
-`volga_operator.kube.bearer.serve_metrics`.
+`volga_core.http.serve_metrics`.
 
 Each component gets its own registry, so several agents or gateways can live in one process (tests,
 `volga up`) and each one's HTTP endpoint shows only its own series. Latencies are in milliseconds, as the

@@ -18,9 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from volga_agent import local, policy
+from volga_agent.app import up as volga_up
+from volga_agent.node import policy
 from volga_bench import reporting
-from volga_operator import api
+from volga_core import api
 
 Tier = api.Tier
 # (model, its input, its output, output width); the first input is `image` of width WIDTHS[0].
@@ -85,9 +86,9 @@ async def run(folder: pathlib.Path, n: int, batch: int = 4,
     paths = build_models(folder)
     chain_specs, separate_specs = model_specs(paths, "chain", True), model_specs(paths, "separate", False)
     # Only the bench moves instances (no idle demotion while it runs), and only requests wake them.
-    options = local.Options(settings=policy.Settings(), tick_sec=3600.0, http_port=0, grpc_port=0,
+    options = volga_up.Options(settings=policy.Settings(), tick_sec=3600.0, http_port=0, grpc_port=0,
                             metrics_port=0, agent_port=-1)
-    up = local.Embedded([*chain_specs, *separate_specs], options)
+    up = volga_up.Embedded([*chain_specs, *separate_specs], options)
     await up.start()
     image = np.random.default_rng(1).standard_normal((batch, IMAGE_WIDTH)).astype(np.float32)
     try:

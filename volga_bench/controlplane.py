@@ -36,7 +36,7 @@ from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 
-from volga_agent import process
+from volga_agent.host import process
 
 BIN_ENV = "VOLGA_K8S_BIN"
 DEFAULT_BIN_DIR = pathlib.Path.home() / ".cache" / "volga" / "k8s-bin"

@@ -18,9 +18,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from volga_agent import policy
 from volga_agent.autonomy import decider, sampler, window
-from volga_operator import api
+from volga_agent.node import policy
+from volga_core import api
 
 BUDGET_US = 50.0
 MODEL_COUNTS = (2, 4, 8, 16, 32, 64)

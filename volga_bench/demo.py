@@ -13,10 +13,10 @@ from collections.abc import Callable
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from volga_agent import defaultmodel
+from volga_agent.app import defaultmodel
 from volga_agent.worker import contract
 from volga_bench import harness, reporting
-from volga_operator import api
+from volga_core import api
 
 Tier = api.Tier
 

@@ -31,10 +31,12 @@ from typing import Any
 
 import numpy as np
 
-from volga_agent import defaultmodel, local, policy
+from volga_agent.app import defaultmodel
+from volga_agent.app import up as volga_up
+from volga_agent.node import policy
 from volga_agent.worker import contract
 from volga_bench import reporting
-from volga_operator import api
+from volga_core import api
 
 Tier = api.Tier
 GPU_TIERS = (Tier.WARM, Tier.SUSPENDED, Tier.FROZEN, Tier.COLD)
@@ -124,7 +126,7 @@ async def run(cases: Sequence[Case], tiers: Sequence[Tier], n: int, settings: po
     """Serve every case in one `volga up`, and time each tier's first answer through the gateway."""
     import tritonclient.grpc as grpcclient
 
-    up = local.Embedded([c.spec for c in cases], _options(settings))
+    up = volga_up.Embedded([c.spec for c in cases], _options(settings))
     await up.start()
     report: dict[str, Any] = {"models": {}}
     try:
@@ -201,7 +203,7 @@ async def storm(cases: Sequence[Case], tiers: Sequence[Tier], rounds: int, setti
     at once (a client per model, released together): the time until all have answered, and the first."""
     import tritonclient.grpc as grpcclient
 
-    up = local.Embedded([c.spec for c in cases], _options(settings))
+    up = volga_up.Embedded([c.spec for c in cases], _options(settings))
     await up.start()
     report: dict[str, Any] = {"models": len(cases), "weights_bytes_each": cases[0].weights_bytes, "tiers": {}}
     threads = concurrent.futures.ThreadPoolExecutor(max_workers=len(cases) + 1)
@@ -267,10 +269,10 @@ def format_storm(report: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
-def _options(settings: policy.Settings | None) -> local.Options:
+def _options(settings: policy.Settings | None) -> volga_up.Options:
     """One `volga up` whose pool loop does not run (tick_sec): only the bench moves instances, only requests wake
     them."""
-    return local.Options(settings=settings or policy.Settings(), tick_sec=3600.0, http_port=0, grpc_port=0,
+    return volga_up.Options(settings=settings or policy.Settings(), tick_sec=3600.0, http_port=0, grpc_port=0,
                          metrics_port=0, agent_port=-1)
 
 

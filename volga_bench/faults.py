@@ -41,7 +41,9 @@ import grpc
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from volga_agent import defaultmodel, instance, process
+from volga_agent.app import defaultmodel
+from volga_agent.host import process
+from volga_agent.node import instance
 from volga_agent.rpc.volga.v1 import agent_pb2, agent_pb2_grpc
 from volga_agent.worker import contract
 from volga_bench import harness, reporting

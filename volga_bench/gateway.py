@@ -36,11 +36,12 @@ import tritonclient.http as httpclient
 import yaml
 from prometheus_client import parser
 
-from volga_agent import defaultmodel, instance
+from volga_agent.app import defaultmodel
+from volga_agent.node import instance
 from volga_agent.rpc.volga.v1 import agent_pb2, agent_pb2_grpc
 from volga_agent.worker import contract, protocol
 from volga_bench import harness, reporting
-from volga_operator import api
+from volga_core import api
 
 BATCHED_ID = "ctr-batched"
 

@@ -22,9 +22,9 @@ from typing import Any, TypeVar
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from volga_agent import local
+from volga_agent.app import up
 from volga_agent.worker import contract
-from volga_operator import api
+from volga_core import api
 
 T = TypeVar("T")
 
@@ -46,17 +46,17 @@ class Background:
         self.loop.close()
 
 
-def start_embedded(specs: list[api.ModelSpec], **options: Any) -> tuple[Background, local.Embedded]:
+def start_embedded(specs: list[api.ModelSpec], **options: Any) -> tuple[Background, up.Embedded]:
     """Start `volga up`'s parts on ephemeral ports in a background loop."""
     defaults: dict[str, Any] = {"http_port": 0, "grpc_port": 0, "metrics_port": 0, "agent_port": 0}
     bg = Background()
-    embedded = bg.call(_make(specs, local.Options(**{**defaults, **options})))
+    embedded = bg.call(_make(specs, up.Options(**{**defaults, **options})))
     bg.call(embedded.start())
     return bg, embedded
 
 
-async def _make(specs: list[api.ModelSpec], options: local.Options) -> local.Embedded:
-    return local.Embedded(specs, options)
+async def _make(specs: list[api.ModelSpec], options: up.Options) -> up.Embedded:
+    return up.Embedded(specs, options)
 
 
 def triton_inputs(decls: tuple[contract.TensorDecl, ...], arrays: dict[str, np.ndarray],

@@ -45,11 +45,13 @@ import onnxruntime as ort
 import tritonclient.grpc as grpcclient
 import yaml
 
-from volga_agent import defaultmodel, instance, process
+from volga_agent.app import defaultmodel
+from volga_agent.host import process
+from volga_agent.node import instance
 from volga_agent.rpc.volga.v1 import agent_pb2, agent_pb2_grpc
 from volga_agent.worker import contract
 from volga_bench import harness, reporting
-from volga_operator import api
+from volga_core import api
 
 OUTPUT = "probability"
 # Run as a script by the interpreter that has KServe (it may be another virtual environment's).

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from volga_agent import gpus
+from volga_agent.host import gpus
 
 
 def summarize(samples_s: Sequence[float]) -> dict[str, float | int]:

@@ -23,10 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from volga_agent import defaultmodel, policy, pool
+from volga_agent.app import defaultmodel
+from volga_agent.node import policy, pool
 from volga_agent.worker import contract
 from volga_bench import reporting
-from volga_operator import api, planner
+from volga_core import api, planner
 
 Tier = api.Tier
 MODEL_NAME = "shared-bench"

@@ -49,9 +49,10 @@ import tritonclient.grpc as grpcclient
 import yaml
 from tritonclient.utils import InferenceServerException
 
-from volga_agent import calibrate, process
+from volga_agent.app import calibrate
+from volga_agent.host import process
 from volga_bench import harness, reporting
-from volga_operator import api
+from volga_core import api
 
 PROTECTED, TOLERANT = "critical", "heavy"
 WINDOW_S = 0.1

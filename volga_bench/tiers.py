@@ -15,11 +15,12 @@ from typing import Any
 
 import numpy as np
 
-from volga_agent import gpus, instance
+from volga_agent.host import gpus
+from volga_agent.node import instance
 from volga_agent.snapshot import criu, cuda
 from volga_agent.worker import contract
 from volga_bench import reporting
-from volga_operator import api
+from volga_core import api
 
 # A wake's phases (instance.Transition.phases) as the report names them, apart from the driver's own timings.
 WAKE_PHASES = {"restore": "criu_restore_ms", "driver": "driver_resume_ms", "wake": "worker_wake_ms"}

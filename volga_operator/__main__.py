@@ -9,8 +9,8 @@ import sys
 
 import kopf
 
+from volga_core import http
 from volga_operator import handlers, reconcile  # importing handlers registers them with kopf
-from volga_operator.kube import bearer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"got {getattr(args, flag)}")
     if args.metrics_token_file:
         try:
-            bearer.Tokens.from_file(args.metrics_token_file)
+            http.Tokens.from_file(args.metrics_token_file)
         except (OSError, ValueError) as exc:
             parser.error(f"--metrics-token-file: {exc}")
     options = dataclasses.replace(defaults, metrics_port=args.metrics_port, tier=reconcile.TierSettings(

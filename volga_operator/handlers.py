@@ -46,11 +46,12 @@ from typing import Any
 import kopf
 import kubernetes
 
-from volga_operator import api, planner, reconcile
+from volga_core import api, http, nodes
+from volga_core.api import labels
+from volga_core.kube import client as kube_client
+from volga_core.kube import ratelimit, watch
 from volga_operator import metrics as operator_metrics
-from volga_operator.api import labels
-from volga_operator.kube import bearer, ratelimit, watch
-from volga_operator.kube import client as kube_client
+from volga_operator import reconcile
 
 log = logging.getLogger("volga.operator")
 
@@ -113,7 +114,7 @@ class Loop:
         self.options = options or Options()
         self.metrics = operator_metrics.OperatorMetrics()
         self.state = reconcile.State(tier=self.options.tier)
-        self._published: planner.ClusterWatermarks | None = None
+        self._published: nodes.ClusterWatermarks | None = None
         self.dirty: set[reconcile.Key] = set()
         self.busy: collections.Counter[reconcile.Key] = collections.Counter()  # writes queued or in flight
         self.wake = asyncio.Event()
@@ -183,7 +184,7 @@ class Loop:
             self.state.nodes[name] = profile
         # The autonomy heartbeat changes every few seconds and plans nothing by itself (`_tier` reads it).
         heard = reconcile.hear(self.state.autonomy.get(name), None if deleted else
-                               planner.NodeAutonomy.from_annotations(meta.get("annotations")), time.time())
+                               nodes.NodeAutonomy.from_annotations(meta.get("annotations")), time.time())
         if heard is None:
             self.state.autonomy.pop(name, None)
         else:
@@ -321,7 +322,7 @@ class Loop:
                 last_marks = now
                 self.publish_watermarks(reconcile.watermarks(self.state, now))
 
-    def publish_watermarks(self, marks: planner.ClusterWatermarks) -> None:
+    def publish_watermarks(self, marks: nodes.ClusterWatermarks) -> None:
         """Write the watermarks ConfigMap when they changed (nothing while no node publishes a heartbeat)."""
         self.metrics.cluster_memory.labels("mean").set(marks.mean_memory_pct)
         self.metrics.cluster_memory.labels("max").set(marks.max_memory_pct)
@@ -515,7 +516,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf
     loop = Loop(options=options)
     memo[LOOP_KEY] = loop
     if options.metrics_port >= 0:
-        tokens = bearer.Tokens.from_file(options.metrics_token_file) if options.metrics_token_file else None
+        tokens = http.Tokens.from_file(options.metrics_token_file) if options.metrics_token_file else None
         memo["metrics"], port = await loop.metrics.serve(options.metrics_host, options.metrics_port, tokens)
         log.info("metrics on %s:%d%s", options.metrics_host, port, " (bearer token required)" if tokens else "")
     await loop.start_watching()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import prometheus_client as prom
 from aiohttp import web
 
-from volga_operator.kube import bearer
+from volga_core import http
 
 
 class OperatorMetrics:
@@ -30,7 +30,7 @@ class OperatorMetrics:
             "volga_operator_cluster_memory_pct", "Memory use of the nodes with a fresh heartbeat, as published to "
             "the agents", ["stat"], registry=r)
 
-    async def serve(self, host: str, port: int, tokens: bearer.Tokens | None = None) -> tuple[web.AppRunner, int]:
+    async def serve(self, host: str, port: int, tokens: http.Tokens | None = None) -> tuple[web.AppRunner, int]:
         """The `/metrics` endpoint on the running event loop (with `tokens`: a bearer token required); its runner
         (`cleanup()` stops it) and its port (0 picks a free one)."""
-        return await bearer.serve_metrics([self.registry], host, port, tokens)
+        return await http.serve_metrics([self.registry], host, port, tokens)

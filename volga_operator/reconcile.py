@@ -23,8 +23,8 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from volga_operator import api, planner
-from volga_operator.api import conditions, labels
+from volga_core import api, nodes, planner
+from volga_core.api import conditions, labels
 
 Key = tuple[str, str]  # (namespace, name)
 
@@ -48,7 +48,7 @@ class Heard:
     clock, unix seconds): freshness and time in state are measured with each side's own clock, so skewed node
     clocks do not matter."""
 
-    autonomy: planner.NodeAutonomy
+    autonomy: nodes.NodeAutonomy
     received: float
 
     def fresh(self, now: float) -> bool:
@@ -59,7 +59,7 @@ class Heard:
         return max(0.0, self.autonomy.heartbeat - self.autonomy.since) + max(0.0, now - self.received)
 
 
-def hear(previous: Heard | None, autonomy: planner.NodeAutonomy | None, now: float) -> Heard | None:
+def hear(previous: Heard | None, autonomy: nodes.NodeAutonomy | None, now: float) -> Heard | None:
     """The record of a node annotation just seen: a new heartbeat counts from now; the first one seen (at start)
     from when the agent wrote it, as far as the two clocks agree; the same heartbeat again (a relist) changes
     nothing."""
@@ -207,7 +207,7 @@ def _chained(record: SpecRecord) -> bool:
 class State:
     specs: SpecIndex = dataclasses.field(default_factory=SpecIndex)
     emis: EmiIndex = dataclasses.field(default_factory=EmiIndex)
-    nodes: dict[str, planner.NodeProfile] = dataclasses.field(default_factory=dict)
+    nodes: dict[str, nodes.NodeProfile] = dataclasses.field(default_factory=dict)
     autonomy: dict[str, Heard] = dataclasses.field(default_factory=dict)  # nodes whose agents publish one
     tier: TierSettings = dataclasses.field(default_factory=TierSettings)
 
@@ -231,7 +231,7 @@ class Action:
 
 
 def node_profile(name: str, annotations: Mapping[str, str] | None,
-                 node_conditions: Iterable[Mapping[str, Any]] | None) -> planner.NodeProfile | None:
+                 node_conditions: Iterable[Mapping[str, Any]] | None) -> nodes.NodeProfile | None:
     """A node hosts Volga instances only once its agent has published a hardware profile."""
     if not annotations or labels.PROFILE_KEY not in annotations:
         return None
@@ -239,7 +239,7 @@ def node_profile(name: str, annotations: Mapping[str, str] | None,
     for condition in node_conditions or ():
         if condition.get("type") == "Ready":
             ready = condition.get("status") == "True"
-    return planner.NodeProfile.from_annotations(name, annotations, ready)
+    return nodes.NodeProfile.from_annotations(name, annotations, ready)
 
 
 def emi_ready(emi: EmiRecord) -> bool:
@@ -294,13 +294,13 @@ def chains_on(state: State, nodes: Iterable[str]) -> set[Key]:
             and (r.spec.get("chain") or (k[0], str(r.spec.get("modelId", ""))) in listed)}
 
 
-def watermarks(state: State, now: float) -> planner.ClusterWatermarks:
+def watermarks(state: State, now: float) -> nodes.ClusterWatermarks:
     """The memory level of the nodes with a fresh heartbeat, for the agents."""
     fresh = [h.autonomy for h in state.autonomy.values() if h.fresh(now)]
     if not fresh:
-        return planner.ClusterWatermarks()
+        return nodes.ClusterWatermarks()
     levels = [a.memory_pct for a in fresh]
-    return planner.ClusterWatermarks(round(sum(levels) / len(levels), 1), round(max(levels), 1), len(fresh),
+    return nodes.ClusterWatermarks(round(sum(levels) / len(levels), 1), round(max(levels), 1), len(fresh),
                                      sum(a.state == EMERGENCY for a in fresh))
 
 
@@ -552,7 +552,7 @@ def _finalize(record: SpecRecord, emis: list[EmiRecord]) -> list[Action]:
 
 
 def _converge_emis(record: SpecRecord, emis: list[EmiRecord], desired: list[planner.Desired],
-                   nodes: Mapping[str, planner.NodeProfile]) -> tuple[list[Action], list[EmiRecord]]:
+                   nodes: Mapping[str, nodes.NodeProfile]) -> tuple[list[Action], list[EmiRecord]]:
     """The EMI writes for one spec, and its EMIs as they will be once those writes land."""
     actions = []
     after = []
@@ -579,7 +579,7 @@ def _converge_emis(record: SpecRecord, emis: list[EmiRecord], desired: list[plan
     return actions, after
 
 
-def _keep_gpu(current: Mapping[str, Any], wanted: dict[str, Any], node: planner.NodeProfile | None) -> dict[str, Any]:
+def _keep_gpu(current: Mapping[str, Any], wanted: dict[str, Any], node: nodes.NodeProfile | None) -> dict[str, Any]:
     """An instance that stays on its node keeps its GPU: the planner derives a GPU index from the load it sees
     while planning, which differs between a pass over a few specs and a pass over all, and moving a running
     instance to another GPU for that would be churn (a write and a restart) for nothing."""

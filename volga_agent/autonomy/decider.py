@@ -59,9 +59,9 @@ import math
 import typing
 from collections.abc import Callable, Mapping, Sequence
 
-from volga_agent import policy
 from volga_agent.autonomy import window as windows
-from volga_operator import api
+from volga_agent.node import policy
+from volga_core import api
 
 
 class State(enum.StrEnum):

@@ -16,10 +16,11 @@ import dataclasses
 import threading
 from collections.abc import Mapping
 
-from volga_agent import neighbours, pool
+from volga_agent import neighbours
 from volga_agent.autonomy import loop
 from volga_agent.autonomy import window as windows
-from volga_operator import api
+from volga_agent.node import pool
+from volga_core import api
 
 
 @dataclasses.dataclass(frozen=True)

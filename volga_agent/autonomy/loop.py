@@ -29,10 +29,12 @@ import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
-from volga_agent import errors, gpus, metrics, policy, pool, priority, process, throttle
+from volga_agent import errors, metrics
 from volga_agent.autonomy import decider, sampler
 from volga_agent.autonomy import window as windows
-from volga_operator import api, planner
+from volga_agent.host import gpus, priority, process, throttle
+from volga_agent.node import policy, pool
+from volga_core import api, nodes
 
 log = logging.getLogger(__name__)
 DEBUG_EVERY_S = 0.1
@@ -377,7 +379,7 @@ class Loop:
         self._last_debug = float("-inf")
         self._state_seen: decider.State | None = None
         self.standing = Standing(self.decider.state, time.time(), 0.0)
-        self.cluster: planner.ClusterWatermarks | None = None  # the operator's, when the agent has read them
+        self.cluster: nodes.ClusterWatermarks | None = None  # the operator's, when the agent has read them
 
     def start(self) -> None:
         self.sampler.start()

@@ -18,7 +18,7 @@ from aiohttp import web
 from volga_agent import auth, metrics
 from volga_agent.gateway import catalog, dataplane, grpc_service, links, rest
 from volga_agent.rpc.inference import grpc_service_pb2_grpc as pb_grpc
-from volga_operator.kube import bearer
+from volga_core import http
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,11 +75,11 @@ class Gateway:
         await self._grpc.start()
         self.ports["http"] = await self._listen(rest.app(self.dataplane, s.tokens), s.http_port,
                                                 reuse_port=s.reuse_port, **rest.RUNNER_OPTIONS)
-        self.ports["metrics"] = await self._listen(bearer.metrics_app([self.metrics.registry, *self.extra_metrics],
+        self.ports["metrics"] = await self._listen(http.metrics_app([self.metrics.registry, *self.extra_metrics],
                                                                       s.metrics_tokens), s.metrics_port)
 
     async def _listen(self, http_app: web.Application, port: int, reuse_port: bool = False, **options: Any) -> int:
-        runner, bound = await bearer.listen(http_app, self.settings.host, port, reuse_port, **options)
+        runner, bound = await http.listen(http_app, self.settings.host, port, reuse_port, **options)
         self._runners.append(runner)
         return bound
 

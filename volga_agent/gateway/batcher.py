@@ -32,7 +32,7 @@ import numpy as np
 
 from volga_agent import metrics
 from volga_agent.gateway import oip
-from volga_operator import api
+from volga_core import api
 
 Tensors = dict[str, np.ndarray]
 # The dataplane's path to a worker: (inputs, device hint, deadline on time.monotonic()) -> outputs.

@@ -18,7 +18,7 @@ import numpy as np
 
 from volga_agent.gateway import ensemble, oip
 from volga_agent.worker import contract, protocol
-from volga_operator import api
+from volga_core import api
 
 Decls = tuple[contract.TensorDecl, ...]
 

@@ -54,7 +54,7 @@ import numpy as np
 from volga_agent import errors, load, metrics, neighbours
 from volga_agent.gateway import batcher, catalog, ensemble, links, oip, router, workers
 from volga_agent.worker import protocol
-from volga_operator import api
+from volga_core import api
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -161,7 +161,7 @@ def _tensor_specs(tensors: Iterable[api.TensorSpec], skip: int = 0) -> tuple[oip
 
 
 class Guard(Protocol):
-    """A guarded throttle of the node's autonomy loop (`volga_agent.throttle.DutyCycle`, guarded), in this process:
+    """A guarded throttle of the node's autonomy loop (`volga_agent.host.throttle.DutyCycle`, guarded), in this process:
     while co-runners give way, each worker call of a model they give way to is marked in flight."""
 
     def protects(self, model: str) -> bool: ...

@@ -2,7 +2,7 @@
 
 A head ModelSpec that lists `chain` and names an `ensemble` id declares it. The ensemble takes the head's inputs;
 each model of the chain takes its inputs by name from the ensemble's inputs and the outputs of the models before
-it; the last model's outputs are the answer. `volga_operator.api.ensemble_problems` holds the declarations to
+it; the last model's outputs are the answer. `volga_core.api.ensemble_problems` holds the declarations to
 that (names, dtypes, shapes), here the catalog serves only ensembles that pass it, and the dataplane runs the steps
 through its usual path for each model (wake, batch, forward). Metadata and configuration describe it as Triton
 does (platform "ensemble", `ensemble_scheduling` steps with input and output maps), so tritonclient reads it as
@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 
 import numpy as np
 
-from volga_operator import api
+from volga_core import api
 
 PLATFORM = "ensemble"
 

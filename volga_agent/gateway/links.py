@@ -37,7 +37,7 @@ from volga_agent.gateway import oip
 from volga_agent.rpc.inference import grpc_service_pb2_grpc as oip_grpc
 from volga_agent.rpc.volga.v1 import agent_pb2 as agent_pb
 from volga_agent.rpc.volga.v1 import agent_pb2_grpc as agent_grpc
-from volga_operator import api
+from volga_core import api
 
 log = logging.getLogger(__name__)
 FORWARDED = "x-volga-forwarded"

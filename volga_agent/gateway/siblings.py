@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 # The command line of a gateway process, before its arguments (`volga-gateway`'s entry point, as this interpreter).
 GATEWAY_MAIN = (sys.executable, "-c",
-                "import sys; from volga_agent.daemons import gateway_main; sys.exit(gateway_main())")
+                "import sys; from volga_agent.app.daemons import gateway_main; sys.exit(gateway_main())")
 PR_SET_PDEATHSIG = 1
 READY = re.compile(r"^volga-gateway: .* metrics :(\d+)")
 FIRST_PAUSE_SEC, LAST_PAUSE_SEC, STABLE_SEC = 1.0, 30.0, 60.0

@@ -51,7 +51,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from volga_agent import process
+from volga_agent.host import process
 from volga_agent.snapshot import kdat
 from volga_agent.worker import contract, nsinit
 

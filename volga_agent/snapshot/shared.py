@@ -49,10 +49,10 @@ from collections.abc import Iterable
 
 import pydantic
 
-from volga_agent import process
+from volga_agent.host import process
 from volga_agent.snapshot import criu
-from volga_operator import api
-from volga_operator.api import conditions
+from volga_core import api
+from volga_core.api import conditions
 
 log = logging.getLogger(__name__)
 

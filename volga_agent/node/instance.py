@@ -47,10 +47,11 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from volga_agent import priority, process, throttle, warmup
+from volga_agent.host import priority, process, throttle
+from volga_agent.node import warmup_inputs
 from volga_agent.snapshot import criu, cuda, shared
 from volga_agent.worker import contract, protocol, regions
-from volga_operator import api
+from volga_core import api
 
 Tier = api.Tier
 log = logging.getLogger(__name__)
@@ -94,7 +95,7 @@ def worker_config(spec: api.ModelSpecSpec, workdir: pathlib.Path, device: str, c
     where the ModelSpec sets none; `reset_rng_on_restore` makes every restored copy re-seed, whatever the
     ModelSpec says (otherwise its runtime.resetRngOnRestore decides); the worker drops to `worker_user`
     (uid, gid; (0, 0) keeps it root) once started, and refuses a model file it opens outside `model_roots`."""
-    return warmup.configure(contract.WorkerConfig(
+    return warmup_inputs.configure(contract.WorkerConfig(
         model_id=spec.model_id, framework=spec.framework.value, path=str(spec.source_path),
         inputs=decls(spec.inputs), outputs=decls(spec.outputs), socket=str(workdir / "worker.sock"),
         signal_dir=str(workdir / "signals"), device=device, warmup_iterations=spec.runtime.warmup_iterations,

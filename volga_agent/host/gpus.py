@@ -1,8 +1,8 @@
 """GPU discovery through NVML, and the node's hardware profile.
 
 The agent calls `discover()` at start to learn which GPUs the node has, and publishes `node_profile()` as
-`volga.dev/*` node annotations (`planner.NodeProfile.annotations()`); the operator reads them back with
-`planner.NodeProfile.from_annotations()` to match a ModelSpec's hardware (GPU product, minimum memory, NUMA
+`volga.dev/*` node annotations (`nodes.NodeProfile.annotations()`); the operator reads them back with
+`nodes.NodeProfile.from_annotations()` to match a ModelSpec's hardware (GPU product, minimum memory, NUMA
 affinity) to nodes.
 
 A node without the NVIDIA driver is a normal case (CPU nodes, CI), not an error: `discover()` returns an
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import pynvml
 
-from volga_operator import planner
+from volga_core import nodes
 
 log = logging.getLogger(__name__)
 
@@ -171,9 +171,9 @@ def kind_of(device: str, found: Sequence[GpuInfo]) -> str:
     return next((g.product for g in found if g.index == index and g.product), device)
 
 
-def node_profile(found: Sequence[GpuInfo], name: str) -> planner.NodeProfile:
+def node_profile(found: Sequence[GpuInfo], name: str) -> nodes.NodeProfile:
     """The node as the planner sees it: products comma-separated when a node mixes them; the smallest GPU's
     memory, so that a model fitting it fits on any GPU of the node; the known NUMA nodes."""
-    return planner.NodeProfile(name, len(found), ",".join(sorted({g.product for g in found})),
+    return nodes.NodeProfile(name, len(found), ",".join(sorted({g.product for g in found})),
                                min((g.memory_total_bytes for g in found), default=0),
                                tuple(sorted({g.numa_node for g in found if g.numa_node >= 0})))

@@ -13,7 +13,7 @@ import pathlib
 
 import numpy as np
 
-from volga_operator import api
+from volga_core import api
 
 MODEL_ID = "ctr-default"
 SPARSE_FIELDS = 26

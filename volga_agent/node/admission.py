@@ -14,8 +14,8 @@ import re
 import stat
 from collections.abc import Sequence
 
-from volga_agent import policy
-from volga_operator import api
+from volga_agent.node import policy
+from volga_core import api
 
 # Frameworks whose files run Python when loaded: a .py source is executed, anything else is unpickled.
 MODEL_CODE_FRAMEWORKS = frozenset({api.Framework.PYTORCH})

@@ -42,7 +42,7 @@ import pydantic
 from pydantic import alias_generators
 
 from volga_agent.worker import contract
-from volga_operator import api
+from volga_core import api
 
 EvictionPolicy = Literal["lru", "hybrid"]
 EVICTION_POLICIES: tuple[str, ...] = typing.get_args(EvictionPolicy)
@@ -152,7 +152,7 @@ class Settings(pydantic.BaseModel):
     # Yielding threads also run under SCHED_IDLE, so that a waking thread of any other worker (or the gateway)
     # preempts them at once instead of after their time slice.
     autonomy_yield_sched_idle: bool = True
-    # The same violation also throttles those co-runners' HOT workers (volga_agent/throttle.py): the agent stops
+    # The same violation also throttles those co-runners' HOT workers (volga_agent/host/throttle.py): the agent stops
     # each (SIGSTOP, every thread) for autonomy_throttle_share of every autonomy_throttle_period_ms and lets it run
     # the rest, entered and left as the yield is. A co-runner's share is at most what its own tolerance t allows,
     # t / (100 + t) (0.75 at 300 %). 0 leaves the co-runners running.

@@ -20,10 +20,11 @@ from typing import Any, Protocol
 
 import grpc
 
-from volga_agent import auth, errors, load, neighbours, pool
+from volga_agent import auth, errors, load, neighbours
+from volga_agent.node import pool
 from volga_agent.rpc.volga.v1 import agent_pb2 as pb
 from volga_agent.rpc.volga.v1 import agent_pb2_grpc as pb_grpc
-from volga_operator import api
+from volga_core import api
 
 log = logging.getLogger(__name__)
 # How often a gateway is told to call ExchangeLoad when no autonomy loop runs here (it learns it if one starts).

@@ -38,11 +38,13 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 
-from volga_agent import admission, chains, errors, instance, metrics, policy, process
-from volga_agent import gpus as gpu_discovery
+from volga_agent import errors, metrics
+from volga_agent.host import gpus as gpu_discovery
+from volga_agent.host import process
+from volga_agent.node import admission, chains, instance, policy
 from volga_agent.snapshot import criu, cuda, shared
 from volga_agent.worker import protocol
-from volga_operator import api, planner
+from volga_core import api, planner
 
 Tier = api.Tier
 log = logging.getLogger(__name__)

@@ -39,10 +39,11 @@ import tritonclient.grpc as grpcclient
 import uvloop
 from ruamel.yaml import YAML
 
-from volga_agent import gpus, instance
 from volga_agent.gateway import app, catalog, links, workers
+from volga_agent.host import gpus
+from volga_agent.node import instance
 from volga_agent.worker import contract
-from volga_operator import api
+from volga_core import api
 
 WARMUP = 20
 DEFAULT_BATCH_SIZES = (1, 8)

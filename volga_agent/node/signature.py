@@ -21,7 +21,7 @@ from typing import Any
 
 import pydantic
 
-from volga_operator import api
+from volga_core import api
 
 # ONNX element types (onnx.TensorProto.DataType) that have an Open Inference Protocol dtype Volga serves.
 _DTYPES = {"FLOAT": api.DType.FP32, "UINT8": api.DType.UINT8, "INT8": api.DType.INT8, "UINT16": api.DType.UINT16,

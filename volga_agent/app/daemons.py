@@ -28,12 +28,13 @@ from typing import Any
 
 import uvloop
 
-from volga_agent import admission, auth, defaultmodel, gpus, metrics, neighbours, policy, pool, ports, server
+from volga_agent import auth, metrics, neighbours, ports
+from volga_agent.app import defaultmodel, server
 from volga_agent.autonomy import exchange, loop
 from volga_agent.gateway import app, catalog, links, siblings
-from volga_operator import api, planner
-from volga_operator.api import signature
-from volga_operator.kube import bearer
+from volga_agent.host import gpus
+from volga_agent.node import admission, policy, pool, signature
+from volga_core import api, http, planner
 
 log = logging.getLogger("volga")
 # Where `volga-agent --kube` lets ModelSpec sources point unless settings.model_roots says otherwise: the chart's
@@ -75,8 +76,8 @@ def _calibrator(workdir: str, iterations: int) -> Callable[[api.ModelSpecSpec, s
     of its own beside the node's instances, at the batch sizes the spec's baselines name (1 and 8 by default).
     Each runs in a fresh process: its gateway's grpc.aio server must not share this process with the Agent API's
     (grpc.aio serves one event loop per process), and a model that crashes takes only that process down."""
-    from volga_agent import calibrate
     from volga_agent import cluster as cluster_mode
+    from volga_agent.app import calibrate
 
     def run(spec: api.ModelSpecSpec, device: str) -> api.Calibration:
         folder = pathlib.Path(workdir)
@@ -175,7 +176,7 @@ def agent_main(argv: list[str] | None = None) -> int:
                                               settings.neighbours_period_ms, node_metrics)
         grpc_server, port = await server.serve(node_pool, args.agent_host, args.port, args.socket, tokens,
                                                steering, settings.autonomy_exchange_ms, levels, off)
-        metrics_runner, metrics_port = await bearer.serve_metrics([node_metrics.registry], args.host,
+        metrics_runner, metrics_port = await http.serve_metrics([node_metrics.registry], args.host,
                                                                   args.metrics_port, metrics_tokens)
         cluster: Any = None
         tier: Any = None

@@ -15,7 +15,7 @@ from typing import Any
 
 import kubernetes
 
-from volga_operator.kube import client
+from volga_core.kube import client
 
 log = logging.getLogger(__name__)
 FIRST_DELAY_S = 0.5

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from volga_agent.worker import contract
-from volga_operator import api
+from volga_core import api
 
 
 def samples(runtime: api.Runtime) -> tuple[contract.WarmupSample, ...]:

@@ -17,7 +17,7 @@ import grpc
 
 from volga_agent.rpc.volga.v1 import agent_pb2 as pb
 from volga_agent.rpc.volga.v1 import agent_pb2_grpc as pb_grpc
-from volga_operator import api
+from volga_core import api
 
 
 class SourceError(RuntimeError):

@@ -31,11 +31,9 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import json
 from collections.abc import Iterable, Mapping, Sequence
 
-from volga_operator import api
-from volga_operator.api import labels
+from volga_core import api, nodes
 
 Tier = api.Tier
 TIER_ORDER = (Tier.HOT, Tier.WARM, Tier.SUSPENDED, Tier.FROZEN)
@@ -43,95 +41,6 @@ TIER_ORDER = (Tier.HOT, Tier.WARM, Tier.SUSPENDED, Tier.FROZEN)
 SCORE_PROFILE, SCORE_RECENCY, SCORE_SNAPSHOT, SCORE_LOAD = 100, 30, 10, 5
 SCORE_SHARED_IMAGE = 3  # the node can restore a published shared snapshot instead of cold-starting
 RECENT_SECONDS = 600.0
-
-
-@dataclasses.dataclass(frozen=True)
-class NodeProfile:
-    """A node as the planner sees it; agents publish it as node annotations."""
-
-    name: str
-    gpu_count: int = 0
-    gpu_product: str = ""
-    gpu_memory_bytes: int = 0
-    numa_nodes: tuple[int, ...] = ()
-    ready: bool = True
-    gpu_driver: str = ""
-
-    def annotations(self) -> dict[str, str]:
-        return {f"{labels.ANNOTATION_PREFIX}gpu-count": str(self.gpu_count),
-                f"{labels.ANNOTATION_PREFIX}gpu-product": self.gpu_product,
-                f"{labels.ANNOTATION_PREFIX}gpu-memory-bytes": str(self.gpu_memory_bytes),
-                f"{labels.ANNOTATION_PREFIX}numa-nodes": ",".join(str(n) for n in self.numa_nodes)}
-
-    @classmethod
-    def from_annotations(cls, name: str, annotations: Mapping[str, str], ready: bool = True) -> NodeProfile:
-        def get(key: str) -> str:
-            return annotations.get(f"{labels.ANNOTATION_PREFIX}{key}", "")
-
-        def integer(key: str) -> int:
-            try:
-                return int(get(key) or 0)
-            except ValueError:
-                return 0
-
-        numa = tuple(int(n) for n in get("numa-nodes").split(",") if n.strip().lstrip("-").isdigit())
-        return cls(name, integer("gpu-count"), get("gpu-product"), integer("gpu-memory-bytes"), numa, ready,
-                   get("gpu-driver"))
-
-
-@dataclasses.dataclass(frozen=True)
-class NodeAutonomy:
-    """A node's autonomy state as its agent publishes it (the `labels.AUTONOMY_KEY` annotation, JSON): the state,
-    when it began and when the agent last said so, both on the agent's clock (unix seconds), the node's memory
-    use in percent, and how often the agent refreshes it."""
-
-    state: str
-    since: float
-    heartbeat: float
-    memory_pct: float = 0.0
-    period_sec: float = 5.0
-
-    def annotation(self) -> str:
-        return json.dumps({"state": self.state, "since": round(self.since, 3), "heartbeat": round(self.heartbeat, 3),
-                           "memoryPct": round(self.memory_pct, 1), "periodSec": self.period_sec},
-                          separators=(",", ":"))
-
-    @classmethod
-    def from_annotations(cls, annotations: Mapping[str, str] | None) -> NodeAutonomy | None:
-        """The node's published state, or None when it has none (no autonomy loop) or it cannot be read."""
-        raw = (annotations or {}).get(labels.AUTONOMY_KEY)
-        if not raw:
-            return None
-        try:
-            doc = json.loads(raw)
-            return cls(str(doc["state"]), float(doc["since"]), float(doc["heartbeat"]),
-                       float(doc.get("memoryPct", 0.0)), float(doc.get("periodSec", 5.0)))
-        except (ValueError, TypeError, KeyError, AttributeError):
-            return None
-
-
-@dataclasses.dataclass(frozen=True)
-class ClusterWatermarks:
-    """The cluster's memory level over the nodes with a fresh autonomy heartbeat, as the operator publishes it for
-    the agents (the `labels.CLUSTER_CONFIGMAP` ConfigMap, JSON)."""
-
-    mean_memory_pct: float = 0.0
-    max_memory_pct: float = 0.0
-    nodes: int = 0
-    emergency_nodes: int = 0
-
-    def to_json(self) -> str:
-        return json.dumps({"meanMemoryPct": self.mean_memory_pct, "maxMemoryPct": self.max_memory_pct,
-                           "nodes": self.nodes, "emergencyNodes": self.emergency_nodes}, separators=(",", ":"))
-
-    @classmethod
-    def from_json(cls, raw: str | None) -> ClusterWatermarks | None:
-        try:
-            doc = json.loads(raw or "")
-            return cls(float(doc["meanMemoryPct"]), float(doc["maxMemoryPct"]), int(doc["nodes"]),
-                       int(doc["emergencyNodes"]))
-        except (ValueError, TypeError, KeyError, AttributeError):
-            return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +62,7 @@ class SharedImage:
     gpu_driver: str = ""
 
 
-def restorable(node: NodeProfile, images: Sequence[SharedImage]) -> bool:
+def restorable(node: nodes.NodeProfile, images: Sequence[SharedImage]) -> bool:
     """Whether the node can restore one of the images (a CPU image anywhere; a GPU one with its product and,
     where both are known, its driver)."""
     return any(not i.gpu_product or (i.gpu_product.lower() == node.gpu_product.lower() and (
@@ -181,7 +90,7 @@ class Plan:
     unplaced: Mapping[str, str]  # ModelSpec name -> why it could not be placed (for its conditions)
 
 
-def eligible(spec: api.ModelSpecSpec, node: NodeProfile) -> str | None:
+def eligible(spec: api.ModelSpecSpec, node: nodes.NodeProfile) -> str | None:
     """None when the node can host the model, else the reason it cannot."""
     hw = spec.hardware
     if not node.ready:
@@ -199,7 +108,7 @@ def eligible(spec: api.ModelSpecSpec, node: NodeProfile) -> str | None:
     return None
 
 
-def score(spec: api.ModelSpecSpec, node: NodeProfile, load: int, max_load: int, mine: Sequence[Observed],
+def score(spec: api.ModelSpecSpec, node: nodes.NodeProfile, load: int, max_load: int, mine: Sequence[Observed],
           smallest_snapshot: int, can_restore: bool = False) -> float:
     """Placement score of one node for one ModelSpec; `mine` are that spec's existing EMIs on the node."""
     hw = spec.hardware
@@ -224,7 +133,7 @@ def _slots(pool: api.Pool) -> list[Tier]:
     return slots or [Tier.COLD]
 
 
-def _tier_on(node: NodeProfile, tier: Tier) -> Tier:
+def _tier_on(node: nodes.NodeProfile, tier: Tier) -> Tier:
     return Tier.FROZEN if node.gpu_count == 0 and tier in (Tier.WARM, Tier.SUSPENDED) else tier
 
 
@@ -249,11 +158,11 @@ class NodeIndex:
     placed. The best node of a group for a new instance is its least loaded, so a placement scores one node per
     group instead of every node; `load` is shared with the caller, and every change to it goes through `add`."""
 
-    def __init__(self, nodes: Sequence[NodeProfile], load: dict[str, int], avoid: frozenset[str]) -> None:
+    def __init__(self, nodes: Sequence[nodes.NodeProfile], load: dict[str, int], avoid: frozenset[str]) -> None:
         self.load = load
         self.max_load = max(load.values(), default=0)
         self.groups: dict[tuple[object, ...], list[tuple[int, str]]] = {}
-        self.members: dict[tuple[object, ...], list[NodeProfile]] = {}
+        self.members: dict[tuple[object, ...], list[nodes.NodeProfile]] = {}
         self.by_name = {n.name: n for n in nodes}
         self.group_of: dict[str, tuple[object, ...]] = {}
         for node in nodes:
@@ -271,7 +180,7 @@ class NodeIndex:
         self.max_load = max(self.max_load, self.load[node])
         heapq.heappush(self.groups[self.group_of[node]], (self.load[node], node))
 
-    def least_loaded(self, group: tuple[object, ...]) -> NodeProfile | None:
+    def least_loaded(self, group: tuple[object, ...]) -> nodes.NodeProfile | None:
         """The group's node with the fewest instances (then by name). A spec's own instances only add to a node's
         score, so where one of its nodes is the group's least loaded, that node is still the group's best."""
         heap = self.groups[group]
@@ -280,7 +189,7 @@ class NodeIndex:
         return self.by_name[heap[0][1]] if heap else None
 
 
-def plan(specs: Mapping[str, api.ModelSpecSpec], nodes: Iterable[NodeProfile],
+def plan(specs: Mapping[str, api.ModelSpecSpec], nodes: Iterable[nodes.NodeProfile],
          observed: Sequence[Observed] = (), shared: Mapping[str, Sequence[SharedImage]] | None = None,
          avoid: frozenset[str] = frozenset(), base_load: Mapping[str, int] | None = None,
          exhaustive: bool = False) -> Plan:
@@ -351,7 +260,7 @@ def plan(specs: Mapping[str, api.ModelSpecSpec], nodes: Iterable[NodeProfile],
     return Plan(tuple(desired), unplaced)
 
 
-def _place_chain(members: Sequence[str], specs: Mapping[str, api.ModelSpecSpec], node_list: Sequence[NodeProfile],
+def _place_chain(members: Sequence[str], specs: Mapping[str, api.ModelSpecSpec], node_list: Sequence[nodes.NodeProfile],
                  by_load: NodeIndex, by_spec_node: Mapping[tuple[str, str], Sequence[Observed]],
                  desired: list[Desired], unplaced: dict[str, str], avoid: frozenset[str] = frozenset()) -> None:
     """One chain's instances: the K-th instance of every member on one node, on one GPU where memory allows."""

@@ -1,7 +1,7 @@
 """`volga up`: agent + gateway + a local store of ModelSpecs on one machine, no Kubernetes.
 
 The same parts as in a cluster, wired in one process: ModelSpecs come from files instead of the API server,
-the planner (`volga_operator.planner`, the operator's own) places their pool floors on the one local node,
+the planner (`volga_core.planner`, the operator's own) places their pool floors on the one local node,
 the pool converges and runs its local policy, the gateway reaches the pool in-process instead of over gRPC,
 and the Agent API is served too, for tools. With `settings.autonomy_enabled` (`volga up --autonomy`) the node
 autonomy loop runs too, steering this very gateway's data plane and pool. Stopping (Ctrl-C, SIGTERM) stops
@@ -26,10 +26,13 @@ from collections.abc import Callable, Sequence
 import grpc
 import yaml
 
-from volga_agent import admission, auth, gpus, metrics, policy, pool, ports, process, server
+from volga_agent import auth, metrics, ports
+from volga_agent.app import server
 from volga_agent.autonomy import loop as autonomy
 from volga_agent.gateway import app, catalog, links, siblings
-from volga_operator import api, planner
+from volga_agent.host import gpus, process
+from volga_agent.node import admission, policy, pool
+from volga_core import api, planner
 
 log = logging.getLogger(__name__)
 NODE = socket.gethostname() or "local"

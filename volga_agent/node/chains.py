@@ -3,7 +3,7 @@
 A ModelSpec that lists `chain` heads a pipeline of models (OCR detection -> recognition -> field extraction, say)
 that a request goes through one after the other. The pool wakes the whole chain when any member is activated, and
 its idle rule treats the chain as one model; this module turns the ModelSpecs a node holds into that grouping.
-The declarations are checked in `volga_operator.api` (`chain_problems`); a chain that slipped past the checks is
+The declarations are checked in `volga_core.api` (`chain_problems`); a chain that slipped past the checks is
 read leniently here (members the node does not know are left out, a model two chains list stays in the first).
 See docs/models.md ("Chains") and docs/architecture.md.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping
 
-from volga_operator import api
+from volga_core import api
 
 
 @dataclasses.dataclass(frozen=True)
