@@ -47,13 +47,13 @@ images:
 test: setup lint images
 	$(PY) -m pytest -m 'not gpu' $(PYTEST_ARGS)
 
+# The unit folder: pure code, no process, binary or server (under a minute).
 test-fast: $(VENV)/.installed
-	$(PY) -m pytest -m 'not gpu and not integration and not k8s and not images' $(PYTEST_ARGS)
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
 # On the GPU machine: the gpu-marked tests (torch, the driver checkpoint API, CRIU).
 test-gpu:
-	python3 -m pytest -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_gpus.py tests/test_shared_snapshots_gpu.py \
-	  tests/test_endtoend.py tests/test_examples_gpu.py $(PYTEST_ARGS)
+	python3 -m pytest -m gpu -p no:cacheprovider tests/gpu $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

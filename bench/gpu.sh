@@ -22,8 +22,7 @@ uname -r | tee -a "$out/gpu-machine.txt"
 "${VOLGA_CRIU:-criu}" check 2>&1 | tail -1 | tee -a "$out/gpu-machine.txt"
 
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  python3 -m pytest -m gpu -p no:cacheprovider -q tests/test_gpu.py tests/test_gpus.py tests/test_shared_snapshots_gpu.py \
-    tests/test_endtoend.py tests/test_examples_gpu.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 |
+  python3 -m pytest -m gpu -p no:cacheprovider -q tests/gpu ${TESTS_K:+-k "$TESTS_K"} 2>&1 |
     tee "$out/gpu-tests.log"
 fi
 # bench/gpu.sh SIZES [NAME]: e.g. "0.1,2" small; N wakes per tier, COLD_N cold starts, BURST instances.

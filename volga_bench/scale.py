@@ -47,6 +47,7 @@ from kubernetes import client as k8s
 
 from volga_bench import controlplane
 from volga_core import api, planner
+from volga_core import nodes as node_wire
 from volga_core.api import crds
 
 PRODUCT = "NVIDIA H200"
@@ -249,7 +250,7 @@ def placement(nodes: int = 1000, modelspecs: int = 5000, batch: int = 100, round
     """The planner alone, side by side: ms per new instance placed, through the node index and by scoring every
     node (`planner.plan(exhaustive=True)`, what each placement cost before the index), for `batch` new ModelSpecs
     of the bench's kind on `nodes` nodes that already hold the other ModelSpecs' instances (best of `rounds`)."""
-    profiles = [nodes.NodeProfile(f"gpu-{i:03d}", 8, PRODUCT, 141 * 2**30, (0, 1)) for i in range(nodes)]
+    profiles = [node_wire.NodeProfile(f"gpu-{i:03d}", 8, PRODUCT, 141 * 2**30, (0, 1)) for i in range(nodes)]
     spec = api.ModelSpecSpec.model_validate(modelspec(0, "/models/model.onnx")["spec"])
     slots = sum(modelspec(0, "")["spec"]["pool"].values())
     placed = max(0, modelspecs - batch) * slots
@@ -294,7 +295,7 @@ def run(nodes: int = 200, modelspecs: int = 1000, writes_per_sec: float = 200.0,
              "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake", "--node-lease-duration-seconds=0"],
             stdout=(folder / "kwok.log").open("w"), stderr=subprocess.STDOUT, env=env))
         core = k8s.CoreV1Api(client)
-        profile = nodes.NodeProfile("", 8, PRODUCT, 141 * 2**30, (0, 1)).annotations()
+        profile = node_wire.NodeProfile("", 8, PRODUCT, 141 * 2**30, (0, 1)).annotations()
         for i in range(nodes):
             core.create_node(k8s.V1Node(metadata=k8s.V1ObjectMeta(
                 name=f"gpu-{i:03d}", labels={"type": "kwok"},

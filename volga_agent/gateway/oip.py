@@ -5,7 +5,7 @@ The gateway answers unmodified `tritonclient` over gRPC (`inference.GRPCInferenc
 into arrays and arrays into response bytes lives here, as pure functions, so that:
 
 - wire compatibility is tested against tritonclient's own request builders and response parsers without a
-  server (tests/test_oip.py);
+  server (tests/unit/test_oip.py);
 - a malformed request is rejected before any model instance is woken, with an `OipError` that names the input
   and the reason and carries both the gRPC status name and the HTTP status the servers answer with;
 - the gRPC and REST servers stay thin adapters.

@@ -146,10 +146,10 @@ def test_a_chain_leaves_a_node_that_stays_in_emergency(cluster: Cluster, tmp_pat
 
     def placed() -> dict[str, str] | None:
         items = c.emis()
-        nodes = {e["spec"]["modelId"]: e["spec"]["node"] for e in items}
-        done = set(nodes) == {"tier-det", "tier-rec"} and all(
+        profiles = {e["spec"]["modelId"]: e["spec"]["node"] for e in items}
+        done = set(profiles) == {"tier-det", "tier-rec"} and all(
             ready(e) and e.get("status", {}).get("tier") == "FROZEN" for e in items)
-        return nodes if done else None
+        return profiles if done else None
 
     first = wait_for("the chain FROZEN and Ready on one node", placed, timeout=300)
     [pressed] = set(first.values())
@@ -164,8 +164,8 @@ def test_a_chain_leaves_a_node_that_stays_in_emergency(cluster: Cluster, tmp_pat
     assert emergency.memory_pct >= 0.5
 
     def moved() -> dict[str, str] | None:
-        nodes = {e["spec"]["modelId"]: e["spec"]["node"] for e in c.emis()}
-        return nodes if len(nodes) == 2 and pressed not in nodes.values() else None
+        profiles = {e["spec"]["modelId"]: e["spec"]["node"] for e in c.emis()}
+        return profiles if len(profiles) == 2 and pressed not in profiles.values() else None
 
     after = wait_for("the chain on another node", moved, timeout=120)
     [target] = set(after.values())  # all members together

@@ -1,7 +1,7 @@
 """Neighbours across real processes: three agents (nodes a, b, c) trade their water levels over the Agent API and
 three sidecar gateways learn them through ExchangeLoad. Node a's autonomy loop is driven into shedding its
 tolerant model `loose` (its protected model `strict` has a baseline no request meets, as in
-tests/test_autonomy_wiring.py); an unmodified tritonclient request for `loose` to a's gateway is then answered by
+tests/integration/test_autonomy_wiring.py); an unmodified tritonclient request for `loose` to a's gateway is then answered by
 the gateway of b or c, which have the model, instead of RESOURCE_EXHAUSTED. A request that was forwarded already
 is not passed on again. The neighbours are given with --neighbour (no API server needed); the Node annotation
 discovery is the same ring over another directory.

@@ -10,7 +10,7 @@ import yaml
 from volga_core import api
 from volga_core.api import crds
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("folder", ["crds", "charts/volga/crds"])

@@ -31,7 +31,7 @@ from volga_core import api
 
 pytest_plugins = ["k8s_fixtures"]
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "volga"
 GPU_VALUES = CHART / "ci" / "gpu-values.yaml"
 DASHBOARD = CHART / "dashboards" / "volga.json"
@@ -185,7 +185,7 @@ def test_dockerfiles_pass_hadolint() -> None:
     assert "install-criu.sh" in agent and "[gpu]" in agent and "onnxruntime-gpu==" in agent
     assert re.search(r'^ENTRYPOINT \["volga-agent"\]', agent, re.M)
     operator = (ROOT / "Dockerfile.operator").read_text()
-    # Users build on python:3.11-slim by default; `make images` passes its own Debian base (tests/test_images.py).
+    # Users build on python:3.11-slim by default; `make images` passes its own Debian base (tests/images/test_images.py).
     assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim$", operator, re.M)
     assert re.search(r"^FROM \$\{BASE_IMAGE\}$", operator, re.M)
     assert re.search(r"^USER 10001", operator, re.M) and re.search(r'^ENTRYPOINT \["volga-operator"\]', operator, re.M)

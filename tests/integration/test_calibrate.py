@@ -17,7 +17,7 @@ from volga_agent.autonomy import loop
 from volga_agent.node import instance, pool
 from volga_core import api
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def volga(*args: str) -> subprocess.CompletedProcess[str]:

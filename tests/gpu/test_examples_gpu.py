@@ -1,7 +1,7 @@
 """The PyTorch and TorchScript examples as a user runs them: their ModelSpec files, unchanged, served by `volga
 up`, answering over the Open Inference Protocol's REST API what the same module answers run directly in torch.
 
-Needs torch (run on a GPU machine: `python3 -m pytest -m gpu tests/test_examples_gpu.py`); skipped without it.
+Needs torch (run on a GPU machine: `python3 -m pytest -m gpu tests/gpu/test_examples_gpu.py`); skipped without it.
 Uses nothing but torch, numpy, onnxruntime and the repository: the requests are plain HTTP+JSON (urllib).
 """
 
@@ -28,7 +28,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 pytestmark = [pytest.mark.gpu, pytest.mark.integration]
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,7 @@ from volga_core import api
 # tritonclient's __del__ may warn from whichever thread collects it.
 pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "charts" / "volga" / "dashboards" / "volga.json"
 RESTORES = 3
 RESTORE_P99 = 'histogram_quantile(0.99, sum by (le, tier) (rate(volga_snapshot_restore_latency_ms_bucket[1m])))'

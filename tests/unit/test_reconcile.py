@@ -20,9 +20,9 @@ def spec_body(**pool: int) -> dict[str, Any]:
             "pool": {"hot": 0, "frozen": 1, **pool}}
 
 
-def state_with(spec: dict[str, Any] | None = None, nodes: int = 2, **record: Any) -> reconcile.State:
+def state_with(spec: dict[str, Any] | None = None, profiles: int = 2, **record: Any) -> reconcile.State:
     state = reconcile.State()
-    state.nodes = {f"n{i}": nodes.NodeProfile(f"n{i}") for i in range(nodes)}
+    state.nodes = {f"n{i}": nodes.NodeProfile(f"n{i}") for i in range(profiles)}
     state.specs[("ns", "ms")] = reconcile.SpecRecord("ns", "ms", "uid-1", 3, spec or spec_body(), {},
                                                      (labels.FINALIZER,), **record)
     return state

@@ -1,6 +1,6 @@
 """Anonymous memory mapped from a file by `worker.regions` leaves CRIU's image and comes back the same.
 
-On a GPU node the worker does this with the CUDA driver's copy of its device memory (tests/test_gpu.py proves
+On a GPU node the worker does this with the CUDA driver's copy of its device memory (tests/gpu/test_gpu_tiers.py proves
 that path on the H200); here a child process fills a region the way the driver's checkpoint does while this test
 plays the agent (reads the child's pages before and after, names the filled runs), and the real CRIU freezes and
 restores the child, eagerly and lazily.
@@ -136,7 +136,7 @@ def test_a_region_is_whole_pages() -> None:
 def test_criu_leaves_a_filled_region_out_of_the_image_and_restores_it(lazy: bool, tmp_path: pathlib.Path,
                                                                       criu_engine: criu.CriuEngine) -> None:
     folder = pathlib.Path(os.path.realpath(tmp_path))
-    env = {**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[2])}
     log = tmp_path / "child.log"
     with log.open("w") as output:
         child = subprocess.Popen([sys.executable, "-c", CHILD, str(folder)], env=env, start_new_session=True,
@@ -201,7 +201,7 @@ except OSError as exc:
 mapped = [m.path for m in regions.mappings() if m.start <= start < m.end]
 print(mapped == [""], hashlib.sha256(region).hexdigest() == before, park.stat().st_size)
 """
-    env = {**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[2])}
     out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "parked.bin")], env=env, capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr

@@ -18,7 +18,7 @@ import pytest
 from volga_bench import harness
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 ONNX_EXAMPLES = ("vision", "streaming-vad", "fp16", "pipeline")
 
 

@@ -35,10 +35,10 @@ def heard(state: str, in_state_for: float, age: float = 1.0, memory: float = 90.
                            CLOCK - age)
 
 
-def chain_state(nodes: int = 3, **tier: float) -> reconcile.State:
+def chain_state(nodes_count: int = 3, **tier: float) -> reconcile.State:
     """A chain det -> rec -> fields (one FROZEN instance each) placed on n0, a model in no chain beside it."""
     state = reconcile.State(tier=reconcile.TierSettings(**tier))
-    state.nodes = {f"n{i}": nodes.NodeProfile(f"n{i}") for i in range(nodes)}
+    state.nodes = {f"n{i}": nodes.NodeProfile(f"n{i}") for i in range(nodes_count)}
     for name, body in (("det", spec_body("det", ["rec", "fields"])), ("rec", spec_body("rec")),
                        ("fields", spec_body("fields")), ("alone", spec_body("alone"))):
         state.specs[(NS, name)] = reconcile.SpecRecord(NS, name, f"uid-{name}", 1, body, {}, (labels.FINALIZER,))
@@ -195,13 +195,13 @@ def test_no_flapping_a_chain_moves_at_most_once_per_period() -> None:
 
 
 def test_a_chain_with_nowhere_to_go_stays() -> None:
-    state = chain_state(nodes=2)
+    state = chain_state(nodes_count=2)
     state.autonomy = {"n0": heard("EMERGENCY", 100.0), "n1": heard("EMERGENCY", 5.0)}  # n1: EMERGENCY, not due
     actions = reconcile.compute(state, all_keys(state), NOW, settle=True)
     assert not moved_to(actions) and not events(actions)
     assert not [a for a in actions if a.verb == "delete_emi"]
     # A chain whose models need a GPU that no other node has stays too.
-    state = chain_state(nodes=2)
+    state = chain_state(nodes_count=2)
     state.nodes["n0"] = nodes.NodeProfile("n0", gpu_count=1, gpu_memory_bytes=2**34)
     for name in ("det", "rec", "fields"):
         old = state.specs[(NS, name)]

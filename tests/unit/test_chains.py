@@ -104,11 +104,11 @@ def test_the_operator_marks_a_chain_with_an_unknown_member_invalid() -> None:
 
 
 def test_a_chain_lands_on_one_node_and_one_gpu() -> None:
-    nodes = [nodes.NodeProfile(f"n{i}", 4, "NVIDIA H200", 141 * 2**30) for i in range(3)]
+    profiles = [nodes.NodeProfile(f"n{i}", 4, "NVIDIA H200", 141 * 2**30) for i in range(3)]
     specs = {name: spec(s.model_id, tuple(s.chain), gpu=True, min_gib=20, inputs=s.inputs[0].name,
                         outputs=s.outputs[0].name) for name, s in ocr().items()}
     busy = [planner.Observed(f"other-{i}", "other", "n0") for i in range(3)]
-    result = planner.plan(specs, nodes, busy)
+    result = planner.plan(specs, profiles, busy)
     assert {(d.node, d.gpu_index) for d in result.desired} == {("n1", 0)}
     assert sorted(d.name for d in result.desired) == ["det-0", "fields-0", "rec-0"]
 
@@ -122,24 +122,24 @@ def test_a_chain_too_large_for_one_gpu_spreads_over_the_node_gpus() -> None:
 
 
 def test_without_a_chain_the_same_models_spread_over_nodes() -> None:
-    nodes = [nodes.NodeProfile(f"n{i}") for i in range(3)]
+    profiles = [nodes.NodeProfile(f"n{i}") for i in range(3)]
     alone = {name: spec(s.model_id) for name, s in ocr().items()}
-    assert len({d.node for d in planner.plan(alone, nodes).desired}) == 3
-    assert len({d.node for d in planner.plan(ocr(), nodes).desired}) == 1
+    assert len({d.node for d in planner.plan(alone, profiles).desired}) == 3
+    assert len({d.node for d in planner.plan(ocr(), profiles).desired}) == 1
 
 
 def test_a_chain_follows_the_node_most_members_already_use() -> None:
-    nodes = [nodes.NodeProfile(f"n{i}") for i in range(3)]
+    profiles = [nodes.NodeProfile(f"n{i}") for i in range(3)]
     observed = [planner.Observed("rec-0", "rec", "n2"), planner.Observed("fields-0", "fields", "n2"),
                 planner.Observed("det-0", "det", "n0")]
-    assert {d.node for d in planner.plan(ocr(), nodes, observed).desired} == {"n2"}
+    assert {d.node for d in planner.plan(ocr(), profiles, observed).desired} == {"n2"}
 
 
 def test_each_replica_of_a_chain_is_whole_on_its_node() -> None:
-    nodes = [nodes.NodeProfile(f"n{i}") for i in range(2)]
+    profiles = [nodes.NodeProfile(f"n{i}") for i in range(2)]
     specs = {name: spec(s.model_id, tuple(s.chain), frozen=2) for name, s in ocr().items()}
     by_index: dict[str, set[str]] = {}
-    for d in planner.plan(specs, nodes).desired:
+    for d in planner.plan(specs, profiles).desired:
         by_index.setdefault(d.name.rsplit("-", 1)[1], set()).add(d.node)
     assert sorted(len(n) for n in by_index.values()) == [1, 1] and by_index["0"] != by_index["1"]
 

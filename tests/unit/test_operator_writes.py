@@ -1,5 +1,5 @@
 """The operator writes only what the desired state and the status need: the decisions (`reconcile`) and the
-loop's bookkeeping (`handlers.Loop`) without an API server. tests/test_operator_writes_k8s.py shows the same on
+loop's bookkeeping (`handlers.Loop`) without an API server. tests/k8s/test_operator_writes_k8s.py shows the same on
 a real one."""
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ def spec_body(index: int) -> dict[str, Any]:
             "hardware": {"gpu": True}, "pool": {"hot": 0, "warm": 1, "frozen": 1}}
 
 
-def cluster(specs: int, nodes: int = 3) -> reconcile.State:
+def cluster(specs: int, profiles: int = 3) -> reconcile.State:
     state = reconcile.State()
-    state.nodes = {f"n{i}": nodes.NodeProfile(f"n{i}", gpu_count=4) for i in range(nodes)}
+    state.nodes = {f"n{i}": nodes.NodeProfile(f"n{i}", gpu_count=4) for i in range(profiles)}
     for i in range(specs):
         state.specs[("ns", f"ms{i}")] = reconcile.SpecRecord("ns", f"ms{i}", f"uid-{i}", 1, spec_body(i), {},
                                                              (labels.FINALIZER,))

@@ -459,7 +459,8 @@ def test_the_gateway_daemon_warns_without_authentication_beyond_loopback(tmp_pat
     assert not auth.is_loopback("0.0.0.0") and not auth.is_loopback("192.0.2.2") and not auth.is_loopback("::")
     spec = tmp_path / "spec.yaml"
     spec.write_text(yaml.safe_dump(spec_at("/nope.onnx").to_wire()))
-    command = [sys.executable, "-c", "import sys; from volga_agent import daemons; sys.exit(daemons.gateway_main())",
+    command = [sys.executable, "-c",
+               "import sys; from volga_agent.app import daemons; sys.exit(daemons.gateway_main())",
                "-f", str(spec), "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"]
     for extra, warned in (([], False), (["--host", "0.0.0.0"], True)):
         proc = subprocess.Popen([*command, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -511,7 +512,7 @@ def test_metrics_token_file_guards_the_daemons_metrics(daemon: str, token_file: 
     spec.write_text(yaml.safe_dump(spec_at("/nope.onnx").to_wire()))
     common = ["-f", str(spec), "--metrics-port", "0", "--metrics-token-file", str(token_file)]
     if daemon == "volga-gateway":
-        main = "import sys; from volga_agent import daemons; sys.exit(daemons.gateway_main())"
+        main = "import sys; from volga_agent.app import daemons; sys.exit(daemons.gateway_main())"
         command = [sys.executable, "-c", main, *common, "--http-port", "0", "--grpc-port", "0"]
         expected = "volga_gateway_requests"
     else:
