@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 import shared_workers
-from test_autonomy_loop import NoProbe, RecordingGateway
+from autonomy_stubs import NoProbe, RecordingGateway
 
 from volga_agent.autonomy import decider, loop, window
 from volga_agent.host import priority
@@ -18,7 +18,6 @@ from volga_agent.node import policy, pool
 from volga_core import api
 
 Tier = api.Tier
-pytestmark = pytest.mark.integration
 
 
 @pytest.fixture

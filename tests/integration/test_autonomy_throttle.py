@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import pytest
 import shared_workers
+from autonomy_stubs import NoProbe, RecordingGateway
 from procs import wait_for
-from test_autonomy_loop import NoProbe, RecordingGateway
 
 from volga_agent.autonomy import decider, loop, window
 from volga_agent.host import process, throttle
@@ -29,7 +29,6 @@ from volga_agent.worker import contract, protocol
 from volga_core import api
 
 Tier = api.Tier
-pytestmark = pytest.mark.integration
 
 
 def cpu_rate(pid: int, seconds: float) -> float:

@@ -7,13 +7,13 @@ from typing import Any
 
 import pydantic
 import pytest
+from autonomy_stubs import STEP, Run
 
 from volga_agent.autonomy import decider, window
 from volga_agent.node import policy
 from volga_core import api
 
 State = decider.State
-STEP = 0.1  # seconds per window
 
 
 def slo(**fields: Any) -> api.Slo:
@@ -24,23 +24,6 @@ def view(model: str, tolerance: float = 20.0, awake: bool = True, baselines: dic
          gpu: bool = False, **slo_fields: Any) -> decider.ModelView:
     contract = slo(interferenceTolerancePct=tolerance, **slo_fields)
     return decider.ModelView(model, contract, tuple(sorted((baselines or {}).items())), awake, gpu, 256)
-
-
-class Run:
-    """Feeds windows of STEP seconds to one decider."""
-
-    def __init__(self, views: list[decider.ModelView], **settings: Any) -> None:
-        self.decider = decider.Decider(policy.Settings(**settings))
-        self.views = {v.model: v for v in views}
-        self.t = 0.0
-
-    def window(self, memory: float = 50.0, util: float = 0.0, **models: window.ModelWindow) -> decider.Decision:
-        built = window.Window(self.t, self.t + STEP, memory, util, False, models)
-        self.t += STEP
-        return self.decider.decide(built, self.views, explain=True)
-
-    def windows(self, n: int, **kwargs: Any) -> list[decider.Decision]:
-        return [self.window(**kwargs) for _ in range(n)]
 
 
 def load(arrivals: int = 0, p99: float | None = None, completed: int | None = None) -> window.ModelWindow:
