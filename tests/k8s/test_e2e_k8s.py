@@ -107,7 +107,7 @@ def request(grpc: str, model: str, seed: int = 5, headers: dict[str, str] | None
     inputs = harness.triton_inputs(decls, contract.sample_inputs(decls, batch=4, seed=seed))
     client = grpcclient.InferenceServerClient(grpc)
     try:
-        return client.infer("ignored", inputs, headers={"x-model-id": model, **(headers or {})},
+        return client.infer(model, inputs, headers={"x-model-id": model, **(headers or {})},
                             client_timeout=120).as_numpy(
             "probability")
     finally:

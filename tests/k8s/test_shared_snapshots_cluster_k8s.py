@@ -136,7 +136,7 @@ def request(grpc: str, headers: dict[str, str] | None = None) -> np.ndarray:
     inputs = harness.triton_inputs(decls, contract.sample_inputs(decls, batch=4, seed=11))
     client = grpcclient.InferenceServerClient(grpc)
     try:
-        result = client.infer("ignored", inputs, headers={"x-model-id": MODEL, **(headers or {})},
+        result = client.infer(MODEL, inputs, headers={"x-model-id": MODEL, **(headers or {})},
                               client_timeout=120)
         answer: np.ndarray = result.as_numpy("probability")
         return answer
