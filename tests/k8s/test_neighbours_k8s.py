@@ -12,8 +12,7 @@ import uuid
 import pytest
 import yaml
 from kubernetes import client as k8s
-from procs import Daemon, wait_for
-from test_neighbours_wiring import series
+from procs import Daemon, series, wait_for
 
 from volga_bench.controlplane import ControlPlane, free_ports
 from volga_core.api import labels
