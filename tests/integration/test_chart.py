@@ -39,7 +39,7 @@ NAMESPACE = "volga-system"
 RELEASE = "volga"
 INSTALL_TOOLS = "scripts/install-tools.sh"
 
-# What each component does with the API (volga_operator.handlers/reconcile, volga_agent.cluster), and no more.
+# What each component does with the API (volga_operator.loop/reconcile, volga_agent.cluster), and no more.
 OPERATOR_RULES = {
     ("volga.dev", "modelspecs"): {"get", "list", "watch", "patch"},
     ("volga.dev", "modelspecs/status"): {"patch"},
