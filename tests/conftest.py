@@ -33,6 +33,15 @@ def rundir() -> Iterator[pathlib.Path]:
 
 
 @pytest.fixture
+def models(tmp_path: pathlib.Path, default_spec: api.ModelSpecSpec) -> pathlib.Path:
+    """A model root (settings.model_roots) holding the default model as m.onnx."""
+    root = tmp_path / "models"
+    root.mkdir()
+    shutil.copy(default_spec.source_path, root / "m.onnx")
+    return root
+
+
+@pytest.fixture
 def hot(default_spec: api.ModelSpecSpec, rundir: pathlib.Path) -> Iterator[instance.Instance]:
     """A worker of the default model, HOT, without snapshots."""
     inst = instance.Instance("w", default_spec, rundir, None)

@@ -1,0 +1,16 @@
+"""ModelSpecs built for tests: the default model's document with another source, name or fields."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+from volga_agent.app import defaultmodel
+from volga_core import api
+
+
+def spec_at(source: str, name: str = "m", framework: str = "onnx", **extra: Any) -> api.ModelSpec:
+    doc: dict[str, Any] = defaultmodel.spec_document(pathlib.Path("/x"))
+    doc["metadata"]["name"] = name
+    doc["spec"].update({"modelId": name, "source": source, "framework": framework, **extra})
+    return api.parse_model_spec(doc)
