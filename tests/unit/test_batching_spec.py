@@ -1,18 +1,13 @@
-"""`spec.runtime.dynamicBatching`: what `volga validate` (pydantic) and a real API server (the CRD's schema and CEL
-rules) refuse, each naming the field and the reason."""
+"""`spec.runtime.dynamicBatching`: what `volga validate` (pydantic) refuses, naming the field and the reason. What a
+real API server (the CRD's schema and CEL rules) refuses: tests/k8s/test_batching_spec_k8s.py."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import pytest
-from kubernetes import client as k8s_client
-from test_crd_rules_k8s import create, custom, modelspec
+from specs import modelspec
 
 from volga_core import api
-
-pytest_plugins = ["k8s_fixtures"]
-__all__ = ["custom"]  # a fixture of the CRD tests, used here too (crds comes from k8s_fixtures)
 
 
 def problems(runtime: dict[str, Any], output_shape: list[int] | None = None) -> dict[str, str]:
@@ -56,23 +51,3 @@ def test_only_batch_first_models_can_batch() -> None:
     reason = found["spec.runtime.dynamicBatching.enabled"]
     assert "first dimension (-1)" in reason and "outputs[0] 'y' has shape [3]" in reason
     assert problems({"dynamicBatching": {"enabled": False}}, output_shape=[3]) == {}
-
-
-@pytest.mark.k8s
-def test_the_api_server_refuses_what_validate_refuses(custom: tuple[k8s_client.CustomObjectsApi, str]) -> None:
-    assert create(custom, modelspec("ok", runtime={"maxBatchSize": 64, "dynamicBatching": {
-        "enabled": True, "preferredBatchSizes": [8, 64], "maxQueueDelayMicroseconds": 100}})) == ""
-    over = create(custom, modelspec("over", runtime={"maxBatchSize": 16, "dynamicBatching": {
-        "preferredBatchSizes": [32]}}))
-    assert "preferredBatchSizes must be at most maxBatchSize" in over
-    assert "preferredBatchSizes must be at most maxBatchSize" in create(custom, modelspec(
-        "over-default", runtime={"dynamicBatching": {"preferredBatchSizes": [512]}}))  # maxBatchSize: 256
-    assert "must not repeat" in create(custom, modelspec("rep", runtime={"dynamicBatching": {
-        "preferredBatchSizes": [8, 8]}}))
-    assert "maxQueueDelayMicroseconds" in create(custom, modelspec("slow", runtime={"dynamicBatching": {
-        "maxQueueDelayMicroseconds": 10_000_001}}))
-    unbatched = modelspec("flat", runtime={"dynamicBatching": {"enabled": True}})
-    unbatched["spec"]["outputs"][0]["shape"] = [3]
-    assert "batch as its first dimension (-1)" in create(custom, unbatched)
-    unbatched["spec"]["runtime"]["dynamicBatching"]["enabled"] = False
-    assert create(custom, unbatched) == ""
