@@ -21,7 +21,6 @@ from volga_agent.worker import contract, protocol
 from volga_bench import tiers
 from volga_core import api
 
-pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)

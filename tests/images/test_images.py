@@ -38,7 +38,7 @@ from volga_agent.worker import contract
 from volga_bench.controlplane import ControlPlane, free_ports
 
 pytest_plugins = ["k8s_fixtures"]
-pytestmark = [pytest.mark.images, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 OPERATOR = "localhost/volga-operator:dev"
 AGENT_CPU = "localhost/volga-agent:dev-cpu"
 AGENT_GPU = "localhost/volga-agent:dev-gpu"
@@ -99,7 +99,6 @@ def wait_for(what: str, check: Any, timeout: float = 120.0, proc: subprocess.Pop
     raise AssertionError(f"timed out waiting for {what}")
 
 
-@pytest.mark.k8s
 @pytest.mark.parametrize("rootfs", [OPERATOR], indirect=True)
 def test_operator_image_reconciles_a_modelspec(rootfs: Rootfs, control_plane: ControlPlane, crds: None,
                                                tmp_path: pathlib.Path) -> None:

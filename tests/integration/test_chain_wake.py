@@ -25,8 +25,6 @@ CHAIN = [f"chain-{name}" for name, *_ in chain.STAGES]
 SEPARATE = [f"separate-{name}" for name, *_ in chain.STAGES]
 ENSEMBLE = f"chain-{chain.ENSEMBLE}"
 
-pytestmark = pytest.mark.integration
-
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]:

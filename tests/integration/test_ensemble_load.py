@@ -33,8 +33,6 @@ CHAIN = [f"load-{name}" for name, *_ in chain.STAGES]
 ENSEMBLE = f"load-{chain.ENSEMBLE}"
 HEAD_BASELINE_MS = 0.001  # below any real pipeline's p99: the ensemble violates its head's SLO in every window
 
-pytestmark = pytest.mark.integration
-
 
 def specs(files: dict[str, pathlib.Path]) -> list[api.ModelSpec]:
     """The bench's chain; its middle model batches (two rows make a batch, or ten seconds pass), and its head

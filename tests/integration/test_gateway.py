@@ -24,7 +24,7 @@ from volga_bench import harness
 from volga_core import api
 
 # tritonclient.http's __del__ closes its gevent pool from whichever thread collects it, and warns.
-pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 Tier = api.Tier
 A, B = "ctr-default", "ctr-b"
 

@@ -30,7 +30,7 @@ from volga_agent.rpc.volga.v1 import agent_pb2, agent_pb2_grpc
 from volga_agent.worker import contract, protocol
 from volga_bench import harness
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 CONNECTIONS = 24  # all on one of two processes by chance: 2 in 2**24
 SIDECAR = [sys.executable, "-c",
            "import sys; from volga_agent.app.daemons import gateway_main; sys.exit(gateway_main())"]

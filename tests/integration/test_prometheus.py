@@ -33,7 +33,7 @@ from volga_bench.controlplane import free_ports
 from volga_core import api
 
 # tritonclient's __del__ may warn from whichever thread collects it.
-pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "charts" / "volga" / "dashboards" / "volga.json"

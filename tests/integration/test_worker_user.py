@@ -17,8 +17,6 @@ from volga_agent.snapshot import criu
 from volga_agent.worker import contract, protocol
 from volga_core import api
 
-pytestmark = pytest.mark.integration
-
 
 def status(pid: int) -> dict[str, str]:
     lines = pathlib.Path(f"/proc/{pid}/status").read_text().splitlines()

@@ -29,7 +29,7 @@ from volga_core.api import conditions
 from volga_core.kube import ratelimit
 
 pytest_plugins = ["k8s_fixtures"]
-pytestmark = [pytest.mark.k8s, pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 NODES = ("cal-node-a", "cal-node-b")
 NS = "calibrate"
 ANNOTATION = "volga.dev/calibrate"

@@ -18,7 +18,7 @@ from volga_bench.controlplane import ControlPlane, free_ports
 from volga_core.api import labels
 
 pytest_plugins = ["k8s_fixtures"]
-pytestmark = [pytest.mark.k8s, pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 
 def test_agents_find_their_neighbours_through_node_annotations(control_plane: ControlPlane, crds: None,

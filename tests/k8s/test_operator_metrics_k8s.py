@@ -16,10 +16,7 @@ from volga_bench.controlplane import ControlPlane, free_ports
 from volga_operator import loop
 
 pytest_plugins = ["k8s_fixtures"]
-pytestmark = [pytest.mark.k8s, pytest.mark.integration]
 TOKEN = "operator-scrape-token"
-
-
 
 
 @pytest.mark.parametrize("given", ["flag", "env", "none"])

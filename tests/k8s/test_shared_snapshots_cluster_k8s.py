@@ -39,7 +39,7 @@ from volga_bench import harness
 from volga_bench.controlplane import ControlPlane, free_ports
 
 pytest_plugins = ["k8s_fixtures"]
-pytestmark = [pytest.mark.k8s, pytest.mark.integration, pytest.mark.slow,
+pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare(1) for the two nodes")]
 NODES = ("node-a", "node-b")
 MODEL = "shared-k8s"
