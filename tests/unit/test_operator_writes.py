@@ -8,11 +8,10 @@ import bisect
 import collections
 import dataclasses
 import threading
-import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
+from procs import wait_for
 
 from volga_core import nodes, planner
 from volga_core.api import labels
@@ -200,13 +199,6 @@ def test_the_spec_index_counts_chained_specs_per_namespace() -> None:
     assert not state.specs.chained
 
 
-def until(check: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + 10
-    while not check():
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-
-
 def test_writers_waiting_for_the_completion_window_take_slots_in_order() -> None:
     now = [0.0]
     window = ratelimit.CompletionWindow(1, 1.0, clock=lambda: now[0])
@@ -218,13 +210,14 @@ def test_writers_waiting_for_the_completion_window_take_slots_in_order() -> None
                                   daemon=True)
         waiter.start()
         waiters.append(waiter)
-        until(lambda i=i: len(window._line) == i + 1)  # in line before the next one starts
+        # In line before the next one starts.
+        wait_for(f"writer {i} in line", lambda i=i: len(window._line) == i + 1, timeout=10, every=0.01)
     window.release()
     for step in range(1, 4):
         now[0] = float(step)
         with window._changed:
             window._changed.notify()
-        until(lambda step=step: len(order) == step)
+        wait_for(f"{step} writers through", lambda step=step: len(order) == step, timeout=10, every=0.01)
     for waiter in waiters:
         waiter.join(10)
     assert order == [0, 1, 2]
