@@ -223,13 +223,14 @@ def test_frozen_weights_wait_outside_the_image(mlp_spec: api.ModelSpecSpec, rund
                 stats = inst.client().call("stats").header
                 assert not stats["parked"] and not stats["offloaded"]
                 if park:
-                    assert inst.pid is not None and inst._parked is not None
-                    assert not _maps(inst.pid, inst._parked)
+                    assert inst.pid is not None and inst.parking.current is not None
+                    assert not _maps(inst.pid, inst.parking.current)
                 inst.reuse_image_sec = float("inf")  # the second freeze keeps the image (and its parked file)
                 inst.to(Tier.FROZEN)
             inst.to(Tier.SUSPENDED)  # restored into SUSPENDED: the worker maps the parked file until it wakes
             if park:
-                assert inst.pid is not None and inst._parked is not None and _maps(inst.pid, inst._parked)
+                parked = inst.parking.current
+                assert inst.pid is not None and parked is not None and _maps(inst.pid, parked)
             inst.to(Tier.HOT)
             assert np.array_equal(inst.infer(x)["y"], reference)
             folder = inst.parked_dir

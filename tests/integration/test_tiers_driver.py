@@ -7,7 +7,7 @@ import pathlib
 
 import pytest
 
-from volga_agent.node import instance
+from volga_agent.node import gpu_freeze, instance
 from volga_agent.snapshot import cuda
 from volga_core import api
 
@@ -41,11 +41,11 @@ def test_a_freeze_from_suspended_without_the_context_back(default_spec: api.Mode
     inst.pid, inst.tier = child.pid, Tier.SUSPENDED
     try:
         if state is cuda.ProcessState.CHECKPOINTED:
-            assert inst._driver_resumed_for_freeze() is False
+            assert gpu_freeze.Freeze(inst, 0).context_back() is False
             assert inst.pid == child.pid and inst.tier is Tier.SUSPENDED
         else:
             with pytest.raises(cuda.DriverCheckpointError, match="CUDA_ERROR_OUT_OF_MEMORY"):
-                inst._driver_resumed_for_freeze()
+                gpu_freeze.Freeze(inst, 0).context_back()
             assert inst.pid is None and inst.tier is Tier.COLD and child.poll() is not None
             assert "the driver's restore before the freeze failed" in inst.history[-1].detail
     finally:
