@@ -76,8 +76,8 @@ def _calibrator(workdir: str, iterations: int) -> Callable[[api.ModelSpecSpec, s
     of its own beside the node's instances, at the batch sizes the spec's baselines name (1 and 8 by default).
     Each runs in a fresh process: its gateway's grpc.aio server must not share this process with the Agent API's
     (grpc.aio serves one event loop per process), and a model that crashes takes only that process down."""
-    from volga_agent import cluster as cluster_mode
     from volga_agent.app import calibrate
+    from volga_agent.cluster import calibrations
 
     def run(spec: api.ModelSpecSpec, device: str) -> api.Calibration:
         folder = pathlib.Path(workdir)
@@ -88,11 +88,11 @@ def _calibrator(workdir: str, iterations: int) -> Callable[[api.ModelSpecSpec, s
                 return child.submit(calibrate.measure, spec, calibrate.batch_sizes_for(spec), iterations, device,
                                     folder).result()
             except calibrate.StartFailed as exc:
-                raise cluster_mode.CalibrationFailed("StartFailed", str(exc)) from exc
+                raise calibrations.CalibrationFailed("StartFailed", str(exc)) from exc
             except ValueError as exc:
-                raise cluster_mode.CalibrationFailed("InvalidSpec", str(exc)) from exc
+                raise calibrations.CalibrationFailed("InvalidSpec", str(exc)) from exc
             except concurrent.futures.BrokenExecutor as exc:
-                raise cluster_mode.CalibrationFailed("CalibrationFailed", f"the measuring process died: {exc}") \
+                raise calibrations.CalibrationFailed("CalibrationFailed", f"the measuring process died: {exc}") \
                     from exc
 
     return run
@@ -181,16 +181,16 @@ def agent_main(argv: list[str] | None = None) -> int:
         cluster: Any = None
         tier: Any = None
         if args.kube:
-            from volga_agent import cluster as cluster_mode
+            from volga_agent.cluster import sync, tiers
 
-            cluster = cluster_mode.AgentSync(node_pool, args.node, found, settings.api_writes_per_sec,
-                                             gateway_address=args.gateway_address,
-                                             calibrator=_calibrator(args.workdir, args.calibrate_iterations))
+            cluster = sync.AgentSync(node_pool, args.node, found, settings.api_writes_per_sec,
+                                     gateway_address=args.gateway_address,
+                                     calibrator=_calibrator(args.workdir, args.calibrate_iterations))
             if autonomy is not None:
                 autonomy.views.measured = cluster.measured  # status.calibrated where the spec has no baselines
             await cluster.start()
             if autonomy is not None:
-                tier = cluster_mode.TierSync(cluster, autonomy, settings.autonomy_heartbeat_sec)
+                tier = tiers.TierSync(cluster, autonomy, settings.autonomy_heartbeat_sec)
                 await tier.start()
         else:
             specs = _specs(args.file)
@@ -202,10 +202,10 @@ def agent_main(argv: list[str] | None = None) -> int:
             if static_neighbours or not args.kube:
                 levels.set_directory(static_neighbours)
             else:
-                from volga_agent import cluster as cluster_mode
+                from volga_agent.cluster import directory as neighbour_directory
 
-                directory = cluster_mode.NeighbourDirectory(args.node, published, levels.set_directory,
-                                                            settings.api_writes_per_sec)
+                directory = neighbour_directory.NeighbourDirectory(args.node, published, levels.set_directory,
+                                                                   settings.api_writes_per_sec)
                 await directory.start()
         node_pool.start()
         if autonomy is not None:
@@ -290,9 +290,9 @@ def gateway_main(argv: list[str] | None = None) -> int:
         exchanger = links.Exchanger(gw.dataplane, link)
         watcher: Any = None
         if args.kube:
-            from volga_agent import cluster as cluster_mode
+            from volga_agent.cluster import catalog as catalog_sync
 
-            watcher = cluster_mode.CatalogSync(models)
+            watcher = catalog_sync.CatalogSync(models)
             await watcher.start()
         else:
             models.replace([s.spec for s in _specs(args.file)])
