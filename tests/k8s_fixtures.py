@@ -10,16 +10,13 @@ scripts/build-k8s-bins.sh.
 from __future__ import annotations
 
 import contextlib
-import json
 import pathlib
 import uuid
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 from kubernetes import client as k8s_client
 from kubernetes.client import V1Namespace, V1ObjectMeta
-from kubernetes.client.exceptions import ApiException
 
 from volga_bench.controlplane import ControlPlane, ControlPlaneError, MissingBinariesError
 from volga_core import api
@@ -84,14 +81,3 @@ def custom(crds: None, kube_client: k8s_client.ApiClient) -> Iterator[tuple[k8s_
     yield objects, namespace
     # The control plane is shared: an operator started by a later test would place what is left here.
     objects.delete_collection_namespaced_custom_object(api.GROUP, api.VERSION, namespace, "modelspecs")
-
-
-def create(custom: tuple[k8s_client.CustomObjectsApi, str], doc: dict[str, Any]) -> str:
-    """"" when the API server stores the object, else its refusal."""
-    objects, namespace = custom
-    try:
-        objects.create_namespaced_custom_object(api.GROUP, api.VERSION, namespace, "modelspecs", doc)
-    except ApiException as exc:
-        assert exc.status == 422, exc.body
-        return str(json.loads(exc.body)["message"])
-    return ""

@@ -3,9 +3,8 @@ refuses (tests/unit/test_batching_spec.py), each naming the field and the reason
 
 from __future__ import annotations
 
-from k8s_fixtures import create
 from kubernetes import client as k8s_client
-from specs import modelspec
+from specs import create, modelspec
 
 pytest_plugins = ["k8s_fixtures"]
 

@@ -7,10 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from k8s_fixtures import create
 from kubernetes import client as k8s_client
 from procs import wait_for
-from specs import modelspec
+from specs import create, modelspec
 
 from volga_bench.controlplane import ControlPlane
 from volga_core import api
