@@ -7,7 +7,7 @@ import threading
 from typing import Any
 
 from volga_agent.autonomy import decider, window
-from volga_agent.node import policy
+from volga_agent.node.settings import Settings
 
 STEP = 0.1  # seconds per window
 
@@ -50,7 +50,7 @@ class Run:
     """Feeds windows of STEP seconds to one decider."""
 
     def __init__(self, views: list[decider.ModelView], **settings: Any) -> None:
-        self.decider = decider.Decider(policy.Settings(**settings))
+        self.decider = decider.Decider(Settings(**settings))
         self.views = {v.model: v for v in views}
         self.t = 0.0
 

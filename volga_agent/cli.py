@@ -32,7 +32,8 @@ from collections.abc import Callable
 import yaml
 
 from volga_agent import ports
-from volga_agent.node import policy, signature
+from volga_agent.node import signature
+from volga_agent.node.settings import Settings
 from volga_core import api
 
 
@@ -122,7 +123,7 @@ def load_specs(files: list[str] | None) -> list[api.ModelSpec]:
     return signature.load_files(files)
 
 
-def settings_from(args: argparse.Namespace) -> policy.Settings:
+def settings_from(args: argparse.Namespace) -> Settings:
     idle = args.idle_sec
     overrides = {k: v for k, v in {"hot_idle_sec": idle, "warm_idle_sec": idle, "suspended_idle_sec": idle,
                                    "scheduler_eviction_policy": args.eviction_policy,
@@ -144,12 +145,11 @@ def settings_from(args: argparse.Namespace) -> policy.Settings:
         loaded = yaml.safe_load(pathlib.Path(args.settings).read_text()) or {}
         if not isinstance(loaded, dict):
             raise ValueError(f"--settings {args.settings}: must be a mapping of setting names to values")
-        # The flags below use the settings' snake_case names; the file may use either form, once each.
-        names = {str(field.alias): name for name, field in policy.Settings.model_fields.items() if field.alias}
-        base = {str(names.get(key, key)): value for key, value in loaded.items()}
-        if len(base) < len(loaded):
-            return policy.Settings.from_mapping(loaded)  # raises: a setting given twice, by name and by alias
-    return policy.Settings.from_mapping({**base, **overrides, "model_roots": model_roots(args)})
+        # The file may name each setting once, in any form (flat or nested, snake_case or camelCase); the flags
+        # replace it whatever the form.
+        Settings.nested(loaded)  # raises: a setting given twice
+        base = loaded
+    return Settings.from_mapping(Settings.overlay(base, {**overrides, "model_roots": model_roots(args)}))
 
 
 def model_roots(args: argparse.Namespace) -> tuple[str, ...]:
@@ -341,7 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--criu-timeout-sec", type=float,
                    help="seconds a CRIU call may take before it is killed, plus 10 per GiB it moves (default 10)")
     p.add_argument("--set", action="append", metavar="NAME=VALUE",
-                   help="an agent setting (snake_case or camelCase name; docs/architecture.md), repeatable")
+                   help="an agent setting by its flat name, snake_case or camelCase (autonomy_enabled=true; "
+                        "docs/architecture.md), repeatable")
     p.add_argument("--autonomy", action="store_true",
                    help="run the node autonomy loop: act on the ModelSpecs' SLOs (batch caps, shedding, wakes)")
     p.add_argument("--settings", help="YAML/JSON file of node settings (the flags above take precedence)")

@@ -12,7 +12,8 @@ from autonomy_stubs import RecordingGateway
 from procs import wait_for
 
 from volga_agent.autonomy import decider, loop, sampler, window
-from volga_agent.node import instance, policy, pool
+from volga_agent.node import instance, pool
+from volga_agent.node.settings import Settings
 from volga_agent.worker import contract, protocol
 from volga_core import api, planner
 
@@ -22,8 +23,8 @@ Tier = api.Tier
 @pytest.fixture
 def frozen_pool(rundir: pathlib.Path, criu_engine, default_spec: api.ModelSpecSpec) -> Iterator[pool.Pool]:
     # Watermarks at 100 %: this node's real memory reading is below them, so the loop may preload.
-    settings = policy.Settings(autonomy_preload_below_pct=100, autonomy_optimize_above_pct=100,
-                               autonomy_emergency_above_pct=100)
+    settings = Settings(autonomy_preload_below_pct=100, autonomy_optimize_above_pct=100,
+                        autonomy_emergency_above_pct=100)
     p = pool.Pool("n1", rundir / "work", criu_engine.root, settings)
     p.apply([planner.Desired("ms-0", "ms", default_spec.model_id, "n1", Tier.FROZEN)], {"ms": default_spec})
     p.wait_converged(120)

@@ -37,7 +37,7 @@ from chart import (
 )
 
 from volga_agent import auth
-from volga_agent.node import policy
+from volga_agent.node.settings import Settings
 from volga_core import api
 
 # What each component does with the API (volga_operator.loop/reconcile, volga_agent.cluster), and no more.
@@ -277,10 +277,10 @@ def test_snapshots_on_a_host_path_or_a_claim(default: Rendered, gpu: Rendered) -
 def test_agent_settings_are_accepted_by_the_agent(values: str, request: pytest.FixtureRequest) -> None:
     rendered: Rendered = request.getfixturevalue(values)
     text = rendered.get("ConfigMap", "volga-agent-settings")["data"]["settings.yaml"]
-    settings = policy.Settings.from_mapping(yaml.safe_load(text))
+    settings = Settings.from_mapping(yaml.safe_load(text))
     assert "--settings=/etc/volga/settings.yaml" in rendered.container("agent")["args"]
     if values == "gpu":
-        assert settings.scheduler_eviction_policy == "hybrid" and settings.host_memory_budget_bytes == 256 * 2**30
+        assert settings.scheduler_eviction_policy == "hybrid" and settings.budgets.host_memory_bytes == 256 * 2**30
 
 
 def test_operator_deployment(default: Rendered) -> None:
@@ -522,23 +522,23 @@ def test_network_policy_admits_metrics_from_monitoring_and_restricts_egress(defa
 
 def test_model_sources_are_confined_to_the_models_volume(default: Rendered) -> None:
     text = default.get("ConfigMap", "volga-agent-settings")["data"]["settings.yaml"]
-    settings = policy.Settings.from_mapping(yaml.safe_load(text))
+    settings = Settings.from_mapping(yaml.safe_load(text))
     assert settings.model_roots == ("/var/lib/volga/models",) and settings.allow_model_code is False
-    assert settings.max_instances == 0 and settings.host_memory_fraction == 0.8  # taken from the node
+    assert settings.max_instances == 0 and settings.budgets.host_memory_fraction == 0.8  # taken from the node
     moved = template("--set", "agent.models.hostPath=/data/models").get("ConfigMap", "volga-agent-settings")
-    assert policy.Settings.from_mapping(yaml.safe_load(moved["data"]["settings.yaml"])).model_roots == (
+    assert Settings.from_mapping(yaml.safe_load(moved["data"]["settings.yaml"])).model_roots == (
         "/data/models",)
 
 
 def test_a_claim_turns_shared_snapshots_on(default: Rendered, gpu: Rendered) -> None:
     """persistentVolumeClaim mode mounts the volume's `.shared` folder beside the node's own and points
-    settings.shared_snapshots at it; hostPath mode keeps snapshots node-local."""
+    settings.shared.folder at it; hostPath mode keeps snapshots node-local."""
     mounts = [m for m in gpu.container("agent")["volumeMounts"] if m["name"] == "snapshots"]
     assert [m.get("subPathExpr") or m.get("subPath") for m in mounts] == ["$(NODE_NAME)", ".shared"]
     text = gpu.get("ConfigMap", "volga-agent-settings")["data"]["settings.yaml"]
-    assert policy.Settings.from_mapping(yaml.safe_load(text)).shared_snapshots == mounts[1]["mountPath"]
+    assert Settings.from_mapping(yaml.safe_load(text)).shared.folder == mounts[1]["mountPath"]
     text = default.get("ConfigMap", "volga-agent-settings")["data"]["settings.yaml"]
-    assert policy.Settings.from_mapping(yaml.safe_load(text)).shared_snapshots == ""
+    assert Settings.from_mapping(yaml.safe_load(text)).shared.folder == ""
     mount = next(m for m in default.container("agent")["volumeMounts"] if m["name"] == "snapshots")
     assert mount.get("subPath") is None
 
@@ -567,7 +567,7 @@ def test_the_cluster_tier_renders_with_the_autonomy_loop_only(default: Rendered)
     agent_env = {e["name"]: e.get("valueFrom") for e in tier.container("agent")["env"]}
     assert agent_env["VOLGA_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
     text = tier.get("ConfigMap", "volga-agent-settings")["data"]["settings.yaml"]
-    assert policy.Settings.from_mapping(yaml.safe_load(text)).autonomy_enabled is True
+    assert Settings.from_mapping(yaml.safe_load(text)).autonomy.enabled is True
 
 
 # --- neighbours: the Agent API opened to the other agents (docs/architecture.md, "Neighbours") -----------------------
@@ -595,7 +595,7 @@ def test_neighbours_are_off_by_default(default: Rendered, gpu: Rendered) -> None
         assert {p["name"] for p in agent["ports"]} == {"agent-metrics"}
         assert not {"agent-auth", "metrics-auth"} & {v["name"] for v in rendered.agent_pod()["volumes"]}
         text = rendered.get("ConfigMap", "volga-agent-settings")["data"]["settings.yaml"]
-        assert policy.Settings.from_mapping(yaml.safe_load(text)).neighbours_enabled is False
+        assert Settings.from_mapping(yaml.safe_load(text)).neighbours.enabled is False
         ingress = rendered.get("NetworkPolicy", "volga-agent")["spec"]["ingress"]
         assert 8010 not in {p["port"] for rule in ingress for p in rule["ports"]}
 
@@ -621,9 +621,9 @@ def test_neighbours_open_the_agent_api_to_the_other_agents_only(tmp_path: pathli
         mount = mounts_of(container)[AGENT_AUTH]
         assert mount["readOnly"] is True and mount["name"] == "agent-auth"
     assert volumes["agent-auth"]["secret"] == {"secretName": "volga-agent-tokens", "defaultMode": 0o440}
-    settings = policy.Settings.from_mapping(yaml.safe_load(
+    settings = Settings.from_mapping(yaml.safe_load(
         rendered.get("ConfigMap", "volga-agent-settings")["data"]["settings.yaml"]))
-    assert settings.neighbours_enabled is True and settings.autonomy_enabled is True
+    assert settings.neighbours.enabled is True and settings.autonomy.enabled is True
 
     # The generated token: a random one the agent accepts, in the Secret alone.
     secret = rendered.get("Secret", "volga-agent-tokens")

@@ -21,7 +21,8 @@ from procs import wait_for
 
 from volga_agent.app import defaultmodel
 from volga_agent.host import process
-from volga_agent.node import instance, policy, pool
+from volga_agent.node import instance, pool
+from volga_agent.node.settings import Settings
 from volga_agent.snapshot import criu
 from volga_agent.worker import contract
 from volga_bench import faults, harness
@@ -62,7 +63,7 @@ def test_a_truncated_pages_file_costs_a_cold_start_not_a_hang(default_spec: api.
     tree, the failure is counted in the restore-failure metric, keeps its image under failed/, and a cold start
     answers."""
     # Without checksums, which would refuse the truncated image before criu runs.
-    settings = policy.Settings(criu_timeout_floor_sec=3.0, criu_timeout_sec_per_gib=0.0, verify_image_checksums=False)
+    settings = Settings(criu_timeout_floor_sec=3.0, criu_timeout_sec_per_gib=0.0, verify_image_checksums=False)
     node = pool.Pool("n1", rundir / "work", criu_engine.root, settings)
     try:
         node.apply([planner.Desired("t-0", "ms", default_spec.model_id, "n1", Tier.FROZEN)], {"ms": default_spec})

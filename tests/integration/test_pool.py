@@ -12,6 +12,7 @@ import pytest
 from pools import desired
 
 from volga_agent.node import instance, policy, pool
+from volga_agent.node.settings import Settings
 from volga_agent.snapshot import criu
 from volga_core import api
 
@@ -20,7 +21,7 @@ Tier = api.Tier
 
 @pytest.fixture
 def node_pool(rundir: pathlib.Path, criu_engine) -> Iterator[pool.Pool]:
-    settings = policy.Settings(hot_idle_sec=0.3, warm_idle_sec=0.3, suspended_idle_sec=0.3, max_failures=2)
+    settings = Settings(hot_idle_sec=0.3, warm_idle_sec=0.3, suspended_idle_sec=0.3, max_failures=2)
     p = pool.Pool("n1", rundir / "work", criu_engine.root, settings)
     yield p
     p.close()
@@ -111,7 +112,7 @@ def test_breaker_opens_after_repeated_restore_failures(node_pool: pool.Pool, def
 def test_half_open_breaker_keeps_its_attempt_for_a_real_restore(rundir: pathlib.Path, criu_engine,
                                                                 default_spec: api.ModelSpecSpec) -> None:
     """Watch events converge instances all the time; only a wake may take the one half-open attempt."""
-    settings = policy.Settings(max_failures=2, backoff_duration_sec=0.3)
+    settings = Settings(max_failures=2, backoff_duration_sec=0.3)
     p = pool.Pool("n1", rundir / "work", criu_engine.root, settings)
     try:
         plan = [desired("ms-0", "ms", default_spec.model_id, Tier.FROZEN)]

@@ -29,7 +29,8 @@ from tritonclient.utils import InferenceServerException
 from volga_agent import auth, errors
 from volga_agent.app import defaultmodel, server
 from volga_agent.gateway import app, catalog, links
-from volga_agent.node import admission, instance, policy, pool
+from volga_agent.node import admission, instance, pool
+from volga_agent.node.settings import Settings
 from volga_agent.rpc.volga.v1 import agent_pb2, agent_pb2_grpc
 from volga_agent.worker import contract, protocol
 from volga_bench import harness
@@ -53,7 +54,7 @@ def token_file(tmp_path: pathlib.Path) -> pathlib.Path:
 
 def test_a_refused_source_is_the_models_readiness_reason(models: pathlib.Path) -> None:
     refused = spec_at("/etc/passwd", "passwd")
-    bg, up = harness.start_embedded([refused], settings=policy.Settings(model_roots=(str(models),)))
+    bg, up = harness.start_embedded([refused], settings=Settings(model_roots=(str(models),)))
     try:
         client = httpclient.InferenceServerClient(up.endpoints()["http"].removeprefix("http://"))
         assert not client.is_model_ready("passwd")
@@ -82,7 +83,7 @@ def test_a_model_file_swapped_after_the_check_is_refused_by_the_worker(models: p
     shutil.copy(models / "m.onnx", models / "sub" / "f.onnx")
     sources = {"good": models / "m.onnx", "swapped": models / "swapped.onnx", "folder": models / "sub" / "f.onnx"}
     specs = {name: spec_at(str(source), name).spec for name, source in sources.items()}
-    p = pool.Pool("n1", rundir, None, policy.Settings(model_roots=(str(models),)))
+    p = pool.Pool("n1", rundir, None, Settings(model_roots=(str(models),)))
     try:
         p.apply([planner.Desired(name, name, name, "n1", Tier.COLD) for name in specs], specs)
         assert set(p.slots) == set(specs) and not p.failed  # every source passed the agent's check
@@ -126,7 +127,7 @@ def many_hot(folder: pathlib.Path, model: pathlib.Path, count: int) -> pathlib.P
 
 @pytest.mark.parametrize("cap", [None, 100])
 def test_volga_up_refuses_more_hot_instances_than_the_cap(models: pathlib.Path, cap: int | None) -> None:
-    default_cap = admission.node_settings(policy.Settings()).max_instances
+    default_cap = admission.node_settings(Settings()).max_instances
     count = (cap or default_cap) // api.MAX_FLOOR + 1
     path = many_hot(models, models / "m.onnx", count)
     extra = ["--max-instances", str(cap)] if cap else []

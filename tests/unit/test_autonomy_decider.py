@@ -10,7 +10,7 @@ import pytest
 from autonomy_stubs import STEP, Run
 
 from volga_agent.autonomy import decider, window
-from volga_agent.node import policy
+from volga_agent.node.settings import Settings
 from volga_core import api
 
 State = decider.State
@@ -229,9 +229,9 @@ def test_windows_reduce_samples_and_accept_any_type_with_the_load_fields() -> No
 
 def test_watermarks_out_of_order_are_refused() -> None:
     with pytest.raises(ValueError, match="autonomy_emergency_above_pct: must be >= autonomy_optimize_above_pct"):
-        policy.Settings.from_mapping({"autonomyEmergencyAbovePct": 60})
+        Settings.from_mapping({"autonomyEmergencyAbovePct": 60})
     with pytest.raises(ValueError, match="autonomy_sample_ms: must be > 0"):
-        policy.Settings.from_mapping({"autonomy_sample_ms": 0.0})
+        Settings.from_mapping({"autonomy_sample_ms": 0.0})
 
 
 @pytest.mark.parametrize(("steps", "path", "reason"), [
@@ -366,4 +366,4 @@ def test_a_co_runner_whose_tolerance_allows_no_stop_is_not_throttled() -> None:
     ("autonomy_throttle_period_ms", 1.0, "must be >= 2")])
 def test_throttle_settings_out_of_range_name_their_field(setting: str, value: float, reason: str) -> None:
     with pytest.raises(ValueError, match=f"settings.{setting}: .*{reason}"):
-        policy.Settings.from_mapping({setting: value})
+        Settings.from_mapping({setting: value})

@@ -11,7 +11,8 @@ from autonomy_stubs import NoProbe, RecordingGateway
 from procs import wait_for
 
 from volga_agent.autonomy import decider, loop, sampler, window
-from volga_agent.node import instance, policy, pool
+from volga_agent.node import instance, pool
+from volga_agent.node.settings import Settings
 from volga_core import api
 
 Tier = api.Tier
@@ -63,7 +64,7 @@ def test_debug_logs_the_decision_context_at_most_every_100_ms(default_spec: api.
                                                               rundir: pathlib.Path,
                                                               caplog: pytest.LogCaptureFixture) -> None:
     p = two_models(default_spec, rundir)
-    autonomy = loop.Loop(p, RecordingGateway(), settings=policy.Settings(autonomy_debug=True), probe=NoProbe())
+    autonomy = loop.Loop(p, RecordingGateway(), settings=Settings(autonomy_debug=True), probe=NoProbe())
     caplog.set_level("INFO", logger=loop.__name__)
     try:
         for k in range(5):  # five windows at once: one log line (the others come within 100 ms of it)

@@ -14,7 +14,7 @@ from neighbour_levels import Fixed, level, run
 from volga_agent import neighbours
 from volga_agent.app import defaultmodel
 from volga_agent.gateway import catalog, dataplane, links
-from volga_agent.node import policy
+from volga_agent.node.settings import Settings
 from volga_agent.rpc.volga.v1 import agent_pb2 as pb
 
 
@@ -187,11 +187,11 @@ def test_the_exchanger_hands_the_node_state_and_neighbour_levels_to_the_data_pla
 
 
 def test_neighbour_settings() -> None:
-    assert policy.Settings().neighbours_enabled is False
-    s = policy.Settings.from_mapping({"neighboursEnabled": True, "neighboursPeriodMs": 100.0})
-    assert (s.neighbours_enabled, s.neighbours_period_ms) == (True, 100.0)
+    assert Settings().neighbours.enabled is False
+    s = Settings.from_mapping({"neighboursEnabled": True, "neighboursPeriodMs": 100.0})
+    assert (s.neighbours.enabled, s.neighbours.period_ms) == (True, 100.0)
     with pytest.raises(ValueError, match=r"settings\.neighbours_period_ms"):
-        policy.Settings.from_mapping({"neighboursPeriodMs": 5.0})
+        Settings.from_mapping({"neighboursPeriodMs": 5.0})
 
 
 def test_the_agent_says_why_it_takes_no_part() -> None:

@@ -13,7 +13,8 @@ from specs import spec_at
 
 from volga_agent import auth
 from volga_agent.app import defaultmodel
-from volga_agent.node import admission, policy, pool
+from volga_agent.node import admission, pool
+from volga_agent.node.settings import Settings
 from volga_core import api, planner
 
 Tier = api.Tier
@@ -44,7 +45,7 @@ def test_model_sources_resolve_inside_the_model_roots(models: pathlib.Path, tmp_
     }
     specs = {name: spec_at(source, name, framework).spec for name, (source, framework, _) in cases.items()}
     desired = [planner.Desired(name, name, name, "n1", Tier.COLD) for name in cases]
-    p = pool.Pool("n1", rundir, None, policy.Settings(model_roots=(str(models),)))
+    p = pool.Pool("n1", rundir, None, Settings(model_roots=(str(models),)))
     try:
         p.apply(desired, specs)
         reasons = {i.name: i.state_reason for i in p.instances(include_failed=True)}
@@ -59,7 +60,7 @@ def test_model_sources_resolve_inside_the_model_roots(models: pathlib.Path, tmp_
     assert created == {"inside", "inner-link"}
     assert not (tmp_path / "ran").exists()
 
-    allowed = pool.Pool("n1", rundir, None, policy.Settings(model_roots=(str(models),), allow_model_code=True))
+    allowed = pool.Pool("n1", rundir, None, Settings(model_roots=(str(models),), allow_model_code=True))
     try:
         allowed.apply([planner.Desired("code", "code", "code", "n1", Tier.COLD)], {"code": specs["code"]})
         assert set(allowed.slots) == {"code"} and not allowed.failed
@@ -102,17 +103,17 @@ def test_node_defaults_come_from_the_machine() -> None:
     total = admission.mem_total()
     meminfo = dict(line.split(":", 1) for line in pathlib.Path("/proc/meminfo").read_text().splitlines())
     assert total == int(meminfo["MemTotal"].split()[0]) * 1024 > 0
-    settings = admission.node_settings(policy.Settings(), total=64 * 2**30)
-    assert settings.host_memory_budget_bytes == int(0.8 * 64 * 2**30) and settings.max_instances == 256
-    kept = admission.node_settings(policy.Settings(host_memory_budget_bytes=2**30, max_instances=7), total=2**40)
-    assert (kept.host_memory_budget_bytes, kept.max_instances) == (2**30, 7)
-    none = admission.node_settings(policy.Settings(host_memory_fraction=0), total=2**40)
-    assert none.host_memory_budget_bytes == 0
+    settings = admission.node_settings(Settings(), total=64 * 2**30)
+    assert settings.budgets.host_memory_bytes == int(0.8 * 64 * 2**30) and settings.max_instances == 256
+    kept = admission.node_settings(Settings(host_memory_budget_bytes=2**30, max_instances=7), total=2**40)
+    assert (kept.budgets.host_memory_bytes, kept.max_instances) == (2**30, 7)
+    none = admission.node_settings(Settings(host_memory_fraction=0), total=2**40)
+    assert none.budgets.host_memory_bytes == 0
 
 
 def test_the_pool_starts_no_more_instances_than_the_cap(models: pathlib.Path, rundir: pathlib.Path) -> None:
     spec = spec_at(str(models / "m.onnx")).spec
-    p = pool.Pool("n1", rundir, None, policy.Settings(max_instances=2))
+    p = pool.Pool("n1", rundir, None, Settings(max_instances=2))
     try:
         p.apply([planner.Desired(f"m-{i}", "m", "m", "n1", Tier.COLD) for i in range(3)], {"m": spec})
         assert sorted(p.slots) == ["m-0", "m-1"]

@@ -13,7 +13,8 @@ import threading
 import pytest
 
 from volga_agent import cli
-from volga_agent.node import instance, policy
+from volga_agent.node import instance
+from volga_agent.node.settings import Settings
 from volga_agent.snapshot import criu, shared
 from volga_core import api, nodes, planner
 from volga_operator import reconcile
@@ -100,10 +101,10 @@ def test_collect_removes_gone_versions_after_the_grace_and_keeps_the_budget(tmp_
 
 
 def test_settings_make_shared_storage_opt_in() -> None:
-    assert policy.Settings().shared_snapshots == ""
-    assert policy.Settings.from_mapping({"sharedSnapshots": "/mnt/shared"}).shared_snapshots == "/mnt/shared"
+    assert Settings().shared.folder == ""
+    assert Settings.from_mapping({"sharedSnapshots": "/mnt/shared"}).shared.folder == "/mnt/shared"
     with pytest.raises(ValueError, match="shared_snapshot_budget_bytes"):
-        policy.Settings.from_mapping({"shared_snapshot_budget_bytes": -1})
+        Settings.from_mapping({"shared_snapshot_budget_bytes": -1})
 
 
 def parked_weights(folder: pathlib.Path, size: int = 3 * criu.CHECKSUM_CHUNK // 2) -> pathlib.Path:
@@ -228,5 +229,5 @@ def test_model_spec_status_lists_the_shared_images_its_instances_report() -> Non
 
 def test_volga_up_takes_a_shared_snapshot_folder() -> None:
     args = cli.build_parser().parse_args(["up", "--shared-snapshots", "/mnt/shared", "--workdir", "/run/volga"])
-    assert cli.settings_from(args).shared_snapshots == "/mnt/shared" and args.workdir == "/run/volga"
-    assert cli.settings_from(cli.build_parser().parse_args(["up"])).shared_snapshots == ""
+    assert cli.settings_from(args).shared.folder == "/mnt/shared" and args.workdir == "/run/volga"
+    assert cli.settings_from(cli.build_parser().parse_args(["up"])).shared.folder == ""
