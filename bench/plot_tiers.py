@@ -1,5 +1,5 @@
 """Plot wake -> first answer against model size per tier, with the host-to-device copy limit, from the
-committed GPU results; print the Markdown table the README carries.
+committed GPU results; print the Markdown table the README and docs/measurements.md carry.
 
     python bench/plot_tiers.py bench/results/tiers/tiers-gpu-h200-*.json --out bench/results/tiers/tiers-gpu-h200.png
 """
