@@ -2,8 +2,8 @@
 
 A gateway under grpc.aio does its work on one event loop in one process, and most of that work is grpc.aio's own
 (its completion-queue poller thread and the loop's wake-ups, about 85 % of the gateway's CPU per small request by a
-py-spy profile; docs/measurements.md, "Against KServe"): at around a thousand small requests a second one gateway process holds a
-core. `volga-gateway --processes N` and `volga up --gateway-processes N` run N gateway processes on the same HTTP and
+py-spy profile; docs/measurements.md, "Against KServe"): at around a thousand small requests a second one gateway
+process holds a core. `volga-gateway --processes N` and `volga up --gateway-processes N` run N gateway processes on the same HTTP and
 gRPC ports. Each binds them with SO_REUSEPORT and the kernel spreads incoming connections over the processes by a
 hash of each connection's addresses: one client connection stays with one process, several connections (several
 clients, or a client's channel pool) spread. Each process has its own route cache, batchers and load exchange with
