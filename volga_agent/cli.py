@@ -32,13 +32,15 @@ from collections.abc import Callable
 import yaml
 
 from volga_agent import ports
-from volga_agent.node import signature
+from volga_agent.node import admission, signature
 from volga_agent.node.settings import Settings
 from volga_core import api
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
     failed = 0
+    outside = 0  # ModelSpecs whose model file lies outside the model roots `volga up` would use for these files
+    roots = () if args.schema_only else model_roots(args)
     labelled: list[tuple[str, api.ModelSpec]] = []
     checked: list[tuple[str, api.ModelSpec]] = []  # signatures read from the model files, for the chains
     for target in args.file:
@@ -57,6 +59,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
             problems: list[tuple[str, str]] = []
             if not args.schema_only:
                 spec, problems = _against_model(spec)
+                off = [o.problem for o in admission.outside_roots([(label, spec)], roots)]
+                outside += len(off)
+                problems = off + problems
             if problems:
                 print(f"{label}: ModelSpec {spec.metadata.name}: invalid\n"
                       + "\n".join(f"  {path}: {reason}" for path, reason in problems), file=sys.stderr)
@@ -73,6 +78,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
     for chained in api.chain_errors(checked):
         print(chained, file=sys.stderr)
         failed += 1
+    if outside:
+        print("\n".join(admission.roots_hint(roots, roots_origin(args))), file=sys.stderr)
     return 1 if failed else 0
 
 
@@ -113,14 +120,18 @@ def _progress(quiet: bool) -> Callable[[str], None]:
     return show
 
 
-def load_specs(files: list[str] | None) -> list[api.ModelSpec]:
+DEFAULT_LABEL = "(the embedded default model)"
+
+
+def load_specs(files: list[str] | None) -> signature.Loaded:
     """The ModelSpecs in `files` (the embedded default without), inputs and outputs they leave out read from
-    their model files; SpecError for the first problem, a name or model id used twice included."""
+    their model files, and those refused one by one (`signature.load`); SpecError for what is no single model's
+    problem (a document that does not parse, a name or model id used twice, a chain that cannot be used)."""
     from volga_agent.app import defaultmodel
 
     if not files:
-        return [defaultmodel.ensure()]
-    return signature.load_files(files)
+        return signature.Loaded([(DEFAULT_LABEL, defaultmodel.ensure())])
+    return signature.load(files)
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
@@ -149,7 +160,10 @@ def settings_from(args: argparse.Namespace) -> Settings:
         # replace it whatever the form.
         Settings.nested(loaded)  # raises: a setting given twice
         base = loaded
-    return Settings.from_mapping(Settings.overlay(base, {**overrides, "model_roots": model_roots(args)}))
+    # The model roots: --model-root, else those the settings file or --set gives, else the default ones.
+    if args.model_root or not any(key in ("model_roots", "modelRoots") for key in (*base, *overrides)):
+        overrides["model_roots"] = model_roots(args)
+    return Settings.from_mapping(Settings.overlay(base, overrides))
 
 
 def model_roots(args: argparse.Namespace) -> tuple[str, ...]:
@@ -163,6 +177,16 @@ def model_roots(args: argparse.Namespace) -> tuple[str, ...]:
     return (*admission.spec_folders(args.file or []), str(defaultmodel.default_cache()))
 
 
+def roots_origin(args: argparse.Namespace, roots: tuple[str, ...] | None = None) -> str:
+    """Where the model roots in force come from, for the messages about them; `roots`: those in force, when a
+    settings file may have given them."""
+    if args.model_root:
+        return "from --model-root"
+    if roots is not None and roots != model_roots(args):
+        return "from settings.model_roots"
+    return "the default: the folders of the ModelSpec files and the built-models cache"
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     import logging
 
@@ -174,7 +198,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        specs = load_specs(args.file)
+        loaded = load_specs(args.file)
     except (api.SpecError, OSError) as exc:
         print(exc, file=sys.stderr)
         return 2
@@ -186,6 +210,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"volga up: {exc}", file=sys.stderr)
         return 2
+    if not _startable(args, loaded, settings.model_roots):
+        return 2
+    specs = loaded.specs
     options = up.Options(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                             metrics_port=args.metrics_port, agent_port=args.agent_port,
                             snapshot_root=pathlib.Path(args.snapshot_dir) if args.snapshot_dir else None,
@@ -194,7 +221,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                             gateway_processes=args.gateway_processes)
     print(f"volga up: {len(specs)} ModelSpec(s); listening on", flush=True)
     try:
-        uvloop.run(up.run(specs, options, lambda line: print(line, flush=True)))
+        uvloop.run(up.run(specs, options, lambda line: print(line, flush=True), loaded.refused))
     except ValueError as exc:  # what the node refuses before starting anything (too many instances)
         print(f"volga up: {exc}", file=sys.stderr)
         return 2
@@ -202,6 +229,31 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"volga up: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _startable(args: argparse.Namespace, loaded: signature.Loaded, roots: tuple[str, ...]) -> bool:
+    """Whether `volga up` may start with what it loaded; says why not, and each ModelSpec it refused, on stderr.
+    Not when a model file lies outside the model roots (every instance of it would fail; one message for all of
+    them, before anything starts), nor when no ModelSpec is left to serve."""
+    every = [*loaded.labelled, *((r.label, r.spec) for r in loaded.refused)]
+    if outside := admission.outside_roots(every, roots):
+        which = "ModelSpecs name model files" if len(outside) > 1 else "ModelSpec names a model file"
+        lines = [f"volga up: {len(outside)} {which} outside the model roots; nothing was started:"]
+        lines += [f"  {o.label}: ModelSpec {o.name}: {': '.join(o.problem)}" for o in outside]
+        lines += [f"  {line}" for line in admission.roots_hint(roots, roots_origin(args, roots))]
+        print("\n".join(lines), file=sys.stderr, flush=True)
+        return False
+    for r in loaded.refused:
+        print(f"volga up: {r.label}: ModelSpec {r.spec.metadata.name} (model {r.model_id!r}) cannot be served:\n"
+              + "\n".join(f"  {path}: {reason}" for path, reason in r.error.problems), file=sys.stderr, flush=True)
+    if loaded.refused and not loaded.labelled:
+        print("volga up: no ModelSpec is left to serve", file=sys.stderr, flush=True)
+        return False
+    if loaded.refused:
+        names = ", ".join(repr(r.model_id) for r in loaded.refused)
+        print(f"volga up: serving the other {len(loaded.labelled)} ModelSpec(s); requests for {names} answer "
+              "UNAVAILABLE with the reason above", file=sys.stderr, flush=True)
+    return True
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -304,6 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-f", "--file", action="append", required=True, help="YAML file or folder (repeatable)")
     p.add_argument("--schema-only", action="store_true",
                    help="do not open the model files (specs for files that live on the nodes)")
+    p.add_argument("--model-root", action="append",
+                   help="folder model sources must lie in, as for volga up (repeatable; default: the ModelSpec "
+                        "files' folders and ~/.cache/volga/models)")
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("inspect", help="print a ready ModelSpec for an ONNX model file")

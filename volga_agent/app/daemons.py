@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import json
 import logging
 import multiprocessing
 import os
@@ -263,6 +264,9 @@ def gateway_main(argv: list[str] | None = None) -> int:
                         help="gateway processes on the same ports (SO_REUSEPORT), each with its own /metrics on "
                              "--metrics-port + its index (volga_agent/gateway/siblings.py); default 1")
     parser.add_argument("--sibling", type=int, default=0, help=argparse.SUPPRESS)  # set by process 0 for the others
+    # Set by `volga up` for its other gateway processes: a JSON list of the models it refused ({modelId, version,
+    # reason}), which they answer UNAVAILABLE with the reason, as its own gateway does.
+    parser.add_argument("--refused", default="", help=argparse.SUPPRESS)
     parser.add_argument("-v", "--verbose", action="store_true")
     args = _parse(parser, argv)
     if bool(args.tls_cert) != bool(args.tls_key):
@@ -298,6 +302,9 @@ def gateway_main(argv: list[str] | None = None) -> int:
             await watcher.start()
         else:
             models.replace([s.spec for s in _specs(args.file)])
+            if args.refused:
+                for refused in json.loads(pathlib.Path(args.refused).read_text()):
+                    models.refuse(refused["modelId"], refused["version"], refused["reason"])
         await gw.start()
         exchanger.start()
         # Process 0 of several reads this line from the others for their metrics port (`siblings.READY`).

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import pathlib
 import shutil
@@ -31,7 +32,7 @@ from volga_agent.app import server
 from volga_agent.autonomy import loop as autonomy
 from volga_agent.gateway import app, catalog, links, siblings
 from volga_agent.host import gpus, process
-from volga_agent.node import admission, pool
+from volga_agent.node import admission, pool, signature
 from volga_agent.node.settings import Settings
 from volga_core import api, planner
 
@@ -60,7 +61,10 @@ class Options(ports.Ports):
 class Embedded:
     """One node's agent, gateway and ModelSpec store in one process."""
 
-    def __init__(self, specs: Sequence[api.ModelSpec], options: Options | None = None) -> None:
+    def __init__(self, specs: Sequence[api.ModelSpec], options: Options | None = None,
+                 refused: Sequence[signature.Refused] = ()) -> None:
+        """`refused`: ModelSpecs that could not be loaded; their models are named, answered UNAVAILABLE with the
+        reason, and listed (`volga status`) as instances that could not be created, but never planned."""
         self.options = options or Options()
         names = [s.metadata.name for s in specs]
         dupes = sorted({n for n in names if names.count(n) > 1})
@@ -68,6 +72,7 @@ class Embedded:
             raise ValueError(f"metadata.name must be unique; repeated: {', '.join(dupes)}")
         self.specs = {s.metadata.name: s.spec for s in specs}
         self._documents = [s.to_wire() for s in specs]
+        self.refused = {r.model_id: r for r in refused}
         processes = self.options.gateway_processes
         if processes < 1:
             raise ValueError(f"--gateway-processes: {processes}: at least 1 gateway process")
@@ -99,6 +104,10 @@ class Embedded:
         self.gateway = app.Gateway(catalog.Catalog({s.model_id: s for s in self.specs.values()}),
                                    links.LocalAgentLink(self._activate, self._instances), gw_settings,
                                    extra_metrics=[self.agent_metrics.registry])
+        for r in self.refused.values():
+            reason = refusal_reason(r)
+            self.gateway.catalog.refuse(r.model_id, r.spec.spec.version, reason)
+            self.pool.refuse(_instance(r), r.spec.spec, reason)
         self._agent: grpc.aio.Server | None = None
         self.agent_port = 0
         self.autonomy = (autonomy.Loop(self.pool, self.gateway.dataplane, self.settings, self.agent_metrics)
@@ -140,7 +149,13 @@ class Embedded:
         o, bound = self.options, self.gateway.ports
         specs = self.folders["workdir"] / "gateway-modelspecs.yaml"
         specs.write_text(yaml.safe_dump_all(self._documents, sort_keys=False))
-        common = [*siblings.GATEWAY_MAIN, "--agent", f"{AGENT_HOST}:{self.agent_port}", "-f", str(specs),
+        refused: list[str] = []
+        if self.refused:
+            path = self.folders["workdir"] / "gateway-refused.json"
+            path.write_text(json.dumps([{"modelId": r.model_id, "version": r.spec.spec.version,
+                                         "reason": refusal_reason(r)} for r in self.refused.values()]))
+            refused = ["--refused", str(path)]
+        common = [*siblings.GATEWAY_MAIN, "--agent", f"{AGENT_HOST}:{self.agent_port}", "-f", str(specs), *refused,
                   "--host", o.host, "--http-port", str(bound["http"]), "--grpc-port", str(bound["grpc"]),
                   "--cache-ttl-sec", str(o.settings.gateway_cache_ttl_sec),
                   *(["--token-file", o.token_file] if o.token_file else [])]
@@ -164,6 +179,17 @@ class Embedded:
         for path in self._owned:
             shutil.rmtree(path, ignore_errors=True)
 
+    def warming(self) -> str:
+        """How many instances are on their way to their tiers, and how many could not even be created."""
+        refused = {_instance(r) for r in self.refused.values()}
+        failed = sum(1 for name in list(self.pool.failed) if name not in refused)
+        warming = len(self.plan.desired) - failed
+        text = "1 instance warming into its tier" if warming == 1 else f"{warming} instances warming into their tiers"
+        if failed:
+            text += (f"; {failed} could not be created: requests for their models answer UNAVAILABLE with the "
+                     "reason, `volga status` lists it")
+        return text
+
     def endpoints(self) -> dict[str, str]:
         host = self.options.host
         ports = self.gateway.ports
@@ -175,9 +201,21 @@ class Embedded:
         return {**out, "agent": f"{AGENT_HOST}:{self.agent_port}"}
 
 
-async def run(specs: Sequence[api.ModelSpec], options: Options, announce: Callable[[str], None] = print) -> None:
+def _instance(refused: signature.Refused) -> str:
+    """The name a refused ModelSpec's one instance is listed under (as the planner names a first instance)."""
+    return f"{refused.spec.metadata.name}-0"
+
+
+def refusal_reason(refused: signature.Refused) -> str:
+    """Why a refused ModelSpec's model is not served, as requests for it, its readiness and `volga status` say."""
+    return (f"its ModelSpec {refused.spec.metadata.name} ({refused.label}) could not be loaded when volga up "
+            f"started: {refused.reason}; fix it and restart volga up")
+
+
+async def run(specs: Sequence[api.ModelSpec], options: Options, announce: Callable[[str], None] = print,
+              refused: Sequence[signature.Refused] = ()) -> None:
     """Serve until SIGINT or SIGTERM, then stop cleanly."""
-    embedded = Embedded(specs, options)
+    embedded = Embedded(specs, options, refused)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -193,7 +231,10 @@ async def run(specs: Sequence[api.ModelSpec], options: Options, announce: Callab
         for name, path in embedded.folders.items():
             announce(f"  {name:<8} {path}")
         announce(f"  models   {', '.join(sorted(s.model_id for s in embedded.specs.values()))} "
-                 f"({len(embedded.plan.desired)} instances warming into their tiers)")
+                 f"({embedded.warming()})")
+        if embedded.refused:
+            announce(f"  refused  {', '.join(sorted(embedded.refused))} (not served: requests for them answer "
+                     "UNAVAILABLE with the reason)")
         announce("Ctrl-C stops everything and removes the snapshots.")
         await stop.wait()
     finally:

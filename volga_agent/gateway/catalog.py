@@ -39,8 +39,22 @@ class Placement:
     gateway: str = ""  # the gRPC address of that node's gateway, as its agent reports it
 
 
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """A model this gateway names but does not serve, and why (a ModelSpec `volga up` could not load)."""
+
+    model_id: str
+    version: str
+    reason: str
+
+    @property
+    def message(self) -> str:
+        return f"model {self.model_id!r} is unavailable: {self.reason}"
+
+
 class Catalog:
-    """The models this gateway can route to (from the local store, or a ModelSpec watch in a cluster)."""
+    """The models this gateway can route to (from the local store, or a ModelSpec watch in a cluster), and those
+    it refuses, with the reason (`refuse`)."""
 
     def __init__(self, specs: Mapping[str, api.ModelSpecSpec] | None = None) -> None:
         self._models: dict[str, api.ModelSpecSpec] = {}
@@ -49,7 +63,21 @@ class Catalog:
         self._ensembles: dict[str, ensemble.Ensemble] = {}
         # model id -> its instances in the cluster (an EMI watch fills it); None: not known (no cluster).
         self._placements: dict[str, tuple[Placement, ...]] | None = None
+        self._refused: dict[str, Refusal] = {}
         self.replace(list((specs or {}).values()))
+
+    def refuse(self, model_id: str, version: str, reason: str) -> None:
+        """Name a model that is not served, and why: every request for it (inference, metadata, configuration) is
+        UNAVAILABLE with the reason, it is never ready, and the repository index lists it as UNAVAILABLE. A
+        ModelSpec with the same modelId (`replace`) goes before it."""
+        self._refused[model_id] = Refusal(model_id, version, reason)
+
+    def refusal(self, model_id: str) -> Refusal | None:
+        """Why the model is not served; None for a model with a ModelSpec, or one never named."""
+        return None if model_id in self._models else self._refused.get(model_id)
+
+    def refusals(self) -> list[Refusal]:
+        return sorted((r for r in self._refused.values() if r.model_id not in self._models), key=lambda r: r.model_id)
 
     def set_placements(self, placements: Mapping[str, Sequence[Placement]]) -> None:
         self._placements = {model: tuple(p) for model, p in placements.items()}
@@ -104,6 +132,8 @@ class Catalog:
     def get(self, model_id: str) -> api.ModelSpecSpec:
         spec = self._models.get(model_id)
         if spec is None:
+            if (refused := self._refused.get(model_id)) is not None:
+                raise oip.error("UNAVAILABLE", refused.message)
             raise oip.error("NOT_FOUND", f"unknown model {model_id!r}: no ModelSpec has this modelId")
         return spec
 

@@ -2,7 +2,8 @@
 
 One inference request goes:
 
-1. model: the `x-model-id` header, else the protocol's model name; unknown -> NOT_FOUND / 404;
+1. model: the `x-model-id` header, else the protocol's model name; unknown -> NOT_FOUND / 404; one the catalog
+   refuses (a ModelSpec `volga up` could not load) -> UNAVAILABLE / 503 with the reason, before the body is decoded;
 2. `x-input-hash`, when sent, must equal the SHA-256 of the model's input schema -> else INVALID_ARGUMENT /
    400, before anything wakes;
 3. tensors are decoded (by the adapter, with `oip`) and checked against the ModelSpec (names, dtypes, shapes,
@@ -389,7 +390,8 @@ class Dataplane:
     async def repository_index(self) -> list[ModelState]:
         states = await asyncio.gather(*(self.model_state(s) for s in self.catalog.all()),
                                       *(self.ensemble_state(e) for e in self.catalog.ensembles()))
-        return sorted(states, key=lambda s: s.name)
+        refused = [ModelState(r.model_id, r.version, "UNAVAILABLE", r.reason) for r in self.catalog.refusals()]
+        return sorted([*states, *refused], key=lambda s: s.name)
 
     # -- inference -----------------------------------------------------------------------------------
 
@@ -538,6 +540,7 @@ class Dataplane:
         code = "OK"
         known = self.catalog.known(model)
         found = None if known else self.catalog.find_ensemble(model)
+        refused = None if known or found is not None else self.catalog.refusal(model)
         diverted = False
         refusal = ""
         with self._lock:
@@ -558,6 +561,8 @@ class Dataplane:
                         self._arrived(m, queued=False).shed += 1
         token = _diverted.set(_Diverted(model, retry_after_ms) if diverted else None)
         try:
+            if refused is not None:  # before its body is decoded: nothing it carries can change the answer
+                raise oip.error("UNAVAILABLE", refused.message)
             if retry_after_ms is not None and not diverted:
                 self.metrics.shed.labels(model).inc()
                 reason = refusal or f"model {model!r} is shedding load; "
@@ -585,7 +590,7 @@ class Dataplane:
         finally:
             _diverted.reset(token)
             # Names clients make up must not become label values: one series per known model only.
-            label = model if known or found is not None else UNKNOWN_MODEL_LABEL
+            label = model if known or found is not None or refused is not None else UNKNOWN_MODEL_LABEL
             elapsed_ms = (time.perf_counter() - start) * 1e3
             counted = self._counted.get((label, proto, code))
             if counted is None:

@@ -9,10 +9,11 @@ The pool asks `check_source` before it creates an instance, so a refusal is the 
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import re
 import stat
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from volga_agent.node.settings import Settings
 from volga_core import api
@@ -22,6 +23,8 @@ MODEL_CODE_FRAMEWORKS = frozenset({api.Framework.PYTORCH})
 # The memory one instance is assumed to need when the cap is taken from the machine (a small CPU worker's RSS).
 INSTANCE_MEMORY_ESTIMATE = 256 * 2**20
 MEMINFO = pathlib.Path("/proc/meminfo")
+# The flag that adds a model root to `volga up` (and `volga validate`).
+ROOTS_FLAG = "volga up --model-root DIR"
 INSTANCE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
@@ -46,10 +49,57 @@ def check_source(spec: api.ModelSpecSpec, roots: Sequence[str], allow_model_code
         raise ValueError(f"{where}: cannot be opened: {reason}") from None
     if roots and not any(resolved.is_relative_to(pathlib.Path(root).resolve()) for root in roots):
         raise ValueError(f"{where}: resolves to {resolved}, outside the model roots ({', '.join(roots)}); "
-                         "model files must live under settings.model_roots")
+                         f"model files must live under settings.model_roots ({ROOTS_FLAG})")
     if not stat.S_ISREG(mode):
         raise ValueError(f"{where}: resolves to {resolved}, which is not a regular file")
     return resolved
+
+
+@dataclasses.dataclass(frozen=True)
+class Outside:
+    """A ModelSpec whose model file lies outside the model roots: where it was read, its name and source, and the
+    file its source resolves to."""
+
+    label: str
+    name: str
+    source: str
+    path: pathlib.Path  # the file the source names
+    resolved: pathlib.Path  # ... with symlinks resolved
+
+    @property
+    def problem(self) -> tuple[str, str]:
+        """(field path, reason), as `volga validate` lists a problem."""
+        where = f"{self.path}" if self.resolved == self.path else f"{self.path}, which resolves to {self.resolved},"
+        return "spec.source", f"{self.source}: the model file {where} is outside the model roots"
+
+
+def outside_roots(labelled: Iterable[tuple[str, api.ModelSpec]], roots: Sequence[str]) -> list[Outside]:
+    """The ModelSpecs (with where each was read) whose model file exists and resolves outside `roots` (none when
+    `roots` is empty): each of them `check_source` would refuse, one instance at a time, once the node runs."""
+    if not roots:
+        return []
+    inside = [pathlib.Path(root).resolve() for root in roots]
+    found = []
+    for label, spec in labelled:
+        path = spec.spec.source_path
+        if not path.is_absolute():
+            continue  # check_source says why, when the instance is created
+        try:
+            resolved = path.resolve(strict=True)
+        except (OSError, RuntimeError):
+            continue  # missing or unreadable: said where the file is read
+        if not any(resolved.is_relative_to(root) for root in inside):
+            found.append(Outside(label, spec.metadata.name, spec.spec.source, path, resolved))
+    return found
+
+
+def roots_hint(roots: Sequence[str], origin: str) -> list[str]:
+    """What to do about model files outside the model roots: the roots in force (`origin`: where they come from)
+    and how to add one."""
+    return [f"the model roots: {', '.join(roots)} ({origin})",
+            f"model files must live under a model root: add the folder that holds them with `{ROOTS_FLAG}` "
+            "(repeatable; it replaces the default roots, so name every folder the models lie in; `volga validate` "
+            "takes it too) or with the setting settings.model_roots"]
 
 
 def check_instance_name(name: str) -> None:

@@ -221,6 +221,13 @@ class Pool:
         for name in moving:
             self.converge_async(name)
 
+    def refuse(self, name: str, spec: api.ModelSpecSpec, reason: str) -> None:
+        """An instance this node will not create, and why (a ModelSpec `volga up` could not load): listed and
+        activated as one whose creation failed (`instances(include_failed=True)`, `pick`)."""
+        with self._slots_lock:
+            self.failed[name] = reason
+            self._failed_specs[name] = spec
+
     def _free_folder(self, spec: api.ModelSpecSpec) -> pathlib.Path:
         """The work folder of a new instance of `spec`: its model's lowest slot that no live instance (nor one
         being removed) of this node holds. Called under the slots lock."""
@@ -348,6 +355,13 @@ class Pool:
             slots = [s for s in self.slots.values() if s.inst.spec.model_id == model_id and (not name or
                                                                                           s.inst.name == name)]
         if not slots:
+            with self._slots_lock:
+                failed = [(n, why) for n, why in sorted(self.failed.items())
+                          if (spec := self._failed_specs.get(n)) is not None and spec.model_id == model_id
+                          and (not name or n == name)]
+            if failed:  # the model's only instances are those that could not be created: say why
+                raise errors.ActivationFailed(f"no instance of model {model_id!r} could be created on node "
+                                              f"{self.node}: " + "; ".join(f"{n}: {why}" for n, why in failed))
             raise errors.UnknownModel(f"no instance of model {model_id!r} on node {self.node}")
 
         def rank(slot: Slot) -> tuple[int, int, str]:

@@ -8,6 +8,8 @@ ModelSpec in the cluster keeps its spec as written and each node fills it when i
     fill(spec)                  the spec with inputs/outputs it leaves out read from its ONNX file
     check(spec)                 (field path, reason) for each way the written signature disagrees with the file
     inspect_document(path)      a ready ModelSpec document for an ONNX file (`volga inspect`)
+    load(files)                 the ModelSpecs of files, signatures filled; those that cannot be served refused
+                                one by one (`volga up`)
 """
 
 from __future__ import annotations
@@ -271,23 +273,99 @@ def inspect_document(path: pathlib.Path) -> dict[str, Any]:
     return document
 
 
-def load_files(files: list[str]) -> list[api.ModelSpec]:
+@dataclasses.dataclass(frozen=True)
+class Refused:
+    """A ModelSpec `load` went on past: where it was read (`label`), the spec as written, and why it cannot be
+    served (`error`, its source the label)."""
+
+    label: str
+    spec: api.ModelSpec
+    error: api.SpecError
+
+    @property
+    def model_id(self) -> str:
+        return self.spec.spec.model_id
+
+    @property
+    def reason(self) -> str:
+        """The problems on one line: 'spec.source: ... is not an ONNX model: ...'."""
+        return "; ".join(f"{path}: {reason}" for path, reason in self.error.problems)
+
+
+@dataclasses.dataclass(frozen=True)
+class Loaded:
+    """What `load` read: the ModelSpecs to serve (signatures filled), each with where it was read, and those
+    refused one by one."""
+
+    labelled: list[tuple[str, api.ModelSpec]]
+    refused: list[Refused] = dataclasses.field(default_factory=list)
+
+    @property
+    def specs(self) -> list[api.ModelSpec]:
+        return [spec for _, spec in self.labelled]
+
+
+def load(files: list[str], keep_going: bool = True) -> Loaded:
     """The ModelSpecs in `files` (YAML files or folders), inputs and outputs they leave out read from their model
-    files; SpecError for the first problem, a name or model id used twice included (naming both files)."""
+    files. A ModelSpec whose model file cannot give its signature (missing, not ONNX, ...) or whose warm-up file
+    disagrees is refused on its own, with the models chained with it (a chain is served whole or not at all);
+    without `keep_going`, its SpecError is raised instead. What is no single model's problem raises SpecError
+    either way: a document that does not parse, a name or model id used twice (naming both files), a chain that
+    cannot be used."""
     labelled: list[tuple[str, api.ModelSpec]] = []
     for target in files:
         labelled += api.load_labelled(target)
     if repeats := api.repeated(labelled):
         raise repeats[0]
-    specs = []
+    good: list[tuple[str, api.ModelSpec]] = []
+    refused: list[Refused] = []
     for label, spec in labelled:
         try:
             filled = fill(spec.spec)
         except api.SpecError as exc:
-            raise api.SpecError(label, exc.problems) from None
-        if problems := warmup_file_problems(filled):
+            problems = exc.problems
+        else:
+            problems = warmup_file_problems(filled)
+            if not problems:
+                good.append((label, spec.model_copy(update={"spec": filled})))
+                continue
+        if not keep_going:
             raise api.SpecError(label, problems)
-        specs.append(spec.model_copy(update={"spec": filled}))
-    if chained := api.chain_errors(zip((label for label, _ in labelled), specs, strict=True)):
+        refused.append(Refused(label, spec, api.SpecError(label, problems)))
+    if refused:
+        good, refused = _refuse_chained(labelled, good, refused)
+    if chained := api.chain_errors(good):
         raise chained[0]
-    return specs
+    return Loaded(good, refused)
+
+
+def _refuse_chained(labelled: list[tuple[str, api.ModelSpec]], good: list[tuple[str, api.ModelSpec]],
+                    refused: list[Refused]) -> tuple[list[tuple[str, api.ModelSpec]], list[Refused]]:
+    """`good` without the ModelSpecs chained (directly or through others) with a refused one, those added to
+    `refused` naming it."""
+    groups: list[set[str]] = []
+    for _, spec in labelled:
+        if spec.spec.chain:
+            group = {spec.spec.model_id, *spec.spec.chain}
+            for other in [g for g in groups if g & group]:
+                group |= other
+                groups.remove(other)
+            groups.append(group)
+    down = {r.model_id: r for r in refused}
+    kept, more = [], []
+    for label, spec in good:
+        group = next((g for g in groups if spec.spec.model_id in g), set())
+        cause = next((down[m] for m in sorted(group) if m in down), None)
+        if cause is None:
+            kept.append((label, spec))
+            continue
+        problem = ("spec.chain", f"it is in a chain with model {cause.model_id!r} ({cause.label}), which cannot be "
+                                 f"served: {cause.reason}")
+        more.append(Refused(label, spec, api.SpecError(label, [problem])))
+    return kept, refused + more
+
+
+def load_files(files: list[str]) -> list[api.ModelSpec]:
+    """The ModelSpecs in `files` (YAML files or folders), inputs and outputs they leave out read from their model
+    files; SpecError for the first problem, a name or model id used twice included (naming both files)."""
+    return load(files, keep_going=False).specs
