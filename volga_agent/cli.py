@@ -1,8 +1,9 @@
 """`volga`: the command line.
 
     volga validate -f spec.yaml       check ModelSpecs (and their signatures against ONNX files); errors name the
-                                      field path and the reason
-    volga inspect MODEL.onnx          print a ready ModelSpec for an ONNX file, its signature read from the file
+                                      field path and the reason; --run loads each model and runs its warm-up once
+    volga inspect MODEL.onnx          print a ready ModelSpec for an ONNX file, its signature read from the file (and
+                                      a probed warm-up sample where its non-batch dimensions are dynamic)
     volga up [-f SPECS]               agent + gateway + local ModelSpec store on this machine
     volga status [--agent ADDR | --cluster [--kubeconfig F] [--namespace NS]] [--json]
                                       per model: instances, tiers, last use and wake, snapshot image sizes
@@ -38,6 +39,9 @@ from volga_core import api
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    if args.run and args.schema_only:
+        print("volga validate: --run loads the model files, which --schema-only leaves unopened", file=sys.stderr)
+        return 2
     failed = 0
     outside = 0  # ModelSpecs whose model file lies outside the model roots `volga up` would use for these files
     roots = () if args.schema_only else model_roots(args)
@@ -72,6 +76,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
                       "inputs and outputs to be read from the model file")
             print(f"{label}: ModelSpec {spec.metadata.name} ({spec.spec.model_id}, "
                   f"{spec.spec.framework.value}) is valid; {digest}")
+            if args.run:
+                failed += _run_once(label, spec)
     for repeat in api.repeated(labelled):
         print(repeat, file=sys.stderr)
         failed += 1
@@ -94,14 +100,46 @@ def _against_model(spec: api.ModelSpec) -> tuple[api.ModelSpec, list[tuple[str, 
     return spec.model_copy(update={"spec": filled}), signature.warmup_file_problems(filled)
 
 
+def _run_once(label: str, spec: api.ModelSpec) -> int:
+    """`volga validate --run`: the model loaded and its warm-up run once, as a worker would (`probe.run_once`); 1
+    when it does not load or refuses a declared warm-up sample (it would not start). A skipped made-up warm-up and
+    answers that contradict the declared outputs are warnings: the model serves, and its metadata says the answers."""
+    from volga_agent.node import probe
+
+    name = f"{label}: ModelSpec {spec.metadata.name}"
+    if spec.spec.framework in admission.MODEL_CODE_FRAMEWORKS:
+        print(f"{name}: not run: a {spec.spec.framework.value} model runs code when loaded")
+        return 0
+    trial = probe.run_once(spec.spec)
+    if trial.report is None:
+        print(f"{name}: the run failed: {trial.error}", file=sys.stderr)
+        return 1
+    for finding in trial.findings:
+        print(f"{name}: warning: {finding}", file=sys.stderr)
+    if trial.report.mismatch:
+        print(f"{name}: served, the model's metadata says the shapes it answers with; the model file's output "
+              "declaration is what to fix", file=sys.stderr)
+    if not trial.findings:
+        print(f"{name}: ran its warm-up; the answers have the declared output shapes")
+    return 0
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from volga_agent.node import probe
+
     try:
         document = signature.inspect_document(pathlib.Path(args.model))
     except api.SpecError as exc:
         print(f"volga inspect: {args.model}:\n" + "\n".join(f"  {path}: {reason}" for path, reason in exc.problems),
               file=sys.stderr)
         return 1
-    print(yaml.safe_dump(document, sort_keys=False, default_flow_style=None, allow_unicode=True), end="")
+    # Dynamic non-batch dimensions: a warm-up sample of sizes the model runs, probed, with a comment saying so.
+    probed = probe.for_inspect(pathlib.Path(args.model).resolve(),
+                               [api.TensorSpec.model_validate(t) for t in document["spec"]["inputs"]])
+    if probed is not None and probed.warmup:
+        document["spec"]["runtime"] = {"warmup": probed.warmup}
+    text = yaml.safe_dump(document, sort_keys=False, default_flow_style=None, allow_unicode=True)
+    print(probe.annotate(text, probed), end="")
     return 0
 
 
@@ -356,6 +394,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-f", "--file", action="append", required=True, help="YAML file or folder (repeatable)")
     p.add_argument("--schema-only", action="store_true",
                    help="do not open the model files (specs for files that live on the nodes)")
+    p.add_argument("--run", action="store_true",
+                   help="also load each model and run its warm-up once, as a worker would (in a process of its own): "
+                        "a declared sample it refuses fails; a refused made-up warm-up and answers that contradict "
+                        "the declared outputs are warnings")
     p.add_argument("--model-root", action="append",
                    help="folder model sources must lie in, as for volga up (repeatable; default: the ModelSpec "
                         "files' folders and ~/.cache/volga/models)")

@@ -48,6 +48,13 @@ class AgentMetrics:
             registry=r)
         self.worker_deaths = prom.Counter(
             "volga_worker_deaths", "Workers found dead while HOT", ["model"], registry=r)
+        # The worker's warm-up (volga_agent/worker/warmup.py).
+        self.warmup_skipped = prom.Counter(
+            "volga_warmup_skipped", "Worker starts whose made-up warm-up the model refused: it serves unwarmed "
+            "(declare runtime.warmup)", ["model"], registry=r)
+        self.output_shape_mismatches = prom.Counter(
+            "volga_output_shape_mismatches", "Worker starts whose warm-up answers contradicted the model's declared "
+            "output shapes", ["model"], registry=r)
         self.snapshot_bytes = prom.Gauge(
             "volga_snapshot_disk_used_bytes", "Bytes of CRIU images on this node", registry=r)
         # The node autonomy loop (volga_agent/autonomy).

@@ -1,7 +1,9 @@
-"""Declared warm-up through a real `volga up`: a real model (Silero VAD, whose STFT pads in reflect mode) that fails
-with the made-up default warm-up and reaches FROZEN with declared inputs; the failure names the warm-up sample in
-the instance's reason, the repository index and the `volga up` log. `volga status` reads the same `volga up`. The
-samples' checks without a worker: tests/unit/test_warmup_samples.py."""
+"""Declared warm-up through a real `volga up`: a real model (Silero VAD, whose STFT pads in reflect mode) that refuses
+the made-up default warm-up serves anyway (the warm-up skipped, and said so in `volga status` and the log) and
+reaches FROZEN with declared inputs; a declared sample it refuses fails its start, named in the instance's reason,
+the repository index and the `volga up` log. `volga status` reads the same `volga up`. The samples' checks without
+a worker: tests/unit/test_warmup_samples.py; models built with dynamic dimensions and contradicting outputs:
+test_real_model_shapes.py."""
 
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ def status(up: harness.UpProcess) -> dict[str, dict[str, Any]]:
 
 
 @pytest.mark.slow
-def test_a_model_that_refuses_made_up_inputs_reaches_frozen_with_declared_ones(tmp_path: pathlib.Path) -> None:
+def test_a_model_that_refuses_made_up_inputs_serves_and_reaches_frozen_with_declared_ones(tmp_path: pathlib.Path
+                                                                                          ) -> None:
     np.savez(tmp_path / "speech.npz", input=np.full((1, 576), 0.1, np.float32), sr=np.array(16000))
     bad_sample = {"inputs": {"input": {"shape": [1, 1], "fill": 0}}}
     docs = [document("vad-made-up"), document("vad", {"warmup": GOOD}),
@@ -48,11 +51,16 @@ def test_a_model_that_refuses_made_up_inputs_reaches_frozen_with_declared_ones(t
         models = wait_for("every model frozen or failed", settled, timeout=240, every=0.5)
         assert models["vad"]["tiers"] == {"FROZEN": 1} and models["vad"]["imageBytes"] > 0
         assert models["vad-file"]["tiers"] == {"FROZEN": 1}
+        # The made-up warm-up is refused: the model serves unwarmed, and says why.
         made_up = models["vad-made-up"]["instanceList"][0]
-        assert made_up["tier"] == "COLD"
-        assert ("WarmupError: warm-up with made-up inputs (declare runtime.warmup to give real ones; input 'input' "
-                "shape [1, 1], input 'state' shape [2, 1, 128], input 'sr' shape []): ") in made_up["reason"]
-        assert "Pad reflect requires axis length >= 2" in made_up["reason"]
+        assert made_up["tier"] == "FROZEN" and made_up["reason"] is None
+        [skipped] = made_up["notices"]
+        assert skipped.startswith("warm-up skipped: the model refused the made-up warm-up inputs, so it serves "
+                                  "without a warm-up (warm-up with made-up inputs (declare runtime.warmup to give "
+                                  "real ones; input 'input' shape [1, 1], input 'state' shape [2, 1, 128], input "
+                                  "'sr' shape []): ")
+        assert "Pad reflect requires axis length >= 2" in skipped
+        assert models["vad"]["instanceList"][0]["notices"] == []
         bad = models["vad-bad-sample"]["instanceList"][0]["reason"]
         assert ("warm-up sample 1 (input 'input' shape [1, 1], input 'state' shape [2, 1, 128], input 'sr' shape "
                 "[]): ") in bad
@@ -60,9 +68,10 @@ def test_a_model_that_refuses_made_up_inputs_reaches_frozen_with_declared_ones(t
         client = grpcclient.InferenceServerClient(up.endpoints["grpc"])
         index = {m["name"]: m for m in client.get_model_repository_index(as_json=True)["models"]}
         assert index["vad"]["state"] == "READY" and index["vad"]["reason"] == "FROZEN (1 instance)"
-        assert index["vad-made-up"]["state"] == "UNAVAILABLE"
-        assert "COLD (1 instance)" in index["vad-made-up"]["reason"]
-        assert "warm-up with made-up inputs" in index["vad-made-up"]["reason"]
+        assert index["vad-made-up"]["state"] == "READY"
+        assert index["vad-bad-sample"]["state"] == "UNAVAILABLE"
+        assert "COLD (1 instance)" in index["vad-bad-sample"]["reason"]
+        assert "warm-up sample 1" in index["vad-bad-sample"]["reason"]
         inputs = []
         for name, array in (("input", np.zeros((1, 576), np.float32)), ("state", np.zeros((2, 1, 128), np.float32)),
                             ("sr", np.array(16000, np.int64))):
@@ -70,6 +79,7 @@ def test_a_model_that_refuses_made_up_inputs_reaches_frozen_with_declared_ones(t
             tensor.set_data_from_numpy(array)
             inputs.append(tensor)
         assert client.infer("vad", inputs).as_numpy("output").shape == (1, 1)
+        assert client.infer("vad-made-up", inputs).as_numpy("output").shape == (1, 1)
         client.close()
         woken = status(up)["vad"]
         assert woken["lastUsed"] and woken["lastWakeMs"] > 0
@@ -77,6 +87,9 @@ def test_a_model_that_refuses_made_up_inputs_reaches_frozen_with_declared_ones(t
                                capture_output=True, text=True, timeout=60, check=True).stdout
         header, *rows = table.splitlines()
         assert header.split() == ["MODEL", "INSTANCES", "TIERS", "LAST", "USED", "LAST", "WAKE", "IMAGES"]
-        assert any(r.startswith("vad-made-up-0 (vad-made-up, COLD): WorkerStartError") for r in rows)
+        assert any(r.startswith("vad-bad-sample-0 (vad-bad-sample, COLD): WorkerStartError") for r in rows)
+        assert any(r.startswith("vad-made-up-0 (vad-made-up, ") and "warm-up skipped: the model refused" in r
+                   for r in rows)
     log = "".join(up.output)
-    assert "vad-made-up-0: could not reach FROZEN" in log and "warm-up with made-up inputs" in log
+    assert "vad-bad-sample-0: could not reach FROZEN" in log and "warm-up sample 1" in log
+    assert "vad-made-up-0: warm-up skipped: the model refused the made-up warm-up inputs" in log

@@ -55,7 +55,11 @@ def instance_pb(info: pool.InstanceInfo) -> Any:
     return pb.Instance(name=info.name, model_id=info.model_id, model_version=info.model_version,
                        tier=tier_pb(info.tier), device=info.device, socket=info.socket, node=info.node,
                        snapshot_bytes=info.snapshot_bytes, last_used_unix=info.last_used_unix,
-                       last_wake_ms=info.last_wake_ms, input_hash=info.input_hash, state_reason=info.state_reason)
+                       last_wake_ms=info.last_wake_ms, input_hash=info.input_hash, state_reason=info.state_reason,
+                       warmup_reported=info.warmup_reported, warmup_skipped=info.warmup_skipped,
+                       output_mismatch=info.output_mismatch,
+                       answered_outputs=[pb.TensorShape(name=name, shape=shape)
+                                         for name, shape in info.answered_outputs])
 
 
 class AgentService(pb_grpc.AgentServicer):

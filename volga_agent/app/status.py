@@ -34,6 +34,9 @@ class Instance:
     last_used: str  # RFC 3339 in UTC; "" when never used
     last_wake_ms: float
     reason: str  # why it is not where it should be (a failed start, a failed wake); "" when fine
+    # What else went wrong though it serves: a made-up warm-up the model refused, answers that contradict its
+    # declared outputs (the EMI's other conditions that are False, in a cluster)
+    notices: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +72,8 @@ class Model:
                 "lastUsed": self.last_used or None, "lastWakeMs": self.last_wake_ms, "imageBytes": self.image_bytes,
                 "instanceList": [{"name": i.name, "node": i.node, "tier": i.tier, "snapshotBytes": i.snapshot_bytes,
                                   "lastUsed": i.last_used or None, "lastWakeMs": i.last_wake_ms or None,
-                                  "reason": i.reason or None} for i in self.instances]}
+                                  "reason": i.reason or None, "notices": list(i.notices)}
+                                 for i in self.instances]}
 
 
 def group(instances: Iterable[Instance], model_ids: Iterable[str] = ()) -> list[Model]:
@@ -94,16 +98,21 @@ def from_agent(address: str, timeout: float = 10.0) -> list[Model]:
         except grpc.RpcError as exc:
             raise SourceError(f"agent {address}: {exc.code().name}: {exc.details()}") from None
     return group(Instance(i.name, i.model_id, i.node, pb.Tier.Name(i.tier), i.snapshot_bytes,
-                          _rfc3339(i.last_used_unix), i.last_wake_ms, i.state_reason) for i in reply.instances)
+                          _rfc3339(i.last_used_unix), i.last_wake_ms, i.state_reason,
+                          tuple(n for n in (i.warmup_skipped and f"warm-up skipped: {i.warmup_skipped}",
+                                            i.output_mismatch) if n))
+                 for i in reply.instances)
 
 
 def _emi(obj: Mapping[str, Any]) -> Instance:
     spec, status = obj.get("spec", {}), obj.get("status") or {}
     ready: Mapping[str, Any] = next((c for c in status.get("conditions") or () if c.get("type") == "Ready"), {})
     reason = "" if ready.get("status") == "True" else str(ready.get("message") or "")
+    notices = tuple(f"{c.get('reason') or c.get('type')}: {c.get('message') or ''}"
+                    for c in status.get("conditions") or () if c.get("type") != "Ready" and c.get("status") == "False")
     return Instance(obj["metadata"]["name"], str(spec.get("modelId", "")), str(spec.get("node", "")),
                     str(status.get("tier") or "PENDING"), int(status.get("snapshotBytes") or 0),
-                    str(status.get("lastUsed") or ""), float(status.get("lastWakeMs") or 0.0), reason)
+                    str(status.get("lastUsed") or ""), float(status.get("lastWakeMs") or 0.0), reason, notices)
 
 
 def from_objects(modelspecs: Sequence[Mapping[str, Any]], emis: Sequence[Mapping[str, Any]]) -> list[Model]:
@@ -164,7 +173,7 @@ def _size(n: int) -> str:
 
 def table(models: Sequence[Model]) -> str:
     """One row per model: MODEL, INSTANCES, TIERS, LAST USED, LAST WAKE, IMAGES; then the reasons of instances that
-    are not where they should be."""
+    are not where they should be, and what went wrong with instances that serve anyway (their notices)."""
     rows = [("MODEL", "INSTANCES", "TIERS", "LAST USED", "LAST WAKE", "IMAGES")]
     for m in models:
         tiers = ", ".join(f"{t} {n}" for t, n in m.tiers.items()) or "-"
@@ -174,4 +183,5 @@ def table(models: Sequence[Model]) -> str:
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     for m in models:
         lines += [f"{i.name} ({m.model_id}, {i.tier}): {i.reason}" for i in m.instances if i.reason]
+        lines += [f"{i.name} ({m.model_id}, {i.tier}): {notice}" for i in m.instances for notice in i.notices]
     return "\n".join(lines)

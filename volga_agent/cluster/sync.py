@@ -36,6 +36,23 @@ def _emi_key(namespace: str, name: str) -> str:
     return f"{namespace}.{name}"  # instance names: unique on the node, and safe in paths
 
 
+# EMI conditions beside Ready, once the instance's worker has said what its warm-up found (`pool.InstanceInfo`).
+WARMED_UP = "WarmedUp"  # False, reason WarmupSkipped: the model refused the made-up warm-up and serves unwarmed
+OUTPUTS_MATCH = "OutputsMatchDeclaration"  # False, reason OutputShapeMismatch: answers contradict declared outputs
+
+
+def warmup_conditions(info: pool.InstanceInfo, previous: Sequence[Mapping[str, Any]],
+                      now: str) -> list[dict[str, Any]]:
+    """WarmedUp and OutputsMatchDeclaration for an instance whose worker reported its warm-up; [] before that."""
+    if not info.warmup_reported:
+        return []
+    skipped, mismatch = info.warmup_skipped, info.output_mismatch
+    return [conditions.condition(WARMED_UP, not skipped, "WarmupSkipped" if skipped else "WarmedUp",
+                                 skipped or "the worker ran its warm-up", previous, now),
+            conditions.condition(OUTPUTS_MATCH, not mismatch, "OutputShapeMismatch" if mismatch else "OutputsMatch",
+                                 mismatch or "the warm-up's answers have the declared output shapes", previous, now)]
+
+
 class AgentSync:
     def __init__(self, node_pool: pool.Pool, node: str, found: Sequence[gpus.GpuInfo],
                  writes_per_sec: float = 200.0, report_sec: float = 2.0, gateway_address: str = "",
@@ -179,7 +196,7 @@ class AgentSync:
                         "gateway": self.gateway_address,
                         "lastWakeMs": round(info.last_wake_ms, 3),
                         "lastUsed": conditions.timestamp(info.last_used_unix) if info.last_used_unix else None,
-                        "conditions": [ready]}
+                        "conditions": [ready, *warmup_conditions(info, previous(key), now)]}
             shared_ref = self._shared_ref(info)
             if shared_ref is not None:
                 out[key]["sharedSnapshot"] = shared_ref

@@ -5,6 +5,10 @@ tensors its worker declares and the hash of its input schema; in a cluster an EM
 so a gateway knows which models its node holds and which other nodes' gateways to forward to. Chains the
 ModelSpecs declare as ensembles (`spec.ensemble`) are models here too (`find_ensemble`), served by `ensemble.py`.
 
+A model whose answers contradict its declared output shapes (its worker's warm-up saw them, and the agent says so:
+`links.InstanceState.answered_outputs`) has those outputs' answered shapes here (`answered`, `outputs`), which its
+metadata and configuration say instead of the declaration.
+
 The gateway reads the worker's contract (tensor declarations, input checks) here and nowhere else; see
 `docs/architecture.md`.
 """
@@ -61,6 +65,8 @@ class Catalog:
         self._decls: dict[str, Decls] = {}
         self._hashes: dict[str, str] = {}
         self._ensembles: dict[str, ensemble.Ensemble] = {}
+        # model id -> output name -> the shape its answers have, where that contradicts the declaration
+        self._answered: dict[str, dict[str, tuple[int, ...]]] = {}
         # model id -> its instances in the cluster (an EMI watch fills it); None: not known (no cluster).
         self._placements: dict[str, tuple[Placement, ...]] | None = None
         self._refused: dict[str, Refusal] = {}
@@ -114,6 +120,9 @@ class Catalog:
         return here is None or any(p.ready for p in here)
 
     def replace(self, specs: list[api.ModelSpecSpec]) -> None:
+        # What a model answers holds while its ModelSpec stays the same.
+        self._answered = {m: a for m, a in self._answered.items()
+                          if any(s.model_id == m and s == self._models.get(m) for s in specs)}
         self._models = {s.model_id: s for s in specs}
         self._decls = {s.model_id: tensor_decls(s.inputs) for s in specs}
         self._hashes = {s.model_id: s.input_hash() for s in specs}
@@ -142,6 +151,18 @@ class Catalog:
 
     def input_hash(self, model_id: str) -> str:
         return self._hashes[model_id]
+
+    def answered(self, model_id: str, shapes: Sequence[tuple[str, Sequence[int]]]) -> None:
+        """The shapes the model's outputs answer with, where they contradict the declaration (as the agent reports
+        them from a worker's warm-up); outputs the model does not declare are left out."""
+        declared = {t.name for t in self.get(model_id).outputs}
+        self._answered[model_id] = {name: tuple(shape) for name, shape in shapes if name in declared}
+
+    def outputs(self, model_id: str) -> list[api.TensorSpec]:
+        """The model's outputs as its answers have them: declared, but for the answered shapes known (`answered`)."""
+        answered = self._answered.get(model_id, {})
+        return [t.model_copy(update={"shape": list(answered[t.name])}) if t.name in answered else t
+                for t in self.get(model_id).outputs]
 
     def check_inputs(self, model_id: str, inputs: dict[str, np.ndarray]) -> None:
         """Names, dtypes, shapes and batch size against the model's declaration, as its worker checks them."""

@@ -31,9 +31,10 @@ request counts under its own id, and each of its steps as a request of that step
 a shed model is refused as a whole, before its first step.
 
 The metadata answers (model state from what the agent reports, platform, tensor specs, a Triton-style model
-configuration) are built here too, so both adapters give the same ones. An ensemble (a chain served as one
-model, `ensemble.py`) is answered here as well: its steps go through steps 5-6 one model after the other, and its
-metadata and configuration are Triton's for an ensemble. See `docs/architecture.md`.
+configuration) are built here too, so both adapters give the same ones; an output whose answers contradict its
+declared shape (a worker's warm-up saw them) is given with the shape it answers with (`answered_outputs`). An
+ensemble (a chain served as one model, `ensemble.py`) is answered here as well: its steps go through steps 5-6 one
+model after the other, and its metadata and configuration are Triton's for an ensemble. See `docs/architecture.md`.
 """
 
 from __future__ import annotations
@@ -358,16 +359,29 @@ class Dataplane:
             return unavailable(f"{tiers}; {why}")
         return ModelState(model, spec.version, "READY", tiers)
 
-    def model_metadata(self, model: str, version: str = "") -> ModelMetadata:
+    async def answered_outputs(self, spec: api.ModelSpecSpec) -> list[api.TensorSpec]:
+        """The model's outputs as its answers have them: where a worker's warm-up saw answers that contradict the
+        declared shapes (the agent's instances say), the answered shapes; the catalog keeps them for when the agent
+        cannot be asked."""
+        try:
+            states = await self.router.link.instances(spec.model_id)
+        except ConnectionError:
+            states = None
+        answered = next((s.answered_outputs for s in states or () if s.answered_outputs), None)
+        if answered is not None:
+            self.catalog.answered(spec.model_id, answered)
+        return self.catalog.outputs(spec.model_id)
+
+    async def model_metadata(self, model: str, version: str = "") -> ModelMetadata:
         self.require_version(model, version)
         if (found := self.catalog.find_ensemble(model)) is not None:
             return ModelMetadata(found.model_id, (found.version,), ensemble.PLATFORM, _tensor_specs(found.inputs),
                                  _tensor_specs(found.outputs))
         spec = self.catalog.get(model)
         return ModelMetadata(spec.model_id, (spec.version,), PLATFORMS[spec.framework.value],
-                             _tensor_specs(spec.inputs), _tensor_specs(spec.outputs))
+                             _tensor_specs(spec.inputs), _tensor_specs(await self.answered_outputs(spec)))
 
-    def model_config(self, model: str, version: str = "") -> ModelConfig:
+    async def model_config(self, model: str, version: str = "") -> ModelConfig:
         """Triton's convention: with max_batch_size > 0 the batch dimension (the first, -1 in the ModelSpec)
         is implicit; a model whose tensors do not all start with -1 is not batched (max_batch_size 0)."""
         self.require_version(model, version)
@@ -377,7 +391,8 @@ class Dataplane:
                                _tensor_specs(found.inputs, skip), _tensor_specs(found.outputs, skip),
                                ensemble_steps=found.steps)
         spec = self.catalog.get(model)
-        tensors = [*spec.inputs, *spec.outputs]
+        outputs = await self.answered_outputs(spec)
+        tensors = [*spec.inputs, *outputs]
         batched = all(t.shape and t.shape[0] == -1 for t in tensors)
         skip = 1 if batched else 0
         b = spec.runtime.dynamic_batching
@@ -385,7 +400,7 @@ class Dataplane:
                                         b.max_queue_size) if b.enabled and batched else None
         return ModelConfig(spec.model_id, PLATFORMS[spec.framework.value], BACKENDS[spec.framework.value],
                            spec.runtime.max_batch_size if batched else 0, _tensor_specs(spec.inputs, skip),
-                           _tensor_specs(spec.outputs, skip), dynamic)
+                           _tensor_specs(outputs, skip), dynamic)
 
     async def repository_index(self) -> list[ModelState]:
         states = await asyncio.gather(*(self.model_state(s) for s in self.catalog.all()),

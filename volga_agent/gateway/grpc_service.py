@@ -73,7 +73,7 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         async def make() -> Any:
-            m = self.plane.model_metadata(dataplane.model_id(_headers(context), request.name), request.version)
+            m = await self.plane.model_metadata(dataplane.model_id(_headers(context), request.name), request.version)
             return oip.model_metadata_grpc(m.name, m.versions, m.platform, m.inputs, m.outputs)
 
         return await _answer(context, "ModelMetadata", make)
@@ -81,7 +81,7 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelConfig(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         async def make() -> Any:
             model = dataplane.model_id(_headers(context), request.name)
-            return dataplane.config_grpc(self.plane.model_config(model, request.version))
+            return dataplane.config_grpc(await self.plane.model_config(model, request.version))
 
         return await _answer(context, "ModelConfig", make)
 

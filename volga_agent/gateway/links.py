@@ -6,7 +6,8 @@ implement it: `GrpcAgentLink` for the sidecar (the agent's gRPC API) and `LocalA
 `errors.UnknownModel` and `errors.ActivationFailed`.
 
 Both links also say what the agent knows of a model's instances (`instances`: tier and the reason the agent
-recorded, e.g. a worker that could not start), which the gateway's readiness answers are built from.
+recorded, e.g. a worker that could not start), which the gateway's readiness answers are built from, and the
+shapes a model's outputs answered with where they contradict its declaration, which its metadata says instead.
 
 A sidecar gateway also keeps its node's autonomy loop informed: `Exchanger` sends the data plane's per-model
 load to the agent (ExchangeLoad) every few tens of milliseconds, off the request path, and enforces the batch
@@ -60,6 +61,8 @@ class InstanceState:
     name: str
     tier: str  # HOT, WARM, SUSPENDED, FROZEN or COLD
     reason: str = ""  # what the agent recorded about its last move, empty when it went well
+    # The outputs whose answers in the worker's warm-up contradict the declaration, with the shape they answer with.
+    answered_outputs: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     @property
     def down(self) -> bool:
@@ -78,6 +81,9 @@ class AgentInstance(Protocol):
 
     @property
     def state_reason(self) -> str: ...
+
+    @property
+    def answered_outputs(self) -> tuple[tuple[str, tuple[int, ...]], ...]: ...
 
 
 class AgentLink(Protocol):
@@ -133,7 +139,8 @@ class GrpcAgentLink:
                                                   metadata=self.metadata)
         except grpc.aio.AioRpcError as exc:
             raise ConnectionError(f"agent {self.address}: {exc.code().name}: {exc.details()}") from None
-        return [InstanceState(i.name, agent_pb.Tier.Name(i.tier), i.state_reason) for i in reply.instances]
+        return [InstanceState(i.name, agent_pb.Tier.Name(i.tier), i.state_reason,
+                              tuple((o.name, tuple(o.shape)) for o in i.answered_outputs)) for i in reply.instances]
 
     async def exchange_load(self, loads: Mapping[str, LoadReading], timeout: float = 1.0) -> Directives:
         """Send the load since the previous call; the autonomy loop's directives back. ConnectionError: no agent."""
@@ -267,7 +274,8 @@ class LocalAgentLink:
     async def instances(self, model_id: str) -> list[InstanceState] | None:
         if self._instances is None:
             return None
-        return [InstanceState(i.name, i.tier.value, i.state_reason) for i in self._instances(model_id)]
+        return [InstanceState(i.name, i.tier.value, i.state_reason, i.answered_outputs)
+                for i in self._instances(model_id)]
 
     async def close(self) -> None:
         return None

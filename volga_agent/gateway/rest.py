@@ -97,14 +97,14 @@ def app(plane: dataplane.Dataplane, tokens: auth.Tokens | None = None) -> web.Ap
 
     async def model_metadata(request: web.Request) -> web.Response:
         try:
-            m = plane.model_metadata(_model(request), _version(request))
+            m = await plane.model_metadata(_model(request), _version(request))
         except oip.OipError as exc:
             return _error(exc)
         return web.json_response(oip.model_metadata_rest(m.name, m.versions, m.platform, m.inputs, m.outputs))
 
     async def model_config(request: web.Request) -> web.Response:
         try:
-            c = plane.model_config(_model(request), _version(request))
+            c = await plane.model_config(_model(request), _version(request))
         except oip.OipError as exc:
             return _error(exc)
         return web.json_response(dataplane.config_rest(c))

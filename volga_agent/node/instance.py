@@ -208,6 +208,11 @@ class Instance:
         self.shared_publishes = 0
         self.shared_from = ""  # the digest of the shared image the running worker came from
         self.shared_published = ""  # the digest of the last shared image this instance published
+        # What the worker's warm-up found (`contract.WarmupReport`), as the worker last told it after a cold start or
+        # a shared image's restore; None until then. Counted: made-up warm-ups skipped, outputs found contradicting.
+        self.warmup: contract.WarmupReport | None = None
+        self.warmups_skipped = 0
+        self.output_mismatches = 0
         if not spec.source_path.exists():
             raise FileNotFoundError(f"spec.source: model file {spec.source_path} does not exist")
 
@@ -407,6 +412,7 @@ class Instance:
         self._snapshot_generation = self._image_generation = generation
         self._image_taken = time.monotonic()
         self._frozen_to_hot(lazy=False)
+        self._read_warmup()  # the image's worker warmed up on another node: what it found there
 
     def _publish(self, generation: int, parked: pathlib.Path | None) -> None:
         """Publish the image just dumped, with the parked weights it maps (`parked`), when the store has none of
@@ -432,10 +438,30 @@ class Instance:
         try:
             self._wait_for(pid, lambda: (self.signals / contract.READY).exists(), "ready", self.start_timeout)
             generation = int(self.client().call("ping").header.get("generation", 0))
+            self._read_warmup()
             self._record_canary(generation, twice=True)
         except BaseException:
             self._kill()  # a worker that did not start is not left behind, nor its zombie
             raise
+
+    def _read_warmup(self) -> None:
+        """Ask the worker what its warm-up found (`contract.WarmupReport`): a made-up warm-up the model refused (it
+        serves unwarmed), answers that contradict the declared outputs. Logged and counted once per start."""
+        try:
+            report = contract.WarmupReport.from_wire(self.client().call("warmup").header)
+        except protocol.WorkerError as exc:  # a worker of an image that predates the op
+            log.info("%s: the worker does not say what its warm-up found: %s", self.name, exc)
+            return
+        except (KeyError, TypeError, ValueError) as exc:
+            log.warning("%s: the worker's warm-up report is not one: %s", self.name, exc)
+            return
+        self.warmup = report
+        if report.skipped:
+            self.warmups_skipped += 1
+            log.warning("%s: warm-up skipped: %s", self.name, report.skipped)
+        if report.mismatch:
+            self.output_mismatches += 1
+            log.warning("%s: %s (the gateway's metadata says the answered shapes)", self.name, report.mismatch)
 
     def _record_canary(self, generation: int, twice: bool = False) -> None:
         """Record the HOT worker's canary answer for its current state (`twice`: check it is reproducible)."""

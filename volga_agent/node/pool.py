@@ -37,6 +37,7 @@ import re
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from volga_agent import errors, metrics
 from volga_agent.host import gpus as gpu_discovery
@@ -44,7 +45,7 @@ from volga_agent.host import process
 from volga_agent.node import admission, chains, instance, policy
 from volga_agent.node.settings import Settings
 from volga_agent.snapshot import criu, cuda, shared
-from volga_agent.worker import protocol
+from volga_agent.worker import contract, protocol
 from volga_core import api, planner
 
 Tier = api.Tier
@@ -74,6 +75,12 @@ class InstanceInfo:
     target_tier: Tier
     shared_snapshot: str = ""  # the shared image the worker was restored from, or the last one it published
     shared_snapshot_role: str = ""  # "restored" or "published"
+    # What the worker's warm-up found, once it said (`warmup_reported`): why the made-up warm-up was skipped, how the
+    # answers contradict the declared outputs ("" for none), and the shapes those outputs answer with (name, shape).
+    warmup_reported: bool = False
+    warmup_skipped: str = ""
+    output_mismatch: str = ""
+    answered_outputs: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,7 +317,11 @@ class Pool:
         source = inst.tier
         lazy_failures = inst.lazy_restore_failures
         shared_counts = inst.shared_restores, inst.shared_restore_failures, inst.shared_publishes
-        transition = inst.to(target)
+        warmup_counts = inst.warmups_skipped, inst.output_mismatches
+        try:
+            transition = inst.to(target)
+        finally:
+            self._count_warmups(inst, *warmup_counts)
         if inst.lazy_restore_failures > lazy_failures:
             self.metrics.lazy_restore_failures.labels(model).inc()
         self._count_shared(inst, *shared_counts)
@@ -327,6 +338,12 @@ class Pool:
                     self.metrics.wake_phase_latency.labels(source.value, phase, model).observe(seconds * 1e3)
                 self.breaker.record_success(model)
         return transition
+
+    def _count_warmups(self, inst: instance.Instance, skipped: int, mismatches: int) -> None:
+        if inst.warmups_skipped > skipped:
+            self.metrics.warmup_skipped.labels(inst.spec.model_id).inc(inst.warmups_skipped - skipped)
+        if inst.output_mismatches > mismatches:
+            self.metrics.output_shape_mismatches.labels(inst.spec.model_id).inc(inst.output_mismatches - mismatches)
 
     def _count_shared(self, inst: instance.Instance, restores: int, failures: int, publishes: int) -> None:
         self.metrics.shared_restores.labels(inst.spec.model_id).inc(inst.shared_restores - restores)
@@ -477,7 +494,8 @@ class Pool:
             snapshot_bytes=inst.image.size_bytes if inst.image else 0, last_used_unix=slot.last_used_unix,
             last_wake_ms=slot.last_wake_ms, input_hash=inst.spec.input_hash(), state_reason=slot.reason,
             target_tier=slot.target, shared_snapshot=inst.shared_from or inst.shared_published,
-            shared_snapshot_role="restored" if inst.shared_from else "published" if inst.shared_published else "")
+            shared_snapshot_role="restored" if inst.shared_from else "published" if inst.shared_published else "",
+            **_warmup_fields(inst.warmup))
 
     def instances(self, model_id: str = "", include_failed: bool = False) -> list[InstanceInfo]:
         """Every instance (of one model); with `include_failed`, also those that could not be created, as COLD
@@ -630,6 +648,14 @@ class Pool:
         self._executor.shutdown(wait=True, cancel_futures=True)
         for name in list(self.slots):
             self.remove(name)
+
+
+def _warmup_fields(report: contract.WarmupReport | None) -> dict[str, Any]:
+    """An instance view's warm-up fields from the worker's report (None: not told yet)."""
+    if report is None:
+        return {}
+    return {"warmup_reported": True, "warmup_skipped": report.skipped, "output_mismatch": report.mismatch,
+            "answered_outputs": report.answered}
 
 
 def work_folder(model_id: str, version: str, slot: int) -> str:

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 import pathlib
+from typing import Any
 
 import numpy as np
 
@@ -223,6 +224,83 @@ def check_inputs(decls: tuple[TensorDecl, ...], inputs: dict[str, np.ndarray], m
         if decl.shape and decl.shape[0] == -1 and array.shape[0] > max_batch:
             raise protocol.WorkerError("INVALID_ARGUMENT", f"input {decl.name!r}: batch {array.shape[0]} is "
                                        f"over maxBatchSize {max_batch}")
+
+
+def _shape_text(shape: tuple[int, ...]) -> str:
+    return "[" + ", ".join(map(str, shape)) + "]"
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputSeen:
+    """One declared output and the shapes the model answered with in the warm-up (one per sample that ran, in order)."""
+
+    name: str
+    declared: tuple[int, ...]
+    seen: tuple[tuple[int, ...], ...]
+
+    @property
+    def contradicts(self) -> bool:
+        """Whether an answer has another rank than the declaration, or another size where it fixes one."""
+        return any(len(s) != len(self.declared)
+                   or any(d != -1 and d != g for d, g in zip(self.declared, s, strict=True)) for s in self.seen)
+
+    @property
+    def answered(self) -> tuple[int, ...] | None:
+        """The shape the answers take, as metadata should say it: the answered rank, -1 where the samples' answers
+        differ in size (or have none) or the declaration says any size (at the same rank), and -1 for the batch
+        (first) dimension where the declaration has one. None when the answers differ in rank (no shape says them)."""
+        if not self.seen or len({len(s) for s in self.seen}) != 1:
+            return None
+        # A size that differs between answers, or 0 (no rows this time), says nothing of the size: any.
+        dims = [sizes[0] if len(set(sizes)) == 1 and sizes[0] else -1 for sizes in zip(*self.seen, strict=True)]
+        if len(dims) == len(self.declared):
+            dims = [-1 if d == -1 else g for d, g in zip(self.declared, dims, strict=True)]
+        elif dims and self.declared and self.declared[0] == -1:
+            dims[0] = -1
+        return tuple(dims)
+
+    def describe(self) -> str:
+        """'output 'y': declared [-1, 4], the model answered [1, 4, 1]' (each different answer once)."""
+        answers = " and ".join(_shape_text(s) for s in dict.fromkeys(self.seen))
+        return f"output {self.name!r}: declared {_shape_text(self.declared)}, the model answered {answers}"
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupReport:
+    """What the worker's warm-up found, for the agent (the worker's `warmup` op): why the made-up warm-up was skipped
+    ("" when it ran, or when the spec's own samples did), and the shapes each declared output answered with."""
+
+    skipped: str = ""
+    outputs: tuple[OutputSeen, ...] = ()
+
+    @property
+    def mismatches(self) -> tuple[OutputSeen, ...]:
+        """The outputs whose answers contradict their declaration."""
+        return tuple(o for o in self.outputs if o.contradicts)
+
+    @property
+    def mismatch(self) -> str:
+        """The contradictions, for people ("" when none): each output with its declared and answered shapes."""
+        found = self.mismatches
+        if not found:
+            return ""
+        return "the model's answers contradict its declared outputs: " + "; ".join(o.describe() for o in found)
+
+    @property
+    def answered(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """(name, shape) of each output whose answers contradict the declaration, the shape as `OutputSeen.answered`
+        says it (outputs whose answers differ in rank left out)."""
+        return tuple((o.name, shape) for o in self.mismatches if (shape := o.answered) is not None)
+
+    def to_wire(self) -> dict[str, object]:
+        return {"skipped": self.skipped, "outputs": [
+            {"name": o.name, "declared": list(o.declared), "seen": [list(s) for s in o.seen]} for o in self.outputs]}
+
+    @classmethod
+    def from_wire(cls, raw: dict[str, Any]) -> WarmupReport:
+        return cls(str(raw.get("skipped") or ""), tuple(
+            OutputSeen(str(o["name"]), tuple(int(d) for d in o["declared"]),
+                       tuple(tuple(int(d) for d in s) for s in o["seen"])) for o in raw.get("outputs") or ()))
 
 
 def mapped_files(pid: int | str = "self") -> set[str]:

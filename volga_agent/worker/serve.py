@@ -95,6 +95,7 @@ class Worker:
             "infer": self._op_infer,
             "ping": self._op_ping,
             "metadata": self._op_metadata,
+            "warmup": lambda f: (self.report.to_wire(), []),
             "stats": self._op_stats,
             "offload": self._op_offload,
             "reload": self._op_reload,
@@ -110,8 +111,10 @@ class Worker:
     def _load(self) -> Any:
         start = time.perf_counter()
         backend = backends.load_backend(self.config)
-        self.warm = warmup.samples(self.config)
-        warmup.run(backend.run, self.warm, self.config.warmup_iterations)
+        self.warm, self.report = warmup.warm_up(backend.run, self.config)
+        for finding in (self.report.skipped, self.report.mismatch):
+            if finding:
+                print(f"warm-up: {finding}", file=sys.stderr, flush=True)
         self.load_seconds = time.perf_counter() - start
         return backend
 
@@ -150,6 +153,9 @@ class Worker:
 
     def canary(self) -> str:
         """A digest of the model's answer to the canary input: equal digests, equal model state."""
+        if self.report.skipped:  # the canary input is the made-up sample the model refused
+            raise protocol.WorkerError("FAILED_PRECONDITION", "no canary: the model refused the made-up warm-up "
+                                       "inputs (declare runtime.warmup)")
         outputs = self.backend.run(warmup.canary(self.config))
         digest = hashlib.sha256()
         for name in sorted(outputs):

@@ -6,6 +6,12 @@ and an .npz file of real inputs (runtime.warmupFile); without either, one sample
 the declared inputs and runs under a label that names it, so that a model which refuses its warm-up says
 which sample and which shapes (`warm-up sample 1 (input 'x' shape [1, 1]): ...`) in its start failure.
 
+A model that refuses the MADE-UP inputs (a convolution wider than a dimension made 1, feature maps of sizes that
+no longer concatenate) still serves: nobody asked for those inputs, so `warm_up` records the warm-up as skipped,
+with the reason, instead of failing the start. Samples the spec declares stay an error when refused. The warm-up
+also records the shapes each declared output answered with (`contract.WarmupReport`): a model whose answers
+contradict its declared outputs is reported, and the gateway's metadata says what it answers.
+
 Like everything under `volga_agent.worker`, this imports nothing of the agent (docs/architecture.md).
 """
 
@@ -27,6 +33,7 @@ class WarmupError(RuntimeError):
 class Sample:
     label: str
     inputs: dict[str, np.ndarray]
+    made_up: bool = False  # the default sample of made-up values (no runtime.warmup, no warm-up file)
 
 
 def _describe(inputs: dict[str, np.ndarray]) -> str:
@@ -81,7 +88,7 @@ def samples(config: contract.WorkerConfig, seed: int = 0) -> list[Sample]:
     if not config.warmup and not config.warmup_file:
         inputs = contract.sample_inputs(config.inputs, seed=seed)
         out.append(Sample("warm-up with made-up inputs (declare runtime.warmup to give real ones; "
-                          f"{_describe(inputs)})", inputs))
+                          f"{_describe(inputs)})", inputs, made_up=True))
     for index in range(len(config.warmup)):
         inputs = declared(config, index, seed)
         out.append(Sample(f"warm-up sample {index} ({_describe(inputs)})", inputs))
@@ -96,14 +103,40 @@ def samples(config: contract.WorkerConfig, seed: int = 0) -> list[Sample]:
     return out
 
 
-def run(model: Callable[[dict[str, np.ndarray]], object], warm: list[Sample], iterations: int) -> None:
-    """Each sample `iterations` times; a failure names its sample and the framework's error."""
+def run(model: Callable[[dict[str, np.ndarray]], object], warm: list[Sample], iterations: int
+        ) -> dict[str, list[tuple[int, ...]]]:
+    """Each sample `iterations` times; a failure names its sample and the framework's error. The shapes of the
+    answers, by output name, one per sample (its first run), for models that answer a mapping of arrays."""
+    seen: dict[str, list[tuple[int, ...]]] = {}
     for sample in warm:
-        for _ in range(iterations):
+        for iteration in range(iterations):
             try:
-                model(sample.inputs)
+                answer = model(sample.inputs)
             except Exception as exc:
                 raise WarmupError(f"{sample.label}: {type(exc).__name__}: {exc}") from exc
+            if iteration == 0 and isinstance(answer, dict):
+                for name, array in answer.items():
+                    seen.setdefault(str(name), []).append(tuple(int(d) for d in np.shape(array)))
+    return seen
+
+
+def warm_up(model: Callable[[dict[str, np.ndarray]], object], config: contract.WorkerConfig
+            ) -> tuple[list[Sample], contract.WarmupReport]:
+    """Run the warm-up: the samples to run again after restores, and what it found. A refused MADE-UP sample is
+    skipped (the report says why, and the model serves unwarmed: no samples to run again); a refused declared
+    sample raises WarmupError."""
+    warm = samples(config)
+    try:
+        seen = run(model, warm, config.warmup_iterations)
+    except WarmupError as exc:
+        if not all(sample.made_up for sample in warm):
+            raise
+        return [], contract.WarmupReport(skipped=(
+            f"the model refused the made-up warm-up inputs, so it serves without a warm-up ({exc}); declare "
+            "runtime.warmup with the input sizes your clients send (`volga inspect` probes one)"))
+    outputs = tuple(contract.OutputSeen(decl.name, decl.shape, tuple(seen[decl.name]))
+                    for decl in config.outputs if seen.get(decl.name))
+    return warm, contract.WarmupReport(outputs=outputs)
 
 
 def canary(config: contract.WorkerConfig) -> dict[str, np.ndarray]:

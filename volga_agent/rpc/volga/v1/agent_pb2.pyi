@@ -106,7 +106,7 @@ class StatusResponse(_message.Message):
     def __init__(self, node: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., host_memory_budget_bytes: _Optional[int] = ..., host_memory_used_bytes: _Optional[int] = ..., snapshot_disk_budget_bytes: _Optional[int] = ..., snapshot_disk_used_bytes: _Optional[int] = ..., activations: _Optional[int] = ..., restore_failures: _Optional[int] = ..., evictions: _Optional[int] = ..., circuit_open: bool = ...) -> None: ...
 
 class Instance(_message.Message):
-    __slots__ = ("name", "model_id", "model_version", "tier", "device", "socket", "node", "snapshot_bytes", "last_used_unix", "last_wake_ms", "input_hash", "state_reason")
+    __slots__ = ("name", "model_id", "model_version", "tier", "device", "socket", "node", "snapshot_bytes", "last_used_unix", "last_wake_ms", "input_hash", "state_reason", "warmup_reported", "warmup_skipped", "output_mismatch", "answered_outputs")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +119,10 @@ class Instance(_message.Message):
     LAST_WAKE_MS_FIELD_NUMBER: _ClassVar[int]
     INPUT_HASH_FIELD_NUMBER: _ClassVar[int]
     STATE_REASON_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_REPORTED_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_MISMATCH_FIELD_NUMBER: _ClassVar[int]
+    ANSWERED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     model_id: str
     model_version: str
@@ -131,7 +135,19 @@ class Instance(_message.Message):
     last_wake_ms: float
     input_hash: str
     state_reason: str
-    def __init__(self, name: _Optional[str] = ..., model_id: _Optional[str] = ..., model_version: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., device: _Optional[str] = ..., socket: _Optional[str] = ..., node: _Optional[str] = ..., snapshot_bytes: _Optional[int] = ..., last_used_unix: _Optional[float] = ..., last_wake_ms: _Optional[float] = ..., input_hash: _Optional[str] = ..., state_reason: _Optional[str] = ...) -> None: ...
+    warmup_reported: bool
+    warmup_skipped: str
+    output_mismatch: str
+    answered_outputs: _containers.RepeatedCompositeFieldContainer[TensorShape]
+    def __init__(self, name: _Optional[str] = ..., model_id: _Optional[str] = ..., model_version: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., device: _Optional[str] = ..., socket: _Optional[str] = ..., node: _Optional[str] = ..., snapshot_bytes: _Optional[int] = ..., last_used_unix: _Optional[float] = ..., last_wake_ms: _Optional[float] = ..., input_hash: _Optional[str] = ..., state_reason: _Optional[str] = ..., warmup_reported: bool = ..., warmup_skipped: _Optional[str] = ..., output_mismatch: _Optional[str] = ..., answered_outputs: _Optional[_Iterable[_Union[TensorShape, _Mapping]]] = ...) -> None: ...
+
+class TensorShape(_message.Message):
+    __slots__ = ("name", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ListInstancesRequest(_message.Message):
     __slots__ = ("model_id",)
