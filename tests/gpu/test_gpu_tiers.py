@@ -305,8 +305,10 @@ def test_a_suspended_worker_is_frozen_into_the_small_image_too(mlp_spec: api.Mod
                     driver_copy_parked(inst, weights)
                 else:
                     assert inst.parked_bytes == 0 and "driver" not in entered.phases
-                # Unparked, the worker held its weights in pinned memory at the driver's checkpoint: restored eagerly.
-                assert inst.image is not None and inst.image.lazy_restorable is park
+                # Unparked, a worker that kept its weights pinned at the driver's checkpoint (wake_copy "pinned") is
+                # restored eagerly; a staged one unpins them before the checkpoint.
+                assert inst.image is not None
+                assert inst.image.lazy_restorable is (park or inst.config.wake_copy == "staged")
                 inst.lazy_restore = lazy
                 woke = inst.wake()
                 assert not woke.fallback, woke.detail
@@ -457,3 +459,26 @@ def test_a_suspended_worker_hands_the_driver_little_more_than_its_context(
     rss = wakes_with_graphs_kept_and_dropped(mlp_spec, rundir, criu_engine, Tier.SUSPENDED, rss_anon_bytes,
                                              copy_weights=True, after=after)
     assert rss[True] - rss[False] > 64 * 2**20, rss
+
+
+@pytest.mark.parametrize("wake_copy", ["staged", "pinned"])
+def test_both_wake_copies_bring_the_weights_back_bit_for_bit(mlp_spec: api.ModelSpecSpec, rundir: pathlib.Path,
+                                                              criu_engine: criu.CriuEngine, wake_copy: str) -> None:
+    """Each way of copying weights back on a wake (`WorkerConfig.wake_copy`) answers as HOT did after SUSPENDED,
+    FROZEN (lazy) and WARM wakes, says which copy it made, and a staged worker holds no pinned memory at the
+    driver's checkpoint (its FROZEN-from-SUSPENDED images are then restorable lazily)."""
+    inst = on_gpu(f"mlp-copy-{wake_copy}", mlp_spec, rundir, criu_engine)
+    inst.config = dataclasses.replace(inst.config, wake_copy=wake_copy)
+    try:
+        x, reference, _ = hot_with_reference(inst, seed=13)
+        inst.lazy_restore = True
+        for tier, copied in ((Tier.SUSPENDED, f"{wake_copy}:memory"), (Tier.FROZEN, f"{wake_copy}:file"),
+                             (Tier.SUSPENDED, f"{wake_copy}:memory"), (Tier.WARM, "pinned:memory")):
+            inst.to(tier)
+            assert not inst.wake().fallback
+            assert np.array_equal(inst.infer(x)["y"], reference), (tier, wake_copy)
+            stats = inst.client().call("stats").header
+            assert stats["last_wake"]["copy"] == copied, stats["last_wake"]
+            assert stats["host_pinned"] is (tier == Tier.WARM or (wake_copy == "pinned" and tier == Tier.SUSPENDED))
+    finally:
+        inst.close()

@@ -163,6 +163,17 @@ class WorkerConfig:
     # 0.13 GiB of weights, the SUSPENDED wake 250 vs 290 ms p50 and the checkpoint 340 vs 426 ms
     # (`bench/wake_phases.py`, README "SUSPENDED: the worker moves its own weights").
     suspend_copies_weights: bool = True
+    # How weights in host memory reach the GPU on a wake (`backends.TorchBackend`): "staged", through small pinned
+    # buffers from several threads (`worker.staging`: pread from a parked file, memcpy from the host copy), the host
+    # copy left unpinned across the driver's checkpoint; "pinned", the host copy kept pinned across the driver's
+    # checkpoint (the driver pins it again in its restore) and a parked file pinned in place chunk by chunk
+    # (`worker.pinning`). `bench/copy_paths.py` and `volga bench tiers --gpu --wake-copy pinned,staged` compare them.
+    wake_copy: str = "staged"
+    # The staged copy's threads (fewer where the worker may run on fewer CPUs), and each one's two buffers' size.
+    staging_threads: int = 16
+    staging_chunk_mib: int = 16
+    # Map the whole weight arena (VMM) before the staged copies start, instead of chunk by chunk as they go.
+    staging_premap: bool = False
     # The user and group the worker drops to once started (`serve.drop_privileges`); 0 and 0: it stays the agent's.
     uid: int = 0
     gid: int = 0
