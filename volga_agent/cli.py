@@ -591,7 +591,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lazy", action="store_true", help="also time FROZEN wakes with CRIU lazy pages")
     p.add_argument("--lazy-only", action="store_true", help="FROZEN wakes with CRIU lazy pages only (with --gpu)")
     p.add_argument("--wake-copy", default="", help="the workers' weight copy on a wake, comma-separated to compare "
-                   "them in one run: staged, pinned (with --gpu; default: the worker's)")
+                   "them in one run: auto, staged, pinned, with knobs such as staged-chunk16 or auto-overlap "
+                   "(volga_bench.tiers.copy_config; with --gpu; default: the worker's)")
     p.add_argument("--models", help="where models are built")
     p.add_argument("-n", type=int, default=10, help="wakes per tier (and cold starts)")
     _report_args(p)

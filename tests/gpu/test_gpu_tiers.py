@@ -461,24 +461,30 @@ def test_a_suspended_worker_hands_the_driver_little_more_than_its_context(
     assert rss[True] - rss[False] > 64 * 2**20, rss
 
 
-@pytest.mark.parametrize("wake_copy", ["staged", "pinned"])
-def test_both_wake_copies_bring_the_weights_back_bit_for_bit(mlp_spec: api.ModelSpecSpec, rundir: pathlib.Path,
-                                                              criu_engine: criu.CriuEngine, wake_copy: str) -> None:
+@pytest.mark.parametrize("wake_copy", ["staged", "pinned", "auto", "auto-overlap"])
+def test_every_wake_copy_brings_the_weights_back_bit_for_bit(mlp_spec: api.ModelSpecSpec, rundir: pathlib.Path,
+                                                             criu_engine: criu.CriuEngine, wake_copy: str) -> None:
     """Each way of copying weights back on a wake (`WorkerConfig.wake_copy`) answers as HOT did after SUSPENDED,
-    FROZEN (lazy) and WARM wakes, says which copy it made, and a staged worker holds no pinned memory at the
-    driver's checkpoint (its FROZEN-from-SUSPENDED images are then restorable lazily)."""
+    FROZEN (lazy) and WARM wakes and says which copy it made; a worker that stages its SUSPENDED copy holds no
+    pinned memory at the driver's checkpoint. "auto" stages parked files and, below `staging_min_mib`, keeps a
+    SUSPENDED copy pinned; with "-overlap" the graphs are captured while the copies run."""
     inst = on_gpu(f"mlp-copy-{wake_copy}", mlp_spec, rundir, criu_engine)
-    inst.config = dataclasses.replace(inst.config, wake_copy=wake_copy)
+    inst.config = tiers.copy_config(inst.config, wake_copy)
+    name = wake_copy.partition("-")[0]
+    suspended = "staged:memory" if name == "staged" else "pinned:memory"
+    parked = "pinned:file" if name == "pinned" else "staged:file"
     try:
         x, reference, _ = hot_with_reference(inst, seed=13)
         inst.lazy_restore = True
-        for tier, copied in ((Tier.SUSPENDED, f"{wake_copy}:memory"), (Tier.FROZEN, f"{wake_copy}:file"),
-                             (Tier.SUSPENDED, f"{wake_copy}:memory"), (Tier.WARM, "pinned:memory")):
+        for tier, copied in ((Tier.SUSPENDED, suspended), (Tier.FROZEN, parked), (Tier.SUSPENDED, suspended),
+                             (Tier.WARM, "pinned:memory"), (Tier.FROZEN, parked)):
             inst.to(tier)
             assert not inst.wake().fallback
             assert np.array_equal(inst.infer(x)["y"], reference), (tier, wake_copy)
             stats = inst.client().call("stats").header
             assert stats["last_wake"]["copy"] == copied, stats["last_wake"]
-            assert stats["host_pinned"] is (tier == Tier.WARM or (wake_copy == "pinned" and tier == Tier.SUSPENDED))
+            pinned = tier == Tier.WARM or (tier == Tier.SUSPENDED and name != "staged")
+            assert stats["host_pinned"] is pinned, (tier, stats)
+            assert sorted(stats["cuda_graphs"]) == sorted(inst.config.cuda_graph_batches), stats
     finally:
         inst.close()

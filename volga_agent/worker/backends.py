@@ -9,6 +9,7 @@ stays small and starts fast.
 from __future__ import annotations
 
 import abc
+import concurrent.futures
 import importlib
 import mmap
 import os
@@ -187,7 +188,7 @@ class TorchBackend(Backend):
                 view.copy_(t.data)
             t.data = view
 
-    def _capture(self, batch: int) -> None:
+    def _capture(self, batch: int, thread_local: bool = False) -> None:
         """Capture the forward pass for one batch size; replays read inputs from static buffers."""
         torch = self.torch
         static = []
@@ -203,7 +204,9 @@ class TorchBackend(Backend):
                 self.module(*static)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.no_grad(), torch.cuda.graph(graph):
+        # thread_local: other threads (a staged copy's) may go on calling CUDA while this one captures.
+        mode = "thread_local" if thread_local else "global"
+        with torch.no_grad(), torch.cuda.graph(graph, capture_error_mode=mode):
             out = self.module(*static)
         self.graphs[batch] = (graph, static, out)
 
@@ -249,7 +252,16 @@ class TorchBackend(Backend):
 
     @property
     def _staged(self) -> bool:
-        return self.device.type == "cuda" and self.config.wake_copy == "staged"
+        """Whether a SUSPENDED host copy goes unpinned into the driver's checkpoint and comes back staged."""
+        if self.device.type != "cuda":
+            return False
+        return self.config.wake_copy == "staged" or (
+            self.config.wake_copy == "auto" and self.nbytes >= self.config.staging_min_mib * 2**20)
+
+    @property
+    def _stages_parked(self) -> bool:
+        """Whether parked weights come back staged from their file (else pinned in place)."""
+        return self.device.type == "cuda" and self.config.wake_copy in ("staged", "auto")
 
     def _pinned(self) -> Any:
         """Host memory for the weights, pinned by registration so that freeing it really frees it (a host copy
@@ -278,9 +290,11 @@ class TorchBackend(Backend):
         torch = self.torch
         start = time.perf_counter()
         ready = None
+        overlap = self.config.staging_overlap_graphs and bool(self._released_graphs)
         if self.vmm is not None:
             ready = (self.vmm.map_chunk(i) for i in range(len(self.vmm.chunks)) if i not in self.vmm.handles)
-            if self.vmm.handles or self.config.staging_premap:  # partly mapped already (an earlier failure)
+            # Partly mapped already (an earlier failure), or graphs captured meanwhile, which need it all mapped.
+            if self.vmm.handles or self.config.staging_premap or overlap:
                 self.vmm.map()
                 ready = None
         else:
@@ -288,12 +302,30 @@ class TorchBackend(Backend):
             self._bind(self.arena, copy=False)
         mapped = time.perf_counter()
         threads = staging.threads_for(self.config.staging_threads)
-        info = staging.copy(torch, self.arena, read, self.nbytes, threads=threads,
-                            chunk=self.config.staging_chunk_mib * 2**20, ready=ready)
+
+        def fill() -> dict[str, float]:
+            return staging.copy(torch, self.arena, read, self.nbytes, threads=threads,
+                                chunk=self.config.staging_chunk_mib * 2**20, ready=ready)
+
+        graphs: dict[str, Any] = {}
+        if overlap:
+            # The graphs' warm-up passes read weights still arriving (their results are thrown away); replays
+            # come after the copies, which `staging.copy` has synchronised before it returns.
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                copying = pool.submit(fill)
+                try:
+                    self._capture_released(thread_local=True)
+                    graphs = dict(self.last_wake)
+                finally:
+                    info = copying.result()
+        else:
+            info = fill()
         self.last_wake = {"copy": f"staged:{source}", "threads": threads, "bytes": self.nbytes,
                           "copy_ms": round((time.perf_counter() - start) * 1e3, 2),
                           "map_ms": round((mapped - start) * 1e3, 2),
                           "staging_alloc_ms": round(info["staging_alloc_s"] * 1e3, 2)}
+        if "graphs_ms" in graphs:
+            self.last_wake["graphs_overlapped_ms"] = graphs["graphs_ms"]
 
     def drop_host_copy(self) -> None:
         """Free the host copy (before a CRIU dump, whose image would otherwise carry the weights twice)."""
@@ -374,11 +406,11 @@ class TorchBackend(Backend):
         if clear_workspaces is not None:
             clear_workspaces()
 
-    def _capture_released(self) -> None:
+    def _capture_released(self, thread_local: bool = False) -> None:
         batches, self._released_graphs = self._released_graphs, ()
         start = time.perf_counter()
         for batch in batches:
-            self._capture(batch)
+            self._capture(batch, thread_local)
         if batches:
             self.last_wake["graphs_ms"] = round((time.perf_counter() - start) * 1e3, 2)
 
@@ -419,7 +451,7 @@ class TorchBackend(Backend):
             return
         mapping, self._parked = self._parked, None
         staged = False
-        if self._staged and self._parked_path:
+        if self._stages_parked and self._parked_path:
             try:
                 fd = os.open(self._parked_path, os.O_RDONLY)
             except OSError as exc:  # the mapping still holds the weights: copy from it instead
