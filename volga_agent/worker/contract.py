@@ -169,7 +169,7 @@ class WorkerConfig:
     # host copy kept pinned across the driver's checkpoint, a parked file pinned in place chunk by chunk
     # (`worker.pinning`). "auto": parked files staged; a SUSPENDED host copy staged from `staging_min_mib` of
     # weights, pinned below (on an H200 SUSPENDED wakes were 282 pinned vs 363 ms staged at 2 GiB, 629 vs 518 ms at
-    # 8 GiB; FROZEN lazy 465 vs 446 and 971 vs 617 ms: bench/results/tiers/wake-copy-h200-*.json).
+    # 8 GiB; FROZEN lazy 465 vs 446 and 971 vs 617 ms, run 2 of bench/results/tiers/wake-copy-h200.md).
     # `volga bench tiers --gpu --wake-copy pinned,auto` compares them in one run.
     wake_copy: str = "auto"
     staging_min_mib: int = 4096

@@ -1,19 +1,21 @@
 """Copy weights to the GPU through small pinned staging buffers, from several threads at once.
 
 A weights copy from pageable memory (a parked file's mapping after a CRIU restore, or a host copy that is not
-pinned) runs at the pageable rate (about 6-9 GB/s on an H200); pinning the whole source first costs the driver's
-pinning rate (about 16-20 GB/s from several threads, serialised in the driver), and unpinning it again costs a
-third of that. Here each of `threads` threads owns `depth` pinned buffers of `chunk` bytes and a CUDA stream:
-it reads the next piece of the source into a free buffer (`pread` from a file, or a memory copy), and queues
-the copy of that buffer to the device on its stream; a buffer is reused once its copy has finished (an event).
-The reads run on the CPU's cores at once (ctypes and os.preadv release the GIL), the copies at the pinned rate.
+pinned) runs at the pageable rate (6.6-8.8 GB/s on an H200); pinning the whole source in place first runs at the
+driver's pinning rate (about 16-20 GB/s from several threads: the driver serialises it) and unpinning it again
+costs a third of that (2 GiB: 44 ms, 8 GiB: 166-185 ms). Here each of `threads` threads owns `depth` pinned buffers
+of `chunk` bytes and a CUDA stream: it reads the next piece of the source into a free buffer (`pread` from a file,
+or a memory copy), and queues the copy of that buffer to the device on its stream; a buffer is reused once its
+copy has finished (an event). The reads run on the CPU's cores at once (ctypes and os.preadv release the GIL).
 
-The staging buffers are the only pinned memory, and they are allocated for the copy and freed afterwards (or
-kept by the caller between wakes and freed before a driver checkpoint): pinned host memory a process holds at
-the driver's checkpoint is pinned again by the driver's restore (about 29 GB/s on an H200), and a FROZEN image's
-lazy restore failed in the driver whenever the process held some.
+On the H200 (`bench/copy_paths.py`, bench/results/copy-paths/): 16 threads with buffers already pinned bring
+2 GiB from memory in 52-54 ms and 8 GiB in 179-199 ms (the pinned copy limit: 39 and 165 ms); from a tmpfs file
+in about 78 and 244 ms, the kernel's copies out of the page cache being the limit. Pinning fresh buffers costs
+their first touch (a few tens of ms for 256-512 MiB), so each thread pins its own as it starts.
 
-`bench/copy_paths.py` measures it beside the alternatives on a GPU machine.
+The staging buffers are the only pinned memory, and they are freed after the copy: pinned host memory a process
+holds at the driver's checkpoint is pinned again by the driver's restore (2 GiB of huge pages +36 ms, 8 GiB +213
+ms; 4 KiB pages twice that), and a FROZEN image's lazy restore failed in the driver whenever the process held some.
 """
 
 from __future__ import annotations
