@@ -39,7 +39,7 @@ crds: $(VENV)/.installed
 demo: $(VENV)/.installed criu
 	$(VENV)/bin/volga demo
 
-# The operator image and both agent flavours, built with buildah on a Debian base made here (cached; see README,
+# The operator image and both agent flavours, built with buildah on a Debian base made here (cached; see docs/install.md,
 # Images). The GPU flavour is skipped, with the reason printed, when the disk is too small for it (BUILD_GPU=0/1).
 images:
 	scripts/build-images.sh
@@ -61,7 +61,7 @@ lint: setup
 	$(VENV)/bin/lint-imports
 
 bench-tiers: setup
-	$(VENV)/bin/volga bench tiers --json --out bench/results/tiers-cpu.json
+	$(VENV)/bin/volga bench tiers --json --out bench/results/tiers/tiers-cpu.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .import_linter_cache

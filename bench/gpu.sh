@@ -4,10 +4,10 @@
 # On the GPU machine (its python3 has torch; pydantic and friends travel as wheels in .whl/, CRIU as the
 # relocatable private root in .cache/criu):
 #     bash bench/gpu.sh [MODEL_GIB...]
-# Results go to $OUT (or bench/results/ when OUT is unset).
+# Results go to $OUT (or bench/results/tiers/ when OUT is unset).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${OUT:-bench/results}
+out=${OUT:-bench/results/tiers}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl

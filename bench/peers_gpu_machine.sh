@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `volga bench peers` on the GPU machine's CPUs, where the servers get cores of their own and the clients others:
-# KServe 0.21 beside Volga, the default model on the CPU, as the README's "Against KServe" table.
+# KServe 0.21 beside Volga, the default model on the CPU, as in docs/measurements.md, "Against KServe".
 #
 # The GPU machine has no package index. Its python3 (3.12) has numpy, pandas, onnxruntime, grpcio and protobuf; the
 # rest travels as wheels: Volga's in .whl/ (bench/gpu.sh's), KServe's in .whl-peers/, fetched here with
@@ -18,10 +18,10 @@
 #
 #     bash bench/peers_gpu_machine.sh [SERVER_CPUS] [CLIENT_CPUS] [NAME]     (defaults: 0,1  2-9  peers-h200-2-server-cores)
 # runs the bench twice: Volga as `volga up` runs by default, then with 2 gateway processes and, beside it, 2 HOT
-# instances of the model (NAME-2x). Results go to $OUT (or bench/results/ when OUT is unset).
+# instances of the model (NAME-2x). Results go to $OUT (or bench/results/peers/ when OUT is unset).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${OUT:-bench/results}
+out=${OUT:-bench/results/peers}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/kserve-site \

@@ -1,7 +1,7 @@
 """Plot wake -> first answer against model size per tier, with the host-to-device copy limit, from the
-committed GPU results; print the Markdown table the README carries.
+committed GPU results; print the Markdown table the README and docs/measurements.md carry.
 
-    python bench/plot_tiers.py bench/results/tiers-gpu-h200-*.json --out bench/results/tiers-gpu-h200.png
+    python bench/plot_tiers.py bench/results/tiers/tiers-gpu-h200-*.json --out bench/results/tiers/tiers-gpu-h200.png
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def plot(points: list[tuple[float, dict[str, Any]]], limits: dict[str, float], o
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("results", nargs="+")
-    parser.add_argument("--out", default="bench/results/tiers-gpu-h200.png")
+    parser.add_argument("--out", default="bench/results/tiers/tiers-gpu-h200.png")
     args = parser.parse_args()
     points, limits, burst = load(args.results)
     plot(points, limits, pathlib.Path(args.out))

@@ -1,6 +1,6 @@
 """Does a WARM wake right after the demotion run slower (the driver still clearing the memory it freed)?
 
-On the GPU machine: python3 bench/warm_settle.py (bench/results/warm-settle-h200.txt). A 2 and an 8 GiB arena
+On the GPU machine: python3 bench/warm_settle.py (bench/results/tiers/warm-settle-h200.txt). A 2 and an 8 GiB arena
 (vmm.Arena, as a WARM worker holds its weights) is copied out, released, and mapped and filled again chunk by
 chunk as a WARM wake does: at once, and after 50 ms, 0.3 s and 1 s. Median of 5, ms.
 """

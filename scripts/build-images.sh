@@ -48,7 +48,7 @@ fi
 source_hash() {  # source_hash DOCKERFILE [BUILD ARGS...]: what an image is built from
   local dockerfile=$1; shift
   cat "$dockerfile" pyproject.toml README.md scripts/install-criu.sh \
-    <(tar -c --sort=name --mtime=@0 --owner=0 --group=0 --exclude=__pycache__ volga_operator volga_agent) \
+    <(tar -c --sort=name --mtime=@0 --owner=0 --group=0 --exclude=__pycache__ volga_core volga_operator volga_agent) \
     <(printf '%s\n' "$@") | sha256sum | cut -c1-16
 }
 

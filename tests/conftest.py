@@ -20,6 +20,12 @@ if TYPE_CHECKING:  # the GPU machine runs its tests without the gateway's client
     from volga_agent.app import up as volga_up
 
 
+# The helper modules beside this file assert too: pytest rewrites their asserts as it does the tests' (registered
+# here, before any test module imports them).
+pytest.register_assert_rewrite("autonomy_stubs", "chart", "images", "neighbour_levels", "nvml_driver", "pools", "procs",
+                               "shared_workers", "silero_specs", "specs", "traffic")
+
+
 @pytest.fixture(scope="session")
 def default_spec() -> api.ModelSpecSpec:
     return defaultmodel.ensure().spec
@@ -30,6 +36,15 @@ def rundir() -> Iterator[pathlib.Path]:
     # AF_UNIX paths are limited to 107 bytes: keep run folders short.
     with tempfile.TemporaryDirectory(prefix="vt-", dir="/tmp") as path:
         yield pathlib.Path(path)
+
+
+@pytest.fixture
+def models(tmp_path: pathlib.Path, default_spec: api.ModelSpecSpec) -> pathlib.Path:
+    """A model root (settings.model_roots) holding the default model as m.onnx."""
+    root = tmp_path / "models"
+    root.mkdir()
+    shutil.copy(default_spec.source_path, root / "m.onnx")
+    return root
 
 
 @pytest.fixture

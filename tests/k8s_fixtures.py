@@ -2,24 +2,28 @@
 
     pytest_plugins = ["k8s_fixtures"]
 
-(tests/ is on sys.path through tests/conftest.py, so the plugin imports as a top-level module).
-Missing binaries FAIL the test rather than skip it: CI builds them with scripts/build-k8s-bins.sh.
+(tests/ is on sys.path through pytest's `pythonpath` setting, so the plugin imports as a top-level module; the
+tests in tests/k8s and tests/images use it). Missing binaries FAIL the test rather than skip it: CI builds them with
+scripts/build-k8s-bins.sh.
 """
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
+import uuid
 from collections.abc import Iterator
 
 import pytest
 from kubernetes import client as k8s_client
+from kubernetes.client import V1Namespace, V1ObjectMeta
 
 from volga_bench.controlplane import ControlPlane, ControlPlaneError, MissingBinariesError
+from volga_core import api
 
 
-@pytest.fixture(scope="session")
-def control_plane() -> Iterator[ControlPlane]:
-    """etcd and kube-apiserver for the whole session; tests share it, so each should use its own namespace."""
+@contextlib.contextmanager
+def _started() -> Iterator[ControlPlane]:
     try:
         cp = ControlPlane()
     except MissingBinariesError as exc:
@@ -33,6 +37,21 @@ def control_plane() -> Iterator[ControlPlane]:
         yield cp
     finally:
         cp.stop()
+
+
+@pytest.fixture(scope="session")
+def control_plane() -> Iterator[ControlPlane]:
+    """etcd and kube-apiserver for the whole session; tests share it, so each should use its own namespace."""
+    with _started() as cp:
+        yield cp
+
+
+@pytest.fixture(scope="module")
+def own_control_plane() -> Iterator[ControlPlane]:
+    """etcd and kube-apiserver for one module alone: the API server's request counters and the objects'
+    resourceVersions hold only that module's writes."""
+    with _started() as cp:
+        yield cp
 
 
 @pytest.fixture
@@ -51,3 +70,14 @@ def crds(control_plane: ControlPlane) -> None:
     control_plane.kubectl("apply", "-f", str(pathlib.Path(__file__).resolve().parent.parent / "crds"))
     control_plane.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/modelspecs.volga.dev",
                           "crd/executablemodelinstances.volga.dev")
+
+
+@pytest.fixture
+def custom(crds: None, kube_client: k8s_client.ApiClient) -> Iterator[tuple[k8s_client.CustomObjectsApi, str]]:
+    """A namespace of its own on the session's control plane, with Volga's CRDs: (the objects' API, namespace)."""
+    namespace = f"vt-{uuid.uuid4().hex[:8]}"  # left in place: no namespace controller runs
+    k8s_client.CoreV1Api(kube_client).create_namespace(V1Namespace(metadata=V1ObjectMeta(name=namespace)))
+    objects = k8s_client.CustomObjectsApi(kube_client)
+    yield objects, namespace
+    # The control plane is shared: an operator started by a later test would place what is left here.
+    objects.delete_collection_namespaced_custom_object(api.GROUP, api.VERSION, namespace, "modelspecs")

@@ -16,10 +16,16 @@ from typing import Any
 from prometheus_client import parser as prometheus_parser
 
 
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 120.0, every: float = 0.25) -> Any:
+def wait_for(what: str, check: Callable[[], Any], timeout: float = 120.0, every: float = 0.25,
+             proc: subprocess.Popen[Any] | None = None) -> Any:
+    """Call `check` every `every` seconds until it returns something true, and return that. An exception raised
+    (or returned) by `check` counts as not yet: the API server restarting, a process not listening yet; the last
+    one is in the message when time runs out. With `proc`, that process exiting first ends the wait at once."""
     deadline = time.monotonic() + timeout
     last: Any = None
     while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"exited ({proc.returncode}) before {what}")
         try:
             last = check()
         except Exception as exc:  # the API server restarting, a process not listening yet
@@ -78,3 +84,13 @@ def scrape(port: int, token: str | None = None) -> tuple[int, dict[str, str], st
 def families(text: str) -> set[str]:
     """The metric family names of a /metrics page."""
     return {family.name for family in prometheus_parser.text_string_to_metric_families(text)}
+
+
+def series(url: str, name: str) -> dict[str, float]:
+    """Every sample of a metric: its labels as written -> its value."""
+    out = {}
+    for line in urllib.request.urlopen(url, timeout=10).read().decode().splitlines():
+        found = re.match(rf"{name}(\{{[^}}]*\}})? (\S+)$", line)
+        if found:
+            out[found.group(1) or ""] = float(found.group(2))
+    return out

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pathlib
 
-from volga_agent.node import policy, pool
+from volga_agent.node import pool
+from volga_agent.node.settings import Settings
 from volga_core import api, planner
 
 Tier = api.Tier
@@ -17,7 +18,7 @@ def spec_of(base: api.ModelSpecSpec, model: str, tolerance: float) -> api.ModelS
 
 
 def strict_and_loose(rundir: pathlib.Path, snapshot_root: pathlib.Path, default_spec: api.ModelSpecSpec,
-                     settings: policy.Settings) -> pool.Pool:
+                     settings: Settings) -> pool.Pool:
     """The pool, both workers HOT; the caller closes it."""
     p = pool.Pool("n1", rundir / "work", snapshot_root, settings)
     specs = {"s": spec_of(default_spec, "strict", 10.0), "l": spec_of(default_spec, "loose", 300.0)}

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from volga_agent.app import up as volga_up
-from volga_agent.node import policy
+from volga_agent.node.settings import Settings
 from volga_bench import reporting
 from volga_core import api
 
@@ -86,7 +86,7 @@ async def run(folder: pathlib.Path, n: int, batch: int = 4,
     paths = build_models(folder)
     chain_specs, separate_specs = model_specs(paths, "chain", True), model_specs(paths, "separate", False)
     # Only the bench moves instances (no idle demotion while it runs), and only requests wake them.
-    options = volga_up.Options(settings=policy.Settings(), tick_sec=3600.0, http_port=0, grpc_port=0,
+    options = volga_up.Options(settings=Settings(), tick_sec=3600.0, http_port=0, grpc_port=0,
                             metrics_port=0, agent_port=-1)
     up = volga_up.Embedded([*chain_specs, *separate_specs], options)
     await up.start()

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from volga_agent.autonomy import decider, sampler, window
-from volga_agent.node import policy
+from volga_agent.node.settings import Settings
 from volga_core import api
 
 BUDGET_US = 50.0
@@ -59,7 +59,7 @@ def percentile(values: list[float], q: float) -> float:
 
 def time_decisions(models: int, count: int) -> dict[str, Any]:
     views, windows = synthetic(models, count)
-    decide = decider.Decider(policy.Settings()).decide
+    decide = decider.Decider(Settings()).decide
     for built in windows[:200]:
         decide(built, views)
     costs: list[float] = []

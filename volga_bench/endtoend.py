@@ -33,7 +33,7 @@ import numpy as np
 
 from volga_agent.app import defaultmodel
 from volga_agent.app import up as volga_up
-from volga_agent.node import policy
+from volga_agent.node.settings import Settings
 from volga_agent.worker import contract
 from volga_bench import reporting
 from volga_core import api
@@ -121,7 +121,7 @@ def default_case() -> Case:
     return Case(spec, contract.sample_inputs(decls, batch=1, seed=0))
 
 
-async def run(cases: Sequence[Case], tiers: Sequence[Tier], n: int, settings: policy.Settings | None = None,
+async def run(cases: Sequence[Case], tiers: Sequence[Tier], n: int, settings: Settings | None = None,
               progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """Serve every case in one `volga up`, and time each tier's first answer through the gateway."""
     import tritonclient.grpc as grpcclient
@@ -197,7 +197,7 @@ def storm_cases(folder: pathlib.Path, n: int, gpu: bool, width: int = 4096) -> l
     return cases
 
 
-async def storm(cases: Sequence[Case], tiers: Sequence[Tier], rounds: int, settings: policy.Settings | None = None,
+async def storm(cases: Sequence[Case], tiers: Sequence[Tier], rounds: int, settings: Settings | None = None,
                 progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """Every case in one `volga up`; per tier and round, all instances moved to the tier, then one request to each
     at once (a client per model, released together): the time until all have answered, and the first."""
@@ -269,10 +269,10 @@ def format_storm(report: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
-def _options(settings: policy.Settings | None) -> volga_up.Options:
+def _options(settings: Settings | None) -> volga_up.Options:
     """One `volga up` whose pool loop does not run (tick_sec): only the bench moves instances, only requests wake
     them."""
-    return volga_up.Options(settings=settings or policy.Settings(), tick_sec=3600.0, http_port=0, grpc_port=0,
+    return volga_up.Options(settings=settings or Settings(), tick_sec=3600.0, http_port=0, grpc_port=0,
                          metrics_port=0, agent_port=-1)
 
 

@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 
 from volga_agent.app import defaultmodel
-from volga_agent.node import policy, pool
+from volga_agent.node import pool
+from volga_agent.node.settings import Settings, SharedSnapshotSettings
 from volga_agent.worker import contract
 from volga_bench import reporting
 from volga_core import api, planner
@@ -47,7 +48,7 @@ def _node(argv: Sequence[str]) -> dict[str, Any]:
     doc = defaultmodel.ensure(pathlib.Path(args.models) if args.models else None)
     spec = doc.spec if not args.version else doc.spec.model_copy(update={"version": args.version})
     root = pathlib.Path(args.root)
-    settings = policy.Settings(shared_snapshots=args.shared, verify_image_checksums=True)
+    settings = Settings(shared=SharedSnapshotSettings(folder=args.shared), verify_image_checksums=True)
     agent = pool.Pool(args.node, root / "work", root / "snapshots", settings)
     name = args.instance
     steps: list[dict[str, Any]] = []

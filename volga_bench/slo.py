@@ -101,7 +101,7 @@ class Config:
     # One calibration request every this many ms (`calibrate.measure`); None: the protected model's mean arrival
     # period, as its traffic comes; 0: back to back (on the H200 machine's CPU that measured `critical` at 7.7 /
     # 10.8 ms p50 / p99, and then the model alone violated the limit in 220 of 717 windows; paced, 11.9 / 16.1 ms
-    # and 4 of 476: bench/results/slo-cpu-h200-2cores-*.json)
+    # and 4 of 476: bench/results/slo/slo-cpu-h200-2cores-*.json)
     calibrate_pace_ms: float | None = None
     seed: int = 11
     gpu: bool = False  # PyTorch models on cuda:0 instead of ONNX models on the CPU

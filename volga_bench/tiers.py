@@ -69,7 +69,7 @@ class TierRun:
 # How long a GPU instance rests in a tier before the bench wakes it, as between an idle demotion and the next
 # request. A wake right after the demotion finds the driver still clearing the device memory the demotion freed:
 # on an H200, mapping and refilling 8 GiB took 168.6 ms at once and 157.6-158.5 ms after 50 ms to 1 s (2 GiB: 42.4
-# and 39.8-41.2 ms), bench/results/warm-settle-h200.txt.
+# and 39.8-41.2 ms), bench/results/tiers/warm-settle-h200.txt.
 GPU_SETTLE_S = 0.5
 
 

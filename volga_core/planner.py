@@ -158,14 +158,14 @@ class NodeIndex:
     placed. The best node of a group for a new instance is its least loaded, so a placement scores one node per
     group instead of every node; `load` is shared with the caller, and every change to it goes through `add`."""
 
-    def __init__(self, nodes: Sequence[nodes.NodeProfile], load: dict[str, int], avoid: frozenset[str]) -> None:
+    def __init__(self, profiles: Sequence[nodes.NodeProfile], load: dict[str, int], avoid: frozenset[str]) -> None:
         self.load = load
         self.max_load = max(load.values(), default=0)
         self.groups: dict[tuple[object, ...], list[tuple[int, str]]] = {}
         self.members: dict[tuple[object, ...], list[nodes.NodeProfile]] = {}
-        self.by_name = {n.name: n for n in nodes}
+        self.by_name = {n.name: n for n in profiles}
         self.group_of: dict[str, tuple[object, ...]] = {}
-        for node in nodes:
+        for node in profiles:
             group = (node.gpu_count, node.gpu_product, node.gpu_memory_bytes, bool(node.numa_nodes), node.ready,
                      node.gpu_driver, node.name in avoid)
             self.group_of[node.name] = group

@@ -1,7 +1,7 @@
 """What the operator should write, computed from what it has seen: pure functions over a snapshot.
 
-The kopf handlers (`handlers.py`) only record what the watches deliver into a `State` and wake the loop;
-the loop calls `compute` for the ModelSpecs that changed and applies the returned `Action`s through the rate
+The reconcile loop (`loop.py`) only records what the watches deliver into a `State` and wakes itself;
+it calls `compute` for the ModelSpecs that changed and applies the returned `Action`s through the rate
 limiter. Keeping the decisions here, free of I/O, is what lets the unit tests cover them and what makes
 the operator level-triggered: the same state always yields the same actions, and a periodic full pass
 repairs anything a missed event left behind.

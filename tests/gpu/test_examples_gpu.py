@@ -27,7 +27,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-pytestmark = [pytest.mark.gpu, pytest.mark.integration]
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 
 

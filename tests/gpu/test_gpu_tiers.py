@@ -21,7 +21,6 @@ from volga_agent.worker import contract, protocol
 from volga_bench import tiers
 from volga_core import api
 
-pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
@@ -224,13 +223,14 @@ def test_frozen_weights_wait_outside_the_image(mlp_spec: api.ModelSpecSpec, rund
                 stats = inst.client().call("stats").header
                 assert not stats["parked"] and not stats["offloaded"]
                 if park:
-                    assert inst.pid is not None and inst._parked is not None
-                    assert not _maps(inst.pid, inst._parked)
+                    assert inst.pid is not None and inst.parking.current is not None
+                    assert not _maps(inst.pid, inst.parking.current)
                 inst.reuse_image_sec = float("inf")  # the second freeze keeps the image (and its parked file)
                 inst.to(Tier.FROZEN)
             inst.to(Tier.SUSPENDED)  # restored into SUSPENDED: the worker maps the parked file until it wakes
             if park:
-                assert inst.pid is not None and inst._parked is not None and _maps(inst.pid, inst._parked)
+                parked = inst.parking.current
+                assert inst.pid is not None and parked is not None and _maps(inst.pid, parked)
             inst.to(Tier.HOT)
             assert np.array_equal(inst.infer(x)["y"], reference)
             folder = inst.parked_dir

@@ -23,7 +23,6 @@ from volga_agent.worker import contract
 from volga_bench import tiers
 from volga_core import api
 
-pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
@@ -82,7 +81,7 @@ def test_a_gpu_image_with_parked_weights_is_published_with_them_and_restored_els
         reference = writer.infer(x)["y"]
         weights = int(writer.client().call("stats").header["weights_bytes"])
         writer.to(Tier.FROZEN)
-        parked = writer._parked
+        parked = writer.parking.current
         # Parked outside the image: the weights, and after them the driver's copy of the device memory.
         parked_bytes = writer.parked_bytes
         assert "error" not in writer.driver_copy, writer.driver_copy
@@ -105,13 +104,13 @@ def test_a_gpu_image_with_parked_weights_is_published_with_them_and_restored_els
         assert woke.detail == f"restored from shared image {entry.digest} of node node-a" and not woke.fallback
         assert reader.shared_restores == 1 and reader.shared_restore_failures == 0
         assert reader.verifies_restores  # checked against the canary answer the writer recorded
-        assert parked.exists() and reader._parked == parked  # brought back where the image maps it
+        assert parked.exists() and reader.parking.current == parked  # brought back where the image maps it
         stats = reader.client().call("stats").header
         assert not stats["parked"] and not stats["offloaded"]  # the weights are back on the GPU
         assert np.array_equal(reader.infer(x)["y"], reference)
         # Frozen again, the reader parks into a file of its own; the one from the store is dropped.
         reader.to(Tier.FROZEN)
-        assert reader._parked is not None and reader._parked != parked and not parked.exists()
+        assert reader.parking.current is not None and reader.parking.current != parked and not parked.exists()
         assert reader.shared_publishes == 0  # the key has its image already
         assert not reader.to(Tier.HOT).fallback
         assert np.array_equal(reader.infer(x)["y"], reference)

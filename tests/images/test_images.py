@@ -20,7 +20,6 @@ import shutil
 import signal
 import subprocess
 import tempfile
-import time
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -30,6 +29,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import yaml
 from images import Rootfs, have_buildah, image_exists
+from procs import wait_for
 from prometheus_client import parser as prom_parser
 
 from volga_agent.app import defaultmodel
@@ -38,7 +38,7 @@ from volga_agent.worker import contract
 from volga_bench.controlplane import ControlPlane, free_ports
 
 pytest_plugins = ["k8s_fixtures"]
-pytestmark = [pytest.mark.images, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 OPERATOR = "localhost/volga-operator:dev"
 AGENT_CPU = "localhost/volga-agent:dev-cpu"
 AGENT_GPU = "localhost/volga-agent:dev-gpu"
@@ -84,22 +84,6 @@ def stop(proc: subprocess.Popen[str], timeout: float = 60.0) -> int:
         raise
 
 
-def wait_for(what: str, check: Any, timeout: float = 120.0, proc: subprocess.Popen[str] | None = None) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"exited ({proc.returncode}) before {what}")
-        try:
-            result = check()
-        except OSError:
-            result = None
-        if result:
-            return result
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-@pytest.mark.k8s
 @pytest.mark.parametrize("rootfs", [OPERATOR], indirect=True)
 def test_operator_image_reconciles_a_modelspec(rootfs: Rootfs, control_plane: ControlPlane, crds: None,
                                                tmp_path: pathlib.Path) -> None:
@@ -129,7 +113,7 @@ def test_operator_image_reconciles_a_modelspec(rootfs: Rootfs, control_plane: Co
             conditions = ms.get("status", {}).get("conditions", ())
             return ms if any(c["type"] == "Ready" and c.get("reason") == "Unschedulable" for c in conditions) else None
 
-        ms = wait_for("the operator's Unschedulable condition", unschedulable, proc=proc)
+        ms = wait_for("the operator's Unschedulable condition", unschedulable, every=0.2, proc=proc)
         assert ms["status"]["observedGeneration"] == ms["metadata"]["generation"]
         assert not ms["metadata"].get("finalizers")  # its EMIs go with it (ownerReferences and the operator)
         control_plane.kubectl("delete", "ms", "needs-h200", "--timeout=60s")
@@ -174,7 +158,7 @@ def test_agent_image_freezes_restores_and_serves(rootfs: Rootfs, tmp_path: pathl
 
         # The pool floor is one FROZEN instance: a cold start, then a CRIU dump inside the image.
         wait_for("a FROZEN instance", lambda: agent_metric("volga_emis_active_total", tier="FROZEN") == 1,
-                 timeout=180, proc=agent)
+                 timeout=180, every=0.2, proc=agent)
         decls = instance.decls(model.spec.inputs)
         x = contract.sample_inputs(decls, batch=4, seed=21)
         inputs = []
@@ -182,7 +166,7 @@ def test_agent_image_freezes_restores_and_serves(rootfs: Rootfs, tmp_path: pathl
             tensor = grpcclient.InferInput(decl.name, list(x[decl.name].shape), decl.dtype)
             tensor.set_data_from_numpy(x[decl.name])
             inputs.append(tensor)
-        client = wait_for("the gateway", lambda: _client(grpc), proc=gateway)
+        client = wait_for("the gateway", lambda: _client(grpc), every=0.2, proc=gateway)
         try:
             answer = client.infer(model.spec.model_id, inputs, client_timeout=120).as_numpy("probability")
         finally:

@@ -1,7 +1,8 @@
 """Integration tests: real parts on this machine (CRIU, worker processes, the gateway with an unmodified
 tritonclient, helm, promtool).
 
-Every test collected in this folder carries the `integration` marker: the folder is the kind, so a marker cannot drift."""
+Every test collected in this folder carries the `integration` marker: the folder is the kind, so a marker cannot
+drift."""
 
 import pytest
 

@@ -10,21 +10,21 @@ from collections.abc import Iterator
 
 import pytest
 import shared_workers
-from test_autonomy_loop import NoProbe, RecordingGateway
+from autonomy_stubs import NoProbe, RecordingGateway
 
 from volga_agent.autonomy import decider, loop, window
 from volga_agent.host import priority
-from volga_agent.node import policy, pool
+from volga_agent.node import pool
+from volga_agent.node.settings import Settings
 from volga_core import api
 
 Tier = api.Tier
-pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
 def two_workers(rundir: pathlib.Path, criu_engine, default_spec: api.ModelSpecSpec) -> Iterator[pool.Pool]:
-    settings = policy.Settings(autonomy_yield_nice=19, autonomy_yield_calm_windows=3, autonomy_debug=True,
-                               autonomy_preload_below_pct=0)
+    settings = Settings(autonomy_yield_nice=19, autonomy_yield_calm_windows=3, autonomy_debug=True,
+                        autonomy_preload_below_pct=0)
     p = shared_workers.strict_and_loose(rundir, criu_engine.root, default_spec, settings)
     yield p
     p.close()

@@ -19,17 +19,17 @@ from typing import Any
 import numpy as np
 import pytest
 import shared_workers
+from autonomy_stubs import NoProbe, RecordingGateway
 from procs import wait_for
-from test_autonomy_loop import NoProbe, RecordingGateway
 
 from volga_agent.autonomy import decider, loop, window
 from volga_agent.host import process, throttle
-from volga_agent.node import instance, policy, pool
+from volga_agent.node import instance, pool
+from volga_agent.node.settings import Settings
 from volga_agent.worker import contract, protocol
 from volga_core import api
 
 Tier = api.Tier
-pytestmark = pytest.mark.integration
 
 
 def cpu_rate(pid: int, seconds: float) -> float:
@@ -84,8 +84,8 @@ def test_the_duty_cycle_stops_only_what_it_may_and_lets_go_at_once(busy: subproc
 
 @pytest.fixture
 def two_workers(rundir: pathlib.Path, criu_engine, default_spec: api.ModelSpecSpec) -> Iterator[pool.Pool]:
-    settings = policy.Settings(autonomy_throttle_share=0.9, autonomy_throttle_period_ms=20.0,
-                               autonomy_yield_calm_windows=3, autonomy_debug=True, autonomy_preload_below_pct=0)
+    settings = Settings(autonomy_throttle_share=0.9, autonomy_throttle_period_ms=20.0,
+                        autonomy_yield_calm_windows=3, autonomy_debug=True, autonomy_preload_below_pct=0)
     p = shared_workers.strict_and_loose(rundir, criu_engine.root, default_spec, settings)
     yield p
     p.close()
@@ -242,8 +242,8 @@ class GuardingGateway(RecordingGateway):
 
 def test_a_guarded_throttle_stops_the_tolerant_worker_only_while_the_strict_one_computes(
         rundir: pathlib.Path, criu_engine: Any, default_spec: api.ModelSpecSpec) -> None:
-    settings = policy.Settings(autonomy_throttle_share=0.9, autonomy_throttle_period_ms=20.0,
-                               autonomy_throttle_guard=True, autonomy_preload_below_pct=0)
+    settings = Settings(autonomy_throttle_share=0.9, autonomy_throttle_period_ms=20.0,
+                        autonomy_throttle_guard=True, autonomy_preload_below_pct=0)
     p = shared_workers.strict_and_loose(rundir, criu_engine.root, default_spec, settings)
     gateway = GuardingGateway()
     autonomy = loop.Loop(p, gateway, probe=NoProbe())

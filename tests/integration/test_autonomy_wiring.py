@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import pathlib
 import sys
-import threading
 import urllib.request
 from typing import Any
 
@@ -23,12 +22,10 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import yaml
 from procs import Daemon, wait_for
+from traffic import Traffic
 from tritonclient.utils import InferenceServerException
 
-from volga_agent import errors
 from volga_agent.app import defaultmodel
-from volga_agent.autonomy import exchange, window
-from volga_agent.gateway import links
 from volga_agent.node import instance
 from volga_agent.worker import contract
 from volga_bench import harness
@@ -58,28 +55,6 @@ def settings_file(folder: pathlib.Path) -> pathlib.Path:
     path = folder / "settings.yaml"
     path.write_text(yaml.safe_dump(SETTINGS))
     return path
-
-
-class Traffic:
-    """Requests for one model from a thread, one after another, until stopped."""
-
-    def __init__(self, grpc_address: str, model: str, inputs: list[Any]) -> None:
-        self.client = grpcclient.InferenceServerClient(grpc_address)
-        self.model, self.inputs = model, inputs
-        self.stop = threading.Event()
-        self.answered = 0
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while not self.stop.is_set():
-            self.client.infer(self.model, self.inputs)
-            self.answered += 1
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(timeout=30)
-        self.client.close()
 
 
 def shed_then_unshed(grpc_address: str, http_address: str) -> None:
@@ -130,7 +105,6 @@ def metric(url: str, name: str, labels: str) -> float:
     return 0.0
 
 
-@pytest.mark.integration
 @pytest.mark.slow
 def test_volga_up_with_autonomy_sheds_the_tolerant_model_and_unsheds_it_after(tmp_path: pathlib.Path) -> None:
     folder = tmp_path
@@ -146,7 +120,6 @@ def test_volga_up_with_autonomy_sheds_the_tolerant_model_and_unsheds_it_after(tm
         assert metric(url, "volga_autonomy_decision_latency_us_count", "") >= 1
 
 
-@pytest.mark.integration
 @pytest.mark.slow
 def test_the_sidecar_gateway_exchanges_its_load_for_the_agents_directives(tmp_path: pathlib.Path) -> None:
     folder = tmp_path
@@ -165,49 +138,3 @@ def test_the_sidecar_gateway_exchanges_its_load_for_the_agents_directives(tmp_pa
     finally:
         assert gateway.stop() == 0
         assert agent.stop() == 0
-
-
-class RecordingPlane:
-    def __init__(self) -> None:
-        self.calls: list[tuple[Any, ...]] = []
-        self.load: dict[str, window.ModelLoad] = {}
-
-    def drain_load(self) -> dict[str, window.ModelLoad]:
-        load, self.load = self.load, {}
-        return load
-
-    def set_batch_cap(self, model: str, cap: int | None) -> None:
-        if model == "unknown":
-            raise errors.UnknownModel(model)
-        self.calls.append(("cap", model, cap))
-
-    def shed(self, model: str, retry_after_ms: int) -> None:
-        self.calls.append(("shed", model, retry_after_ms))
-
-    def unshed(self, model: str) -> None:
-        self.calls.append(("unshed", model))
-
-
-def test_the_exchange_sums_pushed_load_and_gives_the_directives_in_full() -> None:
-    ex = exchange.Exchange()
-    ex.set_batch_cap("a", 8)
-    ex.shed("b", 500)
-    first = ex.push({"a": window.ModelLoad(3, 2, 4, (1.0, 2.0), 0)})
-    ex.push({"a": window.ModelLoad(1, 1, 2, (5.0,), 0), "b": window.ModelLoad(2, 0, 0, (), 2)})
-    assert (dict(first.batch_caps), dict(first.shed_retry_after_ms)) == ({"a": 8}, {"b": 500})
-    assert ex.drain_load() == {"a": window.ModelLoad(4, 3, 2, (1.0, 2.0, 5.0), 0),
-                               "b": window.ModelLoad(2, 0, 0, (), 2)}
-    assert ex.drain_load() == {}
-    ex.set_batch_cap("a", None)
-    ex.unshed("b")
-    assert (dict(ex.directives().batch_caps), dict(ex.directives().shed_retry_after_ms)) == ({}, {})
-
-
-def test_the_exchanger_changes_only_what_differs_and_skips_models_it_does_not_know() -> None:
-    plane = RecordingPlane()
-    ex = links.Exchanger(plane, links.GrpcAgentLink("127.0.0.1:1"))
-    ex.apply(links.Directives(True, {"a": 8, "unknown": 2}, {"b": 500}, 50))
-    ex.apply(links.Directives(True, {"a": 8}, {"b": 500}, 50))
-    ex.apply(links.Directives(True, {"a": 4}, {}, 50))
-    ex.apply(links.Directives(True, {}, {}, 50))
-    assert plane.calls == [("cap", "a", 8), ("shed", "b", 500), ("cap", "a", 4), ("unshed", "b"), ("cap", "a", None)]

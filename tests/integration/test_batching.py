@@ -35,7 +35,7 @@ from volga_agent.worker import contract
 from volga_bench import harness
 from volga_core import api
 
-pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 CTR, TOY = "ctr-batched", "toy-batched"
 DELAY_US = 10_000_000  # the most a spec allows
 TABLE = 128  # rows of the toy model's lookup table: an index past it makes onnxruntime fail the whole call

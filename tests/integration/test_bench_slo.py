@@ -14,7 +14,7 @@ import pytest
 from volga_bench import slo
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 
 def test_bench_slo_prints_its_numbers() -> None:

@@ -1,5 +1,6 @@
 """`volga calibrate` on the default model with a real worker, through a gateway and alone, `--write` into a
-ModelSpec file; the autonomy loop's use of status.calibrated; and `volga bench decide` printing its keys."""
+ModelSpec file; and `volga bench decide` printing its keys. The autonomy loop's use of status.calibrated:
+tests/unit/test_calibrated_baselines.py."""
 
 from __future__ import annotations
 
@@ -13,8 +14,6 @@ import pytest
 import yaml
 
 from volga_agent.app import defaultmodel
-from volga_agent.autonomy import loop
-from volga_agent.node import instance, pool
 from volga_core import api
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -33,7 +32,6 @@ def spec_file(tmp_path: pathlib.Path) -> pathlib.Path:
     return path
 
 
-@pytest.mark.integration
 def test_calibrate_measures_with_a_real_worker_and_writes_tagged_baselines(spec_file: pathlib.Path) -> None:
     before = spec_file.read_text()
     out = volga("calibrate", "-f", str(spec_file), "--batch-sizes", "1,4", "--iterations", "30", "--json", "--write")
@@ -58,7 +56,6 @@ def test_calibrate_measures_with_a_real_worker_and_writes_tagged_baselines(spec_
     assert before.count("\n") < after.count("\n")
 
 
-@pytest.mark.integration
 def test_the_baseline_written_is_the_gateway_path(spec_file: pathlib.Path) -> None:
     """tritonclient through a gateway in front of the worker is the baseline; the worker alone is reported beside
     it; --direct measures only the worker, as before."""
@@ -86,7 +83,6 @@ def test_the_baseline_written_is_the_gateway_path(spec_file: pathlib.Path) -> No
     assert b["p99Ms"] == b["workerP99Ms"] > 0
 
 
-@pytest.mark.integration
 def test_a_paced_calibration_sends_one_request_every_pace(spec_file: pathlib.Path) -> None:
     """--pace-ms starts one timed request every so many ms, as sparse traffic comes; back to back is the default."""
     paced = volga("calibrate", "-f", str(spec_file), "--batch-sizes", "1", "--iterations", "10", "--pace-ms", "60",
@@ -140,35 +136,3 @@ def test_bench_decide_prints_its_numbers() -> None:
         assert {"p50_us", "p99_us", "max_us", "decisions", "within_budget", "states", "actions"} <= set(r)
         assert r["decisions"] == 300
     assert {"jitter_p50_ms", "jitter_p99_ms", "samples", "period_ms", "probe"} <= set(report["sampler"])
-
-
-def test_the_loop_holds_a_model_to_the_calibrated_entry_of_its_device_and_version(
-        default_spec: api.ModelSpecSpec, rundir: pathlib.Path) -> None:
-    """Without baselines of its own, a model is held to the status.calibrated entry of the node's device kind and
-    its current version and input hash (what the agent hands the loop in a cluster), and to nothing else."""
-    node_pool = pool.Pool("n1", rundir, None)
-    node_pool.slots["m"] = pool.Slot(instance.Instance("m", default_spec, rundir / "m", None, None, "cpu"),
-                                     api.Tier.COLD)
-
-    def entry(device: str, version: str, p99: float) -> api.Calibration:
-        return api.Calibration(device=device, version=version, input_hash=default_spec.input_hash(), batches=[
-            api.BatchProfile(batch_size=8, p50_ms=1.0, p99_ms=p99 * 2, memory_bytes=1, throughput_per_sec=1.0),
-            api.BatchProfile(batch_size=1, p50_ms=1.0, p99_ms=p99, memory_bytes=1, throughput_per_sec=1.0)])
-
-    measured: dict[str, tuple[api.Calibration, ...]] = {}
-    views = loop.Views(node_pool, lambda: measured)
-    try:
-        assert default_spec.slo.baseline_latency_ms == {}
-        assert views()["ctr-default"].baselines == ()
-        measured = {"ctr-default": (entry("NVIDIA H200", "1", 5.0), entry("cpu", "0", 7.0))}
-        assert views()["ctr-default"].baselines == ()  # another device kind; another version
-        measured = {"ctr-default": (entry("NVIDIA H200", "1", 5.0), entry("cpu", "1", 3.0))}
-        first = views()
-        assert first["ctr-default"].baselines == ((1, 3.0), (8, 6.0))
-        assert views() is first  # the same mapping while nothing changed
-        own = default_spec.model_copy(update={"slo": default_spec.slo.model_copy(
-            update={"baseline_latency_ms": {"1": 9.0}})})
-        node_pool.slots["m"].inst.spec = own
-        assert views()["ctr-default"].baselines == ((1, 9.0),)  # the spec's own baselines come first
-    finally:
-        node_pool.close()

@@ -25,8 +25,6 @@ CHAIN = [f"chain-{name}" for name, *_ in chain.STAGES]
 SEPARATE = [f"separate-{name}" for name, *_ in chain.STAGES]
 ENSEMBLE = f"chain-{chain.ENSEMBLE}"
 
-pytestmark = pytest.mark.integration
-
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]:
@@ -117,7 +115,7 @@ def test_a_chain_is_demoted_for_idleness_as_one(up: volga_up.Embedded) -> None:
     now = slots[0].inst.last_used
     for slot in slots[1:]:
         slot.inst.last_used = now - 10_000  # long idle, but the head was just used
-    idle = up.settings.suspended_idle_sec  # a CPU instance freezes after it
+    idle = up.settings.idle.suspended_sec  # a CPU instance freezes after it
     assert [m for m in up.pool.tick(now + 1) if m.instance in {s.inst.name for s in slots}] == []
     moves = up.pool.tick(now + idle + 1)
     assert sorted(m.instance for m in moves if m.target is Tier.FROZEN) >= sorted(s.inst.name for s in slots)

@@ -17,7 +17,6 @@ from volga_agent.snapshot import criu, kdat
 from volga_agent.worker import contract
 from volga_core import api
 
-pytestmark = pytest.mark.integration
 Tier = api.Tier
 
 

@@ -18,7 +18,7 @@ from volga_agent.rpc.volga.v1 import agent_pb2, agent_pb2_grpc
 from volga_agent.worker import contract
 from volga_bench import harness
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 
 def test_agent_and_gateway_processes(tmp_path: pathlib.Path) -> None:

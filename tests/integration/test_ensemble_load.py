@@ -7,7 +7,6 @@ from __future__ import annotations
 import concurrent.futures
 import math
 import pathlib
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -18,6 +17,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from procs import wait_for
 from tritonclient.utils import InferenceServerException
 
 from volga_agent import load
@@ -32,8 +32,6 @@ Tier = api.Tier
 CHAIN = [f"load-{name}" for name, *_ in chain.STAGES]
 ENSEMBLE = f"load-{chain.ENSEMBLE}"
 HEAD_BASELINE_MS = 0.001  # below any real pipeline's p99: the ensemble violates its head's SLO in every window
-
-pytestmark = pytest.mark.integration
 
 
 def specs(files: dict[str, pathlib.Path]) -> list[api.ModelSpec]:
@@ -77,14 +75,6 @@ class Totals:
         return got.arrivals, got.completed, got.queue_depth, len(got.latencies_ms), got.shed
 
 
-def wait_until(what: str, check: Callable[[], bool], timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
 def tensor(client: Any, name: str, value: np.ndarray) -> Any:
     t = client.InferInput(name, list(value.shape), "FP32")
     t.set_data_from_numpy(value)
@@ -105,8 +95,8 @@ def test_each_step_of_an_ensemble_counts_once_in_its_models_load(up: volga_up.Em
         whole = threads.submit(g.infer, ENSEMBLE, [tensor(grpcclient, "image", rows(1))])
         # The middle model's batcher holds the ensemble's step until a second row comes: the step is in that
         # model's queue (once), the head's step is answered, the last has not arrived.
-        wait_until("the ensemble's step in the middle model's queue",
-                   lambda: CHAIN[1] in totals.read() and totals.got[CHAIN[1]].queue_depth == 1)
+        wait_for("the ensemble's step in the middle model's queue",
+                 lambda: CHAIN[1] in totals.read() and totals.got[CHAIN[1]].queue_depth == 1, timeout=120, every=0.02)
         assert totals.counts(CHAIN[0]) == (1, 1, 0, 1, 0)
         assert totals.counts(CHAIN[1]) == (1, 0, 1, 0, 0)
         assert totals.counts(CHAIN[2]) == (0, 0, 0, 0, 0)

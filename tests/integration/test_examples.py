@@ -17,7 +17,7 @@ import pytest
 
 from volga_bench import harness
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 ONNX_EXAMPLES = ("vision", "streaming-vad", "fp16", "pipeline")
 

@@ -21,7 +21,8 @@ from procs import wait_for
 
 from volga_agent.app import defaultmodel
 from volga_agent.host import process
-from volga_agent.node import instance, policy, pool
+from volga_agent.node import instance, pool
+from volga_agent.node.settings import Settings
 from volga_agent.snapshot import criu
 from volga_agent.worker import contract
 from volga_bench import faults, harness
@@ -56,14 +57,13 @@ def _criu_processes() -> list[int]:
     return [pid for pid in process.tree(os.getpid())[1:] if "criu" in faults.cmdline(pid) and faults.running(pid)]
 
 
-@pytest.mark.integration
 def test_a_truncated_pages_file_costs_a_cold_start_not_a_hang(default_spec: api.ModelSpecSpec, rundir: pathlib.Path,
                                                             criu_engine: criu.CriuEngine) -> None:
     """criu restore of a truncated pages file never ends (its restored task spins): the deadline kills the whole
     tree, the failure is counted in the restore-failure metric, keeps its image under failed/, and a cold start
     answers."""
     # Without checksums, which would refuse the truncated image before criu runs.
-    settings = policy.Settings(criu_timeout_floor_sec=3.0, criu_timeout_sec_per_gib=0.0, verify_image_checksums=False)
+    settings = Settings(criu_timeout_floor_sec=3.0, criu_timeout_sec_per_gib=0.0, verify_image_checksums=False)
     node = pool.Pool("n1", rundir / "work", criu_engine.root, settings)
     try:
         node.apply([planner.Desired("t-0", "ms", default_spec.model_id, "n1", Tier.FROZEN)], {"ms": default_spec})
@@ -99,7 +99,6 @@ def harness_reference(spec: api.ModelSpecSpec, x: dict[str, np.ndarray]) -> np.n
     return np.asarray(session.run(["probability"], x)[0])
 
 
-@pytest.mark.integration
 def test_a_failed_image_is_never_reused(default_spec: api.ModelSpecSpec, rundir: pathlib.Path,
                                         criu_engine: criu.CriuEngine) -> None:
     """A restore that failed drops its image: the next freeze dumps anew even where a fresh image would be reused."""
@@ -152,7 +151,6 @@ def _workers(pid: int) -> list[int]:
     return faults.workers(pid)
 
 
-@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["spawned", "restored"])
 def test_workers_die_with_a_killed_up(spec_file: pathlib.Path, how: str) -> None:
@@ -173,7 +171,6 @@ def test_workers_die_with_a_killed_up(spec_file: pathlib.Path, how: str) -> None
              every=0.05)
 
 
-@pytest.mark.integration
 @pytest.mark.slow
 def test_sigterm_during_a_hung_restore_stops_promptly(tmp_path: pathlib.Path) -> None:
     """A restore that hangs (truncated pages, a deadline far away) does not hold up SIGTERM: the criu call is
@@ -198,7 +195,6 @@ def test_sigterm_during_a_hung_restore_stops_promptly(tmp_path: pathlib.Path) ->
     assert not faults.carrying(up.token)
 
 
-@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize("during", ["restore", "dump"])
 def test_the_next_start_cleans_up_after_a_killed_up(during: str) -> None:
@@ -226,7 +222,6 @@ def test_the_next_start_cleans_up_after_a_killed_up(during: str) -> None:
         nxt.stop()
 
 
-@pytest.mark.integration
 def test_a_snapshot_folder_that_cannot_be_written_keeps_the_worker_serving(
         default_spec: api.ModelSpecSpec, rundir: pathlib.Path, criu_engine: criu.CriuEngine) -> None:
     """A dump that cannot even create its folder (a full or read-only disk; here a file where the instance's folder
@@ -247,7 +242,6 @@ def test_a_snapshot_folder_that_cannot_be_written_keeps_the_worker_serving(
         inst.close()
 
 
-@pytest.mark.integration
 def test_flipped_bytes_the_canary_does_not_read_fail_the_checksum(
         default_spec: api.ModelSpecSpec, rundir: pathlib.Path, criu_engine: criu.CriuEngine) -> None:
     """Bytes flipped across the pages file can miss everything the canary input reads and still change answers:
@@ -269,7 +263,6 @@ def test_flipped_bytes_the_canary_does_not_read_fail_the_checksum(
 
 
 
-@pytest.mark.integration
 def test_an_untouched_image_of_its_own_is_restored_without_a_crc_pass(
         default_spec: api.ModelSpecSpec, rundir: pathlib.Path, criu_engine: criu.CriuEngine,
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -319,7 +312,6 @@ time.sleep(600)
 """
 
 
-@pytest.mark.integration
 def test_a_worker_paused_for_a_dump_dies_with_its_agent(rundir: pathlib.Path) -> None:
     """Between prepare_checkpoint and the dump a worker's parent-death signal is off (CRIU would restore it armed
     against criu): if the agent dies in that window, the worker sees its agent gone and exits."""

@@ -24,7 +24,7 @@ from volga_bench import harness
 from volga_core import api
 
 # tritonclient.http's __del__ closes its gevent pool from whichever thread collects it, and warns.
-pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 Tier = api.Tier
 A, B = "ctr-default", "ctr-b"
 
@@ -97,12 +97,13 @@ def test_infer_grpc_and_http_agree_with_the_worker(up: volga_up.Embedded, g: grp
     x = arrays(up)
     want = reference(up, A, x)
     by_name = g.infer(A, grpc_inputs(x)).as_numpy("probability")
-    by_header = g.infer("anything", grpc_inputs(x), headers={"x-model-id": A}).as_numpy("probability")
+    by_header = g.infer("", grpc_inputs(x), headers={"x-model-id": A}).as_numpy("probability")
+    both = g.infer(A, grpc_inputs(x), headers={"x-model-id": A}).as_numpy("probability")
     by_http = h.infer(A, grpc_inputs(x, httpclient)).as_numpy("probability")
     http_json = h.infer(A, [httpclient.InferInput(k, list(v.shape), i.datatype()).set_data_from_numpy(
         v, binary_data=False) for (k, v), i in zip(x.items(), grpc_inputs(x, httpclient), strict=True)],
         outputs=[httpclient.InferRequestedOutput("probability", binary_data=False)]).as_numpy("probability")
-    for got in (by_name, by_header, by_http, http_json):
+    for got in (by_name, by_header, both, by_http, http_json):
         assert np.array_equal(got, want)
 
 

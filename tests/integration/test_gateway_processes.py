@@ -11,9 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
-from collections.abc import Callable
 
 import grpc
 import numpy as np
@@ -21,6 +19,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import yaml
+from procs import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from volga_agent.app import defaultmodel
@@ -30,7 +29,7 @@ from volga_agent.rpc.volga.v1 import agent_pb2, agent_pb2_grpc
 from volga_agent.worker import contract, protocol
 from volga_bench import harness
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 CONNECTIONS = 24  # all on one of two processes by chance: 2 in 2**24
 SIDECAR = [sys.executable, "-c",
            "import sys; from volga_agent.app.daemons import gateway_main; sys.exit(gateway_main())"]
@@ -53,13 +52,6 @@ def gone(pid: int) -> bool:
         return state == "Z" and len(os.listdir(f"/proc/{pid}/task")) == 1
     except OSError:
         return True
-
-
-def wait_until(what: str, done: Callable[[], object], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not done():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.1)
 
 
 def gateway_processes(pid: int) -> dict[int, int]:
@@ -111,19 +103,20 @@ def test_two_gateway_processes_share_the_ports_and_both_answer() -> None:
         # ports (its metrics port too) within a few seconds.
         [(_, first)] = gateway_processes(up.proc.pid).items()
         os.kill(first, signal.SIGKILL)
-        wait_until("gateway process 1 exits", lambda: gone(first))
+        wait_for("gateway process 1 exits", lambda: gone(first), timeout=30, every=0.1)
         spread_requests(up, reference)
-        wait_until("gateway process 1 started again",
-                   lambda: gateway_processes(up.proc.pid).get(1) not in (None, first))
+        wait_for("gateway process 1 started again",
+                 lambda: gateway_processes(up.proc.pid).get(1) not in (None, first), timeout=30, every=0.1)
         again = gateway_processes(up.proc.pid)[1]
-        wait_until("gateway process 1 serves its metrics again", lambda: _serves(up.endpoints["metrics1"]))
+        wait_for("gateway process 1 serves its metrics again", lambda: _serves(up.endpoints["metrics1"]), timeout=30,
+                 every=0.1)
         before = answered(up.endpoints["metrics1"], "grpc")
         spread_requests(up, reference)
         assert answered(up.endpoints["metrics1"], "grpc") > before
 
         up.proc.send_signal(signal.SIGTERM)
         assert up.proc.wait(timeout=60) == 0
-    wait_until("gateway process 1 ends with volga up", lambda: gone(again), timeout=10)
+    wait_for("gateway process 1 ends with volga up", lambda: gone(again), timeout=10, every=0.1)
 
 
 def _serves(url: str) -> bool:
@@ -139,7 +132,7 @@ def test_gateway_processes_die_with_the_first() -> None:
         [(_, other)] = gateway_processes(up.proc.pid).items()
         up.proc.kill()  # SIGKILL: no stop of its own, the kernel's parent-death signal only
         up.proc.wait(timeout=30)
-        wait_until("gateway process 1 ends with a killed volga up", lambda: gone(other), timeout=15)
+        wait_for("gateway process 1 ends with a killed volga up", lambda: gone(other), timeout=15, every=0.1)
 
 
 def test_a_sidecar_gateway_runs_as_several_processes(tmp_path: pathlib.Path) -> None:
@@ -231,7 +224,8 @@ def test_requests_spread_over_a_models_hot_instances(tmp_path: pathlib.Path) -> 
     spec_file = tmp_path / "hot2.yaml"
     spec_file.write_text(yaml.safe_dump(doc))
     with harness.volga_up(["-f", str(spec_file)]) as up:
-        wait_until("two HOT instances", lambda: len(worker_requests(up.endpoints["agent"])) == 2, timeout=120)
+        wait_for("two HOT instances", lambda: len(worker_requests(up.endpoints["agent"])) == 2, timeout=120,
+                 every=0.1)
         before = worker_requests(up.endpoints["agent"])
         steady(up.endpoints["grpc"])
         after = worker_requests(up.endpoints["agent"])

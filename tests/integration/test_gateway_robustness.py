@@ -31,7 +31,7 @@ from volga_agent.gateway import app, catalog, links, oip
 from volga_bench import harness
 from volga_core import api
 
-pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 NAN, BROKEN = "nan", "broken"
 MAX_BATCH = 8
 

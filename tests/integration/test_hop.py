@@ -15,7 +15,6 @@ from volga_agent.gateway import workers
 from volga_agent.node import instance
 from volga_agent.worker import contract
 
-pytestmark = pytest.mark.integration
 SIZE = 1 << 20
 
 
@@ -52,7 +51,6 @@ def test_repeated_layouts_carry_each_requests_values_and_go_with_the_connection(
         time.sleep(0.01)
     assert not segments_mapped(hot.pid), segments_mapped(hot.pid)
     assert hot.client().call("ping").header["ok"]
-
 
 
 def test_a_request_that_failed_in_flight_keeps_no_view_of_a_closed_connections_segment(

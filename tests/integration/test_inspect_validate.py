@@ -196,7 +196,6 @@ def test_torchscript_files_carry_no_signature(tmp_path: pathlib.Path) -> None:
     assert "spec.inputs: a torchscript file carries no tensor signature" in out.stderr
 
 
-@pytest.mark.integration
 @pytest.mark.slow
 def test_up_serves_a_spec_that_leaves_its_signature_out(tmp_path: pathlib.Path) -> None:
     default = defaultmodel.ensure().spec

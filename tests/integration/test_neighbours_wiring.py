@@ -1,10 +1,10 @@
 """Neighbours across real processes: three agents (nodes a, b, c) trade their water levels over the Agent API and
 three sidecar gateways learn them through ExchangeLoad. Node a's autonomy loop is driven into shedding its
 tolerant model `loose` (its protected model `strict` has a baseline no request meets, as in
-tests/integration/test_autonomy_wiring.py); an unmodified tritonclient request for `loose` to a's gateway is then answered by
-the gateway of b or c, which have the model, instead of RESOURCE_EXHAUSTED. A request that was forwarded already
-is not passed on again. The neighbours are given with --neighbour (no API server needed); the Node annotation
-discovery is the same ring over another directory.
+tests/integration/test_autonomy_wiring.py); an unmodified tritonclient request for `loose` to a's gateway is then
+answered by the gateway of b or c, which have the model, instead of RESOURCE_EXHAUSTED. A request that was forwarded
+already is not passed on again. The neighbours are given with --neighbour (no API server needed); the Node
+annotation discovery is the same ring over another directory.
 """
 
 from __future__ import annotations
@@ -12,15 +12,14 @@ from __future__ import annotations
 import pathlib
 import re
 import sys
-import urllib.request
 from typing import Any
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import yaml
-from procs import Daemon, wait_for
-from test_autonomy_wiring import Traffic
+from procs import Daemon, series, wait_for
+from traffic import Traffic
 from tritonclient.utils import InferenceServerException
 
 from volga_agent.app import defaultmodel
@@ -52,17 +51,6 @@ def specs_file(folder: pathlib.Path, node: str) -> pathlib.Path:
     return path
 
 
-def series(url: str, name: str) -> dict[str, float]:
-    """Every sample of a metric: its labels as written -> its value."""
-    out = {}
-    for line in urllib.request.urlopen(url, timeout=10).read().decode().splitlines():
-        found = re.match(rf"{name}(\{{[^}}]*\}})? (\S+)$", line)
-        if found:
-            out[found.group(1) or ""] = float(found.group(2))
-    return out
-
-
-@pytest.mark.integration
 @pytest.mark.slow
 def test_an_overloaded_nodes_gateway_passes_a_shed_models_request_to_a_neighbour(tmp_path: pathlib.Path) -> None:
     folder = tmp_path

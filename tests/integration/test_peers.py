@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 HAS_KSERVE = bool(os.environ.get("VOLGA_KSERVE_PYTHON")) or importlib.util.find_spec("kserve") is not None
 

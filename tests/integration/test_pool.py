@@ -9,22 +9,19 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from pools import desired
 
-from volga_agent import errors
 from volga_agent.node import instance, policy, pool
+from volga_agent.node.settings import Settings
 from volga_agent.snapshot import criu
-from volga_core import api, planner
+from volga_core import api
 
 Tier = api.Tier
 
 
-def desired(name: str, model_spec: str, model_id: str, tier: Tier, node: str = "n1") -> planner.Desired:
-    return planner.Desired(name, model_spec, model_id, node, tier)
-
-
 @pytest.fixture
 def node_pool(rundir: pathlib.Path, criu_engine) -> Iterator[pool.Pool]:
-    settings = policy.Settings(hot_idle_sec=0.3, warm_idle_sec=0.3, suspended_idle_sec=0.3, max_failures=2)
+    settings = Settings(hot_idle_sec=0.3, warm_idle_sec=0.3, suspended_idle_sec=0.3, max_failures=2)
     p = pool.Pool("n1", rundir / "work", criu_engine.root, settings)
     yield p
     p.close()
@@ -32,19 +29,6 @@ def node_pool(rundir: pathlib.Path, criu_engine) -> Iterator[pool.Pool]:
     assert {p.name for p in criu_engine.root.iterdir()} <= {criu.FAILED}, "snapshots left behind"
 
 
-def test_device_hint_picks_the_matching_instance(default_spec: api.ModelSpecSpec, rundir: pathlib.Path) -> None:
-    p = pool.Pool("n1", rundir, None)
-    cpu = instance.Instance("a", default_spec, rundir / "a", None, None, "cpu")
-    gpu = instance.Instance("b", default_spec, rundir / "b", None, None, "cuda:1")
-    p.slots = {"a": pool.Slot(cpu, Tier.COLD), "b": pool.Slot(gpu, Tier.COLD)}
-    cpu.tier = Tier.FROZEN
-    assert p.pick(default_spec.model_id).inst.name == "a"  # faster to wake
-    assert p.pick(default_spec.model_id, device_hint="cuda:1").inst.name == "b"
-    with pytest.raises(errors.UnknownModel, match="no instance of model 'nope'"):
-        p.pick("nope")
-
-
-@pytest.mark.integration
 def test_converge_activate_and_idle_demotion(node_pool: pool.Pool, default_spec: api.ModelSpecSpec) -> None:
     node_pool.apply([desired("ms-0", "ms", default_spec.model_id, Tier.FROZEN),
                      desired("elsewhere-0", "ms", default_spec.model_id, Tier.HOT, node="n2")], {"ms": default_spec})
@@ -73,7 +57,6 @@ def test_converge_activate_and_idle_demotion(node_pool: pool.Pool, default_spec:
     assert phases == {"restore": 1, "driver": None, "wake": 1}
 
 
-@pytest.mark.integration
 def test_the_same_plan_again_leaves_a_woken_instance_to_the_idle_policy(node_pool: pool.Pool,
                                                                         default_spec: api.ModelSpecSpec) -> None:
     """In a cluster the plan is applied again on every watch event (the agent's own status reports among them):
@@ -93,7 +76,6 @@ def test_the_same_plan_again_leaves_a_woken_instance_to_the_idle_policy(node_poo
     assert [(m.instance, m.target) for m in node_pool.tick()] == [("ms-0", Tier.FROZEN)]
 
 
-@pytest.mark.integration
 def test_dead_worker_is_noticed_and_restarted(node_pool: pool.Pool, default_spec: api.ModelSpecSpec) -> None:
     node_pool.apply([desired("ms-0", "ms", default_spec.model_id, Tier.HOT)], {"ms": default_spec})
     node_pool.wait_converged(120)
@@ -109,7 +91,6 @@ def test_dead_worker_is_noticed_and_restarted(node_pool: pool.Pool, default_spec
         "volga_worker_deaths_total", {"model": default_spec.model_id}) == 1
 
 
-@pytest.mark.integration
 def test_breaker_opens_after_repeated_restore_failures(node_pool: pool.Pool, default_spec: api.ModelSpecSpec) -> None:
     node_pool.apply([desired("ms-0", "ms", default_spec.model_id, Tier.FROZEN)], {"ms": default_spec})
     node_pool.wait_converged(120)
@@ -128,33 +109,10 @@ def test_breaker_opens_after_repeated_restore_failures(node_pool: pool.Pool, def
         "volga_snapshot_restore_failures_total", {"tier": "FROZEN", "model": default_spec.model_id}) == 2
 
 
-def test_an_instance_that_cannot_be_created_is_reported(rundir: pathlib.Path,
-                                                        default_spec: api.ModelSpecSpec) -> None:
-    p = pool.Pool("n1", rundir, None)
-    broken = default_spec.model_copy(update={"source": str(rundir / "missing.onnx")})
-    p.apply([desired("bad-0", "bad", "bad", Tier.FROZEN)], {"bad": broken})
-    assert "does not exist" in p.failed["bad-0"] and p.instances() == []
-    p.close()
-
-
-def test_numa_affinity_pins_to_the_gpus_node(default_spec: api.ModelSpecSpec, rundir: pathlib.Path) -> None:
-    from volga_agent.host import gpus
-
-    gpu = gpus.GpuInfo(0, "GPU-x", "NVIDIA H200", 1, 0, "580", "0000:00:06.0", 0)
-    p = pool.Pool("n1", rundir, None, gpus=[gpu])
-    hardware = default_spec.hardware.model_copy(update={"numa_affinity": True})
-    numa = default_spec.model_copy(update={"hardware": hardware})
-    assert p._cpus(numa, 0) == gpus.numa_cpus(0) != ()
-    assert p._cpus(default_spec, 0) == ()  # not asked for
-    assert p._cpus(numa, None) == ()  # a CPU instance has no GPU to be near
-    p.close()
-
-
-@pytest.mark.integration
 def test_half_open_breaker_keeps_its_attempt_for_a_real_restore(rundir: pathlib.Path, criu_engine,
                                                                 default_spec: api.ModelSpecSpec) -> None:
     """Watch events converge instances all the time; only a wake may take the one half-open attempt."""
-    settings = policy.Settings(max_failures=2, backoff_duration_sec=0.3)
+    settings = Settings(max_failures=2, backoff_duration_sec=0.3)
     p = pool.Pool("n1", rundir / "work", criu_engine.root, settings)
     try:
         plan = [desired("ms-0", "ms", default_spec.model_id, Tier.FROZEN)]

@@ -14,16 +14,16 @@ import os
 import pathlib
 import shutil
 import subprocess
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import tritonclient.grpc as grpcclient
 import yaml
+from procs import wait_for
 
 from volga_agent.app import defaultmodel
 from volga_agent.app import up as volga_up
@@ -33,7 +33,7 @@ from volga_bench.controlplane import free_ports
 from volga_core import api
 
 # tritonclient's __del__ may warn from whichever thread collects it.
-pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "charts" / "volga" / "dashboards" / "volga.json"
@@ -47,20 +47,6 @@ def prometheus_binary() -> str:
         pytest.fail("the prometheus server is not installed: apt-get install -y --no-install-recommends prometheus "
                     "(scripts/install-tools.sh does it)", pytrace=False)
     return found
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = check()
-        except (OSError, urllib.error.URLError, KeyError, IndexError, ValueError) as exc:
-            last = exc
-        if last and not isinstance(last, Exception):
-            return last
-        time.sleep(0.25)
-    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
 
 
 class Prometheus:
@@ -156,15 +142,15 @@ def test_prometheus_sees_the_restores_performed(up: volga_up.Embedded, prometheu
         return prometheus.scalar(f'sum(volga_snapshot_restore_latency_ms_count{{tier="FROZEN",model="{model}"}})')
 
     try:
-        wait_for("the target to be up", lambda: prometheus.scalar('up{job="volga"}') == 1)
+        wait_for("the target to be up", lambda: prometheus.scalar('up{job="volga"}') == 1, timeout=60)
         before = registry.get_sample_value("volga_snapshot_restore_latency_ms_count", frozen)
         assert prometheus_count() is None and before is None, "restores happened before the test made any"
         # One restore first, seen by a scrape, so that rate() over the window sees the next ones as an increase.
         wake_from_frozen()
-        wait_for("Prometheus to see the first restore", lambda: prometheus_count() == 1)
+        wait_for("Prometheus to see the first restore", lambda: prometheus_count() == 1, timeout=60)
         for _ in range(RESTORES - 1):
             wake_from_frozen()
-        wait_for(f"Prometheus to see {RESTORES} restores", lambda: prometheus_count() == RESTORES)
+        wait_for(f"Prometheus to see {RESTORES} restores", lambda: prometheus_count() == RESTORES, timeout=60)
     finally:
         client.close()
 
@@ -185,7 +171,7 @@ def test_dashboard_queries_run_on_the_scraped_series(up: volga_up.Embedded, prom
     """Every PromQL expression of the Grafana dashboard parses and runs on real series (Grafana's variables set as
     Grafana would); the restore latency panels return the FROZEN tier of the default model."""
     wait_for("restores to be scraped",
-             lambda: prometheus.scalar("sum(volga_snapshot_restore_latency_ms_count)") == RESTORES)
+             lambda: prometheus.scalar("sum(volga_snapshot_restore_latency_ms_count)") == RESTORES, timeout=60)
     dashboard = json.loads(DASHBOARD.read_text())
     answered = {}
     for panel in dashboard["panels"]:

@@ -1,5 +1,6 @@
 """What a ModelSpec may make a node open and run, who may call the Agent API and the gateway, and how many
-instances a node starts (docs/security.md). The real pool, the real servers, an unmodified tritonclient."""
+instances a node starts (docs/security.md). The real pool, the real servers, an unmodified tritonclient. What is
+decided without a process or a server: tests/unit/test_security_rules.py."""
 
 from __future__ import annotations
 
@@ -10,11 +11,9 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from typing import Any
 
 import grpc
 import numpy as np
@@ -24,12 +23,14 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import trustme
 import yaml
+from specs import spec_at
 from tritonclient.utils import InferenceServerException
 
 from volga_agent import auth, errors
 from volga_agent.app import defaultmodel, server
 from volga_agent.gateway import app, catalog, links
-from volga_agent.node import admission, instance, policy, pool
+from volga_agent.node import admission, instance, pool
+from volga_agent.node.settings import Settings
 from volga_agent.rpc.volga.v1 import agent_pb2, agent_pb2_grpc
 from volga_agent.worker import contract, protocol
 from volga_bench import harness
@@ -39,21 +40,6 @@ from volga_core import api, planner
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 Tier = api.Tier
 TOKEN = "s3cret-token-for-tests"
-
-
-def spec_at(source: str, name: str = "m", framework: str = "onnx", **extra: Any) -> api.ModelSpec:
-    doc: dict[str, Any] = defaultmodel.spec_document(pathlib.Path("/x"))
-    doc["metadata"]["name"] = name
-    doc["spec"].update({"modelId": name, "source": source, "framework": framework, **extra})
-    return api.parse_model_spec(doc)
-
-
-@pytest.fixture
-def models(tmp_path: pathlib.Path, default_spec: api.ModelSpecSpec) -> pathlib.Path:
-    root = tmp_path / "models"
-    root.mkdir()
-    shutil.copy(default_spec.source_path, root / "m.onnx")
-    return root
 
 
 @pytest.fixture
@@ -66,55 +52,9 @@ def token_file(tmp_path: pathlib.Path) -> pathlib.Path:
 # --- model sources -------------------------------------------------------------------------------------------------
 
 
-def test_model_sources_resolve_inside_the_model_roots(models: pathlib.Path, tmp_path: pathlib.Path,
-                                                      rundir: pathlib.Path, caplog: pytest.LogCaptureFixture) -> None:
-    outside = tmp_path / "outside.onnx"
-    shutil.copy(models / "m.onnx", outside)
-    (models / "link.onnx").symlink_to(outside)
-    (models / "inner-link.onnx").symlink_to(models / "m.onnx")
-    (models / "folder.onnx").mkdir()
-    (models / "build.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
-    cases = {
-        "inside": (f"file://{models}/m.onnx", "onnx", ""),
-        "inner-link": (f"{models}/inner-link.onnx", "onnx", ""),
-        "passwd": ("/etc/passwd", "onnx", "resolves to /etc/passwd, outside the model roots"),
-        "dotdot": (f"{models}/../outside.onnx", "onnx", f"resolves to {outside}, outside the model roots"),
-        "link": (f"{models}/link.onnx", "onnx", f"resolves to {outside}, outside the model roots"),
-        "folder": (f"{models}/folder.onnx", "onnx", "which is not a regular file"),
-        "missing": (f"{models}/nope.onnx", "onnx", f"model file {models}/nope.onnx does not exist"),
-        "relative": ("m.onnx", "onnx", "must be an absolute path on the node"),
-        "code": (f"{models}/build.py", "pytorch", "this node does not allow model code; use onnx or torchscript, "
-                                                  "or allow it with settings.allow_model_code"),
-    }
-    specs = {name: spec_at(source, name, framework).spec for name, (source, framework, _) in cases.items()}
-    desired = [planner.Desired(name, name, name, "n1", Tier.COLD) for name in cases]
-    p = pool.Pool("n1", rundir, None, policy.Settings(model_roots=(str(models),)))
-    try:
-        p.apply(desired, specs)
-        reasons = {i.name: i.state_reason for i in p.instances(include_failed=True)}
-        created = set(p.slots)
-    finally:
-        p.close()
-    for name, (_, _, reason) in cases.items():
-        # The recorded reason is shortened in the middle (paths here are long); the log has it whole.
-        assert (reasons[name].startswith("cannot create the instance: ValueError: spec.source: ") and reason
-                in reasons[name]) if reason else reasons[name] == "", (name, reasons[name])
-    assert f"spec.source: {models}/link.onnx: resolves to {outside}, outside the model roots ({models})" in caplog.text
-    assert created == {"inside", "inner-link"}
-    assert not (tmp_path / "ran").exists()
-
-    allowed = pool.Pool("n1", rundir, None, policy.Settings(model_roots=(str(models),), allow_model_code=True))
-    try:
-        allowed.apply([planner.Desired("code", "code", "code", "n1", Tier.COLD)], {"code": specs["code"]})
-        assert set(allowed.slots) == {"code"} and not allowed.failed
-    finally:
-        allowed.close()
-
-
-@pytest.mark.integration
 def test_a_refused_source_is_the_models_readiness_reason(models: pathlib.Path) -> None:
     refused = spec_at("/etc/passwd", "passwd")
-    bg, up = harness.start_embedded([refused], settings=policy.Settings(model_roots=(str(models),)))
+    bg, up = harness.start_embedded([refused], settings=Settings(model_roots=(str(models),)))
     try:
         client = httpclient.InferenceServerClient(up.endpoints()["http"].removeprefix("http://"))
         assert not client.is_model_ready("passwd")
@@ -127,7 +67,6 @@ def test_a_refused_source_is_the_models_readiness_reason(models: pathlib.Path) -
         bg.close()
 
 
-@pytest.mark.integration
 def test_a_model_file_swapped_after_the_check_is_refused_by_the_worker(models: pathlib.Path, tmp_path: pathlib.Path,
                                                                         rundir: pathlib.Path,
                                                                         default_spec: api.ModelSpecSpec) -> None:
@@ -144,7 +83,7 @@ def test_a_model_file_swapped_after_the_check_is_refused_by_the_worker(models: p
     shutil.copy(models / "m.onnx", models / "sub" / "f.onnx")
     sources = {"good": models / "m.onnx", "swapped": models / "swapped.onnx", "folder": models / "sub" / "f.onnx"}
     specs = {name: spec_at(str(source), name).spec for name, source in sources.items()}
-    p = pool.Pool("n1", rundir, None, policy.Settings(model_roots=(str(models),)))
+    p = pool.Pool("n1", rundir, None, Settings(model_roots=(str(models),)))
     try:
         p.apply([planner.Desired(name, name, name, "n1", Tier.COLD) for name in specs], specs)
         assert set(p.slots) == set(specs) and not p.failed  # every source passed the agent's check
@@ -172,58 +111,7 @@ def test_a_model_file_swapped_after_the_check_is_refused_by_the_worker(models: p
         p.close()
 
 
-def test_volga_up_defaults_its_model_roots_to_the_spec_folders(tmp_path: pathlib.Path) -> None:
-    from volga_agent import cli
-
-    specs = tmp_path / "specs"
-    specs.mkdir()
-    (specs / "a.yaml").write_text("")
-    args = cli.build_parser().parse_args(["up", "-f", str(specs / "a.yaml"), "-f", str(tmp_path)])
-    settings = cli.settings_from(args)
-    assert settings.model_roots == (str(tmp_path), str(specs), str(defaultmodel.default_cache()))
-    assert settings.allow_model_code is False
-    args = cli.build_parser().parse_args(["up", "--model-root", str(specs), "--allow-model-code"])
-    assert cli.settings_from(args).model_roots == (str(specs),) and cli.settings_from(args).allow_model_code
-
-
-def test_instance_folders_stay_inside_the_pools_roots(models: pathlib.Path, rundir: pathlib.Path) -> None:
-    spec = spec_at(str(models / "m.onnx")).spec
-    p = pool.Pool("n1", rundir / "work", None)
-    try:
-        names = ["../escaped", "a/b", "..", "/abs", "ok.name-1"]
-        p.apply([planner.Desired(name, "m", "m", "n1", Tier.COLD) for name in names], {"m": spec})
-        assert set(p.slots) == {"ok.name-1"}
-        for name in names[:-1]:
-            assert p.failed[name].startswith(f"ValueError: instance name {name!r}: must be a DNS-1123"), p.failed[name]
-    finally:
-        p.close()
-    assert not (rundir / "escaped").exists() and not (rundir / "work" / "a").exists()
-
-
 # --- caps ----------------------------------------------------------------------------------------------------------
-
-
-def test_node_defaults_come_from_the_machine() -> None:
-    total = admission.mem_total()
-    meminfo = dict(line.split(":", 1) for line in pathlib.Path("/proc/meminfo").read_text().splitlines())
-    assert total == int(meminfo["MemTotal"].split()[0]) * 1024 > 0
-    settings = admission.node_settings(policy.Settings(), total=64 * 2**30)
-    assert settings.host_memory_budget_bytes == int(0.8 * 64 * 2**30) and settings.max_instances == 256
-    kept = admission.node_settings(policy.Settings(host_memory_budget_bytes=2**30, max_instances=7), total=2**40)
-    assert (kept.host_memory_budget_bytes, kept.max_instances) == (2**30, 7)
-    none = admission.node_settings(policy.Settings(host_memory_fraction=0), total=2**40)
-    assert none.host_memory_budget_bytes == 0
-
-
-def test_the_pool_starts_no_more_instances_than_the_cap(models: pathlib.Path, rundir: pathlib.Path) -> None:
-    spec = spec_at(str(models / "m.onnx")).spec
-    p = pool.Pool("n1", rundir, None, policy.Settings(max_instances=2))
-    try:
-        p.apply([planner.Desired(f"m-{i}", "m", "m", "n1", Tier.COLD) for i in range(3)], {"m": spec})
-        assert sorted(p.slots) == ["m-0", "m-1"]
-        assert p.failed == {"m-2": "ValueError: settings.max_instances: this node runs at most 2 instances"}
-    finally:
-        p.close()
 
 
 def many_hot(folder: pathlib.Path, model: pathlib.Path, count: int) -> pathlib.Path:
@@ -239,7 +127,7 @@ def many_hot(folder: pathlib.Path, model: pathlib.Path, count: int) -> pathlib.P
 
 @pytest.mark.parametrize("cap", [None, 100])
 def test_volga_up_refuses_more_hot_instances_than_the_cap(models: pathlib.Path, cap: int | None) -> None:
-    default_cap = admission.node_settings(policy.Settings()).max_instances
+    default_cap = admission.node_settings(Settings()).max_instances
     count = (cap or default_cap) // api.MAX_FLOOR + 1
     path = many_hot(models, models / "m.onnx", count)
     extra = ["--max-instances", str(cap)] if cap else []
@@ -317,7 +205,6 @@ def reachable(host: str, port: int) -> bool:
         return False
 
 
-@pytest.mark.integration
 def test_volga_up_host_warns_and_never_exposes_the_agent_api(default_spec: api.ModelSpecSpec,
                                                               caplog: pytest.LogCaptureFixture) -> None:
     spec = spec_at(str(default_spec.source_path), pool={"hot": 0, "frozen": 0})
@@ -354,7 +241,6 @@ def default_decls() -> tuple[contract.TensorDecl, ...]:
 BEARER = {"authorization": f"Bearer {TOKEN}"}
 
 
-@pytest.mark.integration
 def test_the_gateway_wants_a_token_over_grpc(guarded: harness.UpProcess) -> None:
     model = defaultmodel.MODEL_ID
     decls = default_decls()
@@ -377,7 +263,6 @@ def test_the_gateway_wants_a_token_over_grpc(guarded: harness.UpProcess) -> None
         client.close()
 
 
-@pytest.mark.integration
 def test_the_gateway_wants_a_token_over_rest(guarded: harness.UpProcess) -> None:
     model = defaultmodel.MODEL_ID
     decls = default_decls()
@@ -406,18 +291,6 @@ def test_the_gateway_wants_a_token_over_rest(guarded: harness.UpProcess) -> None
         assert reply.status == 200
     with urllib.request.urlopen(f"{url}/v2/health/live", timeout=10) as reply:
         assert reply.status == 200
-
-
-def test_tokens_files_and_headers() -> None:
-    tokens = auth.Tokens((b"abc", b"def"))
-    assert tokens.accepts("Bearer abc") and tokens.accepts("bearer def") and tokens.accepts("  Bearer  abc ")
-    for header in (None, "", "abc", "Bearer", "Bearer ab", "Bearer abcd", "Basic abc"):
-        assert not tokens.accepts(header), header
-    with tempfile.NamedTemporaryFile("w") as empty:
-        empty.write("# nothing\n\n")
-        empty.flush()
-        with pytest.raises(ValueError, match="no token in the file"):
-            auth.Tokens.from_file(empty.name)
 
 
 def test_the_gateway_speaks_mutual_tls(tmp_path: pathlib.Path) -> None:

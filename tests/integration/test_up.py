@@ -16,7 +16,7 @@ from volga_agent.node import instance
 from volga_agent.worker import contract
 from volga_bench import harness
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 
 def descendants(pid: int) -> set[int]:

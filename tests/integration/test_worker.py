@@ -16,7 +16,6 @@ from volga_agent.node import instance
 from volga_agent.worker import contract, protocol
 from volga_core import api
 
-pytestmark = pytest.mark.integration
 Tier = api.Tier
 
 

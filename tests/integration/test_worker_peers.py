@@ -17,7 +17,6 @@ from volga_agent.gateway import workers
 from volga_agent.node import instance
 from volga_agent.worker import contract, protocol, serve
 
-pytestmark = pytest.mark.integration
 SIZE = 1 << 20
 GATEWAY_UID = 65532  # the chart's gateway user
 

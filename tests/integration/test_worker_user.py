@@ -12,12 +12,11 @@ import pytest
 
 from volga_agent.app import defaultmodel
 from volga_agent.host import process
-from volga_agent.node import instance, policy
+from volga_agent.node import instance
+from volga_agent.node.settings import Settings, worker_ids
 from volga_agent.snapshot import criu
 from volga_agent.worker import contract, protocol
 from volga_core import api
-
-pytestmark = pytest.mark.integration
 
 
 def status(pid: int) -> dict[str, str]:
@@ -85,7 +84,7 @@ def test_worker_user_root_keeps_workers_root(default_spec: api.ModelSpecSpec, ru
                                              root_only: pathlib.Path) -> None:
     if os.geteuid() != 0:
         pytest.fail("needs root (as CI runs): the agent starts workers as root", pytrace=False)
-    inst = start(default_spec, rundir, "root", worker_user=policy.worker_ids("root"))
+    inst = start(default_spec, rundir, "root", worker_user=worker_ids("root"))
     try:
         assert inst.pid is not None
         assert status(inst.pid)["Uid"].split() == ["0"] * 4
@@ -99,11 +98,11 @@ def test_worker_user_root_keeps_workers_root(default_spec: api.ModelSpecSpec, ru
 
 
 def test_worker_user_setting() -> None:
-    assert policy.Settings().worker_ids() == contract.NOBODY
-    assert policy.Settings(worker_user="root").worker_ids() == (0, 0)
-    assert policy.Settings(worker_user="1234:5678").worker_ids() == (1234, 5678)
+    assert Settings().worker_ids() == contract.NOBODY
+    assert Settings(worker_user="root").worker_ids() == (0, 0)
+    assert Settings(worker_user="1234:5678").worker_ids() == (1234, 5678)
     with pytest.raises(ValueError, match=r"settings\.worker_user: no such user or group here: 'no-such-user'"):
-        policy.Settings.from_mapping({"worker_user": "no-such-user"})
+        Settings.from_mapping({"worker_user": "no-such-user"})
 
 
 def test_a_worker_in_its_own_pid_namespace_that_criu_dumps_stays_root(default_spec: api.ModelSpecSpec,

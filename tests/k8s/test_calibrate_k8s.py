@@ -21,15 +21,15 @@ import yaml
 from kubernetes import client as k8s
 from procs import Daemon, wait_for
 
-from volga_agent import cluster
 from volga_agent.app import defaultmodel
+from volga_agent.cluster import calibrations
 from volga_bench.controlplane import ControlPlane
 from volga_core import api
 from volga_core.api import conditions
 from volga_core.kube import ratelimit
 
 pytest_plugins = ["k8s_fixtures"]
-pytestmark = [pytest.mark.k8s, pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 NODES = ("cal-node-a", "cal-node-b")
 NS = "calibrate"
 ANNOTATION = "volga.dev/calibrate"
@@ -214,7 +214,7 @@ class FirstReadTogether:
         return getattr(self.custom, name)
 
 
-def recorded(calls: list[str], node: str) -> cluster.Calibrator:
+def recorded(calls: list[str], node: str) -> calibrations.Calibrator:
     """Stands in for the measurement (the test above runs the real one): records who measured."""
 
     def measure(spec: api.ModelSpecSpec, device: str, /) -> api.Calibration:
@@ -254,12 +254,13 @@ def test_two_nodes_claiming_at_once_measure_once(control_plane: ControlPlane, cr
     spec = defaultmodel.ensure().spec
     barrier = threading.Barrier(2)
     calls: list[str] = []
-    sides = [cluster.Calibrations(FirstReadTogether(k8s.CustomObjectsApi(kube_client), barrier), node,
-                                  recorded(calls, node), ratelimit.TokenBucket.within(100),
-                                  lambda: {f"{ns}/race": spec}) for node in nodes]
+    sides = [calibrations.Calibrations(FirstReadTogether(k8s.CustomObjectsApi(kube_client), barrier), node,
+                                       recorded(calls, node), ratelimit.TokenBucket.within(100),
+                                       lambda: {f"{ns}/race": spec}) for node in nodes]
     try:
         for side in sides:
-            assert side.consider(objects, emis, []) == [cluster.CalibrationRequest(ns, "race", "t1", "cpu", "cpu")]
+            assert side.consider(objects, emis, []) == [
+                calibrations.CalibrationRequest(ns, "race", "t1", "cpu", "cpu")]
             side.start()
         answer = wait_for("an answer", lambda: final_answer(cp, ns, "race"))
     finally:
@@ -287,13 +288,14 @@ def test_a_lapsed_claim_is_taken_over_and_a_held_one_is_not(control_plane: Contr
                                                      {"status": {"calibratedFor": [claim]}})
         objects = {(ns, name): kubectl_json(cp, "get", "-n", ns, "modelspec", name)}
         calls: list[str] = []
-        side = cluster.Calibrations(custom, "lease-z", recorded(calls, "lease-z"), ratelimit.TokenBucket.within(100),
-                                    lambda name=name: {f"{ns}/{name}": spec})  # type: ignore[misc]
+        side = calibrations.Calibrations(custom, "lease-z", recorded(calls, "lease-z"),
+                                         ratelimit.TokenBucket.within(100),
+                                         lambda name=name: {f"{ns}/{name}": spec})  # type: ignore[misc]
         queued = side.consider(objects, emis, [])
         if name == "held":
             assert queued == []  # another node renewed its claim in time: left to it
             continue
-        assert queued == [cluster.CalibrationRequest(ns, name, "t2", "cpu", "cpu")]
+        assert queued == [calibrations.CalibrationRequest(ns, name, "t2", "cpu", "cpu")]
         side.start()
         try:
             answer = wait_for("the lapsed claim taken over", lambda name=name: final_answer(cp, ns, name))

@@ -20,7 +20,6 @@ from volga_bench.controlplane import ControlPlane
 from volga_core import api, nodes
 
 pytest_plugins = ["k8s_fixtures"]
-pytestmark = [pytest.mark.k8s]
 NODES = ("chain-node-a", "chain-node-b", "chain-node-c")
 NAMESPACE = "chains"
 

@@ -30,7 +30,7 @@ from volga_core import nodes
 from volga_core.api import labels
 
 pytest_plugins = ["k8s_fixtures"]
-pytestmark = [pytest.mark.k8s, pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 NODES = ("tier-a", "tier-b", "tier-c")
 NAMESPACE = "tier"
 MIGRATE_AFTER_SEC = 5

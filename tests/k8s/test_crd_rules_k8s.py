@@ -4,51 +4,17 @@ bidirectional-override characters, pool floors, long names), while an ONNX Model
 
 from __future__ import annotations
 
-import json
-import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from kubernetes import client as k8s_client
-from kubernetes.client import V1Namespace, V1ObjectMeta
-from kubernetes.client.exceptions import ApiException
 from procs import wait_for
+from specs import create, modelspec
 
 from volga_bench.controlplane import ControlPlane
 from volga_core import api
 
 pytest_plugins = ["k8s_fixtures"]
-pytestmark = [pytest.mark.k8s]
-
-
-@pytest.fixture
-def custom(crds: None, kube_client: k8s_client.ApiClient) -> Iterator[tuple[k8s_client.CustomObjectsApi, str]]:
-    namespace = f"vt-{uuid.uuid4().hex[:8]}"  # left in place: no namespace controller runs
-    k8s_client.CoreV1Api(kube_client).create_namespace(V1Namespace(metadata=V1ObjectMeta(name=namespace)))
-    objects = k8s_client.CustomObjectsApi(kube_client)
-    yield objects, namespace
-    # The control plane is shared: an operator started by a later test would place what is left here.
-    objects.delete_collection_namespaced_custom_object(api.GROUP, api.VERSION, namespace, "modelspecs")
-
-
-def modelspec(name: str = "m", **spec: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {"modelId": name, "framework": "onnx", "source": "file:///models/m.onnx",
-                            "inputs": [{"name": "x", "dtype": "FP32", "shape": [-1, 3]}],
-                            "outputs": [{"name": "y", "dtype": "FP32", "shape": [-1, 3]}]}
-    body.update(spec)
-    return {"apiVersion": api.API_VERSION, "kind": "ModelSpec", "metadata": {"name": name}, "spec": body}
-
-
-def create(custom: tuple[k8s_client.CustomObjectsApi, str], doc: dict[str, Any]) -> str:
-    """"" when the API server stores the object, else its refusal."""
-    objects, namespace = custom
-    try:
-        objects.create_namespaced_custom_object(api.GROUP, api.VERSION, namespace, "modelspecs", doc)
-    except ApiException as exc:
-        assert exc.status == 422, exc.body
-        return str(json.loads(exc.body)["message"])
-    return ""
 
 
 def test_kubectl_explain_describes_fields(crds: None, control_plane: ControlPlane) -> None:

@@ -29,7 +29,7 @@ from volga_bench import harness
 from volga_bench.controlplane import ControlPlane, free_ports
 
 pytest_plugins = ["k8s_fixtures"]
-pytestmark = [pytest.mark.k8s, pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 NODES = ("node-a", "node-b")
 
 
@@ -107,7 +107,7 @@ def request(grpc: str, model: str, seed: int = 5, headers: dict[str, str] | None
     inputs = harness.triton_inputs(decls, contract.sample_inputs(decls, batch=4, seed=seed))
     client = grpcclient.InferenceServerClient(grpc)
     try:
-        return client.infer("ignored", inputs, headers={"x-model-id": model, **(headers or {})},
+        return client.infer(model, inputs, headers={"x-model-id": model, **(headers or {})},
                             client_timeout=120).as_numpy(
             "probability")
     finally:

@@ -17,7 +17,6 @@ from kubernetes.client.exceptions import ApiException
 from volga_bench.controlplane import ControlPlane, eventually
 
 pytest_plugins = ["k8s_fixtures"]
-pytestmark = [pytest.mark.k8s]
 
 GROUP = "test.example.com"
 

@@ -12,14 +12,13 @@ import uuid
 import pytest
 import yaml
 from kubernetes import client as k8s
-from procs import Daemon, wait_for
-from test_neighbours_wiring import series
+from procs import Daemon, series, wait_for
 
 from volga_bench.controlplane import ControlPlane, free_ports
 from volga_core.api import labels
 
 pytest_plugins = ["k8s_fixtures"]
-pytestmark = [pytest.mark.k8s, pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 
 def test_agents_find_their_neighbours_through_node_annotations(control_plane: ControlPlane, crds: None,

@@ -13,13 +13,10 @@ import pytest
 from procs import Daemon, families, scrape, wait_for
 
 from volga_bench.controlplane import ControlPlane, free_ports
-from volga_operator import handlers
+from volga_operator import loop
 
 pytest_plugins = ["k8s_fixtures"]
-pytestmark = [pytest.mark.k8s, pytest.mark.integration]
 TOKEN = "operator-scrape-token"
-
-
 
 
 @pytest.mark.parametrize("given", ["flag", "env", "none"])
@@ -38,7 +35,7 @@ def test_the_operators_metrics_want_a_token(given: str, control_plane: ControlPl
     operator = Daemon("operator", command, env, tmp_path)
     try:
         # Started whole (watches listed, one planning pass), so that stopping it is an ordinary stop.
-        wait_for("the operator's first pass", lambda: handlers.FIRST_PASS_DONE in operator.log.read_text(),
+        wait_for("the operator's first pass", lambda: loop.FIRST_PASS_DONE in operator.log.read_text(),
                  timeout=120)
         status, headers, body = scrape(port)
         if given == "none":

@@ -3,8 +3,9 @@ finalizer: a deleted ModelSpec's EMIs go all the same, without the garbage colle
 reconcile with nothing to change writes nothing; a restarted operator writes nothing where all is
 right; the write limit holds as the API server counts writes.
 
-The module has its own control plane, so the API server's request counters (`apiserver_request_total`) hold only
-this module's writes, and the resourceVersions of the objects show whether anything was written to them."""
+The module has its own control plane (k8s_fixtures.own_control_plane), so the API server's request counters
+(`apiserver_request_total`) hold only this module's writes, and the resourceVersions of the objects show whether
+anything was written to them."""
 
 from __future__ import annotations
 
@@ -21,38 +22,31 @@ from kubernetes import client as k8s
 from procs import Daemon, wait_for
 
 from volga_bench import scale
-from volga_bench.controlplane import ControlPlane, ControlPlaneError
+from volga_bench.controlplane import ControlPlane
 from volga_core import api, nodes
 from volga_core.api import crds
 
-pytestmark = [pytest.mark.k8s, pytest.mark.integration, pytest.mark.slow]
+pytest_plugins = ["k8s_fixtures"]
+pytestmark = pytest.mark.slow
 NODES = ("gpu-a", "gpu-b", "gpu-c")
 WANT_EMIS = 2  # scale.modelspec's pool: one WARM, one FROZEN
 
 
 @pytest.fixture(scope="module")
-def plane() -> Iterator[ControlPlane]:
-    cp = ControlPlane()
-    try:
-        cp.start()
-    except ControlPlaneError as exc:
-        cp.stop()
-        pytest.fail(str(exc), pytrace=False)
-    try:
-        client = cp.api_client()
-        ext = k8s.ApiextensionsV1Api(client)
-        for crd in crds.all_crds().values():
-            ext.create_custom_resource_definition(crd)  # type: ignore[arg-type]
-        core = k8s.CoreV1Api(client)
-        profile = nodes.NodeProfile("", 8, scale.PRODUCT, 141 * 2**30, (0,)).annotations()
-        for node in NODES:
-            core.create_node(k8s.V1Node(metadata=k8s.V1ObjectMeta(name=node, annotations=profile)))
-        wait_for("the CRDs to serve", lambda: k8s.CustomObjectsApi(client).list_cluster_custom_object(
-            api.GROUP, api.VERSION, "modelspecs") is not None)
-        client.close()
-        yield cp
-    finally:
-        cp.stop()
+def plane(own_control_plane: ControlPlane) -> ControlPlane:
+    cp = own_control_plane
+    client = cp.api_client()
+    ext = k8s.ApiextensionsV1Api(client)
+    for crd in crds.all_crds().values():
+        ext.create_custom_resource_definition(crd)  # type: ignore[arg-type]
+    core = k8s.CoreV1Api(client)
+    profile = nodes.NodeProfile("", 8, scale.PRODUCT, 141 * 2**30, (0,)).annotations()
+    for node in NODES:
+        core.create_node(k8s.V1Node(metadata=k8s.V1ObjectMeta(name=node, annotations=profile)))
+    wait_for("the CRDs to serve", lambda: k8s.CustomObjectsApi(client).list_cluster_custom_object(
+        api.GROUP, api.VERSION, "modelspecs") is not None)
+    client.close()
+    return cp
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import pytest
 
 from volga_bench import scale
 
-pytestmark = [pytest.mark.k8s, pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 
 def test_the_bench_counts_three_writes_per_modelspec_within_the_limit() -> None:

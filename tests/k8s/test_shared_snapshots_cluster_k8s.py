@@ -39,7 +39,7 @@ from volga_bench import harness
 from volga_bench.controlplane import ControlPlane, free_ports
 
 pytest_plugins = ["k8s_fixtures"]
-pytestmark = [pytest.mark.k8s, pytest.mark.integration, pytest.mark.slow,
+pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare(1) for the two nodes")]
 NODES = ("node-a", "node-b")
 MODEL = "shared-k8s"
@@ -136,7 +136,7 @@ def request(grpc: str, headers: dict[str, str] | None = None) -> np.ndarray:
     inputs = harness.triton_inputs(decls, contract.sample_inputs(decls, batch=4, seed=11))
     client = grpcclient.InferenceServerClient(grpc)
     try:
-        result = client.infer("ignored", inputs, headers={"x-model-id": MODEL, **(headers or {})},
+        result = client.infer(MODEL, inputs, headers={"x-model-id": MODEL, **(headers or {})},
                               client_timeout=120)
         answer: np.ndarray = result.as_numpy("probability")
         return answer

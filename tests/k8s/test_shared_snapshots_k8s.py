@@ -7,7 +7,6 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-import pytest
 from kubernetes import client as k8s_client
 from kubernetes.client import V1Namespace, V1ObjectMeta
 
@@ -16,7 +15,6 @@ from volga_core.api import labels
 from volga_operator import reconcile
 
 pytest_plugins = ["k8s_fixtures"]
-pytestmark = [pytest.mark.k8s]
 
 
 def test_shared_snapshot_statuses_round_trip(crds: None, kube_client: k8s_client.ApiClient) -> None:

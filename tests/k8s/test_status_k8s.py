@@ -20,7 +20,6 @@ from volga_core import api
 from volga_core.api import labels
 
 pytest_plugins = ["k8s_fixtures"]
-pytestmark = [pytest.mark.k8s]
 
 
 def modelspec(name: str, **runtime: Any) -> dict[str, Any]:

@@ -7,13 +7,13 @@ from typing import Any
 
 import pydantic
 import pytest
+from autonomy_stubs import STEP, Run
 
 from volga_agent.autonomy import decider, window
-from volga_agent.node import policy
+from volga_agent.node.settings import Settings
 from volga_core import api
 
 State = decider.State
-STEP = 0.1  # seconds per window
 
 
 def slo(**fields: Any) -> api.Slo:
@@ -24,23 +24,6 @@ def view(model: str, tolerance: float = 20.0, awake: bool = True, baselines: dic
          gpu: bool = False, **slo_fields: Any) -> decider.ModelView:
     contract = slo(interferenceTolerancePct=tolerance, **slo_fields)
     return decider.ModelView(model, contract, tuple(sorted((baselines or {}).items())), awake, gpu, 256)
-
-
-class Run:
-    """Feeds windows of STEP seconds to one decider."""
-
-    def __init__(self, views: list[decider.ModelView], **settings: Any) -> None:
-        self.decider = decider.Decider(policy.Settings(**settings))
-        self.views = {v.model: v for v in views}
-        self.t = 0.0
-
-    def window(self, memory: float = 50.0, util: float = 0.0, **models: window.ModelWindow) -> decider.Decision:
-        built = window.Window(self.t, self.t + STEP, memory, util, False, models)
-        self.t += STEP
-        return self.decider.decide(built, self.views, explain=True)
-
-    def windows(self, n: int, **kwargs: Any) -> list[decider.Decision]:
-        return [self.window(**kwargs) for _ in range(n)]
 
 
 def load(arrivals: int = 0, p99: float | None = None, completed: int | None = None) -> window.ModelWindow:
@@ -246,9 +229,9 @@ def test_windows_reduce_samples_and_accept_any_type_with_the_load_fields() -> No
 
 def test_watermarks_out_of_order_are_refused() -> None:
     with pytest.raises(ValueError, match="autonomy_emergency_above_pct: must be >= autonomy_optimize_above_pct"):
-        policy.Settings.from_mapping({"autonomyEmergencyAbovePct": 60})
+        Settings.from_mapping({"autonomyEmergencyAbovePct": 60})
     with pytest.raises(ValueError, match="autonomy_sample_ms: must be > 0"):
-        policy.Settings.from_mapping({"autonomy_sample_ms": 0.0})
+        Settings.from_mapping({"autonomy_sample_ms": 0.0})
 
 
 @pytest.mark.parametrize(("steps", "path", "reason"), [
@@ -383,4 +366,4 @@ def test_a_co_runner_whose_tolerance_allows_no_stop_is_not_throttled() -> None:
     ("autonomy_throttle_period_ms", 1.0, "must be >= 2")])
 def test_throttle_settings_out_of_range_name_their_field(setting: str, value: float, reason: str) -> None:
     with pytest.raises(ValueError, match=f"settings.{setting}: .*{reason}"):
-        policy.Settings.from_mapping({setting: value})
+        Settings.from_mapping({setting: value})

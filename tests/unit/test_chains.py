@@ -11,6 +11,7 @@ import yaml
 
 from volga_agent import cli
 from volga_agent.node import chains, policy
+from volga_agent.node.settings import Settings
 from volga_bench import chain as bench_chain
 from volga_core import api, nodes, planner
 from volga_operator import reconcile
@@ -160,7 +161,7 @@ def view(name: str, model: str, last_used: float, chain: str = "", busy: bool = 
 
 
 def test_a_member_is_not_demoted_while_another_is_in_use() -> None:
-    settings = policy.Settings(hot_idle_sec=10, warm_idle_sec=10, suspended_idle_sec=10)
+    settings = Settings(hot_idle_sec=10, warm_idle_sec=10, suspended_idle_sec=10)
     views = [view("det-0", "det", 0.0, "det"), view("rec-0", "rec", 95.0, "det"), view("solo-0", "solo", 0.0)]
     moves = policy.plan_demotions(views, settings, 100.0, policy.Usage())
     assert [m.instance for m in moves] == ["solo-0"]

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from volga_agent.node import policy
+from volga_agent.node.settings import Settings
 from volga_core import api, nodes, planner
 from volga_core.api import conditions, labels
 from volga_operator import reconcile
@@ -250,6 +250,6 @@ def test_watermarks_are_over_the_fresh_heartbeats() -> None:
 
 
 def test_the_heartbeat_setting_is_checked() -> None:
-    assert policy.Settings.from_mapping({"autonomyHeartbeatSec": 1.0}).autonomy_heartbeat_sec == 1.0
+    assert Settings.from_mapping({"autonomyHeartbeatSec": 1.0}).autonomy.heartbeat_sec == 1.0
     with pytest.raises(ValueError, match=r"settings\.autonomy_heartbeat_sec: .*0\.5"):
-        policy.Settings.from_mapping({"autonomyHeartbeatSec": 0.1})
+        Settings.from_mapping({"autonomyHeartbeatSec": 0.1})

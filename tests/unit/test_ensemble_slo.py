@@ -6,7 +6,7 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
-from test_autonomy_decider import Run
+from autonomy_stubs import Run
 
 from volga_agent.autonomy import decider, loop, window
 from volga_agent.node import instance, pool

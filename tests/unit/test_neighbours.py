@@ -1,57 +1,21 @@
 """Neighbours (volga_agent/neighbours.py), piece by piece: which two nodes a node trades its level with, levels
-that go stale, the size of a level on the wire, and where the gateway of an overloaded node sends a request."""
+that go stale, the size of a level on the wire, and where the gateway of an overloaded node sends a request. The
+Agent API's side, on a real server: tests/integration/test_neighbours_api.py."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import math
-import pathlib
 import time
-from collections.abc import Coroutine
-from typing import Any
 
-import grpc
 import pytest
+from neighbour_levels import Fixed, level, run
 
 from volga_agent import neighbours
-from volga_agent.app import defaultmodel, server
-from volga_agent.autonomy import exchange
+from volga_agent.app import defaultmodel
 from volga_agent.gateway import catalog, dataplane, links
-from volga_agent.node import policy, pool
+from volga_agent.node.settings import Settings
 from volga_agent.rpc.volga.v1 import agent_pb2 as pb
-from volga_agent.rpc.volga.v1 import agent_pb2_grpc as agent_grpc
-
-
-def run(coroutine: Coroutine[Any, Any, None]) -> None:
-    """Run on a loop of its own, leaving the thread's event loop as it was (asyncio.run would unset it, and tests
-    after this one build gRPC channels outside a loop)."""
-    loop = asyncio.new_event_loop()
-    try:
-        loop.run_until_complete(coroutine)
-    finally:
-        loop.close()
-
-
-class Fixed:
-    """A level source that says what it is told."""
-
-    def __init__(self, level: neighbours.Level) -> None:
-        self.current = level
-
-    def state(self) -> str:
-        return self.current.state
-
-    def level(self) -> neighbours.Level:
-        return self.current
-
-
-def level(node: str, load: float = 0.0, state: str = "ACCEPT", memory: float = 10.0, sequence: int = 1,
-          **models: str) -> neighbours.Level:
-    """models: model id -> 'hot', 'cold' or 'shed'."""
-    return neighbours.Level(node, state, memory, load,
-                            tuple(neighbours.ModelLevel(m, how == "hot", how == "shed") for m, how in models.items()),
-                            sequence, f"{node}.gw:8001")
 
 
 def test_each_node_trades_with_the_next_two_of_the_sorted_ring() -> None:
@@ -223,11 +187,11 @@ def test_the_exchanger_hands_the_node_state_and_neighbour_levels_to_the_data_pla
 
 
 def test_neighbour_settings() -> None:
-    assert policy.Settings().neighbours_enabled is False
-    s = policy.Settings.from_mapping({"neighboursEnabled": True, "neighboursPeriodMs": 100.0})
-    assert (s.neighbours_enabled, s.neighbours_period_ms) == (True, 100.0)
+    assert Settings().neighbours.enabled is False
+    s = Settings.from_mapping({"neighboursEnabled": True, "neighboursPeriodMs": 100.0})
+    assert (s.neighbours.enabled, s.neighbours.period_ms) == (True, 100.0)
     with pytest.raises(ValueError, match=r"settings\.neighbours_period_ms"):
-        policy.Settings.from_mapping({"neighboursPeriodMs": 5.0})
+        Settings.from_mapping({"neighboursPeriodMs": 5.0})
 
 
 def test_the_agent_says_why_it_takes_no_part() -> None:
@@ -239,85 +203,3 @@ def test_the_agent_says_why_it_takes_no_part() -> None:
     assert neighbours.addresses_of(["b=10.0.0.2:8010", " c = h:1 "]) == {"b": "10.0.0.2:8010", "c": "h:1"}
     with pytest.raises(ValueError, match="--neighbour 'b': expected NODE=HOST:PORT"):
         neighbours.addresses_of(["b"])
-
-
-def test_the_agent_api_trades_levels_and_hands_them_to_its_gateway(tmp_path: pathlib.Path) -> None:
-    """ExchangeLevel over a real Agent API: refused with the reason while this node takes no part, INVALID_ARGUMENT
-    naming the field for a bad level, else the caller's level is kept and this node's comes back; the gateway's
-    ExchangeLoad then carries the node's state and the caller's level with its age."""
-    node_pool = pool.Pool("a", tmp_path / "w", None)
-    steering = exchange.Exchange()
-    steering.shed("m", 300)
-    source = Fixed(level("a", state="EMERGENCY", m="hot"))
-
-    async def scenario() -> None:
-        off, _ = await server.serve(node_pool, "127.0.0.1", 0, str(tmp_path / "off.sock"), exchange=steering,
-                                    levels_off="neighboursEnabled is false")
-        levels = neighbours.LevelExchange("a", source)
-        on, _ = await server.serve(node_pool, "127.0.0.1", 0, str(tmp_path / "on.sock"), exchange=steering,
-                                   levels=levels)
-        try:
-            async with grpc.aio.insecure_channel(f"unix:{tmp_path / 'off.sock'}") as channel:
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await agent_grpc.AgentStub(channel).ExchangeLevel(neighbours.to_pb(level("b")))
-                assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-                assert "node a takes no part in the neighbour exchange: neighboursEnabled is false" in str(
-                    err.value.details())
-            async with grpc.aio.insecure_channel(f"unix:{tmp_path / 'on.sock'}") as channel:
-                stub = agent_grpc.AgentStub(channel)
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await stub.ExchangeLevel(pb.NodeLevel(state="ACCEPT"))
-                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-                assert err.value.details() == "level.node is required"
-                reply = await stub.ExchangeLevel(neighbours.to_pb(level("b", load=3, m="hot"), age_ms=20))
-                ours, _ = neighbours.from_pb(reply)
-                assert (ours.node, ours.state, ours.sequence > 0) == ("a", "EMERGENCY", True)
-                load = await stub.ExchangeLoad(pb.ExchangeLoadRequest())
-                assert load.state == "EMERGENCY" and dict(load.shed_retry_after_ms) == {"m": 300}
-                [theirs] = load.neighbours
-                assert (theirs.node, theirs.load, theirs.age_ms >= 20) == ("b", 3.0, True)
-        finally:
-            await off.stop(0)
-            await on.stop(0)
-
-    try:
-        run(scenario())
-    finally:
-        node_pool.close()
-
-
-def test_a_neighbour_that_starts_late_is_heard_within_a_second_of_listening(tmp_path: pathlib.Path) -> None:
-    """Node b trades with node a while nothing listens on a's address; gRPC's channel backs off further after each
-    failed attempt (1 s, 1.6 s, 2.6 s, ... by default), so a's level used to go unheard for seconds, up to two
-    minutes, after a started. Now b hears it within about a second."""
-    from volga_bench import controlplane
-
-    [port] = controlplane.free_ports(1)
-    node_pool = pool.Pool("a", tmp_path / "w", None)
-
-    async def scenario() -> None:
-        b = neighbours.LevelExchange("b", Fixed(level("b")))
-        b.set_directory({"a": f"127.0.0.1:{port}", "b": "127.0.0.1:1"})
-        assert b.neighbours() == ("a",)
-        deadline = time.monotonic() + 6.0
-        while time.monotonic() < deadline:  # five or six failed attempts: the next is seconds away by default
-            await b.exchange_once()
-            await asyncio.sleep(0.05)
-        assert not b.fresh()
-        a, bound = await server.serve(node_pool, "127.0.0.1", port, levels=neighbours.LevelExchange(
-            "a", Fixed(level("a", state="OPTIMIZE"))))
-        assert bound == port
-        try:
-            heard = time.monotonic() + 1.5
-            while not b.fresh() and time.monotonic() < heard:
-                await b.exchange_once()
-                await asyncio.sleep(0.05)
-            assert [h.level.node for h in b.fresh()] == ["a"], "a's level was not heard within 1.5 s"
-        finally:
-            await a.stop(0)
-            await b.stop()
-
-    try:
-        run(scenario())
-    finally:
-        node_pool.close()

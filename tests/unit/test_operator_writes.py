@@ -1,5 +1,5 @@
 """The operator writes only what the desired state and the status need: the decisions (`reconcile`) and the
-loop's bookkeeping (`handlers.Loop`) without an API server. tests/k8s/test_operator_writes_k8s.py shows the same on
+loop's bookkeeping (`loop.Loop`) without an API server. tests/k8s/test_operator_writes_k8s.py shows the same on
 a real one."""
 
 from __future__ import annotations
@@ -8,16 +8,16 @@ import bisect
 import collections
 import dataclasses
 import threading
-import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
+from procs import wait_for
 
 from volga_core import nodes, planner
 from volga_core.api import labels
 from volga_core.kube import ratelimit, watch
-from volga_operator import handlers, reconcile
+from volga_operator import loop as reconcile_loop
+from volga_operator import reconcile
 
 NOW = "2026-11-29T00:00:00Z"
 
@@ -100,7 +100,7 @@ def body(kind: str, name: str, rv: int, **fields: Any) -> dict[str, Any]:
 
 def test_the_loop_ignores_what_it_holds_already() -> None:
     """Its own writes come back as watch events: an event no newer than what the loop holds plans nothing."""
-    loop = handlers.Loop()
+    loop = reconcile_loop.Loop()
     loop.see_spec(body("ModelSpec", "ms", 10, spec=spec_body(0)))
     assert loop.dirty == {("ns", "ms")}
     loop.dirty.clear()
@@ -112,7 +112,7 @@ def test_the_loop_ignores_what_it_holds_already() -> None:
 
 
 def test_an_emi_event_touches_its_owner_only_when_something_changed() -> None:
-    loop = handlers.Loop()
+    loop = reconcile_loop.Loop()
     spec = {"modelSpec": "ms", "node": "n0"}
     loop.see_emi(body("ExecutableModelInstance", "ms-0", 5, spec=spec))
     loop.dirty.clear()
@@ -129,7 +129,7 @@ def test_emi_records_keep_only_the_status_the_operator_reads() -> None:
 
 
 def test_a_failed_write_is_taken_back() -> None:
-    loop = handlers.Loop()
+    loop = reconcile_loop.Loop()
     loop.state = cluster(1)
     actions = reconcile.compute(loop.state, [("ns", "ms0")], NOW, settle=True)
     undos = [loop._assume(a) for a in actions]
@@ -142,12 +142,12 @@ def test_a_failed_write_is_taken_back() -> None:
 @pytest.mark.parametrize("limit", [20.0, 200.0])
 def test_the_write_bucket_leaves_room_for_completion_jitter(limit: float) -> None:
     now = [0.0]
-    bucket = handlers.write_bucket(limit)
+    bucket = reconcile_loop.write_bucket(limit)
     bucket.clock = lambda: now[0]
     bucket._stamp = 0.0
     starts = [bucket._reserve() for _ in range(int(limit * 5))]
     most = max(bisect.bisect_right(starts, at + 1.0 - 1e-9) - i for i, at in enumerate(starts))
-    assert most <= limit * (1 - handlers.JITTER_SHARE)
+    assert most <= limit * (1 - reconcile_loop.JITTER_SHARE)
 
 
 def test_the_completion_window_holds_a_slot_until_a_second_after_the_write() -> None:
@@ -179,7 +179,7 @@ def test_a_relist_comes_a_page_at_a_time() -> None:
 
 
 def test_the_loop_drops_what_a_paged_relist_no_longer_has() -> None:
-    loop = handlers.Loop()
+    loop = reconcile_loop.Loop()
     for name in ("kept", "gone", "later"):
         loop.see_spec({"metadata": {"name": name, "namespace": "ns", "resourceVersion": "1"}, "spec": spec_body(0)})
     loop.see_page("modelspecs", [{"metadata": {"name": "kept", "namespace": "ns"}, "spec": spec_body(0)}], True)
@@ -199,13 +199,6 @@ def test_the_spec_index_counts_chained_specs_per_namespace() -> None:
     assert not state.specs.chained
 
 
-def until(check: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + 10
-    while not check():
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-
-
 def test_writers_waiting_for_the_completion_window_take_slots_in_order() -> None:
     now = [0.0]
     window = ratelimit.CompletionWindow(1, 1.0, clock=lambda: now[0])
@@ -217,13 +210,14 @@ def test_writers_waiting_for_the_completion_window_take_slots_in_order() -> None
                                   daemon=True)
         waiter.start()
         waiters.append(waiter)
-        until(lambda i=i: len(window._line) == i + 1)  # in line before the next one starts
+        # In line before the next one starts.
+        wait_for(f"writer {i} in line", lambda i=i: len(window._line) == i + 1, timeout=10, every=0.01)
     window.release()
     for step in range(1, 4):
         now[0] = float(step)
         with window._changed:
             window._changed.notify()
-        until(lambda step=step: len(order) == step)
+        wait_for(f"{step} writers through", lambda step=step: len(order) == step, timeout=10, every=0.01)
     for waiter in waiters:
         waiter.join(10)
     assert order == [0, 1, 2]

@@ -8,6 +8,7 @@ import pydantic
 import pytest
 
 from volga_agent.node import policy
+from volga_agent.node.settings import Settings
 from volga_core import api
 
 Tier = api.Tier
@@ -23,7 +24,7 @@ def view(name: str, tier: Tier = Tier.HOT, *, gpu: bool = True, idle: float = 0.
 
 def plan(instances: list[policy.InstanceView], usage: policy.Usage | None = None,
          **settings: object) -> list[tuple[str, Tier, str]]:
-    moves = policy.plan_demotions(instances, policy.Settings.from_mapping(settings), NOW, usage or policy.Usage())
+    moves = policy.plan_demotions(instances, Settings.from_mapping(settings), NOW, usage or policy.Usage())
     return [(move.instance, move.target, move.reason) for move in moves]
 
 
@@ -283,22 +284,23 @@ def test_eviction_order_rejects_unknown_policy() -> None:
 # --- settings ------------------------------------------------------------------------------------------------------
 
 def test_settings_defaults_follow_the_design() -> None:
-    settings = policy.Settings()
+    settings = Settings()
     assert (settings.snapshot_interval_sec, settings.warmup_cache_ratio, settings.gateway_cache_ttl_sec) == (30, 0, 60)
     assert settings.scheduler_eviction_policy == "lru"
-    assert (settings.max_failures, settings.backoff_duration_sec, settings.api_writes_per_sec) == (5, 600, 200)
-    assert (settings.hot_idle_sec, settings.warm_idle_sec, settings.suspended_idle_sec) == (60, 300, 900)
+    assert (settings.breaker.max_failures, settings.breaker.backoff_duration_sec) == (5, 600)
+    assert settings.api_writes_per_sec == 200
+    assert (settings.idle.hot_sec, settings.idle.warm_sec, settings.idle.suspended_sec) == (60, 300, 900)
     assert settings.reset_rng_on_restore is True and settings.numa_affinity is False
 
 
 def test_settings_from_mapping_accepts_snake_and_camel_case() -> None:
-    settings = policy.Settings.from_mapping({
+    settings = Settings.from_mapping({
         "schedulerEvictionPolicy": "hybrid", "max_failures": 3, "backoffDurationSec": 60,
         "gpuMemoryBudgetBytes": 1024, "numa_affinity": True, "warmupCacheRatio": 0.5,
     })
-    assert settings == policy.Settings(scheduler_eviction_policy="hybrid", max_failures=3, backoff_duration_sec=60.0,
-                                       gpu_memory_budget_bytes=1024, numa_affinity=True, warmup_cache_ratio=0.5)
-    assert isinstance(settings.backoff_duration_sec, float)
+    assert settings == Settings(scheduler_eviction_policy="hybrid", max_failures=3, backoff_duration_sec=60.0,
+                                gpu_memory_budget_bytes=1024, numa_affinity=True, warmup_cache_ratio=0.5)
+    assert isinstance(settings.breaker.backoff_duration_sec, float)
 
 
 @pytest.mark.parametrize(("data", "message"), [
@@ -322,12 +324,12 @@ def test_settings_from_mapping_accepts_snake_and_camel_case() -> None:
 ])
 def test_settings_errors_name_the_field(data: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        policy.Settings.from_mapping(data)
+        Settings.from_mapping(data)
 
 
 def test_settings_are_frozen() -> None:
     with pytest.raises(pydantic.ValidationError, match="frozen"):
-        policy.Settings().max_failures = 1  # type: ignore[misc]
+        Settings().breaker.max_failures = 1  # type: ignore[misc]
 
 
 # --- circuit breaker -----------------------------------------------------------------------------------------------
@@ -389,7 +391,7 @@ def test_lost_trial_is_given_up_after_one_backoff() -> None:
 
 
 def test_breaker_keys_are_independent_and_sorted() -> None:
-    breaker = policy.CircuitBreaker.from_settings(policy.Settings(max_failures=1, backoff_duration_sec=10))
+    breaker = policy.CircuitBreaker.from_settings(Settings(max_failures=1, backoff_duration_sec=10))
     breaker.record_failure("zeta", 0.0)
     breaker.record_failure("alpha", 5.0)
     assert breaker.open_keys(6.0) == ["alpha", "zeta"]
@@ -424,7 +426,7 @@ def test_breaker_gives_the_half_open_attempt_to_exactly_one_thread() -> None:
 
 
 def test_lazy_restores_are_the_default_on_gpus_only() -> None:
-    default = policy.Settings()
+    default = Settings()
     assert default.lazy_restore_on("cuda:0") and not default.lazy_restore_on("cpu")
-    assert policy.Settings(lazy_restore=True).lazy_restore_on("cpu")
-    assert not policy.Settings.from_mapping({"lazyRestore": False}).lazy_restore_on("cuda:1")
+    assert Settings(lazy_restore=True).lazy_restore_on("cpu")
+    assert not Settings.from_mapping({"lazyRestore": False}).lazy_restore_on("cuda:1")

@@ -180,9 +180,9 @@ def test_observed_ages_come_from_the_agents_last_used() -> None:
 
 def test_the_operator_loop_assumes_its_emi_patches() -> None:
     """A patch that succeeded is reflected at once, so a pass before its watch event does not send it again."""
-    from volga_operator import handlers
+    from volga_operator import loop as reconcile_loop
 
-    loop = handlers.Loop()
+    loop = reconcile_loop.Loop()
     loop.state = state_with()
     apply(loop.state, reconcile.compute(loop.state, [("ns", "ms")], NOW))
     emi = loop.state.emis[("ns", "ms-0")]

@@ -33,7 +33,8 @@ from volga_agent.app import defaultmodel, server
 from volga_agent.autonomy import exchange, loop
 from volga_agent.gateway import app, catalog, links, siblings
 from volga_agent.host import gpus
-from volga_agent.node import admission, policy, pool, signature
+from volga_agent.node import admission, pool, signature
+from volga_agent.node.settings import Settings
 from volga_core import api, http, planner
 
 log = logging.getLogger("volga")
@@ -76,8 +77,8 @@ def _calibrator(workdir: str, iterations: int) -> Callable[[api.ModelSpecSpec, s
     of its own beside the node's instances, at the batch sizes the spec's baselines name (1 and 8 by default).
     Each runs in a fresh process: its gateway's grpc.aio server must not share this process with the Agent API's
     (grpc.aio serves one event loop per process), and a model that crashes takes only that process down."""
-    from volga_agent import cluster as cluster_mode
     from volga_agent.app import calibrate
+    from volga_agent.cluster import calibrations
 
     def run(spec: api.ModelSpecSpec, device: str) -> api.Calibration:
         folder = pathlib.Path(workdir)
@@ -88,11 +89,11 @@ def _calibrator(workdir: str, iterations: int) -> Callable[[api.ModelSpecSpec, s
                 return child.submit(calibrate.measure, spec, calibrate.batch_sizes_for(spec), iterations, device,
                                     folder).result()
             except calibrate.StartFailed as exc:
-                raise cluster_mode.CalibrationFailed("StartFailed", str(exc)) from exc
+                raise calibrations.CalibrationFailed("StartFailed", str(exc)) from exc
             except ValueError as exc:
-                raise cluster_mode.CalibrationFailed("InvalidSpec", str(exc)) from exc
+                raise calibrations.CalibrationFailed("InvalidSpec", str(exc)) from exc
             except concurrent.futures.BrokenExecutor as exc:
-                raise cluster_mode.CalibrationFailed("CalibrationFailed", f"the measuring process died: {exc}") \
+                raise calibrations.CalibrationFailed("CalibrationFailed", f"the measuring process died: {exc}") \
                     from exc
 
     return run
@@ -140,13 +141,14 @@ def agent_main(argv: list[str] | None = None) -> int:
         static_neighbours = neighbours.addresses_of(args.neighbour)
     except ValueError as exc:
         parser.error(str(exc))
-    settings = policy.Settings()
+    settings = Settings()
     if args.settings:
         import yaml
 
-        settings = policy.Settings.from_mapping(yaml.safe_load(pathlib.Path(args.settings).read_text()) or {})
+        settings = Settings.from_mapping(yaml.safe_load(pathlib.Path(args.settings).read_text()) or {})
     if args.shared_snapshots:
-        settings = settings.model_copy(update={"shared_snapshots": args.shared_snapshots})
+        shared_snapshots = settings.shared.model_copy(update={"folder": args.shared_snapshots})
+        settings = settings.model_copy(update={"shared": shared_snapshots})
     if args.kube and not settings.model_roots:
         # ModelSpecs from the API server name files on this node: only Volga's model folders by default.
         settings = settings.model_copy(update={"model_roots": DEFAULT_MODEL_ROOTS})
@@ -160,37 +162,37 @@ def agent_main(argv: list[str] | None = None) -> int:
         found = gpus.discover()
         node_metrics = metrics.AgentMetrics()
         node_pool = pool.Pool(args.node, args.workdir, args.snapshot_dir, settings, node_metrics, found)
-        steering = exchange.Exchange() if settings.autonomy_enabled else None
+        steering = exchange.Exchange() if settings.autonomy.enabled else None
         autonomy = loop.Loop(node_pool, steering, settings, node_metrics) if steering is not None else None
         # Other nodes reach neither a loopback nor a wildcard address: those need --agent-address.
         specific = args.agent_host not in ("0.0.0.0", "::", "[::]") and not auth.is_loopback(args.agent_host)
         published = args.agent_address or (f"{args.agent_host}:{args.port}" if args.port > 0 and specific else "")
-        off = neighbours.off_reason(settings.neighbours_enabled, tokens is not None, autonomy is not None,
+        off = neighbours.off_reason(settings.neighbours.enabled, tokens is not None, autonomy is not None,
                                     bool(static_neighbours or not args.kube or published))
-        if settings.neighbours_enabled and off:
+        if settings.neighbours.enabled and off:
             log.warning("node %s: neighbours are off: %s", args.node, off)
         levels = None
         if not off and autonomy is not None and steering is not None and tokens is not None:
             water = exchange.Water(node_pool, autonomy, steering, args.gateway_address)
             levels = neighbours.LevelExchange(args.node, water, tokens.values[0].decode(),
-                                              settings.neighbours_period_ms, node_metrics)
+                                              settings.neighbours.period_ms, node_metrics)
         grpc_server, port = await server.serve(node_pool, args.agent_host, args.port, args.socket, tokens,
-                                               steering, settings.autonomy_exchange_ms, levels, off)
+                                               steering, settings.autonomy.exchange_ms, levels, off)
         metrics_runner, metrics_port = await http.serve_metrics([node_metrics.registry], args.host,
                                                                   args.metrics_port, metrics_tokens)
         cluster: Any = None
         tier: Any = None
         if args.kube:
-            from volga_agent import cluster as cluster_mode
+            from volga_agent.cluster import sync, tiers
 
-            cluster = cluster_mode.AgentSync(node_pool, args.node, found, settings.api_writes_per_sec,
-                                             gateway_address=args.gateway_address,
-                                             calibrator=_calibrator(args.workdir, args.calibrate_iterations))
+            cluster = sync.AgentSync(node_pool, args.node, found, settings.api_writes_per_sec,
+                                     gateway_address=args.gateway_address,
+                                     calibrator=_calibrator(args.workdir, args.calibrate_iterations))
             if autonomy is not None:
                 autonomy.views.measured = cluster.measured  # status.calibrated where the spec has no baselines
             await cluster.start()
             if autonomy is not None:
-                tier = cluster_mode.TierSync(cluster, autonomy, settings.autonomy_heartbeat_sec)
+                tier = tiers.TierSync(cluster, autonomy, settings.autonomy.heartbeat_sec)
                 await tier.start()
         else:
             specs = _specs(args.file)
@@ -202,10 +204,10 @@ def agent_main(argv: list[str] | None = None) -> int:
             if static_neighbours or not args.kube:
                 levels.set_directory(static_neighbours)
             else:
-                from volga_agent import cluster as cluster_mode
+                from volga_agent.cluster import directory as neighbour_directory
 
-                directory = cluster_mode.NeighbourDirectory(args.node, published, levels.set_directory,
-                                                            settings.api_writes_per_sec)
+                directory = neighbour_directory.NeighbourDirectory(args.node, published, levels.set_directory,
+                                                                   settings.api_writes_per_sec)
                 await directory.start()
         node_pool.start()
         if autonomy is not None:
@@ -290,9 +292,9 @@ def gateway_main(argv: list[str] | None = None) -> int:
         exchanger = links.Exchanger(gw.dataplane, link)
         watcher: Any = None
         if args.kube:
-            from volga_agent import cluster as cluster_mode
+            from volga_agent.cluster import catalog as catalog_sync
 
-            watcher = cluster_mode.CatalogSync(models)
+            watcher = catalog_sync.CatalogSync(models)
             await watcher.start()
         else:
             models.replace([s.spec for s in _specs(args.file)])

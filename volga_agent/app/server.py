@@ -102,9 +102,9 @@ class AgentService(pb_grpc.AgentServicer):
                        memory_used_bytes=g.memory_used_bytes, driver=g.driver, pci_bus_id=g.pci_bus_id,
                        numa_node=g.numa_node) for g in self.pool.gpus]
         return pb.StatusResponse(
-            node=status.node, gpus=gpus, host_memory_budget_bytes=s.host_memory_budget_bytes,
+            node=status.node, gpus=gpus, host_memory_budget_bytes=s.budgets.host_memory_bytes,
             host_memory_used_bytes=status.host_memory_used_bytes,
-            snapshot_disk_budget_bytes=s.snapshot_disk_budget_bytes,
+            snapshot_disk_budget_bytes=s.budgets.snapshot_disk_bytes,
             snapshot_disk_used_bytes=status.snapshot_disk_used_bytes, activations=status.activations,
             restore_failures=status.restore_failures, evictions=status.evictions,
             circuit_open=bool(status.open_circuits))

@@ -3,7 +3,7 @@
 The same parts as in a cluster, wired in one process: ModelSpecs come from files instead of the API server,
 the planner (`volga_core.planner`, the operator's own) places their pool floors on the one local node,
 the pool converges and runs its local policy, the gateway reaches the pool in-process instead of over gRPC,
-and the Agent API is served too, for tools. With `settings.autonomy_enabled` (`volga up --autonomy`) the node
+and the Agent API is served too, for tools. With `settings.autonomy.enabled` (`volga up --autonomy`) the node
 autonomy loop runs too, steering this very gateway's data plane and pool. Stopping (Ctrl-C, SIGTERM) stops
 every worker and removes every snapshot this run made; a CRIU call in flight is killed first, so a hung
 restore does not hold it up. Its temporary folders carry an owner marker: a run killed with SIGKILL leaves
@@ -31,7 +31,8 @@ from volga_agent.app import server
 from volga_agent.autonomy import loop as autonomy
 from volga_agent.gateway import app, catalog, links, siblings
 from volga_agent.host import gpus, process
-from volga_agent.node import admission, policy, pool
+from volga_agent.node import admission, pool
+from volga_agent.node.settings import Settings
 from volga_core import api, planner
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ class Options(ports.Ports):
     host: str = "127.0.0.1"
     workroot: pathlib.Path | None = None
     snapshot_root: pathlib.Path | None = None
-    settings: policy.Settings = dataclasses.field(default_factory=policy.Settings)
+    settings: Settings = dataclasses.field(default_factory=Settings)
     tick_sec: float = 1.0
     tokens: auth.Tokens | None = None  # bearer tokens the gateway requires (the Agent API stays on loopback)
     token_file: str = ""  # where `tokens` came from: the other gateway processes read it too
@@ -73,7 +74,7 @@ class Embedded:
         if processes > 1 and self.options.agent_port < 0:
             raise ValueError("--gateway-processes: the other gateway processes reach the pool through the Agent API; "
                              "it is off (--agent-port -1)")
-        if processes > 1 and self.options.settings.autonomy_enabled:
+        if processes > 1 and self.options.settings.autonomy.enabled:
             raise ValueError("--gateway-processes: the autonomy loop of `volga up` steers its one in-process gateway; "
                              "run one gateway process with --autonomy")
         self.gpus = gpus.discover()
@@ -101,7 +102,7 @@ class Embedded:
         self._agent: grpc.aio.Server | None = None
         self.agent_port = 0
         self.autonomy = (autonomy.Loop(self.pool, self.gateway.dataplane, self.settings, self.agent_metrics)
-                         if self.settings.autonomy_enabled else None)
+                         if self.settings.autonomy.enabled else None)
 
     def _activate(self, model_id: str, device_hint: str) -> links.Route:
         """The gateway's in-process link to the pool."""

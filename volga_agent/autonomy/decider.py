@@ -7,14 +7,14 @@ decisions.
 
 The candidate state of a window, first match wins:
 
-    EMERGENCY   memory >= autonomy_emergency_above_pct, or a model has violated its SLO for longer than
-                autonomy_deadline_share_pct of its recoveryDeadlineMs (by default all of it)
-    OPTIMIZE    memory >= autonomy_optimize_above_pct, or a model violates its SLO in this window
-    PRELOAD     memory < autonomy_preload_below_pct
+    EMERGENCY   memory >= autonomy.emergency_above_pct, or a model has violated its SLO for longer than
+                autonomy.deadline_share_pct of its recoveryDeadlineMs (by default all of it)
+    OPTIMIZE    memory >= autonomy.optimize_above_pct, or a model violates its SLO in this window
+    PRELOAD     memory < autonomy.preload_below_pct
     ACCEPT      otherwise
 
-The state follows the candidate once `autonomy_hysteresis_windows` consecutive windows agree on it (into
-EMERGENCY: autonomy_emergency_windows; out of it: autonomy_calm_windows, where set). A model
+The state follows the candidate once `autonomy.hysteresis_windows` consecutive windows agree on it (into
+EMERGENCY: autonomy.emergency_windows; out of it: autonomy.calm_windows, where set). A model
 violates when its window p99 exceeds baseline x (1 + tolerance / 100): the baseline of the largest measured batch
 size within its batch cap, the tolerance at the load of the node's other models (the node's utilisation times
 the other models' share of the completed requests; `api.Slo.tolerance_pct`).
@@ -27,7 +27,7 @@ again in the node's completed requests.
 
 Actions by state:
 
-    PRELOAD     Preload each model not awake whose arrival rate is at least autonomy_preload_min_rate and rises
+    PRELOAD     Preload each model not awake whose arrival rate is at least autonomy.preload_min_rate and rises
                 faster than in the window before (positive slope and acceleration of its arrivals over three windows)
     OPTIMIZE    for each violating model (least tolerant first), halve the batch cap of the most tolerant awake
                 co-runner that is not violating itself; Demote idle models other than the least tolerant
@@ -36,16 +36,16 @@ Actions by state:
                 emergency needs for the protected models); the least tolerant models are never shed
     leaving EMERGENCY: Unshed every shed model; reaching PRELOAD or ACCEPT: RestoreBatchCap every capped model
 
-With autonomy_yield_nice set, a CPU-bound co-runner also yields (LowerPriority): in any window where a model
-violates, every awake model at least autonomy_yield_tolerance_ratio times as tolerant as it, and not violating
+With autonomy.yield_nice set, a CPU-bound co-runner also yields (LowerPriority): in any window where a model
+violates, every awake model at least autonomy.yield_tolerance_ratio times as tolerant as it, and not violating
 itself, has its worker run at that nice, at once (no hysteresis: it is cheap, undone as cheaply, and it is what
 frees a shared CPU while the co-runner is serving, which caps and sheds in bursts do not); RestorePriority gives
-it back once the state is PRELOAD or ACCEPT and autonomy_yield_calm_windows windows have passed without a
+it back once the state is PRELOAD or ACCEPT and autonomy.yield_calm_windows windows have passed without a
 violation of a model it yields to. A yielding model's own violations are what it was made to pay: they neither
 stop the yield nor hold it.
 
-With autonomy_throttle_share set, the same models are also throttled (Throttle), entered and left with the yield
-(Unthrottle): the agent stops their workers for that share of every autonomy_throttle_period_ms, capped by what the
+With autonomy.throttle_share set, the same models are also throttled (Throttle), entered and left with the yield
+(Unthrottle): the agent stops their workers for that share of every autonomy.throttle_period_ms, capped by what the
 model's own tolerance t (at the window's other load) allows, t / (100 + t): its work then takes at most
 1 + t / 100 times as long, as its contract allows.
 """
@@ -60,7 +60,7 @@ import typing
 from collections.abc import Callable, Mapping, Sequence
 
 from volga_agent.autonomy import window as windows
-from volga_agent.node import policy
+from volga_agent.node.settings import Settings
 from volga_core import api
 
 
@@ -241,14 +241,14 @@ def baseline(steps: Sequence[tuple[int, float]], cap: int) -> float:
 
 
 class Decider:
-    def __init__(self, settings: policy.Settings | None = None) -> None:
-        self.settings = settings or policy.Settings()
+    def __init__(self, settings: Settings | None = None) -> None:
+        self.settings = settings or Settings()
         self.state = _ACCEPT
         self._pending: State | None = None
         self._agree = 0
         self.caps: dict[str, int] = {}
         self.shed: set[str] = set()
-        self.yielding: set[str] = set()  # models giving way: run at autonomy_yield_nice, or throttled, or both
+        self.yielding: set[str] = set()  # models giving way: run at autonomy.yield_nice, or throttled, or both
         self.throttled: dict[str, float] = {}  # models throttled -> the share of each period they are stopped
         self._calm = 0  # windows since a violation of a model the yielding ones yield to
         self._tracks: dict[str, _Track] = {}
@@ -256,13 +256,13 @@ class Decider:
         self._ensembles: list[_Track] = []  # those of ensembles
         self._windows = 0  # decided so far
         self._seen_values: list[ModelView] = []
-        s = self.settings
-        self._window_s = s.autonomy_sample_ms * s.autonomy_window_samples / 1e3
-        self._deadline_share = s.autonomy_deadline_share_pct / 100.0
-        self._windows_to = {_EMERGENCY: s.autonomy_emergency_windows or s.autonomy_hysteresis_windows}
-        self._calm_windows = s.autonomy_calm_windows or s.autonomy_hysteresis_windows
-        self._yield_nice = s.autonomy_yield_nice
-        self._throttle_share = s.autonomy_throttle_share
+        s = self.settings.autonomy
+        self._window_s = s.sample_ms * s.window_samples / 1e3
+        self._deadline_share = s.deadline_share_pct / 100.0
+        self._windows_to = {_EMERGENCY: s.emergency_windows or s.hysteresis_windows}
+        self._calm_windows = s.calm_windows or s.hysteresis_windows
+        self._yield_nice = s.yield_nice
+        self._throttle_share = s.throttle_share
         self._give_way = bool(self._yield_nice or self._throttle_share)
 
     def _bind(self, views: Mapping[str, ModelView]) -> list[_Track]:
@@ -288,7 +288,7 @@ class Decider:
         return bound
 
     def decide(self, window: windows.Window, views: Mapping[str, ModelView], explain: bool = False) -> Decision:
-        s = self.settings
+        s = self.settings.autonomy
         path: list[str] | None = [] if explain else None
         seconds = window.end - window.start
         if seconds <= 0:
@@ -309,7 +309,7 @@ class Decider:
         accelerating: list[str] = []
         past_deadline = urgent = False
         util = window.util_pct
-        min_arrivals = s.autonomy_preload_min_rate * seconds
+        min_arrivals = s.preload_min_rate * seconds
         caps = self.caps
         end = window.end
         mature = self._windows - 2  # models that came before this count have two windows of arrivals behind them
@@ -378,17 +378,17 @@ class Decider:
                             + (" past its recovery deadline" if late else ""))
 
         memory = window.memory_pct
-        if memory >= s.autonomy_emergency_above_pct or urgent:
+        if memory >= s.emergency_above_pct or urgent:
             candidate = _EMERGENCY
-        elif memory >= s.autonomy_optimize_above_pct or violations:
+        elif memory >= s.optimize_above_pct or violations:
             candidate = _OPTIMIZE
-        elif memory < s.autonomy_preload_below_pct:
+        elif memory < s.preload_below_pct:
             candidate = _PRELOAD
         else:
             candidate = _ACCEPT
         if path is not None:
-            path.append(f"memory {memory:.1f}% (preload < {s.autonomy_preload_below_pct:g}, optimize >= "
-                        f"{s.autonomy_optimize_above_pct:g}, emergency >= {s.autonomy_emergency_above_pct:g}), "
+            path.append(f"memory {memory:.1f}% (preload < {s.preload_below_pct:g}, optimize >= "
+                        f"{s.optimize_above_pct:g}, emergency >= {s.emergency_above_pct:g}), "
                         f"{len(violations)} violating, past deadline: {past_deadline} -> candidate {candidate}")
 
         previous = self.state
@@ -399,7 +399,7 @@ class Decider:
         else:
             self._pending, self._agree = candidate, 1
         needed = (self._calm_windows if previous == _EMERGENCY
-                  else self._windows_to.get(candidate, s.autonomy_hysteresis_windows))
+                  else self._windows_to.get(candidate, s.hysteresis_windows))
         if self._pending is not None and self._agree >= needed:
             self.state, self._pending, self._agree = candidate, None, 0
         state = self.state
@@ -420,7 +420,7 @@ class Decider:
         elif state == _OPTIMIZE:
             self._optimize(tracks, violations, actions)
         elif state == _EMERGENCY:
-            self._emergency(tracks, actions, memory >= s.autonomy_emergency_above_pct)
+            self._emergency(tracks, actions, memory >= s.emergency_above_pct)
         if self._give_way and (violations or self.yielding):
             self._yield(tracks, violations, state, actions)
         if path is not None:
@@ -460,7 +460,7 @@ class Decider:
                 best = donors.pop(0)
                 cap = caps[best.model] = max(1, caps.get(best.model, best.view.max_batch) // 2)
                 actions.append(LowerBatchCap(best.model, cap))
-        idle_after = self.settings.autonomy_idle_windows
+        idle_after = self.settings.autonomy.idle_windows
         idle = [t for t in tracks if t.awake and t.idle >= idle_after]
         if idle:
             least = min(t.tolerance for t in tracks if t.awake)
@@ -477,7 +477,7 @@ class Decider:
             # A violating ensemble's models are part of it, not co-runners.
             excepted = {v.model for v in violations}.union(*(t.members for t in self._ensembles
                                                              if t.model in protected))
-            ratio = self.settings.autonomy_yield_tolerance_ratio
+            ratio = self.settings.autonomy.yield_tolerance_ratio
             floor = min(t.tolerance for t in tracks if t.model in protected) * ratio
             for track in tracks:
                 if (track.awake and not track.members and track.tolerance >= floor and track.model not in excepted
@@ -489,7 +489,7 @@ class Decider:
                         self._throttle(track, actions)
             return
         self._calm += 1
-        if yielding and state in (_PRELOAD, _ACCEPT) and self._calm >= self.settings.autonomy_yield_calm_windows:
+        if yielding and state in (_PRELOAD, _ACCEPT) and self._calm >= self.settings.autonomy.yield_calm_windows:
             if self._yield_nice:
                 actions += [RestorePriority(m) for m in sorted(yielding)]
             actions += [Unthrottle(m) for m in sorted(self.throttled)]
@@ -522,7 +522,7 @@ class Decider:
         if chosen is None or chosen.tolerance <= least:
             return
         self.shed.add(chosen.model)
-        actions.append(Shed(chosen.model, self.settings.autonomy_shed_retry_after_ms))
+        actions.append(Shed(chosen.model, self.settings.autonomy.shed_retry_after_ms))
         if memory and chosen.awake:
             actions.append(Demote(chosen.model, _rest(chosen.view)))
 

@@ -33,7 +33,8 @@ from volga_agent import errors, metrics
 from volga_agent.autonomy import decider, sampler
 from volga_agent.autonomy import window as windows
 from volga_agent.host import gpus, priority, process, throttle
-from volga_agent.node import policy, pool
+from volga_agent.node import pool
+from volga_agent.node.settings import Settings
 from volga_core import api, nodes
 
 log = logging.getLogger(__name__)
@@ -100,13 +101,13 @@ class PoolActuator:
         self._lowered: dict[int, tuple[str, int | None]] = {}  # worker PID -> (model, its start time)
         self._throttled: dict[str, float] = {}  # model -> the share of each period its workers are stopped
         self._throttled_slots: dict[str, tuple[int, ...]] = {}  # model -> the slots its duty cycle covers (ids)
-        settings = node_pool.settings
+        settings = node_pool.settings.autonomy
         # Guarded where the gateway is in this process and says when protected work is in flight.
-        self._guarded = gateway if settings.autonomy_throttle_guard and hasattr(gateway, "set_guard") else None
-        if settings.autonomy_throttle_guard and self._guarded is None and settings.autonomy_throttle_share:
+        self._guarded = gateway if settings.throttle_guard and hasattr(gateway, "set_guard") else None
+        if settings.throttle_guard and self._guarded is None and settings.throttle_share:
             log.warning("autonomy: autonomy_throttle_guard needs the gateway in the agent's process; the throttle "
                         "stops co-runners by the plain duty cycle")
-        self.cycle = throttle.DutyCycle(settings.autonomy_throttle_period_ms / 1e3, guarded=self._guarded is not None)
+        self.cycle = throttle.DutyCycle(settings.throttle_period_ms / 1e3, guarded=self._guarded is not None)
         if self._guarded is not None:
             self._guarded.set_guard(self.cycle)
 
@@ -168,7 +169,7 @@ class PoolActuator:
                 continue
             started = process.start_time(pid)
             try:
-                applied = priority.set_nice(pid, nice, idle=self.pool.settings.autonomy_yield_sched_idle)
+                applied = priority.set_nice(pid, nice, idle=self.pool.settings.autonomy.yield_sched_idle)
             except ProcessLookupError:
                 continue
             except PermissionError as exc:
@@ -176,7 +177,7 @@ class PoolActuator:
                 continue
             self._lowered[pid] = (model, started)
             log.info("autonomy: %s yields the CPU: worker %d at nice %d%s (%d threads%s)", model, pid, nice,
-                     " under SCHED_IDLE" if self.pool.settings.autonomy_yield_sched_idle else "", applied.threads,
+                     " under SCHED_IDLE" if self.pool.settings.autonomy.yield_sched_idle else "", applied.threads,
                      ", its session's group too" if applied.group else "")
 
     def restore_priority(self, model: str) -> None:
@@ -359,7 +360,7 @@ class Views:
 
 
 class Loop:
-    def __init__(self, node_pool: pool.Pool, gateway: Gateway | None = None, settings: policy.Settings | None = None,
+    def __init__(self, node_pool: pool.Pool, gateway: Gateway | None = None, settings: Settings | None = None,
                  agent_metrics: metrics.AgentMetrics | None = None, probe: sampler.Probe | None = None,
                  actuator: Actuator | None = None) -> None:
         self.settings = settings or node_pool.settings
@@ -367,7 +368,7 @@ class Loop:
         s = self.settings
         self.sampler = sampler.Sampler(probe or sampler.probe_for_node(),
                                        gateway.drain_load if gateway is not None else sampler.no_load,
-                                       s.autonomy_sample_ms, s.autonomy_window_samples,
+                                       s.autonomy.sample_ms, s.autonomy.window_samples,
                                        on_jitter=self.metrics.sample_jitter.observe)
         self.decider = decider.Decider(s)
         self._owned_actuator = actuator is None
@@ -409,7 +410,7 @@ class Loop:
         """Decide one window and apply what was decided."""
         views = self.views()
         now = time.monotonic()
-        explain = self.settings.autonomy_debug and now - self._last_debug >= DEBUG_EVERY_S
+        explain = self.settings.autonomy.debug and now - self._last_debug >= DEBUG_EVERY_S
         started = time.perf_counter()
         decision = self.decider.decide(built, views, explain)
         self.metrics.decision_latency.observe((time.perf_counter() - started) * 1e6)

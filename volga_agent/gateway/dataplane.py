@@ -151,8 +151,13 @@ def headers(pairs: Iterable[tuple[str, Any]]) -> dict[str, str]:
 
 
 def model_id(request_headers: Mapping[str, str], name: str) -> str:
-    """The model a request is for: `x-model-id` when sent, else the name the protocol carries."""
-    return request_headers.get("x-model-id") or name
+    """The model a request is for: `x-model-id` when sent, else the name the protocol carries. A request that names
+    two different models (the header and the URL or message) is the client's error, never a silent choice."""
+    header = request_headers.get("x-model-id")
+    if header and name and header != name:
+        raise oip.error("INVALID_ARGUMENT", f"x-model-id {header!r} and the request's model name {name!r} name "
+                        "different models: send the same model in both, or only one of them")
+    return header or name
 
 
 def _tensor_specs(tensors: Iterable[api.TensorSpec], skip: int = 0) -> tuple[oip.TensorSpec, ...]:
@@ -299,10 +304,22 @@ class Dataplane:
 
     # -- metadata ------------------------------------------------------------------------------------
 
-    async def model_ready(self, model: str) -> bool:
+    def require_version(self, model: str, version: str) -> None:
+        """A request for a version the model does not serve is NOT_FOUND, as Triton and KServe answer it; no version
+        ("") asks for the one it serves."""
+        if not version:
+            return
+        found = self.catalog.find_ensemble(model)
+        served = found.version if found is not None else self.catalog.get(model).version
+        if version != served:
+            raise oip.error("NOT_FOUND", f"model {model!r} has no version {version!r}: it serves version {served!r}")
+
+    async def model_ready(self, model: str, version: str = "") -> bool:
         if (found := self.catalog.find_ensemble(model)) is not None:
-            return (await self.ensemble_state(found)).ready
-        return self.catalog.known(model) and (await self.model_state(self.catalog.get(model))).ready
+            return version in ("", found.version) and (await self.ensemble_state(found)).ready
+        if not self.catalog.known(model) or version not in ("", self.catalog.get(model).version):
+            return False
+        return (await self.model_state(self.catalog.get(model))).ready
 
     async def ensemble_state(self, found: ensemble.Ensemble) -> ModelState:
         """READY when every model of the ensemble is; else the first that is not, and why."""
@@ -340,7 +357,8 @@ class Dataplane:
             return unavailable(f"{tiers}; {why}")
         return ModelState(model, spec.version, "READY", tiers)
 
-    def model_metadata(self, model: str) -> ModelMetadata:
+    def model_metadata(self, model: str, version: str = "") -> ModelMetadata:
+        self.require_version(model, version)
         if (found := self.catalog.find_ensemble(model)) is not None:
             return ModelMetadata(found.model_id, (found.version,), ensemble.PLATFORM, _tensor_specs(found.inputs),
                                  _tensor_specs(found.outputs))
@@ -348,9 +366,10 @@ class Dataplane:
         return ModelMetadata(spec.model_id, (spec.version,), PLATFORMS[spec.framework.value],
                              _tensor_specs(spec.inputs), _tensor_specs(spec.outputs))
 
-    def model_config(self, model: str) -> ModelConfig:
+    def model_config(self, model: str, version: str = "") -> ModelConfig:
         """Triton's convention: with max_batch_size > 0 the batch dimension (the first, -1 in the ModelSpec)
         is implicit; a model whose tensors do not all start with -1 is not batched (max_batch_size 0)."""
+        self.require_version(model, version)
         if (found := self.catalog.find_ensemble(model)) is not None:
             skip = 1 if found.max_batch_size else 0
             return ModelConfig(found.model_id, ensemble.PLATFORM, "", found.max_batch_size,
@@ -375,8 +394,9 @@ class Dataplane:
     # -- inference -----------------------------------------------------------------------------------
 
     async def infer(self, model: str, request_headers: Mapping[str, str], inputs: dict[str, np.ndarray],
-                    grpc_remaining: float | None = None
+                    grpc_remaining: float | None = None, version: str = ""
                     ) -> tuple[api.ModelSpecSpec | ensemble.Ensemble, dict[str, np.ndarray]]:
+        self.require_version(model, version)
         found = self.catalog.find_ensemble(model)
         spec = self.catalog.get(found.head if found is not None else model)
         claimed = request_headers.get("x-input-hash")

@@ -67,20 +67,21 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelReady(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         async def make() -> Any:
             model = dataplane.model_id(_headers(context), request.name)
-            return pb.ModelReadyResponse(ready=await self.plane.model_ready(model))
+            return pb.ModelReadyResponse(ready=await self.plane.model_ready(model, request.version))
 
         return await _answer(context, "ModelReady", make)
 
     async def ModelMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         async def make() -> Any:
-            m = self.plane.model_metadata(dataplane.model_id(_headers(context), request.name))
+            m = self.plane.model_metadata(dataplane.model_id(_headers(context), request.name), request.version)
             return oip.model_metadata_grpc(m.name, m.versions, m.platform, m.inputs, m.outputs)
 
         return await _answer(context, "ModelMetadata", make)
 
     async def ModelConfig(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         async def make() -> Any:
-            return dataplane.config_grpc(self.plane.model_config(dataplane.model_id(_headers(context), request.name)))
+            model = dataplane.model_id(_headers(context), request.name)
+            return dataplane.config_grpc(self.plane.model_config(model, request.version))
 
         return await _answer(context, "ModelConfig", make)
 
@@ -96,11 +97,15 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelInfer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         headers = _headers(context)
-        model = dataplane.model_id(headers, request.model_name)
+        try:
+            model = dataplane.model_id(headers, request.model_name)
+        except oip.OipError as exc:
+            await context.abort(grpc.StatusCode[exc.code], exc.message)
 
         async def call() -> Any:
             inputs, requested = await dataplane.off_loop(_payload_bytes(request), oip.decode_grpc_request, request)
-            spec, outputs = await self.plane.infer(model, headers, inputs, context.time_remaining())
+            spec, outputs = await self.plane.infer(model, headers, inputs, context.time_remaining(),
+                                                   request.model_version)
             return oip.encode_grpc_response(spec.model_id, spec.version, request.id,
                                             oip.select_outputs(outputs, requested))
 

@@ -43,6 +43,11 @@ def _model(request: web.Request, headers: dict[str, str] | None = None) -> str:
     return dataplane.model_id(headers, request.match_info["model"])
 
 
+def _version(request: web.Request) -> str:
+    """The version a `/v2/models/{model}/versions/{version}/...` path names ("" for the plain path)."""
+    return request.match_info.get("version", "")
+
+
 def _last_resort(handler: Handler) -> Handler:
     """The handler, with anything it did not expect answered by a short 500 (logged once with its traceback)."""
 
@@ -84,18 +89,22 @@ def app(plane: dataplane.Dataplane, tokens: auth.Tokens | None = None) -> web.Ap
                                   "extensions": list(dataplane.EXTENSIONS)})
 
     async def model_ready(request: web.Request) -> web.Response:
-        return web.Response(status=200 if await plane.model_ready(_model(request)) else 400)
+        try:
+            ready = await plane.model_ready(_model(request), _version(request))
+        except oip.OipError as exc:
+            return _error(exc)
+        return web.Response(status=200 if ready else 400)
 
     async def model_metadata(request: web.Request) -> web.Response:
         try:
-            m = plane.model_metadata(_model(request))
+            m = plane.model_metadata(_model(request), _version(request))
         except oip.OipError as exc:
             return _error(exc)
         return web.json_response(oip.model_metadata_rest(m.name, m.versions, m.platform, m.inputs, m.outputs))
 
     async def model_config(request: web.Request) -> web.Response:
         try:
-            c = plane.model_config(_model(request))
+            c = plane.model_config(_model(request), _version(request))
         except oip.OipError as exc:
             return _error(exc)
         return web.json_response(dataplane.config_rest(c))
@@ -106,7 +115,10 @@ def app(plane: dataplane.Dataplane, tokens: auth.Tokens | None = None) -> web.Ap
 
     async def infer(request: web.Request) -> web.Response:
         headers = dataplane.headers(request.headers.items())
-        model = _model(request, headers)
+        try:
+            model = _model(request, headers)
+        except oip.OipError as exc:
+            return _error(exc)
 
         async def call() -> web.Response:
             body = await _body(request, plane, headers)
@@ -114,7 +126,7 @@ def app(plane: dataplane.Dataplane, tokens: auth.Tokens | None = None) -> web.Ap
             # A large JSON body is decoded in a thread, parsing numbers in Python so the loop gets the GIL.
             decoded = await dataplane.off_loop(len(body), oip.decode_rest_request, body, length,
                                                yielding=len(body) >= dataplane.OFF_LOOP_BYTES)
-            spec, outputs = await plane.infer(model, headers, decoded.inputs)
+            spec, outputs = await plane.infer(model, headers, decoded.inputs, version=_version(request))
             size = sum(v.nbytes for v in outputs.values())
             payload, json_length = await dataplane.off_loop(
                 size, oip.encode_rest_response, spec.model_id, spec.version, decoded.request_id, outputs,

@@ -2,13 +2,14 @@
 
 A gateway under grpc.aio does its work on one event loop in one process, and most of that work is grpc.aio's own
 (its completion-queue poller thread and the loop's wake-ups, about 85 % of the gateway's CPU per small request by a
-py-spy profile; README, "Against KServe"): at around a thousand small requests a second one gateway process holds a
-core. `volga-gateway --processes N` and `volga up --gateway-processes N` run N gateway processes on the same HTTP and
-gRPC ports. Each binds them with SO_REUSEPORT and the kernel spreads incoming connections over the processes by a
-hash of each connection's addresses: one client connection stays with one process, several connections (several
-clients, or a client's channel pool) spread. Each process has its own route cache, batchers and load exchange with
-the agent (which sums what every gateway process pushes), and its own /metrics: the metrics port + its index, or a
-port of its own when the metrics port is 0. Prometheus sums the processes' series like any other instances.
+py-spy profile; docs/measurements.md, "Against KServe"): at around a thousand small requests a second one gateway
+process holds a core. `volga-gateway --processes N` and `volga up --gateway-processes N` run N gateway processes on
+the same HTTP and gRPC ports. Each binds them with SO_REUSEPORT and the kernel spreads incoming connections over the
+processes by a hash of each connection's addresses: one client connection stays with one process, several
+connections (several clients, or a client's channel pool) spread. Each process has its own route cache, batchers and
+load exchange with the agent (which sums what every gateway process pushes), and its own /metrics: the metrics port
++ its index, or a port of its own when the metrics port is 0. Prometheus sums the processes' series like any other
+instances.
 
 The first process (index 0) starts the others (`Siblings`) and keeps them running: one that exits is started again
 after a pause (1 s, doubling up to 30 s while it keeps exiting within a minute of its start). They end with it: the

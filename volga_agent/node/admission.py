@@ -14,7 +14,7 @@ import re
 import stat
 from collections.abc import Sequence
 
-from volga_agent.node import policy
+from volga_agent.node.settings import Settings
 from volga_core import api
 
 # Frameworks whose files run Python when loaded: a .py source is executed, anything else is unpickled.
@@ -60,7 +60,7 @@ def check_instance_name(name: str) -> None:
                          "(lowercase letters, digits, '-' and '.'), not a path")
 
 
-def check_count(placed: int, settings: policy.Settings) -> None:
+def check_count(placed: int, settings: Settings) -> None:
     """ValueError when more instances are placed on the node than `settings.max_instances` (0: no cap)."""
     cap = settings.max_instances
     if cap and placed > cap:
@@ -79,15 +79,16 @@ def mem_total(meminfo: pathlib.Path = MEMINFO) -> int:
     return 0
 
 
-def node_settings(settings: policy.Settings, total: int | None = None) -> policy.Settings:
-    """`settings` with what is left at 0 taken from the machine: the host memory budget (host_memory_fraction of
-    MemTotal) and the instance cap (one instance per INSTANCE_MEMORY_ESTIMATE of MemTotal)."""
+def node_settings(settings: Settings, total: int | None = None) -> Settings:
+    """`settings` with what is left at 0 taken from the machine: the host memory budget (budgets.host_memory_fraction
+    of MemTotal) and the instance cap (one instance per INSTANCE_MEMORY_ESTIMATE of MemTotal)."""
     total = mem_total() if total is None else total
     if total <= 0:
         return settings
-    update: dict[str, int] = {}
-    if settings.host_memory_budget_bytes == 0 and settings.host_memory_fraction > 0:
-        update["host_memory_budget_bytes"] = int(total * settings.host_memory_fraction)
+    update: dict[str, object] = {}
+    budgets = settings.budgets
+    if budgets.host_memory_bytes == 0 and budgets.host_memory_fraction > 0:
+        update["budgets"] = budgets.model_copy(update={"host_memory_bytes": int(total * budgets.host_memory_fraction)})
     if settings.max_instances == 0:
         update["max_instances"] = max(1, total // INSTANCE_MEMORY_ESTIMATE)
     return settings.model_copy(update=update) if update else settings

@@ -30,14 +30,14 @@ and the canary answer recorded when it was published); when none fits, or the on
 The first freeze of an instance whose key has no shared image yet publishes it, with the parked GPU weights its
 image maps when it has any (the fetch puts them back at the path the image maps).
 
-Starting, watching and reaping the worker process is `process`'s; see docs/architecture.md.
+Freezing a GPU worker (its weights and the driver's copy parked outside the image) is `gpu_freeze`'s; starting,
+watching and reaping the worker process is `process`'s; see docs/architecture.md.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import pathlib
@@ -48,9 +48,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 import numpy as np
 
 from volga_agent.host import priority, process, throttle
-from volga_agent.node import warmup_inputs
+from volga_agent.node import gpu_freeze, warmup_inputs
 from volga_agent.snapshot import criu, cuda, shared
-from volga_agent.worker import contract, protocol, regions
+from volga_agent.worker import contract, protocol
 from volga_core import api
 
 Tier = api.Tier
@@ -172,9 +172,11 @@ class Instance:
         # A GPU worker frozen from HOT parks its weights in a file beside the images (`parked_dir`), which its
         # image maps by reference: the image and its restore then carry only the process and the CUDA context.
         self.park_weights = park_weights
-        self._parked: pathlib.Path | None = None  # the parked weights the current image maps
+        # The parked weights' folder, and the file in it the current image maps (`gpu_freeze.Parking`).
+        self.parking = gpu_freeze.Parking(
+            criu_engine.root / PARKED / self.workdir.name if criu_engine is not None else None)
         # With them, the driver's copy of the device memory goes into the same file, by reference too
-        # (`_park_driver_copy`): the image leaves it out and its restore maps it from the page cache.
+        # (`gpu_freeze.Freeze.park_driver_copy`): the image leaves it out and its restore maps it from the page cache.
         self.park_driver_copy = park_driver_copy
         self.die_with_agent = die_with_agent
         # (worker generation, digest of its canary answer); None until recorded, or when the model's answer
@@ -192,7 +194,7 @@ class Instance:
         self.history: list[Transition] = []
         self.restore_failures = 0
         self.lazy_restore_failures = 0  # lazy restores that failed and were served by an eager one
-        # What the worker said of the driver's copy at the last freeze (`_park_driver_copy`): bytes, regions,
+        # What the worker said of the driver's copy at the last freeze (`gpu_freeze`): bytes, regions,
         # seconds, or the error that left it in the image; and the bytes of it an earlier restore had left mapped
         # from a parked file that was going (stale_bytes).
         self.driver_copy: dict[str, object] = {}
@@ -359,7 +361,8 @@ class Instance:
         if self.shared is None:
             return None
         # A restored worker holds the paths it had: its work folder, and the parked weights its image maps.
-        parked = str(self.parked_dir.absolute()) if self._parks and self.parked_dir is not None else ""
+        folder = self.parked_dir if self.gpu and self.park_weights else None
+        parked = str(folder.absolute()) if folder is not None else ""
         return self.shared.facts.key(self.spec.model_id, self.spec.version, self.spec.input_hash(),
                                      self.spec.framework.value, self.device.startswith("cuda"),
                                      str(self.workdir.absolute()), parked)
@@ -395,7 +398,8 @@ class Instance:
         self.image = self.shared.store.fetch(entry, self.criu.root / self.name / f"shared-{uuid.uuid4().hex[:8]}",
                                              self.parked_dir)
         if entry.manifest.parked is not None:
-            self._parked = pathlib.Path(entry.manifest.parked.path)  # the weights the image maps, placed by fetch
+            # The weights the image maps, placed by fetch.
+            self.parking.current = pathlib.Path(entry.manifest.parked.path)
         self.shared.store.place_log(entry, self.logfile)
         self.signals.mkdir(parents=True, exist_ok=True)
         generation = entry.manifest.generation
@@ -470,7 +474,7 @@ class Instance:
         if self.image is not None and self.criu is not None:
             self.criu.remove(self.image)
         self.image = None
-        self._drop_parked()
+        self.parking.drop()
 
     @property
     def verifies_restores(self) -> bool:
@@ -521,7 +525,12 @@ class Instance:
         """Where this instance's GPU weights wait while it is FROZEN (beside the snapshot images): named after its
         work folder, not the instance, so that both paths an image holds are the same for any replica in that
         folder's slot (see `pool.work_folder`)."""
-        return self.criu.root / PARKED / self.workdir.name if self.criu is not None else None
+        return self.parking.folder
+
+    @property
+    def parked_bytes(self) -> int:
+        """The size of the weights the current image maps from outside itself (0 when none)."""
+        return self.parking.size
 
     def _pause(self, park: pathlib.Path | None = None) -> None:
         """The pause hook: the worker closes its connections and says when it is ready to be dumped."""
@@ -534,8 +543,9 @@ class Instance:
         ready = self.signals / contract.READY_FOR_CHECKPOINT
         self._wait_for(self.pid, ready.exists, "ready for checkpoint", 30.0)
 
-    def _dump(self, generation: int, gpu_checkpointed: bool = False, parked: pathlib.Path | None = None,
-              lazy_restorable: bool = True) -> None:
+    def _dump(self, generation: int, lazy_restorable: bool = True, abandoned: Callable[[], None] | None = None) -> None:
+        """Dump the paused worker (it ends with the dump). An abandoned dump calls `abandoned` (a GPU freeze gives the
+        worker its GPU state back) and the worker carries on serving; one killed or cancelled leaves it COLD."""
         assert self.criu is not None  # to() refuses FROZEN without CRIU
         assert self.pid is not None
         old = self.image
@@ -547,15 +557,11 @@ class Instance:
             self._gone_cold(f"dump stopped: {exc}")
             raise
         except criu.CriuError:
-            # The dump was abandoned: give the GPU state back if we took it, and carry on serving.
-            if gpu_checkpointed and self.driver is not None:
-                self.driver.resume(self.pid)
+            # The dump was abandoned: give back what the freeze took, and carry on serving.
+            if abandoned is not None:
+                abandoned()
             self._resume_worker(self.pid)  # the worker copies parked weights back from its mapping
-            if parked is not None:
-                parked.unlink(missing_ok=True)  # no image maps it; the worker's mapping outlives the name
             raise
-        if parked is not None:
-            self._drop_parked(keep=parked)
         self._image_generation, self._image_taken = generation, time.monotonic()
         if not lazy_restorable:
             self.image = dataclasses.replace(self.image, lazy_restorable=False)
@@ -599,172 +605,36 @@ class Instance:
         self._await_pages()
         generation = self._generation()
         self._record_canary(generation)
-        return self._freeze(generation)
-
-    def _freeze(self, generation: int) -> str | None:
-        """Dump the worker, which the driver has not checkpointed (HOT, or asleep with its context restored for
-        the freeze), parking its GPU weights and then the driver's copy outside the image where it can."""
-        reuse = self._reusable(generation)
-        park = self._park_path(generation) if self._parks and not reuse else None
-        self._pause(park)  # requests that gateways just sent are handed back unrun, not reset
-        if reuse:
-            self._kill()
+        if self._image_reused(generation):
             return "image reused"
-        parked = park if park is not None and park.exists() else None
-        if self.gpu:
-            assert self.driver is not None and self.pid is not None
-            before = self._presence() if parked is not None and self.park_driver_copy else None
-            try:
-                self.driver.suspend(self.pid)
-            except cuda.DriverCheckpointError:
-                self._resume_worker(self.pid)  # the paused worker must serve again
-                if parked is not None:
-                    parked.unlink(missing_ok=True)
-                raise
-            if parked is not None and before is not None:
-                self._park_driver_copy(parked, before)
-        self._dump(generation, gpu_checkpointed=self.gpu, parked=parked)
-        self._publish(generation, parked)
+        if self.gpu:  # its weights, then the driver's copy, parked outside the image where they can be
+            gpu_freeze.Freeze(self, generation).from_hot()
+            return None
+        self._pause()  # requests that gateways just sent are handed back unrun, not reset
+        self._dump(generation)
+        self._publish(generation, None)
         return None
 
-    def _presence(self) -> regions.Presence | None:
-        """The paused worker's pages before the driver's checkpoint, to tell the driver's copy after it (None, and
-        the copy stays in the image, where /proc does not show them)."""
-        assert self.pid is not None
-        try:
-            return regions.presence(self.pid)
-        except OSError as exc:
-            log.warning("%s: the driver's copy stays in the image: %s", self.name, exc)
-            return None
-
-    def _park_driver_copy(self, parked: pathlib.Path, before: regions.Presence) -> None:
-        """The driver has checkpointed the paused worker: name the pages its checkpoint filled (and what an earlier
-        restore left mapped from parked files that are going) to the worker, which maps them from its parked file
-        so that the image leaves them out (`worker.regions`). The pages are read while the worker idles in its
-        pause, before it is told. A worker that cannot move them leaves them in the image (and says why); one
-        that does not answer is not trusted any more."""
-        assert self.pid is not None and self.parked_dir is not None
-        report_file = self.signals / contract.DRIVER_COPY_PARKED
-        report_file.unlink(missing_ok=True)
-        try:
-            stale = regions.stale(self.pid, self.parked_dir.resolve(), parked.resolve())
-            moving = regions.filled(self.pid, before) + stale
-        except OSError as exc:
-            log.warning("%s: the driver's copy stays in the image: %s", self.name, exc)
-            return
-        try:
-            with self._phase("park_driver_copy"):
-                contract.publish(self.signals, contract.DRIVER_CHECKPOINTED,
-                                 json.dumps({"regions": [r.to_json() for r in moving]}))
-                os.kill(self.pid, contract.WAKE_SIGNAL)
-                self._wait_for(self.pid, report_file.exists, "done with the driver's copy", 30.0)
-        except process.WorkerStartError as exc:
-            self._gone_cold(str(exc))
-            raise
-        finally:
-            (self.signals / contract.DRIVER_CHECKPOINTED).unlink(missing_ok=True)
-        try:
-            report = json.loads(contract.read_signal(report_file))
-        except ValueError as exc:
-            report = f"{exc}"
-        # The worker runs model code: what it reports is read as data, never trusted to be well formed.
-        self.driver_copy = report if isinstance(report, dict) else {"error": f"unreadable report: {report!r:.200}"}
-        self.driver_copy["stale_bytes"] = sum(r.end - r.start for r in stale)
-        report_file.unlink(missing_ok=True)
-        if "error" in self.driver_copy:
-            log.warning("%s: the driver's copy stays in the image: %s", self.name, self.driver_copy["error"])
-
-    def _park_path(self, generation: int) -> pathlib.Path:
-        assert self.parked_dir is not None
-        self.parked_dir.mkdir(parents=True, exist_ok=True)
-        process.hand_over(self.parked_dir, self.config)  # the worker writes its weights there
-        return self.parked_dir / f"weights-{generation}-{os.urandom(4).hex()}.bin"
-
-    def _drop_parked(self, keep: pathlib.Path | None = None) -> None:
-        """Remove parked weights that no image maps any more (all of them with no `keep`)."""
-        self._parked = keep
-        folder = self.parked_dir
-        if folder is None or not folder.is_dir():
-            return
-        for path in folder.iterdir():
-            if path != keep:
-                path.unlink(missing_ok=True)
-        if keep is None:
-            folder.rmdir()
-
-    @property
-    def _parks(self) -> bool:
-        """Whether a freeze from HOT parks the weights outside the image."""
-        return self.gpu and self.park_weights
-
-    @property
-    def parked_bytes(self) -> int:
-        """The size of the weights the current image maps from outside itself (0 when none)."""
-        return self._parked.stat().st_size if self._parked is not None and self._parked.exists() else 0
+    def _image_reused(self, generation: int) -> bool:
+        """An image still faithful to the worker (`reuse_image_sec`) stays: the worker is paused and dropped."""
+        if not self._reusable(generation):
+            return False
+        self._pause()
+        self._kill()
+        return True
 
     def _suspended_to_frozen(self) -> str | None:
         """A worker restored into SUSPENDED is dumped as it is: it still maps the parked file its image had. A
         live SUSPENDED worker holds its weights (pinned, or in the driver's copy) and the driver's copy in its
         own memory, which an image would carry page by page and a restore fault back at the page-fault rate:
-        where weights are parked, the driver gives its context back for the freeze (`_driver_resumed_for_freeze`)
-        and the worker, still asleep, is frozen the way a HOT one is, into the same small image."""
+        where weights are parked, the driver gives its context back for the freeze and the worker, still asleep,
+        is frozen the way a HOT one is, into the same small image (`gpu_freeze.Freeze.from_suspended`)."""
         self._await_pages()
         generation = self._generation()
-        if self._reusable(generation):
-            self._pause()
-            self._kill()
+        if self._image_reused(generation):
             return "image reused"
-        if self._paused:
-            assert self.image is not None  # the one it was restored from
-            self._dump(generation, lazy_restorable=self.image.lazy_restorable)
-            self._publish(generation, self._parked)
-            return None
-        if self._parks and self._driver_resumed_for_freeze():
-            try:
-                return self._freeze(generation)
-            except BaseException:
-                self._suspend_again()
-                raise
-        self._pause()
-        # Restored lazily, a worker that held pinned memory at the driver's checkpoint failed the driver's restore
-        # (CUDA_ERROR_INVALID_VALUE, every time on an H200), and one restored eagerly did not.
-        self._dump(generation, lazy_restorable=not (self.gpu and self._pinned_at_suspend > 0))
-        self._publish(generation, None)
-        self._drop_parked()
+        gpu_freeze.Freeze(self, generation).from_suspended()
         return None
-
-    def _driver_resumed_for_freeze(self) -> bool:
-        """Restore the SUSPENDED worker's GPU state (its context; the weights, which it copied to pinned memory
-        before the checkpoint, stay there unless `suspend_copies_weights` is off). False, and the image carries
-        it all, when the driver cannot and the process is still checkpointed; a process in any other state is not
-        trusted any more (COLD)."""
-        assert self.driver is not None and self.pid is not None
-        try:
-            with self._phase("driver"):
-                self.driver.resume(self.pid)
-            return True
-        except cuda.DriverCheckpointError as exc:
-            try:
-                state = self.driver.state(self.pid)
-            except cuda.DriverCheckpointError:
-                state = None
-            if state is not cuda.ProcessState.CHECKPOINTED:
-                self._gone_cold(f"the driver's restore before the freeze failed ({exc}); the process is {state}")
-                raise
-            log.warning("%s: the image carries the weights and the driver's copy: %s", self.name, exc)
-            return False
-
-    def _suspend_again(self) -> None:
-        """After a freeze from SUSPENDED that failed once the driver had restored the worker: the worker,
-        asleep and serving again, goes back to the driver's checkpoint (or COLD where it cannot)."""
-        if self.pid is None or self.tier != Tier.SUSPENDED:
-            return  # the failure already took the worker (COLD)
-        assert self.driver is not None
-        try:
-            self._sleep()
-            self.driver.suspend(self.pid)
-        except (OSError, protocol.ProtocolError, protocol.WorkerError, cuda.DriverCheckpointError) as exc:
-            self._gone_cold(f"back to SUSPENDED after a failed freeze: {exc}")
 
     def _restore(self, lazy: bool | None) -> int:
         if self.image is None or self.criu is None:

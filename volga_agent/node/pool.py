@@ -12,7 +12,7 @@ The pool owns one `Instance` per EMI placed on this node. It:
 - every tick applies the local policy (`policy.plan_demotions`): idle instances go down a tier, budgets
   evict by LRU or hybrid; notices workers that died and restarts them; keeps the circuit breaker that
   stops snapshotting a model whose restores keep failing;
-- with shared snapshots (`settings.shared_snapshots`), gives its instances the shared store (a COLD instance
+- with shared snapshots (`settings.shared.folder`), gives its instances the shared store (a COLD instance
   restores a compatible image another node published) and collects the store's garbage: images of versions no
   ModelSpec it was given has, and whatever exceeds the budget.
 
@@ -42,6 +42,7 @@ from volga_agent import errors, metrics
 from volga_agent.host import gpus as gpu_discovery
 from volga_agent.host import process
 from volga_agent.node import admission, chains, instance, policy
+from volga_agent.node.settings import Settings
 from volga_agent.snapshot import criu, cuda, shared
 from volga_agent.worker import protocol
 from volga_core import api, planner
@@ -112,12 +113,12 @@ class Slot:
 
 class Pool:
     def __init__(self, node: str, workroot: str | pathlib.Path, snapshot_root: str | pathlib.Path | None,
-                 settings: policy.Settings | None = None, agent_metrics: metrics.AgentMetrics | None = None,
+                 settings: Settings | None = None, agent_metrics: metrics.AgentMetrics | None = None,
                  gpus: Sequence[gpu_discovery.GpuInfo] = (), workers: int = 2) -> None:
         self.node = node
         self.workroot = pathlib.Path(workroot)
         self.workroot.mkdir(parents=True, exist_ok=True)
-        self.settings = settings or policy.Settings()
+        self.settings = settings or Settings()
         self.metrics = agent_metrics or metrics.AgentMetrics()
         self.gpus = list(gpus)
         # What an agent killed before us left: its processes, then its instances' work folders.
@@ -128,14 +129,14 @@ class Pool:
         if snapshot_root is not None:
             try:
                 self.criu = criu.CriuEngine(snapshot_root, keep_failed=self.settings.keep_failed_restores,
-                                            deadlines=criu.Deadlines(self.settings.criu_timeout_floor_sec,
-                                                                     self.settings.criu_timeout_sec_per_gib),
+                                            deadlines=criu.Deadlines(self.settings.criu.timeout_floor_sec,
+                                                                     self.settings.criu.timeout_sec_per_gib),
                                             checksums=self.settings.verify_image_checksums)
             except criu.CriuError as exc:
                 log.warning("FROZEN tier unavailable: %s", exc)
         self.shared: shared.Context | None = None
-        if self.settings.shared_snapshots and self.criu is not None:
-            self.shared = shared.Context(shared.Store(self.settings.shared_snapshots), node, shared.NodeFacts(
+        if self.settings.shared.folder and self.criu is not None:
+            self.shared = shared.Context(shared.Store(self.settings.shared.folder), node, shared.NodeFacts(
                 self.criu.version(), self.gpus[0].product if self.gpus else "",
                 self.gpus[0].driver if self.gpus else ""))
         self._collected = float("-inf")
@@ -330,9 +331,9 @@ class Pool:
         its budget; only once this pool has been told the ModelSpecs."""
         if self.shared is None or not self._specs:
             return []
-        s = self.settings
+        s = self.settings.shared
         return self.shared.store.collect(self._specs, {model for model, _ in self._specs},
-                                         s.shared_snapshot_grace_sec, s.shared_snapshot_budget_bytes, now)
+                                         s.grace_sec, s.budget_bytes, now)
 
     def shared_images(self) -> list[shared.Entry]:
         return self.shared.store.entries() if self.shared is not None else []

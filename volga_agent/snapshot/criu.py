@@ -104,7 +104,7 @@ class Image:
     # file (an ONNX model's external data replaced by new weights). `restore` refuses then.
     mapped: tuple[tuple[str, Identity], ...] = ()
     # False when a lazy restore of this image is known to fail, so its owner restores it eagerly (a GPU worker
-    # that held pinned memory at the driver's checkpoint: `Instance._suspended_to_frozen`).
+    # that held pinned memory at the driver's checkpoint: `gpu_freeze.Freeze.capture_all`).
     lazy_restorable: bool = True
 
 

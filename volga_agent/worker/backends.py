@@ -66,6 +66,12 @@ class Backend(abc.ABC):
         return {}
 
 
+def _ort_message(exc: BaseException) -> str:
+    """onnxruntime's message without its "[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : " prefix, on one line."""
+    text = str(exc).split(" : ", 3)[-1]
+    return " ".join(text.split())[:500]
+
+
 class OnnxBackend(Backend):
     def __init__(self, config: contract.WorkerConfig) -> None:
         import onnxruntime as ort
@@ -104,7 +110,13 @@ class OnnxBackend(Backend):
 
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         names = [t.name for t in self.config.outputs]
-        results = self.session.run(names, inputs)
+        try:
+            results = self.session.run(names, inputs)
+        except self._ort.capi.onnxruntime_pybind11_state.InvalidArgument as exc:
+            # Inputs the declaration allows but the model refuses (a window shorter than a convolution, an image
+            # too small for a concat): the client's error, not the server's.
+            raise protocol.WorkerError("INVALID_ARGUMENT", f"the model refused the input: {_ort_message(exc)}"
+                                       ) from None
         return dict(zip(names, results, strict=True))
 
     def swap(self, path: str) -> None:

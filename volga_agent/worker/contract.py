@@ -161,7 +161,7 @@ class WorkerConfig:
     # Before the driver's SUSPENDED checkpoint the worker copies its weights to pinned host memory itself
     # (`backends.TorchBackend.sleep`) instead of leaving them on the device for the driver to copy: on an H200,
     # 0.13 GiB of weights, the SUSPENDED wake 250 vs 290 ms p50 and the checkpoint 340 vs 426 ms
-    # (`bench/wake_phases.py`, README "SUSPENDED: the worker moves its own weights").
+    # (`bench/wake_phases.py`, docs/measurements.md "SUSPENDED: the worker moves its own weights").
     suspend_copies_weights: bool = True
     # How weights in host memory reach the GPU on a wake (`backends.TorchBackend`). "staged": through small pinned
     # buffers from several threads (`worker.staging`: pread from a parked file, memcpy from the host copy), the

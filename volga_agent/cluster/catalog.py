@@ -1,0 +1,65 @@
+"""A gateway's side of cluster mode (`CatalogSync`): its model catalog in step with the cluster's ModelSpecs, and
+where their EMIs are.
+
+It survives an unreachable API server: watches (`kube.watch`) retry with backoff, and until they succeed the gateway
+keeps its catalog, so requests for known models keep being routed. The `kubernetes` client is synchronous; each
+watch runs on its own thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import kubernetes
+
+from volga_agent.cluster import common
+from volga_agent.gateway import catalog as gateway_catalog
+from volga_core import api
+from volga_core.api import conditions
+from volga_core.kube import client as kube_client
+from volga_core.kube import watch
+
+
+class CatalogSync:
+    """A gateway's routing table: the cluster's ModelSpecs and where their EMIs are, from two watches.
+
+    The last good table stays while the API server is unreachable.
+    """
+
+    def __init__(self, catalog: gateway_catalog.Catalog) -> None:
+        self.catalog = catalog
+        self.client = kube_client.api_client()
+        custom = kubernetes.client.CustomObjectsApi(self.client)
+        self.watches = [
+            watch.Watch("modelspecs", custom.list_cluster_custom_object, self._on_specs, group=api.GROUP,
+                  version=api.VERSION, plural="modelspecs"),
+            watch.Watch("emis", custom.list_cluster_custom_object, self._on_emis, group=api.GROUP, version=api.VERSION,
+                  plural="executablemodelinstances"),
+        ]
+
+    def _on_emis(self, objects: dict[tuple[str, str], Any]) -> None:
+        placements: dict[str, list[gateway_catalog.Placement]] = {}
+        for (_, name), obj in objects.items():
+            spec, status = obj.get("spec") or {}, obj.get("status") or {}
+            ready = conditions.is_true(status.get("conditions", ()))
+            placements.setdefault(str(spec.get("modelId", "")), []).append(gateway_catalog.Placement(
+                name, str(spec.get("node", "")), str(status.get("tier", "")), ready, str(status.get("gateway", ""))))
+        self.catalog.set_placements(placements)
+
+    def _on_specs(self, objects: dict[tuple[str, str], Any]) -> None:
+        specs = []
+        for (ns, name), obj in objects.items():
+            parsed = common.with_signature(f"{ns}/{name}", obj)
+            if parsed is not None:
+                specs.append(parsed)
+        self.catalog.replace(specs)
+
+    async def start(self) -> None:
+        for w in self.watches:
+            w.start()
+
+    async def stop(self) -> None:
+        for w in self.watches:
+            w.stop()
+        await asyncio.to_thread(self.client.close)
