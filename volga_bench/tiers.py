@@ -43,6 +43,7 @@ class TierRun:
     worker_gpu_mib_in_tier: float | None = None  # what the instance's worker process itself holds (NVML)
     image_bytes: int | None = None
     parked_bytes: int | None = None  # weights the image maps from a file beside it (GPU FROZEN)
+    copy_path: str = ""  # how the worker copied its weights back at the last wake (`last_wake`)
     phases: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
     def report(self) -> dict[str, Any]:
@@ -59,6 +60,9 @@ class TierRun:
             out["parked_bytes"] = self.parked_bytes
         if self.phases:
             out["phases_p50_ms"] = {k: round(float(np.median(v)), 3) for k, v in sorted(self.phases.items())}
+            out["phases_p99_ms"] = {k: round(float(np.percentile(v, 99)), 3) for k, v in sorted(self.phases.items())}
+        if self.copy_path:
+            out["copy_path"] = self.copy_path
         return out
 
 
@@ -79,24 +83,32 @@ def _worker_gpu_mib(gpu_index: int, pid: int | None) -> float | None:
 def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pathlib.Path,
                 tiers: Sequence[Tier], n: int, device: str = "cpu", batch: int = 8, cold_n: int | None = None,
                 lazy: bool = False, progress: Callable[[str], None] = lambda _: None,
-                settle_s: float = 0.0) -> dict[str, Any]:
+                settle_s: float = 0.0, eager: bool = True, wake_copy: str = "") -> dict[str, Any]:
     """Cold starts, then `n` wakes from each tier, every answer compared with the first cold start's; each
     tier is left alone for `settle_s` before its wake (GPU_SETTLE_S says why).
 
     FROZEN is dumped once and then restored `n` times from that image (the worker does not change between
-    wakes, so the image stays a faithful snapshot: what the pool does within `snapshot_interval_sec`).
+    wakes, so the image stays a faithful snapshot: what the pool does within `snapshot_interval_sec`). Without
+    `eager`, FROZEN is woken with lazy pages only (`lazy`). `wake_copy` sets the worker's weight copy on a wake
+    (`contract.WorkerConfig.wake_copy`); a GPU worker's own account of its last copy (`last_wake`) is read after
+    each wake's answer, outside the timing, into the phases as `worker_copy_ms`, `worker_graphs_ms` and
+    `staging_alloc_ms`.
     """
     driver = cuda.DriverCheckpoint() if device.startswith("cuda") else None
     engine = criu.CriuEngine(snapshot_dir) if Tier.FROZEN in tiers else None
     inst = instance.Instance(f"bench-{spec.model_id}", spec, workdir, engine, driver, device,
                              reuse_image_sec=float("inf"))
+    if wake_copy:
+        inst.config = copy_config(inst.config, wake_copy)
     inputs = contract.sample_inputs(inst.config.inputs, batch=batch, seed=1)
     gpu_index = int(device.partition(":")[2] or 0) if device.startswith("cuda") else None
     reference: dict[str, np.ndarray] | None = None
     runs: dict[Tier | str, TierRun] = {Tier.COLD: TierRun(), **{t: TierRun() for t in tiers}}
     cold_n = n if cold_n is None else cold_n
     # With `lazy`, FROZEN is measured a second time with CRIU lazy pages, from the same image.
-    passes: list[tuple[Tier | str, Tier, bool]] = [(t, t, False) for t in tiers]
+    passes: list[tuple[Tier | str, Tier, bool]] = [(t, t, False) for t in tiers if eager or t != Tier.FROZEN]
+    if not eager:
+        runs.pop(Tier.FROZEN, None)
     if lazy and Tier.FROZEN in tiers:
         runs["frozen_lazy"] = TierRun()
         passes.append(("frozen_lazy", Tier.FROZEN, True))
@@ -149,6 +161,13 @@ def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pa
                 run.fallbacks += int(woke.fallback)
                 for phase, seconds in woke.phases.items():
                     run.phases.setdefault(WAKE_PHASES.get(phase, phase), []).append(seconds * 1e3)
+                if gpu_index is not None and tier != Tier.HOT:
+                    last = inst.client().call("stats").header.get("last_wake") or {}
+                    for key, name in (("copy_ms", "worker_copy_ms"), ("graphs_ms", "worker_graphs_ms"),
+                                      ("staging_alloc_ms", "staging_alloc_ms"), ("map_ms", "worker_map_ms")):
+                        if key in last:
+                            run.phases.setdefault(name, []).append(float(last[key]))
+                    run.copy_path = str(last.get("copy", ""))
                 if driver is not None and tier == Tier.SUSPENDED and pid in driver.timings:
                     for phase, ms in driver.timings.pop(pid).items():
                         run.phases.setdefault(phase, []).append(ms)
@@ -169,10 +188,31 @@ def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pa
         "outputs_match": all(r.mismatches == 0 for r in runs.values()),
         "restore_fallbacks": sum(r.fallbacks for r in runs.values()),
         "criu": engine.version() if engine else None,
+        "wake_copy": wake_copy or inst.config.wake_copy if device.startswith("cuda") else None,
         "settle_ms": settle_s * 1e3,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     return report
+
+
+def copy_config(config: contract.WorkerConfig, spec: str) -> contract.WorkerConfig:
+    """A worker's config with the weight copy `spec` names: "auto", "staged" or "pinned" (`WorkerConfig.wake_copy`),
+    optionally followed by staging knobs: "staged-premap", "staged-chunk16", "staged-threads8", "auto-overlap"
+    (graphs captured while the copies run)."""
+    name, *knobs = spec.split("-")
+    changes: dict[str, Any] = {"wake_copy": name}
+    for knob in knobs:
+        if knob in ("premap", "progressive"):
+            changes["staging_premap"] = knob == "premap"
+        elif knob == "overlap":
+            changes["staging_overlap_graphs"] = True
+        elif knob.startswith("chunk"):
+            changes["staging_chunk_mib"] = int(knob.removeprefix("chunk"))
+        elif knob.startswith("threads"):
+            changes["staging_threads"] = int(knob.removeprefix("threads"))
+        else:
+            raise ValueError(f"unknown weight copy knob {knob!r} in {spec!r}")
+    return dataclasses.replace(config, **changes)
 
 
 def _name(tier: Tier | str) -> str:
@@ -264,28 +304,133 @@ def build_torch_mlp(path: pathlib.Path, weights_gib: float, width: int = 4096, s
     })
 
 
+# A wake's phases as the tables show them (p50 ms), beside the floors they are held to.
+TABLE_PHASES = (("criu", "criu_restore_ms"), ("driver", "driver_resume_ms"), ("wake", "worker_wake_ms"),
+                ("copy", "worker_copy_ms"), ("graphs", "worker_graphs_ms"))
+
+
 def format_table(report: dict[str, Any]) -> str:
-    rows = [f"{'tier':<12} {'p50 ms':>10} {'p99 ms':>10} {'n':>4} {'vs cold':>8}"]
+    rows = [f"{'tier':<12} {'p50 ms':>10} {'p99 ms':>10} {'n':>4} {'vs cold':>8}  phases p50 ms"]
     cold = report["tiers"]["cold"]["p50_ms"]
     for name, r in report["tiers"].items():
-        rows.append(f"{name:<12} {r['p50_ms']:>10.1f} {r['p99_ms']:>10.1f} {r['n']:>4} {cold / r['p50_ms']:>7.1f}x")
+        phases = r.get("phases_p50_ms") or {}
+        shown = " ".join(f"{label} {phases[key]:.0f}" for label, key in TABLE_PHASES if key in phases)
+        rows.append(f"{name:<12} {r['p50_ms']:>10.1f} {r['p99_ms']:>10.1f} {r['n']:>4} {cold / r['p50_ms']:>7.1f}x"
+                    f"  {shown}")
+    if report.get("floors_ms"):
+        rows.append("floors: " + ", ".join(f"{k} {v}" for k, v in report["floors_ms"].items()))
     return "\n".join(rows)
+
+
+def side_by_side(report: dict[str, Any], sizes: Sequence[float], copies: Sequence[str]) -> list[dict[str, Any]]:
+    """One row per size and tier: each way of copying's p50/p99 and phases, next to the floors."""
+    rows = []
+    for gib in sizes:
+        first = report["sizes"][f"{gib:g}-{copies[0]}"]
+        for tier in first["tiers"]:
+            if tier in ("cold", "hot"):
+                continue
+            row: dict[str, Any] = {"gib": gib, "tier": tier, "floors_ms": first.get("floors_ms", {})}
+            for copy in copies:
+                r = report["sizes"][f"{gib:g}-{copy}"]["tiers"].get(tier)
+                if r is not None:
+                    row[copy] = {"p50_ms": r["p50_ms"], "p99_ms": r["p99_ms"], "n": r["n"],
+                                 "mismatches": r["mismatches"], "copy_path": r.get("copy_path", ""),
+                                 "phases_p50_ms": {k: r.get("phases_p50_ms", {}).get(k) for _, k in TABLE_PHASES
+                                                   if k in r.get("phases_p50_ms", {})}}
+            rows.append(row)
+    return rows
+
+
+def format_side_by_side(report: dict[str, Any]) -> str:
+    rows = ["wake copy side by side (p50/p99 ms; phases p50 ms)"]
+    for row in report["wake_copy_side_by_side"]:
+        cells = []
+        for copy, r in row.items():
+            if not isinstance(r, dict) or "p50_ms" not in r:
+                continue
+            phases = " ".join(f"{label} {r['phases_p50_ms'][key]:.0f}" for label, key in TABLE_PHASES
+                              if key in r["phases_p50_ms"])
+            cells.append(f"{copy} {r['p50_ms']:.0f}/{r['p99_ms']:.0f} ({phases}; mismatches {r['mismatches']})")
+        floors_text = ", ".join(f"{k.replace('_ms', '')} {v}" for k, v in row["floors_ms"].items())
+        rows.append(f"{row['gib']:g} GiB {row['tier']:<11} " + " | ".join(cells) + f" | floors: {floors_text}")
+    return "\n".join(rows)
+
+
+DRIVER_FLOOR_CHILD = r"""
+import sys, torch
+torch.ones(64 * 2**20, dtype=torch.uint8, device="cuda")
+torch.cuda.synchronize()
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+
+
+def driver_floor(repeats: int = 5) -> dict[str, Any]:
+    """The driver's restore of a bare PyTorch context (64 MiB allocated, no pinned memory): the floor under the
+    driver's share of every SUSPENDED and FROZEN wake."""
+    import subprocess
+    import sys
+
+    driver = cuda.DriverCheckpoint()
+    child = subprocess.Popen([sys.executable, "-c", DRIVER_FLOOR_CHILD], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    restores = []
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        if child.stdout.readline().strip() != "ready":
+            return {"error": "the bare context did not start"}
+        for _ in range(repeats):
+            driver.suspend(child.pid)
+            driver.resume(child.pid)
+            restores.append(driver.timings[child.pid]["restore_ms"] + driver.timings[child.pid]["unlock_ms"])
+    finally:
+        child.kill()
+        child.wait()
+    return {"restore_p50_ms": round(float(np.median(restores)), 1), "restores_ms": [round(r, 1) for r in restores]}
+
+
+def floors(weights_bytes: int, limits: dict[str, Any]) -> dict[str, float]:
+    """What each part of a GPU wake cannot beat on this machine: the weights copy at the pinned copy limit, and
+    the driver's restore of a bare context."""
+    out: dict[str, float] = {}
+    if limits.get("pinned_h2d_gbps"):
+        out["copy_at_pinned_limit_ms"] = round(weights_bytes / limits["pinned_h2d_gbps"] / 1e6, 1)
+    if limits.get("driver_bare_context_restore_ms"):
+        out["driver_bare_context_restore_ms"] = limits["driver_bare_context_restore_ms"]
+    return out
 
 
 def gpu_suite(models: pathlib.Path, run: pathlib.Path, snapshots: pathlib.Path, sizes: Sequence[float],
               tiers: Sequence[Tier], n: int, cold_n: int | None = None, lazy: bool = False, burst_n: int = 0,
-              progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
-    """Copy limits, every size through every tier, and the burst of SUSPENDED wakes, in one run."""
+              progress: Callable[[str], None] = lambda _: None, eager: bool = True,
+              wake_copies: Sequence[str] = ()) -> dict[str, Any]:
+    """Copy limits and the driver's floor, every size through every tier (with several `wake_copies`, each size
+    once per way of copying, one after the other, keyed `SIZE-COPY`), and the burst of SUSPENDED wakes, in one
+    run."""
     import onnxruntime
 
     report: dict[str, Any] = {"device": reporting.device_description("cuda:0")}
     progress("copy limits")
     report["copy_limits"] = copy_limits()
+    if Tier.SUSPENDED in tiers or Tier.FROZEN in tiers:
+        progress("driver floor: a bare context's restore")
+        floor = driver_floor()
+        report["driver_floor"] = floor
+        if "restore_p50_ms" in floor:
+            report["copy_limits"]["driver_bare_context_restore_ms"] = floor["restore_p50_ms"]
     report["sizes"] = {}
+    copies = list(wake_copies) or [""]
     for gib in sizes:
         spec = build_torch_mlp(models / f"mlp-{gib:g}gib" / "model.pt", gib)
-        report["sizes"][f"{gib:g}"] = bench_tiers(spec, run / f"w{gib:g}", snapshots, tiers, n, "cuda:0",
-                                                  cold_n=cold_n, lazy=lazy, progress=progress, settle_s=GPU_SETTLE_S)
+        for copy in copies:
+            key = f"{gib:g}-{copy}" if len(copies) > 1 else f"{gib:g}"
+            part = bench_tiers(spec, run / f"w{gib:g}{copy}", snapshots, tiers, n, "cuda:0", cold_n=cold_n,
+                               lazy=lazy, progress=progress, settle_s=GPU_SETTLE_S, eager=eager, wake_copy=copy)
+            part["floors_ms"] = floors(int(part["model"]["weights_bytes"] or 0), report["copy_limits"])
+            report["sizes"][key] = part
+    if len(copies) > 1:
+        report["wake_copy_side_by_side"] = side_by_side(report, sizes, copies)
     if burst_n:
         specs = [build_torch_mlp(models / f"burst-{k}" / "model.pt", 0.0625, seed=k, cuda_graphs=False)
                  for k in range(burst_n)]

@@ -305,8 +305,10 @@ def test_a_suspended_worker_is_frozen_into_the_small_image_too(mlp_spec: api.Mod
                     driver_copy_parked(inst, weights)
                 else:
                     assert inst.parked_bytes == 0 and "driver" not in entered.phases
-                # Unparked, the worker held its weights in pinned memory at the driver's checkpoint: restored eagerly.
-                assert inst.image is not None and inst.image.lazy_restorable is park
+                # Unparked, a worker that kept its weights pinned at the driver's checkpoint (wake_copy "pinned") is
+                # restored eagerly; a staged one unpins them before the checkpoint.
+                assert inst.image is not None
+                assert inst.image.lazy_restorable is (park or inst.config.wake_copy == "staged")
                 inst.lazy_restore = lazy
                 woke = inst.wake()
                 assert not woke.fallback, woke.detail
@@ -457,3 +459,32 @@ def test_a_suspended_worker_hands_the_driver_little_more_than_its_context(
     rss = wakes_with_graphs_kept_and_dropped(mlp_spec, rundir, criu_engine, Tier.SUSPENDED, rss_anon_bytes,
                                              copy_weights=True, after=after)
     assert rss[True] - rss[False] > 64 * 2**20, rss
+
+
+@pytest.mark.parametrize("wake_copy", ["staged", "pinned", "auto", "auto-overlap"])
+def test_every_wake_copy_brings_the_weights_back_bit_for_bit(mlp_spec: api.ModelSpecSpec, rundir: pathlib.Path,
+                                                             criu_engine: criu.CriuEngine, wake_copy: str) -> None:
+    """Each way of copying weights back on a wake (`WorkerConfig.wake_copy`) answers as HOT did after SUSPENDED,
+    FROZEN (lazy) and WARM wakes and says which copy it made; a worker that stages its SUSPENDED copy holds no
+    pinned memory at the driver's checkpoint. "auto" stages parked files and, below `staging_min_mib`, keeps a
+    SUSPENDED copy pinned; with "-overlap" the graphs are captured while the copies run."""
+    inst = on_gpu(f"mlp-copy-{wake_copy}", mlp_spec, rundir, criu_engine)
+    inst.config = tiers.copy_config(inst.config, wake_copy)
+    name = wake_copy.partition("-")[0]
+    suspended = "staged:memory" if name == "staged" else "pinned:memory"
+    parked = "pinned:file" if name == "pinned" else "staged:file"
+    try:
+        x, reference, _ = hot_with_reference(inst, seed=13)
+        inst.lazy_restore = True
+        for tier, copied in ((Tier.SUSPENDED, suspended), (Tier.FROZEN, parked), (Tier.SUSPENDED, suspended),
+                             (Tier.WARM, "pinned:memory"), (Tier.FROZEN, parked)):
+            inst.to(tier)
+            assert not inst.wake().fallback
+            assert np.array_equal(inst.infer(x)["y"], reference), (tier, wake_copy)
+            stats = inst.client().call("stats").header
+            assert stats["last_wake"]["copy"] == copied, stats["last_wake"]
+            pinned = tier == Tier.WARM or (tier == Tier.SUSPENDED and name != "staged")
+            assert stats["host_pinned"] is pinned, (tier, stats)
+            assert sorted(stats["cuda_graphs"]) == sorted(inst.config.cuda_graph_batches), stats
+    finally:
+        inst.close()

@@ -9,6 +9,7 @@ stays small and starts fast.
 from __future__ import annotations
 
 import abc
+import concurrent.futures
 import importlib
 import mmap
 import os
@@ -20,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from volga_agent.worker import contract, pinning, protocol
+from volga_agent.worker import contract, pinning, protocol, staging
 
 # How onnxruntime words a file it may not read: "SystemError : 13" (EACCES) for external data, else the OS's text.
 _DENIED = re.compile(r"SystemError : 13\b|Permission denied")
@@ -160,6 +161,9 @@ class TorchBackend(Backend):
         self.nbytes = offset
         self.host: Any = None
         self._host_buffer: Any = None
+        self._host_registered = False  # the host copy is pinned (registered with CUDA) now
+        self._parked_path = ""  # the parked file `park` wrote, which a staged `unpark` reads
+        self.last_wake: dict[str, Any] = {}  # how the last weights copy to the GPU went (`stats`)
         self.offloaded = False
         self._parked: mmap.mmap | None = None  # the file mapping the weights are parked in, until unpark()
         self.vmm: Any = None
@@ -196,7 +200,7 @@ class TorchBackend(Backend):
                 view.copy_(t.data)
             t.data = view
 
-    def _capture(self, batch: int) -> None:
+    def _capture(self, batch: int, thread_local: bool = False) -> None:
         """Capture the forward pass for one batch size; replays read inputs from static buffers."""
         torch = self.torch
         static = []
@@ -212,7 +216,9 @@ class TorchBackend(Backend):
                 self.module(*static)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.no_grad(), torch.cuda.graph(graph):
+        # thread_local: other threads (a staged copy's) may go on calling CUDA while this one captures.
+        mode = "thread_local" if thread_local else "global"
+        with torch.no_grad(), torch.cuda.graph(graph, capture_error_mode=mode):
             out = self.module(*static)
         self.graphs[batch] = (graph, static, out)
 
@@ -256,21 +262,85 @@ class TorchBackend(Backend):
         with torch.inference_mode():
             return self._outputs(self.module(*args))
 
+    @property
+    def _staged(self) -> bool:
+        """Whether a SUSPENDED host copy goes unpinned into the driver's checkpoint and comes back staged."""
+        if self.device.type != "cuda":
+            return False
+        return self.config.wake_copy == "staged" or (
+            self.config.wake_copy == "auto" and self.nbytes >= self.config.staging_min_mib * 2**20)
+
+    @property
+    def _stages_parked(self) -> bool:
+        """Whether parked weights come back staged from their file (else pinned in place)."""
+        return self.device.type == "cuda" and self.config.wake_copy in ("staged", "auto")
+
     def _pinned(self) -> Any:
-        """Host memory for the weights, pinned by registration so that freeing it really frees it."""
+        """Host memory for the weights, pinned by registration so that freeing it really frees it (a host copy
+        left unpinned by a staged `sleep` is pinned again)."""
         torch = self.torch
         if self.host is None:
-            buffer = np.empty(self.nbytes, dtype=np.uint8)
-            if self.device.type == "cuda":
-                code = torch.cuda.cudart().cudaHostRegister(buffer.ctypes.data, self.nbytes, 0)
-                if int(code) != 0:
-                    raise protocol.WorkerError("RESOURCE_EXHAUSTED", f"cudaHostRegister failed ({code})")
-            self._host_buffer = buffer
-            self.host = torch.from_numpy(buffer)
+            self._host_buffer = np.empty(self.nbytes, dtype=np.uint8)
+            self.host = torch.from_numpy(self._host_buffer)
+        if self.device.type == "cuda" and not self._host_registered:
+            code = torch.cuda.cudart().cudaHostRegister(self._host_buffer.ctypes.data, self.nbytes, 0)
+            if int(code) != 0:
+                raise protocol.WorkerError("RESOURCE_EXHAUSTED", f"cudaHostRegister failed ({code})")
+            self._host_registered = True
         return self.host
 
+    def _unpin_host(self) -> None:
+        """Unregister the host copy but keep it (a staged `sleep`): pinned memory the process holds at the
+        driver's checkpoint is pinned again by the driver's restore, on the wake's path."""
+        if self._host_registered and self._host_buffer is not None:
+            self.torch.cuda.cudart().cudaHostUnregister(self._host_buffer.ctypes.data)
+        self._host_registered = False
+
+    def _fill_arena(self, read: staging.Reader, source: str) -> None:
+        """Back the arena with device memory again (VMM chunk by chunk, the copies of a chunk starting once it
+        is mapped) and fill it through staging buffers (`worker.staging`)."""
+        torch = self.torch
+        start = time.perf_counter()
+        ready = None
+        overlap = self.config.staging_overlap_graphs and bool(self._released_graphs)
+        if self.vmm is not None:
+            ready = (self.vmm.map_chunk(i) for i in range(len(self.vmm.chunks)) if i not in self.vmm.handles)
+            # Partly mapped already (an earlier failure), or graphs captured meanwhile, which need it all mapped.
+            if self.vmm.handles or self.config.staging_premap or overlap:
+                self.vmm.map()
+                ready = None
+        else:
+            self.arena = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+            self._bind(self.arena, copy=False)
+        mapped = time.perf_counter()
+        threads = staging.threads_for(self.config.staging_threads)
+
+        def fill() -> dict[str, float]:
+            return staging.copy(torch, self.arena, read, self.nbytes, threads=threads,
+                                chunk=self.config.staging_chunk_mib * 2**20, ready=ready)
+
+        graphs: dict[str, Any] = {}
+        if overlap:
+            # The graphs' warm-up passes read weights still arriving (their results are thrown away); replays
+            # come after the copies, which `staging.copy` has synchronised before it returns.
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                copying = pool.submit(fill)
+                try:
+                    self._capture_released(thread_local=True)
+                    graphs = dict(self.last_wake)
+                finally:
+                    info = copying.result()
+        else:
+            info = fill()
+        self.last_wake = {"copy": f"staged:{source}", "threads": threads, "bytes": self.nbytes,
+                          "copy_ms": round((time.perf_counter() - start) * 1e3, 2),
+                          "map_ms": round((mapped - start) * 1e3, 2),
+                          "staging_alloc_ms": round(info["staging_alloc_s"] * 1e3, 2)}
+        if "graphs_ms" in graphs:
+            self.last_wake["graphs_overlapped_ms"] = graphs["graphs_ms"]
+
     def drop_host_copy(self) -> None:
-        """Free the pinned copy (before a CRIU dump, whose image would otherwise carry the weights twice)."""
+        """Free the host copy (before a CRIU dump, whose image would otherwise carry the weights twice)."""
         if self.host is None or self.offloaded:
             return
         self._unregister_host()
@@ -309,6 +379,7 @@ class TorchBackend(Backend):
             return False
         torch = self.torch
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self._parked_path = path
         try:
             os.ftruncate(fd, self.nbytes)
             mapping = mmap.mmap(fd, self.nbytes, mmap.MAP_SHARED)
@@ -322,8 +393,17 @@ class TorchBackend(Backend):
         self.host, self._parked = parked, mapping
         if not self.config.graphs_in_images:
             self._release_graphs()
-        torch.cuda.empty_cache()  # cached blocks would go into the driver's checkpoint too
+        self._empty_caches()
         return True
+
+    def _empty_caches(self) -> None:
+        """Cached device blocks would go into the driver's checkpoint; cached pinned host blocks would be pinned
+        again by its restore."""
+        torch = self.torch
+        torch.cuda.empty_cache()
+        host_empty = getattr(torch._C, "_host_emptyCache", None)
+        if host_empty is not None:
+            host_empty()
 
     def _release_graphs(self) -> None:
         """Drop the captured graphs, their memory pool and cuBLAS's workspaces before a driver checkpoint.
@@ -338,18 +418,23 @@ class TorchBackend(Backend):
         if clear_workspaces is not None:
             clear_workspaces()
 
-    def _capture_released(self) -> None:
+    def _capture_released(self, thread_local: bool = False) -> None:
         batches, self._released_graphs = self._released_graphs, ()
+        start = time.perf_counter()
         for batch in batches:
-            self._capture(batch)
+            self._capture(batch, thread_local)
+        if batches:
+            self.last_wake["graphs_ms"] = round((time.perf_counter() - start) * 1e3, 2)
 
     def sleep(self) -> dict[str, Any]:
         """Before the driver's checkpoint (SUSPENDED): unless `graphs_in_images`, the graphs and workspaces go,
         and with `suspend_copies_weights` the weights go to pinned host memory by the worker's own copy, so that
         the driver copies little more than the context. The driver copies device memory at a few GB/s each way
         (about 3.5 GB/s on an H200: ~70 ms per 250 MiB of a restore), the copy engine from and to pinned memory
-        at tens of GB/s. The pinned copy stays after `awake`, as after a WARM wake: the next checkpoint reuses
-        it."""
+        at tens of GB/s. The host copy stays after `awake`, as after a WARM wake: the next checkpoint reuses
+        it. With `wake_copy` "staged" it is unpinned before the checkpoint (the driver's restore would pin it
+        again: 2 GiB +36 ms, 8 GiB +213 ms on an H200 with huge pages, twice that without, bench/copy_paths.py)
+        and `awake` copies it back through staging buffers."""
         if self.device.type != "cuda":
             return {}
         out: dict[str, Any] = {}
@@ -359,10 +444,12 @@ class TorchBackend(Backend):
                 self._slept_offloaded = True
             except protocol.WorkerError as exc:  # no pinned memory to be had: the driver's copy takes them
                 print(f"sleep: weights stay on the GPU for the driver's checkpoint: {exc.message}", file=sys.stderr)
+        if self._staged:
+            self._unpin_host()
         if not self.config.graphs_in_images:
             self._release_graphs()
-        self.torch.cuda.empty_cache()  # cached blocks would go into the driver's checkpoint too
-        out["pinned_bytes"] = self.nbytes if self._host_buffer is not None else 0
+        self._empty_caches()
+        out["pinned_bytes"] = self.nbytes if self._host_registered else 0
         return out
 
     def awake(self) -> None:
@@ -375,12 +462,40 @@ class TorchBackend(Backend):
         if self._parked is None:
             return
         mapping, self._parked = self._parked, None
+        staged = False
+        if self._stages_parked and self._parked_path:
+            try:
+                fd = os.open(self._parked_path, os.O_RDONLY)
+            except OSError as exc:  # the mapping still holds the weights: copy from it instead
+                print(f"parked weights: {exc}; pinning the mapping instead", file=sys.stderr)
+            else:
+                try:
+                    self._fill_arena(staging.file_reader(fd), "file")
+                    staged = True
+                except staging.StagingError as exc:  # the mapping still holds them: pin it instead
+                    print(f"parked weights: {exc}; pinning the mapping instead", file=sys.stderr)
+                finally:
+                    os.close(fd)
+        if not staged:
+            self._unpark_pinned()
+        self.offloaded = False
+        self.host = None  # the last view: the mapping can close
+        try:
+            mapping.close()
+        except BufferError:  # a view outlived the copy: the mapping stays until it goes (and a dump carries it)
+            print("parked weights: a view still holds the file mapping", file=sys.stderr)
+        self._capture_released()
+
+    def _unpark_pinned(self) -> None:
+        """Copy parked weights back by pinning their mapping in place, chunk by chunk (`worker.pinning`)."""
         torch = self.torch
+        start = time.perf_counter()
         if self.vmm is not None:
             self.vmm.map()
         else:
             self.arena = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
             self._bind(self.arena, copy=False)
+        self.last_wake = {"copy": "pinned:file", "bytes": self.nbytes}
         try:
             with pinning.Pinned(int(self.host.data_ptr()), self.nbytes) as pinned:
                 for offset, size in pinned.chunks():
@@ -390,25 +505,25 @@ class TorchBackend(Backend):
             print(f"parked weights: {exc}; copying from pageable memory", file=sys.stderr)
             self.arena.copy_(self.host)
             torch.cuda.synchronize(self.device)
-        self.offloaded = False
-        self.host = None  # the last view: the mapping can close
-        try:
-            mapping.close()
-        except BufferError:  # a view outlived the copy: the mapping stays until it goes (and a dump carries it)
-            print("parked weights: a view still holds the file mapping", file=sys.stderr)
-        self._capture_released()
+        self.last_wake["copy_ms"] = round((time.perf_counter() - start) * 1e3, 2)  # unpinning included
 
     def _unregister_host(self) -> None:
-        if self._host_buffer is not None and self.device.type == "cuda":
-            self.torch.cuda.cudart().cudaHostUnregister(self._host_buffer.ctypes.data)
+        if self.device.type == "cuda":
+            self._unpin_host()
         self.host = None
         self._host_buffer = None
+        self._host_registered = False
 
     def reload(self) -> dict[str, Any]:
         torch = self.torch
         if not self.offloaded:
             return {"nbytes": self.nbytes, "already": True}
         start = time.perf_counter()
+        if self.device.type == "cuda" and self._host_buffer is not None and not self._host_registered:
+            # Left unpinned by a staged `sleep`: through staging buffers rather than pinning it all again.
+            self._fill_arena(staging.memory_reader(int(self._host_buffer.ctypes.data)), "memory")
+            self.offloaded = False
+            return {"nbytes": self.nbytes, "seconds": time.perf_counter() - start}
         if self.vmm is not None:
             for index in range(len(self.vmm.chunks)):
                 # Map chunk i+1 on the CPU while the copy engine fills chunk i.
@@ -424,6 +539,8 @@ class TorchBackend(Backend):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.offloaded = False
+        self.last_wake = {"copy": "pinned:memory", "bytes": self.nbytes,
+                          "copy_ms": round((time.perf_counter() - start) * 1e3, 2)}
         return {"nbytes": self.nbytes, "seconds": time.perf_counter() - start}
 
     def swap(self, path: str) -> None:
@@ -448,7 +565,8 @@ class TorchBackend(Backend):
                                "cuda_graphs": sorted(self.graphs), "stable_addresses": self.vmm is not None,
                                "weights_ptr": int(self.arena.data_ptr()) if self.arena is not None else 0,
                                "host_copy_bytes": self.nbytes if self.host is not None else 0,
-                               "parked": self._parked is not None}
+                               "parked": self._parked is not None, "wake_copy": self.config.wake_copy,
+                               "host_pinned": self._host_registered, "last_wake": self.last_wake}
         if self.device.type == "cuda":
             mapped = self.vmm.size if self.vmm is not None and self.vmm.mapped else 0
             out["gpu_allocated_bytes"] = int(self.torch.cuda.memory_allocated(self.device)) + mapped

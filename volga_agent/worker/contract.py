@@ -164,6 +164,24 @@ class WorkerConfig:
     # 0.13 GiB of weights, the SUSPENDED wake 250 vs 290 ms p50 and the checkpoint 340 vs 426 ms
     # (`bench/wake_phases.py`, docs/measurements.md "SUSPENDED: the worker moves its own weights").
     suspend_copies_weights: bool = True
+    # How weights in host memory reach the GPU on a wake (`backends.TorchBackend`). "staged": through small pinned
+    # buffers from several threads (`worker.staging`: pread from a parked file, memcpy from the host copy), the
+    # host copy unpinned before the driver's checkpoint (whose restore would otherwise pin it again). "pinned": the
+    # host copy kept pinned across the driver's checkpoint, a parked file pinned in place chunk by chunk
+    # (`worker.pinning`). "auto": parked files staged; a SUSPENDED host copy staged from `staging_min_mib` of
+    # weights, pinned below (on an H200 SUSPENDED wakes were 282 pinned vs 363 ms staged at 2 GiB, 629 vs 518 ms at
+    # 8 GiB; FROZEN lazy 465 vs 446 and 971 vs 617 ms, run 2 of bench/results/tiers/wake-copy-h200.md).
+    # `volga bench tiers --gpu --wake-copy pinned,auto` compares them in one run.
+    wake_copy: str = "auto"
+    staging_min_mib: int = 4096
+    # The staged copy's threads (fewer where the worker may run on fewer CPUs), and each one's two buffers' size.
+    staging_threads: int = 16
+    staging_chunk_mib: int = 8
+    # Map the whole weight arena (VMM) before the staged copies start, instead of chunk by chunk as they go.
+    staging_premap: bool = False
+    # Capture the released CUDA graphs while the staged copies run (the arena mapped first; graphs replay only
+    # after the copies are done).
+    staging_overlap_graphs: bool = False
     # The user and group the worker drops to once started (`serve.drop_privileges`); 0 and 0: it stays the agent's.
     uid: int = 0
     gid: int = 0
