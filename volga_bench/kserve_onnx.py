@@ -6,9 +6,9 @@ inputs and answers OIP v2 outputs, over REST and gRPC as KServe serves them. It 
 a model without a prebuilt runtime.
 
 Run as a script, `python kserve_onnx.py --model_path M --model_name N --intra_op_threads 1 --grpc_port P ...`,
-by any interpreter that has kserve, onnxruntime and numpy: KServe releases after 0.16 need grpcio and protobuf
-newer than the project's pins, so the bench may start this file with another virtual environment's Python. For
-that reason it imports nothing of Volga.
+by any interpreter that has kserve, onnxruntime and numpy: Volga's own (the `peers` extra), or another virtual
+environment's Python given to the bench (a KServe release of the user's choice). For that reason it imports nothing
+of Volga.
 """
 
 from __future__ import annotations

@@ -18,9 +18,9 @@ client, closed loop) for `seconds` each, with the CPU time per answer of each se
 process, the clients, for both). Every answer is compared with onnxruntime run directly in this process on the
 same inputs. The model alone in-process (no server) is measured too, as the floor both stand on.
 
-KServe comes from the `peers` extra (the last KServe release that installs beside the project's grpcio and
-protobuf pins) or from any interpreter given with `kserve_python` (a separate virtual environment with a newer
-KServe, which needs newer grpcio and protobuf): the server is that interpreter running `kserve_onnx.py`.
+KServe comes from the `peers` extra (the current release, installed beside Volga and tritonclient) or from any
+interpreter given with `kserve_python` (a separate virtual environment with another KServe release): the server is
+that interpreter running `kserve_onnx.py`.
 """
 
 from __future__ import annotations

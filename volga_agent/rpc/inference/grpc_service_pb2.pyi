@@ -2,7 +2,8 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -47,7 +48,7 @@ class ServerLiveResponse(_message.Message):
     __slots__ = ("live",)
     LIVE_FIELD_NUMBER: _ClassVar[int]
     live: bool
-    def __init__(self, live: bool = ...) -> None: ...
+    def __init__(self, live: _Optional[bool] = ...) -> None: ...
 
 class ServerReadyRequest(_message.Message):
     __slots__ = ()
@@ -57,7 +58,7 @@ class ServerReadyResponse(_message.Message):
     __slots__ = ("ready",)
     READY_FIELD_NUMBER: _ClassVar[int]
     ready: bool
-    def __init__(self, ready: bool = ...) -> None: ...
+    def __init__(self, ready: _Optional[bool] = ...) -> None: ...
 
 class ModelReadyRequest(_message.Message):
     __slots__ = ("name", "version")
@@ -71,7 +72,7 @@ class ModelReadyResponse(_message.Message):
     __slots__ = ("ready",)
     READY_FIELD_NUMBER: _ClassVar[int]
     ready: bool
-    def __init__(self, ready: bool = ...) -> None: ...
+    def __init__(self, ready: _Optional[bool] = ...) -> None: ...
 
 class ServerMetadataRequest(_message.Message):
     __slots__ = ()
@@ -130,7 +131,7 @@ class InferParameter(_message.Message):
     string_param: str
     double_param: float
     uint64_param: int
-    def __init__(self, bool_param: bool = ..., int64_param: _Optional[int] = ..., string_param: _Optional[str] = ..., double_param: _Optional[float] = ..., uint64_param: _Optional[int] = ...) -> None: ...
+    def __init__(self, bool_param: _Optional[bool] = ..., int64_param: _Optional[int] = ..., string_param: _Optional[str] = ..., double_param: _Optional[float] = ..., uint64_param: _Optional[int] = ...) -> None: ...
 
 class InferTensorContents(_message.Message):
     __slots__ = ("bool_contents", "int_contents", "int64_contents", "uint_contents", "uint64_contents", "fp32_contents", "fp64_contents", "bytes_contents")
@@ -260,7 +261,7 @@ class RepositoryIndexRequest(_message.Message):
     READY_FIELD_NUMBER: _ClassVar[int]
     repository_name: str
     ready: bool
-    def __init__(self, repository_name: _Optional[str] = ..., ready: bool = ...) -> None: ...
+    def __init__(self, repository_name: _Optional[str] = ..., ready: _Optional[bool] = ...) -> None: ...
 
 class RepositoryIndexResponse(_message.Message):
     __slots__ = ("models",)
@@ -329,7 +330,7 @@ class ModelQueuePolicy(_message.Message):
     default_timeout_microseconds: int
     allow_timeout_override: bool
     max_queue_size: int
-    def __init__(self, timeout_action: _Optional[_Union[ModelQueuePolicy.TimeoutAction, str]] = ..., default_timeout_microseconds: _Optional[int] = ..., allow_timeout_override: bool = ..., max_queue_size: _Optional[int] = ...) -> None: ...
+    def __init__(self, timeout_action: _Optional[_Union[ModelQueuePolicy.TimeoutAction, str]] = ..., default_timeout_microseconds: _Optional[int] = ..., allow_timeout_override: _Optional[bool] = ..., max_queue_size: _Optional[int] = ...) -> None: ...
 
 class ModelDynamicBatching(_message.Message):
     __slots__ = ("preferred_batch_size", "max_queue_delay_microseconds", "preserve_ordering", "default_queue_policy")
@@ -341,7 +342,7 @@ class ModelDynamicBatching(_message.Message):
     max_queue_delay_microseconds: int
     preserve_ordering: bool
     default_queue_policy: ModelQueuePolicy
-    def __init__(self, preferred_batch_size: _Optional[_Iterable[int]] = ..., max_queue_delay_microseconds: _Optional[int] = ..., preserve_ordering: bool = ..., default_queue_policy: _Optional[_Union[ModelQueuePolicy, _Mapping]] = ...) -> None: ...
+    def __init__(self, preferred_batch_size: _Optional[_Iterable[int]] = ..., max_queue_delay_microseconds: _Optional[int] = ..., preserve_ordering: _Optional[bool] = ..., default_queue_policy: _Optional[_Union[ModelQueuePolicy, _Mapping]] = ...) -> None: ...
 
 class ModelEnsembling(_message.Message):
     __slots__ = ("step",)

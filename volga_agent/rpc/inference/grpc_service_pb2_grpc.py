@@ -5,7 +5,7 @@ import warnings
 
 from volga_agent.rpc.inference import grpc_service_pb2 as inference_dot_grpc__service__pb2
 
-GRPC_GENERATED_VERSION = '1.67.1'
+GRPC_GENERATED_VERSION = '1.81.1'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + f' but the generated code in inference/grpc_service_pb2_grpc.py depends on'
+        + ' but the generated code in inference/grpc_service_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class GRPCInferenceServiceStub(object):
+class GRPCInferenceServiceStub:
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -76,7 +76,7 @@ class GRPCInferenceServiceStub(object):
                 _registered_method=True)
 
 
-class GRPCInferenceServiceServicer(object):
+class GRPCInferenceServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def ServerLive(self, request, context):
@@ -186,7 +186,7 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class GRPCInferenceService(object):
+class GRPCInferenceService:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod

@@ -2,7 +2,8 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -45,7 +46,7 @@ class ActivateResponse(_message.Message):
     wake_ms: float
     fallback: bool
     also: _containers.RepeatedCompositeFieldContainer[Instance]
-    def __init__(self, instance: _Optional[_Union[Instance, _Mapping]] = ..., woke_from: _Optional[_Union[Tier, str]] = ..., wake_ms: _Optional[float] = ..., fallback: bool = ..., also: _Optional[_Iterable[_Union[Instance, _Mapping]]] = ...) -> None: ...
+    def __init__(self, instance: _Optional[_Union[Instance, _Mapping]] = ..., woke_from: _Optional[_Union[Tier, str]] = ..., wake_ms: _Optional[float] = ..., fallback: _Optional[bool] = ..., also: _Optional[_Iterable[_Union[Instance, _Mapping]]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("instance",)
@@ -103,7 +104,7 @@ class StatusResponse(_message.Message):
     restore_failures: int
     evictions: int
     circuit_open: bool
-    def __init__(self, node: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., host_memory_budget_bytes: _Optional[int] = ..., host_memory_used_bytes: _Optional[int] = ..., snapshot_disk_budget_bytes: _Optional[int] = ..., snapshot_disk_used_bytes: _Optional[int] = ..., activations: _Optional[int] = ..., restore_failures: _Optional[int] = ..., evictions: _Optional[int] = ..., circuit_open: bool = ...) -> None: ...
+    def __init__(self, node: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., host_memory_budget_bytes: _Optional[int] = ..., host_memory_used_bytes: _Optional[int] = ..., snapshot_disk_budget_bytes: _Optional[int] = ..., snapshot_disk_used_bytes: _Optional[int] = ..., activations: _Optional[int] = ..., restore_failures: _Optional[int] = ..., evictions: _Optional[int] = ..., circuit_open: _Optional[bool] = ...) -> None: ...
 
 class Instance(_message.Message):
     __slots__ = ("name", "model_id", "model_version", "tier", "device", "socket", "node", "snapshot_bytes", "last_used_unix", "last_wake_ms", "input_hash", "state_reason", "warmup_reported", "warmup_skipped", "output_mismatch", "answered_outputs")
@@ -211,7 +212,7 @@ class ExchangeLoadResponse(_message.Message):
     period_ms: int
     state: str
     neighbours: _containers.RepeatedCompositeFieldContainer[NodeLevel]
-    def __init__(self, autonomy: bool = ..., batch_caps: _Optional[_Mapping[str, int]] = ..., shed_retry_after_ms: _Optional[_Mapping[str, int]] = ..., period_ms: _Optional[int] = ..., state: _Optional[str] = ..., neighbours: _Optional[_Iterable[_Union[NodeLevel, _Mapping]]] = ...) -> None: ...
+    def __init__(self, autonomy: _Optional[bool] = ..., batch_caps: _Optional[_Mapping[str, int]] = ..., shed_retry_after_ms: _Optional[_Mapping[str, int]] = ..., period_ms: _Optional[int] = ..., state: _Optional[str] = ..., neighbours: _Optional[_Iterable[_Union[NodeLevel, _Mapping]]] = ...) -> None: ...
 
 class ModelLevel(_message.Message):
     __slots__ = ("model_id", "hot", "shed")
@@ -221,7 +222,7 @@ class ModelLevel(_message.Message):
     model_id: str
     hot: bool
     shed: bool
-    def __init__(self, model_id: _Optional[str] = ..., hot: bool = ..., shed: bool = ...) -> None: ...
+    def __init__(self, model_id: _Optional[str] = ..., hot: _Optional[bool] = ..., shed: _Optional[bool] = ...) -> None: ...
 
 class NodeLevel(_message.Message):
     __slots__ = ("node", "state", "memory_pct", "load", "models", "sequence", "gateway", "age_ms")

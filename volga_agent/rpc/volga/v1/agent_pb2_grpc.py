@@ -5,7 +5,7 @@ import warnings
 
 from volga_agent.rpc.volga.v1 import agent_pb2 as volga_dot_v1_dot_agent__pb2
 
-GRPC_GENERATED_VERSION = '1.67.1'
+GRPC_GENERATED_VERSION = '1.81.1'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + f' but the generated code in volga/v1/agent_pb2_grpc.py depends on'
+        + ' but the generated code in volga/v1/agent_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class AgentStub(object):
+class AgentStub:
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -66,7 +66,7 @@ class AgentStub(object):
                 _registered_method=True)
 
 
-class AgentServicer(object):
+class AgentServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Activate(self, request, context):
@@ -155,7 +155,7 @@ def add_AgentServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class Agent(object):
+class Agent:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
