@@ -140,7 +140,7 @@ class Instance(_message.Message):
     warmup_skipped: str
     output_mismatch: str
     answered_outputs: _containers.RepeatedCompositeFieldContainer[TensorShape]
-    def __init__(self, name: _Optional[str] = ..., model_id: _Optional[str] = ..., model_version: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., device: _Optional[str] = ..., socket: _Optional[str] = ..., node: _Optional[str] = ..., snapshot_bytes: _Optional[int] = ..., last_used_unix: _Optional[float] = ..., last_wake_ms: _Optional[float] = ..., input_hash: _Optional[str] = ..., state_reason: _Optional[str] = ..., warmup_reported: bool = ..., warmup_skipped: _Optional[str] = ..., output_mismatch: _Optional[str] = ..., answered_outputs: _Optional[_Iterable[_Union[TensorShape, _Mapping]]] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., model_id: _Optional[str] = ..., model_version: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., device: _Optional[str] = ..., socket: _Optional[str] = ..., node: _Optional[str] = ..., snapshot_bytes: _Optional[int] = ..., last_used_unix: _Optional[float] = ..., last_wake_ms: _Optional[float] = ..., input_hash: _Optional[str] = ..., state_reason: _Optional[str] = ..., warmup_reported: _Optional[bool] = ..., warmup_skipped: _Optional[str] = ..., output_mismatch: _Optional[str] = ..., answered_outputs: _Optional[_Iterable[_Union[TensorShape, _Mapping]]] = ...) -> None: ...
 
 class TensorShape(_message.Message):
     __slots__ = ("name", "shape")
