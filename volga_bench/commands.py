@@ -87,12 +87,15 @@ def cmd_bench_tiers(args: argparse.Namespace) -> int:
         else:
             report = tiers.gpu_suite(models, pathlib.Path(run), snapshots, [float(x) for x in args.sizes.split(",")],
                                      [Tier(t.upper()) for t in args.tiers.split(",")], args.n, cold_n=args.cold_n,
-                                     lazy=args.lazy, burst_n=args.burst, progress=show)
+                                     lazy=args.lazy or args.lazy_only, burst_n=args.burst, progress=show,
+                                     eager=not args.lazy_only, wake_copies=[c for c in args.wake_copy.split(",") if c])
     def text() -> str:
         lines = []
         for label, part in ([("", report)] if "tiers" in report else report["sizes"].items()):
             lines += [f"device: {part['device']}; model {part['model']['id']} {label}", tiers.format_table(part),
                       f"outputs match: {part['outputs_match']}; restore fallbacks: {part['restore_fallbacks']}"]
+        if "wake_copy_side_by_side" in report:
+            lines.append(tiers.format_side_by_side(report))
         return "\n".join(lines + ([f"burst: {report['burst']}"] if "burst" in report else []))
 
     _emit(args, report, text)
@@ -282,6 +285,10 @@ def add_bench(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--burst", type=int, default=0, help="also wake this many SUSPENDED models at once (with --gpu)")
     p.add_argument("--tiers", default="warm,suspended,frozen", help="tiers to wake from (with --gpu)")
     p.add_argument("--lazy", action="store_true", help="also time FROZEN wakes with CRIU lazy pages")
+    p.add_argument("--lazy-only", action="store_true", help="FROZEN wakes with CRIU lazy pages only (with --gpu)")
+    p.add_argument("--wake-copy", default="", help="the workers' weight copy on a wake, comma-separated to compare "
+                   "them in one run: auto, staged, pinned, with knobs such as staged-chunk16 or auto-overlap "
+                   "(volga_bench.tiers.copy_config; with --gpu; default: the worker's)")
     p.add_argument("--models", help="where models are built")
     p.add_argument("-n", type=int, default=10, help="wakes per tier (and cold starts)")
     _report_args(p)
