@@ -23,7 +23,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import grpc
@@ -151,6 +151,25 @@ class Source(Protocol):
         ...
 
 
+class BackgroundTask:
+    """A coroutine run as a task of its own on the running loop (`start`), cancelled and waited for (`stop`); for
+    the periodic exchanges here and in the gateway."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self, work: Coroutine[Any, Any, None]) -> None:
+        self._task = asyncio.get_running_loop().create_task(work, name=self.name)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+
 class LevelExchange:
     """The agent's side: every `period_ms` send this node's level to each neighbour and keep theirs; keep the
     levels neighbours send in (`receive`); hand out the fresh ones (`fresh`). Neighbours come from `directory`
@@ -169,7 +188,7 @@ class LevelExchange:
         self._heard: dict[str, Heard] = {}
         self._sequence = 0
         self._channels: dict[str, tuple[grpc.aio.Channel, pb_grpc.AgentStub]] = {}
-        self._task: asyncio.Task[None] | None = None
+        self._task = BackgroundTask("neighbour-exchange")
         self._failing: set[str] = set()
 
     # -- who -----------------------------------------------------------------------------------------
@@ -232,14 +251,10 @@ class LevelExchange:
     # -- the periodic exchange -----------------------------------------------------------------------
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="neighbour-exchange")
+        self._task.start(self._run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._task.stop()
         for channel, _ in self._channels.values():
             await channel.close()
         self._channels.clear()

@@ -201,17 +201,13 @@ class Exchanger:
         self._caps: dict[str, int] = {}
         self._shed: dict[str, int] = {}
         self._levels: tuple[str, tuple[neighbours.Heard, ...]] = ("", ())
-        self._task: asyncio.Task[None] | None = None
+        self._task = neighbours.BackgroundTask("load-exchange")
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="load-exchange")
+        self._task.start(self._run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._task.stop()
 
     async def _run(self) -> None:
         failing = False
