@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 
+import benchio  # bench/, beside this script
 import torch
 
 from volga_agent.worker import pinning, staging
@@ -60,14 +61,6 @@ def huge_kib(address: int) -> int:
         elif inside and line.startswith("AnonHugePages:"):
             return int(line.split()[1])
     return -1
-
-
-def fresh(path: pathlib.Path, nbytes: int) -> mmap.mmap:
-    fd = os.open(path, os.O_RDWR)
-    try:
-        return mmap.mmap(fd, nbytes, mmap.MAP_SHARED)
-    finally:
-        os.close(fd)
 
 
 def measure(gib: float, folders: dict[str, pathlib.Path], repeat: int) -> dict[str, object]:
@@ -153,7 +146,7 @@ def measure(gib: float, folders: dict[str, pathlib.Path], repeat: int) -> dict[s
         with open(path, "wb") as f:
             f.write(m)
         for _ in range(repeat):
-            fm = fresh(path, nbytes)
+            fm = benchio.fresh(path, nbytes)
             fhost = torch.frombuffer(fm, dtype=torch.uint8)
             t0 = now()
             with pinning.Pinned(fhost.data_ptr(), nbytes, threads=4) as pinned:

@@ -21,6 +21,8 @@ import subprocess
 import sys
 import time
 
+import benchio  # bench/, beside this script
+
 from volga_agent.snapshot import cuda
 
 CHILD = r'''
@@ -141,10 +143,7 @@ def main() -> int:
             key = STAGES[stage] if name == "default" else f"{STAGES[stage]}/{name}"
             report[key] = measure(driver, stage, knobs, args.repeat, base)
             print(key, json.dumps(report[key]), file=sys.stderr)
-    text = json.dumps(report, indent=1)
-    if args.out:
-        pathlib.Path(args.out).write_text(text)
-    print(text)
+    benchio.emit(report, args.out)
     return 0
 
 

@@ -12,24 +12,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
-import os
 import pathlib
 import sys
 import tempfile
 import time
 
+import benchio  # bench/, beside this script
 import torch
 
 from volga_agent.worker import pinning
-
-
-def fresh(path: pathlib.Path, nbytes: int) -> mmap.mmap:
-    fd = os.open(path, os.O_RDWR)
-    try:
-        return mmap.mmap(fd, nbytes, mmap.MAP_SHARED)
-    finally:
-        os.close(fd)
 
 
 def now() -> float:
@@ -44,7 +35,7 @@ def measure(gib: float, folder: pathlib.Path, repeat: int) -> dict[str, object]:
     path = folder / "weights.bin"
     with open(path, "wb") as f:
         f.truncate(nbytes)
-    m = fresh(path, nbytes)
+    m = benchio.fresh(path, nbytes)
     host = torch.frombuffer(m, dtype=torch.uint8)
     host.copy_(device)
     del host
@@ -62,7 +53,7 @@ def measure(gib: float, folder: pathlib.Path, repeat: int) -> dict[str, object]:
         target.copy_(page_locked, non_blocking=True)
         record("pinned_copy_ms", now() - t0)
         for threads in (0, 1, 8, 16):
-            m = fresh(path, nbytes)
+            m = benchio.fresh(path, nbytes)
             host = torch.frombuffer(m, dtype=torch.uint8)
             t0 = now()
             if threads:
@@ -75,7 +66,7 @@ def measure(gib: float, folder: pathlib.Path, repeat: int) -> dict[str, object]:
             record(f"populate{threads}_total_ms", t2 - t0)
             del host
             m.close()
-        m = fresh(path, nbytes)
+        m = benchio.fresh(path, nbytes)
         host = torch.frombuffer(m, dtype=torch.uint8)
         cudart = torch.cuda.cudart()
         t0 = now()
@@ -92,7 +83,7 @@ def measure(gib: float, folder: pathlib.Path, repeat: int) -> dict[str, object]:
         del host
         m.close()
         for threads in (4, 8, 16):  # what a parked worker's wake does: pin chunks from threads, copy each when pinned
-            m = fresh(path, nbytes)
+            m = benchio.fresh(path, nbytes)
             host = torch.frombuffer(m, dtype=torch.uint8)
             target.zero_()
             t0 = now()
@@ -124,10 +115,7 @@ def main() -> int:
             report[f"{gib:g}"] = measure(gib, pathlib.Path(tmp), args.repeat)
             print(f"{gib:g} GiB", json.dumps({k: v["median"] if isinstance(v, dict) else v
                                               for k, v in report[f"{gib:g}"].items()}), file=sys.stderr)
-    text = json.dumps(report, indent=1)
-    if args.out:
-        pathlib.Path(args.out).write_text(text)
-    print(text)
+    benchio.emit(report, args.out)
     return 0
 
 
