@@ -61,6 +61,18 @@ def top(sizes: dict[str, int], n: int = 12) -> list[tuple[str, float]]:
     return [(name, round(size / 2**20, 1)) for name, size in sorted(sizes.items(), key=lambda kv: -kv[1])[:n]]
 
 
+def private_at(inst: instance.Instance, tier: api.Tier, report: dict[str, object]) -> list[regions.Mapping]:
+    """Move the instance to `tier` and report the worker's private memory there (`<tier>_private_mib`, and by
+    mapping name `<tier>_top`); the worker's mappings."""
+    inst.to(tier)
+    assert inst.pid is not None
+    mappings = regions.mappings(inst.pid)
+    named = by_name(mappings)
+    report[f"{tier.value.lower()}_private_mib"] = round(sum(named.values()) / 2**20, 1)
+    report[f"{tier.value.lower()}_top"] = top(named)
+    return mappings
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=0.1)
@@ -77,19 +89,9 @@ def main(argv: list[str]) -> int:
     inst = instance.Instance("breakdown", spec, work / "run", engine, driver, args.device)
     report: dict[str, object] = {"model": spec.model_id, "device": args.device, "weights_gib": args.gib}
     try:
-        inst.to(api.Tier.HOT)
-        assert inst.pid is not None
-        hot_mappings = regions.mappings(inst.pid)
-        hot = by_name(hot_mappings)
-        report["hot_private_mib"] = round(sum(hot.values()) / 2**20, 1)
-        report["hot_top"] = top(hot)
+        hot_mappings = private_at(inst, api.Tier.HOT, report)
         if gpu:
-            inst.to(api.Tier.SUSPENDED)
-            assert inst.pid is not None
-            suspended_mappings = regions.mappings(inst.pid)
-            suspended = by_name(suspended_mappings)
-            report["suspended_private_mib"] = round(sum(suspended.values()) / 2**20, 1)
-            report["suspended_top"] = top(suspended)
+            suspended_mappings = private_at(inst, api.Tier.SUSPENDED, report)
             report["driver_checkpoint_grew"] = grown(hot_mappings, suspended_mappings)
         inst.to(api.Tier.FROZEN)
         assert inst.image is not None
