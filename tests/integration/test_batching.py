@@ -9,28 +9,23 @@ speed. Answers are compared with onnxruntime run here on each client's own input
 
 from __future__ import annotations
 
-import math
 import pathlib
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import grpc
 import numpy as np
 import onnxruntime as ort
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from traffic import assert_retry_hints, infer_inputs
 from tritonclient.utils import InferenceServerException
 
 from volga_agent import errors
 from volga_agent.app import defaultmodel
 from volga_agent.app import up as volga_up
-from volga_agent.gateway import oip
-from volga_agent.rpc.inference import grpc_service_pb2_grpc as pb_grpc
 from volga_agent.worker import contract
 from volga_bench import harness
 from volga_core import api
@@ -109,15 +104,6 @@ def toy_inputs(rows: int, width: int, seed: int, bad: bool = False) -> dict[str,
     return {"x": rng.standard_normal((rows, width)).astype(np.float32), "idx": idx.astype(np.int64)}
 
 
-def triton_inputs(x: dict[str, np.ndarray], module: Any) -> list[Any]:
-    out = []
-    for name, value in x.items():
-        item = module.InferInput(name, list(value.shape), "FP32" if value.dtype == np.float32 else "INT64")
-        item.set_data_from_numpy(value)
-        out.append(item)
-    return out
-
-
 Result = dict[str, np.ndarray] | InferenceServerException
 
 
@@ -137,12 +123,12 @@ def fire(up: volga_up.Embedded, g: grpcclient.InferenceServerClient, model: str,
             done.set()
 
         if proto == "grpc":
-            g.async_infer(model, triton_inputs(x, grpcclient), keep, headers=headers)
+            g.async_infer(model, infer_inputs(x, grpcclient), keep, headers=headers)
         else:
             def send(x: dict[str, np.ndarray] = x, keep: Callable[[Any, Any], None] = keep) -> None:
                 client = httpclient.InferenceServerClient(up.endpoints()["http"].removeprefix("http://"))
                 try:
-                    keep(client.infer(model, triton_inputs(x, httpclient), headers=headers), None)
+                    keep(client.infer(model, infer_inputs(x, httpclient), headers=headers), None)
                 except InferenceServerException as exc:
                     keep(None, exc)
                 finally:
@@ -241,11 +227,11 @@ def test_a_full_queue_answers_resource_exhausted_and_429(
     waiting = fire(up, g, TOY, [("grpc", x) for x in queued], ("y", "g"))
     wait_queued(up, TOY, 4)
     with pytest.raises(InferenceServerException, match="queue is full") as err:
-        g.infer(TOY, triton_inputs(toy_inputs(1, 2, 20), grpcclient))
+        g.infer(TOY, infer_inputs(toy_inputs(1, 2, 20), grpcclient))
     assert str(err.value.status()) == "StatusCode.RESOURCE_EXHAUSTED"
     assert "maxQueueSize" in err.value.message()
     with pytest.raises(InferenceServerException, match="queue is full") as err:
-        h.infer(TOY, triton_inputs(toy_inputs(1, 2, 21), httpclient))
+        h.infer(TOY, infer_inputs(toy_inputs(1, 2, 21), httpclient))
     assert str(err.value.status()) == "429"
     plane.set_batch_cap(TOY, 4)  # the four waiting requests now fill a batch
     try:
@@ -286,10 +272,10 @@ def test_deadline_inside_the_queue(up: volga_up.Embedded, g: grpcclient.Inferenc
                                    h: httpclient.InferenceServerClient) -> None:
     before = batches(up, TOY)
     with pytest.raises(InferenceServerException, match="waiting in the batch queue") as err:
-        g.infer(TOY, triton_inputs(toy_inputs(1, 2, 40), grpcclient), headers={"x-timeout-ms": "200"})
+        g.infer(TOY, infer_inputs(toy_inputs(1, 2, 40), grpcclient), headers={"x-timeout-ms": "200"})
     assert str(err.value.status()) == "StatusCode.DEADLINE_EXCEEDED"
     with pytest.raises(InferenceServerException, match="waiting in the batch queue") as err:
-        h.infer(TOY, triton_inputs(toy_inputs(1, 2, 41), httpclient), headers={"x-timeout-ms": "200"})
+        h.infer(TOY, infer_inputs(toy_inputs(1, 2, 41), httpclient), headers={"x-timeout-ms": "200"})
     assert str(err.value.status()) == "504"
     assert since(before, batches(up, TOY)) == (0, 0, 0)  # neither was sent to the worker
     assert up.gateway.dataplane.drain_load()[TOY].queue_depth == 0
@@ -305,32 +291,21 @@ def test_shed_and_unshed(up: volga_up.Embedded, g: grpcclient.InferenceServerCli
     plane.shed(CTR, 1500)
     try:
         with pytest.raises(InferenceServerException, match="shedding load; retry after 1500 ms") as err:
-            g.infer(CTR, triton_inputs(x, grpcclient))
+            g.infer(CTR, infer_inputs(x, grpcclient))
         assert str(err.value.status()) == "StatusCode.RESOURCE_EXHAUSTED"
         with pytest.raises(InferenceServerException, match="shedding load") as err:
-            h.infer(CTR, triton_inputs(x, httpclient))
+            h.infer(CTR, infer_inputs(x, httpclient))
         assert str(err.value.status()) == "429"
-        # The retry hints, which tritonclient does not show: gRPC's trailer and REST's header.
-        with grpc.insecure_channel(up.endpoints()["grpc"]) as channel:
-            stub = pb_grpc.GRPCInferenceServiceStub(channel)
-            with pytest.raises(grpc.RpcError) as rpc_err:
-                stub.ModelInfer(oip.encode_grpc_request(CTR, x), timeout=30)
-        assert rpc_err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert dict(rpc_err.value.trailing_metadata())["retry-after-ms"] == "1500"
-        request = urllib.request.Request(f"{up.endpoints()['http']}/v2/models/{CTR}/infer", method="POST",
-                                         data=b'{"inputs": []}', headers={"Content-Type": "application/json"})
-        with pytest.raises(urllib.error.HTTPError) as http_err:
-            urllib.request.urlopen(request, timeout=30)
-        assert http_err.value.code == 429 and http_err.value.headers["Retry-After"] == str(math.ceil(1.5))
+        assert_retry_hints(up.endpoints(), CTR, x)
         # Another model is not shed.
-        assert g.infer(defaultmodel.MODEL_ID, triton_inputs(x, grpcclient)).as_numpy("probability").shape == (4, 1)
+        assert g.infer(defaultmodel.MODEL_ID, infer_inputs(x, grpcclient)).as_numpy("probability").shape == (4, 1)
     finally:
         plane.unshed(CTR)
     shed_after = registry.get_sample_value("volga_gateway_shed_requests_total", {"model": CTR})
     assert shed_after == shed_before + 4
     load = plane.drain_load()[CTR]
     assert (load.arrivals, load.shed, load.completed) == (4, 4, 0)
-    answer = g.infer(CTR, triton_inputs(x, grpcclient)).as_numpy("probability")  # 4 rows: a preferred size
+    answer = g.infer(CTR, infer_inputs(x, grpcclient)).as_numpy("probability")  # 4 rows: a preferred size
     assert np.array_equal(answer, session(defaultmodel.ensure().spec.source_path).run(None, x)[0])
     with pytest.raises(ValueError, match="milliseconds"):
         plane.shed(CTR, -1)
@@ -352,7 +327,7 @@ def test_drain_load(up: volga_up.Embedded, g: grpcclient.InferenceServerClient) 
         assert all(isinstance(r(), dict) for r in waiting)
     finally:
         plane.set_batch_cap(TOY, None)
-    g.infer(defaultmodel.MODEL_ID, triton_inputs(ctr_inputs(1, 61), grpcclient))
+    g.infer(defaultmodel.MODEL_ID, infer_inputs(ctr_inputs(1, 61), grpcclient))
     loads = plane.drain_load()
     toy, default = loads[TOY], loads[defaultmodel.MODEL_ID]
     assert (toy.arrivals, toy.completed, toy.queue_depth, toy.shed, len(toy.latencies_ms)) == (0, 3, 0, 0, 3)

@@ -5,26 +5,21 @@ whole ensemble before its first step, and the chain's end-to-end p99 is judged a
 from __future__ import annotations
 
 import concurrent.futures
-import math
 import pathlib
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from procs import wait_for
+from traffic import assert_retry_hints
 from tritonclient.utils import InferenceServerException
 
 from volga_agent import load
 from volga_agent.app import up as volga_up
 from volga_agent.autonomy import decider, loop, window
-from volga_agent.gateway import oip
-from volga_agent.rpc.inference import grpc_service_pb2_grpc as pb_grpc
 from volga_bench import chain, harness
 from volga_core import api
 
@@ -139,18 +134,7 @@ def test_a_shed_model_refuses_its_ensemble_before_the_first_step(up: volga_up.Em
         with pytest.raises(InferenceServerException, match="shedding load") as err:
             h.infer(ENSEMBLE, [tensor(httpclient, "image", x)])
         assert str(err.value.status()) == "429"
-        # The retry hints, which tritonclient does not show: gRPC's trailer and REST's header.
-        with grpc.insecure_channel(up.endpoints()["grpc"]) as channel:
-            stub = pb_grpc.GRPCInferenceServiceStub(channel)
-            with pytest.raises(grpc.RpcError) as rpc_err:
-                stub.ModelInfer(oip.encode_grpc_request(ENSEMBLE, {"image": x}), timeout=30)
-        assert rpc_err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert dict(rpc_err.value.trailing_metadata())["retry-after-ms"] == "1500"
-        request = urllib.request.Request(f"{up.endpoints()['http']}/v2/models/{ENSEMBLE}/infer", method="POST",
-                                         data=b'{"inputs": []}', headers={"Content-Type": "application/json"})
-        with pytest.raises(urllib.error.HTTPError) as http_err:
-            urllib.request.urlopen(request, timeout=30)
-        assert http_err.value.code == 429 and http_err.value.headers["Retry-After"] == str(math.ceil(1.5))
+        assert_retry_hints(up.endpoints(), ENSEMBLE, {"image": x})
         # No step ran: nothing woke, nothing was answered; each model counts the refusals as shed.
         assert [up.pool.instances(m)[0].tier for m in CHAIN] == [Tier.FROZEN] * 3
         got = plane.drain_load()

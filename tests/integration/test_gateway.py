@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from traffic import infer_inputs
 from tritonclient.utils import InferenceServerException
 
 from volga_agent.app import defaultmodel
@@ -55,15 +56,6 @@ def arrays(up: volga_up.Embedded, model: str = A, batch: int = 4) -> dict[str, n
     return contract.sample_inputs(up.gateway.catalog.decls(model), batch=batch, seed=21)
 
 
-def grpc_inputs(x: dict[str, np.ndarray], module: Any = grpcclient) -> list[Any]:
-    out = []
-    for name, value in x.items():
-        item = module.InferInput(name, list(value.shape), "FP32" if value.dtype == np.float32 else "INT64")
-        item.set_data_from_numpy(value)
-        out.append(item)
-    return out
-
-
 def reference(up: volga_up.Embedded, model: str, x: dict[str, np.ndarray]) -> np.ndarray:
     from volga_agent.worker import protocol
 
@@ -96,12 +88,12 @@ def test_infer_grpc_and_http_agree_with_the_worker(up: volga_up.Embedded, g: grp
                                                    h: httpclient.InferenceServerClient) -> None:
     x = arrays(up)
     want = reference(up, A, x)
-    by_name = g.infer(A, grpc_inputs(x)).as_numpy("probability")
-    by_header = g.infer("", grpc_inputs(x), headers={"x-model-id": A}).as_numpy("probability")
-    both = g.infer(A, grpc_inputs(x), headers={"x-model-id": A}).as_numpy("probability")
-    by_http = h.infer(A, grpc_inputs(x, httpclient)).as_numpy("probability")
+    by_name = g.infer(A, infer_inputs(x)).as_numpy("probability")
+    by_header = g.infer("", infer_inputs(x), headers={"x-model-id": A}).as_numpy("probability")
+    both = g.infer(A, infer_inputs(x), headers={"x-model-id": A}).as_numpy("probability")
+    by_http = h.infer(A, infer_inputs(x, httpclient)).as_numpy("probability")
     http_json = h.infer(A, [httpclient.InferInput(k, list(v.shape), i.datatype()).set_data_from_numpy(
-        v, binary_data=False) for (k, v), i in zip(x.items(), grpc_inputs(x, httpclient), strict=True)],
+        v, binary_data=False) for (k, v), i in zip(x.items(), infer_inputs(x, httpclient), strict=True)],
         outputs=[httpclient.InferRequestedOutput("probability", binary_data=False)]).as_numpy("probability")
     for got in (by_name, by_header, both, by_http, http_json):
         assert np.array_equal(got, want)
@@ -127,7 +119,7 @@ def test_frozen_model_wakes_once_for_200_concurrent_requests(up: volga_up.Embedd
         done.release()
 
     for _ in range(200):  # all in flight at once: async_infer returns before the answer
-        client.async_infer(A, grpc_inputs(x), callback)
+        client.async_infer(A, infer_inputs(x), callback)
     for _ in range(200):
         assert done.acquire(timeout=60)
     client.close()
@@ -153,7 +145,7 @@ def test_freezing_under_steady_traffic_costs_no_request(up: volga_up.Embedded) -
         try:
             while not stop.is_set():
                 try:
-                    answers.append(client.infer(A, grpc_inputs(x)).as_numpy("probability"))
+                    answers.append(client.infer(A, infer_inputs(x)).as_numpy("probability"))
                 except InferenceServerException as exc:
                     answers.append(exc)
         finally:
@@ -186,10 +178,10 @@ def test_unknown_model(g: grpcclient.InferenceServerClient, h: httpclient.Infere
                        up: volga_up.Embedded) -> None:
     x = arrays(up)
     with pytest.raises(InferenceServerException, match="unknown model 'nope'") as err:
-        g.infer("nope", grpc_inputs(x))
+        g.infer("nope", infer_inputs(x))
     assert code_of(err.value) == "StatusCode.NOT_FOUND"
     with pytest.raises(InferenceServerException, match="unknown model 'nope'") as err:
-        h.infer("nope", grpc_inputs(x, httpclient))
+        h.infer("nope", infer_inputs(x, httpclient))
     assert code_of(err.value) == "404"
 
 
@@ -200,14 +192,14 @@ def test_input_hash_mismatch_is_rejected_before_any_wake(up: volga_up.Embedded, 
     before = up.pool.activations
     x = arrays(up)
     with pytest.raises(InferenceServerException, match="does not match model") as err:
-        g.infer(A, grpc_inputs(x), headers={"x-input-hash": "0" * 64})
+        g.infer(A, infer_inputs(x), headers={"x-input-hash": "0" * 64})
     assert code_of(err.value) == "StatusCode.INVALID_ARGUMENT"
     with pytest.raises(InferenceServerException, match="does not match model") as err:
-        h.infer(A, grpc_inputs(x, httpclient), headers={"x-input-hash": "0" * 64})
+        h.infer(A, infer_inputs(x, httpclient), headers={"x-input-hash": "0" * 64})
     assert code_of(err.value) == "400"
     assert up.pool.activations == before and up.pool.instances(A)[0].tier is Tier.FROZEN
     good = up.gateway.catalog.get(A).input_hash()
-    assert g.infer(A, grpc_inputs(x), headers={"x-input-hash": good}).as_numpy("probability").shape == (4, 1)
+    assert g.infer(A, infer_inputs(x), headers={"x-input-hash": good}).as_numpy("probability").shape == (4, 1)
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -219,24 +211,24 @@ def test_malformed_tensors(up: volga_up.Embedded, g: grpcclient.InferenceServerC
                            h: httpclient.InferenceServerClient, bad: Any, message: str) -> None:
     x = bad(arrays(up))
     with pytest.raises(InferenceServerException, match=message.replace("[", r"\[").replace("]", r"\]")) as err:
-        g.infer(A, grpc_inputs(x))
+        g.infer(A, infer_inputs(x))
     assert code_of(err.value) == "StatusCode.INVALID_ARGUMENT"
     with pytest.raises(InferenceServerException) as err:
-        h.infer(A, grpc_inputs(x, httpclient))
+        h.infer(A, infer_inputs(x, httpclient))
     assert code_of(err.value) == "400"
-    assert g.infer(A, grpc_inputs(arrays(up))).as_numpy("probability").shape == (4, 1)
+    assert g.infer(A, infer_inputs(arrays(up))).as_numpy("probability").shape == (4, 1)
 
 
 def test_oversized_body(up: volga_up.Embedded, g: grpcclient.InferenceServerClient,
                         h: httpclient.InferenceServerClient) -> None:
     big = {"dense": np.zeros((2**21, 13), np.float32), "sparse": np.zeros((2**21, 26), np.int64)}  # ~540 MB
     with pytest.raises(InferenceServerException) as err:
-        g.infer(A, grpc_inputs(big))
+        g.infer(A, infer_inputs(big))
     assert code_of(err.value) == "StatusCode.RESOURCE_EXHAUSTED"
     with pytest.raises(InferenceServerException) as err:
-        h.infer(A, grpc_inputs(big, httpclient))
+        h.infer(A, infer_inputs(big, httpclient))
     assert code_of(err.value) == "413"
-    assert g.infer(A, grpc_inputs(arrays(up))).as_numpy("probability").shape == (4, 1)
+    assert g.infer(A, infer_inputs(arrays(up))).as_numpy("probability").shape == (4, 1)
 
 
 def test_expired_deadline(up: volga_up.Embedded, g: grpcclient.InferenceServerClient,
@@ -245,21 +237,21 @@ def test_expired_deadline(up: volga_up.Embedded, g: grpcclient.InferenceServerCl
     x = arrays(up)
     up.pool.move_to(name, Tier.FROZEN)
     with pytest.raises(InferenceServerException, match="deadline") as err:
-        g.infer(A, grpc_inputs(x), headers={"x-timeout-ms": "1"})
+        g.infer(A, infer_inputs(x), headers={"x-timeout-ms": "1"})
     assert code_of(err.value) == "StatusCode.DEADLINE_EXCEEDED"
     time.sleep(1.0)  # the wake went on without the impatient caller
     up.pool.move_to(name, Tier.FROZEN)
     with pytest.raises(InferenceServerException, match="deadline") as err:
-        h.infer(A, grpc_inputs(x, httpclient), headers={"x-timeout-ms": "1"})
+        h.infer(A, infer_inputs(x, httpclient), headers={"x-timeout-ms": "1"})
     assert code_of(err.value) == "504"
     with pytest.raises(InferenceServerException, match="not a number"):
-        g.infer(A, grpc_inputs(x), headers={"x-timeout-ms": "soon"})
-    assert g.infer(A, grpc_inputs(x), headers={"x-timeout-ms": "30000"}).as_numpy("probability").shape == (4, 1)
+        g.infer(A, infer_inputs(x), headers={"x-timeout-ms": "soon"})
+    assert g.infer(A, infer_inputs(x), headers={"x-timeout-ms": "30000"}).as_numpy("probability").shape == (4, 1)
 
 
 def test_worker_killed_mid_request(up: volga_up.Embedded, g: grpcclient.InferenceServerClient) -> None:
     x, y = arrays(up), arrays(up, B)
-    assert g.infer(A, grpc_inputs(x)) is not None
+    assert g.infer(A, infer_inputs(x)) is not None
     slot = up.pool.slots[name_of(up, A)]
     pid = slot.inst.pid
     assert pid is not None
@@ -268,7 +260,7 @@ def test_worker_killed_mid_request(up: volga_up.Embedded, g: grpcclient.Inferenc
 
     def send() -> None:
         try:
-            g.infer(A, grpc_inputs(x))
+            g.infer(A, infer_inputs(x))
         except InferenceServerException as exc:
             errors.append(exc)
 
@@ -280,16 +272,16 @@ def test_worker_killed_mid_request(up: volga_up.Embedded, g: grpcclient.Inferenc
     assert len(errors) == 1 and code_of(errors[0]) == "StatusCode.UNAVAILABLE"
     assert "mid-request" in str(errors[0])
     other = grpcclient.InferenceServerClient(up.endpoints()["grpc"])
-    assert np.array_equal(other.infer(B, grpc_inputs(y)).as_numpy("probability"), reference(up, B, y))
+    assert np.array_equal(other.infer(B, infer_inputs(y)).as_numpy("probability"), reference(up, B, y))
     # The next request finds the worker dead and restarts the instance.
-    out = g.infer(A, grpc_inputs(x)).as_numpy("probability")
+    out = g.infer(A, infer_inputs(x)).as_numpy("probability")
     assert np.array_equal(out, reference(up, A, x))
     assert slot.inst.pid not in (None, pid)
     other.close()
 
 
 def test_metrics_endpoint(up: volga_up.Embedded, g: grpcclient.InferenceServerClient) -> None:
-    g.infer(A, grpc_inputs(arrays(up)))
+    g.infer(A, infer_inputs(arrays(up)))
     text = urllib.request.urlopen(up.endpoints()["metrics"], timeout=10).read().decode()
     for name in ("volga_snapshot_restore_latency_ms_bucket", "volga_gateway_requests_total",
                  "volga_gateway_zero_copy_latency_ms_count", "volga_emis_active_total",
@@ -302,6 +294,6 @@ def test_metrics_endpoint(up: volga_up.Embedded, g: grpcclient.InferenceServerCl
 
 def test_shared_memory_is_used_and_leaves_no_files(up: volga_up.Embedded, g: grpcclient.InferenceServerClient) -> None:
     before = up.gateway.metrics.zero_copy_latency._sum.get()  # type: ignore[attr-defined]
-    g.infer(A, grpc_inputs(arrays(up)))
+    g.infer(A, infer_inputs(arrays(up)))
     assert up.gateway.metrics.zero_copy_latency._sum.get() > before  # type: ignore[attr-defined]
     assert not list(pathlib.Path("/dev/shm").glob(f"volga-shm-{os.getpid()}-*"))
