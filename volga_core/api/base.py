@@ -121,6 +121,18 @@ Dim = Annotated[int, pydantic.BeforeValidator(_dim)]
 Count = Annotated[int, pydantic.BeforeValidator(_no_bool)]
 
 
+def is_name(value: str) -> bool:
+    """Whether `value` keeps to NAME_RULE (a ModelSpec's name, a model id)."""
+    return len(value) <= MAX_NAME and _MODEL_ID.match(value) is not None
+
+
+def check_name(value: str) -> str:
+    """`value`, when it keeps to NAME_RULE; else ValueError(NAME_RULE), for a pydantic validator."""
+    if not is_name(value):
+        raise ValueError(NAME_RULE)
+    return value
+
+
 def bad_characters(text: str) -> list[str]:
     """The control and bidirectional-override characters in `text`, each written as its code point (U+202E)."""
     return [f"U+{ord(c):04X}" for c in text if unicodedata.category(c) == "Cc" or c in _BIDI]

@@ -25,9 +25,7 @@ class ObjectMeta(pydantic.BaseModel):
     @pydantic.field_validator("name")
     @classmethod
     def _name(cls, value: str) -> str:
-        if len(value) > base.MAX_NAME or not base._MODEL_ID.match(value):
-            raise ValueError(base.NAME_RULE)
-        return value
+        return base.check_name(value)
 
     @pydantic.field_validator("namespace")
     @classmethod

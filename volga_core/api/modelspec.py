@@ -464,15 +464,13 @@ class ModelSpecSpec(base.Model):
     @pydantic.field_validator("ensemble")
     @classmethod
     def _ensemble_id(cls, value: str | None) -> str | None:
-        if value is not None and (len(value) > base.MAX_NAME or not base._MODEL_ID.match(value)):
-            raise ValueError(base.NAME_RULE)
-        return value
+        return None if value is None else base.check_name(value)
 
     @pydantic.model_validator(mode="after")
     def _chain_shape(self) -> ModelSpecSpec:
         problems: list[tuple[tuple[int | str, ...], str]] = []
         for index, member in enumerate(self.chain):
-            if len(member) > base.MAX_NAME or not base._MODEL_ID.match(member):
+            if not base.is_name(member):
                 problems.append((("chain", index), f"{member!r}: a model id {base.NAME_RULE}"))
             elif member == self.model_id:
                 problems.append((("chain", index), f"{member!r} is this model's own modelId: a chain that calls "
@@ -493,9 +491,7 @@ class ModelSpecSpec(base.Model):
     @pydantic.field_validator("model_id")
     @classmethod
     def _model_id(cls, value: str) -> str:
-        if len(value) > base.MAX_NAME or not base._MODEL_ID.match(value):
-            raise ValueError(base.NAME_RULE)
-        return value
+        return base.check_name(value)
 
     @pydantic.field_validator("source")
     @classmethod
