@@ -38,6 +38,15 @@ def first(report: dict[str, object]) -> dict[str, object]:
     return step
 
 
+def assert_restored_from_a(base: pathlib.Path, a: dict[str, object], b: dict[str, object]) -> None:
+    """Node B's first request was answered from node A's published image, as A answered it."""
+    digest = shared.Store(base / "shared").entries()[0].digest
+    assert first(b)["detail"] == f"restored from shared image {digest} of node node-a"
+    assert first(b)["shared_snapshot_role"] == "restored" and not first(b)["fallback"]
+    assert first(b)["outputs"] == first(a)["outputs"]
+    assert b["shared"] == {"restores": 1.0, "restore_failures": 0.0, "publishes": 0.0}
+
+
 def test_node_a_publishes_after_its_first_freeze(two_nodes: tuple[pathlib.Path, dict[str, object]]) -> None:
     base, a = two_nodes
     assert first(a)["woke_from"] == "COLD" and first(a)["detail"] == ""  # nothing to restore yet: a cold start
@@ -52,11 +61,7 @@ def test_node_b_answers_its_first_request_from_node_a_image(
         two_nodes: tuple[pathlib.Path, dict[str, object]]) -> None:
     base, a = two_nodes
     b = shared_bench.run_node("node-b", base / "b", base / "node", base / "shared", "first")
-    digest = shared.Store(base / "shared").entries()[0].digest
-    assert first(b)["detail"] == f"restored from shared image {digest} of node node-a"
-    assert first(b)["shared_snapshot_role"] == "restored" and not first(b)["fallback"]
-    assert first(b)["outputs"] == first(a)["outputs"]
-    assert b["shared"] == {"restores": 1.0, "restore_failures": 0.0, "publishes": 0.0}
+    assert_restored_from_a(base, a, b)
 
 
 def test_a_replica_of_another_name_restores_node_a_image_in_the_same_slot(
@@ -66,11 +71,7 @@ def test_a_replica_of_another_name_restores_node_a_image_in_the_same_slot(
     base, a = two_nodes
     b = shared_bench.run_node("node-b", base / "b-replica", base / "node", base / "shared", "first",
                               instance=f"{shared_bench.MODEL_NAME}-1")
-    digest = shared.Store(base / "shared").entries()[0].digest
-    assert first(b)["detail"] == f"restored from shared image {digest} of node node-a"
-    assert first(b)["shared_snapshot_role"] == "restored" and not first(b)["fallback"]
-    assert first(b)["outputs"] == first(a)["outputs"]
-    assert b["shared"] == {"restores": 1.0, "restore_failures": 0.0, "publishes": 0.0}
+    assert_restored_from_a(base, a, b)
 
 
 def test_an_incompatible_key_cold_starts_and_publishes_its_own(
