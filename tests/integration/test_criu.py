@@ -29,6 +29,13 @@ def inst(default_spec: api.ModelSpecSpec, rundir: pathlib.Path,
     assert not (criu_engine.root / "ctr-a").exists(), "images left behind"
 
 
+def hot_reference(inst: instance.Instance, batch: int, seed: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Sample inputs, and the answer of the instance made HOT to them (what it must answer after each wake)."""
+    x = contract.sample_inputs(inst.config.inputs, batch=batch, seed=seed)
+    inst.to(Tier.HOT)
+    return x, inst.infer(x)["probability"]
+
+
 def test_criu_is_4x(criu_engine: criu.CriuEngine) -> None:
     assert criu_engine.version().startswith("Version: 4.")
     criu_engine.check()
@@ -44,9 +51,7 @@ def test_criu_reads_its_kernel_probes_from_a_cache(criu_engine: criu.CriuEngine,
 
 
 def test_freeze_thaw_many_times_identical_outputs(inst: instance.Instance, criu_engine: criu.CriuEngine) -> None:
-    x = contract.sample_inputs(inst.config.inputs, batch=32, seed=5)
-    inst.to(Tier.HOT)
-    reference = inst.infer(x)["probability"]
+    x, reference = hot_reference(inst, batch=32, seed=5)
     pids = set()
     for cycle in range(6):
         frozen = inst.to(Tier.FROZEN)
@@ -113,9 +118,7 @@ def test_rng_reseeded_after_restore(default_spec: api.ModelSpecSpec, rundir: pat
 
 
 def test_broken_image_falls_back_to_cold_start(inst: instance.Instance) -> None:
-    x = contract.sample_inputs(inst.config.inputs, batch=2, seed=1)
-    inst.to(Tier.HOT)
-    reference = inst.infer(x)["probability"]
+    x, reference = hot_reference(inst, batch=2, seed=1)
     inst.to(Tier.FROZEN)
     assert inst.image is not None
     (inst.image.path / "pstree.img").write_bytes(b"garbage")
@@ -127,9 +130,7 @@ def test_broken_image_falls_back_to_cold_start(inst: instance.Instance) -> None:
 
 
 def test_failed_dump_keeps_the_worker_serving(inst: instance.Instance, monkeypatch: pytest.MonkeyPatch) -> None:
-    x = contract.sample_inputs(inst.config.inputs, batch=2, seed=1)
-    inst.to(Tier.HOT)
-    reference = inst.infer(x)["probability"]
+    x, reference = hot_reference(inst, batch=2, seed=1)
     assert inst.criu is not None
     monkeypatch.setattr(inst.criu, "criu", "/bin/false")
     with pytest.raises(criu.CriuError, match="criu dump of pid"):
@@ -153,9 +154,7 @@ def test_fresh_image_is_reused_until_the_worker_changes(default_spec: api.ModelS
 
     inst = instance.Instance("reuse", default_spec, rundir, criu_engine, reuse_image_sec=300)
     try:
-        x = contract.sample_inputs(inst.config.inputs, batch=2, seed=8)
-        inst.to(Tier.HOT)
-        reference = inst.infer(x)["probability"]
+        x, reference = hot_reference(inst, batch=2, seed=8)
         first = inst.to(Tier.FROZEN)
         image = inst.image
         assert first.detail == ""
@@ -179,9 +178,7 @@ def test_lazy_restore_answers_the_same(default_spec: api.ModelSpecSpec, rundir: 
     """CRIU lazy pages (userfaultfd): the restored worker pulls its pages on demand and answers the same."""
     inst = instance.Instance("lazy", default_spec, rundir, criu_engine, lazy_restore=True)
     try:
-        x = contract.sample_inputs(inst.config.inputs, batch=16, seed=3)
-        inst.to(Tier.HOT)
-        reference = inst.infer(x)["probability"]
+        x, reference = hot_reference(inst, batch=16, seed=3)
         for _ in range(3):
             inst.to(Tier.FROZEN)
             assert inst.image is not None
@@ -316,9 +313,7 @@ def test_a_failed_lazy_restore_is_retried_eagerly(default_spec: api.ModelSpecSpe
     """The image is fine when only the lazy-pages machinery fails: an eager restore of it serves, no cold start."""
     inst = instance.Instance("lazyfail", default_spec, rundir, criu_engine, lazy_restore=True)
     try:
-        x = contract.sample_inputs(inst.config.inputs, batch=2, seed=4)
-        inst.to(Tier.HOT)
-        reference = inst.infer(x)["probability"]
+        x, reference = hot_reference(inst, batch=2, seed=4)
         inst.to(Tier.FROZEN)
 
         def no_daemon(image: criu.Image) -> None:
@@ -342,9 +337,7 @@ def test_many_wakes_under_load_never_fall_back(default_spec: api.ModelSpecSpec, 
     inst = instance.Instance("stress", default_spec, rundir, criu_engine, lazy_restore=lazy)
     load: list[subprocess.Popen[bytes]] = []
     try:
-        x = contract.sample_inputs(inst.config.inputs, batch=4, seed=9)
-        inst.to(Tier.HOT)
-        reference = inst.infer(x)["probability"]
+        x, reference = hot_reference(inst, batch=4, seed=9)
         for cycle in range(100):
             if cycle == 50:
                 load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
@@ -387,9 +380,7 @@ def test_a_lazily_restored_worker_is_frozen_only_with_all_its_pages(default_spec
     busy = f"import os; os.sched_setaffinity(0, {{{starved}}})\nwhile True: pass"
     hog = subprocess.Popen([sys.executable, "-c", busy])
     try:
-        x = contract.sample_inputs(inst.config.inputs, batch=4, seed=12)
-        inst.to(Tier.HOT)
-        reference = inst.infer(x)["probability"]
+        x, reference = hot_reference(inst, batch=4, seed=12)
         for _ in range(5):
             inst.to(Tier.FROZEN)
             assert not inst.wake().fallback
