@@ -126,11 +126,13 @@ def is_name(value: str) -> bool:
     return len(value) <= MAX_NAME and _MODEL_ID.match(value) is not None
 
 
-def check_name(value: str) -> str:
-    """`value`, when it keeps to NAME_RULE; else ValueError(NAME_RULE), for a pydantic validator."""
+def _check_name(value: str) -> str:
     if not is_name(value):
         raise ValueError(NAME_RULE)
     return value
+
+
+Name = Annotated[str, pydantic.AfterValidator(_check_name)]  # a ModelSpec's name or a model id (NAME_RULE)
 
 
 def bad_characters(text: str) -> list[str]:

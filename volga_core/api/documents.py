@@ -19,13 +19,8 @@ from volga_core.api import base, modelspec
 class ObjectMeta(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="allow", frozen=True)
 
-    name: str
+    name: base.Name
     namespace: str | None = None
-
-    @pydantic.field_validator("name")
-    @classmethod
-    def _name(cls, value: str) -> str:
-        return base.check_name(value)
 
     @pydantic.field_validator("namespace")
     @classmethod

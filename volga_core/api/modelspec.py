@@ -421,7 +421,7 @@ class ModelSpecSpec(base.Model):
         {"rule": "!has(self.ensemble) || (has(self.chain) && size(self.chain) > 0 && self.ensemble != self.modelId)",
          "message": "ensemble needs a chain, and a model id other than the head's"}]})
 
-    model_id: str = pydantic.Field(
+    model_id: base.Name = pydantic.Field(
         json_schema_extra={"maxLength": base.MAX_NAME, "pattern": base._MODEL_ID.pattern},
         description=f"the model's name in requests (the Open Inference Protocol's model name, or x-model-id); "
                     f"1-{base.MAX_NAME} lowercase letters, digits, '-' or '.' (a DNS-1123 subdomain), unique")
@@ -455,16 +455,11 @@ class ModelSpecSpec(base.Model):
                            "x-kubernetes-validations": [
                                {"rule": "self.all(a, self.filter(b, b == a).size() == 1)",
                                 "message": "a chain lists each model once"}]})
-    ensemble: str | None = pydantic.Field(
+    ensemble: base.Name | None = pydantic.Field(
         default=None, json_schema_extra={"maxLength": base.MAX_NAME, "pattern": base._MODEL_ID.pattern},
         description="with chain: a model id under which the gateway serves the whole chain as one model (a "
                     "Triton ensemble): the head's inputs in, each member's inputs taken by name from the outputs "
                     "before it, the last member's outputs out. Default: unset (the members are called one by one)")
-
-    @pydantic.field_validator("ensemble")
-    @classmethod
-    def _ensemble_id(cls, value: str | None) -> str | None:
-        return None if value is None else base.check_name(value)
 
     @pydantic.model_validator(mode="after")
     def _chain_shape(self) -> ModelSpecSpec:
@@ -487,11 +482,6 @@ class ModelSpecSpec(base.Model):
                 {"type": "value_error", "loc": loc, "input": None, "ctx": {"error": ValueError(reason)}}
                 for loc, reason in problems])
         return self
-
-    @pydantic.field_validator("model_id")
-    @classmethod
-    def _model_id(cls, value: str) -> str:
-        return base.check_name(value)
 
     @pydantic.field_validator("source")
     @classmethod
