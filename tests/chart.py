@@ -63,6 +63,20 @@ def run(*args: str, check: bool = True, **kwargs: Any) -> subprocess.CompletedPr
     return proc
 
 
+def promtool_test(rules: pathlib.Path, series: list[dict[str, str]], alert_tests: list[dict[str, Any]],
+                  unit: pathlib.Path) -> None:
+    """promtool runs the rules over the synthetic series, every minute, and finds each alert test as it says
+    (the unit test written to `unit`)."""
+    tests = {
+        "rule_files": [str(rules)],
+        "evaluation_interval": "1m",
+        "tests": [{"interval": "1m", "input_series": series, "alert_rule_test": alert_tests}],
+    }
+    unit.write_text(yaml.safe_dump(tests))
+    out = run(promtool(), "test", "rules", str(unit), check=False)
+    assert out.returncode == 0, f"promtool test rules:\n{out.stdout}{out.stderr}"
+
+
 # --- rendering ---------------------------------------------------------------------------------------------------
 
 

@@ -31,23 +31,9 @@ def test_slo_rules_read_exported_metrics_and_fire(tmp_path: pathlib.Path) -> Non
         {"series": f'volga_slo_past_recovery_deadline{{model="ok",{labels}}}', "values": "0x30"},
     ]
     expected = {"severity": "warning", "model": "m", **node}
-    unit = {
-        "rule_files": [str(path)],
-        "evaluation_interval": "1m",
-        "tests": [{
-            "interval": "1m",
-            "input_series": series,
-            "alert_rule_test": [
-                {"eval_time": "4m", "alertname": "VolgaSloViolationSustained", "exp_alerts": []},  # pending
-                {"eval_time": "10m", "alertname": "VolgaSloViolationSustained",
-                 "exp_alerts": [{"exp_labels": expected}]},
-                {"eval_time": "2m", "alertname": "VolgaSloRecoveryDeadlineMissed", "exp_alerts": []},
-                {"eval_time": "4m", "alertname": "VolgaSloRecoveryDeadlineMissed",
-                 "exp_alerts": [{"exp_labels": expected}]},
-            ],
-        }],
-    }
-    test_file = tmp_path / "slo-test.yaml"
-    test_file.write_text(yaml.safe_dump(unit))
-    out = chart.run(chart.promtool(), "test", "rules", str(test_file), check=False)
-    assert out.returncode == 0, f"promtool test rules:\n{out.stdout}{out.stderr}"
+    chart.promtool_test(path, series, [
+        {"eval_time": "4m", "alertname": "VolgaSloViolationSustained", "exp_alerts": []},  # pending
+        {"eval_time": "10m", "alertname": "VolgaSloViolationSustained", "exp_alerts": [{"exp_labels": expected}]},
+        {"eval_time": "2m", "alertname": "VolgaSloRecoveryDeadlineMissed", "exp_alerts": []},
+        {"eval_time": "4m", "alertname": "VolgaSloRecoveryDeadlineMissed", "exp_alerts": [{"exp_labels": expected}]},
+    ], tmp_path / "slo-test.yaml")
