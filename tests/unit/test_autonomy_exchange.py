@@ -3,6 +3,7 @@ load pushed to it and gives the directives in full; the gateway's side changes o
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from volga_agent import errors
@@ -48,9 +49,18 @@ def test_the_exchange_sums_pushed_load_and_gives_the_directives_in_full() -> Non
 
 def test_the_exchanger_changes_only_what_differs_and_skips_models_it_does_not_know() -> None:
     plane = RecordingPlane()
-    ex = links.Exchanger(plane, links.GrpcAgentLink("127.0.0.1:1"))
-    ex.apply(links.Directives(True, {"a": 8, "unknown": 2}, {"b": 500}, 50))
-    ex.apply(links.Directives(True, {"a": 8}, {"b": 500}, 50))
-    ex.apply(links.Directives(True, {"a": 4}, {}, 50))
-    ex.apply(links.Directives(True, {}, {}, 50))
+
+    async def exchange() -> None:
+        # The link's grpc.aio channel belongs to a loop (never connected here): one of its own, closed after.
+        link = links.GrpcAgentLink("127.0.0.1:1")
+        try:
+            ex = links.Exchanger(plane, link)
+            ex.apply(links.Directives(True, {"a": 8, "unknown": 2}, {"b": 500}, 50))
+            ex.apply(links.Directives(True, {"a": 8}, {"b": 500}, 50))
+            ex.apply(links.Directives(True, {"a": 4}, {}, 50))
+            ex.apply(links.Directives(True, {}, {}, 50))
+        finally:
+            await link.channel.close()
+
+    asyncio.run(exchange())
     assert plane.calls == [("cap", "a", 8), ("shed", "b", 500), ("cap", "a", 4), ("unshed", "b"), ("cap", "a", None)]
