@@ -19,7 +19,8 @@ $(CRIU_PREFIX)/bin/criu:
 
 criu: $(CRIU_PREFIX)/bin/criu
 
-# kube-apiserver, etcd, kwok and helm from the Go module proxy (about 8 minutes the first time, cached after).
+# kube-apiserver, etcd, kwok, helm and the real node's kubelet, controller-manager, scheduler and kube-proxy from the Go
+# module proxy (about 20 minutes the first time, cached after).
 $(K8S_BIN)/VERSIONS: scripts/build-k8s-bins.sh
 	scripts/build-k8s-bins.sh $(K8S_BIN)
 

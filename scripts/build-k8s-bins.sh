@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Build the real Kubernetes binaries the k8s tests run (kube-apiserver, etcd, kwok, helm; kubectl on request)
-# from the Go module proxy alone: no Docker, no release downloads.
+# Build the real Kubernetes binaries the k8s tests run (kube-apiserver, etcd, kwok, helm; for the real node also
+# kubelet, kube-controller-manager, kube-scheduler and kube-proxy; kubectl on request) from the Go module proxy
+# alone: no Docker, no release downloads.
 #
 #   scripts/build-k8s-bins.sh [DEST]        DEST defaults to ${VOLGA_K8S_BIN:-$HOME/.cache/volga/k8s-bin}
 #
 # Environment:
-#   ONLY="etcd kube-apiserver"   build only these (default: kube-apiserver etcd kwok helm; "kubectl" is also known)
+#   ONLY="etcd kube-apiserver"   build only these (default: all but kubectl, which is also known)
 #   FORCE=1                      rebuild even when a binary is present and reports the wanted version
 #   K8S_VERSION, ETCD_VERSION, KWOK_VERSION, HELM_VERSION   override the pinned versions below
 #
@@ -18,7 +19,7 @@ K8S_VERSION="${K8S_VERSION:-v1.34.4}"
 ETCD_VERSION="${ETCD_VERSION:-v3.6.16}"
 KWOK_VERSION="${KWOK_VERSION:-v0.7.0}"
 HELM_VERSION="${HELM_VERSION:-v3.19.0}"
-ONLY="${ONLY:-kube-apiserver etcd kwok helm}"
+ONLY="${ONLY:-kube-apiserver etcd kwok helm kubelet kube-controller-manager kube-scheduler kube-proxy}"
 FORCE="${FORCE:-0}"
 # A niced build keeps the rest of a 2-core machine responsive.
 NICE=(nice -n "${NICE_LEVEL:-10}")
@@ -38,7 +39,7 @@ export GOFLAGS="-mod=mod -buildvcs=false"
 # The version command of each binary and the text its output must contain for the binary to count as built.
 version_cmd() {
   case "$1" in
-    kube-apiserver|etcd|kwok) echo "--version" ;;
+    kube-apiserver|etcd|kwok|kubelet|kube-controller-manager|kube-scheduler|kube-proxy) echo "--version" ;;
     helm) echo "version --short" ;;
     kubectl) echo "version --client" ;;
     *) die "unknown binary: $1" ;;
@@ -46,7 +47,7 @@ version_cmd() {
 }
 wanted_version() {
   case "$1" in
-    kube-apiserver|kubectl) echo "$K8S_VERSION" ;;
+    kube-apiserver|kubectl|kubelet|kube-controller-manager|kube-scheduler|kube-proxy) echo "$K8S_VERSION" ;;
     etcd) echo "${ETCD_VERSION#v}" ;;
     kwok) echo "${KWOK_VERSION#v}" ;;
     helm) echo "$HELM_VERSION" ;;
@@ -102,7 +103,11 @@ package tools
 
 import (
 	_ "k8s.io/kubernetes/cmd/kube-apiserver"
+	_ "k8s.io/kubernetes/cmd/kube-controller-manager"
+	_ "k8s.io/kubernetes/cmd/kube-proxy"
+	_ "k8s.io/kubernetes/cmd/kube-scheduler"
 	_ "k8s.io/kubernetes/cmd/kubectl"
+	_ "k8s.io/kubernetes/cmd/kubelet"
 )
 GO
   log "resolving the wrapper module ($(grep -c ' => ' "$dir/go.mod") staging modules pinned to $staging_version)"
@@ -170,7 +175,8 @@ build_one() {
   fi
   start=$SECONDS
   case "$name" in
-    kube-apiserver|kubectl) build_k8s_cmd "$name"; source="k8s.io/kubernetes"; version="$K8S_VERSION" ;;
+    kube-apiserver|kubectl|kubelet|kube-controller-manager|kube-scheduler|kube-proxy)
+      build_k8s_cmd "$name"; source="k8s.io/kubernetes"; version="$K8S_VERSION" ;;
     etcd) build_etcd; source="go.etcd.io/etcd/server/v3"; version="$ETCD_VERSION" ;;
     kwok) go_install kwok sigs.k8s.io/kwok/cmd/kwok "$KWOK_VERSION"
           source="sigs.k8s.io/kwok"; version="$KWOK_VERSION" ;;
@@ -185,7 +191,7 @@ build_one() {
   log "$name: built in $((SECONDS - start))s, $(du -h "$DEST/$name" | cut -f1)"
 }
 
-KNOWN="kube-apiserver etcd kwok helm kubectl"
+KNOWN="kube-apiserver etcd kwok helm kubelet kube-controller-manager kube-scheduler kube-proxy kubectl"
 for name in $ONLY; do
   [[ " $KNOWN " == *" $name "* ]] || die "unknown binary '$name' in ONLY (known: $KNOWN)"
 done
