@@ -6,7 +6,7 @@ CRIU_PREFIX ?= $(HOME)/.cache/volga/criu
 K8S_BIN ?= $(HOME)/.cache/volga/k8s-bin
 export VOLGA_K8S_BIN := $(K8S_BIN)
 
-.PHONY: setup demo test test-fast test-gpu lint criu tools k8s-bins crds bench-tiers images clean
+.PHONY: setup demo test test-fast test-gpu lint criu tools k8s-bins node-tools node crds bench-tiers images clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,7 +30,11 @@ k8s-bins: $(K8S_BIN)/VERSIONS
 tools: $(VENV)/.installed
 	scripts/install-tools.sh $(VENV)
 
-setup: $(VENV)/.installed criu tools k8s-bins
+# containerd, runc, the CNI plugins and iptables for the real node (Debian's packages).
+node-tools:
+	scripts/install-node.sh
+
+setup: $(VENV)/.installed criu tools k8s-bins node-tools
 
 crds: $(VENV)/.installed
 	$(PY) -m volga_core.api.crds --out crds
@@ -44,6 +48,11 @@ demo: $(VENV)/.installed criu
 # Images). The GPU flavour is skipped, with the reason printed, when the disk is too small for it (BUILD_GPU=0/1).
 images:
 	scripts/build-images.sh
+
+# A real node on this machine (kubelet, containerd, kube-proxy) with the chart installed from `make images`, the
+# default model applied; Ctrl-C removes it all (docs/install.md, "A real node here").
+node: setup images
+	$(PY) -m volga_bench.cluster
 
 test: setup lint images
 	$(PY) -m pytest -m 'not gpu' $(PYTEST_ARGS)

@@ -6,7 +6,8 @@
 # (/var/tmp/buildah-cache*/volga-wheels), and the image a rebuild replaces is removed.
 #
 # Usage: scripts/build-images.sh            (needs root; installs mmdebstrap and buildah with apt when missing)
-# Images: localhost/volga-operator:dev, localhost/volga-agent:dev-cpu, localhost/volga-agent:dev-gpu.
+# Images: localhost/volga-operator:dev, localhost/volga-agent:dev-cpu, localhost/volga-agent:dev-gpu, and the real
+# node's sandbox image localhost/volga-pause:3.10.
 # The GPU flavour (6.8 GB) needs VOLGA_GPU_MIN_FREE_GB (default 24) GiB free in buildah's storage to build (its
 # build peaks ~18 GiB above its start, plus 3.2 GB of wheels the first time);
 # with less it is skipped (and a stale one removed), and the reason is written to $skipped for tests/images/test_images.py.
@@ -101,8 +102,24 @@ else
   rm -f "$skipped"
   build "$gpu_tag" Dockerfile.agent "${gpu_args[@]}"
 fi
+# The real node's sandbox image (scripts/pause.c, statically linked): containerd's CRI needs one for every pod
+# and no registry is reachable to pull registry.k8s.io/pause from.
+pause_tag=localhost/volga-pause:3.10
+pause_source=$(sha256sum scripts/pause.c | cut -c1-16)
+if [ "$(built_from "$pause_tag")" = "$pause_source" ]; then
+  echo "[images] $pause_tag is up to date ($pause_source)"
+else
+  pause_work=$(mktemp -d)
+  gcc -static -O2 -Wall -o "$pause_work/pause" scripts/pause.c
+  pause_ctr=$(buildah from --quiet scratch)
+  buildah copy --quiet "$pause_ctr" "$pause_work/pause" /pause >/dev/null
+  buildah config --entrypoint '["/pause"]' --user 65535:65535 --label "volga.dev/source=$pause_source" "$pause_ctr"
+  buildah commit --quiet --format docker --rm "$pause_ctr" "$pause_tag" >/dev/null
+  rm -rf "$pause_work"
+  echo "[images] built $pause_tag"
+fi
 # What a rebuild left untagged and unused: the build stages' last images (the operator's ~650 MB), replaced steps.
 if [ "$rebuilt" = 1 ]; then
   buildah rmi --prune >/dev/null 2>&1 || true
 fi
-buildah images --format '{{.Name}}:{{.Tag}} {{.Size}}' | grep -E 'volga-(operator|agent|base)' || true
+buildah images --format '{{.Name}}:{{.Tag}} {{.Size}}' | grep -E 'volga-(operator|agent|base|pause)' || true

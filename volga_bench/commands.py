@@ -222,6 +222,16 @@ def cmd_bench_scale(args: argparse.Namespace) -> int:
     return 0 if report["peak_writes_per_s"] <= report["write_limit_per_s"] else 1
 
 
+def cmd_bench_cluster(args: argparse.Namespace) -> int:
+    try:
+        from volga_bench import cluster
+    except ImportError as exc:
+        return _no_bench("bench cluster", exc)
+    report = cluster.bench(args.n, progress=_progress(args.json))
+    _emit(args, report, lambda: cluster.format_report(report))
+    return 0 if report["identical"] else 1
+
+
 def cmd_bench_decide(args: argparse.Namespace) -> int:
     try:
         from volga_bench import decide
@@ -368,6 +378,12 @@ def add_bench(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--placement", action="store_true", help="only the planner's cost per placement, no API server")
     _report_args(p)
     p.set_defaults(func=cmd_bench_scale)
+
+    p = bench.add_parser("cluster", help="helm install onto a real node: install to first answer, FROZEN wake through "
+                                         "the gateway Service vs volga up")
+    p.add_argument("-n", type=int, default=10, help="FROZEN wakes timed each way (default 10)")
+    _report_args(p)
+    p.set_defaults(func=cmd_bench_cluster)
 
     p = bench.add_parser("decide", help="the autonomy decider's cost per window and the sampler's jitter")
     p.add_argument("--windows", type=int, default=3000, help="windows decided per model count")

@@ -141,7 +141,9 @@ class Pki:
                  self.sa_key)
         return all(path.exists() for path in files)
 
-    def generate(self) -> None:
+    def generate(self, extra_names: Sequence[str] = ()) -> None:
+        """Write the CA and every leaf; `extra_names` are further names and addresses of the API server (a real
+        node's address, which its pods reach the API server at)."""
         self.folder.mkdir(parents=True, exist_ok=True)
         ca = trustme.CA(organization_name="volga-test-ca")
         _write(self.ca_cert, ca.cert_pem.bytes())
@@ -149,7 +151,7 @@ class Pki:
         # 10.0.0.1 is the `kubernetes` Service address the API server allocates from SERVICE_CIDR.
         serving = ca.issue_cert("localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
                                 "kubernetes.default.svc.cluster.local", "127.0.0.1", "::1", "10.0.0.1",
-                                common_name="kube-apiserver")
+                                *extra_names, common_name="kube-apiserver")
         self._write_leaf(serving, self.serving_cert, self.serving_key)
         # O=system:masters is the group RBAC lets do everything: the admin kubeconfig's identity.
         self._write_leaf(self._client(ca, "admin", "system:masters"), self.admin_cert, self.admin_key)
@@ -198,8 +200,13 @@ class ControlPlane:
         binaries: pathlib.Path | None = None,
         ready_timeout: float = READY_TIMEOUT_S,
         extra_apiserver_args: Sequence[str] = (),
+        node_ip: str | None = None,
     ) -> None:
         self.binaries = require_binaries(binaries)
+        # With a node (volga_bench.realnode): the API server listens on the node's address too, publishes it as the
+        # `kubernetes` Service's endpoint, and admits pods as a cluster does (ServiceAccount admission on: the
+        # controller-manager makes the accounts).
+        self.node_ip = node_ip
         # Short path under /tmp: the folder is listed in error messages and logs.
         self.root = root or pathlib.Path(tempfile.mkdtemp(prefix="volga-k8s-", dir="/tmp"))
         self.ready_timeout = ready_timeout
@@ -240,7 +247,7 @@ class ControlPlane:
         started = time.monotonic()
         self.root.mkdir(parents=True, exist_ok=True)
         if not self.pki.exists():
-            self.pki.generate()
+            self.pki.generate([self.node_ip] if self.node_ip else [])
         self.write_kubeconfig(self.kubeconfig)
         try:
             self.start_etcd()
@@ -294,10 +301,22 @@ class ControlPlane:
 
     def apiserver_args(self) -> list[str]:
         pki = self.pki
+        if self.node_ip:
+            where = ["--bind-address=0.0.0.0", f"--advertise-address={self.node_ip}",
+                     # `kubectl logs` and the API server's other calls to the kubelet, as the admin.
+                     f"--kubelet-client-certificate={pki.admin_cert}", f"--kubelet-client-key={pki.admin_key}"]
+        else:
+            where = [
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                # No controller-manager creates the `default` ServiceAccount, so that plugin would reject every pod.
+                "--disable-admission-plugins=ServiceAccount",
+                # The `kubernetes` Service's endpoints would be 127.0.0.1, which Endpoints validation refuses.
+                "--endpoint-reconciler-type=none",
+            ]
         return [
             str(self.binaries / "kube-apiserver"),
-            "--bind-address=127.0.0.1",
-            "--advertise-address=127.0.0.1",
+            *where,
             f"--secure-port={self.apiserver_port}",
             f"--tls-cert-file={pki.serving_cert}",
             f"--tls-private-key-file={pki.serving_key}",
@@ -308,10 +327,6 @@ class ControlPlane:
             f"--service-account-issuer={SERVICE_ACCOUNT_ISSUER}",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
             "--authorization-mode=RBAC",
-            # No controller-manager creates the `default` ServiceAccount, so that plugin would reject every pod.
-            "--disable-admission-plugins=ServiceAccount",
-            # The `kubernetes` Service's endpoints would be 127.0.0.1, which Endpoints validation refuses.
-            "--endpoint-reconciler-type=none",
             "--allow-privileged=true",
             "--profiling=false",
             *self.extra_apiserver_args,

@@ -112,8 +112,8 @@ def test_dockerfiles_pass_hadolint() -> None:
 
 def test_default_values_render_the_core_objects_only(default: Rendered) -> None:
     # The Secret is the gateway's own ServiceAccount token (gateway-rbac.yaml).
-    assert default.kinds() == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "DaemonSet",
-                               "Service", "ConfigMap", "NetworkPolicy", "Secret"}
+    assert default.kinds() == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding",
+                               "Deployment", "DaemonSet", "Service", "ConfigMap", "NetworkPolicy", "Secret"}
     assert ("ConfigMap", "volga-dashboard") not in default.by_key
     for doc in default.docs:
         labels = doc["metadata"]["labels"]
@@ -521,21 +521,39 @@ def test_model_sources_are_confined_to_the_models_volume(default: Rendered) -> N
 
 def test_a_claim_turns_shared_snapshots_on(default: Rendered, gpu: Rendered) -> None:
     """persistentVolumeClaim mode mounts the volume's `.shared` folder beside the node's own and points
-    settings.shared.folder at it; hostPath mode keeps snapshots node-local."""
+    settings.shared.folder at it; hostPath mode keeps its images on the node, with the kept copies in `.kept`."""
     mounts = [m for m in gpu.container("agent")["volumeMounts"] if m["name"] == "snapshots"]
     assert [m.get("subPathExpr") or m.get("subPath") for m in mounts] == ["$(NODE_NAME)", ".shared"]
     text = gpu.get("ConfigMap", "volga-agent-settings")["data"]["settings.yaml"]
-    assert Settings.from_mapping(yaml.safe_load(text)).shared.folder == mounts[1]["mountPath"]
-    text = default.get("ConfigMap", "volga-agent-settings")["data"]["settings.yaml"]
-    assert Settings.from_mapping(yaml.safe_load(text)).shared.folder == ""
+    shared = Settings.from_mapping(yaml.safe_load(text)).shared
+    assert (shared.folder, shared.node_local) == (mounts[1]["mountPath"], False)
     mount = next(m for m in default.container("agent")["volumeMounts"] if m["name"] == "snapshots")
     assert mount.get("subPath") is None
+    text = default.get("ConfigMap", "volga-agent-settings")["data"]["settings.yaml"]
+    shared = Settings.from_mapping(yaml.safe_load(text)).shared
+    assert (shared.folder, shared.node_local) == (f"{mount['mountPath']}/.kept", True)
+    off = template("--set", "agent.snapshots.keepAcrossRestarts=false")
+    text = off.get("ConfigMap", "volga-agent-settings")["data"]["settings.yaml"]
+    assert Settings.from_mapping(yaml.safe_load(text)).shared.folder == ""
+
+
+def test_the_agent_reads_only_its_own_daemonset(default: Rendered) -> None:
+    """At its stop the agent reads its DaemonSet (gone: uninstalled, and the kept images go too): one Role in the
+    release namespace, `get` on that one DaemonSet."""
+    role = default.get("Role", "volga-agent")
+    assert role["metadata"]["namespace"] == NAMESPACE
+    assert role["rules"] == [{"apiGroups": ["apps"], "resources": ["daemonsets"], "resourceNames": ["volga-agent"],
+                              "verbs": ["get"]}]
+    binding = default.get("RoleBinding", "volga-agent")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "volga-agent", "namespace": NAMESPACE}]
+    env = {e["name"]: e.get("value") for e in default.container("agent")["env"]}
+    assert env["VOLGA_DAEMONSET"] == f"{NAMESPACE}/volga-agent"
 
 
 def test_the_cluster_tier_renders_with_the_autonomy_loop_only(default: Rendered) -> None:
     """With agent.settings.autonomy_enabled the operator and the agents get the watermarks ConfigMap of the release
     namespace (the operator writes it, the agents watch it) and nothing more; without it, none of this renders."""
-    assert "Role" not in default.kinds() and "RoleBinding" not in default.kinds()
+    assert {name for kind, name in default.by_key if kind in ("Role", "RoleBinding")} == {"volga-agent"}
     assert "--metrics-port=8081" in default.get("Deployment", "volga-operator")["spec"]["template"]["spec"][
         "containers"][0]["args"]
     tier = template("--set", "agent.settings.autonomy_enabled=true",

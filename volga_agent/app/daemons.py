@@ -233,6 +233,10 @@ def agent_main(argv: list[str] | None = None) -> int:
             await grpc_server.stop(2.0)
             await metrics_runner.cleanup()
             await asyncio.to_thread(node_pool.close)
+            if args.kube and settings.shared.node_local:
+                from volga_agent.cluster import uninstall
+
+                await asyncio.to_thread(uninstall.clean_if_uninstalled, settings.shared.folder)
 
         await _until_signalled(stop)
 

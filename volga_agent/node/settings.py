@@ -129,7 +129,8 @@ class SharedSnapshotSettings(Group):
     shared_snapshot_grace_sec."""
 
     FLAT: ClassVar[Mapping[str, str]] = {"folder": "shared_snapshots", "budget_bytes": "shared_snapshot_budget_bytes",
-                                         "grace_sec": "shared_snapshot_grace_sec"}
+                                         "grace_sec": "shared_snapshot_grace_sec",
+                                         "node_local": "shared_snapshots_node_local"}
 
     # A folder every node mounts (the chart's persistentVolumeClaim mode): a node restores a compatible image
     # another published there instead of cold-starting, and publishes its own first freeze. "" keeps snapshots
@@ -139,6 +140,10 @@ class SharedSnapshotSettings(Group):
     budget_bytes: Bytes = 0
     # How long a shared image of a version no ModelSpec has any more stays before it is removed.
     grace_sec: NonNegative = 600.0
+    # The folder is this node's own disk (the chart's hostPath mode): its images carry the node's instances across
+    # agent restarts and upgrades (a compatible image is restored instead of a cold start), and an agent that stops
+    # because it was uninstalled (its DaemonSet gone) removes them.
+    node_local: bool = False
 
 
 class NeighbourSettings(Group):

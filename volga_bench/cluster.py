@@ -1,0 +1,311 @@
+"""Volga as users install it: `helm install` onto a real node (volga_bench.realnode), a ModelSpec applied with
+kubectl, requests through the gateway's Service.
+
+The tests in tests/node use these steps one by one; `volga bench cluster` times them:
+  - `install_to_first_answer_s`: from `helm install` (images already on the node, as after a pull) to the first
+    answer through the gateway Service of a ModelSpec applied right after the install (pods started, the model
+    cold-started, frozen, woken by that request);
+  - `service_frozen_wake_ms`: a FROZEN instance's first answer through the Service (kube-proxy, the gateway pod,
+    CRIU inside the agent's container), the instance demoted to FROZEN by its own idle timer between requests;
+  - `up_frozen_wake_ms`: the same model woken the same way under `volga up` on the same machine, in the same run.
+
+    python3 -m volga_agent.cli bench cluster [-n 10] [--json] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import pathlib
+import shutil
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import yaml
+
+from volga_agent.app import defaultmodel
+from volga_agent.app import up as volga_up
+from volga_agent.node import instance
+from volga_agent.node.settings import Settings
+from volga_agent.worker import contract
+from volga_bench import realnode, reporting
+from volga_core import api
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CHART = ROOT / "charts" / "volga"
+NODE_VALUES = CHART / "ci" / "node-values.yaml"
+IMAGES = ("localhost/volga-operator:dev", "localhost/volga-agent:dev-cpu")
+RELEASE = "volga"
+NAMESPACE = "volga-system"
+# Seconds a woken instance stays HOT before its idle timer freezes it again (the chart's default is 60).
+HOT_IDLE_SEC = 2
+
+
+@dataclasses.dataclass
+class Installed:
+    """A release of the chart on the node, and the host folders it uses."""
+
+    node: realnode.RealNode
+    folder: pathlib.Path
+    release: str = RELEASE
+    namespace: str = NAMESPACE
+
+    @property
+    def models(self) -> pathlib.Path:
+        return self.folder / "models"
+
+    @property
+    def snapshots(self) -> pathlib.Path:
+        return self.folder / "snapshots"
+
+    def pods(self, component: str) -> list[dict[str, Any]]:
+        out = self.node.kubectl("get", "pods", "-n", self.namespace, "-l",
+                                f"app.kubernetes.io/component={component}", "-o", "json")
+        return list(json.loads(out.stdout)["items"])
+
+    def service_ip(self, name: str = "") -> str:
+        """The ClusterIP of the gateway Service (kube-proxy's rules route it to the agent pod's gateway)."""
+        out = self.node.kubectl("get", "service", "-n", self.namespace, name or f"{self.release}-gateway", "-o",
+                                "jsonpath={.spec.clusterIP}")
+        return out.stdout.strip()
+
+    def grpc_target(self, port: int = 8001) -> str:
+        return f"{self.service_ip()}:{port}"
+
+
+def values_args(folder: pathlib.Path, **settings: Any) -> list[str]:
+    """helm arguments: the node values file, the host folders of this run, and agent settings."""
+    args = ["-f", str(NODE_VALUES), "--set", f"agent.snapshots.hostPath={folder / 'snapshots'}",
+            "--set", f"agent.models.hostPath={folder / 'models'}"]
+    for name, value in settings.items():
+        args += ["--set", f"agent.settings.{name}={value}"]
+    return args
+
+
+def install(node: realnode.RealNode, folder: pathlib.Path, *extra: str, hot_idle_sec: int = HOT_IDLE_SEC,
+            wait: bool = True) -> Installed:
+    """`helm install` the chart with the node values; the default model's file placed in the models folder."""
+    installed = Installed(node, folder)
+    place_default_model(installed.models)
+    node.helm("install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--create-namespace",
+              *values_args(folder, hot_idle_sec=hot_idle_sec), *extra)
+    if wait:
+        wait_ready(installed)
+    return installed
+
+
+def wait_ready(installed: Installed, timeout: float = 300.0) -> None:
+    """Until the operator's and the agent's pods are Ready (every container)."""
+    def ready() -> bool:
+        pods = installed.pods("operator") + installed.pods("agent")
+        return len(pods) >= 2 and all(_pod_ready(p) for p in pods)
+
+    installed.node.wait("the operator and agent pods Ready", ready, timeout=timeout)
+
+
+def _pod_ready(pod: dict[str, Any]) -> bool:
+    if pod["metadata"].get("deletionTimestamp"):
+        return False
+    conditions = pod.get("status", {}).get("conditions", [])
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+def place_default_model(models: pathlib.Path) -> pathlib.Path:
+    """The embedded default model's file in the node's models folder (what a user copies onto a node)."""
+    models.mkdir(parents=True, exist_ok=True)
+    source = defaultmodel.ensure().spec.source_path
+    target = models / source.name
+    if not target.exists() or target.stat().st_size != source.stat().st_size:
+        shutil.copyfile(source, target)
+    target.chmod(0o644)
+    models.chmod(0o755)
+    return target
+
+
+def modelspec(installed: Installed, name: str, frozen: int = 1, namespace: str = "default") -> dict[str, Any]:
+    """The default model as a ModelSpec whose pool floor is FROZEN, its source on the node's models folder."""
+    doc = defaultmodel.spec_document(installed.models / defaultmodel.ensure().spec.source_path.name)
+    doc["metadata"] = {"name": name, "namespace": namespace}
+    doc["spec"]["modelId"] = name
+    doc["spec"]["pool"] = {"hot": 0, "frozen": frozen}
+    return doc
+
+
+def apply(node: realnode.RealNode, doc: dict[str, Any]) -> None:
+    node.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
+
+
+def emis(node: realnode.RealNode, model: str, namespace: str = "default") -> list[dict[str, Any]]:
+    out = node.kubectl("get", "emi", "-n", namespace, "-l", f"volga.dev/modelspec={model}", "-o", "json")
+    return list(json.loads(out.stdout)["items"])
+
+
+def tiers(node: realnode.RealNode, model: str) -> list[str]:
+    return [e.get("status", {}).get("tier", "") for e in emis(node, model)]
+
+
+def sample(seed: int = 5) -> dict[str, np.ndarray]:
+    decls = instance.decls(defaultmodel.ensure().spec.inputs)
+    return contract.sample_inputs(decls, batch=4, seed=seed)
+
+
+def reference(seed: int = 5) -> np.ndarray:
+    """The default model's answer run directly with onnxruntime, no Volga in between."""
+    import onnxruntime
+
+    spec = defaultmodel.ensure().spec
+    session = onnxruntime.InferenceSession(str(spec.source_path), providers=["CPUExecutionProvider"])
+    return np.asarray(session.run(["probability"], sample(seed))[0])
+
+
+def ask(target: str, model: str, seed: int = 5, timeout: float = 120.0) -> np.ndarray:
+    """One request with an unmodified tritonclient over gRPC, the model named in `x-model-id`."""
+    import tritonclient.grpc as grpcclient
+
+    inputs = []
+    for name, value in sample(seed).items():
+        tensor = grpcclient.InferInput(name, list(value.shape), "INT64" if value.dtype == np.int64 else "FP32")
+        tensor.set_data_from_numpy(value)
+        inputs.append(tensor)
+    client = grpcclient.InferenceServerClient(target)
+    try:
+        result = client.infer(model, inputs, headers={"x-model-id": model}, client_timeout=timeout)
+        return np.asarray(result.as_numpy("probability"))
+    finally:
+        client.close()
+
+
+def first_answer(target: str, model: str, timeout: float, seed: int = 5) -> np.ndarray:
+    """Retry until the gateway answers: right after an install, the route or the instance may not exist yet."""
+    from tritonclient.utils import InferenceServerException
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return ask(target, model, seed, timeout=max(1.0, deadline - time.monotonic()))
+        except InferenceServerException:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def timed_frozen_wakes(n: int, is_frozen: Callable[[], bool], request: Callable[[], np.ndarray],
+                       expected: np.ndarray, wait: Callable[[str, Callable[[], Any], float], Any]) -> dict[str, Any]:
+    """n times: wait for the idle timer to freeze the instance, then time one request (send to answer)."""
+    seconds, mismatches = [], 0
+    for _ in range(n):
+        wait("the instance FROZEN after idling", is_frozen, 120.0)
+        start = time.perf_counter()
+        answer = request()
+        seconds.append(time.perf_counter() - start)
+        mismatches += int(not np.array_equal(answer, expected))
+    return {"first_answer": reporting.summarize(seconds), "mismatches": mismatches}
+
+
+def bench(n: int = 10, progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """The whole comparison in one run: a real node, the chart installed, then `volga up` on the same machine."""
+    expected = reference()
+    report: dict[str, Any] = {"n": n, "model": defaultmodel.MODEL_ID}
+    with realnode.RealNode() as node:
+        report["node_start_s"] = round(node.last_start_s or 0.0, 2)
+        progress("importing the images")
+        report["image_import_s"] = {k: round(v, 1) for k, v in node.import_images(
+            (*IMAGES, realnode.PAUSE_IMAGE)).items()}
+        folder = node.root / "volga"
+        progress("helm install")
+        start = time.monotonic()
+        installed = install(node, folder, wait=False)
+        apply(node, modelspec(installed, "bench"))
+        node.wait("the gateway Service", lambda: installed.service_ip(), timeout=60)
+        answer = first_answer(installed.grpc_target(), "bench", timeout=600)
+        report["install_to_first_answer_s"] = round(time.monotonic() - start, 2)
+        report["install_first_answer_identical"] = bool(np.array_equal(answer, expected))
+        progress("FROZEN wakes through the Service")
+        service = timed_frozen_wakes(
+            n, lambda: tiers(node, "bench") == ["FROZEN"], lambda: ask(installed.grpc_target(), "bench"),
+            expected, lambda what, check, timeout: node.wait(what, check, timeout=timeout))
+        report["service"] = service
+        node.helm("uninstall", RELEASE, "--namespace", NAMESPACE, "--wait", "--timeout", "120s", check=False)
+    progress("FROZEN wakes under volga up")
+    report["up"] = asyncio.run(_up_wakes(n, expected))
+    report["service_frozen_wake_ms"] = report["service"]["first_answer"]["p50_ms"]
+    report["up_frozen_wake_ms"] = report["up"]["first_answer"]["p50_ms"]
+    report["service_over_up"] = round(report["service_frozen_wake_ms"] / report["up_frozen_wake_ms"], 2)
+    report["identical"] = report["install_first_answer_identical"] and not (
+        report["service"]["mismatches"] or report["up"]["mismatches"])
+    return report
+
+
+async def _up_wakes(n: int, expected: np.ndarray) -> dict[str, Any]:
+    """The same model under `volga up`, frozen by the same idle timer, woken by the same client."""
+    spec = defaultmodel.ensure()
+    spec = spec.model_copy(update={"spec": spec.spec.model_copy(update={"pool": api.Pool(hot=0, frozen=1)})})
+    settings = Settings.model_validate({"hot_idle_sec": HOT_IDLE_SEC})
+    options = volga_up.Options(settings=settings, tick_sec=0.5, http_port=0, grpc_port=0, metrics_port=0,
+                               agent_port=-1)
+    up = volga_up.Embedded([spec], options)
+    await up.start()
+    try:
+        await up.wait_converged()
+        target = up.endpoints()["grpc"]
+        model = spec.spec.model_id
+
+        def is_frozen() -> bool:
+            return up.pool.instances(model)[0].tier == api.Tier.FROZEN
+
+        def wait(what: str, check: Callable[[], Any], timeout: float) -> None:
+            deadline = time.monotonic() + timeout
+            while not check():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{what} not reached within {timeout:.0f}s")
+                time.sleep(0.1)
+
+        return await asyncio.to_thread(timed_frozen_wakes, n, is_frozen, lambda: ask(target, model), expected, wait)
+    finally:
+        await up.stop()
+
+
+def format_report(report: dict[str, Any]) -> str:
+    lines = [
+        f"real node: started in {report['node_start_s']} s; images imported {report['image_import_s'] or '(cached)'}",
+        f"helm install -> first answer through the Service: {report['install_to_first_answer_s']} s",
+        f"FROZEN wake, first answer p50 / p99 over {report['n']}:",
+        f"  through the gateway Service  {report['service']['first_answer']['p50_ms']:8.1f} / "
+        f"{report['service']['first_answer']['p99_ms']:.1f} ms",
+        f"  under volga up               {report['up']['first_answer']['p50_ms']:8.1f} / "
+        f"{report['up']['first_answer']['p99_ms']:.1f} ms",
+        f"  Service / volga up: {report['service_over_up']}x (target <= 1.2x); every answer identical: "
+        f"{report['identical']}",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    """`make node`: a real node with Volga installed and the default model applied, until Ctrl-C; then everything
+    is removed and the host put back."""
+    import signal
+    import threading
+
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with realnode.RealNode() as node:
+        node.import_images((*IMAGES, realnode.PAUSE_IMAGE))
+        installed = install(node, node.root / "volga")
+        apply(node, modelspec(installed, defaultmodel.MODEL_ID))
+        node.wait("the default model FROZEN", lambda: tiers(node, defaultmodel.MODEL_ID) == ["FROZEN"], timeout=300)
+        print(f"""Volga runs on a real node (helm release {RELEASE!r} in {NAMESPACE!r}); the default model is FROZEN.
+  export KUBECONFIG={node.kubeconfig}
+  kubectl get pods -n {NAMESPACE}; kubectl get ms,emi
+  curl -s http://{installed.service_ip()}:8000/v2/models/{defaultmodel.MODEL_ID} -H 'x-model-id: {defaultmodel.MODEL_ID}'
+  (tritonclient: grpc target {installed.grpc_target()})
+Ctrl-C stops the node and removes it.""", flush=True)
+        stop.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
