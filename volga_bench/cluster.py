@@ -40,8 +40,10 @@ NODE_VALUES = CHART / "ci" / "node-values.yaml"
 IMAGES = ("localhost/volga-operator:dev", "localhost/volga-agent:dev-cpu")
 RELEASE = "volga"
 NAMESPACE = "volga-system"
-# Seconds a woken instance stays HOT before its idle timer freezes it again (the chart's default is 60).
-HOT_IDLE_SEC = 2
+# Seconds a woken instance idles before it is frozen again: on a CPU node HOT goes to FROZEN directly, after the
+# idle time of the tier entered (settings suspended_idle_sec, the chart's default 900), so all three are set.
+IDLE_SEC = 2
+IDLE_SETTINGS = {"hot_idle_sec": IDLE_SEC, "warm_idle_sec": IDLE_SEC, "suspended_idle_sec": IDLE_SEC}
 
 
 @dataclasses.dataclass
@@ -85,13 +87,12 @@ def values_args(folder: pathlib.Path, **settings: Any) -> list[str]:
     return args
 
 
-def install(node: realnode.RealNode, folder: pathlib.Path, *extra: str, hot_idle_sec: int = HOT_IDLE_SEC,
-            wait: bool = True) -> Installed:
+def install(node: realnode.RealNode, folder: pathlib.Path, *extra: str, wait: bool = True) -> Installed:
     """`helm install` the chart with the node values; the default model's file placed in the models folder."""
     installed = Installed(node, folder)
     place_default_model(installed.models)
     node.helm("install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--create-namespace",
-              *values_args(folder, hot_idle_sec=hot_idle_sec), *extra)
+              *values_args(folder, **IDLE_SETTINGS), *extra)
     if wait:
         wait_ready(installed)
     return installed
@@ -243,7 +244,7 @@ async def _up_wakes(n: int, expected: np.ndarray) -> dict[str, Any]:
     """The same model under `volga up`, frozen by the same idle timer, woken by the same client."""
     spec = defaultmodel.ensure()
     spec = spec.model_copy(update={"spec": spec.spec.model_copy(update={"pool": api.Pool(hot=0, frozen=1)})})
-    settings = Settings.model_validate({"hot_idle_sec": HOT_IDLE_SEC})
+    settings = Settings.model_validate(IDLE_SETTINGS)
     options = volga_up.Options(settings=settings, tick_sec=0.5, http_port=0, grpc_port=0, metrics_port=0,
                                agent_port=-1)
     up = volga_up.Embedded([spec], options)
@@ -300,7 +301,7 @@ def main() -> int:
         print(f"""Volga runs on a real node (helm release {RELEASE!r} in {NAMESPACE!r}); the default model is FROZEN.
   export KUBECONFIG={node.kubeconfig}
   kubectl get pods -n {NAMESPACE}; kubectl get ms,emi
-  curl -s http://{installed.service_ip()}:8000/v2/models/{defaultmodel.MODEL_ID} -H 'x-model-id: {defaultmodel.MODEL_ID}'
+  curl -s http://{installed.service_ip()}:8000/v2/models/{defaultmodel.MODEL_ID}
   (tritonclient: grpc target {installed.grpc_target()})
 Ctrl-C stops the node and removes it.""", flush=True)
         stop.wait()

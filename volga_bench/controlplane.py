@@ -304,7 +304,9 @@ class ControlPlane:
         if self.node_ip:
             where = ["--bind-address=0.0.0.0", f"--advertise-address={self.node_ip}",
                      # `kubectl logs` and the API server's other calls to the kubelet, as the admin.
-                     f"--kubelet-client-certificate={pki.admin_cert}", f"--kubelet-client-key={pki.admin_key}"]
+                     f"--kubelet-client-certificate={pki.admin_cert}", f"--kubelet-client-key={pki.admin_key}",
+                     # No DNS knows the node's name: the kubelet is reached at its address.
+                     "--kubelet-preferred-address-types=InternalIP"]
         else:
             where = [
                 "--bind-address=127.0.0.1",

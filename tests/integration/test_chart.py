@@ -538,12 +538,12 @@ def test_a_claim_turns_shared_snapshots_on(default: Rendered, gpu: Rendered) -> 
 
 
 def test_the_agent_reads_only_its_own_daemonset(default: Rendered) -> None:
-    """At its stop the agent reads its DaemonSet (gone: uninstalled, and the kept images go too): one Role in the
-    release namespace, `get` on that one DaemonSet."""
+    """The agent follows its DaemonSet (gone: uninstalled, and the kept images go too): one Role in the release
+    namespace, on that one DaemonSet."""
     role = default.get("Role", "volga-agent")
     assert role["metadata"]["namespace"] == NAMESPACE
     assert role["rules"] == [{"apiGroups": ["apps"], "resources": ["daemonsets"], "resourceNames": ["volga-agent"],
-                              "verbs": ["get"]}]
+                              "verbs": ["get", "list", "watch"]}]
     binding = default.get("RoleBinding", "volga-agent")
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "volga-agent", "namespace": NAMESPACE}]
     env = {e["name"]: e.get("value") for e in default.container("agent")["env"]}

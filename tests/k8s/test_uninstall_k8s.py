@@ -61,3 +61,37 @@ def test_an_api_server_that_cannot_tell_keeps_the_images(control_plane: ControlP
     assert not uninstall.clean_if_uninstalled(str(folder), "default/no-such-agent", api)
     assert len(list(folder.iterdir())) == 2
     api.close()
+
+
+def test_the_watch_sees_the_uninstall_that_a_read_cannot(control_plane: ControlPlane, tmp_path: pathlib.Path) -> None:
+    """`helm uninstall` deletes the agent's Role with its DaemonSet: a read at the stop is denied, but the watch the
+    agent opened at its start (allowed by a Role naming the DaemonSet) brings the deletion."""
+    admin = control_plane.api_client()
+    rbac = k8s.RbacAuthorizationV1Api(admin)
+    rbac.create_namespaced_role("default", k8s.V1Role(metadata=k8s.V1ObjectMeta(name="agent"), rules=[
+        k8s.V1PolicyRule(api_groups=["apps"], resources=["daemonsets"], resource_names=["agent-ds"],
+                         verbs=["get", "list", "watch"])]))
+    rbac.create_namespaced_role_binding("default", k8s.V1RoleBinding(
+        metadata=k8s.V1ObjectMeta(name="agent"),
+        role_ref=k8s.V1RoleRef(api_group="rbac.authorization.k8s.io", kind="Role", name="agent"),
+        subjects=[k8s.RbacV1Subject(kind="User", name="agent-user", api_group="rbac.authorization.k8s.io")]))
+    apps = k8s.AppsV1Api(admin)
+    apps.create_namespaced_daemon_set("default", daemonset("agent-ds"))
+    cert, key = control_plane.pki.client_cert("agent-user")
+    agent_api = control_plane.api_client(control_plane.write_kubeconfig(tmp_path / "kubeconfig", cert, key))
+    follower = uninstall.Follower("default/agent-ds", agent_api)
+    follower.start()
+    try:
+        assert follower.watch.synced.wait(20) and follower._seen
+        folder = kept(tmp_path / ".kept")
+        # A restart: the DaemonSet is there.
+        assert not uninstall.clean_if_uninstalled(str(folder), follower.ref, follower=follower)
+        # The uninstall: the Role first (the read is then denied), then the DaemonSet.
+        rbac.delete_namespaced_role("agent", "default")
+        apps.delete_namespaced_daemon_set("agent-ds", "default")
+        assert uninstall.clean_if_uninstalled(str(folder), follower.ref, follower=follower)
+        assert list(folder.iterdir()) == []
+    finally:
+        follower.stop()
+        agent_api.close()
+        admin.close()

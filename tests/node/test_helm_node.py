@@ -1,8 +1,8 @@
 """Volga installed as users install it, on a real node: `helm install` of the chart onto a kubelet that runs the
 operator's Deployment and the agent DaemonSet from the images `make images` builds, a ModelSpec applied with
 kubectl, CRIU freezing the worker from inside the agent's privileged container, an unmodified tritonclient request
-through the gateway's ClusterIP Service (kube-proxy) waking it, and a real Prometheus discovering the pods through
-the API server and scraping them. Then what users do to a running install: the agent pod deleted mid-traffic,
+through the gateway's ClusterIP Service (kube-proxy) waking it, and a real Prometheus scraping the pods at the
+addresses the API server lists for them. Then what users do to a running install: the agent pod deleted mid-traffic,
 `helm upgrade`, a ModelSpec deleted, `helm uninstall`.
 
 The tests run in order on one install (each leaves the state the next one starts from). What this node cannot do:
@@ -47,38 +47,54 @@ def installed(node: realnode.RealNode) -> cluster.Installed:
     return cluster.install(node, node.root / "volga")
 
 
+class PodTargets:
+    """Prometheus's scrape targets, the pods' metrics ports as the API server lists them. A cluster's Prometheus
+    discovers them itself (kubernetes_sd_configs); Debian's build leaves Kubernetes discovery out, so the test
+    writes what the discovery would find into a file Prometheus watches (file_sd_configs)."""
+
+    def __init__(self, installed: cluster.Installed, path: pathlib.Path) -> None:
+        self.installed, self.path = installed, path
+
+    def refresh(self) -> None:
+        groups = []
+        for pod in self.installed.pods("agent"):
+            ip = pod.get("status", {}).get("podIP")
+            ports = [p for c in pod["spec"]["containers"] for p in c.get("ports", [])
+                     if p.get("name") in ("agent-metrics", "gateway-metrics")]
+            if ip and not pod["metadata"].get("deletionTimestamp"):
+                groups.append({"targets": [f"{ip}:{p['containerPort']}" for p in ports],
+                               "labels": {"pod": pod["metadata"]["name"]}})
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(groups))
+        tmp.rename(self.path)
+
+
 @pytest.fixture(scope="module")
-def prometheus(node: realnode.RealNode, installed: cluster.Installed,
-               tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
-    """Prometheus as a cluster runs it: pods discovered through the API server, the agent's and the gateway's
-    metrics ports (named in the pod spec) scraped."""
-    scrape = {
-        "job_name": "volga-pods",
-        "kubernetes_sd_configs": [{"role": "pod", "kubeconfig_file": str(node.kubeconfig),
-                                   "namespaces": {"names": [installed.namespace]}}],
-        "relabel_configs": [
-            {"source_labels": ["__meta_kubernetes_pod_container_port_name"], "action": "keep",
-             "regex": "agent-metrics|gateway-metrics"},
-            {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
-        ],
-    }
-    server = Prometheus(tmp_path_factory.mktemp("prometheus"), scrape_configs=[scrape])
+def prometheus(installed: cluster.Installed, tmp_path_factory: pytest.TempPathFactory
+               ) -> Iterator[tuple[Prometheus, PodTargets]]:
+    folder = tmp_path_factory.mktemp("prometheus")
+    targets = PodTargets(installed, folder / "pods.json")
+    targets.refresh()
+    scrape = {"job_name": "volga-pods", "file_sd_configs": [{"files": [str(targets.path)], "refresh_interval": "1s"}]}
+    server = Prometheus(folder, scrape_configs=[scrape])
     try:
-        yield server
+        yield server, targets
     finally:
         server.stop()
 
 
 def worker_pids() -> set[int]:
-    """The host's worker processes (any agent's): `python -m volga_agent.worker.serve`."""
+    """The node's worker processes in pods (`python -m volga_agent.worker.serve` in a cgroup under the kubelet's
+    `kubepods`): the agent pods' workers, not those of other tests running on this machine."""
     found = set()
     for entry in pathlib.Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+                in_pod = b"/kubepods" in (entry / "cgroup").read_bytes()
             except OSError:
                 continue
-            if b"volga_agent.worker.serve" in cmdline:
+            if b"volga_agent.worker.serve" in cmdline and in_pod:
                 found.add(int(entry.name))
     return found
 
@@ -93,7 +109,7 @@ def agent_pod(installed: cluster.Installed) -> dict[str, Any]:
 
 
 def test_install_freeze_wake_refreeze(node: realnode.RealNode, installed: cluster.Installed,
-                                      prometheus: Prometheus) -> None:
+                                      prometheus: tuple[Prometheus, PodTargets]) -> None:
     # The chart's pods run from the imported images on this node.
     for component in ("operator", "agent"):
         [pod] = installed.pods(component)
@@ -110,17 +126,19 @@ def test_install_freeze_wake_refreeze(node: realnode.RealNode, installed: cluste
     assert np.array_equal(answer, cluster.reference())
     node.wait("the EMI HOT", lambda: cluster.tiers(node, MODEL) == ["HOT"], timeout=30)
     assert len(worker_pids()) == 1
-    # Idle for hot_idle_sec, it is frozen again.
+    # Idle for a few seconds (cluster.IDLE_SETTINGS), it is frozen again.
     node.wait("the EMI FROZEN again after idling", lambda: cluster.tiers(node, MODEL) == ["FROZEN"], timeout=120)
     assert np.array_equal(cluster.ask(installed.grpc_target(), MODEL, seed=6), cluster.reference(6))
 
-    # Prometheus found the pods through the API server and has the restore-latency series of those wakes.
+    # Prometheus scrapes the pods and has the restore-latency series of those wakes.
+    server, _ = prometheus
+
     def restores() -> float | None:
-        value = prometheus.scalar(f'sum({RESTORE_SERIES}{{tier="FROZEN"}})')
+        value = server.scalar(f'sum({RESTORE_SERIES}{{tier="FROZEN"}})')
         return value if value and value >= 2 else None
 
     node.wait("the restore-latency series in Prometheus", restores, timeout=90)
-    pods = {r["metric"].get("pod", "") for r in prometheus.query('up{job="volga-pods"} == 1')}
+    pods = {r["metric"].get("pod", "") for r in server.query('up{job="volga-pods"} == 1')}
     assert pods == {agent_pod(installed)["metadata"]["name"]}, pods
 
 
@@ -174,8 +192,7 @@ def test_helm_upgrade_keeps_frozen_images(node: realnode.RealNode, installed: cl
     # A settings change rolls the agent pod (the settings checksum annotation). The agent's image is the same, so
     # the kept image's compatibility key holds, and the new agent restores it instead of cold-starting.
     node.helm("upgrade", installed.release, str(cluster.CHART), "--namespace", installed.namespace,
-              *cluster.values_args(installed.folder, hot_idle_sec=cluster.HOT_IDLE_SEC,
-                                   snapshot_interval_sec=45))
+              *cluster.values_args(installed.folder, **cluster.IDLE_SETTINGS, snapshot_interval_sec=45))
     node.wait("the upgraded agent pod Ready", lambda: any(
         p["metadata"]["name"] != old and cluster._pod_ready(p) for p in installed.pods("agent")), timeout=240)
     cluster.wait_ready(installed)
@@ -202,8 +219,9 @@ def test_helm_uninstall_leaves_nothing(node: realnode.RealNode, installed: clust
         "get", "pods", "-n", installed.namespace, "-o", "name").stdout.strip(), timeout=180)
     # No process, image, mount or Service rule of Volga's on the node.
     node.wait("no worker process", lambda: not worker_pids(), timeout=60)
+    pods = f"{node.kubelet_root}/pods/"
     leftovers = [line for line in pathlib.Path("/proc/self/mounts").read_text().splitlines()
-                 if "volga" in line and str(node.kubelet_root) in line]
+                 if line.split()[1].startswith(pods)]
     assert not leftovers, leftovers
     rules = realnode._out(["iptables-save", "-t", "nat"])
     assert service_ip not in rules, f"kube-proxy still routes {service_ip}"

@@ -183,8 +183,14 @@ def agent_main(argv: list[str] | None = None) -> int:
                                                                   args.metrics_port, metrics_tokens)
         cluster: Any = None
         tier: Any = None
+        follower: Any = None
         if args.kube:
-            from volga_agent.cluster import sync, tiers
+            from volga_agent.cluster import sync, tiers, uninstall
+
+            if settings.shared.node_local and os.environ.get(uninstall.DAEMONSET_ENV):
+                # The node keeps images across agent restarts; they go when the DaemonSet goes (helm uninstall).
+                follower = uninstall.Follower(os.environ[uninstall.DAEMONSET_ENV])
+                follower.start()
 
             cluster = sync.AgentSync(node_pool, args.node, found, settings.api_writes_per_sec,
                                      gateway_address=args.gateway_address,
@@ -233,10 +239,10 @@ def agent_main(argv: list[str] | None = None) -> int:
             await grpc_server.stop(2.0)
             await metrics_runner.cleanup()
             await asyncio.to_thread(node_pool.close)
-            if args.kube and settings.shared.node_local:
-                from volga_agent.cluster import uninstall
-
-                await asyncio.to_thread(uninstall.clean_if_uninstalled, settings.shared.folder)
+            if follower is not None:
+                await asyncio.to_thread(uninstall.clean_if_uninstalled, settings.shared.folder, follower.ref,
+                                        follower=follower)
+                follower.stop()
 
         await _until_signalled(stop)
 

@@ -7,20 +7,25 @@ restarts (settings.shared.node_local, the chart's hostPath mode) must survive th
 restores them instead of cold-starting, and must not outlive the third: an uninstalled Volga leaves nothing on the
 node. The agent's pool already stops every worker and removes the images it made; this removes the kept ones.
 
-The DaemonSet is named by VOLGA_DAEMONSET ("namespace/name", from the chart). When the API server cannot say (an
-outage, a missing permission), the images stay: keeping a few files is the safe mistake, a wasted restore is not.
+The DaemonSet is named by VOLGA_DAEMONSET ("namespace/name", from the chart). `Follower` watches it from the agent's
+start: `helm uninstall` deletes the agent's Role together with the DaemonSet, so a read at the stop is often denied,
+while a watch opened earlier still brings the deletion. At the stop the watch's view decides, else a read; when
+neither can say (an outage), the images stay: keeping a few files is the safe mistake, a wasted restore is not.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import pathlib
 import shutil
+import threading
+from typing import Any
 
 import kubernetes
 
-from volga_core.kube import client
+from volga_core.kube import client, watch
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +56,7 @@ def daemonset_gone(ref: str, api: kubernetes.client.ApiClient | None = None) -> 
     finally:
         if api is None:
             reader.close()
-    return found.metadata.deletion_timestamp is not None
+    return found.metadata is not None and found.metadata.deletion_timestamp is not None
 
 
 def remove_kept(folder: pathlib.Path) -> int:
@@ -66,10 +71,53 @@ def remove_kept(folder: pathlib.Path) -> int:
     return removed
 
 
-def clean_if_uninstalled(folder: str, ref: str | None = None, api: kubernetes.client.ApiClient | None = None) -> bool:
+class Follower:
+    """Watches one DaemonSet (list + watch with a name field selector, which a Role naming that DaemonSet allows)
+    and remembers whether it was seen deleted or marked for deletion."""
+
+    def __init__(self, ref: str, api: kubernetes.client.ApiClient | None = None) -> None:
+        self.ref = ref
+        self.namespace, _, self.name = ref.partition("/")
+        self.api = api or client.api_client()
+        self.gone = threading.Event()
+        self._seen = False
+        lister = functools.partial(kubernetes.client.AppsV1Api(self.api).list_namespaced_daemon_set, self.namespace)
+        self.watch = watch.Watch(f"daemonset-{self.name}", watch.json_lister(lister), self._changed,
+                                 field_selector=f"metadata.name={self.name}")
+
+    def start(self) -> None:
+        self.watch.start()
+
+    def stop(self) -> None:
+        self.watch.stop()
+
+    def _changed(self, objects: dict[tuple[str, str], Any]) -> None:
+        found = objects.get((self.namespace, self.name))
+        if found is None:
+            if self._seen:  # deleted after it was seen: an empty first list proves nothing
+                self.gone.set()
+            return
+        self._seen = True
+        if found["metadata"].get("deletionTimestamp"):
+            self.gone.set()
+
+    def uninstalled(self, wait: float = 3.0) -> bool:
+        """At the agent's stop: the watch saw the DaemonSet go, or a read finds it gone; when the read is denied
+        (the Role went with the release), the watch gets `wait` seconds to bring the deletion."""
+        if self.gone.is_set():
+            return True
+        if daemonset_gone(self.ref, self.api):
+            return True
+        return self.gone.wait(wait)
+
+
+def clean_if_uninstalled(folder: str, ref: str | None = None, api: kubernetes.client.ApiClient | None = None,
+                         follower: Follower | None = None) -> bool:
     """At the agent's stop: remove the node's kept images when its DaemonSet is gone. True when it did."""
     ref = ref if ref is not None else os.environ.get(DAEMONSET_ENV, "")
-    if not folder or not ref or not daemonset_gone(ref, api):
+    if not folder or not ref:
+        return False
+    if not (follower.uninstalled() if follower is not None else daemonset_gone(ref, api)):
         return False
     removed = remove_kept(pathlib.Path(folder))
     log.warning("the DaemonSet %s is gone (uninstalled): removed %d kept images from %s", ref, removed, folder)

@@ -251,8 +251,10 @@ class Pool:
         node = next((g.numa_node for g in self.gpus if g.index == gpu_index), -1)
         return gpu_discovery.numa_cpus(node)
 
-    def remove(self, name: str) -> None:
-        """Stop an instance and delete its snapshots."""
+    def remove(self, name: str, keep_kept: bool = False) -> None:
+        """Stop an instance and delete its snapshots; on a node-local shared store (settings.shared.node_local),
+        also the kept images of its model once no instance of this node holds that model, unless `keep_kept`
+        (the agent stopping: the next one restores them)."""
         with self._slots_lock:
             slot = self.slots.pop(name, None)
             if slot is None:
@@ -265,6 +267,18 @@ class Pool:
         finally:
             with self._slots_lock:
                 self._closing.discard(slot.inst.workdir.name)
+        if not keep_kept:
+            self._forget_kept(slot.inst.spec.model_id)
+
+    def _forget_kept(self, model_id: str) -> None:
+        if self.shared is None or not self.settings.shared.node_local:
+            return
+        with self._slots_lock:
+            if any(s.inst.spec.model_id == model_id for s in self.slots.values()):
+                return
+        for entry in self.shared.store.entries():
+            if entry.model_id == model_id:
+                self.shared.store.discard(entry.digest)
 
     def converge_async(self, name: str) -> concurrent.futures.Future[None]:
         future = self._pending.get(name)
@@ -641,13 +655,14 @@ class Pool:
             self.criu.close()
 
     def close(self) -> None:
-        """Stop every worker and remove every snapshot this pool made."""
+        """Stop every worker and remove every snapshot this pool made (the kept images of a node-local shared
+        store stay for the next agent)."""
         self.interrupt()
         if self._ticker is not None:
             self._ticker.join(timeout=5)
         self._executor.shutdown(wait=True, cancel_futures=True)
         for name in list(self.slots):
-            self.remove(name)
+            self.remove(name, keep_kept=True)
 
 
 def _warmup_fields(report: contract.WarmupReport | None) -> dict[str, Any]:

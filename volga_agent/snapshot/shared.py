@@ -357,8 +357,10 @@ class Store:
 
     def place_log(self, entry: Entry, logfile: pathlib.Path) -> None:
         """Put the publisher's worker log where the restored worker's open log file is (CRIU reopens it and
-        expects the size it had at the dump)."""
+        expects the size and the mode it had at the dump: the mode too is copied, as the restoring agent's umask
+        may differ from the publisher's worker's)."""
         shutil.copyfile(entry.path / LOG, logfile)
+        shutil.copymode(entry.path / LOG, logfile)
 
     def discard(self, digest: str) -> None:
         """Remove an image (atomically for readers: it is renamed away first)."""
