@@ -128,7 +128,7 @@ def place_default_model(models: pathlib.Path) -> pathlib.Path:
 
 def modelspec(installed: Installed, name: str, frozen: int = 1, namespace: str = "default") -> dict[str, Any]:
     """The default model as a ModelSpec whose pool floor is FROZEN, its source on the node's models folder."""
-    doc = defaultmodel.spec_document(installed.models / defaultmodel.ensure().spec.source_path.name)
+    doc: dict[str, Any] = defaultmodel.spec_document(installed.models / defaultmodel.ensure().spec.source_path.name)
     doc["metadata"] = {"name": name, "namespace": namespace}
     doc["spec"]["modelId"] = name
     doc["spec"]["pool"] = {"hot": 0, "frozen": frozen}

@@ -54,6 +54,7 @@ CNI_DIR = pathlib.Path("/usr/lib/cni")
 SYSCTLS = ("vm/overcommit_memory", "kernel/panic", "kernel/panic_on_oops", "net/ipv4/ip_forward",
            "net/ipv4/conf/all/route_localnet")
 READY_TIMEOUT_S = 180.0
+LOCK_FILE = "/run/volga-node.lock"
 
 
 class NodeError(RuntimeError):
@@ -103,7 +104,11 @@ class HostState:
         for name in SYSCTLS:
             with contextlib.suppress(OSError):
                 sysctls[name] = (pathlib.Path("/proc/sys") / name).read_text().strip()
-        return cls(sysctls, _out(["iptables-save"]))
+        # Without the chains a node makes (kube-proxy's and the kubelet's KUBE-*, the bridge plugin's CNI-*): ones
+        # already there were left by a node that was killed, and go now too.
+        saved = [line for line in _out(["iptables-save"]).splitlines() if not any(
+            mark in line for mark in ("KUBE-", "CNI-"))]
+        return cls(sysctls, "\n".join(saved) + "\n")
 
     def restore(self) -> None:
         for name, value in self.sysctls.items():
@@ -139,6 +144,7 @@ class RealNode:
         self.kubelet_root = self.root / "kubelet"
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._host: HostState | None = None
+        self._lock_file: IO[str] | None = None
         self.last_start_s: float | None = None
 
     # --- lifecycle -----------------------------------------------------------------------------------------------
@@ -157,6 +163,7 @@ class RealNode:
     def start(self) -> None:
         started = time.monotonic()
         self.root.mkdir(parents=True, exist_ok=True)
+        self._lock()
         self._host = HostState.capture()
         try:
             self.control_plane.start()
@@ -168,6 +175,9 @@ class RealNode:
             self._spawn("kube-proxy", [str(self.binaries / "kube-proxy"), f"--config={self._kube_proxy_config()}"])
             self._spawn("kubelet", self._kubelet_args())
             self.wait("the node Ready", self._node_ready)
+            # Pods reach the API server through the `kubernetes` Service: kube-proxy's rules for it first.
+            self.wait("kube-proxy's rules for the kubernetes Service",
+                      lambda: "default/kubernetes:https" in _out(["iptables-save", "-t", "nat"]))
             # Pods need their namespace's ServiceAccount, which the controller-manager makes.
             self.wait("the default ServiceAccount", lambda: self.kubectl(
                 "get", "serviceaccount", "default", "-n", "default", check=False).returncode == 0)
@@ -192,6 +202,27 @@ class RealNode:
         subprocess.run(["ip", "link", "delete", BRIDGE], check=False, capture_output=True)
         _remove_cgroups("kubepods")
         shutil.rmtree(self.root, ignore_errors=True)
+        if self._lock_file is not None:
+            self._lock_file.close()  # releases the lock
+            self._lock_file = None
+
+    def _lock(self, timeout: float = 300.0) -> None:
+        """One node at a time on a machine: a second one would capture the first's host changes as the state to
+        put back. Waits for a node that is stopping."""
+        import fcntl
+
+        self._lock_file = open(LOCK_FILE, "a+")  # noqa: SIM115 - held until stop()
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    self._lock_file.close()
+                    self._lock_file = None
+                    raise NodeError(f"another real node runs on this machine (it holds {LOCK_FILE})") from None
+                time.sleep(1.0)
 
     # --- what tests and benches use ------------------------------------------------------------------------------
 
