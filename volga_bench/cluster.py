@@ -7,18 +7,19 @@ The tests in tests/node use these steps one by one; `volga bench cluster` times 
     cold-started, frozen, woken by that request);
   - `service_frozen_wake_ms`: a FROZEN instance's first answer through the Service (kube-proxy, the gateway pod,
     CRIU inside the agent's container), the instance demoted to FROZEN by its own idle timer between requests;
-  - `up_frozen_wake_ms`: the same model woken the same way under `volga up` on the same machine, in the same run.
+  - `up_frozen_wake_ms`: the same model woken the same way under `volga up` (its own process, its images on the same
+    filesystem as the node's snapshot hostPath) on the same machine, in the same run.
 
     python3 -m volga_agent.cli bench cluster [-n 10] [--json] [--out FILE]
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import pathlib
 import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -27,12 +28,9 @@ import numpy as np
 import yaml
 
 from volga_agent.app import defaultmodel
-from volga_agent.app import up as volga_up
 from volga_agent.node import instance
-from volga_agent.node.settings import Settings
 from volga_agent.worker import contract
-from volga_bench import realnode, reporting
-from volga_core import api
+from volga_bench import harness, realnode, reporting
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "volga"
@@ -194,16 +192,48 @@ def first_answer(target: str, model: str, timeout: float, seed: int = 5) -> np.n
 
 
 def timed_frozen_wakes(n: int, is_frozen: Callable[[], bool], request: Callable[[], np.ndarray],
-                       expected: np.ndarray, wait: Callable[[str, Callable[[], Any], float], Any]) -> dict[str, Any]:
-    """n times: wait for the idle timer to freeze the instance, then time one request (send to answer)."""
+                       expected: np.ndarray, wait: Callable[[str, Callable[[], Any], float], Any],
+                       metrics_url: Callable[[], str]) -> dict[str, Any]:
+    """n times: wait for the idle timer to freeze the instance, then time one request (send to answer). Beside it,
+    the agent's own restore time over those wakes (its restore-latency histogram, before and after)."""
     seconds, mismatches = [], 0
+    before = restore_totals(metrics_url())
     for _ in range(n):
         wait("the instance FROZEN after idling", is_frozen, 120.0)
         start = time.perf_counter()
         answer = request()
         seconds.append(time.perf_counter() - start)
         mismatches += int(not np.array_equal(answer, expected))
-    return {"first_answer": reporting.summarize(seconds), "mismatches": mismatches}
+    after = restore_totals(metrics_url())
+    restores = after[1] - before[1]
+    return {"first_answer": reporting.summarize(seconds), "mismatches": mismatches, "restores": restores,
+            "agent_restore_mean_ms": round((after[0] - before[0]) / restores, 1) if restores else None}
+
+
+def restore_totals(url: str, model: str = "") -> tuple[float, float]:
+    """(sum of ms, count) of FROZEN restores in an agent's /metrics (volga_snapshot_restore_latency_ms)."""
+    import urllib.request
+
+    from prometheus_client import parser
+
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        text = resp.read().decode()
+    total = count = 0.0
+    for family in parser.text_string_to_metric_families(text):
+        if family.name != "volga_snapshot_restore_latency_ms":
+            continue
+        for sample in family.samples:
+            if sample.labels.get("tier") == "FROZEN" and (not model or sample.labels.get("model") == model):
+                if sample.name.endswith("_sum"):
+                    total += sample.value
+                elif sample.name.endswith("_count"):
+                    count += sample.value
+    return total, count
+
+
+def agent_metrics_url(installed: Installed, port: int = 8012) -> str:
+    [pod] = [p for p in installed.pods("agent") if not p["metadata"].get("deletionTimestamp")]
+    return f"http://{pod['status']['podIP']}:{port}/metrics"
 
 
 def bench(n: int = 10, progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
@@ -227,11 +257,13 @@ def bench(n: int = 10, progress: Callable[[str], None] = lambda _: None) -> dict
         progress("FROZEN wakes through the Service")
         service = timed_frozen_wakes(
             n, lambda: tiers(node, "bench") == ["FROZEN"], lambda: ask(installed.grpc_target(), "bench"),
-            expected, lambda what, check, timeout: node.wait(what, check, timeout=timeout))
+            expected, lambda what, check, timeout: node.wait(what, check, timeout=timeout),
+            lambda: agent_metrics_url(installed))
         report["service"] = service
         node.helm("uninstall", RELEASE, "--namespace", NAMESPACE, "--wait", "--timeout", "120s", check=False)
     progress("FROZEN wakes under volga up")
-    report["up"] = asyncio.run(_up_wakes(n, expected))
+    with tempfile.TemporaryDirectory(dir="/tmp", prefix="volga-up-") as snapshots:
+        report["up"] = _up_wakes(n, expected, pathlib.Path(snapshots))
     report["service_frozen_wake_ms"] = report["service"]["first_answer"]["p50_ms"]
     report["up_frozen_wake_ms"] = report["up"]["first_answer"]["p50_ms"]
     report["service_over_up"] = round(report["service_frozen_wake_ms"] / report["up_frozen_wake_ms"], 2)
@@ -240,22 +272,25 @@ def bench(n: int = 10, progress: Callable[[str], None] = lambda _: None) -> dict
     return report
 
 
-async def _up_wakes(n: int, expected: np.ndarray) -> dict[str, Any]:
-    """The same model under `volga up`, frozen by the same idle timer, woken by the same client."""
-    spec = defaultmodel.ensure()
-    spec = spec.model_copy(update={"spec": spec.spec.model_copy(update={"pool": api.Pool(hot=0, frozen=1)})})
-    settings = Settings.model_validate(IDLE_SETTINGS)
-    options = volga_up.Options(settings=settings, tick_sec=0.5, http_port=0, grpc_port=0, metrics_port=0,
-                               agent_port=-1)
-    up = volga_up.Embedded([spec], options)
-    await up.start()
-    try:
-        await up.wait_converged()
-        target = up.endpoints()["grpc"]
-        model = spec.spec.model_id
+def _up_wakes(n: int, expected: np.ndarray, snapshots: pathlib.Path) -> dict[str, Any]:
+    """The same model under `volga up` (its own process, as users run it), its images on the same filesystem as the
+    node's hostPath, frozen by the same idle timer, woken by the same client; a freeze is seen in its /metrics."""
+    import urllib.request
 
-        def is_frozen() -> bool:
-            return up.pool.instances(model)[0].tier == api.Tier.FROZEN
+    from prometheus_client import parser
+
+    model = defaultmodel.MODEL_ID
+    args = ["--idle-sec", str(IDLE_SEC), "--snapshot-dir", str(snapshots)]
+    with harness.volga_up(args) as up:
+        target = up.endpoints["grpc"]
+
+        def freezes() -> float:
+            with urllib.request.urlopen(up.endpoints["metrics"], timeout=5) as resp:
+                text = resp.read().decode()
+            return sum(sample.value for family in parser.text_string_to_metric_families(text)
+                       if family.name == "volga_tier_transition_latency_ms" for sample in family.samples
+                       if sample.name.endswith("_count") and sample.labels.get("model") == model
+                       and sample.labels.get("source") == "HOT" and sample.labels.get("target") == "FROZEN")
 
         def wait(what: str, check: Callable[[], Any], timeout: float) -> None:
             deadline = time.monotonic() + timeout
@@ -264,9 +299,16 @@ async def _up_wakes(n: int, expected: np.ndarray) -> dict[str, Any]:
                     raise TimeoutError(f"{what} not reached within {timeout:.0f}s")
                 time.sleep(0.1)
 
-        return await asyncio.to_thread(timed_frozen_wakes, n, is_frozen, lambda: ask(target, model), expected, wait)
-    finally:
-        await up.stop()
+        woken = [0]
+
+        def is_frozen() -> bool:  # one freeze at the start (the pool floor), then one after each wake
+            return freezes() >= woken[0] + 1
+
+        def request() -> np.ndarray:
+            woken[0] += 1
+            return ask(target, model)
+
+        return timed_frozen_wakes(n, is_frozen, request, expected, wait, lambda: up.endpoints["metrics"])
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -278,6 +320,8 @@ def format_report(report: dict[str, Any]) -> str:
         f"{report['service']['first_answer']['p99_ms']:.1f} ms",
         f"  under volga up               {report['up']['first_answer']['p50_ms']:8.1f} / "
         f"{report['up']['first_answer']['p99_ms']:.1f} ms",
+        f"  the agent's own restore, mean: {report['service']['agent_restore_mean_ms']} ms in the pod, "
+        f"{report['up']['agent_restore_mean_ms']} ms under volga up",
         f"  Service / volga up: {report['service_over_up']}x (target <= 1.2x); every answer identical: "
         f"{report['identical']}",
     ]
