@@ -14,7 +14,10 @@ Without `--gpu` the default CTR model runs through HOT, FROZEN and COLD on the C
 `--storm N` is the wake storm instead: N different models (on the GPU, 64 MiB MLPs with their own weights; on the
 CPU, copies of the default model) in one `volga up`, all moved to a tier, then one request to each sent at once
 from N clients; the time until every one has answered (and the first), per round, every answer compared with that
-model's HOT answer.
+model's HOT answer. `--restores-at-once 0,1,4` repeats the tiers whose wake goes through the driver's restore
+(SUSPENDED, FROZEN) with at most K restores let into the driver at a time, in arrival order (0: all at once), in the
+same `volga up`, so the ways compare side by side:
+    python3 -m volga_agent.cli bench endtoend --gpu --storm 16 --tiers warm,suspended --restores-at-once 0,1,4 -n 3
 """
 
 from __future__ import annotations
@@ -197,11 +200,27 @@ def storm_cases(folder: pathlib.Path, n: int, gpu: bool, width: int = 4096) -> l
     return cases
 
 
+def storm_ways(tiers: Sequence[Tier], restores_at_once: Sequence[int]) -> list[tuple[str, Tier, int | None]]:
+    """(label, tier, driver restores at once or None to leave it) for each way a storm is measured: a tier woken
+    through the driver's restore once per K, labelled "suspended" for all at once and "suspended_k2" for K = 2."""
+    ways: list[tuple[str, Tier, int | None]] = []
+    for tier in tiers:
+        if tier in (Tier.SUSPENDED, Tier.FROZEN):
+            ways += [(tier.value.lower() + (f"_k{k}" if k else ""), tier, k) for k in restores_at_once]
+        else:
+            ways.append((tier.value.lower(), tier, None))
+    return ways
+
+
 async def storm(cases: Sequence[Case], tiers: Sequence[Tier], rounds: int, settings: Settings | None = None,
-                progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
-    """Every case in one `volga up`; per tier and round, all instances moved to the tier, then one request to each
-    at once (a client per model, released together): the time until all have answered, and the first."""
+                progress: Callable[[str], None] = lambda _: None,
+                restores_at_once: Sequence[int] = (0,)) -> dict[str, Any]:
+    """Every case in one `volga up`; per way (`storm_ways`) and round, all instances moved to the tier, then one
+    request to each at once (a client per model, released together): the time until all have answered, and the
+    first."""
     import tritonclient.grpc as grpcclient
+
+    from volga_agent.snapshot import cuda
 
     up = volga_up.Embedded([c.spec for c in cases], _options(settings))
     await up.start()
@@ -217,10 +236,12 @@ async def storm(cases: Sequence[Case], tiers: Sequence[Tier], rounds: int, setti
             return _ask(clients[k], cases[k], timeout=120)
 
         references = await asyncio.to_thread(lambda: list(threads.map(ask, range(len(cases)))))
-        for tier in tiers:
+        for label, tier, at_once in storm_ways(tiers, restores_at_once):
+            if at_once is not None and up.pool.driver is not None:
+                up.pool.driver.gate = cuda.RestoreGate(at_once)  # no restore is in flight between rounds
             alls, firsts, each, mismatches = [], [], [], 0
             for r in range(rounds):
-                progress(f"storm: {len(cases)} models, {tier.value} {r + 1}/{rounds}")
+                progress(f"storm: {len(cases)} models, {label} {r + 1}/{rounds}")
                 move = functools.partial(up.pool.move_to, target=tier)
                 await asyncio.to_thread(lambda: list(threads.map(move, names)))  # noqa: B023 (awaited here)
                 done = await asyncio.to_thread(_all_at_once, threads, ask, len(cases))
@@ -230,7 +251,8 @@ async def storm(cases: Sequence[Case], tiers: Sequence[Tier], rounds: int, setti
                 alls.append(max(seconds))
                 firsts.append(min(seconds))
                 each += seconds
-            report["tiers"][tier.value.lower()] = {
+            report["tiers"][label] = {
+                "tier": tier.value, "restores_at_once": at_once,
                 "all_answered": reporting.summarize(alls), "first_answered": reporting.summarize(firsts),
                 "each": reporting.summarize(each), "mismatches": mismatches}
         report["restore_failures"] = sum(up.pool.slots[n].inst.restore_failures for n in names)
@@ -260,11 +282,12 @@ def _all_at_once(threads: concurrent.futures.ThreadPoolExecutor, ask: Callable[[
 
 
 def format_storm(report: dict[str, Any]) -> str:
-    rows = [f"{report['models']} models at once   {'all answered p50/max ms':>24} {'first p50 ms':>13} "
-            f"{'mismatches':>11}"]
-    for tier, r in report["tiers"].items():
-        rows.append(f"{tier:<20} {r['all_answered']['p50_ms']:>12.1f} / {r['all_answered']['max_ms']:>9.1f} "
-                    f"{r['first_answered']['p50_ms']:>13.1f} {r['mismatches']:>11}")
+    rows = [f"{report['models']} models at once   {'all answered p50/max ms':>24} {'first p50/max ms':>17} "
+            f"{'each p50/p99 ms':>16} {'mismatches':>11}"]
+    for way, r in report["tiers"].items():
+        rows.append(f"{way:<20} {r['all_answered']['p50_ms']:>12.1f} / {r['all_answered']['max_ms']:>9.1f} "
+                    f"{r['first_answered']['p50_ms']:>8.1f} / {r['first_answered']['max_ms']:>6.1f} "
+                    f"{r['each']['p50_ms']:>7.1f} / {r['each']['p99_ms']:>6.1f} {r['mismatches']:>11}")
     rows.append(f"restore failures {report['restore_failures']}")
     return "\n".join(rows)
 
