@@ -116,13 +116,16 @@ def cmd_bench_shared(args: argparse.Namespace) -> int:
     return 0 if report["outputs_match"] and not report["shared_restore_fallbacks"] else 1
 
 
-def _at_once(text: str) -> int:
+def _at_once(text: str) -> int | str:
+    if text == "lead":
+        return text
     try:
         k = int(text)
     except ValueError:
         k = -1
     if k < 0:
-        raise SystemExit(f"--restores-at-once: each value must be an integer >= 0 (0: all at once), got {text!r}")
+        raise SystemExit(f"--restores-at-once: each value must be an integer >= 0 (0: all at once) or lead, "
+                         f"got {text!r}")
     return k
 
 
@@ -322,7 +325,7 @@ def add_bench(parser: argparse.ArgumentParser) -> None:
                    help="the wake storm instead: N models moved to each tier, then one request to each at once")
     p.add_argument("--restores-at-once", default="0", metavar="K,...",
                    help="with --storm: SUSPENDED and FROZEN storms once per K, the driver's restores at most K at a "
-                        "time in arrival order (0: all at once)")
+                        "time in arrival order (0: all at once; lead: the first alone, the rest together after it)")
     _report_args(p)
     p.set_defaults(func=cmd_bench_endtoend)
 

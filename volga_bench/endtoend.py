@@ -6,18 +6,20 @@ is moved to the tier, and one request sent with an unmodified tritonclient over 
 send to answer is the first-answer latency; the agent's own wake time is reported beside it, and every answer is
 compared bit for bit with the model's HOT answer through the same gateway.
 
-On the GPU machine, `architectures()` builds a ResNet-50 (torchvision), a BERT-base encoder and a GPT-2-medium
-sized decoder (transformers), with random weights, in fp32 and fp16, as TorchScript files: nothing is downloaded.
-    python3 -m volga_agent.cli bench endtoend --gpu [--models resnet50,bert,gpt2] [-n 3] [--out FILE]
+On the GPU machine, `architectures()` builds a ResNet-50 (torchvision), a BERT-base encoder (INT64 token ids) and
+a GPT-2-medium sized decoder (transformers), or `decoder1b`, a GPT-2-architecture decoder of 1.1B parameters (20
+layers of width 2048), with random weights, in fp32 and fp16, as TorchScript files: nothing is downloaded.
+    python3 -m volga_agent.cli bench endtoend --gpu [--architectures resnet50,bert,gpt2,decoder1b] [-n 3] [--out FILE]
 Without `--gpu` the default CTR model runs through HOT, FROZEN and COLD on the CPU.
 
 `--storm N` is the wake storm instead: N different models (on the GPU, 64 MiB MLPs with their own weights; on the
 CPU, copies of the default model) in one `volga up`, all moved to a tier, then one request to each sent at once
 from N clients; the time until every one has answered (and the first), per round, every answer compared with that
-model's HOT answer. `--restores-at-once 0,1,4` repeats the tiers whose wake goes through the driver's restore
-(SUSPENDED, FROZEN) with at most K restores let into the driver at a time, in arrival order (0: all at once), in the
-same `volga up`, so the ways compare side by side:
-    python3 -m volga_agent.cli bench endtoend --gpu --storm 16 --tiers warm,suspended --restores-at-once 0,1,4 -n 3
+model's HOT answer. `--restores-at-once 0,1,4,lead` repeats the tiers whose wake goes through the driver's restore
+(SUSPENDED, FROZEN) with at most K restores let into the driver at a time, in arrival order (0: all at once; lead:
+the first alone, the rest together after it, `cuda.RestoreGate`), in the same `volga up`, so the ways compare side
+by side:
+    python3 -m volga_agent.cli bench endtoend --gpu --storm 16 --tiers warm,suspended --restores-at-once 0,1,lead -n 5
 """
 
 from __future__ import annotations
@@ -95,7 +97,10 @@ def architectures(folder: pathlib.Path, names: Sequence[str] = ("resnet50", "ber
         if name == "gpt2":
             config = transformers.GPT2Config(n_layer=24, n_embd=1024, n_head=16, torchscript=True)
             return First(transformers.GPT2Model(config)), torch.randint(0, 50000, (1, 64)), "hidden", [-1, 64, 1024]
-        raise ValueError(f"unknown architecture {name!r}: resnet50, bert or gpt2")
+        if name == "decoder1b":
+            config = transformers.GPT2Config(n_layer=20, n_embd=2048, n_head=16, torchscript=True)
+            return First(transformers.GPT2Model(config)), torch.randint(0, 50000, (1, 64)), "hidden", [-1, 64, 2048]
+        raise ValueError(f"unknown architecture {name!r}: resnet50, bert, gpt2 or decoder1b")
 
     cases = []
     for name in names:
@@ -200,13 +205,16 @@ def storm_cases(folder: pathlib.Path, n: int, gpu: bool, width: int = 4096) -> l
     return cases
 
 
-def storm_ways(tiers: Sequence[Tier], restores_at_once: Sequence[int]) -> list[tuple[str, Tier, int | None]]:
-    """(label, tier, driver restores at once or None to leave it) for each way a storm is measured: a tier woken
-    through the driver's restore once per K, labelled "suspended" for all at once and "suspended_k2" for K = 2."""
-    ways: list[tuple[str, Tier, int | None]] = []
+def storm_ways(tiers: Sequence[Tier],
+               restores_at_once: Sequence[int | str]) -> list[tuple[str, Tier, int | str | None]]:
+    """(label, tier, the driver's gate or None to leave it) for each way a storm is measured: a tier woken through
+    the driver's restore once per gate (an int K: at most K at once, 0 all; "lead": the first alone), labelled
+    "suspended" for all at once, "suspended_k2" for K = 2 and "suspended_lead"."""
+    ways: list[tuple[str, Tier, int | str | None]] = []
     for tier in tiers:
         if tier in (Tier.SUSPENDED, Tier.FROZEN):
-            ways += [(tier.value.lower() + (f"_k{k}" if k else ""), tier, k) for k in restores_at_once]
+            ways += [(tier.value.lower() + (f"_{k}" if isinstance(k, str) else f"_k{k}" if k else ""), tier, k)
+                     for k in restores_at_once]
         else:
             ways.append((tier.value.lower(), tier, None))
     return ways
@@ -214,7 +222,7 @@ def storm_ways(tiers: Sequence[Tier], restores_at_once: Sequence[int]) -> list[t
 
 async def storm(cases: Sequence[Case], tiers: Sequence[Tier], rounds: int, settings: Settings | None = None,
                 progress: Callable[[str], None] = lambda _: None,
-                restores_at_once: Sequence[int] = (0,)) -> dict[str, Any]:
+                restores_at_once: Sequence[int | str] = (0,)) -> dict[str, Any]:
     """Every case in one `volga up`; per way (`storm_ways`) and round, all instances moved to the tier, then one
     request to each at once (a client per model, released together): the time until all have answered, and the
     first."""
@@ -237,8 +245,9 @@ async def storm(cases: Sequence[Case], tiers: Sequence[Tier], rounds: int, setti
 
         references = await asyncio.to_thread(lambda: list(threads.map(ask, range(len(cases)))))
         for label, tier, at_once in storm_ways(tiers, restores_at_once):
-            if at_once is not None and up.pool.driver is not None:
-                up.pool.driver.gate = cuda.RestoreGate(at_once)  # no restore is in flight between rounds
+            if at_once is not None and up.pool.driver is not None:  # no restore is in flight between rounds
+                up.pool.driver.gate = (cuda.RestoreGate(lead=True) if at_once == "lead" else
+                                       cuda.RestoreGate(int(at_once)))
             alls, firsts, each, mismatches = [], [], [], 0
             for r in range(rounds):
                 progress(f"storm: {len(cases)} models, {label} {r + 1}/{rounds}")

@@ -151,7 +151,8 @@ class Pool:
         self.driver: cuda.DriverCheckpoint | None = None
         if self.gpus:
             try:
-                self.driver = cuda.DriverCheckpoint(restores_at_once=self.settings.gpu_restores_at_once)
+                self.driver = cuda.DriverCheckpoint(restores_at_once=self.settings.gpu_restores_at_once,
+                                                    lead=self.settings.gpu_restore_lead)
             except cuda.DriverCheckpointUnsupported as exc:
                 log.warning("SUSPENDED tier unavailable: %s", exc)
         self.breaker = policy.CircuitBreaker.from_settings(self.settings)
