@@ -38,7 +38,7 @@ def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 120.0) -
 def test_an_idle_warm_instance_stays_warm_while_gpu_memory_is_plentiful(
         tmp_path: pathlib.Path, pct: float, rests_in: api.Tier) -> None:
     spec = tiers.build_torch_mlp(tmp_path / "model.pt", 0.06)
-    settings = Settings(idle=IdleSettings(hot_sec=0.0, warm_sec=0.0, suspended_sec=3600.0,
+    settings = Settings(allow_model_code=True, idle=IdleSettings(hot_sec=0.0, warm_sec=0.0, suspended_sec=3600.0,
                                           keep_warm_below_gpu_pct=pct))
     node = pool.Pool("gpu-node", tmp_path / "work", tmp_path / "snapshots", settings, gpus=gpus.discover())
     try:
@@ -50,11 +50,12 @@ def test_an_idle_warm_instance_stays_warm_while_gpu_memory_is_plentiful(
         x = contract.sample_inputs(inst.config.inputs, batch=4, seed=3)
         hot = inst.infer(x)
         node.release("mlp-0")
-        assert [(m.target, m.reason) for m in node.tick()] == [(Tier.WARM, policy.Reason.IDLE)]
+        # A tick's `now` a second ahead: the request above counts as a use when the tick first looks at the worker.
+        assert [(m.target, m.reason) for m in node.tick(time.monotonic() + 1)] == [(Tier.WARM, policy.Reason.IDLE)]
         wait_for(lambda: inst.tier == Tier.WARM and not node.slots["mlp-0"].lock.locked(), "WARM")
         usage = node.usage()
         assert usage.gpu_total_bytes == sum(g.memory_total_bytes for g in node.gpus) > 0
-        moves = node.tick()
+        moves = node.tick(time.monotonic() + 1)
         if rests_in == Tier.WARM:
             assert moves == [] and inst.tier == Tier.WARM
         else:

@@ -114,6 +114,11 @@ class RestoreGate:
             self._cond.notify_all()  # the next in line may fit too
         return self
 
+    def counts(self) -> tuple[int, int]:
+        """(holders inside, callers waiting), as of now."""
+        with self._cond:
+            return self._inside, len(self._queue)
+
     def __exit__(self, *_: object) -> None:
         if not self.limit and not self.lead:
             return
