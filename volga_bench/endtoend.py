@@ -18,7 +18,7 @@ from N clients; the time until every one has answered (and the first), per round
 model's HOT answer. `--restores-at-once 0,1,4,lead` repeats the tiers whose wake goes through the driver's restore
 (SUSPENDED, FROZEN) with at most K restores let into the driver at a time, in arrival order (0: all at once; lead:
 the first alone, the rest together after it, `cuda.RestoreGate`), in the same `volga up`, so the ways compare side
-by side:
+by side; without it they run as the node's settings say (`gpu_restore_lead`, `gpu_restores_at_once`):
     python3 -m volga_agent.cli bench endtoend --gpu --storm 16 --tiers warm,suspended --restores-at-once 0,1,lead -n 5
 """
 
@@ -206,15 +206,20 @@ def storm_cases(folder: pathlib.Path, n: int, gpu: bool, width: int = 4096) -> l
 
 
 def storm_ways(tiers: Sequence[Tier],
-               restores_at_once: Sequence[int | str]) -> list[tuple[str, Tier, int | str | None]]:
-    """(label, tier, the driver's gate or None to leave it) for each way a storm is measured: a tier woken through
-    the driver's restore once per gate (an int K: at most K at once, 0 all; "lead": the first alone), labelled
-    "suspended" for all at once, "suspended_k2" for K = 2 and "suspended_lead"."""
+               restores_at_once: Sequence[int | str | None]) -> list[tuple[str, Tier, int | str | None]]:
+    """(label, tier, the driver's gate or None to leave the settings' one) for each way a storm is measured: a tier
+    woken through the driver's restore once per gate (an int K: at most K at once, 0 all; "lead": the first alone),
+    labelled "suspended" as the settings say, "suspended_all" for 0, "suspended_k2" for K = 2 and
+    "suspended_lead"."""
+
+    def label(tier: Tier, k: int | str | None) -> str:
+        suffix = "" if k is None else f"_{k}" if isinstance(k, str) else f"_k{k}" if k else "_all"
+        return tier.value.lower() + suffix
+
     ways: list[tuple[str, Tier, int | str | None]] = []
     for tier in tiers:
         if tier in (Tier.SUSPENDED, Tier.FROZEN):
-            ways += [(tier.value.lower() + (f"_{k}" if isinstance(k, str) else f"_k{k}" if k else ""), tier, k)
-                     for k in restores_at_once]
+            ways += [(label(tier, k), tier, k) for k in restores_at_once]
         else:
             ways.append((tier.value.lower(), tier, None))
     return ways
@@ -222,7 +227,7 @@ def storm_ways(tiers: Sequence[Tier],
 
 async def storm(cases: Sequence[Case], tiers: Sequence[Tier], rounds: int, settings: Settings | None = None,
                 progress: Callable[[str], None] = lambda _: None,
-                restores_at_once: Sequence[int | str] = (0,)) -> dict[str, Any]:
+                restores_at_once: Sequence[int | str | None] = (None,)) -> dict[str, Any]:
     """Every case in one `volga up`; per way (`storm_ways`) and round, all instances moved to the tier, then one
     request to each at once (a client per model, released together): the time until all have answered, and the
     first."""
@@ -244,10 +249,11 @@ async def storm(cases: Sequence[Case], tiers: Sequence[Tier], rounds: int, setti
             return _ask(clients[k], cases[k], timeout=120)
 
         references = await asyncio.to_thread(lambda: list(threads.map(ask, range(len(cases)))))
+        settings_gate = up.pool.driver.gate if up.pool.driver is not None else cuda.RestoreGate()
         for label, tier, at_once in storm_ways(tiers, restores_at_once):
-            if at_once is not None and up.pool.driver is not None:  # no restore is in flight between rounds
-                up.pool.driver.gate = (cuda.RestoreGate(lead=True) if at_once == "lead" else
-                                       cuda.RestoreGate(int(at_once)))
+            if up.pool.driver is not None and tier in (Tier.SUSPENDED, Tier.FROZEN):  # none in flight now
+                up.pool.driver.gate = (settings_gate if at_once is None else cuda.RestoreGate(lead=True)
+                                       if at_once == "lead" else cuda.RestoreGate(int(at_once)))
             alls, firsts, each, mismatches = [], [], [], 0
             for r in range(rounds):
                 progress(f"storm: {len(cases)} models, {label} {r + 1}/{rounds}")

@@ -72,8 +72,8 @@ def test_an_idle_warm_instance_stays_warm_while_gpu_memory_is_plentiful(
 def test_every_way_of_a_storm_answers_as_hot(tmp_path: pathlib.Path) -> None:
     cases = endtoend.storm_cases(tmp_path, 4, gpu=True, width=1024)
     report = asyncio.run(endtoend.storm(cases, [Tier.WARM, Tier.SUSPENDED], rounds=1,
-                                        restores_at_once=[0, 1, "lead"]))
-    assert sorted(report["tiers"]) == ["suspended", "suspended_k1", "suspended_lead", "warm"]
+                                        restores_at_once=[None, 0, 1, "lead"]))
+    assert sorted(report["tiers"]) == ["suspended", "suspended_all", "suspended_k1", "suspended_lead", "warm"]
     for way, row in report["tiers"].items():
         assert row["mismatches"] == 0 and row["each"]["n"] == 4, way
     assert report["restore_failures"] == 0
