@@ -40,6 +40,11 @@ for knob in filter(None, env.split(",")):
     key, _, value = knob.partition("=")
     if key in LIMITS:
         assert cuda.cuCtxSetLimit(LIMITS[key], ctypes.c_size_t(int(value))) == 0, knob
+# models=M: M weight matrices of 64 MiB (4096 x 4096 fp32) in this one context, as M small models sharing it;
+# their sums are checked after the restores.
+shared = [torch.randn(4096, 4096, device="cuda", generator=torch.Generator("cuda").manual_seed(k))
+          for k in range(int(dict(knob.partition("=")[::2] for knob in env.split(",") if knob).get("models", 0)))]
+sums = [float(m.sum()) for m in shared]
 if stage >= 1:
     a = torch.randn(512, 512, device="cuda")
     (a @ a).sum().item()
@@ -79,6 +84,7 @@ if stage >= 3:
 if stage >= 2:
     with torch.no_grad():
         probe = layers(torch.ones(8, 4096, device="cuda"))
+assert [float(m.sum()) for m in shared] == sums, "a shared model's weights changed across the restores"
 print(float((probe @ probe.T).float().sum() if stage < 2 else probe.sum()), flush=True)
 '''
 STAGES = ["context", "cublas", "weights_128mib", "cuda_graphs", "empty_cache"]

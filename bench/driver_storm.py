@@ -6,8 +6,11 @@ least a Volga GPU worker holds once its weights are out) with the 64-byte CUDA s
 For every K the parent checkpoints all N (lock + checkpoint, one after another), then restores them from a pool of
 K threads (restore + unlock; the driver API calls let go of Python's lock) and reports when the first and the last
 were back. K = 1 is one after another, K = N all at once. Afterwards every child computes once more and must exit
-cleanly. On the GPU machine:
-    python3 bench/driver_storm.py [--n 16] [--at-once 1,2,4,8,16] [--stage 1] [--rounds 2] [--out FILE.json]
+cleanly. `--models-per-process M` gives each child M weight matrices of 64 MiB (small models sharing one
+context): 16 models as 16 processes against 1 process of 16 or 4 of 4 shows what sharing a context saves a storm.
+On the GPU machine:
+    python3 bench/driver_storm.py [--n 16] [--at-once 1,2,4,8,16] [--stage 1] [--rounds 2] [--models-per-process 0]
+                                  [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -39,10 +42,12 @@ def main() -> int:
     parser.add_argument("--at-once", default="1,2,4,8,16")
     parser.add_argument("--stage", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--models-per-process", type=int, default=0)
     parser.add_argument("--out")
     args = parser.parse_args()
     driver = cuda.DriverCheckpoint()
-    children = [subprocess.Popen([sys.executable, "-c", driver_region.CHILD, str(args.stage), "stack=64"],
+    knobs = f"stack=64,models={args.models_per_process}"
+    children = [subprocess.Popen([sys.executable, "-c", driver_region.CHILD, str(args.stage), knobs],
                                  stdout=subprocess.PIPE, text=True) for _ in range(args.n)]
     for child in children:
         assert child.stdout is not None
@@ -69,7 +74,8 @@ def main() -> int:
             child.stdout.readline()
             child.wait(60)
             exits.append(child.returncode)
-    report = {"n": args.n, "stage": driver_region.STAGES[args.stage], "rows": rows, "exits": exits,
+    report = {"n": args.n, "stage": driver_region.STAGES[args.stage], "models_per_process": args.models_per_process,
+              "rows": rows, "exits": exits,
               "summary": {str(k): min(r["all_ms"] for r in rows if r["at_once"] == k)
                           for k in sorted({int(r["at_once"]) for r in rows})}}
     print(json.dumps(report["summary"]))

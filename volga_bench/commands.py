@@ -116,6 +116,19 @@ def cmd_bench_shared(args: argparse.Namespace) -> int:
     return 0 if report["outputs_match"] and not report["shared_restore_fallbacks"] else 1
 
 
+def _at_once(text: str) -> int | str | None:
+    if text == "lead":
+        return text
+    try:
+        k = int(text)
+    except ValueError:
+        k = -1
+    if k < 0:
+        raise SystemExit(f"--restores-at-once: each value must be an integer >= 0 (0: all at once) or lead, "
+                         f"got {text!r}")
+    return k
+
+
 def cmd_bench_endtoend(args: argparse.Namespace) -> int:
     try:
         from volga_bench import endtoend, reporting
@@ -123,11 +136,12 @@ def cmd_bench_endtoend(args: argparse.Namespace) -> int:
         return _no_bench("bench endtoend", exc)
     show = _progress(args.json)
     if args.storm:
+        at_once = [_at_once(k) for k in args.restores_at_once.split(",")] if args.restores_at_once else [None]
         with tempfile.TemporaryDirectory(prefix="volga-") as run:
             cases = endtoend.storm_cases(pathlib.Path(args.models or run), args.storm, args.gpu)
             tiers = [Tier(t.upper()) for t in args.tiers.split(",")] if args.tiers else (
                 [Tier.SUSPENDED, Tier.FROZEN] if args.gpu else [Tier.FROZEN])
-            report = asyncio.run(endtoend.storm(cases, tiers, args.n, progress=show))
+            report = asyncio.run(endtoend.storm(cases, tiers, args.n, progress=show, restores_at_once=at_once))
         report["device"] = reporting.device_description("cuda:0" if args.gpu else "cpu")
         _emit(args, report, lambda: endtoend.format_storm(report))
         return 0 if all(not t["mismatches"] for t in report["tiers"].values()) else 1
@@ -319,6 +333,10 @@ def add_bench(parser: argparse.ArgumentParser) -> None:
     p.add_argument("-n", type=int, default=3, help="wakes per tier (with --storm: rounds per tier)")
     p.add_argument("--storm", type=int, default=0, metavar="N",
                    help="the wake storm instead: N models moved to each tier, then one request to each at once")
+    p.add_argument("--restores-at-once", default="", metavar="K,...",
+                   help="with --storm: SUSPENDED and FROZEN storms once per K, the driver's restores at most K at a "
+                        "time in arrival order (0: all at once; lead: the first alone, the rest together after it); "
+                        "default: as the settings say")
     _report_args(p)
     p.set_defaults(func=cmd_bench_endtoend)
 

@@ -6,15 +6,20 @@ is moved to the tier, and one request sent with an unmodified tritonclient over 
 send to answer is the first-answer latency; the agent's own wake time is reported beside it, and every answer is
 compared bit for bit with the model's HOT answer through the same gateway.
 
-On the GPU machine, `architectures()` builds a ResNet-50 (torchvision), a BERT-base encoder and a GPT-2-medium
-sized decoder (transformers), with random weights, in fp32 and fp16, as TorchScript files: nothing is downloaded.
-    python3 -m volga_agent.cli bench endtoend --gpu [--models resnet50,bert,gpt2] [-n 3] [--out FILE]
+On the GPU machine, `architectures()` builds a ResNet-50 (torchvision), a BERT-base encoder (INT64 token ids) and
+a GPT-2-medium sized decoder (transformers), or `decoder1b`, a GPT-2-architecture decoder of 1.1B parameters (20
+layers of width 2048), with random weights, in fp32 and fp16, as TorchScript files: nothing is downloaded.
+    python3 -m volga_agent.cli bench endtoend --gpu [--architectures resnet50,bert,gpt2,decoder1b] [-n 3] [--out FILE]
 Without `--gpu` the default CTR model runs through HOT, FROZEN and COLD on the CPU.
 
 `--storm N` is the wake storm instead: N different models (on the GPU, 64 MiB MLPs with their own weights; on the
 CPU, copies of the default model) in one `volga up`, all moved to a tier, then one request to each sent at once
 from N clients; the time until every one has answered (and the first), per round, every answer compared with that
-model's HOT answer.
+model's HOT answer. `--restores-at-once 0,1,4,lead` repeats the tiers whose wake goes through the driver's restore
+(SUSPENDED, FROZEN) with at most K restores let into the driver at a time, in arrival order (0: all at once; lead:
+the first alone, the rest together after it, `cuda.RestoreGate`), in the same `volga up`, so the ways compare side
+by side; without it they run as the node's settings say (`gpu_restore_lead`, `gpu_restores_at_once`):
+    python3 -m volga_agent.cli bench endtoend --gpu --storm 16 --tiers warm,suspended --restores-at-once 0,1,lead -n 5
 """
 
 from __future__ import annotations
@@ -92,7 +97,10 @@ def architectures(folder: pathlib.Path, names: Sequence[str] = ("resnet50", "ber
         if name == "gpt2":
             config = transformers.GPT2Config(n_layer=24, n_embd=1024, n_head=16, torchscript=True)
             return First(transformers.GPT2Model(config)), torch.randint(0, 50000, (1, 64)), "hidden", [-1, 64, 1024]
-        raise ValueError(f"unknown architecture {name!r}: resnet50, bert or gpt2")
+        if name == "decoder1b":
+            config = transformers.GPT2Config(n_layer=20, n_embd=2048, n_head=16, torchscript=True)
+            return First(transformers.GPT2Model(config)), torch.randint(0, 50000, (1, 64)), "hidden", [-1, 64, 2048]
+        raise ValueError(f"unknown architecture {name!r}: resnet50, bert, gpt2 or decoder1b")
 
     cases = []
     for name in names:
@@ -197,11 +205,35 @@ def storm_cases(folder: pathlib.Path, n: int, gpu: bool, width: int = 4096) -> l
     return cases
 
 
+def storm_ways(tiers: Sequence[Tier],
+               restores_at_once: Sequence[int | str | None]) -> list[tuple[str, Tier, int | str | None]]:
+    """(label, tier, the driver's gate or None to leave the settings' one) for each way a storm is measured: a tier
+    woken through the driver's restore once per gate (an int K: at most K at once, 0 all; "lead": the first alone),
+    labelled "suspended" as the settings say, "suspended_all" for 0, "suspended_k2" for K = 2 and
+    "suspended_lead"."""
+
+    def label(tier: Tier, k: int | str | None) -> str:
+        suffix = "" if k is None else f"_{k}" if isinstance(k, str) else f"_k{k}" if k else "_all"
+        return tier.value.lower() + suffix
+
+    ways: list[tuple[str, Tier, int | str | None]] = []
+    for tier in tiers:
+        if tier in (Tier.SUSPENDED, Tier.FROZEN):
+            ways += [(label(tier, k), tier, k) for k in restores_at_once]
+        else:
+            ways.append((tier.value.lower(), tier, None))
+    return ways
+
+
 async def storm(cases: Sequence[Case], tiers: Sequence[Tier], rounds: int, settings: Settings | None = None,
-                progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
-    """Every case in one `volga up`; per tier and round, all instances moved to the tier, then one request to each
-    at once (a client per model, released together): the time until all have answered, and the first."""
+                progress: Callable[[str], None] = lambda _: None,
+                restores_at_once: Sequence[int | str | None] = (None,)) -> dict[str, Any]:
+    """Every case in one `volga up`; per way (`storm_ways`) and round, all instances moved to the tier, then one
+    request to each at once (a client per model, released together): the time until all have answered, and the
+    first."""
     import tritonclient.grpc as grpcclient
+
+    from volga_agent.snapshot import cuda
 
     up = volga_up.Embedded([c.spec for c in cases], _options(settings))
     await up.start()
@@ -217,10 +249,14 @@ async def storm(cases: Sequence[Case], tiers: Sequence[Tier], rounds: int, setti
             return _ask(clients[k], cases[k], timeout=120)
 
         references = await asyncio.to_thread(lambda: list(threads.map(ask, range(len(cases)))))
-        for tier in tiers:
+        settings_gate = up.pool.driver.gate if up.pool.driver is not None else cuda.RestoreGate()
+        for label, tier, at_once in storm_ways(tiers, restores_at_once):
+            if up.pool.driver is not None and tier in (Tier.SUSPENDED, Tier.FROZEN):  # none in flight now
+                up.pool.driver.gate = (settings_gate if at_once is None else cuda.RestoreGate(lead=True)
+                                       if at_once == "lead" else cuda.RestoreGate(int(at_once)))
             alls, firsts, each, mismatches = [], [], [], 0
             for r in range(rounds):
-                progress(f"storm: {len(cases)} models, {tier.value} {r + 1}/{rounds}")
+                progress(f"storm: {len(cases)} models, {label} {r + 1}/{rounds}")
                 move = functools.partial(up.pool.move_to, target=tier)
                 await asyncio.to_thread(lambda: list(threads.map(move, names)))  # noqa: B023 (awaited here)
                 done = await asyncio.to_thread(_all_at_once, threads, ask, len(cases))
@@ -230,7 +266,8 @@ async def storm(cases: Sequence[Case], tiers: Sequence[Tier], rounds: int, setti
                 alls.append(max(seconds))
                 firsts.append(min(seconds))
                 each += seconds
-            report["tiers"][tier.value.lower()] = {
+            report["tiers"][label] = {
+                "tier": tier.value, "restores_at_once": at_once,
                 "all_answered": reporting.summarize(alls), "first_answered": reporting.summarize(firsts),
                 "each": reporting.summarize(each), "mismatches": mismatches}
         report["restore_failures"] = sum(up.pool.slots[n].inst.restore_failures for n in names)
@@ -260,11 +297,12 @@ def _all_at_once(threads: concurrent.futures.ThreadPoolExecutor, ask: Callable[[
 
 
 def format_storm(report: dict[str, Any]) -> str:
-    rows = [f"{report['models']} models at once   {'all answered p50/max ms':>24} {'first p50 ms':>13} "
-            f"{'mismatches':>11}"]
-    for tier, r in report["tiers"].items():
-        rows.append(f"{tier:<20} {r['all_answered']['p50_ms']:>12.1f} / {r['all_answered']['max_ms']:>9.1f} "
-                    f"{r['first_answered']['p50_ms']:>13.1f} {r['mismatches']:>11}")
+    rows = [f"{report['models']} models at once   {'all answered p50/max ms':>24} {'first p50/max ms':>17} "
+            f"{'each p50/p99 ms':>16} {'mismatches':>11}"]
+    for way, r in report["tiers"].items():
+        rows.append(f"{way:<20} {r['all_answered']['p50_ms']:>12.1f} / {r['all_answered']['max_ms']:>9.1f} "
+                    f"{r['first_answered']['p50_ms']:>8.1f} / {r['first_answered']['max_ms']:>6.1f} "
+                    f"{r['each']['p50_ms']:>7.1f} / {r['each']['p99_ms']:>6.1f} {r['mismatches']:>11}")
     rows.append(f"restore failures {report['restore_failures']}")
     return "\n".join(rows)
 

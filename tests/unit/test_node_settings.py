@@ -31,7 +31,8 @@ FLAT_DEFAULTS: dict[str, object] = {
     "shared_snapshots": "", "shared_snapshot_budget_bytes": 0, "shared_snapshot_grace_sec": 600.0,
     "shared_snapshots_node_local": False,
     "neighbours_enabled": False, "neighbours_period_ms": 200.0, "autonomy_heartbeat_sec": 5.0,
-    "worker_user": "nobody", "unprivileged_snapshots": False,
+    "worker_user": "nobody", "unprivileged_snapshots": False, "keep_warm_below_gpu_pct": 50.0,
+    "gpu_restores_at_once": 0, "gpu_restore_lead": True,
 }
 
 

@@ -65,6 +65,36 @@ def test_idle_thresholds_are_keyed_by_the_tier_entered() -> None:
     ]
 
 
+H200 = 141 * GiB
+
+
+def test_idle_warm_instances_stay_warm_while_gpu_memory_is_plentiful() -> None:
+    warm = [view(f"warm-{k:02}", Tier.WARM, idle=1e6) for k in range(16)]
+    hot = view("hot-idle", idle=60.0)
+    # 16 contexts (8 GiB) and 40 GiB of HOT weights: under half of an H200. HOT still goes WARM.
+    assert plan([*warm, hot], policy.Usage(gpu_bytes=40 * GiB, gpu_total_bytes=H200)) == [
+        ("hot-idle", Tier.WARM, "Idle")]
+    # Past half, or with the hold off, or on a node whose GPU memory is unknown, WARM goes SUSPENDED after warm_sec.
+    suspended = [(v.name, Tier.SUSPENDED, "Idle") for v in warm]
+    assert plan([*warm, hot], policy.Usage(gpu_bytes=64 * GiB, gpu_total_bytes=H200)) == [
+        ("hot-idle", Tier.WARM, "Idle"), *suspended]
+    assert plan(warm, policy.Usage(gpu_bytes=40 * GiB, gpu_total_bytes=H200), keep_warm_below_gpu_pct=0) == suspended
+    assert plan(warm, policy.Usage(gpu_bytes=40 * GiB)) == suspended
+    # The threshold is the setting's: 10 % of an H200 is 14.1 GiB, and 16 contexts and 8 GiB of weights pass it.
+    assert plan(warm, policy.Usage(gpu_bytes=8 * GiB, gpu_total_bytes=H200), keep_warm_below_gpu_pct=10) == suspended
+    assert plan(warm, policy.Usage(gpu_bytes=4 * GiB, gpu_total_bytes=H200), keep_warm_below_gpu_pct=10) == []
+
+
+def test_gpu_in_use_counts_a_context_per_warm_instance() -> None:
+    views = [view("a", Tier.WARM), view("b", Tier.WARM), view("c"), view("d", Tier.SUSPENDED)]
+    assert policy.gpu_in_use(views, policy.Usage(gpu_bytes=GiB)) == GiB + 2 * policy.WARM_CONTEXT_BYTES
+
+
+def test_keep_warm_below_gpu_pct_is_a_percentage() -> None:
+    with pytest.raises(ValueError, match="keep_warm_below_gpu_pct: must be <= 100"):
+        Settings.from_mapping({"keep_warm_below_gpu_pct": 150})
+
+
 def test_idle_demotion_is_one_step_per_plan() -> None:
     assert plan([view("a", idle=5000.0)]) == [("a", Tier.WARM, "Idle")]
 

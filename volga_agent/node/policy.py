@@ -14,7 +14,10 @@ A plan is built in two passes:
    `idle.warm_sec`, FROZEN after `idle.suspended_sec`, all counted from `last_used`), so at any idle time an
    instance heads for the same tier whichever ladder it is on: a CPU instance skips WARM and SUSPENDED and
    freezes after `idle.suspended_sec`, not after `idle.hot_sec`. Nothing goes COLD for being idle; only the
-   snapshot disk budget discards snapshots.
+   snapshot disk budget discards snapshots. WARM is the idle tier while GPU memory is plentiful: an idle WARM
+   instance goes SUSPENDED only once the GPU memory in use (`gpu_in_use`) reaches `idle.keep_warm_below_gpu_pct`
+   of the node's (`Usage.gpu_total_bytes`; unknown, 0: no such hold), since a storm of SUSPENDED wakes queues in
+   the driver's one-at-a-time restore and a storm of WARM wakes does not (docs/measurements.md, wake storms).
 2. Budget evictions. While the estimated usage exceeds a budget, victims taken in `eviction_order` move to
    the tier that frees the constrained resource: GPU memory -> one step down (HOT -> WARM frees the
    weights, WARM -> SUSPENDED frees the context), host memory -> FROZEN, snapshot disk -> COLD (only FROZEN
@@ -77,6 +80,24 @@ class Usage:
     host_bytes: int = 0
     gpu_bytes: int = 0
     snapshot_bytes: int = 0
+    gpu_total_bytes: int = 0  # the node's GPU memory; 0: unknown (or no GPU)
+
+
+# What a WARM instance's CUDA context holds on the GPU, for `gpu_in_use` (a PyTorch context with cuBLAS and the
+# 64-byte stack floor holds 0.4-0.6 GiB on an H200, docs/measurements.md).
+WARM_CONTEXT_BYTES = 512 << 20
+
+
+def gpu_in_use(instances: Iterable[InstanceView], usage: Usage) -> int:
+    """GPU memory in use by the estimate: HOT weights (`usage.gpu_bytes`) and a context per WARM instance."""
+    return usage.gpu_bytes + WARM_CONTEXT_BYTES * sum(1 for view in instances if view.tier == api.Tier.WARM)
+
+
+def keeps_warm(instances: Sequence[InstanceView], usage: Usage, settings: Settings) -> bool:
+    """Whether idle WARM instances stay WARM: the node's GPU memory is known and less than
+    `idle.keep_warm_below_gpu_pct` of it is in use."""
+    pct = settings.idle.keep_warm_below_gpu_pct
+    return pct > 0 and usage.gpu_total_bytes > 0 and gpu_in_use(instances, usage) < usage.gpu_total_bytes * pct / 100
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +155,7 @@ def usage_after(usage: Usage, view: InstanceView, target: api.Tier) -> Usage:
         delta = (-host, -gpu, -disk)
     return Usage(host_bytes=max(0, usage.host_bytes + delta[0]),
                  gpu_bytes=max(0, usage.gpu_bytes + delta[1]),
-                 snapshot_bytes=max(0, usage.snapshot_bytes + delta[2]))
+                 snapshot_bytes=max(0, usage.snapshot_bytes + delta[2]), gpu_total_bytes=usage.gpu_total_bytes)
 
 
 def eviction_order(instances: Iterable[InstanceView], policy: str, now: float) -> list[InstanceView]:
@@ -200,9 +221,12 @@ def plan_demotions(instances: Sequence[InstanceView], settings: Settings, now: f
         if view.chain:
             chain_used[view.chain] = max(chain_used.get(view.chain, view.last_used), view.last_used)
     chain_busy = {view.chain for view in instances if view.chain and view.busy and view.tier == api.Tier.HOT}
+    warm_held = keeps_warm(instances, usage, settings)
     for view in sorted(instances, key=lambda view: view.name):
         target = next_tier_down(view.tier, view.gpu)
         if view.busy or target is None or not floor_allows(view, target) or view.chain in chain_busy:
+            continue
+        if warm_held and view.tier == api.Tier.WARM and target == api.Tier.SUSPENDED:
             continue
         threshold = idle_threshold(target, settings)
         if threshold is not None and now - chain_used.get(view.chain, view.last_used) >= threshold:

@@ -151,7 +151,8 @@ class Pool:
         self.driver: cuda.DriverCheckpoint | None = None
         if self.gpus:
             try:
-                self.driver = cuda.DriverCheckpoint()
+                self.driver = cuda.DriverCheckpoint(restores_at_once=self.settings.gpu_restores_at_once,
+                                                    lead=self.settings.gpu_restore_lead)
             except cuda.DriverCheckpointUnsupported as exc:
                 log.warning("SUSPENDED tier unavailable: %s", exc)
         self.breaker = policy.CircuitBreaker.from_settings(self.settings)
@@ -527,7 +528,7 @@ class Pool:
         host = gpu = disk = 0
         for view in self._views() if views is None else views:
             host, gpu, disk = host + view.host_bytes, gpu + view.gpu_bytes, disk + view.snapshot_bytes
-        return policy.Usage(host, gpu, disk)
+        return policy.Usage(host, gpu, disk, sum(g.memory_total_bytes for g in self.gpus) if self.driver else 0)
 
     def status(self) -> NodeStatus:
         usage = self.usage()

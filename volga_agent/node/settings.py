@@ -76,11 +76,17 @@ class IdleSettings(Group):
     suspended_idle_sec."""
 
     FLAT: ClassVar[Mapping[str, str]] = {"hot_sec": "hot_idle_sec", "warm_sec": "warm_idle_sec",
-                                         "suspended_sec": "suspended_idle_sec"}
+                                         "suspended_sec": "suspended_idle_sec",
+                                         "keep_warm_below_gpu_pct": "keep_warm_below_gpu_pct"}
 
     hot_sec: NonNegative = 60.0
     warm_sec: NonNegative = 300.0
     suspended_sec: NonNegative = 900.0
+    # An idle WARM instance stays WARM past warm_sec while the node's GPU memory in use (HOT weights and WARM
+    # contexts, `policy.gpu_in_use`) is below this percent of its GPU memory: a WARM wake is a copy of the weights,
+    # a SUSPENDED one a driver restore, and the driver restores one context at a time (docs/measurements.md, wake
+    # storms). 0: WARM instances go SUSPENDED after warm_sec whatever the headroom.
+    keep_warm_below_gpu_pct: Annotated[float, pydantic.Field(ge=0, le=100)] = 50.0
 
     @pydantic.model_validator(mode="after")
     def _in_order(self) -> IdleSettings:
@@ -258,6 +264,14 @@ class Settings(pydantic.BaseModel):
     # they are dropped before the checkpoint and captured again after the restore, which keeps their memory (graph
     # pools, cuBLAS workspaces) out of what the driver and CRIU copy.
     gpu_graphs_in_images: bool = False
+    # Driver restores (SUSPENDED and GPU FROZEN wakes) let into the CUDA driver at a time, in the order they were
+    # asked for; 0: all at once. The driver restores one context at a time device-wide, so with 1 the first wake of
+    # a storm comes back after one restore and the last after all of them one after another (docs/measurements.md).
+    gpu_restores_at_once: Annotated[int, pydantic.Field(ge=0)] = 0
+    # A driver restore asked for while none is under way goes in alone; those asked for meanwhile go in together
+    # after it (with gpu_restores_at_once as their bound): a storm's first wake is one restore's time (16 SUSPENDED
+    # models on an H200: first answer 272 ms p50 instead of 874, all answered 2714 ms instead of 2583).
+    gpu_restore_lead: bool = True
     # Failed restores whose image and logs stay under the snapshot root's failed/ folder, newest first.
     keep_failed_restores: Annotated[int, pydantic.Field(ge=0)] = 3
     # Folders ModelSpec sources must resolve inside (symlinks followed); empty: anywhere. `volga up` and
