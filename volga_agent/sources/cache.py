@@ -37,6 +37,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from volga_agent.sources import download, errors, stores, uri
+from volga_core import api
 
 log = logging.getLogger(__name__)
 
@@ -330,3 +331,23 @@ def _unpack(archive: pathlib.Path, into: pathlib.Path, source: str) -> dict[str,
     if not hashes:
         raise errors.SourceNotFound(f"{source}: the archive holds no files")
     return hashes
+
+
+def default_root() -> pathlib.Path:
+    """The node's model cache: $VOLGA_MODEL_CACHE, else ~/.cache/volga/models."""
+    return pathlib.Path(os.environ.get("VOLGA_MODEL_CACHE") or pathlib.Path.home() / ".cache/volga/models")
+
+
+def default_budget() -> int:
+    """The cache's disk budget in bytes: $VOLGA_MODEL_CACHE_BYTES, else 0 (bounded by the free disk only)."""
+    return int(os.environ.get("VOLGA_MODEL_CACHE_BYTES") or 0)
+
+
+def localise(cache: Cache, spec: api.ModelSpecSpec, credentials: Mapping[str, str],
+             secret: str = "") -> tuple[api.ModelSpecSpec, Resolved]:
+    """`spec` with its remote source replaced by the cached, verified local copy (and the digest it has pinned);
+    a local source comes back unchanged. SourceError when the bytes cannot be had."""
+    if not spec.remote_source:
+        return spec, Resolved(spec.source, spec.source_path, spec.source_digest or "", 0, True)
+    resolved = cache.resolve(spec.source, spec.source_digest or "", credentials, secret or spec.source_secret or "")
+    return spec.model_copy(update={"source": str(resolved.path), "source_digest": resolved.digest}), resolved
