@@ -1,0 +1,129 @@
+"""Remote model sources against real stores: versitygw (S3) with models uploaded by boto3, docker-registry (OCI)
+with models pushed by the oras CLI; the node's model cache fetches through them (volga_agent/sources)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+from collections.abc import Iterator
+
+import pytest
+import stores
+
+from volga_agent.app import defaultmodel
+from volga_agent.sources import cache, errors
+
+pytestmark = pytest.mark.skipif(bool(stores.missing()), reason=stores.missing() or "stores installed")
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[stores.S3]:
+    server = stores.S3(tmp_path_factory.mktemp("s3"))
+    server.client().create_bucket(Bucket="models")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[stores.Registry]:
+    server = stores.Registry(tmp_path_factory.mktemp("registry"))
+    yield server
+    server.stop()
+
+
+def sha(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def test_an_s3_object_is_fetched_in_ranges_over_several_connections_and_verified(
+        s3: stores.S3, tmp_path: pathlib.Path) -> None:
+    data = os.urandom(3 << 20)
+    s3.client().put_object(Bucket="models", Key="big/weights.onnx", Body=data)
+    c = cache.Cache(tmp_path / "cache", connections=4, chunk_bytes=256 << 10)
+    got = c.resolve("s3://models/big/weights.onnx", sha(data), s3.credentials())
+    assert not got.hit and got.digest == sha(data) and got.path.read_bytes() == data
+    assert c.resolve("s3://models/big/weights.onnx", sha(data), s3.credentials()).hit
+    with pytest.raises(errors.SourceMismatch, match="refused"):
+        cache.Cache(tmp_path / "other").resolve("s3://models/big/weights.onnx", "sha256:" + "1" * 64,
+                                                s3.credentials())
+
+
+def test_a_changed_s3_object_is_a_new_version(s3: stores.S3, tmp_path: pathlib.Path) -> None:
+    client, c = s3.client(), cache.Cache(tmp_path / "cache")
+    client.put_object(Bucket="models", Key="m.onnx", Body=b"first" * 100)
+    first = c.resolve("s3://models/m.onnx", "", s3.credentials())
+    client.put_object(Bucket="models", Key="m.onnx", Body=b"second" * 100)
+    second = c.resolve("s3://models/m.onnx", "", s3.credentials())
+    assert first.digest == sha(b"first" * 100) and second.digest == sha(b"second" * 100)
+    assert first.path.read_bytes() == b"first" * 100  # the old version's bytes are not overwritten
+
+
+def test_an_s3_folder_resolves_to_its_model_file_beside_its_data(s3: stores.S3, tmp_path: pathlib.Path) -> None:
+    client = s3.client()
+    client.put_object(Bucket="models", Key="folder/model.onnx", Body=b"graph")
+    client.put_object(Bucket="models", Key="folder/model.onnx.data", Body=b"weights" * 10)
+    got = cache.Cache(tmp_path / "cache").resolve("s3://models/folder/", "", s3.credentials())
+    assert got.path.name == "model.onnx" and (got.path.parent / "model.onnx.data").read_bytes() == b"weights" * 10
+    assert got.digest == cache.tree_digest({"model.onnx": sha(b"graph")[7:],
+                                            "model.onnx.data": sha(b"weights" * 10)[7:]})
+
+
+def test_a_wrong_secret_is_denied_naming_the_secret_without_the_key(s3: stores.S3, tmp_path: pathlib.Path) -> None:
+    with pytest.raises(errors.SourceDenied, match="Secret 'model-store'") as caught:
+        cache.Cache(tmp_path / "cache").resolve("s3://models/m.onnx", "", s3.credentials("not-the-key"),
+                                                secret="model-store")
+    assert "not-the-key" not in str(caught.value) and stores.SECRET not in str(caught.value)
+
+
+def test_an_unreachable_store_is_unavailable_and_retryable(tmp_path: pathlib.Path) -> None:
+    credentials = {"AWS_ACCESS_KEY_ID": "a", "AWS_SECRET_ACCESS_KEY": "b",
+                   "AWS_ENDPOINT_URL": f"http://127.0.0.1:{stores.free_port()}"}
+    with pytest.raises(errors.SourceUnavailable) as caught:
+        cache.Cache(tmp_path / "cache").resolve("s3://models/m.onnx", "", credentials)
+    assert caught.value.retry
+
+
+def test_an_oras_pushed_model_is_fetched_by_tag_and_by_digest(registry: stores.Registry,
+                                                              tmp_path: pathlib.Path) -> None:
+    data = os.urandom(1 << 20)
+    (tmp_path / "model.onnx").write_bytes(data)
+    manifest = registry.push("models/resnet:v1", ["model.onnx"], tmp_path)
+    c = cache.Cache(tmp_path / "cache", connections=3, chunk_bytes=128 << 10)
+    by_tag = c.resolve(f"oci://{registry.host}/models/resnet:v1", sha(data))
+    assert by_tag.path.name == "model.onnx" and by_tag.path.read_bytes() == data
+    by_digest = c.resolve(f"oci://{registry.host}/models/resnet@{manifest}")
+    assert by_digest.path == by_tag.path  # one copy per content digest
+
+
+def test_an_oras_pushed_folder_is_unpacked(registry: stores.Registry, tmp_path: pathlib.Path) -> None:
+    folder = tmp_path / "bert"
+    folder.mkdir()
+    (folder / "model.onnx").write_bytes(b"graph")
+    (folder / "weights.bin").write_bytes(b"w" * 1000)
+    registry.push("models/bert:v1", ["bert"], tmp_path)
+    got = cache.Cache(tmp_path / "cache").resolve(f"oci://{registry.host}/models/bert:v1")
+    assert got.path.name == "model.onnx" and (got.path.parent / "weights.bin").read_bytes() == b"w" * 1000
+
+
+def test_volga_up_reads_a_models_signature_from_its_s3_copy(s3: stores.S3, tmp_path: pathlib.Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from volga_agent import cli
+
+    model = defaultmodel.ensure().spec.source_path
+    s3.client().upload_file(str(model), "models", "default/model.onnx")
+    doc = defaultmodel.spec_document(model)
+    doc["spec"]["source"] = "s3://models/default/model.onnx"
+    doc["spec"].pop("inputs", None)
+    doc["spec"].pop("outputs", None)
+    import yaml
+
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(doc))
+    for key, value in s3.credentials().items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("VOLGA_MODEL_CACHE", str(tmp_path / "cache"))
+    loaded = cli.load_specs([str(tmp_path / "spec.yaml")])
+    assert not loaded.refused
+    spec = loaded.specs[0].spec
+    assert spec.source_path.read_bytes() == model.read_bytes() and spec.inputs
+    assert spec.source_path.is_relative_to(tmp_path / "cache") and spec.source_digest == sha(model.read_bytes())
