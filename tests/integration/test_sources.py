@@ -13,6 +13,7 @@ import stores
 
 from volga_agent.app import defaultmodel
 from volga_agent.sources import cache, errors
+from volga_core import api
 
 pytestmark = pytest.mark.skipif(bool(stores.missing()), reason=stores.missing() or "stores installed")
 
@@ -127,3 +128,69 @@ def test_volga_up_reads_a_models_signature_from_its_s3_copy(s3: stores.S3, tmp_p
     spec = loaded.specs[0].spec
     assert spec.source_path.read_bytes() == model.read_bytes() and spec.inputs
     assert spec.source_path.is_relative_to(tmp_path / "cache") and spec.source_digest == sha(model.read_bytes())
+
+
+class SecretsApi:
+    """The CoreV1Api call `cluster.fetches` makes for a Secret, answering from a dict (the API server's part is
+    in tests/k8s); counts the reads."""
+
+    def __init__(self, secrets: dict[tuple[str, str], dict[str, str]]) -> None:
+        self.secrets = secrets
+        self.reads = 0
+
+    def read_namespaced_secret(self, name: str, namespace: str, **_: object) -> object:
+        import base64
+        import types
+
+        self.reads += 1
+        data = {k: base64.b64encode(v.encode()).decode() for k, v in self.secrets[(namespace, name)].items()}
+        return types.SimpleNamespace(data=data)
+
+
+def test_a_placed_model_is_prefetched_with_its_secret_and_reported_while_it_fetches(
+        s3: stores.S3, tmp_path: pathlib.Path) -> None:
+    import threading
+
+    from procs import wait_for
+
+    from volga_agent.cluster import fetches
+    from volga_core import planner
+
+    model = defaultmodel.ensure().spec.source_path
+    s3.client().upload_file(str(model), "models", "placed/model.onnx")
+    doc = defaultmodel.spec_document(model)
+    base = api_spec(doc, source="s3://models/placed/model.onnx", sourceSecret="store")
+    wrong = api_spec(doc, source="s3://models/placed/model.onnx", sourceSecret="stale", modelId="other")
+    core = SecretsApi({("ml", "store"): s3.credentials(), ("ml", "stale"): s3.credentials("wrong")})
+    done = threading.Event()
+    f = fetches.Fetches(core, done.set, root=str(tmp_path / "cache"))
+    specs = {"ml/a": base, "ml/b": wrong}
+    desired = [planner.Desired("ml.a-0", "ml/a", "ctr", "n", api.Tier.FROZEN),
+               planner.Desired("ml.b-0", "ml/b", "other", "n", api.Tier.FROZEN)]
+    out, kept = f.localise(specs, desired, lambda name: None)
+    assert kept == [] and f.pending["ml/a"].reason == "Fetching"
+
+    def settled() -> bool:
+        nonlocal out, kept
+        out, kept = f.localise(specs, desired, lambda name: None)
+        return "ml/a" in f.loaded and f.pending.get("ml/b") is not None and f.pending["ml/b"].reason != "Fetching"
+
+    wait_for("the fetches to settle", settled, timeout=60)
+    assert [d.name for d in kept] == ["ml.a-0"]
+    assert out["ml/a"].source_path.read_bytes() == model.read_bytes() and out["ml/a"].inputs  # signature read
+    assert f.loaded["ml/a"].digest == sha(model.read_bytes()) and f.loaded["ml/a"].uri == base.source
+    denied = f.pending["ml/b"]
+    assert denied.reason == "SourceDenied" and "Secret 'ml/stale'" in denied.message and "wrong" not in denied.message
+    reads = core.reads
+    for _ in range(3):  # a denied credential is not retried: no storm of requests
+        f.localise(specs, desired, lambda name: None)
+    assert core.reads == reads
+    f.stop()
+
+
+def api_spec(doc: dict, **changes: str) -> api.ModelSpecSpec:
+    spec = dict(doc["spec"])  # type: ignore[arg-type]
+    spec.pop("inputs", None)
+    spec.pop("outputs", None)
+    spec.update(changes)
+    return api.ModelSpecSpec.model_validate(spec)

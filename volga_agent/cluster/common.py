@@ -17,6 +17,8 @@ def with_signature(key: str, obj: Any) -> api.ModelSpecSpec | None:
     parsed, _ = api.validate_spec(obj.get("spec") or {})
     if parsed is None:
         return None
+    if parsed.remote_source:
+        return parsed  # read once its bytes are on this node (`fetches`)
     try:
         return signature.fill(parsed)
     except api.SpecError as exc:

@@ -166,17 +166,27 @@ class Cache:
 
     # -- resolving ------------------------------------------------------------------------------------------------
 
-    def lookup(self, source: str, digest: str = "") -> Resolved | None:
-        """The cached copy of `source` without asking the store: by `digest` when pinned, else by the digest the
-        URI last resolved to. None when there is none."""
+    @staticmethod
+    def _memo(source: str, secret: str) -> str:
+        # Who fetched a source is part of the memo: a copy is handed out without asking the store only to the
+        # credentials that fetched it; others first show the store lets them read it (`resolve`).
+        return f"{secret}|{source}"
+
+    def lookup(self, source: str, digest: str = "", secret: str = "") -> Resolved | None:
+        """The cached copy of `source` without asking the store, as these credentials (`secret`: the name of
+        their Secret) last resolved it; with `digest`, only when it has that digest. None when there is none."""
         with self._lock:
-            if not digest:
-                digest = self._index["sources"].get(source, {}).get("digest", "")
-            entry = self._index["entries"].get(digest)
-            if entry is None:
+            memo = self._index["sources"].get(self._memo(source, secret), {})
+            if not memo or (digest and memo.get("digest") != digest):
                 return None
-            entry["last_used"] = time.time()
-            return Resolved(source, self._entry(digest) / entry["model"], digest, int(entry["size"]), True)
+            return self._resolved(source, memo["digest"])
+
+    def _resolved(self, source: str, digest: str) -> Resolved | None:
+        entry = self._index["entries"].get(digest)
+        if entry is None:
+            return None
+        entry["last_used"] = time.time()
+        return Resolved(source, self._entry(digest) / entry["model"], digest, int(entry["size"]), True)
 
     def resolve(self, source: str, digest: str = "", credentials: Mapping[str, str] | None = None,
                 secret: str = "") -> Resolved:
@@ -186,21 +196,23 @@ class Cache:
         if not src.remote:
             return Resolved(source, pathlib.Path(src.path), digest, 0, True)
         started = time.monotonic()
-        if digest and (found := self.lookup(source, digest)) is not None:
+        if digest and (found := self.lookup(source, digest, secret)) is not None:
             return self._hit(found)
         with self._lock:
             lock = self._inflight.setdefault(source, threading.Lock())
         with lock:  # one fetch per source: a second caller waits, then finds the entry
-            if digest and (found := self.lookup(source, digest)) is not None:
+            if digest and (found := self.lookup(source, digest, secret)) is not None:
                 return self._hit(found)
             store = self._open_store(src, credentials or {}, secret, self.connections)
-            listing = store.describe(src)
+            listing = store.describe(src)  # the store says these credentials may read it, and its version
             with self._lock:
-                known = self._index["sources"].get(source, {})
-                if known.get("version") == listing.version and (not digest or known.get("digest") == digest) \
-                        and (found := self.lookup(source, known.get("digest", ""))) is not None:
-                    return self._hit(found)
-            resolved = self._fetch(src, store, listing, digest)
+                for memo in self._index["sources"].values():
+                    if memo.get("uri") == source and memo.get("version") == listing.version and \
+                            (not digest or memo["digest"] == digest) and \
+                            (found := self._resolved(source, memo["digest"])) is not None:
+                        self._index["sources"][self._memo(source, secret)] = dict(memo)
+                        return self._hit(found)
+            resolved = self._fetch(src, store, listing, digest, secret)
         return dataclasses.replace(resolved, seconds=time.monotonic() - started)
 
     def _hit(self, found: Resolved) -> Resolved:
@@ -210,7 +222,8 @@ class Cache:
             self._save()
         return found
 
-    def _fetch(self, src: uri.Source, store: stores.Store, listing: stores.Listing, pinned: str) -> Resolved:
+    def _fetch(self, src: uri.Source, store: stores.Store, listing: stores.Listing, pinned: str,
+               secret: str) -> Resolved:
         need = listing.size * (2 if any(o.unpack for o in listing.objects) else 1)
         self._make_room(need, src.uri)
         key = hashlib.sha256(src.uri.encode()).hexdigest()[:32]
@@ -253,7 +266,8 @@ class Cache:
                 record["last_used"] = time.time()
                 if src.uri not in record["sources"]:
                     record["sources"].append(src.uri)
-                self._index["sources"][src.uri] = {"version": listing.version, "digest": digest}
+                self._index["sources"][self._memo(src.uri, secret)] = {"uri": src.uri, "version": listing.version,
+                                                                       "digest": digest}
                 self._save()
                 self._gauge()
             seconds = time.monotonic() - started

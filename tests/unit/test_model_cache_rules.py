@@ -164,3 +164,20 @@ def test_folder_digest_is_what_sha256sum_prints_hashed() -> None:
 def test_sources_parse(text: str, scheme: str, host: str, path: str, ref: str) -> None:
     source = uri.parse(text)
     assert (source.scheme, source.host, source.path, source.ref) == (scheme, host, path, ref)
+
+
+def test_a_cached_copy_is_handed_out_without_the_store_only_to_the_credentials_that_fetched_it(
+        tmp_path: pathlib.Path) -> None:
+    data = b"private" * 500
+    store = MemoryStore({"s3://b/m.onnx": data})
+    c = make(tmp_path, store)
+    c.resolve("s3://b/m.onnx", sha(data), secret="team-a/store")
+    assert c.lookup("s3://b/m.onnx", sha(data), "team-a/store") is not None
+    assert c.lookup("s3://b/m.onnx", sha(data), "team-b/other") is None
+    store.denied = True  # the store refuses team b: the cached copy does not get around that
+    with pytest.raises(errors.SourceDenied):
+        c.resolve("s3://b/m.onnx", sha(data), secret="team-b/other")
+    store.denied = False
+    reads = len(store.reads)
+    shared = c.resolve("s3://b/m.onnx", "", secret="team-b/other")  # allowed: the same bytes, not fetched again
+    assert shared.hit and shared.digest == sha(data) and len(store.reads) == reads
