@@ -247,7 +247,7 @@ def cmd_bench_fetch(args: argparse.Namespace) -> int:
         from volga_bench import fetch
     except ImportError as exc:
         return _no_bench("bench fetch", exc)
-    report = fetch.run(args.size_mib, args.connections, progress=_progress(args.json))
+    report = fetch.run(args.size_mib, args.connections, args.rounds, progress=_progress(args.json))
     _emit(args, report, lambda: fetch.format_table(report))
     return 0
 
@@ -368,7 +368,8 @@ def add_bench(parser: argparse.ArgumentParser) -> None:
     p = bench.add_parser("fetch", help="a cold start from S3 vs from a local file; the model cache's download rate "
                          "vs boto3's on the same object")
     p.add_argument("--size-mib", type=int, default=1024, help="the model's size in MiB (default 1024)")
-    p.add_argument("--connections", type=int, default=8, help="the cache's connections per object")
+    p.add_argument("--connections", type=int, default=10, help="the cache's connections per object")
+    p.add_argument("--rounds", type=int, default=3, help="downloads by each, alternated (medians reported)")
     _report_args(p)
     p.set_defaults(func=cmd_bench_fetch)
 

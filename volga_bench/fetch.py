@@ -1,6 +1,6 @@
 """`volga bench fetch`: a model's cold start from an S3-compatible store beside the same model from a local file,
 and the model cache's download rate beside the store's own client (boto3's download_file, s3transfer's threads)
-on the same object, in one run.
+on the same object, in one run (alternated rounds, medians reported).
 
 The store is versitygw (`make setup` builds it, scripts/install-stores.sh) on loopback; the model is an ONNX
 MatMul whose weight is one initializer of `size_mib` MiB. Cold start: fetch (for the remote one) + onnxruntime
@@ -15,6 +15,7 @@ import pathlib
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import tempfile
 import time
@@ -23,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from volga_agent.sources import cache
+from volga_agent.sources import cache, download
 
 STORES = pathlib.Path(os.environ.get("VOLGA_STORES", pathlib.Path.home() / ".cache/volga/stores"))
 ACCESS, SECRET = "volga-bench-access", "volga-bench-secret"
@@ -60,7 +61,8 @@ def _drop_page_cache(path: pathlib.Path) -> None:
         os.close(fd)
 
 
-def run(size_mib: int = 1024, connections: int = 8, progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+def run(size_mib: int = 1024, connections: int = 10, rounds: int = 3,
+        progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     import boto3
 
     server = STORES / "bin" / "versitygw"
@@ -93,18 +95,20 @@ def run(size_mib: int = 1024, connections: int = 8, progress: Callable[[str], No
             client.upload_file(str(model), "models", "model.onnx")
             credentials = {"AWS_ACCESS_KEY_ID": ACCESS, "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_ENDPOINT_URL": endpoint}
 
-            progress("boto3 download_file (the store's own client)")
-            started = time.perf_counter()
-            client.download_file("models", "model.onnx", str(root / "client.onnx"))
-            client_s = time.perf_counter() - started
-            (root / "client.onnx").unlink()
-
-            progress("the model cache's fetch")
-            started = time.perf_counter()
-            got = cache.Cache(root / "cache-rate", connections=connections).resolve("s3://models/model.onnx", "",
-                                                                                     credentials)
-            cache_s = time.perf_counter() - started
-            shutil.rmtree(root / "cache-rate")
+            client_times, cache_times = [], []
+            for n in range(rounds):  # alternated, so that the other work on the machine weighs on both alike
+                progress(f"round {n + 1}/{rounds}: boto3 download_file (the store's own client)")
+                started = time.perf_counter()
+                client.download_file("models", "model.onnx", str(root / "client.onnx"))
+                client_times.append(time.perf_counter() - started)
+                (root / "client.onnx").unlink()
+                progress(f"round {n + 1}/{rounds}: the model cache's fetch")
+                started = time.perf_counter()
+                got = cache.Cache(root / "cache-rate", connections=connections).resolve(
+                    "s3://models/model.onnx", "", credentials)
+                cache_times.append(time.perf_counter() - started)
+                shutil.rmtree(root / "cache-rate")
+            client_s, cache_s = statistics.median(client_times), statistics.median(cache_times)
 
             progress("cold start from the local file")
             _drop_page_cache(model)
@@ -124,7 +128,10 @@ def run(size_mib: int = 1024, connections: int = 8, progress: Callable[[str], No
     return {"bytes": size, "connections": connections, "digest": got.digest,
             "remote_cold_start_ms": round(remote_ms, 1), "local_cold_start_ms": round(local_ms, 1),
             "cache_rate_mbps": round(size / cache_s / 1e6, 1), "client_rate_mbps": round(size / client_s / 1e6, 1),
-            "cache_seconds": round(cache_s, 3), "client_seconds": round(client_s, 3),
+            "cache_seconds": round(cache_s, 3), "client_seconds": round(client_s, 3), "rounds": rounds,
+            "cache_rates_mbps": [round(size / t / 1e6, 1) for t in cache_times],
+            "client_rates_mbps": [round(size / t / 1e6, 1) for t in client_times],
+            "chunk_bytes": download.CHUNK_BYTES, "load_average": [round(x, 2) for x in os.getloadavg()],
             "store": "versitygw (posix, loopback)", "client": "boto3 download_file (s3transfer defaults)",
             "cpus": os.cpu_count()}
 

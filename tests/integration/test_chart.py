@@ -55,6 +55,7 @@ AGENT_RULES = {  # the agent pod's ServiceAccount also serves the gateway contai
     ("volga.dev", "executablemodelinstances"): {"get", "list", "watch"},
     ("volga.dev", "executablemodelinstances/status"): {"patch"},
     ("volga.dev", "modelspecs/status"): {"patch"},  # calibrations on request (status.calibrated)
+    ("", "secrets"): {"get"},  # a remote source's credentials, the Secret spec.sourceSecret names
 }
 
 

@@ -35,8 +35,9 @@ class Pending:
 
 
 class Fetches:
-    def __init__(self, core: Any, on_done: Callable[[], None], root: str | None = None) -> None:
+    def __init__(self, core: Any, on_done: Callable[[], None], root: str | None = None, metrics: Any = None) -> None:
         self.core = core
+        self.metrics = metrics
         self.on_done = on_done
         self.root = root
         self._prefetcher: prefetch.Prefetcher | None = None
@@ -48,7 +49,8 @@ class Fetches:
     def _cache(self) -> prefetch.Prefetcher:
         with self._lock:
             if self._prefetcher is None:  # made at the first remote source: nodes without one keep no cache
-                model_cache = cache.Cache(self.root or cache.default_root(), cache.default_budget())
+                model_cache = cache.Cache(self.root or cache.default_root(), cache.default_budget(),
+                                          metrics=self.metrics)
                 self._prefetcher = prefetch.Prefetcher(model_cache, self._read_secret, self.on_done)
             return self._prefetcher
 

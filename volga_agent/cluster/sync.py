@@ -74,7 +74,7 @@ class AgentSync:
         self._stop = threading.Event()
         self._spec_objects: dict[tuple[str, str], Any] = {}
         self._measured: dict[str, tuple[api.Calibration, ...]] = {}
-        self.fetches = fetches.Fetches(self.core, self._refetched)
+        self.fetches = fetches.Fetches(self.core, self._refetched, metrics=node_pool.metrics)
         self.calibrations = (calibrations.Calibrations(self.custom, node, calibrator, self.bucket, lambda: self._specs)
                              if calibrator is not None else None)
         self.watches = [

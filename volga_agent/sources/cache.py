@@ -94,7 +94,7 @@ def model_file(folder: pathlib.Path, files: list[str]) -> str:
 class Cache:
     """Thread-safe. `budget_bytes`: the most the entries may take (0: no bound but the disk's free space)."""
 
-    def __init__(self, root: str | pathlib.Path, budget_bytes: int = 0, connections: int = 8,
+    def __init__(self, root: str | pathlib.Path, budget_bytes: int = 0, connections: int = 10,
                  chunk_bytes: int = download.CHUNK_BYTES, metrics: Any = None,
                  open_store: Callable[..., stores.Store] = stores.open_store) -> None:
         self.root = pathlib.Path(root)

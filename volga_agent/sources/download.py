@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 
 from volga_agent.sources import errors
 
-CHUNK_BYTES = 32 << 20
+CHUNK_BYTES = 16 << 20
 HASH_BYTES = 8 << 20
 CHUNK_TRIES = 3
 
