@@ -181,3 +181,21 @@ def test_a_cached_copy_is_handed_out_without_the_store_only_to_the_credentials_t
     reads = len(store.reads)
     shared = c.resolve("s3://b/m.onnx", "", secret="team-b/other")  # allowed: the same bytes, not fetched again
     assert shared.hit and shared.digest == sha(data) and len(store.reads) == reads
+
+
+def test_volga_status_shows_where_a_models_bytes_came_from_and_how_a_fetch_goes() -> None:
+    from volga_agent.app import status as status_view
+
+    def emi(name: str, source: dict) -> dict:
+        return {"metadata": {"name": name}, "spec": {"modelId": "m", "node": "n"},
+                "status": {"tier": "COLD", "source": source}}
+
+    digest = "sha256:" + "d" * 64
+    [model] = status_view.from_objects([], [
+        emi("m-0", {"uri": "s3://b/m.onnx", "digest": digest, "bytes": 10}),
+        emi("m-1", {"uri": "s3://b/m.onnx", "fetching": True, "bytes": 1 << 20, "totalBytes": 4 << 20,
+                    "rateBytesPerSec": 2.5e6})])
+    lines = status_view.table([model]).splitlines()
+    assert f"m-0 (m, COLD): bytes from s3://b/m.onnx, {digest}" in lines
+    assert "m-1 (m, COLD): fetching s3://b/m.onnx: 1.0 MiB of 4.0 MiB at 2.5 MB/s" in lines
+    assert model.to_json()["instanceList"][0]["source"] == f"bytes from s3://b/m.onnx, {digest}"
