@@ -194,3 +194,35 @@ def api_spec(doc: dict, **changes: str) -> api.ModelSpecSpec:
     spec.pop("outputs", None)
     spec.update(changes)
     return api.ModelSpecSpec.model_validate(spec)
+
+
+@pytest.mark.slow
+def test_volga_up_serves_a_model_pushed_to_s3_with_credentials_from_its_environment(
+        s3: stores.S3, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import numpy as np
+    import tritonclient.http as httpclient
+    import yaml
+
+    from volga_agent.node import instance
+    from volga_agent.worker import contract
+    from volga_bench import harness
+
+    spec = defaultmodel.ensure().spec
+    s3.client().upload_file(str(spec.source_path), "models", "served/model.onnx")
+    doc = defaultmodel.spec_document(spec.source_path)
+    doc["spec"]["source"] = "s3://models/served/model.onnx"  # type: ignore[index]
+    doc["spec"]["sourceDigest"] = sha(spec.source_path.read_bytes())  # type: ignore[index]
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(doc))
+    for key, value in s3.credentials().items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("VOLGA_MODEL_CACHE", str(tmp_path / "cache"))
+    with harness.volga_up(["-f", str(tmp_path / "spec.yaml"), "--snapshot-dir", str(tmp_path / "snapshots")]) as up:
+        client = httpclient.InferenceServerClient(up.endpoints["http"].removeprefix("http://"))
+        decls = instance.decls(spec.inputs)
+        x = contract.sample_inputs(decls, batch=2, seed=7)
+        out = client.infer(spec.model_id, harness.triton_inputs(decls, x, httpclient)).as_numpy("probability")
+        client.close()
+        assert out.shape == (2, 1) and np.all((out > 0) & (out < 1))
+    output = "".join(up.output)
+    assert "s3://models/served/model.onnx" in output and stores.SECRET not in output
+    assert (tmp_path / "cache" / "sha256" / sha(spec.source_path.read_bytes())[7:] / "model.onnx").is_file()
