@@ -174,11 +174,18 @@ def load_specs(files: list[str] | None) -> signature.Loaded:
 
 def fetch_source(spec: api.ModelSpecSpec) -> api.ModelSpecSpec:
     """A remote source fetched into the node's model cache, credentials from this process's environment: the
-    spec naming the verified local copy. SpecError naming spec.source and the reason when it cannot be had."""
+    spec naming the verified local copy (a node file pinned by sourceDigest: checked). SpecError naming
+    spec.source and the reason when it cannot be had."""
     import os
 
     from volga_agent.sources import cache, errors
 
+    if not spec.remote_source:
+        try:
+            cache.verify_local(spec.source_path, spec.source_digest or "")
+        except errors.SourceError as exc:
+            raise api.SpecError(spec.source, [("spec.source", str(exc))]) from None
+        return spec
     print(f"volga up: fetching {spec.source} into {cache.default_root()}", file=sys.stderr, flush=True)
     try:
         local, resolved = cache.localise(cache.Cache(cache.default_root(), cache.default_budget()), spec,

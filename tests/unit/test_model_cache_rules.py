@@ -199,3 +199,33 @@ def test_volga_status_shows_where_a_models_bytes_came_from_and_how_a_fetch_goes(
     assert f"m-0 (m, COLD): bytes from s3://b/m.onnx, {digest}" in lines
     assert "m-1 (m, COLD): fetching s3://b/m.onnx: 1.0 MiB of 4.0 MiB at 2.5 MB/s" in lines
     assert model.to_json()["instanceList"][0]["source"] == f"bytes from s3://b/m.onnx, {digest}"
+
+
+def test_a_shared_image_key_carries_the_model_digest() -> None:
+    from volga_agent.snapshot import shared
+
+    facts = shared.NodeFacts("criu 4.1", cpu_flags="sse4_2")
+    plain = facts.key("m", "1", "abc", "onnx", False)
+    a = facts.key("m", "1", "abc", "onnx", False, model_digest="sha256:" + "a" * 64)
+    b = facts.key("m", "1", "abc", "onnx", False, model_digest="sha256:" + "b" * 64)
+    assert len({plain.digest, a.digest, b.digest}) == 3  # other bytes: another image
+    assert plain.digest == facts.key("m", "1", "abc", "onnx", False, model_digest="").digest
+
+
+def test_a_node_file_pinned_by_a_digest_it_does_not_have_is_refused(tmp_path: pathlib.Path) -> None:
+    import yaml
+
+    from volga_agent import cli
+    from volga_agent.app import defaultmodel
+
+    model = defaultmodel.ensure().spec.source_path
+    doc = defaultmodel.spec_document(model)
+    doc["spec"]["sourceDigest"] = "sha256:" + "0" * 64  # type: ignore[index]
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(doc))
+    loaded = cli.load_specs([str(tmp_path / "bad.yaml")])
+    assert not loaded.labelled
+    [(field, reason)] = loaded.refused[0].error.problems
+    assert field == "spec.source" and "spec.sourceDigest is sha256:000" in reason and "refused" in reason
+    doc["spec"]["sourceDigest"] = sha(model.read_bytes())  # type: ignore[index]
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(doc))
+    assert cli.load_specs([str(tmp_path / "bad.yaml")]).labelled

@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 from volga_agent.node import signature
+from volga_agent.sources import cache, errors
 from volga_core import api
 
 log = logging.getLogger(__name__)
@@ -19,6 +20,12 @@ def with_signature(key: str, obj: Any) -> api.ModelSpecSpec | None:
         return None
     if parsed.remote_source:
         return parsed  # read once its bytes are on this node (`fetches`)
+    try:
+        if parsed.source_digest:
+            cache.verify_local(parsed.source_path, parsed.source_digest)
+    except errors.SourceError as exc:
+        log.warning("ModelSpec %s: spec.sourceDigest: %s", key, exc)
+        return None
     try:
         return signature.fill(parsed)
     except api.SpecError as exc:

@@ -313,8 +313,8 @@ def load(files: list[str], keep_going: bool = True,
     disagrees is refused on its own, with the models chained with it (a chain is served whole or not at all);
     without `keep_going`, its SpecError is raised instead. What is no single model's problem raises SpecError
     either way: a document that does not parse, a name or model id used twice (naming both files), a chain that
-    cannot be used. `fetch` puts a remote source's bytes on this node (SpecError when it cannot) before the
-    signature is read; its spec names the local copy."""
+    cannot be used. `fetch` puts a remote source's bytes on this node, or checks a node file's sourceDigest
+    (SpecError when it cannot), before the signature is read; its spec names the local copy."""
     labelled: list[tuple[str, api.ModelSpec]] = []
     for target in files:
         labelled += api.load_labelled(target)
@@ -324,7 +324,8 @@ def load(files: list[str], keep_going: bool = True,
     refused: list[Refused] = []
     for label, spec in labelled:
         try:
-            filled = fill(fetch(spec.spec) if fetch is not None and spec.spec.remote_source else spec.spec)
+            pinned = spec.spec.remote_source or spec.spec.source_digest
+            filled = fill(fetch(spec.spec) if fetch is not None and pinned else spec.spec)
         except api.SpecError as exc:
             problems = exc.problems
         else:

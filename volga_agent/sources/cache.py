@@ -348,8 +348,8 @@ def _unpack(archive: pathlib.Path, into: pathlib.Path, source: str) -> dict[str,
 
 
 def default_root() -> pathlib.Path:
-    """The node's model cache: $VOLGA_MODEL_CACHE, else ~/.cache/volga/models."""
-    return pathlib.Path(os.environ.get("VOLGA_MODEL_CACHE") or pathlib.Path.home() / ".cache/volga/models")
+    """The node's model cache: $VOLGA_MODEL_CACHE, else ~/.cache/volga/model-cache."""
+    return pathlib.Path(os.environ.get("VOLGA_MODEL_CACHE") or pathlib.Path.home() / ".cache/volga/model-cache")
 
 
 def default_budget() -> int:
@@ -362,6 +362,25 @@ def localise(cache: Cache, spec: api.ModelSpecSpec, credentials: Mapping[str, st
     """`spec` with its remote source replaced by the cached, verified local copy (and the digest it has pinned);
     a local source comes back unchanged. SourceError when the bytes cannot be had."""
     if not spec.remote_source:
+        if spec.source_digest:
+            verify_local(spec.source_path, spec.source_digest)
         return spec, Resolved(spec.source, spec.source_path, spec.source_digest or "", 0, True)
     resolved = cache.resolve(spec.source, spec.source_digest or "", credentials, secret or spec.source_secret or "")
     return spec.model_copy(update={"source": str(resolved.path), "source_digest": resolved.digest}), resolved
+
+
+_VERIFIED: dict[tuple[str, int, int], str] = {}  # (path, mtime ns, size) -> its digest
+
+
+def verify_local(path: pathlib.Path, digest: str) -> None:
+    """A node file pinned by spec.sourceDigest: SourceMismatch unless it has that digest (hashed once per version
+    of the file)."""
+    try:
+        st = path.stat()
+    except OSError as exc:
+        raise errors.SourceNotFound(f"{path}: {exc.strerror}") from None
+    key = (str(path), st.st_mtime_ns, st.st_size)
+    if key not in _VERIFIED:
+        _VERIFIED[key] = "sha256:" + file_sha256(path)
+    if _VERIFIED[key] != digest:
+        raise errors.SourceMismatch(f"{path} has digest {_VERIFIED[key]}, spec.sourceDigest is {digest}: refused")
