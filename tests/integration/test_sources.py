@@ -226,3 +226,62 @@ def test_volga_up_serves_a_model_pushed_to_s3_with_credentials_from_its_environm
     output = "".join(up.output)
     assert "s3://models/served/model.onnx" in output and stores.SECRET not in output
     assert (tmp_path / "cache" / "sha256" / sha(spec.source_path.read_bytes())[7:] / "model.onnx").is_file()
+
+
+def test_a_request_during_the_fetch_waits_for_it_and_is_answered(s3: stores.S3, tmp_path: pathlib.Path) -> None:
+    """The Agent API's Activate for a model whose source is being fetched waits (no error) until the bytes are
+    on the node and its instance exists, then wakes it; one whose deadline passes first says so."""
+    import asyncio
+
+    import grpc
+    from procs import wait_for
+
+    from volga_agent.app import server
+    from volga_agent.cluster import fetches
+    from volga_agent.node import pool
+    from volga_agent.rpc.volga.v1 import agent_pb2 as pb
+    from volga_agent.rpc.volga.v1 import agent_pb2_grpc as pb_grpc
+    from volga_core import planner
+
+    model = defaultmodel.ensure().spec.source_path
+    s3.client().upload_file(str(model), "models", "waited/model.onnx")
+    spec = api_spec(defaultmodel.spec_document(model), source="s3://models/waited/model.onnx", sourceSecret="store")
+    f = fetches.Fetches(SecretsApi({("ml", "store"): s3.credentials()}), lambda: None, root=str(tmp_path / "cache"))
+    node_pool = pool.Pool("n", tmp_path / "work", None, pool.Settings(model_roots=(str(tmp_path / "cache"),)))
+    node_pool.awaiting = f.awaiting
+    specs = {"ml/a": spec}
+    desired = [planner.Desired("ml.a-0", "ml/a", spec.model_id, "n", api.Tier.COLD)]
+
+    def apply() -> None:
+        out, kept = f.localise(specs, desired, lambda name: None)
+        node_pool.apply(kept, out)
+        f.applied()
+
+    async def scenario() -> tuple[str, str]:
+        grpc_server, port = await server.serve(node_pool, "127.0.0.1", 0)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = pb_grpc.AgentStub(channel)
+                apply()  # the fetch starts; no instance yet
+                assert f.awaiting(spec.model_id) is not None
+                try:
+                    await stub.Activate(pb.ActivateRequest(model_id=spec.model_id, timeout_ms=1), timeout=30)
+                    late = "answered"
+                except grpc.aio.AioRpcError as exc:
+                    late = f"{exc.code().name}: {exc.details()}"
+                waiting = asyncio.ensure_future(stub.Activate(pb.ActivateRequest(model_id=spec.model_id,
+                                                                                 timeout_ms=120_000), timeout=150))
+                await asyncio.to_thread(wait_for, "the fetch", lambda: "ml/a" in (
+                    f.localise(specs, desired, lambda name: None) and f.loaded), 60)
+                await asyncio.sleep(0.2)
+                assert not waiting.done()  # the bytes are here, the instance is not: the request still waits
+                apply()
+                reply = await waiting
+                return late, reply.instance.name
+        finally:
+            await grpc_server.stop(None)
+            node_pool.close()
+
+    late, name = asyncio.run(scenario())
+    assert late.startswith("DEADLINE_EXCEEDED") and "still being fetched" in late
+    assert name == "ml.a-0" and f.awaiting(spec.model_id) is None

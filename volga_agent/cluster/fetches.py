@@ -18,10 +18,14 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from volga_agent.node import signature
-from volga_agent.sources import cache, prefetch
+from volga_agent.sources import cache, errors, prefetch
 from volga_core import api, planner
 
 log = logging.getLogger(__name__)
+
+
+# The failures a fetch is tried again after (requests wait on): an unreachable store, a full cache.
+RETRIED = frozenset({errors.SourceUnavailable.reason, errors.CacheFull.reason})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +49,7 @@ class Fetches:
         self._lock = threading.Lock()
         self.pending: dict[str, Pending] = {}  # owner -> what keeps its instances from being created
         self.loaded: dict[str, api.SourceStatus] = {}  # owner -> where its bytes came from
+        self._waits: dict[str, threading.Event] = {}  # model id -> set once its instances exist (`applied`)
 
     def _cache(self) -> prefetch.Prefetcher:
         with self._lock:
@@ -101,8 +106,25 @@ class Fetches:
             elif (running := current(d.name)) is not None:
                 kept.append(d)
                 out[d.model_spec] = running
-        self.pending, self.loaded = pending, loaded
+        with self._lock:
+            self.pending, self.loaded = pending, loaded
+            for p in pending.values():
+                if p.reason == "Fetching" or p.reason in RETRIED:
+                    self._waits.setdefault(p.spec.model_id, threading.Event())
         return out, kept
+
+    def awaiting(self, model_id: str) -> threading.Event | None:
+        """The Event a request for `model_id` waits on while its source is being fetched (`pool.awaiting`)."""
+        with self._lock:
+            return self._waits.get(model_id)
+
+    def applied(self) -> None:
+        """The pool has applied what `localise` gave: wake the requests of models whose bytes are here now (or
+        whose fetch failed for good: they get the error at once)."""
+        with self._lock:
+            waiting = {p.spec.model_id for p in self.pending.values() if p.reason == "Fetching" or p.reason in RETRIED}
+            for model_id in [m for m in self._waits if m not in waiting]:
+                self._waits.pop(model_id).set()
 
     def _fill(self, owner: str, local: api.ModelSpecSpec) -> api.ModelSpecSpec:
         key = (owner, f"{local.source}\n{local.model_dump_json()}")

@@ -75,6 +75,7 @@ class AgentSync:
         self._spec_objects: dict[tuple[str, str], Any] = {}
         self._measured: dict[str, tuple[api.Calibration, ...]] = {}
         self.fetches = fetches.Fetches(self.core, self._refetched, metrics=node_pool.metrics)
+        node_pool.awaiting = self.fetches.awaiting
         self.calibrations = (calibrations.Calibrations(self.custom, node, calibrator, self.bucket, lambda: self._specs)
                              if calibrator is not None else None)
         self.watches = [
@@ -146,6 +147,7 @@ class AgentSync:
                                            gpu.get("index") if specs[owner].hardware.gpu else None))
         specs, desired = self.fetches.localise(specs, desired, self._running_spec)
         self.pool.apply(desired, specs)
+        self.fetches.applied()
         if self.calibrations is not None:
             self.calibrations.consider(self._spec_objects, self._emis, self.gpus)
 
