@@ -285,3 +285,17 @@ def test_a_request_during_the_fetch_waits_for_it_and_is_answered(s3: stores.S3, 
     late, name = asyncio.run(scenario())
     assert late.startswith("DEADLINE_EXCEEDED") and "still being fetched" in late
     assert name == "ml.a-0" and f.awaiting(spec.model_id) is None
+
+
+def test_an_http_source_is_fetched_in_ranges_from_a_real_server(registry: stores.Registry,
+                                                                 tmp_path: pathlib.Path) -> None:
+    """The registry serves blobs over plain HTTP with byte ranges and ETags: a file URL like any other server's."""
+    data = os.urandom(2 << 20)
+    (tmp_path / "weights.onnx").write_bytes(data)
+    registry.push("models/plain:v1", ["weights.onnx"], tmp_path)
+    url = f"http://{registry.host}/v2/models/plain/blobs/{sha(data)}"
+    c = cache.Cache(tmp_path / "cache", connections=4, chunk_bytes=256 << 10)
+    got = c.resolve(url, sha(data))
+    assert got.path.read_bytes() == data and got.digest == sha(data)
+    with pytest.raises(errors.SourceNotFound):
+        cache.Cache(tmp_path / "other").resolve(f"http://{registry.host}/v2/models/plain/blobs/sha256:{'0' * 64}")

@@ -112,7 +112,7 @@ class AgentSync:
         # reports come back as EMI events).
         specs: dict[str, api.ModelSpecSpec] = {}
         for (ns, name), obj in objects.items():
-            parsed = common.with_signature(f"{ns}/{name}", obj)
+            parsed = common.with_signature(f"{ns}/{name}", obj, fetched_later=True)
             if parsed is not None:
                 specs[f"{ns}/{name}"] = parsed
         measured = calibrations.measured_baselines(objects, specs)
