@@ -75,8 +75,9 @@ def setup(control_plane: ControlPlane, crds: None, tmp_path_factory: pytest.Temp
                                         "-v"], env, folder, "volga-agent")
     agent = f"127.0.0.1:{daemons['agent'].port('Agent API')}"
     # The gateway as its console script runs it, from this checkout's code.
+    script = "import sys; from volga_agent.app.daemons import gateway_main; sys.exit(gateway_main())"
     daemons["gateway"] = Daemon("gateway", [
-        py, "-c", "import sys; from volga_agent.app.daemons import gateway_main; sys.exit(gateway_main())", "--kube", "--agent", agent, "--node", NODE, "--host",
+        py, "-c", script, "--kube", "--agent", agent, "--node", NODE, "--host",
         "127.0.0.1", "--http-port", "0", "--grpc-port", str(grpc_port), "--metrics-port", "0"], env, folder,
         "volga-gateway")
     yield {"s3": s3, "daemons": daemons, "folder": folder, "grpc": f"127.0.0.1:{grpc_port}"}
