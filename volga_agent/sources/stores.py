@@ -21,6 +21,7 @@ import dataclasses
 import hashlib
 import json
 import re
+import threading
 from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
 
@@ -215,6 +216,7 @@ class HttpStore:
     def __init__(self, credentials: Mapping[str, str], secret: str, connections: int) -> None:
         self.secret = secret
         self.session = _session(credentials, connections)
+        self._strong: dict[str, str] = {}  # URL -> its strong ETag ("" for none)
 
     def describe(self, source: uri.Source) -> Listing:
         try:
@@ -225,14 +227,15 @@ class HttpStore:
         if "Content-Length" not in reply.headers:
             raise errors.SourceUnavailable(f"{source}: the server does not say the file's size (Content-Length)")
         size = int(reply.headers["Content-Length"])
-        version = reply.headers.get("ETag", "").strip('"') or reply.headers.get("Last-Modified", "") or str(size)
+        tag = reply.headers.get("ETag", "")
+        self._strong[reply.url] = tag.strip('"') if tag and not tag.startswith("W/") else ""
+        version = tag.strip('"') or reply.headers.get("Last-Modified", "") or str(size)
         obj = Object(reply.url, source.name, size, version)
         return Listing((obj,), hashlib.sha256(f"{size} {version}".encode()).hexdigest(), False)
 
     def read(self, obj: Object, start: int, end: int) -> Iterator[bytes]:
-        version = obj.version if not obj.version.startswith(("W/", "Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")) \
-            else ""
-        yield from _stream(self.session, obj.key, start, end, version, obj.key, self.secret)
+        # Each range must come from the same version of the file: its strong ETag, where the server gives one.
+        yield from _stream(self.session, obj.key, start, end, self._strong.get(obj.key, ""), obj.key, self.secret)
 
 
 # -- OCI registries -----------------------------------------------------------------------------------------------
@@ -257,6 +260,8 @@ class OciStore:
         self.session = _session({}, connections)
         self.token = ""
         self.repo = source.path
+        self.ref = source.ref
+        self._lock = threading.Lock()
 
     def _auth(self, reply: requests.Response) -> bool:
         """Answer a 401's challenge once: basic credentials, or a bearer token from the registry's token service."""
@@ -323,5 +328,17 @@ class OciStore:
 
     def read(self, obj: Object, start: int, end: int) -> Iterator[bytes]:
         # The session carries the credentials `describe` settled on (a bearer token or basic auth).
-        yield from _stream(self.session, f"{self.base}/blobs/{obj.key}", start, end, "",
-                           f"oci://{self.repo}@{obj.key}", self.secret)
+        token = self.token
+        try:
+            yield from _stream(self.session, f"{self.base}/blobs/{obj.key}", start, end, "",
+                               f"oci://{self.repo}@{obj.key}", self.secret)
+        except errors.SourceDenied:
+            if not token:
+                raise
+            with self._lock:  # a bearer token expired during a long fetch: get a new one, and try the range again
+                if self.token == token:
+                    self.token = ""
+                    self.session.headers.pop("Authorization", None)
+                    self._get(f"{self.base}/manifests/{self.ref}", f"oci://{self.repo}",
+                              headers={"Accept": OCI_MANIFESTS})
+            raise errors.SourceUnavailable(f"oci://{self.repo}@{obj.key}: the registry's token expired") from None
