@@ -229,3 +229,18 @@ def test_a_node_file_pinned_by_a_digest_it_does_not_have_is_refused(tmp_path: pa
     doc["spec"]["sourceDigest"] = sha(model.read_bytes())  # type: ignore[index]
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(doc))
     assert cli.load_specs([str(tmp_path / "bad.yaml")]).labelled
+
+
+def test_two_processes_share_a_cache_and_neither_evicts_what_the_other_may_use(tmp_path: pathlib.Path) -> None:
+    store = MemoryStore({f"s3://b/{n}.onnx": bytes([n]) * 4000 for n in range(3)})
+    first = make(tmp_path, store, budget=9000)
+    zero = first.resolve("s3://b/0.onnx")
+    second = make(tmp_path, store, budget=9000)  # another process's cache on the same folder (its own lock)
+    one = second.resolve("s3://b/1.onnx")
+    assert set(first.entries()) == set(second.entries()) == {zero.digest, one.digest}  # the index is merged
+    assert second.lookup("s3://b/0.onnx") is not None
+    with pytest.raises(errors.CacheFull, match="another process uses the cache"):
+        first.resolve("s3://b/2.onnx")  # 12000 > 9000, but the other process may be serving 0 or 1
+    assert zero.path.exists() and one.path.exists()
+    second.close()
+    assert first.resolve("s3://b/2.onnx").path.exists() and first.evictions == 1  # alone now: the LRU one goes

@@ -5,8 +5,10 @@ Layout under the cache root:
     sha256/<hex>/            one entry per content digest: the model file (or folder), with its own name
     partial/<key>/           fetches under way: each object's .part file and its resume state
     tmp/                     entries being assembled; renamed into sha256/ once verified, emptied at start
-    index.json               the entries (size, last use, model file) and, per source URI, the version and digest
-                             it last resolved to: survives an agent restart
+    index.json               the entries (size, last use, model file) and, per source URI (and the credentials
+                             that read it), the version and digest it last resolved to: survives an agent restart
+    .users, .index.lock      locks: several processes may share a cache (each holds .users shared; the index is
+                             merged under .index.lock); only a process alone with it evicts or clears tmp/
 
 The content digest of a file is the sha256 of its bytes; of a folder, the sha256 of the lines
 `<file sha256 hex>  <relative path>\n` sorted by path (what `sha256sum` prints, so
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import functools
 import hashlib
 import json
@@ -108,31 +111,84 @@ class Cache:
         self._inflight: dict[str, threading.Lock] = {}  # source URI -> its fetch's lock
         self.fetching: dict[str, Fetching] = {}
         self.evictions = 0
+        self._dropped: set[str] = set()  # digests this process evicted
         for sub in ("sha256", "partial", "tmp"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(self.root / "tmp", ignore_errors=True)
-        (self.root / "tmp").mkdir()
-        self._index = self._load()
+        # Every process using the cache holds a shared lock on `.users` for as long as it does: one that gets it
+        # exclusively is alone, and only then removes what others could be using (their assemblies in tmp/,
+        # entries the index does not list yet, evictions).
+        self._users = os.open(self.root / ".users", os.O_RDWR | os.O_CREAT, 0o644)
+        alone = self._alone()
+        if alone:
+            shutil.rmtree(self.root / "tmp", ignore_errors=True)
+            (self.root / "tmp").mkdir()
+        self._index = self._load(remove_strays=alone)
+        self._share()
         self._gauge()
 
     # -- state ----------------------------------------------------------------------------------------------------
 
-    def _load(self) -> dict[str, Any]:
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+    def close(self) -> None:
+        """Stop using the cache (its lock goes; the process's exit does the same)."""
+        with self._lock:
+            if self._users >= 0:
+                os.close(self._users)
+                self._users = -1
+
+    def _alone(self) -> bool:
+        try:
+            fcntl.flock(self._users, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
+
+    def _share(self) -> None:
+        fcntl.flock(self._users, fcntl.LOCK_SH)
+
+    def _read(self) -> dict[str, Any]:
         try:
             index: dict[str, Any] = json.loads((self.root / "index.json").read_text())
         except (OSError, ValueError):
             index = {}
+        return index
+
+    def _load(self, remove_strays: bool) -> dict[str, Any]:
+        index = self._read()
         entries = {d: e for d, e in index.get("entries", {}).items() if self._entry(d).is_dir()}
-        for stray in (self.root / "sha256").iterdir():  # an entry the index lost: its bytes are not vouched for
-            if f"sha256:{stray.name}" not in entries:
-                shutil.rmtree(stray, ignore_errors=True)
+        if remove_strays:
+            for stray in (self.root / "sha256").iterdir():  # an entry the index lost: its bytes are not vouched for
+                if f"sha256:{stray.name}" not in entries:
+                    shutil.rmtree(stray, ignore_errors=True)
         sources = {u: s for u, s in index.get("sources", {}).items() if s.get("digest") in entries}
         return {"entries": entries, "sources": sources}
 
+    def _merge(self, disk: Mapping[str, Any]) -> None:
+        """Take in what other processes using the cache wrote to the index."""
+        entries = {**disk.get("entries", {}), **self._index["entries"]}
+        for digest in self._dropped:
+            entries.pop(digest, None)
+        entries = {d: e for d, e in entries.items() if self._entry(d).is_dir()}
+        sources = {k: v for k, v in {**disk.get("sources", {}), **self._index["sources"]}.items()
+                   if v.get("digest") in entries}
+        self._index = {"entries": entries, "sources": sources}
+
+    def _refresh(self) -> None:
+        with (self.root / ".index.lock").open("a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_SH)
+            self._merge(self._read())
+
     def _save(self) -> None:
-        tmp = self.root / f"index.json.{uuid.uuid4().hex}"
-        tmp.write_text(json.dumps(self._index, indent=1, sort_keys=True))
-        os.replace(tmp, self.root / "index.json")
+        """Write the index, merged with what other processes using the cache wrote meanwhile."""
+        with (self.root / ".index.lock").open("a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            self._merge(self._read())
+            tmp = self.root / f"index.json.{uuid.uuid4().hex}"
+            tmp.write_text(json.dumps(self._index, indent=1, sort_keys=True))
+            os.replace(tmp, self.root / "index.json")
 
     def _entry(self, digest: str) -> pathlib.Path:
         return self.root / "sha256" / digest.removeprefix("sha256:")
@@ -148,6 +204,7 @@ class Cache:
     def entries(self) -> dict[str, dict[str, Any]]:
         """digest -> {size, last_used, model, sources}, a copy."""
         with self._lock:
+            self._refresh()
             copy: dict[str, dict[str, Any]] = json.loads(json.dumps(self._index["entries"]))
             return copy
 
@@ -177,6 +234,9 @@ class Cache:
         their Secret) last resolved it; with `digest`, only when it has that digest. None when there is none."""
         with self._lock:
             memo = self._index["sources"].get(self._memo(source, secret), {})
+            if not memo:  # another process using the cache may have fetched it
+                self._refresh()
+                memo = self._index["sources"].get(self._memo(source, secret), {})
             if not memo or (digest and memo.get("digest") != digest):
                 return None
             return self._resolved(source, memo["digest"])
@@ -206,7 +266,8 @@ class Cache:
             store = self._open_store(src, credentials or {}, secret, self.connections)
             listing = store.describe(src)  # the store says these credentials may read it, and its version
             with self._lock:
-                for memo in self._index["sources"].values():
+                self._refresh()
+                for memo in list(self._index["sources"].values()):
                     if memo.get("uri") == source and memo.get("version") == listing.version and \
                             (not digest or memo["digest"] == digest) and \
                             (found := self._resolved(source, memo["digest"])) is not None:
@@ -297,10 +358,16 @@ class Cache:
             def over() -> bool:
                 return bool(self.budget and self.used() + need > self.budget) or need > free
 
-            victims = sorted((e["last_used"], d) for d, e in self._index["entries"].items() if d not in held)
+            if not over():
+                return
+            # Another process's instances may use any entry: evict only while no other process uses the cache.
+            alone = self._alone()
+            victims = sorted((e["last_used"], d) for d, e in self._index["entries"].items()
+                             if d not in held) if alone else []
             while over() and victims:
                 _, digest = victims.pop(0)
                 size = int(self._index["entries"].pop(digest)["size"])
+                self._dropped.add(digest)
                 self._index["sources"] = {u: s for u, s in self._index["sources"].items() if s["digest"] != digest}
                 shutil.rmtree(self._entry(digest), ignore_errors=True)
                 free += size
@@ -309,10 +376,12 @@ class Cache:
                     self.metrics.cache_evictions.inc()
                 log.info("model cache: evicted %s (%d bytes) to make room for %s", digest, size, source)
             self._save()
+            self._share()  # the shared lock again (a failed upgrade gave it up too)
             self._gauge()
             if over():
+                shared = "" if alone else "; another process uses the cache, so nothing was evicted"
                 raise errors.CacheFull(
-                    f"{source}: {need} bytes do not fit the model cache ({self.used()} of "
+                    f"{source}: {need} bytes do not fit the model cache{shared} ({self.used()} of "
                     f"{self.budget or 'unbounded'} bytes used by models instances hold; {free} bytes free on disk)")
 
 
