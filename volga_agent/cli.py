@@ -188,8 +188,9 @@ def fetch_source(spec: api.ModelSpecSpec) -> api.ModelSpecSpec:
         return spec
     print(f"volga up: fetching {spec.source} into {cache.default_root()}", file=sys.stderr, flush=True)
     try:
-        local, resolved = cache.localise(cache.Cache(cache.default_root(), cache.default_budget()), spec,
-                                         os.environ)
+        # One cache for the process, holding what it fetched: a later fetch does not evict an earlier one.
+        local, resolved = cache.localise(cache.for_process(cache.default_root(), cache.default_budget()), spec,
+                                         os.environ, holder=f"{spec.model_id}/{spec.version}")
     except (errors.SourceError, OSError) as exc:
         raise api.SpecError(spec.source, [("spec.source", str(exc))]) from None
     print(f"volga up: {spec.source}: {resolved.size} bytes, {resolved.digest} "

@@ -179,6 +179,10 @@ def test_a_placed_model_is_prefetched_with_its_secret_and_reported_while_it_fetc
     assert [d.name for d in kept] == ["ml.a-0"]
     assert out["ml/a"].source_path.read_bytes() == model.read_bytes() and out["ml/a"].inputs  # signature read
     assert f.loaded["ml/a"].digest == sha(model.read_bytes()) and f.loaded["ml/a"].uri == base.source
+    assert f.model_cache is not None and f.model_cache.held() == {sha(model.read_bytes())}  # not evicted while placed
+    f.localise(specs, [], lambda name: None)
+    assert f.model_cache.held() == set()  # no longer placed: evictable
+    f.localise(specs, desired, lambda name: None)
     denied = f.pending["ml/b"]
     assert denied.reason == "SourceDenied" and "Secret 'ml/stale'" in denied.message and "wrong" not in denied.message
     reads = core.reads

@@ -59,6 +59,11 @@ class Fetches:
                 self._prefetcher = prefetch.Prefetcher(model_cache, self._read_secret, self.on_done)
             return self._prefetcher
 
+    @property
+    def model_cache(self) -> cache.Cache | None:
+        """The node's model cache, once a remote source has been placed here."""
+        return self._prefetcher.cache if self._prefetcher is not None else None
+
     def _read_secret(self, namespace: str, name: str) -> Mapping[str, str]:
         secret = self.core.read_namespaced_secret(name, namespace, _request_timeout=10)
         return {k: base64.b64decode(v).decode() for k, v in (secret.data or {}).items()}
@@ -106,6 +111,11 @@ class Fetches:
             elif (running := current(d.name)) is not None:
                 kept.append(d)
                 out[d.model_spec] = running
+        if self._prefetcher is not None:  # the bytes of the placed models stay until they are no longer placed
+            for owner in self.loaded.keys() - loaded.keys():
+                self._prefetcher.cache.release(owner)
+            for owner, status in loaded.items():
+                self._prefetcher.cache.hold(owner, status.digest)
         with self._lock:
             self.pending, self.loaded = pending, loaded
             for p in pending.values():

@@ -426,15 +426,24 @@ def default_budget() -> int:
     return int(os.environ.get("VOLGA_MODEL_CACHE_BYTES") or 0)
 
 
+@functools.cache
+def for_process(root: pathlib.Path, budget: int) -> Cache:
+    """The one Cache of this process on `root` (it holds the cache's shared lock as long as the process runs)."""
+    return Cache(root, budget)
+
+
 def localise(cache: Cache, spec: api.ModelSpecSpec, credentials: Mapping[str, str],
-             secret: str = "") -> tuple[api.ModelSpecSpec, Resolved]:
-    """`spec` with its remote source replaced by the cached, verified local copy (and the digest it has pinned);
-    a local source comes back unchanged. SourceError when the bytes cannot be had."""
+             secret: str = "", holder: str = "") -> tuple[api.ModelSpecSpec, Resolved]:
+    """`spec` with its remote source replaced by the cached, verified local copy (and the digest it has pinned),
+    held for `holder` when given; a local source comes back unchanged. SourceError when the bytes cannot be
+    had."""
     if not spec.remote_source:
         if spec.source_digest:
             verify_local(spec.source_path, spec.source_digest)
         return spec, Resolved(spec.source, spec.source_path, spec.source_digest or "", 0, True)
     resolved = cache.resolve(spec.source, spec.source_digest or "", credentials, secret or spec.source_secret or "")
+    if holder:
+        cache.hold(holder, resolved.digest)
     return spec.model_copy(update={"source": str(resolved.path), "source_digest": resolved.digest}), resolved
 
 
