@@ -86,17 +86,22 @@ class S3(Server):
 class Registry(Server):
     """docker-registry (distribution 2.8) on a folder, plain HTTP on loopback."""
 
-    def __init__(self, folder: pathlib.Path) -> None:
+    def __init__(self, folder: pathlib.Path, tls: tuple[pathlib.Path, pathlib.Path, pathlib.Path] | None = None
+                 ) -> None:
+        """`tls`: (CA, certificate, key) files: the registry speaks HTTPS only."""
         port = free_port()
         config = folder / "registry.yml"
+        https = f"  tls:\n    certificate: {tls[1]}\n    key: {tls[2]}\n" if tls else ""
         config.write_text(f"version: 0.1\nstorage:\n  filesystem:\n    rootdirectory: {folder / 'registry'}\n"
-                          f"http:\n  addr: 127.0.0.1:{port}\n")
+                          f"http:\n  addr: 127.0.0.1:{port}\n{https}")
         super().__init__("registry", [REGISTRY, "serve", str(config)], folder, port, {})
         self.host = f"127.0.0.1:{port}"
+        self.tls = tls
 
     def push(self, reference: str, files: list[str], cwd: pathlib.Path) -> str:
         """`oras push` the files (or a folder) as an artifact; the manifest's digest."""
-        out = subprocess.run([str(ORAS), "push", "--plain-http", f"{self.host}/{reference}", *files], cwd=cwd,
+        how = ["--ca-file", str(self.tls[0])] if self.tls else ["--plain-http"]
+        out = subprocess.run([str(ORAS), "push", *how, f"{self.host}/{reference}", *files], cwd=cwd,
                              capture_output=True, text=True, timeout=300, check=True).stdout
         return next(line.split()[-1] for line in out.splitlines() if line.startswith("Digest:"))
 

@@ -303,3 +303,30 @@ def test_an_http_source_is_fetched_in_ranges_from_a_real_server(registry: stores
     assert got.path.read_bytes() == data and got.digest == sha(data)
     with pytest.raises(errors.SourceNotFound):
         cache.Cache(tmp_path / "other").resolve(f"http://{registry.host}/v2/models/plain/blobs/sha256:{'0' * 64}")
+
+
+def test_https_and_oci_over_tls_with_the_ca_from_the_environment(tmp_path: pathlib.Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    files = (tmp_path / "ca.pem", tmp_path / "cert.pem", tmp_path / "key.pem")
+    ca.cert_pem.write_to_path(str(files[0]))
+    cert.cert_chain_pems[0].write_to_path(str(files[1]))
+    cert.private_key_pem.write_to_path(str(files[2]))
+    registry = stores.Registry(tmp_path, tls=files)
+    try:
+        data = os.urandom(1 << 20)
+        (tmp_path / "model.onnx").write_bytes(data)
+        registry.push("models/tls:v1", ["model.onnx"], tmp_path)
+        with pytest.raises(errors.SourceUnavailable):  # a CA it does not know: refused, not fetched
+            cache.Cache(tmp_path / "untrusted").resolve(f"https://{registry.host}/v2/models/tls/blobs/{sha(data)}")
+        monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(files[0]))
+        got = cache.Cache(tmp_path / "c1").resolve(f"https://{registry.host}/v2/models/tls/blobs/{sha(data)}")
+        assert got.path.read_bytes() == data
+        pulled = cache.Cache(tmp_path / "c2").resolve(f"oci://{registry.host}/models/tls:v1", sha(data),
+                                                     {"SOURCE_PLAIN_HTTP": "false"})
+        assert pulled.path.read_bytes() == data
+    finally:
+        registry.stop()

@@ -10,7 +10,9 @@ mapping of environment-variable names (a Kubernetes Secret's keys, or the node's
            virtual or auto; path when an endpoint is given)
     HTTPS  SOURCE_TOKEN (a bearer token) or SOURCE_USERNAME and SOURCE_PASSWORD (basic)
     OCI    SOURCE_USERNAME and SOURCE_PASSWORD (or SOURCE_TOKEN), for the registry's basic or token auth;
-           SOURCE_PLAIN_HTTP=true for a registry without TLS (loopback registries are reached over HTTP)
+           SOURCE_PLAIN_HTTP=true for a registry without TLS (=false for TLS on a loopback registry, which is
+           otherwise reached over HTTP)
+    TLS    the system's CAs, or REQUESTS_CA_BUNDLE in the environment (requests' own setting)
 
 No credential is ever logged or put into an error message: errors name the source and, where given, the Secret.
 """
@@ -253,7 +255,8 @@ class OciStore:
     org.opencontainers.image.title annotation) or, as ORAS pushes a folder, a gzipped tar to unpack."""
 
     def __init__(self, source: uri.Source, credentials: Mapping[str, str], secret: str, connections: int) -> None:
-        plain = credentials.get("SOURCE_PLAIN_HTTP", "").lower() in ("1", "true", "yes") or _loopback(source.host)
+        said = credentials.get("SOURCE_PLAIN_HTTP", "").lower()
+        plain = said in ("1", "true", "yes") if said else _loopback(source.host)
         self.base = f"{'http' if plain else 'https'}://{source.host}/v2/{source.path}"
         self.secret = secret
         self.credentials = dict(credentials)
