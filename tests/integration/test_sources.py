@@ -330,3 +330,29 @@ def test_https_and_oci_over_tls_with_the_ca_from_the_environment(tmp_path: pathl
         assert pulled.path.read_bytes() == data
     finally:
         registry.stop()
+
+
+def test_an_unreachable_store_is_reported_and_tried_again(tmp_path: pathlib.Path) -> None:
+    from procs import wait_for
+
+    from volga_agent.cluster import fetches
+    from volga_core import planner
+
+    model = defaultmodel.ensure().spec.source_path
+    spec = api_spec(defaultmodel.spec_document(model), source="s3://models/gone/model.onnx", sourceSecret="store")
+    credentials = {"AWS_ACCESS_KEY_ID": "a", "AWS_SECRET_ACCESS_KEY": "b",
+                   "AWS_ENDPOINT_URL": f"http://127.0.0.1:{stores.free_port()}"}
+    core = SecretsApi({("ml", "store"): credentials})
+    f = fetches.Fetches(core, lambda: None, root=str(tmp_path / "cache"))
+    desired = [planner.Desired("ml.a-0", "ml/a", spec.model_id, "n", api.Tier.FROZEN)]
+
+    def reported() -> fetches.Pending | None:
+        f.localise({"ml/a": spec}, desired, lambda name: None)
+        pending = f.pending.get("ml/a")
+        return pending if pending is not None and pending.reason == "SourceUnavailable" else None
+
+    pending = wait_for("the unreachable store to be reported", reported, timeout=60)
+    assert "unreachable" in pending.message
+    assert f.awaiting(spec.model_id) is not None  # requests keep waiting while it is tried again
+    wait_for("a second attempt", lambda: core.reads >= 2, timeout=60)  # backoff: 2 s, then 4 s, ...
+    f.stop()
