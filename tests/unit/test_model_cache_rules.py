@@ -244,3 +244,11 @@ def test_two_processes_share_a_cache_and_neither_evicts_what_the_other_may_use(t
     assert zero.path.exists() and one.path.exists()
     second.close()
     assert first.resolve("s3://b/2.onnx").path.exists() and first.evictions == 1  # alone now: the LRU one goes
+
+
+def test_an_empty_file_in_a_folder_is_fetched_without_a_range(tmp_path: pathlib.Path) -> None:
+    def never(start: int, end: int) -> Iterator[bytes]:
+        raise AssertionError("no range is asked for")
+
+    assert download.fetch(never, 0, tmp_path / "e.part", "v") == hashlib.sha256(b"").hexdigest()
+    assert (tmp_path / "e.part").read_bytes() == b""

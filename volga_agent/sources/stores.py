@@ -145,6 +145,9 @@ class S3Store:
                 for page in pages:
                     for item in page.get("Contents", []):
                         rel = item["Key"][len(source.path):]
+                        if rel.startswith("/") or ".." in rel.split("/"):
+                            raise errors.SourceNotFound(f"{source}: object {item['Key']!r} would land outside the "
+                                                        "model's folder")
                         if rel and not rel.endswith("/"):
                             objects.append(Object(item["Key"], rel, int(item["Size"]), item["ETag"].strip('"')))
                 if not objects:
