@@ -36,6 +36,7 @@ import tarfile
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -118,6 +119,7 @@ class Cache:
         # exclusively is alone, and only then removes what others could be using (their assemblies in tmp/,
         # entries the index does not list yet, evictions).
         self._users = os.open(self.root / ".users", os.O_RDWR | os.O_CREAT, 0o644)
+        self._release = weakref.finalize(self, os.close, self._users)
         alone = self._alone()
         if alone:
             shutil.rmtree(self.root / "tmp", ignore_errors=True)
@@ -128,16 +130,9 @@ class Cache:
 
     # -- state ----------------------------------------------------------------------------------------------------
 
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            self.close()
-
     def close(self) -> None:
-        """Stop using the cache (its lock goes; the process's exit does the same)."""
-        with self._lock:
-            if self._users >= 0:
-                os.close(self._users)
-                self._users = -1
+        """Stop using the cache: its lock goes (as when the Cache is collected, or the process exits)."""
+        self._release()
 
     def _alone(self) -> bool:
         try:
