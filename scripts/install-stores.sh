@@ -17,6 +17,7 @@ venv=${2:-.venv}
 versitygw_version=${VERSITYGW_VERSION:-v1.8.0}
 oras_version=${ORAS_VERSION:-v1.3.0}
 mkdir -p "$prefix/bin"
+command -v go >/dev/null || { echo "install-stores.sh: go is not on PATH (Go >= 1.24 is needed)" >&2; exit 1; }
 
 if ! command -v docker-registry >/dev/null; then
   apt-get -o DPkg::Lock::Timeout=900 update -qq
