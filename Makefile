@@ -6,7 +6,7 @@ CRIU_PREFIX ?= $(HOME)/.cache/volga/criu
 K8S_BIN ?= $(HOME)/.cache/volga/k8s-bin
 export VOLGA_K8S_BIN := $(K8S_BIN)
 
-.PHONY: setup demo test test-fast test-gpu lint criu tools k8s-bins node-tools node crds bench-tiers images clean
+.PHONY: setup demo test test-fast test-gpu lint criu tools k8s-bins node-tools node stores crds bench-tiers images clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,7 +34,15 @@ tools: $(VENV)/.installed
 node-tools:
 	scripts/install-node.sh
 
-setup: $(VENV)/.installed criu tools k8s-bins node-tools
+# The model stores the source tests fetch from: Debian's docker-registry, versitygw (S3) and oras from the Go module
+# proxy, boto3 (PyPI) into the venv.
+STORES ?= $(HOME)/.cache/volga/stores
+$(STORES)/bin/oras.version: scripts/install-stores.sh
+	scripts/install-stores.sh $(STORES) $(VENV)
+
+stores: $(STORES)/bin/oras.version
+
+setup: $(VENV)/.installed criu tools k8s-bins node-tools stores
 
 crds: $(VENV)/.installed
 	$(PY) -m volga_core.api.crds --out crds

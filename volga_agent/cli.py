@@ -169,7 +169,33 @@ def load_specs(files: list[str] | None) -> signature.Loaded:
 
     if not files:
         return signature.Loaded([(DEFAULT_LABEL, defaultmodel.ensure())])
-    return signature.load(files)
+    return signature.load(files, fetch=fetch_source)
+
+
+def fetch_source(spec: api.ModelSpecSpec) -> api.ModelSpecSpec:
+    """A remote source fetched into the node's model cache, credentials from this process's environment: the
+    spec naming the verified local copy (a node file pinned by sourceDigest: checked). SpecError naming
+    spec.source and the reason when it cannot be had."""
+    import os
+
+    from volga_agent.sources import cache, errors
+
+    if not spec.remote_source:
+        try:
+            cache.verify_local(spec.source_path, spec.source_digest or "")
+        except errors.SourceError as exc:
+            raise api.SpecError(spec.source, [("spec.source", str(exc))]) from None
+        return spec
+    print(f"volga up: fetching {spec.source} into {cache.default_root()}", file=sys.stderr, flush=True)
+    try:
+        # One cache for the process, holding what it fetched: a later fetch does not evict an earlier one.
+        local, resolved = cache.localise(cache.for_process(cache.default_root(), cache.default_budget()), spec,
+                                         os.environ, holder=f"{spec.model_id}/{spec.version}")
+    except (errors.SourceError, OSError) as exc:
+        raise api.SpecError(spec.source, [("spec.source", str(exc))]) from None
+    print(f"volga up: {spec.source}: {resolved.size} bytes, {resolved.digest} "
+          f"({'cached' if resolved.hit else f'fetched in {resolved.seconds:.1f} s'})", file=sys.stderr, flush=True)
+    return local
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
@@ -209,7 +235,6 @@ def model_roots(args: argparse.Namespace) -> tuple[str, ...]:
     folder of the built models (`volga build-model`)."""
     from volga_agent.app import defaultmodel
     from volga_agent.node import admission
-
     if args.model_root:
         return tuple(str(pathlib.Path(root).resolve()) for root in args.model_root)
     return (*admission.spec_folders(args.file or []), str(defaultmodel.default_cache()))
@@ -248,6 +273,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"volga up: {exc}", file=sys.stderr)
         return 2
+    from volga_agent.sources import cache
+
+    fetched = cache.default_root().resolve()
+    if settings.model_roots and any(spec.spec.source_path.is_relative_to(fetched) for spec in loaded.specs):
+        # Remote sources load from the model cache's verified copies, wherever the model roots are.
+        settings = settings.model_copy(update={"model_roots": (*settings.model_roots, str(fetched))})
     if not _startable(args, loaded, settings.model_roots):
         return 2
     specs = loaded.specs

@@ -57,6 +57,18 @@ class AgentMetrics:
             "output shapes", ["model"], registry=r)
         self.snapshot_bytes = prom.Gauge(
             "volga_snapshot_disk_used_bytes", "Bytes of CRIU images on this node", registry=r)
+        # The node's model cache (volga_agent/sources): remote sources fetched and kept by content digest.
+        self.fetched_bytes = prom.Counter(
+            "volga_source_fetched_bytes", "Bytes of models fetched from remote sources", ["scheme"], registry=r)
+        self.fetch_latency = prom.Histogram(
+            "volga_source_fetch_latency_ms", "Duration of each remote source's fetch (and its verification)",
+            ["scheme"], buckets=LATENCY_MS_BUCKETS, registry=r)
+        self.cache_hits = prom.Counter(
+            "volga_model_cache_hits", "Remote sources served from the model cache without a download", registry=r)
+        self.cache_bytes = prom.Gauge(
+            "volga_model_cache_bytes", "Bytes of models in the node's model cache", registry=r)
+        self.cache_evictions = prom.Counter(
+            "volga_model_cache_evictions", "Models evicted from the model cache to make room", registry=r)
         # The node autonomy loop (volga_agent/autonomy).
         self.autonomy_state = prom.Gauge(
             "volga_autonomy_state", "1 for the autonomy loop's current state (PRELOAD, ACCEPT, OPTIMIZE, EMERGENCY)",

@@ -266,6 +266,16 @@ def cmd_bench_faults(args: argparse.Namespace) -> int:
     return 0 if not (report["wrong_total"] or report["hangs_total"] or report["leaked_total"]) else 1
 
 
+def cmd_bench_fetch(args: argparse.Namespace) -> int:
+    try:
+        from volga_bench import fetch
+    except ImportError as exc:
+        return _no_bench("bench fetch", exc)
+    report = fetch.run(args.size_mib, args.connections, args.rounds, progress=_progress(args.json))
+    _emit(args, report, lambda: fetch.format_table(report))
+    return 0
+
+
 def cmd_bench_slo(args: argparse.Namespace) -> int:
     try:
         from volga_bench import slo
@@ -382,6 +392,14 @@ def add_bench(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", type=float, default=20.0, help="requests per second")
     _report_args(p)
     p.set_defaults(func=cmd_bench_faults)
+
+    p = bench.add_parser("fetch", help="a cold start from S3 vs from a local file; the model cache's download rate "
+                         "vs boto3's on the same object")
+    p.add_argument("--size-mib", type=int, default=1024, help="the model's size in MiB (default 1024)")
+    p.add_argument("--connections", type=int, default=10, help="the cache's connections per object")
+    p.add_argument("--rounds", type=int, default=3, help="downloads by each, alternated (medians reported)")
+    _report_args(p)
+    p.set_defaults(func=cmd_bench_fetch)
 
     p = bench.add_parser("chain", help="a chain of three FROZEN models vs the same models unchained: first answer")
     p.add_argument("-n", type=int, default=5, help="cycles per side (default 5)")

@@ -55,6 +55,7 @@ AGENT_RULES = {  # the agent pod's ServiceAccount also serves the gateway contai
     ("volga.dev", "executablemodelinstances"): {"get", "list", "watch"},
     ("volga.dev", "executablemodelinstances/status"): {"patch"},
     ("volga.dev", "modelspecs/status"): {"patch"},  # calibrations on request (status.calibrated)
+    ("", "secrets"): {"get"},  # a remote source's credentials, the Secret spec.sourceSecret names
 }
 
 
@@ -165,13 +166,17 @@ def test_host_paths_are_read_only_unless_written(values: str, request: pytest.Fi
     for mount in rendered.container("gateway")["volumeMounts"]:
         assert set(volumes[mount["name"]]) == ({"name", "secret"} if mount["name"] == "gateway-api-token" else
                                                {"name", "emptyDir"}), mount
-    # The agent writes only its snapshot folder on the host; other host paths are read-only.
+    # The agent writes only its snapshot folder and its model cache on the host; other host paths are read-only.
     for mount in rendered.container("agent")["volumeMounts"]:
         volume = volumes[mount["name"]]
-        if "hostPath" in volume and mount["name"] != "snapshots":
+        if "hostPath" in volume and mount["name"] not in ("snapshots", "model-cache"):
             assert mount.get("readOnly") is True, mount
     models = next(m for m in rendered.container("agent")["volumeMounts"] if m["name"] == "models")
     assert models["readOnly"] is True and volumes["models"]["hostPath"]["path"] == "/var/lib/volga/models"
+    cache = next(m for m in rendered.container("agent")["volumeMounts"] if m["name"] == "model-cache")
+    env = {e["name"]: e.get("value") for e in rendered.container("agent")["env"]}
+    assert cache["mountPath"] == env["VOLGA_MODEL_CACHE"] == volumes["model-cache"]["hostPath"]["path"] == \
+        "/var/lib/volga/model-cache" and env["VOLGA_MODEL_CACHE_BYTES"] == "0"
 
 
 def test_workdir_and_shared_memory_are_shared_at_the_same_paths(default: Rendered) -> None:
@@ -426,9 +431,11 @@ def test_the_agent_writes_only_where_it_must(default: Rendered) -> None:
     agent = default.container("agent")
     assert agent["securityContext"]["readOnlyRootFilesystem"] is True
     writable = {path: volumes[m["name"]] for path, m in mounts_of(agent).items() if not m.get("readOnly")}
-    assert set(writable) == {"/run/volga", "/dev/shm", "/var/lib/volga/snapshots", "/tmp", "/var/lib/volga/home"}
+    assert set(writable) == {"/run/volga", "/dev/shm", "/var/lib/volga/snapshots", "/tmp", "/var/lib/volga/home",
+                             "/var/lib/volga/model-cache"}
     for path, volume in writable.items():
-        assert "emptyDir" in volume or path == "/var/lib/volga/snapshots", (path, volume)
+        assert "emptyDir" in volume or path in ("/var/lib/volga/snapshots", "/var/lib/volga/model-cache"), (path,
+                                                                                                            volume)
     env = {e["name"]: e.get("value") for e in agent["env"]}
     assert env["HOME"] == "/var/lib/volga/home" and env["TMPDIR"] == "/tmp"
     # The Agent API stays on the pod's loopback: no port of the pod, no probe on it.

@@ -62,9 +62,36 @@ def test_duplicate_tensor_names_rejected(document: dict) -> None:
     assert any("repeated: dense" in reason for _, reason in problems(document))
 
 
-def test_remote_sources_rejected(document: dict) -> None:
+@pytest.mark.parametrize("source", ["s3://bucket/model.onnx", "s3://bucket/models/resnet/",
+                                    "https://models.example.com/resnet.onnx", "http://127.0.0.1:8080/m.onnx",
+                                    "oci://registry.example.com:5000/models/resnet:v1",
+                                    "oci://localhost/models/resnet@sha256:" + "a" * 64])
+def test_remote_sources_accepted(document: dict, source: str) -> None:
+    document["spec"]["source"] = source
+    document["spec"]["sourceDigest"] = "sha256:" + "0" * 64
+    document["spec"]["sourceSecret"] = "model-store"
+    spec = api.parse_model_spec(document).spec
+    assert spec.remote_source and spec.source == source and spec.source_digest == "sha256:" + "0" * 64
+
+
+@pytest.mark.parametrize(("source", "reason"), [
+    ("s3://bucket", "s3://bucket/key"), ("ftp://host/m.onnx", "unknown scheme ftp://"),
+    ("https://host/models/", "a folder cannot be listed over HTTP"),
+    ("oci://registry/Models:v1", "oci://registry/repository:tag")])
+def test_malformed_remote_sources_rejected(document: dict, source: str, reason: str) -> None:
+    document["spec"]["source"] = source
+    assert reason in dict(problems(document))["spec.source"]
+
+
+def test_source_digest_must_be_sha256(document: dict) -> None:
+    document["spec"]["sourceDigest"] = "md5:abc"
+    assert "sha256: and 64 lowercase hex" in dict(problems(document))["spec.sourceDigest"]
+
+
+def test_remote_source_is_not_made_relative(tmp_path: pathlib.Path, document: dict) -> None:
     document["spec"]["source"] = "s3://bucket/model.onnx"
-    assert "file://" in dict(problems(document))["spec.source"]
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(document))
+    assert api.load_model_specs(tmp_path / "spec.yaml")[0].spec.source == "s3://bucket/model.onnx"
 
 
 def test_slo_keys_are_batch_sizes(document: dict) -> None:

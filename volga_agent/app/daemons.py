@@ -153,6 +153,11 @@ def agent_main(argv: list[str] | None = None) -> int:
     if args.kube and not settings.model_roots:
         # ModelSpecs from the API server name files on this node: only Volga's model folders by default.
         settings = settings.model_copy(update={"model_roots": DEFAULT_MODEL_ROOTS})
+    if args.kube and settings.model_roots:
+        from volga_agent.sources import cache
+
+        # Remote sources load from the model cache's verified copies (`cluster.fetches`).
+        settings = settings.model_copy(update={"model_roots": (*settings.model_roots, str(cache.default_root()))})
     settings = admission.node_settings(settings)
     tokens = auth.Tokens.from_file(args.token_file) if args.token_file else None
     metrics_tokens = auth.Tokens.from_file(args.metrics_token_file) if args.metrics_token_file else None

@@ -29,6 +29,8 @@ from volga_core import api
 log = logging.getLogger(__name__)
 # How often a gateway is told to call ExchangeLoad when no autonomy loop runs here (it learns it if one starts).
 IDLE_EXCHANGE_MS = 1000
+# The longest an activation without a deadline waits for its model's source to be fetched.
+FETCH_WAIT_S = 600.0
 
 
 
@@ -74,6 +76,14 @@ class AgentService(pb_grpc.AgentServicer):
     async def Activate(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         if not request.model_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model_id is required")
+        fetched = self.pool.awaiting(request.model_id)
+        if fetched is not None:  # its source is being fetched: wait within the request's deadline (no thread held)
+            until = time.monotonic() + (request.timeout_ms / 1e3 if request.timeout_ms else FETCH_WAIT_S)
+            while not fetched.is_set() and time.monotonic() < until:
+                await asyncio.sleep(0.05)
+            if not fetched.is_set():
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"{request.model_id}: its model is still being fetched (the fetch goes on)")
         work = asyncio.to_thread(self.pool.activate, request.model_id, request.instance, request.device_hint)
         task = asyncio.ensure_future(work)
         try:

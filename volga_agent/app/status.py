@@ -37,6 +37,9 @@ class Instance:
     # What else went wrong though it serves: a made-up warm-up the model refused, answers that contradict its
     # declared outputs (the EMI's other conditions that are False, in a cluster)
     notices: tuple[str, ...] = ()
+    # Where its model's bytes came from, for a remote source (the EMI's status.source): "URI, digest", or how the
+    # fetch goes
+    source: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +75,7 @@ class Model:
                 "lastUsed": self.last_used or None, "lastWakeMs": self.last_wake_ms, "imageBytes": self.image_bytes,
                 "instanceList": [{"name": i.name, "node": i.node, "tier": i.tier, "snapshotBytes": i.snapshot_bytes,
                                   "lastUsed": i.last_used or None, "lastWakeMs": i.last_wake_ms or None,
-                                  "reason": i.reason or None, "notices": list(i.notices)}
+                                  "reason": i.reason or None, "notices": list(i.notices), "source": i.source or None}
                                  for i in self.instances]}
 
 
@@ -112,7 +115,18 @@ def _emi(obj: Mapping[str, Any]) -> Instance:
                     for c in status.get("conditions") or () if c.get("type") != "Ready" and c.get("status") == "False")
     return Instance(obj["metadata"]["name"], str(spec.get("modelId", "")), str(spec.get("node", "")),
                     str(status.get("tier") or "PENDING"), int(status.get("snapshotBytes") or 0),
-                    str(status.get("lastUsed") or ""), float(status.get("lastWakeMs") or 0.0), reason, notices)
+                    str(status.get("lastUsed") or ""), float(status.get("lastWakeMs") or 0.0), reason, notices,
+                    _source(status.get("source") or {}))
+
+
+def _source(source: Mapping[str, Any]) -> str:
+    if not source.get("uri"):
+        return ""
+    if source.get("fetching"):
+        return (f"fetching {source['uri']}: {_size(int(source.get('bytes') or 0))} of "
+                f"{_size(int(source.get('totalBytes') or 0))} at {float(source.get('rateBytesPerSec') or 0) / 1e6:.1f} "
+                "MB/s")
+    return f"bytes from {source['uri']}" + (f", {source['digest']}" if source.get("digest") else "")
 
 
 def from_objects(modelspecs: Sequence[Mapping[str, Any]], emis: Sequence[Mapping[str, Any]]) -> list[Model]:
@@ -184,4 +198,5 @@ def table(models: Sequence[Model]) -> str:
     for m in models:
         lines += [f"{i.name} ({m.model_id}, {i.tier}): {i.reason}" for i in m.instances if i.reason]
         lines += [f"{i.name} ({m.model_id}, {i.tier}): {notice}" for i in m.instances for notice in i.notices]
+        lines += [f"{i.name} ({m.model_id}, {i.tier}): {i.source}" for i in m.instances if i.source]
     return "\n".join(lines)

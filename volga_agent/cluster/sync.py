@@ -20,7 +20,7 @@ from typing import Any
 
 import kubernetes
 
-from volga_agent.cluster import calibrations, common
+from volga_agent.cluster import calibrations, common, fetches
 from volga_agent.host import gpus
 from volga_agent.node import pool
 from volga_core import api, planner
@@ -74,6 +74,8 @@ class AgentSync:
         self._stop = threading.Event()
         self._spec_objects: dict[tuple[str, str], Any] = {}
         self._measured: dict[str, tuple[api.Calibration, ...]] = {}
+        self.fetches = fetches.Fetches(self.core, self._refetched, metrics=node_pool.metrics)
+        node_pool.awaiting = self.fetches.awaiting
         self.calibrations = (calibrations.Calibrations(self.custom, node, calibrator, self.bucket, lambda: self._specs)
                              if calibrator is not None else None)
         self.watches = [
@@ -100,6 +102,7 @@ class AgentSync:
             await asyncio.to_thread(self.calibrations.stop)
         for w in self.watches:
             w.stop()
+        self.fetches.stop()
         await asyncio.to_thread(self.client.close)
 
     # -- desired state -------------------------------------------------------------------------------
@@ -109,7 +112,7 @@ class AgentSync:
         # reports come back as EMI events).
         specs: dict[str, api.ModelSpecSpec] = {}
         for (ns, name), obj in objects.items():
-            parsed = common.with_signature(f"{ns}/{name}", obj)
+            parsed = common.with_signature(f"{ns}/{name}", obj, fetched_later=True)
             if parsed is not None:
                 specs[f"{ns}/{name}"] = parsed
         measured = calibrations.measured_baselines(objects, specs)
@@ -142,9 +145,20 @@ class AgentSync:
                 tier = Tier.FROZEN
             desired.append(planner.Desired(_emi_key(ns, name), owner, specs[owner].model_id, self.node, tier,
                                            gpu.get("index") if specs[owner].hardware.gpu else None))
+        specs, desired = self.fetches.localise(specs, desired, self._running_spec)
         self.pool.apply(desired, specs)
+        self.fetches.applied()
         if self.calibrations is not None:
             self.calibrations.consider(self._spec_objects, self._emis, self.gpus)
+
+    def _running_spec(self, name: str) -> api.ModelSpecSpec | None:
+        slot = self.pool.slots.get(name)
+        return slot.inst.spec if slot is not None else None
+
+    def _refetched(self) -> None:
+        """A remote source's fetch ended (its bytes are here, or it failed): apply the ModelSpecs again."""
+        with self._lock:
+            self._apply()
 
     def measured(self) -> Mapping[str, tuple[api.Calibration, ...]]:
         """model id -> status.calibrated entries of its current version (the same mapping while none changed)."""
@@ -205,6 +219,13 @@ class AgentSync:
             if key is not None:
                 out[key] = {"tier": Tier.COLD.value, "conditions": [
                     conditions.condition("Ready", False, "CreateFailed", problem, previous(key), now)]}
+        for key, obj in emis.items():  # remote sources: where the bytes came from, or how their fetch goes
+            owner = f"{key[0]}/{(obj.get('spec') or {}).get('modelSpec', '')}"
+            if (loaded := self.fetches.loaded.get(owner)) is not None and key in out:
+                out[key]["source"] = loaded.to_wire()
+            elif (pending := self.fetches.pending.get(owner)) is not None and key not in out:
+                out[key] = {"tier": Tier.COLD.value, "source": pending.source.to_wire(), "conditions": [
+                    conditions.condition("Ready", False, pending.reason, pending.message, previous(key), now)]}
         return out
 
     def _shared_ref(self, info: pool.InstanceInfo) -> dict[str, Any] | None:

@@ -370,7 +370,7 @@ class Instance:
         parked = str(folder.absolute()) if folder is not None else ""
         return self.shared.facts.key(self.spec.model_id, self.spec.version, self.spec.input_hash(),
                                      self.spec.framework.value, self.device.startswith("cuda"),
-                                     str(self.workdir.absolute()), parked)
+                                     str(self.workdir.absolute()), parked, self.spec.source_digest or "")
 
     def _cold_to_hot(self) -> str | None:
         """Restore a compatible shared image when one exists, else (or when it fails) cold start."""

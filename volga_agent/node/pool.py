@@ -36,7 +36,7 @@ import pathlib
 import re
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from volga_agent import errors, metrics
@@ -170,6 +170,9 @@ class Pool:
         self.evictions = 0
         self._stop = threading.Event()
         self._ticker: threading.Thread | None = None
+        # Cluster mode sets it (`cluster.fetches`): model id -> an Event set once the model's remote source is on
+        # this node and its instances exist; None when no fetch is under way for it. Activations wait on it.
+        self.awaiting: Callable[[str], threading.Event | None] = lambda model_id: None
 
     # -- desired state -------------------------------------------------------------------------------
 

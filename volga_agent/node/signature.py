@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import pathlib
 import re
+from collections.abc import Callable
 from typing import Any
 
 import pydantic
@@ -305,13 +306,15 @@ class Loaded:
         return [spec for _, spec in self.labelled]
 
 
-def load(files: list[str], keep_going: bool = True) -> Loaded:
+def load(files: list[str], keep_going: bool = True,
+         fetch: Callable[[api.ModelSpecSpec], api.ModelSpecSpec] | None = None) -> Loaded:
     """The ModelSpecs in `files` (YAML files or folders), inputs and outputs they leave out read from their model
     files. A ModelSpec whose model file cannot give its signature (missing, not ONNX, ...) or whose warm-up file
     disagrees is refused on its own, with the models chained with it (a chain is served whole or not at all);
     without `keep_going`, its SpecError is raised instead. What is no single model's problem raises SpecError
     either way: a document that does not parse, a name or model id used twice (naming both files), a chain that
-    cannot be used."""
+    cannot be used. `fetch` puts a remote source's bytes on this node, or checks a node file's sourceDigest
+    (SpecError when it cannot), before the signature is read; its spec names the local copy."""
     labelled: list[tuple[str, api.ModelSpec]] = []
     for target in files:
         labelled += api.load_labelled(target)
@@ -321,7 +324,8 @@ def load(files: list[str], keep_going: bool = True) -> Loaded:
     refused: list[Refused] = []
     for label, spec in labelled:
         try:
-            filled = fill(spec.spec)
+            pinned = spec.spec.remote_source or spec.spec.source_digest
+            filled = fill(fetch(spec.spec) if fetch is not None and pinned else spec.spec)
         except api.SpecError as exc:
             problems = exc.problems
         else:

@@ -96,10 +96,16 @@ class Key:
     kernel_major: str
     workdir: str = ""  # the instance's work folder: the restored worker's socket, log and signals are there
     parked_dir: str = ""  # where its GPU weights are parked while FROZEN ("" when they never are)
+    # The content digest of the model's bytes (a remote source's, spec.sourceDigest): another node restores the
+    # image only against the same bytes. "" where unknown; then left out of the digest (keys as they were).
+    model_digest: str = ""
 
     @property
     def digest(self) -> str:
-        text = json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+        fields = dataclasses.asdict(self)
+        if not fields["model_digest"]:
+            del fields["model_digest"]
+        text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
@@ -114,10 +120,11 @@ class NodeFacts:
     kernel_major: str = dataclasses.field(default_factory=lambda: platform.release().split(".")[0])
 
     def key(self, model_id: str, version: str, input_hash: str, framework: str, gpu: bool, workdir: str = "",
-            parked_dir: str = "") -> Key:
+            parked_dir: str = "", model_digest: str = "") -> Key:
         return Key(model_id, version, input_hash, framework, runtime_version(framework),
                    platform.python_version(), self.criu, self.gpu_product if gpu else "",
-                   self.gpu_driver if gpu else "", self.cpu_flags, self.kernel_major, workdir, parked_dir)
+                   self.gpu_driver if gpu else "", self.cpu_flags, self.kernel_major, workdir, parked_dir,
+                   model_digest)
 
 
 def cpu_flags(cpuinfo: str | None = None) -> str:

@@ -85,6 +85,7 @@ from volga_core.api.status import (
     EmiStatus,
     ModelSpecStatus,
     SharedSnapshotRef,
+    SourceStatus,
     TierCounts,
 )
 
@@ -93,7 +94,8 @@ __all__ = [
     "NAME_RULE", "NOT_BATCHED", "NO_SIGNATURE", "VERSION", "BaselineTag", "BatchProfile", "Calibration",
     "CalibrationAnswer", "ChainMigration", "ChainStatus", "Condition", "Count", "DType", "Dim", "DynamicBatching",
     "EmiSpec", "EmiStatus", "Framework", "GpuRef", "Hardware", "Model", "ModelSpec", "ModelSpecSpec",
-    "ModelSpecStatus", "ObjectMeta", "Pool", "Precision", "Runtime", "SharedSnapshotRef", "Slo", "SpecError",
+    "ModelSpecStatus", "ObjectMeta", "Pool", "Precision", "Runtime", "SharedSnapshotRef", "Slo", "SourceStatus",
+    "SpecError",
     "Targets", "TensorSpec", "Tier", "TierCounts", "ToleranceStep", "WarmupInput", "WarmupSample",
     "bad_characters", "chain_errors", "chain_invalid", "chain_peers", "chain_problems", "ensemble_problems",
     "load_labelled", "load_model_specs", "parse_model_spec", "problems_of", "repeated", "validate_spec",

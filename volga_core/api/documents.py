@@ -106,7 +106,7 @@ def load_labelled(path: str | pathlib.Path) -> list[tuple[str, ModelSpec]]:
         for index, document in enumerate(d for d in documents if d is not None):
             label = str(file) if len(documents) == 1 else f"{file}#{index}"
             spec = parse_model_spec(document, label)
-            if not spec.spec.source_path.is_absolute():
+            if not spec.spec.remote_source and not spec.spec.source_path.is_absolute():
                 # Relative model paths are relative to the file that names them.
                 resolved = (file.parent / spec.spec.source_path).resolve()
                 spec = spec.model_copy(update={"spec": spec.spec.model_copy(update={"source": str(resolved)})})

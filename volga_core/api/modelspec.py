@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import pathlib
+import re
 from collections.abc import Iterable
 from typing import Annotated, Any
 
@@ -410,6 +411,18 @@ def _tensors(kind: str) -> Any:
             {"rule": _UNIQUE_NAMES, "message": f"{kind} names must be unique"}]})
 
 
+_SOURCE_DIGEST = r"^sha256:[0-9a-f]{64}$"
+# The remote sources' shapes (volga_agent.sources parses them): scheme -> pattern, and what to write instead.
+_REMOTE = {"s3": re.compile(r"^s3://[^/]+/.+$"), "https": re.compile(r"^https://[^/]+/.*[^/]$"),
+           "http": re.compile(r"^http://[^/]+/.*[^/]$"),
+           "oci": re.compile(r"^oci://[A-Za-z0-9.-]+(:[0-9]+)?/[a-z0-9]+([._/-][a-z0-9]+)*"
+                             r"(:[A-Za-z0-9_][A-Za-z0-9._-]{0,127})?(@sha256:[0-9a-f]{64})?$")}
+_SOURCE_FORMS = {"s3": "an s3 source is s3://bucket/key (a folder: s3://bucket/prefix/)",
+                 "https": "an https source names a file: https://host/path (a folder cannot be listed over HTTP)",
+                 "http": "an http source names a file: http://host/path (a folder cannot be listed over HTTP)",
+                 "oci": "an oci source is oci://registry/repository:tag or oci://registry/repository@sha256:<64 hex>"}
+
+
 class ModelSpecSpec(base.Model):
     """What a model is and how Volga keeps it: its file, tensors, hardware, SLO, pool floors and runtime."""
 
@@ -428,9 +441,23 @@ class ModelSpecSpec(base.Model):
     framework: base.Framework = pydantic.Field(description="how the file is loaded: onnx (onnxruntime), torchscript "
                                                       "(torch.jit.load) or pytorch")
     source: str = pydantic.Field(
-        min_length=1, max_length=4096, json_schema_extra={"pattern": "^(file://.+|[^:]+)$"},
-        description="file:// URI or local path of the model file on the node (at most 4096 characters); a "
-                    "relative path is relative to the ModelSpec file (`volga up`)")
+        min_length=1, max_length=4096, json_schema_extra={"pattern": "^(file://.+|(s3|https?|oci)://.+|[^:]+)$"},
+        description="where the model file (or folder) is, at most 4096 characters: a local path or file:// URI on "
+                    "the node (a relative path is relative to the ModelSpec file, `volga up`), s3://bucket/key "
+                    "(s3://bucket/prefix/ for a folder; any S3-compatible store), https://host/path, or "
+                    "oci://registry/repository:tag or @sha256:... (an artifact pushed with ORAS). Remote sources "
+                    "are fetched into the node's model cache before the model loads (docs/models.md, Sources)")
+    source_digest: str | None = pydantic.Field(
+        default=None, json_schema_extra={"pattern": _SOURCE_DIGEST},
+        description="sha256:<64 hex digits>: the content the source must have (a file's sha256; a folder's, "
+                    "docs/models.md); other bytes are refused, never served. Default: unpinned (a changed object "
+                    "is a new model version)")
+    source_secret: str | None = pydantic.Field(
+        default=None, max_length=253, json_schema_extra={"pattern": base._MODEL_ID.pattern},
+        description="the Secret in the ModelSpec's namespace whose keys are the credentials for a remote source "
+                    "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, ...; SOURCE_USERNAME, "
+                    "SOURCE_PASSWORD, SOURCE_TOKEN). Default: none (`volga up` reads the same names from its "
+                    "environment)")
     version: str = pydantic.Field(default="1", min_length=1, max_length=64,
                                   description="the model's version as the protocol reports it. Default: '1'")
     inputs: list[TensorSpec] = _tensors("input")
@@ -486,8 +513,17 @@ class ModelSpecSpec(base.Model):
     @pydantic.field_validator("source")
     @classmethod
     def _source(cls, value: str) -> str:
-        if "://" in value and not value.startswith("file://"):
-            raise ValueError("only file:// URIs and local paths are supported")
+        scheme = value.split("://", 1)[0] if "://" in value else ""
+        if scheme and scheme != "file" and (scheme not in _REMOTE or not _REMOTE[scheme].match(value)):
+            raise ValueError(_SOURCE_FORMS.get(scheme, f"unknown scheme {scheme}://: a source is a node path, "
+                                                       "file://, s3://, https:// or oci://"))
+        return value
+
+    @pydantic.field_validator("source_digest")
+    @classmethod
+    def _digest(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(_SOURCE_DIGEST, value):
+            raise ValueError(f"{value!r} is not a content digest: write sha256: and 64 lowercase hex digits")
         return value
 
     @pydantic.model_validator(mode="after")
@@ -534,6 +570,11 @@ class ModelSpecSpec(base.Model):
     def has_signature(self) -> bool:
         """False while inputs or outputs are left out, to be read from the model file (`signature.fill`)."""
         return bool(self.inputs) and bool(self.outputs)
+
+    @property
+    def remote_source(self) -> bool:
+        """The source is fetched into the node's model cache (s3://, https://, oci://) before it loads."""
+        return "://" in self.source and not self.source.startswith("file://")
 
     @property
     def source_path(self) -> pathlib.Path:

@@ -166,6 +166,18 @@ class ModelSpecStatus(base.Model):
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["device"]})
 
 
+class SourceStatus(base.Model):
+    """Where an instance's model bytes came from: a remote source fetched into the node's model cache."""
+
+    uri: str = pydantic.Field(description="the ModelSpec's spec.source")
+    digest: str = pydantic.Field(default="", description="the content digest of the bytes loaded (sha256:...); "
+                                                          "empty while they are being fetched")
+    fetching: bool = pydantic.Field(default=False, description="the fetch is under way")
+    bytes: int = pydantic.Field(default=0, ge=0, description="bytes on the node (fetched so far, while fetching)")
+    total_bytes: int = pydantic.Field(default=0, ge=0, description="the source's size, in bytes")
+    rate_bytes_per_sec: float = pydantic.Field(default=0.0, ge=0, description="the fetch's current rate")
+
+
 class EmiStatus(base.Model):
     """What the instance's agent last reported."""
 
@@ -184,3 +196,5 @@ class EmiStatus(base.Model):
                                                                    "node")
     shared_snapshot: SharedSnapshotRef | None = pydantic.Field(
         default=None, description="the shared image the instance was restored from, or the last one it published")
+    source: SourceStatus | None = pydantic.Field(
+        default=None, description="a remote source's fetch (Fetching: bytes and rate) and then the digest loaded")

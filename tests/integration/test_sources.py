@@ -1,0 +1,358 @@
+"""Remote model sources against real stores: versitygw (S3) with models uploaded by boto3, docker-registry (OCI)
+with models pushed by the oras CLI; the node's model cache fetches through them (volga_agent/sources)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+from collections.abc import Iterator
+
+import pytest
+import stores
+
+from volga_agent.app import defaultmodel
+from volga_agent.sources import cache, errors
+from volga_core import api
+
+pytestmark = pytest.mark.skipif(bool(stores.missing()), reason=stores.missing() or "stores installed")
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[stores.S3]:
+    server = stores.S3(tmp_path_factory.mktemp("s3"))
+    server.client().create_bucket(Bucket="models")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[stores.Registry]:
+    server = stores.Registry(tmp_path_factory.mktemp("registry"))
+    yield server
+    server.stop()
+
+
+def sha(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def test_an_s3_object_is_fetched_in_ranges_over_several_connections_and_verified(
+        s3: stores.S3, tmp_path: pathlib.Path) -> None:
+    data = os.urandom(3 << 20)
+    s3.client().put_object(Bucket="models", Key="big/weights.onnx", Body=data)
+    c = cache.Cache(tmp_path / "cache", connections=4, chunk_bytes=256 << 10)
+    got = c.resolve("s3://models/big/weights.onnx", sha(data), s3.credentials())
+    assert not got.hit and got.digest == sha(data) and got.path.read_bytes() == data
+    assert c.resolve("s3://models/big/weights.onnx", sha(data), s3.credentials()).hit
+    with pytest.raises(errors.SourceMismatch, match="refused"):
+        cache.Cache(tmp_path / "other").resolve("s3://models/big/weights.onnx", "sha256:" + "1" * 64,
+                                                s3.credentials())
+
+
+def test_a_changed_s3_object_is_a_new_version(s3: stores.S3, tmp_path: pathlib.Path) -> None:
+    client, c = s3.client(), cache.Cache(tmp_path / "cache")
+    client.put_object(Bucket="models", Key="m.onnx", Body=b"first" * 100)
+    first = c.resolve("s3://models/m.onnx", "", s3.credentials())
+    client.put_object(Bucket="models", Key="m.onnx", Body=b"second" * 100)
+    second = c.resolve("s3://models/m.onnx", "", s3.credentials())
+    assert first.digest == sha(b"first" * 100) and second.digest == sha(b"second" * 100)
+    assert first.path.read_bytes() == b"first" * 100  # the old version's bytes are not overwritten
+
+
+def test_an_s3_folder_resolves_to_its_model_file_beside_its_data(s3: stores.S3, tmp_path: pathlib.Path) -> None:
+    client = s3.client()
+    client.put_object(Bucket="models", Key="folder/model.onnx", Body=b"graph")
+    client.put_object(Bucket="models", Key="folder/model.onnx.data", Body=b"weights" * 10)
+    got = cache.Cache(tmp_path / "cache").resolve("s3://models/folder/", "", s3.credentials())
+    assert got.path.name == "model.onnx" and (got.path.parent / "model.onnx.data").read_bytes() == b"weights" * 10
+    assert got.digest == cache.tree_digest({"model.onnx": sha(b"graph")[7:],
+                                            "model.onnx.data": sha(b"weights" * 10)[7:]})
+
+
+def test_a_wrong_secret_is_denied_naming_the_secret_without_the_key(s3: stores.S3, tmp_path: pathlib.Path) -> None:
+    with pytest.raises(errors.SourceDenied, match="Secret 'model-store'") as caught:
+        cache.Cache(tmp_path / "cache").resolve("s3://models/m.onnx", "", s3.credentials("not-the-key"),
+                                                secret="model-store")
+    assert "not-the-key" not in str(caught.value) and stores.SECRET not in str(caught.value)
+
+
+def test_an_unreachable_store_is_unavailable_and_retryable(tmp_path: pathlib.Path) -> None:
+    credentials = {"AWS_ACCESS_KEY_ID": "a", "AWS_SECRET_ACCESS_KEY": "b",
+                   "AWS_ENDPOINT_URL": f"http://127.0.0.1:{stores.free_port()}"}
+    with pytest.raises(errors.SourceUnavailable) as caught:
+        cache.Cache(tmp_path / "cache").resolve("s3://models/m.onnx", "", credentials)
+    assert caught.value.retry
+
+
+def test_an_oras_pushed_model_is_fetched_by_tag_and_by_digest(registry: stores.Registry,
+                                                              tmp_path: pathlib.Path) -> None:
+    data = os.urandom(1 << 20)
+    (tmp_path / "model.onnx").write_bytes(data)
+    manifest = registry.push("models/resnet:v1", ["model.onnx"], tmp_path)
+    c = cache.Cache(tmp_path / "cache", connections=3, chunk_bytes=128 << 10)
+    by_tag = c.resolve(f"oci://{registry.host}/models/resnet:v1", sha(data))
+    assert by_tag.path.name == "model.onnx" and by_tag.path.read_bytes() == data
+    by_digest = c.resolve(f"oci://{registry.host}/models/resnet@{manifest}")
+    assert by_digest.path == by_tag.path  # one copy per content digest
+
+
+def test_an_oras_pushed_folder_is_unpacked(registry: stores.Registry, tmp_path: pathlib.Path) -> None:
+    folder = tmp_path / "bert"
+    folder.mkdir()
+    (folder / "model.onnx").write_bytes(b"graph")
+    (folder / "weights.bin").write_bytes(b"w" * 1000)
+    registry.push("models/bert:v1", ["bert"], tmp_path)
+    got = cache.Cache(tmp_path / "cache").resolve(f"oci://{registry.host}/models/bert:v1")
+    assert got.path.name == "model.onnx" and (got.path.parent / "weights.bin").read_bytes() == b"w" * 1000
+
+
+def test_volga_up_reads_a_models_signature_from_its_s3_copy(s3: stores.S3, tmp_path: pathlib.Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from volga_agent import cli
+
+    model = defaultmodel.ensure().spec.source_path
+    s3.client().upload_file(str(model), "models", "default/model.onnx")
+    doc = defaultmodel.spec_document(model)
+    doc["spec"]["source"] = "s3://models/default/model.onnx"
+    doc["spec"].pop("inputs", None)
+    doc["spec"].pop("outputs", None)
+    import yaml
+
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(doc))
+    for key, value in s3.credentials().items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("VOLGA_MODEL_CACHE", str(tmp_path / "cache"))
+    loaded = cli.load_specs([str(tmp_path / "spec.yaml")])
+    assert not loaded.refused
+    spec = loaded.specs[0].spec
+    assert spec.source_path.read_bytes() == model.read_bytes() and spec.inputs
+    assert spec.source_path.is_relative_to(tmp_path / "cache") and spec.source_digest == sha(model.read_bytes())
+
+
+class SecretsApi:
+    """The CoreV1Api call `cluster.fetches` makes for a Secret, answering from a dict (the API server's part is
+    in tests/k8s); counts the reads."""
+
+    def __init__(self, secrets: dict[tuple[str, str], dict[str, str]]) -> None:
+        self.secrets = secrets
+        self.reads = 0
+
+    def read_namespaced_secret(self, name: str, namespace: str, **_: object) -> object:
+        import base64
+        import types
+
+        self.reads += 1
+        data = {k: base64.b64encode(v.encode()).decode() for k, v in self.secrets[(namespace, name)].items()}
+        return types.SimpleNamespace(data=data)
+
+
+def test_a_placed_model_is_prefetched_with_its_secret_and_reported_while_it_fetches(
+        s3: stores.S3, tmp_path: pathlib.Path) -> None:
+    import threading
+
+    from procs import wait_for
+
+    from volga_agent.cluster import fetches
+    from volga_core import planner
+
+    model = defaultmodel.ensure().spec.source_path
+    s3.client().upload_file(str(model), "models", "placed/model.onnx")
+    doc = defaultmodel.spec_document(model)
+    base = api_spec(doc, source="s3://models/placed/model.onnx", sourceSecret="store")
+    wrong = api_spec(doc, source="s3://models/placed/model.onnx", sourceSecret="stale", modelId="other")
+    core = SecretsApi({("ml", "store"): s3.credentials(), ("ml", "stale"): s3.credentials("wrong")})
+    done = threading.Event()
+    f = fetches.Fetches(core, done.set, root=str(tmp_path / "cache"))
+    specs = {"ml/a": base, "ml/b": wrong}
+    desired = [planner.Desired("ml.a-0", "ml/a", "ctr", "n", api.Tier.FROZEN),
+               planner.Desired("ml.b-0", "ml/b", "other", "n", api.Tier.FROZEN)]
+    out, kept = f.localise(specs, desired, lambda name: None)
+    assert kept == [] and f.pending["ml/a"].reason == "Fetching"
+
+    def settled() -> bool:
+        nonlocal out, kept
+        out, kept = f.localise(specs, desired, lambda name: None)
+        return "ml/a" in f.loaded and f.pending.get("ml/b") is not None and f.pending["ml/b"].reason != "Fetching"
+
+    wait_for("the fetches to settle", settled, timeout=60)
+    assert [d.name for d in kept] == ["ml.a-0"]
+    assert out["ml/a"].source_path.read_bytes() == model.read_bytes() and out["ml/a"].inputs  # signature read
+    assert f.loaded["ml/a"].digest == sha(model.read_bytes()) and f.loaded["ml/a"].uri == base.source
+    assert f.model_cache is not None and f.model_cache.held() == {sha(model.read_bytes())}  # not evicted while placed
+    f.localise(specs, [], lambda name: None)
+    assert f.model_cache.held() == set()  # no longer placed: evictable
+    f.localise(specs, desired, lambda name: None)
+    denied = f.pending["ml/b"]
+    assert denied.reason == "SourceDenied" and "Secret 'ml/stale'" in denied.message and "wrong" not in denied.message
+    reads = core.reads
+    for _ in range(3):  # a denied credential is not retried: no storm of requests
+        f.localise(specs, desired, lambda name: None)
+    assert core.reads == reads
+    f.stop()
+
+
+def api_spec(doc: dict, **changes: str) -> api.ModelSpecSpec:
+    spec = dict(doc["spec"])  # type: ignore[arg-type]
+    spec.pop("inputs", None)
+    spec.pop("outputs", None)
+    spec.update(changes)
+    return api.ModelSpecSpec.model_validate(spec)
+
+
+@pytest.mark.slow
+def test_volga_up_serves_a_model_pushed_to_s3_with_credentials_from_its_environment(
+        s3: stores.S3, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import numpy as np
+    import tritonclient.http as httpclient
+    import yaml
+
+    from volga_agent.node import instance
+    from volga_agent.worker import contract
+    from volga_bench import harness
+
+    spec = defaultmodel.ensure().spec
+    s3.client().upload_file(str(spec.source_path), "models", "served/model.onnx")
+    doc = defaultmodel.spec_document(spec.source_path)
+    doc["spec"]["source"] = "s3://models/served/model.onnx"  # type: ignore[index]
+    doc["spec"]["sourceDigest"] = sha(spec.source_path.read_bytes())  # type: ignore[index]
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(doc))
+    for key, value in s3.credentials().items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("VOLGA_MODEL_CACHE", str(tmp_path / "cache"))
+    with harness.volga_up(["-f", str(tmp_path / "spec.yaml"), "--snapshot-dir", str(tmp_path / "snapshots")]) as up:
+        client = httpclient.InferenceServerClient(up.endpoints["http"].removeprefix("http://"))
+        decls = instance.decls(spec.inputs)
+        x = contract.sample_inputs(decls, batch=2, seed=7)
+        out = client.infer(spec.model_id, harness.triton_inputs(decls, x, httpclient)).as_numpy("probability")
+        client.close()
+        assert out.shape == (2, 1) and np.all((out > 0) & (out < 1))
+    output = "".join(up.output)
+    assert "s3://models/served/model.onnx" in output and stores.SECRET not in output
+    assert (tmp_path / "cache" / "sha256" / sha(spec.source_path.read_bytes())[7:] / "model.onnx").is_file()
+
+
+def test_a_request_during_the_fetch_waits_for_it_and_is_answered(s3: stores.S3, tmp_path: pathlib.Path) -> None:
+    """The Agent API's Activate for a model whose source is being fetched waits (no error) until the bytes are
+    on the node and its instance exists, then wakes it; one whose deadline passes first says so."""
+    import asyncio
+
+    import grpc
+    from procs import wait_for
+
+    from volga_agent.app import server
+    from volga_agent.cluster import fetches
+    from volga_agent.node import pool
+    from volga_agent.rpc.volga.v1 import agent_pb2 as pb
+    from volga_agent.rpc.volga.v1 import agent_pb2_grpc as pb_grpc
+    from volga_core import planner
+
+    model = defaultmodel.ensure().spec.source_path
+    s3.client().upload_file(str(model), "models", "waited/model.onnx")
+    spec = api_spec(defaultmodel.spec_document(model), source="s3://models/waited/model.onnx", sourceSecret="store")
+    f = fetches.Fetches(SecretsApi({("ml", "store"): s3.credentials()}), lambda: None, root=str(tmp_path / "cache"))
+    node_pool = pool.Pool("n", tmp_path / "work", None, pool.Settings(model_roots=(str(tmp_path / "cache"),)))
+    node_pool.awaiting = f.awaiting
+    specs = {"ml/a": spec}
+    desired = [planner.Desired("ml.a-0", "ml/a", spec.model_id, "n", api.Tier.COLD)]
+
+    def apply() -> None:
+        out, kept = f.localise(specs, desired, lambda name: None)
+        node_pool.apply(kept, out)
+        f.applied()
+
+    async def scenario() -> tuple[str, str]:
+        grpc_server, port = await server.serve(node_pool, "127.0.0.1", 0)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = pb_grpc.AgentStub(channel)
+                apply()  # the fetch starts; no instance yet
+                assert f.awaiting(spec.model_id) is not None
+                try:
+                    await stub.Activate(pb.ActivateRequest(model_id=spec.model_id, timeout_ms=1), timeout=30)
+                    late = "answered"
+                except grpc.aio.AioRpcError as exc:
+                    late = f"{exc.code().name}: {exc.details()}"
+                waiting = asyncio.ensure_future(stub.Activate(pb.ActivateRequest(model_id=spec.model_id,
+                                                                                 timeout_ms=120_000), timeout=150))
+                await asyncio.to_thread(wait_for, "the fetch", lambda: "ml/a" in (
+                    f.localise(specs, desired, lambda name: None) and f.loaded), 60)
+                await asyncio.sleep(0.2)
+                assert not waiting.done()  # the bytes are here, the instance is not: the request still waits
+                apply()
+                reply = await waiting
+                return late, reply.instance.name
+        finally:
+            await grpc_server.stop(None)
+            node_pool.close()
+
+    late, name = asyncio.run(scenario())
+    assert late.startswith("DEADLINE_EXCEEDED") and "still being fetched" in late
+    assert name == "ml.a-0" and f.awaiting(spec.model_id) is None
+
+
+def test_an_http_source_is_fetched_in_ranges_from_a_real_server(registry: stores.Registry,
+                                                                 tmp_path: pathlib.Path) -> None:
+    """The registry serves blobs over plain HTTP with byte ranges and ETags: a file URL like any other server's."""
+    data = os.urandom(2 << 20)
+    (tmp_path / "weights.onnx").write_bytes(data)
+    registry.push("models/plain:v1", ["weights.onnx"], tmp_path)
+    url = f"http://{registry.host}/v2/models/plain/blobs/{sha(data)}"
+    c = cache.Cache(tmp_path / "cache", connections=4, chunk_bytes=256 << 10)
+    got = c.resolve(url, sha(data))
+    assert got.path.read_bytes() == data and got.digest == sha(data)
+    with pytest.raises(errors.SourceNotFound):
+        cache.Cache(tmp_path / "other").resolve(f"http://{registry.host}/v2/models/plain/blobs/sha256:{'0' * 64}")
+
+
+def test_https_and_oci_over_tls_with_the_ca_from_the_environment(tmp_path: pathlib.Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    files = (tmp_path / "ca.pem", tmp_path / "cert.pem", tmp_path / "key.pem")
+    ca.cert_pem.write_to_path(str(files[0]))
+    cert.cert_chain_pems[0].write_to_path(str(files[1]))
+    cert.private_key_pem.write_to_path(str(files[2]))
+    registry = stores.Registry(tmp_path, tls=files)
+    try:
+        data = os.urandom(1 << 20)
+        (tmp_path / "model.onnx").write_bytes(data)
+        registry.push("models/tls:v1", ["model.onnx"], tmp_path)
+        with pytest.raises(errors.SourceUnavailable):  # a CA it does not know: refused, not fetched
+            cache.Cache(tmp_path / "untrusted").resolve(f"https://{registry.host}/v2/models/tls/blobs/{sha(data)}")
+        monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(files[0]))
+        got = cache.Cache(tmp_path / "c1").resolve(f"https://{registry.host}/v2/models/tls/blobs/{sha(data)}")
+        assert got.path.read_bytes() == data
+        pulled = cache.Cache(tmp_path / "c2").resolve(f"oci://{registry.host}/models/tls:v1", sha(data),
+                                                     {"SOURCE_PLAIN_HTTP": "false"})
+        assert pulled.path.read_bytes() == data
+    finally:
+        registry.stop()
+
+
+def test_an_unreachable_store_is_reported_and_tried_again(tmp_path: pathlib.Path) -> None:
+    from procs import wait_for
+
+    from volga_agent.cluster import fetches
+    from volga_core import planner
+
+    model = defaultmodel.ensure().spec.source_path
+    spec = api_spec(defaultmodel.spec_document(model), source="s3://models/gone/model.onnx", sourceSecret="store")
+    credentials = {"AWS_ACCESS_KEY_ID": "a", "AWS_SECRET_ACCESS_KEY": "b",
+                   "AWS_ENDPOINT_URL": f"http://127.0.0.1:{stores.free_port()}"}
+    core = SecretsApi({("ml", "store"): credentials})
+    f = fetches.Fetches(core, lambda: None, root=str(tmp_path / "cache"))
+    desired = [planner.Desired("ml.a-0", "ml/a", spec.model_id, "n", api.Tier.FROZEN)]
+
+    def reported() -> fetches.Pending | None:
+        f.localise({"ml/a": spec}, desired, lambda name: None)
+        pending = f.pending.get("ml/a")
+        return pending if pending is not None and pending.reason == "SourceUnavailable" else None
+
+    pending = wait_for("the unreachable store to be reported", reported, timeout=60)
+    assert "unreachable" in pending.message
+    assert f.awaiting(spec.model_id) is not None  # requests keep waiting while it is tried again
+    wait_for("a second attempt", lambda: core.reads >= 2, timeout=60)  # backoff: 2 s, then 4 s, ...
+    f.stop()

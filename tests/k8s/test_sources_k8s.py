@@ -1,0 +1,124 @@
+"""A ModelSpec whose model is in an S3-compatible store, on a real kube-apiserver + etcd: boto3 uploads the model
+to versitygw, `kubectl apply` creates the Secret with the store's credentials and the ModelSpec naming it, the
+operator places an EMI, the agent fetches the model into its cache (EMI status.source: the digest), and a
+tritonclient request through the gateway gets the model's answer. The credentials appear in no EMI, event or log."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import stores
+import yaml
+from kubernetes import client as k8s
+from procs import Daemon, wait_for
+
+from volga_agent.app import defaultmodel
+from volga_agent.app import status as status_view
+from volga_agent.node import instance
+from volga_agent.worker import contract
+from volga_bench import harness
+from volga_bench.controlplane import ControlPlane, free_ports
+
+pytest_plugins = ["k8s_fixtures"]
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(stores.missing()), reason=stores.missing() or "-")]
+NODE = "node-s3"
+
+
+def request(grpc: str, model: str, seed: int = 5) -> np.ndarray:
+    import tritonclient.grpc as grpcclient
+
+    decls = instance.decls(defaultmodel.ensure().spec.inputs)
+    inputs = harness.triton_inputs(decls, contract.sample_inputs(decls, batch=4, seed=seed))
+    client = grpcclient.InferenceServerClient(grpc)
+    try:
+        return client.infer(model, inputs, headers={"x-model-id": model}, client_timeout=120).as_numpy("probability")
+    except Exception as exc:
+        raise RuntimeError(f"{type(exc).__name__}: {exc}") from None  # the message, in wait_for's last error
+    finally:
+        client.close()
+
+
+def reference(seed: int = 5) -> np.ndarray:
+    import onnxruntime
+
+    spec = defaultmodel.ensure().spec
+    session = onnxruntime.InferenceSession(str(spec.source_path), providers=["CPUExecutionProvider"])
+    return session.run(["probability"], contract.sample_inputs(instance.decls(spec.inputs), batch=4, seed=seed))[0]
+
+
+@pytest.fixture(scope="module")
+def setup(control_plane: ControlPlane, crds: None, tmp_path_factory: pytest.TempPathFactory
+          ) -> Iterator[dict[str, Any]]:
+    folder = tmp_path_factory.mktemp("sources")
+    s3 = stores.S3(folder)
+    s3.client().create_bucket(Bucket="models")
+    api = control_plane.api_client()
+    k8s.CoreV1Api(api).create_node(k8s.V1Node(metadata=k8s.V1ObjectMeta(name=NODE)))
+    env = {**os.environ, "KUBECONFIG": str(control_plane.kubeconfig), "PYTHONUNBUFFERED": "1",
+           "VOLGA_RESYNC_SEC": "5", "VOLGA_MODEL_CACHE": str(folder / "cache")}
+    for key in [k for k in env if k.startswith("AWS_")]:
+        del env[key]  # the agent gets the credentials from the Secret only
+    py = sys.executable
+    [grpc_port] = free_ports(1)
+    daemons = {"operator": Daemon("operator", [py, "-m", "volga_operator", "--liveness", "", "-v"], env, folder)}
+    daemons["agent"] = Daemon("agent", [py, "-m", "volga_agent.app.daemons", "--kube", "--node", NODE, "--port", "0",
+                                        "--metrics-port", "0", "--workdir", f"/tmp/vw-{NODE}", "--snapshot-dir",
+                                        str(folder / "snapshots"), "--gateway-address", f"127.0.0.1:{grpc_port}",
+                                        "-v"], env, folder, "volga-agent")
+    agent = f"127.0.0.1:{daemons['agent'].port('Agent API')}"
+    # The gateway as its console script runs it, from this checkout's code.
+    script = "import sys; from volga_agent.app.daemons import gateway_main; sys.exit(gateway_main())"
+    daemons["gateway"] = Daemon("gateway", [
+        py, "-c", script, "--kube", "--agent", agent, "--node", NODE, "--host",
+        "127.0.0.1", "--http-port", "0", "--grpc-port", str(grpc_port), "--metrics-port", "0"], env, folder,
+        "volga-gateway")
+    yield {"s3": s3, "daemons": daemons, "folder": folder, "grpc": f"127.0.0.1:{grpc_port}"}
+    codes = {name: d.stop() for name, d in daemons.items()}
+    s3.stop()
+    api.close()
+    assert all(code == 0 for code in codes.values()), {n: (c, daemons[n].log.read_text()[-2000:])
+                                                       for n, c in codes.items() if c}
+
+
+def test_a_model_in_s3_is_fetched_with_its_secret_and_served(control_plane: ControlPlane, setup: dict[str, Any],
+                                                             tmp_path: pathlib.Path) -> None:
+    s3: stores.S3 = setup["s3"]
+    model = defaultmodel.ensure().spec.source_path
+    s3.client().upload_file(str(model), "models", "ctr/model.onnx")
+    digest = "sha256:" + hashlib.sha256(model.read_bytes()).hexdigest()
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "model-store", "namespace": "default"},
+              "stringData": s3.credentials()}
+    doc = defaultmodel.spec_document(model)
+    doc["metadata"] = {"name": "from-s3", "namespace": "default"}
+    doc["spec"].update({"modelId": "from-s3", "source": "s3://models/ctr/model.onnx",  # type: ignore[union-attr]
+                        "sourceSecret": "model-store", "pool": {"hot": 0, "frozen": 1}})
+    (tmp_path / "all.yaml").write_text(yaml.safe_dump_all([secret, doc]))
+    control_plane.kubectl("apply", "-f", str(tmp_path / "all.yaml"))
+
+    def emi() -> dict[str, Any] | None:
+        out = control_plane.kubectl("get", "emi", "-l", "volga.dev/modelspec=from-s3", "-o", "json")
+        items = json.loads(out.stdout)["items"]
+        return items[0] if items and (items[0].get("status") or {}).get("source", {}).get("digest") else None
+
+    placed = wait_for("the EMI to report its model's digest", emi, timeout=180)
+    assert placed["status"]["source"]["uri"] == "s3://models/ctr/model.onnx"
+    assert placed["status"]["source"]["digest"] == digest
+    assert (setup["folder"] / "cache" / "sha256" / digest[7:] / "model.onnx").read_bytes() == model.read_bytes()
+    [answer] = wait_for("an answer through the gateway", lambda: [request(setup["grpc"], "from-s3")], timeout=180)
+    np.testing.assert_allclose(answer, reference(), rtol=1e-5)
+
+    lines = status_view.table(status_view.from_cluster(str(control_plane.kubeconfig), "default")).splitlines()
+    assert any(f"bytes from s3://models/ctr/model.onnx, {digest}" in line for line in lines), lines
+    events = control_plane.kubectl("get", "events", "-A", "-o", "json").stdout
+    emis = control_plane.kubectl("get", "emi", "-A", "-o", "json").stdout
+    logs = "".join(d.log.read_text() for d in setup["daemons"].values())
+    for text in (events, emis, logs):
+        assert stores.SECRET not in text

@@ -1,0 +1,110 @@
+"""Real model stores for the source tests and `volga bench fetch`: versitygw (an S3-compatible server), Debian's
+docker-registry (distribution 2.8, an OCI registry), and the clients users push with (boto3, the oras CLI).
+`make setup` installs them (scripts/install-stores.sh)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import urllib.request
+from typing import Any
+
+STORES = pathlib.Path(os.environ.get("VOLGA_STORES", pathlib.Path.home() / ".cache/volga/stores"))
+VERSITYGW = STORES / "bin" / "versitygw"
+ORAS = STORES / "bin" / "oras"
+REGISTRY = shutil.which("docker-registry") or "/usr/bin/docker-registry"
+ACCESS, SECRET = "volga-test-access", "volga-test-secret-key"
+
+
+def missing() -> str:
+    """Why the stores cannot run here ('' when they can)."""
+    lacking = [str(p) for p in (VERSITYGW, ORAS, pathlib.Path(REGISTRY)) if not pathlib.Path(p).exists()]
+    try:
+        import boto3  # noqa: F401
+    except ImportError:
+        lacking.append("boto3")
+    return f"not installed: {', '.join(lacking)} (make setup runs scripts/install-stores.sh)" if lacking else ""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    def __init__(self, name: str, args: list[str], folder: pathlib.Path, port: int, env: dict[str, str]) -> None:
+        self.port = port
+        self.log = folder / f"{name}.log"
+        self.proc = subprocess.Popen(args, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
+                                     env={**os.environ, **env}, start_new_session=True)
+        from procs import wait_for
+
+        wait_for(f"{name} to listen", self._listening, timeout=60, proc=self.proc)
+
+    def _listening(self) -> bool:
+        with socket.socket() as s:
+            return s.connect_ex(("127.0.0.1", self.port)) == 0
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+class S3(Server):
+    """versitygw over a POSIX folder, one root user."""
+
+    def __init__(self, folder: pathlib.Path) -> None:
+        data = folder / "s3"
+        data.mkdir(parents=True, exist_ok=True)
+        port = free_port()
+        super().__init__("versitygw", [str(VERSITYGW), "--access", ACCESS, "--secret", SECRET, "--quiet",
+                                       "--port", f"127.0.0.1:{port}", "posix", str(data)], folder, port, {})
+        self.endpoint = f"http://127.0.0.1:{port}"
+
+    def credentials(self, secret: str = SECRET) -> dict[str, str]:
+        return {"AWS_ACCESS_KEY_ID": ACCESS, "AWS_SECRET_ACCESS_KEY": secret, "AWS_ENDPOINT_URL": self.endpoint,
+                "AWS_REGION": "us-east-1"}
+
+    def client(self) -> Any:
+        """boto3's S3 client, as a user uploads with it."""
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=ACCESS,
+                            aws_secret_access_key=SECRET, region_name="us-east-1")
+
+
+class Registry(Server):
+    """docker-registry (distribution 2.8) on a folder, plain HTTP on loopback."""
+
+    def __init__(self, folder: pathlib.Path, tls: tuple[pathlib.Path, pathlib.Path, pathlib.Path] | None = None
+                 ) -> None:
+        """`tls`: (CA, certificate, key) files: the registry speaks HTTPS only."""
+        port = free_port()
+        config = folder / "registry.yml"
+        https = f"  tls:\n    certificate: {tls[1]}\n    key: {tls[2]}\n" if tls else ""
+        config.write_text(f"version: 0.1\nstorage:\n  filesystem:\n    rootdirectory: {folder / 'registry'}\n"
+                          f"http:\n  addr: 127.0.0.1:{port}\n{https}")
+        super().__init__("registry", [REGISTRY, "serve", str(config)], folder, port, {})
+        self.host = f"127.0.0.1:{port}"
+        self.tls = tls
+
+    def push(self, reference: str, files: list[str], cwd: pathlib.Path) -> str:
+        """`oras push` the files (or a folder) as an artifact; the manifest's digest."""
+        how = ["--ca-file", str(self.tls[0])] if self.tls else ["--plain-http"]
+        out = subprocess.run([str(ORAS), "push", *how, f"{self.host}/{reference}", *files], cwd=cwd,
+                             capture_output=True, text=True, timeout=300, check=True).stdout
+        return next(line.split()[-1] for line in out.splitlines() if line.startswith("Digest:"))
+
+    def alive(self) -> bool:
+        with urllib.request.urlopen(f"http://{self.host}/v2/", timeout=5) as reply:
+            return bool(reply.status == 200)
