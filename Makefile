@@ -3,6 +3,8 @@ PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(VENV)/bin/python
 CRIU_PREFIX ?= $(HOME)/.cache/volga/criu
+# CRIU 4.2 (Debian forky) for model servers, which hold TCP sockets that CRIU 4.1 cannot dump on kernels >= 6.16.
+CRIU_NET_PREFIX ?= $(HOME)/.cache/volga/criu-net
 K8S_BIN ?= $(HOME)/.cache/volga/k8s-bin
 export VOLGA_K8S_BIN := $(K8S_BIN)
 
@@ -17,7 +19,10 @@ $(VENV)/.installed: pyproject.toml
 $(CRIU_PREFIX)/bin/criu:
 	scripts/install-criu.sh $(CRIU_PREFIX)
 
-criu: $(CRIU_PREFIX)/bin/criu
+$(CRIU_NET_PREFIX)/bin/criu:
+	scripts/install-criu.sh $(CRIU_NET_PREFIX) forky
+
+criu: $(CRIU_PREFIX)/bin/criu $(CRIU_NET_PREFIX)/bin/criu
 
 # kube-apiserver, etcd, kwok, helm and the real node's kubelet, controller-manager, scheduler and kube-proxy from the Go
 # module proxy (about 20 minutes the first time, cached after).

@@ -158,6 +158,24 @@ def _installed() -> str:
         return ""
 
 
+# Where scripts/install-criu.sh installs the CRIU (4.2 or newer) that dumps processes holding TCP or UDP sockets on
+# kernels >= 6.16, which CRIU 4.1 cannot: model servers (`node.server`) are frozen with it.
+NET_PREFIX = pathlib.Path("~/.cache/volga/criu-net")
+
+
+def find_criu_net() -> str:
+    """The CRIU for processes holding INET sockets: VOLGA_CRIU_NET, or the one under NET_PREFIX."""
+    candidates = [os.environ.get("VOLGA_CRIU_NET", "")]
+    with contextlib.suppress(RuntimeError):  # no home folder
+        candidates.append(str(NET_PREFIX.expanduser() / "bin" / "criu"))
+    for candidate in candidates:
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    raise CriuError("CRIU 4.2 or newer not found (model servers hold TCP sockets, which CRIU 4.1 cannot dump on "
+                    f"kernels >= 6.16): run `scripts/install-criu.sh {NET_PREFIX} forky` (make criu) or set "
+                    "VOLGA_CRIU_NET to such a criu binary")
+
+
 def find_criu() -> str:
     candidates = [os.environ.get("VOLGA_CRIU", ""),
                   _installed(),

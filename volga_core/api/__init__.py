@@ -10,6 +10,7 @@ else of Volga. This module only gathers the names the rest of the code reads as 
 
     base        the API group and version, name rules and limits, the enums (Framework, Tier, DType,
                 Precision), `Model` (the base of every type) and the small validators the fields share
+    servers     a model server a ModelSpec runs instead of a model file (`framework: server`)
     modelspec   a ModelSpec's spec (`ModelSpecSpec`) and its parts: tensors, hardware, targets, SLO, pool
                 floors, dynamic batching, warm-up, runtime
     documents   the ModelSpec document (metadata around a spec), parsed and loaded from YAML, `SpecError`
@@ -75,6 +76,7 @@ from volga_core.api.modelspec import (
     WarmupSample,
     warmup_problems,
 )
+from volga_core.api.servers import Canary, Hooks, HttpCall, Listen, Protocol, Readiness, ServerSpec
 from volga_core.api.status import (
     BatchProfile,
     Calibration,
@@ -95,7 +97,7 @@ __all__ = [
     "EmiSpec", "EmiStatus", "Framework", "GpuRef", "Hardware", "Model", "ModelSpec", "ModelSpecSpec",
     "ModelSpecStatus", "ObjectMeta", "Pool", "Precision", "Runtime", "SharedSnapshotRef", "Slo", "SpecError",
     "Targets", "TensorSpec", "Tier", "TierCounts", "ToleranceStep", "WarmupInput", "WarmupSample",
-    "bad_characters", "chain_errors", "chain_invalid", "chain_peers", "chain_problems", "ensemble_problems",
+    "bad_characters", "Canary", "Hooks", "HttpCall", "Listen", "Protocol", "Readiness", "ServerSpec", "chain_errors", "chain_invalid", "chain_peers", "chain_problems", "ensemble_problems",
     "load_labelled", "load_model_specs", "parse_model_spec", "problems_of", "repeated", "validate_spec",
     "warmup_problems",
 ]

@@ -1,0 +1,54 @@
+"""A FastAPI app that knows nothing of Volga: it builds a small deterministic "model" at start-up and streams its
+answer token by token as server-sent events. Run: uvicorn tests.servers.stream_app:app --port PORT (or --uds)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+
+VOCAB = [f"tok{i}" for i in range(512)]
+# The start-up work a real server does (weights made and multiplied once).
+_rng = np.random.default_rng(7)
+WEIGHTS = _rng.standard_normal((512, 512)).astype(np.float32)
+WEIGHTS = WEIGHTS @ WEIGHTS.T / 512
+
+app = FastAPI()
+
+
+class Prompt(BaseModel):
+    prompt: str
+    tokens: int = 8
+
+
+def _tokens(prompt: str, count: int) -> list[str]:
+    state = np.frombuffer(hashlib.sha256(prompt.encode()).digest() * 64, dtype=np.uint8)[:512].astype(np.float32)
+    out = []
+    for _ in range(count):
+        state = np.tanh(WEIGHTS @ state / 100.0)
+        out.append(VOCAB[int(np.argmax(state))])
+        state = np.roll(state, 1)
+    return out
+
+
+@app.get("/health")
+def health() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@app.post("/v1/generate")
+def generate(prompt: Prompt) -> dict[str, list[str]]:
+    return {"tokens": _tokens(prompt.prompt, prompt.tokens)}
+
+
+@app.post("/v1/stream")
+def stream(prompt: Prompt) -> StreamingResponse:
+    def events():  # type: ignore[no-untyped-def]
+        for token in _tokens(prompt.prompt, prompt.tokens):
+            yield f"data: {json.dumps({'token': token})}\n\n"
+        yield "data: [DONE]\n\n"
+    return StreamingResponse(events(), media_type="text/event-stream")
