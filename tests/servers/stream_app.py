@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 
 import numpy as np
-from fastapi import FastAPI
+from fastapi import FastAPI, HTTPException
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
@@ -18,11 +19,14 @@ WEIGHTS = _rng.standard_normal((512, 512)).astype(np.float32)
 WEIGHTS = WEIGHTS @ WEIGHTS.T / 512
 
 app = FastAPI()
+# Like vLLM's sleep mode: asleep, the server answers 503 until POST /wake_up.
+state = {"asleep": False}
 
 
 class Prompt(BaseModel):
     prompt: str
     tokens: int = 8
+    delay_ms: int = 0  # a pause before each streamed token, as a generating model makes
 
 
 def _tokens(prompt: str, count: int) -> list[str]:
@@ -40,15 +44,36 @@ def health() -> dict[str, str]:
     return {"status": "ok"}
 
 
+@app.post("/sleep")
+def sleep() -> dict[str, bool]:
+    state["asleep"] = True
+    return state
+
+
+@app.post("/wake_up")
+def wake_up() -> dict[str, bool]:
+    state["asleep"] = False
+    return state
+
+
+def _awake() -> None:
+    if state["asleep"]:
+        raise HTTPException(503, "asleep: POST /wake_up first")
+
+
 @app.post("/v1/generate")
 def generate(prompt: Prompt) -> dict[str, list[str]]:
+    _awake()
     return {"tokens": _tokens(prompt.prompt, prompt.tokens)}
 
 
 @app.post("/v1/stream")
 def stream(prompt: Prompt) -> StreamingResponse:
+    _awake()
+
     def events():  # type: ignore[no-untyped-def]
         for token in _tokens(prompt.prompt, prompt.tokens):
+            time.sleep(prompt.delay_ms / 1000)
             yield f"data: {json.dumps({'token': token})}\n\n"
         yield "data: [DONE]\n\n"
     return StreamingResponse(events(), media_type="text/event-stream")

@@ -22,6 +22,7 @@ the tree, and every wake restores that image. A wake that fails falls back to a 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import http.client
@@ -33,7 +34,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 
 from volga_agent.host import process
 from volga_agent.node import instance
@@ -176,19 +177,34 @@ class ServerInstance:
             else:
                 self.start()
 
-    @contextlib.contextmanager
-    def serving(self) -> Iterator[ServerInstance]:
-        """Make it HOT and keep it from being frozen while the caller's request runs."""
+    def acquire(self) -> None:
+        """Make it HOT and keep it from being frozen until `release`."""
         with self._lock:
             self.ensure_hot()
             with self._active_lock:
                 self._active += 1
+
+    def release(self) -> None:
+        with self._active_lock:
+            self._active -= 1
+        self.last_used = time.monotonic()
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[ServerInstance]:
+        """HOT, and kept from being frozen, while the caller's request runs."""
+        self.acquire()
         try:
             yield self
         finally:
-            with self._active_lock:
-                self._active -= 1
-            self.last_used = time.monotonic()
+            self.release()
+
+    @property
+    def path_prefix(self) -> str:
+        return self.server.path_prefix
+
+    @property
+    def oip(self) -> bool:
+        return self.server.protocol is not api.Protocol.HTTP
 
     def start(self) -> None:
         """COLD -> HOT: start the server, take the handshake image if it offers one, wait until it is ready."""
@@ -409,3 +425,37 @@ class ServerInstance:
     def _record(self, source: Tier, target: Tier, began: float, phases: dict[str, float] | None = None) -> None:
         self.transitions.append(instance.Transition(source, target, time.perf_counter() - began, time.time(),
                                                     phases=phases or {}))
+
+
+class Fleet:
+    """The server instances of a node by model id: what the gateway's proxy leases (`gateway.proxy.Servers`)."""
+
+    def __init__(self, instances: Iterable[ServerInstance] = ()) -> None:
+        self.instances = {i.spec.model_id: i for i in instances}
+
+    def serves(self, model_id: str) -> bool:
+        return model_id in self.instances
+
+    @contextlib.asynccontextmanager
+    async def lease(self, model_id: str, timeout_sec: float | None) -> AsyncIterator[ServerInstance]:
+        """The server HOT (woken in a thread: concurrent leases share one wake) until the block ends. The caller's
+        deadline bounds its wait only: a wake it gives up on still completes for the next request."""
+        target = self.instances[model_id]
+        task = asyncio.ensure_future(asyncio.to_thread(target.acquire))
+        try:
+            await asyncio.wait_for(asyncio.shield(task), timeout_sec)
+        except TimeoutError:
+            task.add_done_callback(lambda done: done.exception() is None and target.release())
+            raise
+        try:
+            yield target
+        finally:
+            target.release()
+
+    def demote_idle(self, idle_sec: float) -> list[str]:
+        """Freeze every server idle for `idle_sec`; the model ids frozen."""
+        return [model_id for model_id, i in self.instances.items() if i.demote_if_idle(idle_sec)]
+
+    def close(self) -> None:
+        for i in self.instances.values():
+            i.close()

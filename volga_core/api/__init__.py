@@ -93,11 +93,11 @@ from volga_core.api.status import (
 __all__ = [
     "API_VERSION", "GROUP", "MAX_BATCH", "MAX_CHAIN", "MAX_DIM", "MAX_FLOOR", "MAX_NAME", "MAX_WARMUP_ELEMENTS",
     "NAME_RULE", "NOT_BATCHED", "NO_SIGNATURE", "VERSION", "BaselineTag", "BatchProfile", "Calibration",
-    "CalibrationAnswer", "ChainMigration", "ChainStatus", "Condition", "Count", "DType", "Dim", "DynamicBatching",
-    "EmiSpec", "EmiStatus", "Framework", "GpuRef", "Hardware", "Model", "ModelSpec", "ModelSpecSpec",
-    "ModelSpecStatus", "ObjectMeta", "Pool", "Precision", "Runtime", "SharedSnapshotRef", "Slo", "SpecError",
-    "Targets", "TensorSpec", "Tier", "TierCounts", "ToleranceStep", "WarmupInput", "WarmupSample",
-    "bad_characters", "Canary", "Hooks", "HttpCall", "Listen", "Protocol", "Readiness", "ServerSpec", "chain_errors", "chain_invalid", "chain_peers", "chain_problems", "ensemble_problems",
-    "load_labelled", "load_model_specs", "parse_model_spec", "problems_of", "repeated", "validate_spec",
-    "warmup_problems",
+    "CalibrationAnswer", "Canary", "ChainMigration", "ChainStatus", "Condition", "Count", "DType", "Dim",
+    "DynamicBatching", "EmiSpec", "EmiStatus", "Framework", "GpuRef", "Hardware", "Hooks", "HttpCall", "Listen",
+    "Model", "ModelSpec", "ModelSpecSpec", "ModelSpecStatus", "ObjectMeta", "Pool", "Precision", "Protocol",
+    "Readiness", "Runtime", "ServerSpec", "SharedSnapshotRef", "Slo", "SpecError", "Targets", "TensorSpec", "Tier",
+    "TierCounts", "ToleranceStep", "WarmupInput", "WarmupSample", "bad_characters", "chain_errors", "chain_invalid",
+    "chain_peers", "chain_problems", "ensemble_problems", "load_labelled", "load_model_specs", "parse_model_spec",
+    "problems_of", "repeated", "validate_spec", "warmup_problems",
 ]
