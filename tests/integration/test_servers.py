@@ -23,8 +23,8 @@ from volga_agent.snapshot import criu
 from volga_core import api
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-STREAM = ["-m", "uvicorn", "tests.servers.stream_app:app", "--no-access-log", "--loop", "asyncio"]
-KSERVE = ["tests/servers/kserve_scorer.py", "--http_port", "{port}", "--enable_grpc", "false",
+STREAM = ["-m", "uvicorn", "volga_bench.servers.stream_app:app", "--no-access-log", "--loop", "asyncio"]
+KSERVE = ["-m", "volga_bench.servers.kserve_scorer", "--http_port", "{port}", "--enable_grpc", "false",
           "--model_name", "scorer", "--configure_logging", "false"]
 ROWS = {"instances": [[float(i * j % 7) for i in range(16)] for j in range(1, 4)]}
 

@@ -16,7 +16,7 @@ served = 0
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+    def do_GET(self) -> None:
         global served
         served += 1
         body = {"/health": b"ok", "/answer": ANSWER.encode(), "/served": str(served).encode()}.get(self.path)

@@ -12,7 +12,7 @@ libc.inotify_add_watch(watch, b".", 0x100)  # IN_CREATE
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+    def do_GET(self) -> None:
         self.send_response(200)
         self.send_header("Content-Length", "2")
         self.end_headers()

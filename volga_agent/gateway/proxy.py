@@ -35,9 +35,14 @@ _HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-autho
 class Lease(Protocol):
     """A HOT server that stays HOT until released."""
 
-    base_url: str  # http://127.0.0.1:PORT or unix:PATH
-    path_prefix: str
-    oip: bool
+    @property
+    def base_url(self) -> str: ...  # http://127.0.0.1:PORT or unix:PATH
+
+    @property
+    def path_prefix(self) -> str: ...
+
+    @property
+    def oip(self) -> bool: ...
 
 
 class Servers(Protocol):

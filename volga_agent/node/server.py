@@ -445,7 +445,10 @@ class Fleet:
         try:
             await asyncio.wait_for(asyncio.shield(task), timeout_sec)
         except TimeoutError:
-            task.add_done_callback(lambda done: done.exception() is None and target.release())
+            def give_back(done: asyncio.Future[None]) -> None:
+                if not done.cancelled() and done.exception() is None:
+                    target.release()
+            task.add_done_callback(give_back)
             raise
         try:
             yield target

@@ -1,7 +1,7 @@
 """A KServe model server that knows nothing of Volga: a `kserve.Model` with custom Python pre- and post-processing
 around a small numpy predictor, served by KServe's own `ModelServer` (REST v1 and v2).
 
-Run: python tests/servers/kserve_scorer.py --http_port PORT --enable_grpc false --model_name scorer"""
+Run: python -m volga_bench.servers.kserve_scorer --http_port PORT --enable_grpc false --model_name scorer"""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import numpy as np
 from kserve import model_server
 
 
-class Scorer(kserve.Model):
+class Scorer(kserve.Model):  # type: ignore[misc]  # kserve ships no types
     def __init__(self, name: str) -> None:
         super().__init__(name)
         self.weights: np.ndarray | None = None

@@ -1,11 +1,12 @@
 """A FastAPI app that knows nothing of Volga: it builds a small deterministic "model" at start-up and streams its
-answer token by token as server-sent events. Run: uvicorn tests.servers.stream_app:app --port PORT (or --uds)."""
+answer token by token as server-sent events. Run: uvicorn volga_bench.servers.stream_app:app --port PORT (or --uds)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import time
+from collections.abc import Iterator
 
 import numpy as np
 from fastapi import FastAPI, HTTPException
@@ -15,8 +16,8 @@ from pydantic import BaseModel
 VOCAB = [f"tok{i}" for i in range(512)]
 # The start-up work a real server does (weights made and multiplied once).
 _rng = np.random.default_rng(7)
-WEIGHTS = _rng.standard_normal((512, 512)).astype(np.float32)
-WEIGHTS = WEIGHTS @ WEIGHTS.T / 512
+_raw = _rng.standard_normal((512, 512))
+WEIGHTS = (_raw @ _raw.T / 512).astype(np.float32)
 
 app = FastAPI()
 # Like vLLM's sleep mode: asleep, the server answers 503 until POST /wake_up.
@@ -71,7 +72,7 @@ def generate(prompt: Prompt) -> dict[str, list[str]]:
 def stream(prompt: Prompt) -> StreamingResponse:
     _awake()
 
-    def events():  # type: ignore[no-untyped-def]
+    def events() -> Iterator[str]:
         for token in _tokens(prompt.prompt, prompt.tokens):
             time.sleep(prompt.delay_ms / 1000)
             yield f"data: {json.dumps({'token': token})}\n\n"

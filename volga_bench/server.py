@@ -1,0 +1,115 @@
+"""`volga bench server`: a model server's cold start beside its FROZEN wake, both through the gateway's proxy.
+
+For each server (KServe's `ModelServer` with custom pre/post-processing, a FastAPI/uvicorn app streaming its
+answer; `volga_bench.servers`), in one run: `n` cold starts (a COLD instance, one request through the proxy: the
+process starts, loads, passes its readiness probe and answers) and `n` wakes (the instance FROZEN by CRIU, one
+request through the proxy: the restore, the hooks, the canary, the answer). Times are from the request sent to the
+whole answer received; `identical` says every answer equals the first cold start's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import pathlib
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from volga_agent.gateway import proxy
+from volga_agent.node import server
+from volga_agent.snapshot import criu
+from volga_core import api
+
+ROWS = {"instances": [[float(i * j % 7) for i in range(16)] for j in range(1, 4)]}
+PROMPT = {"prompt": "volga", "tokens": 8}
+
+
+def _spec(model_id: str, command: list[str], **fields: Any) -> api.ModelSpecSpec:
+    return api.ModelSpecSpec.model_validate({"modelId": model_id, "framework": "server",
+                                             "source": str(pathlib.Path.cwd()),
+                                             "server": {"command": [sys.executable, *command], **fields}})
+
+
+def servers() -> dict[str, tuple[api.ModelSpecSpec, str, bytes]]:
+    """Each server's spec, and the request (path, JSON body) the bench sends it."""
+    return {
+        "kserve": (_spec("scorer", ["-m", "volga_bench.servers.kserve_scorer", "--http_port", "{port}",
+                                    "--enable_grpc", "false", "--model_name", "scorer", "--configure_logging", "false"],
+                         protocol="oip-http", readiness={"path": "/v2/health/ready"},
+                         canary={"path": "/v1/models/scorer:predict", "body": json.dumps(ROWS)}),
+                   "/v1/models/scorer:predict", json.dumps(ROWS).encode()),
+        "fastapi-stream": (_spec("stream", ["-m", "uvicorn", "volga_bench.servers.stream_app:app", "--port", "{port}",
+                                            "--no-access-log", "--loop", "asyncio"],
+                                 readiness={"path": "/health"},
+                                 canary={"path": "/v1/generate", "body": json.dumps(PROMPT)}),
+                           "/v1/stream", json.dumps(PROMPT).encode()),
+    }
+
+
+async def _ask(url: str, model: str, path: str, body: bytes) -> tuple[float, bytes]:
+    began = time.perf_counter()
+    async with aiohttp.ClientSession() as session, session.post(
+            url + path, data=body, headers={"x-model-id": model, "Content-Type": "application/json"}) as r:
+        answer = await r.read()
+        if r.status != 200:
+            raise RuntimeError(f"{model}: {r.status} {answer[:200]!r}")
+    return (time.perf_counter() - began) * 1000, answer
+
+
+def _p50(values: list[float]) -> float:
+    return round(statistics.median(values), 1)
+
+
+async def _one(name: str, spec: api.ModelSpecSpec, path: str, body: bytes, n: int, engine: criu.CriuEngine,
+               work: pathlib.Path, progress: Callable[[str], None]) -> dict[str, Any]:
+    instance = server.ServerInstance(spec, work / name, engine)
+    fleet = server.Fleet([instance])
+    runner = web.AppRunner(proxy.app(fleet))
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    cold, wakes, answers = [], [], []
+    try:
+        for i in range(n):
+            await asyncio.to_thread(instance.close)
+            ms, answer = await _ask(url, spec.model_id, path, body)
+            cold.append(ms)
+            answers.append(answer)
+            progress(f"{name}: cold start {i + 1}/{n}: {ms:.0f} ms")
+        for i in range(n):
+            await asyncio.to_thread(instance.freeze)
+            ms, answer = await _ask(url, spec.model_id, path, body)
+            wakes.append(ms)
+            answers.append(answer)
+            progress(f"{name}: FROZEN wake {i + 1}/{n}: {ms:.0f} ms")
+        fallbacks = sum(t.fallback for t in instance.transitions)
+        image = instance.image.size_bytes if instance.image is not None else 0
+    finally:
+        await asyncio.to_thread(fleet.close)
+        await runner.cleanup()
+    return {"server": name, "cold_start_ms": _p50(cold), "frozen_wake_ms": _p50(wakes),
+            "identical": all(a == answers[0] for a in answers) and fallbacks == 0,
+            "speedup": round(_p50(cold) / _p50(wakes), 1), "cold_start_ms_all": [round(v, 1) for v in cold],
+            "frozen_wake_ms_all": [round(v, 1) for v in wakes], "image_bytes": image, "restore_fallbacks": fallbacks}
+
+
+def bench(n: int = 5, only: list[str] | None = None, progress: Callable[[str], None] = lambda _: None
+          ) -> dict[str, Any]:
+    engine_root = pathlib.Path(tempfile.mkdtemp(prefix="volga-bench-server-", dir="/dev/shm"))
+    work = pathlib.Path(tempfile.mkdtemp(prefix="vbs-"))
+    try:
+        engine = criu.CriuEngine(engine_root, criu=criu.find_criu_net())
+        results = [asyncio.run(_one(name, spec, path, body, n, engine, work, progress))
+                   for name, (spec, path, body) in servers().items() if not only or name in only]
+        return {"bench": "server", "n": n, "criu": engine.version(), "results": results}
+    finally:
+        shutil.rmtree(engine_root, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
