@@ -108,11 +108,13 @@ def cmd_bench_server(args: argparse.Namespace) -> int:
         from volga_bench import server
     except ImportError as exc:
         return _no_bench("bench server", exc)
-    report = server.bench(args.n, [s for s in args.servers.split(",") if s], _progress(args.json))
+    report = server.bench(args.n, [s for s in args.servers.split(",") if s], args.listen_variants,
+                          _progress(args.json))
     _emit(args, report, lambda: "\n".join(
-        f"{r['server']}: cold start p50 {r['cold_start_ms']} ms, FROZEN wake p50 {r['frozen_wake_ms']} ms "
-        f"({r['speedup']}x), identical: {r['identical']}" for r in report["results"]))
-    return 0 if all(r["identical"] for r in report["results"]) else 1
+        f"{r['server']} ({r['listen']}, criu {r['criu']}): cold start p50 {r['cold_start_ms']} ms, "
+        + (f"FROZEN wake p50 {r['frozen_wake_ms']} ms ({r['speedup']}x), identical: {r['identical']}"
+           if "dump_error" not in r else "CRIU cannot freeze it") for r in report["results"]))
+    return 0 if all(r["identical"] for r in report["results"] if "dump_error" not in r) else 1
 
 
 def cmd_bench_shared(args: argparse.Namespace) -> int:
@@ -310,6 +312,8 @@ def add_bench(parser: argparse.ArgumentParser) -> None:
                          "through the gateway's proxy")
     p.add_argument("-n", type=int, default=5, help="cold starts and wakes per server")
     p.add_argument("--servers", default="", help="comma-separated: kserve, fastapi-stream (default: both)")
+    p.add_argument("--listen-variants", action="store_true",
+                   help="also the FastAPI server on a Unix socket, and each frozen by CRIU 4.1 beside CRIU 4.2")
     _report_args(p)
     p.set_defaults(func=cmd_bench_server)
 

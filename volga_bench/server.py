@@ -5,13 +5,19 @@ answer; `volga_bench.servers`), in one run: `n` cold starts (a COLD instance, on
 process starts, loads, passes its readiness probe and answers) and `n` wakes (the instance FROZEN by CRIU, one
 request through the proxy: the restore, the hooks, the canary, the answer). Times are from the request sent to the
 whole answer received; `identical` says every answer equals the first cold start's.
+
+With `--listen-variants`, the FastAPI server is also run listening on a Unix socket the instance hands it, and frozen
+by each CRIU installed (4.1 from trixie, 4.2 from forky): the ways around CRIU 4.1's failure to dump TCP sockets on
+kernels >= 6.16, side by side. A variant CRIU cannot dump is reported with its error.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import pathlib
+import platform
 import shutil
 import statistics
 import sys
@@ -26,6 +32,7 @@ from aiohttp import web
 from volga_agent.gateway import proxy
 from volga_agent.node import server
 from volga_agent.snapshot import criu
+from volga_bench import reporting
 from volga_core import api
 
 ROWS = {"instances": [[float(i * j % 7) for i in range(16)] for j in range(1, 4)]}
@@ -38,6 +45,18 @@ def _spec(model_id: str, command: list[str], **fields: Any) -> api.ModelSpecSpec
                                              "server": {"command": [sys.executable, *command], **fields}})
 
 
+STREAM = ["-m", "uvicorn", "volga_bench.servers.stream_app:app", "--no-access-log", "--loop", "asyncio"]
+
+
+def variants() -> dict[str, tuple[api.ModelSpecSpec, str, bytes]]:
+    """The FastAPI server listening on a Unix socket (the name says which CRIU freezes it)."""
+    unix = (_spec("stream", [*STREAM, "--uds", "{socket}"], listen="unix", readiness={"path": "/health"},
+                  canary={"path": "/v1/generate", "body": json.dumps(PROMPT)}),
+            "/v1/stream", json.dumps(PROMPT).encode())
+    port = servers()["fastapi-stream"]
+    return {"fastapi-stream-unix": unix, "fastapi-stream@criu4.1": port, "fastapi-stream-unix@criu4.1": unix}
+
+
 def servers() -> dict[str, tuple[api.ModelSpecSpec, str, bytes]]:
     """Each server's spec, and the request (path, JSON body) the bench sends it."""
     return {
@@ -46,8 +65,7 @@ def servers() -> dict[str, tuple[api.ModelSpecSpec, str, bytes]]:
                          protocol="oip-http", readiness={"path": "/v2/health/ready"},
                          canary={"path": "/v1/models/scorer:predict", "body": json.dumps(ROWS)}),
                    "/v1/models/scorer:predict", json.dumps(ROWS).encode()),
-        "fastapi-stream": (_spec("stream", ["-m", "uvicorn", "volga_bench.servers.stream_app:app", "--port", "{port}",
-                                            "--no-access-log", "--loop", "asyncio"],
+        "fastapi-stream": (_spec("stream", [*STREAM, "--port", "{port}"],
                                  readiness={"path": "/health"},
                                  canary={"path": "/v1/generate", "body": json.dumps(PROMPT)}),
                            "/v1/stream", json.dumps(PROMPT).encode()),
@@ -77,6 +95,7 @@ async def _one(name: str, spec: api.ModelSpecSpec, path: str, body: bytes, n: in
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     url = f"http://127.0.0.1:{runner.addresses[0][1]}"
     cold, wakes, answers = [], [], []
+    listen = spec.server.listen.value if spec.server is not None else ""
     try:
         for i in range(n):
             await asyncio.to_thread(instance.close)
@@ -85,7 +104,12 @@ async def _one(name: str, spec: api.ModelSpecSpec, path: str, body: bytes, n: in
             answers.append(answer)
             progress(f"{name}: cold start {i + 1}/{n}: {ms:.0f} ms")
         for i in range(n):
-            await asyncio.to_thread(instance.freeze)
+            try:
+                await asyncio.to_thread(instance.freeze)
+            except criu.CriuError as exc:
+                progress(f"{name}: CRIU cannot freeze it: {str(exc).splitlines()[-1]}")
+                return {"server": name, "listen": listen, "criu": engine.version().removeprefix("Version: "), "cold_start_ms": _p50(cold),
+                        "frozen_wake_ms": None, "identical": False, "dump_error": str(exc)[-600:]}
             ms, answer = await _ask(url, spec.model_id, path, body)
             wakes.append(ms)
             answers.append(answer)
@@ -95,21 +119,30 @@ async def _one(name: str, spec: api.ModelSpecSpec, path: str, body: bytes, n: in
     finally:
         await asyncio.to_thread(fleet.close)
         await runner.cleanup()
-    return {"server": name, "cold_start_ms": _p50(cold), "frozen_wake_ms": _p50(wakes),
+    return {"server": name, "listen": listen, "criu": engine.version().removeprefix("Version: "), "cold_start_ms": _p50(cold),
+            "frozen_wake_ms": _p50(wakes),
             "identical": all(a == answers[0] for a in answers) and fallbacks == 0,
             "speedup": round(_p50(cold) / _p50(wakes), 1), "cold_start_ms_all": [round(v, 1) for v in cold],
             "frozen_wake_ms_all": [round(v, 1) for v in wakes], "image_bytes": image, "restore_fallbacks": fallbacks}
 
 
-def bench(n: int = 5, only: list[str] | None = None, progress: Callable[[str], None] = lambda _: None
-          ) -> dict[str, Any]:
+def bench(n: int = 5, only: list[str] | None = None, listen_variants: bool = False,
+          progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     engine_root = pathlib.Path(tempfile.mkdtemp(prefix="volga-bench-server-", dir="/dev/shm"))
     work = pathlib.Path(tempfile.mkdtemp(prefix="vbs-"))
+    load_before = os.getloadavg()
     try:
-        engine = criu.CriuEngine(engine_root, criu=criu.find_criu_net())
-        results = [asyncio.run(_one(name, spec, path, body, n, engine, work, progress))
-                   for name, (spec, path, body) in servers().items() if not only or name in only]
-        return {"bench": "server", "n": n, "criu": engine.version(), "results": results}
+        engines = {"net": criu.CriuEngine(engine_root / "net", criu=criu.find_criu_net())}
+        runs = {name: run for name, run in servers().items() if not only or name in only}
+        if listen_variants:
+            engines["4.1"] = criu.CriuEngine(engine_root / "4.1", criu=criu.find_criu())
+            runs |= variants()
+        results = [asyncio.run(_one(name, spec, path, body, n, engines["4.1" if "@criu4.1" in name else "net"],
+                                    work, progress)) for name, (spec, path, body) in runs.items()]
+        return {"bench": "server", "n": n, "device": reporting.device_description("cpu"),
+                "kernel": platform.release(), "load_average_before": [round(x, 2) for x in load_before],
+                "load_average_after": [round(x, 2) for x in os.getloadavg()],
+                "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "results": results}
     finally:
         shutil.rmtree(engine_root, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)

@@ -161,6 +161,26 @@ def test_handshake_image_taken_once_before_sockets(workdir: pathlib.Path) -> Non
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def test_tcp_sockets_refused_by_name_with_criu_41(workdir: pathlib.Path) -> None:
+    """CRIU 4.1 cannot dump a server on a TCP port on kernels >= 6.16: the freeze is refused with the ways out, the
+    beforeCheckpoint hook is undone, and the server goes on serving."""
+    old = criu.CriuEngine(tempfile.mkdtemp(prefix="volga-41-", dir="/dev/shm"), criu=criu.find_criu())
+    if not old.version().endswith("4.1.1"):
+        pytest.skip(f"the installed CRIU is {old.version()}, not 4.1.1")
+    s = server.ServerInstance(spec("stream41", [*STREAM, "--port", "{port}"], readiness={"path": "/health"},
+                                   hooks={"beforeCheckpoint": [{"path": "/sleep"}],
+                                          "afterRestore": [{"path": "/wake_up"}]}), workdir, old)
+    try:
+        s.start()
+        with pytest.raises(server.FreezeRefused, match="TCP or UDP sockets.*listen: unix"):
+            s.freeze()
+        assert s.tier is api.Tier.HOT
+        assert s.call("POST", "/v1/generate", json.dumps({"prompt": "x"}).encode()).status == 200  # awake again
+    finally:
+        s.close()
+        shutil.rmtree(old.root, ignore_errors=True)
+
+
 def test_inotify_refused_by_name(engine: criu.CriuEngine, workdir: pathlib.Path) -> None:
     s = server.ServerInstance(spec("watching", ["tests/servers/watching_server.py"]), workdir, engine)
     try:

@@ -29,6 +29,7 @@ import http.client
 import logging
 import os
 import pathlib
+import re
 import socket
 import subprocess
 import sys
@@ -52,6 +53,8 @@ UNDUMPABLE = {
                              "(for libuv-based servers, UV_USE_IO_URING=0)",
     "anon_inode:[fanotify]": "a fanotify watch: run the server without it",
 }
+# What CRIU 4.1 logs when a kernel >= 6.16 refuses getsockopt(SO_PASSSEC) on an INET socket it dumps.
+INET_REFUSED = re.compile(r"Can't get 1:(16|34) opt: Operation not supported")
 
 
 class ServerError(RuntimeError):
@@ -245,13 +248,29 @@ class ServerInstance:
                 for hook in self.server.hooks.before_checkpoint:
                     self._hook(hook, "beforeCheckpoint")
                 old = self.image
-                self.image = self.engine.dump(self.pid, self.name)
+                try:
+                    self.image = self.engine.dump(self.pid, self.name)
+                except criu.CriuError as exc:
+                    self._undo_before_checkpoint()
+                    if INET_REFUSED.search(str(exc)):
+                        raise FreezeRefused(f"{self.name}: it holds TCP or UDP sockets, which this CRIU "
+                                            f"({self.engine.criu}) cannot dump on this kernel (>= 6.16): install CRIU "
+                                            "4.2 or newer (make criu), listen on a Unix socket (listen: unix), or "
+                                            "take the image at the handshake (hooks.signalFiles)") from exc
+                    raise
                 process.reap(self.pid, timeout=10.0)
                 self.pid = None
                 if old is not None:
                     self.engine.remove(old)
             self.tier = Tier.FROZEN
             self._record(Tier.HOT, Tier.FROZEN, began)
+
+    def _undo_before_checkpoint(self) -> None:
+        """A dump that failed leaves the server running: what beforeCheckpoint did (a sleep) is undone."""
+        if self.server.hooks.before_checkpoint and self.pid is not None and process.alive(self.pid):
+            for hook in self.server.hooks.after_restore:
+                with contextlib.suppress(ServerError):
+                    self._hook(hook, "afterRestore")
 
     def wake(self) -> None:
         """FROZEN -> HOT through a restore; a failed one falls back to a cold start."""
