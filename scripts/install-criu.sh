@@ -1,23 +1,23 @@
 #!/usr/bin/env bash
-# Installs CRIU 4.x into a private root without touching the machine's apt sources.
+# Installs CRIU 4.2 into a private root without touching the machine's apt sources.
 #
-# Debian 12's criu 3.17 fails on kernels >= 6.x with new vDSO layouts; Debian 13's criu 4.1 works when its
-# .deb and its libraries (glibc included) are unpacked into one folder and run through that folder's own
-# dynamic loader. The result is a wrapper script at $PREFIX/bin/criu that behaves like a normal criu binary.
+# Debian 12's criu 3.17 fails on kernels >= 6.x with new vDSO layouts. Debian 13's criu 4.1.1 works, but cannot dump
+# a process holding a TCP or UDP socket on kernels >= 6.16 (they refuse getsockopt(SO_PASSCRED/SO_PASSSEC) on INET
+# sockets; fixed upstream in CRIU 4.2), and model servers hold such sockets. Debian forky's criu 4.2.1 dumps them, and
+# passes the worker's CRIU tests as 4.1.1 did; one CRIU serves both (two releases on a node would spoil each other's
+# kernel-probe cache, `volga_agent.snapshot.kdat`, and cost every call ~100 ms).
 #
-# CRIU 4.1.1 (trixie) cannot dump a process holding a TCP or UDP socket on kernels >= 6.16 (they refuse
-# getsockopt(SO_PASSCRED) on INET sockets; fixed upstream in CRIU 4.2). Model servers hold such sockets, so a
-# second CRIU, 4.2.x from Debian's forky suite, is installed beside the first for them:
-#   scripts/install-criu.sh ~/.cache/volga/criu-net forky
-# Forky's library names differ from trixie's, so the packages are criu's dependencies as apt resolves them in
-# the chosen suite, not a fixed list.
+# criu's .deb and its libraries (glibc included) are unpacked into one folder and run through that folder's own
+# dynamic loader; the result is a wrapper script at $PREFIX/bin/criu that behaves like a normal criu binary. The
+# packages are criu's dependencies as apt resolves them in the chosen suite (library names differ between suites).
+# An installed CRIU older than the suite's minimum (4.2; 4.0 for trixie) is replaced.
 #
 # Usage: scripts/install-criu.sh [PREFIX [SUITE]]
-#        (defaults: $VOLGA_CRIU_PREFIX or ~/.cache/volga/criu; $VOLGA_CRIU_SUITE or trixie)
+#        (defaults: $VOLGA_CRIU_PREFIX or ~/.cache/volga/criu; $VOLGA_CRIU_SUITE or forky)
 set -euo pipefail
 
 prefix=${1:-${VOLGA_CRIU_PREFIX:-$HOME/.cache/volga/criu}}
-suite=${2:-${VOLGA_CRIU_SUITE:-trixie}}
+suite=${2:-${VOLGA_CRIU_SUITE:-forky}}
 mirror=${VOLGA_CRIU_MIRROR:-http://deb.debian.org/debian}
 case $suite in
   trixie) want='Version: 4' ;;

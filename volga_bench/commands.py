@@ -108,7 +108,7 @@ def cmd_bench_server(args: argparse.Namespace) -> int:
         from volga_bench import server
     except ImportError as exc:
         return _no_bench("bench server", exc)
-    report = server.bench(args.n, [s for s in args.servers.split(",") if s], args.listen_variants,
+    report = server.bench(args.n, [s for s in args.servers.split(",") if s], args.listen_variants, args.compare_criu,
                           _progress(args.json))
     _emit(args, report, lambda: "\n".join(
         f"{r['server']} ({r['listen']}, criu {r['criu']}): cold start p50 {r['cold_start_ms']} ms, "
@@ -313,7 +313,10 @@ def add_bench(parser: argparse.ArgumentParser) -> None:
     p.add_argument("-n", type=int, default=5, help="cold starts and wakes per server")
     p.add_argument("--servers", default="", help="comma-separated: kserve, fastapi-stream (default: both)")
     p.add_argument("--listen-variants", action="store_true",
-                   help="also the FastAPI server on a Unix socket, and each frozen by CRIU 4.1 beside CRIU 4.2")
+                   help="also the FastAPI server listening on a Unix socket")
+    p.add_argument("--compare-criu", default="", metavar="PATH",
+                   help="with --listen-variants: also freeze the FastAPI server, on a port and on a Unix socket, with "
+                        "this other criu binary (such as 4.1.1)")
     _report_args(p)
     p.set_defaults(func=cmd_bench_server)
 

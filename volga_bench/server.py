@@ -6,9 +6,11 @@ process starts, loads, passes its readiness probe and answers) and `n` wakes (th
 request through the proxy: the restore, the hooks, the canary, the answer). Times are from the request sent to the
 whole answer received; `identical` says every answer equals the first cold start's.
 
-With `--listen-variants`, the FastAPI server is also run listening on a Unix socket the instance hands it, and frozen
-by each CRIU installed (4.1 from trixie, 4.2 from forky): the ways around CRIU 4.1's failure to dump TCP sockets on
-kernels >= 6.16, side by side. A variant CRIU cannot dump is reported with its error.
+With `--listen-variants`, the FastAPI server is also run listening on a Unix socket the instance hands it, and, with
+`--compare-criu PATH` (another CRIU, such as 4.1.1 from trixie: `scripts/install-criu.sh PREFIX trixie`), frozen by
+that CRIU too: the ways around CRIU 4.1's failure to dump TCP sockets on kernels >= 6.16, side by side. A variant
+that CRIU cannot dump is reported with its error. Two CRIU releases in one run share criu's kernel-probe cache
+(`snapshot.kdat`) and spoil it for each other: the wakes of such a run are slower than those of a run with one.
 """
 
 from __future__ import annotations
@@ -48,13 +50,14 @@ def _spec(model_id: str, command: list[str], **fields: Any) -> api.ModelSpecSpec
 STREAM = ["-m", "uvicorn", "volga_bench.servers.stream_app:app", "--no-access-log", "--loop", "asyncio"]
 
 
-def variants() -> dict[str, tuple[api.ModelSpecSpec, str, bytes]]:
-    """The FastAPI server listening on a Unix socket (the name says which CRIU freezes it)."""
+def variants(compare: bool) -> dict[str, tuple[api.ModelSpecSpec, str, bytes]]:
+    """The FastAPI server listening on a Unix socket, and with `compare` both frozen by the other CRIU (@other)."""
     unix = (_spec("stream", [*STREAM, "--uds", "{socket}"], listen="unix", readiness={"path": "/health"},
                   canary={"path": "/v1/generate", "body": json.dumps(PROMPT)}),
             "/v1/stream", json.dumps(PROMPT).encode())
     port = servers()["fastapi-stream"]
-    return {"fastapi-stream-unix": unix, "fastapi-stream@criu4.1": port, "fastapi-stream-unix@criu4.1": unix}
+    return {"fastapi-stream-unix": unix, **({"fastapi-stream@other": port, "fastapi-stream-unix@other": unix}
+                                             if compare else {})}
 
 
 def servers() -> dict[str, tuple[api.ModelSpecSpec, str, bytes]]:
@@ -106,38 +109,42 @@ async def _one(name: str, spec: api.ModelSpecSpec, path: str, body: bytes, n: in
         for i in range(n):
             try:
                 await asyncio.to_thread(instance.freeze)
-            except criu.CriuError as exc:
+            except (criu.CriuError, server.FreezeRefused) as exc:
                 progress(f"{name}: CRIU cannot freeze it: {str(exc).splitlines()[-1]}")
-                return {"server": name, "listen": listen, "criu": engine.version().removeprefix("Version: "), "cold_start_ms": _p50(cold),
-                        "frozen_wake_ms": None, "identical": False, "dump_error": str(exc)[-600:]}
+                return {"server": name, "listen": listen, "criu": engine.version().removeprefix("Version: "),
+                        "cold_start_ms": _p50(cold), "frozen_wake_ms": None, "identical": False,
+                        "dump_error": str(exc)[-600:]}
             ms, answer = await _ask(url, spec.model_id, path, body)
             wakes.append(ms)
             answers.append(answer)
             progress(f"{name}: FROZEN wake {i + 1}/{n}: {ms:.0f} ms")
         fallbacks = sum(t.fallback for t in instance.transitions)
+        restores = [t.phases.get("restore", 0.0) * 1000 for t in instance.transitions if t.source is api.Tier.FROZEN]
         image = instance.image.size_bytes if instance.image is not None else 0
     finally:
         await asyncio.to_thread(fleet.close)
         await runner.cleanup()
-    return {"server": name, "listen": listen, "criu": engine.version().removeprefix("Version: "), "cold_start_ms": _p50(cold),
-            "frozen_wake_ms": _p50(wakes),
+    return {"server": name, "listen": listen, "criu": engine.version().removeprefix("Version: "),
+            "cold_start_ms": _p50(cold), "frozen_wake_ms": _p50(wakes),
             "identical": all(a == answers[0] for a in answers) and fallbacks == 0,
             "speedup": round(_p50(cold) / _p50(wakes), 1), "cold_start_ms_all": [round(v, 1) for v in cold],
-            "frozen_wake_ms_all": [round(v, 1) for v in wakes], "image_bytes": image, "restore_fallbacks": fallbacks}
+            "frozen_wake_ms_all": [round(v, 1) for v in wakes],
+            "criu_restore_ms_all": [round(v, 1) for v in restores], "image_bytes": image, "restore_fallbacks": fallbacks}
 
 
-def bench(n: int = 5, only: list[str] | None = None, listen_variants: bool = False,
+def bench(n: int = 5, only: list[str] | None = None, listen_variants: bool = False, compare_criu: str = "",
           progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     engine_root = pathlib.Path(tempfile.mkdtemp(prefix="volga-bench-server-", dir="/dev/shm"))
     work = pathlib.Path(tempfile.mkdtemp(prefix="vbs-"))
     load_before = os.getloadavg()
     try:
-        engines = {"net": criu.CriuEngine(engine_root / "net", criu=criu.find_criu_net())}
+        engines = {"": criu.CriuEngine(engine_root / "criu", criu=criu.find_criu())}
         runs = {name: run for name, run in servers().items() if not only or name in only}
         if listen_variants:
-            engines["4.1"] = criu.CriuEngine(engine_root / "4.1", criu=criu.find_criu())
-            runs |= variants()
-        results = [asyncio.run(_one(name, spec, path, body, n, engines["4.1" if "@criu4.1" in name else "net"],
+            runs |= variants(bool(compare_criu))
+        if compare_criu:
+            engines["@other"] = criu.CriuEngine(engine_root / "other", criu=compare_criu)
+        results = [asyncio.run(_one(name, spec, path, body, n, engines["@other" if "@other" in name else ""],
                                     work, progress)) for name, (spec, path, body) in runs.items()]
         return {"bench": "server", "n": n, "device": reporting.device_description("cpu"),
                 "kernel": platform.release(), "load_average_before": [round(x, 2) for x in load_before],
