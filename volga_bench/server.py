@@ -129,7 +129,8 @@ async def _one(name: str, spec: api.ModelSpecSpec, path: str, body: bytes, n: in
             "identical": all(a == answers[0] for a in answers) and fallbacks == 0,
             "speedup": round(_p50(cold) / _p50(wakes), 1), "cold_start_ms_all": [round(v, 1) for v in cold],
             "frozen_wake_ms_all": [round(v, 1) for v in wakes],
-            "criu_restore_ms_all": [round(v, 1) for v in restores], "image_bytes": image, "restore_fallbacks": fallbacks}
+            "criu_restore_ms_all": [round(v, 1) for v in restores], "image_bytes": image,
+            "restore_fallbacks": fallbacks}
 
 
 def bench(n: int = 5, only: list[str] | None = None, listen_variants: bool = False, compare_criu: str = "",

@@ -218,3 +218,34 @@ def test_unknown_model_and_body_bound(engine: criu.CriuEngine, workdir: pathlib.
     # Unknown: 404; a body over the gateway's limit: 413 before any wake; header and URL disagree: 400.
     assert _run(fleet, ask) == (404, 413, 400)
     assert cold.tier is api.Tier.COLD and cold.pid is None
+
+
+def test_volga_up_serves_a_frozen_server_through_its_gateway(engine: criu.CriuEngine) -> None:
+    """`volga up` with a server ModelSpec: frozen at start-up (its pool floor), woken by the first request to the
+    gateway's HTTP port, the answer streamed; the OIP routes still answer for other models."""
+    from volga_bench import harness
+
+    doc = {"apiVersion": api.API_VERSION, "kind": "ModelSpec", "metadata": {"name": "stream"},
+           "spec": spec("stream", [*STREAM, "--port", "{port}"], readiness={"path": "/health"},
+                        canary={"path": "/v1/generate", "body": json.dumps({"prompt": "canary"})}).to_wire()}
+    bg, up = harness.start_embedded([api.parse_model_spec(doc)])
+    try:
+        bg.call(up.wait_converged(), timeout=120)
+        assert up.fleet is not None
+        s = up.fleet.instances["stream"]
+        assert s.tier is api.Tier.FROZEN
+
+        async def ask() -> tuple[int, list[bytes], int]:
+            async with aiohttp.ClientSession() as session:
+                status, chunks = await _stream(session, up.endpoints()["http"], "stream")
+                async with session.get(f"{up.endpoints()['http']}/v2/models/other/ready") as r:
+                    return status, chunks, r.status
+
+        status, chunks, other = asyncio.run(ask())
+        assert status == 200 and len(chunks) > 1 and b"".join(chunks).count(b"data: ") == 7
+        assert s.tier is api.Tier.HOT and s.transitions[-1].source is api.Tier.FROZEN
+        assert not s.transitions[-1].fallback
+        assert other == 400  # not a server: the OIP handler answers (a model it does not have is not ready)
+    finally:
+        bg.call(up.stop(), timeout=60)
+        bg.close()
