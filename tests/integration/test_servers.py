@@ -11,6 +11,7 @@ import pathlib
 import shutil
 import sys
 import tempfile
+import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -202,6 +203,22 @@ def test_inotify_refused_by_name(engine: criu.CriuEngine, workdir: pathlib.Path)
         s.close()
 
 
+def test_idle_demotion_waits_for_requests_in_flight(engine: criu.CriuEngine, workdir: pathlib.Path) -> None:
+    s = server.ServerInstance(spec("idle", [*STREAM, "--port", "{port}"], readiness={"path": "/health"}), workdir,
+                              engine)
+    try:
+        s.start()
+        assert not s.demote_if_idle(3600.0) and s.tier is api.Tier.HOT  # used just now
+        s.acquire()  # a request in flight
+        assert not s.demote_if_idle(0.0) and s.tier is api.Tier.HOT
+        s.release()
+        assert s.demote_if_idle(0.0) and s.tier is api.Tier.FROZEN
+        with s.serving():  # a request wakes it
+            assert s.tier is api.Tier.HOT and s.call("GET", "/health").status == 200
+    finally:
+        s.close()
+
+
 def test_unknown_model_and_body_bound(engine: criu.CriuEngine, workdir: pathlib.Path) -> None:
     cold = server.ServerInstance(spec("cold", ["tests/servers/watching_server.py"]), workdir, engine)
     fleet = server.Fleet([cold])
@@ -246,6 +263,9 @@ def test_volga_up_serves_a_frozen_server_through_its_gateway(engine: criu.CriuEn
         assert s.tier is api.Tier.HOT and s.transitions[-1].source is api.Tier.FROZEN
         assert not s.transitions[-1].fallback
         assert other == 400  # not a server: the OIP handler answers (a model it does not have is not ready)
+        with urllib.request.urlopen(up.endpoints()["metrics"]) as r:
+            scraped = r.read().decode()
+        assert 'volga_tier_transition_latency_ms_count{model="stream",source="FROZEN",target="HOT"} 1.0' in scraped
     finally:
         bg.call(up.stop(), timeout=60)
         bg.close()

@@ -114,7 +114,8 @@ class Embedded:
         self.fleet: servers.Fleet | None = None
         if self.server_specs:
             engine = criu.CriuEngine(snapshots / "servers", keep_failed=self.settings.keep_failed_restores)
-            self.fleet = servers.Fleet(servers.ServerInstance(spec, workroot / "servers" / spec.model_id, engine)
+            self.fleet = servers.Fleet(servers.ServerInstance(spec, workroot / "servers" / spec.model_id, engine,
+                                                              agent_metrics=self.agent_metrics)
                                        for spec in self.server_specs.values())
         self._servers_stop = threading.Event()
         self._servers_settled = threading.Event()  # each server brought to its floor's tier once

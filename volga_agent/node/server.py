@@ -37,6 +37,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator
 
+from volga_agent import metrics
 from volga_agent.host import process
 from volga_agent.node import instance
 from volga_agent.snapshot import criu
@@ -119,7 +120,7 @@ class ServerInstance:
     """One server process tree and its tier; every move is timed and kept in `transitions`."""
 
     def __init__(self, spec: api.ModelSpecSpec, workdir: str | pathlib.Path, engine: criu.CriuEngine,
-                 name: str | None = None) -> None:
+                 name: str | None = None, agent_metrics: metrics.AgentMetrics | None = None) -> None:
         if spec.server is None:
             raise ValueError(f"{spec.model_id}: not a server ModelSpec (framework: server)")
         self.spec = spec
@@ -130,6 +131,7 @@ class ServerInstance:
         self.signals = self.workdir / "signals"
         self.logfile = self.workdir / "server.log"
         self.engine = engine
+        self.metrics = agent_metrics  # every move's time, wakes and failed ones, as the pool reports its instances'
         self.tier = Tier.COLD
         self.pid: int | None = None
         self.port = 0
@@ -307,6 +309,8 @@ class ServerInstance:
                 self.start()
                 self.transitions[-1] = dataclasses.replace(self.transitions[-1], source=Tier.FROZEN, fallback=True,
                                                            detail=str(exc)[:500])
+                if self.metrics is not None:
+                    self.metrics.restore_failures.labels(Tier.FROZEN.value, self.spec.model_id).inc()
                 return
             self.tier = Tier.HOT
             self.last_used = time.monotonic()
@@ -442,8 +446,15 @@ class ServerInstance:
             self.pid = None
 
     def _record(self, source: Tier, target: Tier, began: float, phases: dict[str, float] | None = None) -> None:
-        self.transitions.append(instance.Transition(source, target, time.perf_counter() - began, time.time(),
-                                                    phases=phases or {}))
+        move = instance.Transition(source, target, time.perf_counter() - began, time.time(), phases=phases or {})
+        self.transitions.append(move)
+        if self.metrics is not None:
+            model = self.spec.model_id
+            self.metrics.transition_latency.labels(source.value, target.value, model).observe(move.seconds * 1000)
+            if source is Tier.FROZEN:
+                self.metrics.restore_latency.labels(source.value, model).observe(move.seconds * 1000)
+                for phase, seconds in move.phases.items():
+                    self.metrics.wake_phase_latency.labels(source.value, phase, model).observe(seconds * 1000)
 
 
 class Fleet:
