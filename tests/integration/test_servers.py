@@ -19,6 +19,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+pytest.importorskip("kserve", reason="KServe, FastAPI and uvicorn come with the peers extra (make setup)")
+
 from volga_agent.gateway import proxy
 from volga_agent.node import server
 from volga_agent.snapshot import criu
