@@ -1,25 +1,33 @@
 #!/usr/bin/env bash
-# Installs CRIU 4.x into a private root without touching the machine's apt sources.
+# Installs CRIU 4.2 into a private root without touching the machine's apt sources.
 #
-# Debian 12's criu 3.17 fails on kernels >= 6.x with new vDSO layouts; Debian 13's criu 4.1 works when its
-# .deb and its libraries (glibc included) are unpacked into one folder and run through that folder's own
-# dynamic loader. The result is a wrapper script at $PREFIX/bin/criu that behaves like a normal criu binary.
+# Debian 12's criu 3.17 fails on kernels >= 6.x with new vDSO layouts. Debian 13's criu 4.1.1 works, but cannot dump
+# a process holding a TCP or UDP socket on kernels >= 6.16 (they refuse getsockopt(SO_PASSCRED/SO_PASSSEC) on INET
+# sockets; fixed upstream in CRIU 4.2), and model servers hold such sockets. Debian forky's criu 4.2.1 dumps them, and
+# passes the worker's CRIU tests as 4.1.1 did; one CRIU serves both (two releases on a node would spoil each other's
+# kernel-probe cache, `volga_agent.snapshot.kdat`, and cost every call ~100 ms).
 #
-# Usage: scripts/install-criu.sh [PREFIX]     (default: $VOLGA_CRIU_PREFIX or ~/.cache/volga/criu)
+# criu's .deb and its libraries (glibc included) are unpacked into one folder and run through that folder's own
+# dynamic loader; the result is a wrapper script at $PREFIX/bin/criu that behaves like a normal criu binary. The
+# packages are criu's dependencies as apt resolves them in the chosen suite (library names differ between suites).
+# An installed CRIU older than the suite's minimum (4.2; 4.0 for trixie) is replaced.
+#
+# Usage: scripts/install-criu.sh [PREFIX [SUITE]]
+#        (defaults: $VOLGA_CRIU_PREFIX or ~/.cache/volga/criu; $VOLGA_CRIU_SUITE or forky)
 set -euo pipefail
 
 prefix=${1:-${VOLGA_CRIU_PREFIX:-$HOME/.cache/volga/criu}}
-suite=${VOLGA_CRIU_SUITE:-trixie}
+suite=${2:-${VOLGA_CRIU_SUITE:-forky}}
 mirror=${VOLGA_CRIU_MIRROR:-http://deb.debian.org/debian}
+case $suite in
+  trixie) want='Version: 4' ;;
+  *) want='Version: 4\.([2-9]|[1-9][0-9])' ;;
+esac
 
-if [ -x "$prefix/bin/criu" ] && "$prefix/bin/criu" --version 2>/dev/null | grep -q 'Version: 4'; then
+if [ -x "$prefix/bin/criu" ] && "$prefix/bin/criu" --version 2>/dev/null | grep -Eq "$want"; then
   echo "criu already installed: $("$prefix/bin/criu" --version | head -1) at $prefix/bin/criu"
   exit 0
 fi
-
-packages=(criu libcompel1 libc6 libgnutls30t64 libnftables1 libprotobuf-c1 libnl-3-200 libnet1 libbsd0
-          libuuid1 libmd0 libp11-kit0 libidn2-0 libunistring5 libtasn1-6 libnettle8t64 libhogweed6t64
-          libgmp10 libmnl0 libnftnl11 libxtables12 libjansson4 libffi8)
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -29,6 +37,9 @@ apt_opts=(-o "Dir::Etc::SourceList=$work/sources.list" -o "Dir::Etc::SourceParts
           -o "Dir::State::Lists=$work/lists" -o "Dir::Cache=$work/cache" -o "Debug::NoLocking=1"
           -o "APT::Get::List-Cleanup=0")
 apt-get "${apt_opts[@]}" -qq update
+# criu and everything it needs at run time in that suite (glibc included), real packages only.
+mapfile -t packages < <(apt-cache "${apt_opts[@]}" depends --recurse --no-recommends --no-suggests \
+  --no-conflicts --no-breaks --no-replaces --no-enhances criu | grep -v '^[ <]' | sort -u)
 chmod 755 "$work"
 (cd "$work/debs" && chmod 777 . && apt-get "${apt_opts[@]}" -qq download "${packages[@]}")
 

@@ -103,6 +103,20 @@ def cmd_bench_tiers(args: argparse.Namespace) -> int:
     return 0 if all(p["outputs_match"] and not p["restore_fallbacks"] for p in parts) else 1
 
 
+def cmd_bench_server(args: argparse.Namespace) -> int:
+    try:
+        from volga_bench import server
+    except ImportError as exc:
+        return _no_bench("bench server", exc)
+    report = server.bench(args.n, [s for s in args.servers.split(",") if s], args.listen_variants, args.compare_criu,
+                          _progress(args.json))
+    _emit(args, report, lambda: "\n".join(
+        f"{r['server']} ({r['listen']}, criu {r['criu']}): cold start p50 {r['cold_start_ms']} ms, "
+        + (f"FROZEN wake p50 {r['frozen_wake_ms']} ms ({r['speedup']}x), identical: {r['identical']}"
+           if "dump_error" not in r else "CRIU cannot freeze it") for r in report["results"]))
+    return 0 if all(r["identical"] for r in report["results"] if "dump_error" not in r) else 1
+
+
 def cmd_bench_shared(args: argparse.Namespace) -> int:
     try:
         from volga_bench import shared
@@ -327,6 +341,18 @@ def add_bench(parser: argparse.ArgumentParser) -> None:
     p.add_argument("-n", type=int, default=10, help="wakes per tier (and cold starts)")
     _report_args(p)
     p.set_defaults(func=cmd_bench_tiers)
+
+    p = bench.add_parser("server", help="model servers (KServe, FastAPI): cold start vs FROZEN wake, first answer "
+                         "through the gateway's proxy")
+    p.add_argument("-n", type=int, default=5, help="cold starts and wakes per server")
+    p.add_argument("--servers", default="", help="comma-separated: kserve, fastapi-stream (default: both)")
+    p.add_argument("--listen-variants", action="store_true",
+                   help="also the FastAPI server listening on a Unix socket")
+    p.add_argument("--compare-criu", default="", metavar="PATH",
+                   help="with --listen-variants: also freeze the FastAPI server, on a port and on a Unix socket, with "
+                        "this other criu binary (such as 4.1.1)")
+    _report_args(p)
+    p.set_defaults(func=cmd_bench_server)
 
     p = bench.add_parser("shared", help="a node's first answer from another node's shared image vs its cold start")
     p.add_argument("-n", type=int, default=5, help="rounds: fresh node-B processes each way")

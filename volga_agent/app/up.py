@@ -9,6 +9,11 @@ every worker and removes every snapshot this run made; a CRIU call in flight is 
 restore does not hold it up. Its temporary folders carry an owner marker: a run killed with SIGKILL leaves
 them (and, for a moment, processes) behind, and the next run removes what is proven to be a dead run's
 (`process.remove_abandoned`).
+
+ModelSpecs with `framework: server` are model servers (`node.server`): they are kept apart from the planner and
+the pool, run as `ServerInstance`s of one `Fleet` (started and frozen at start-up when their pool floor is FROZEN,
+kept HOT when it is HOT, frozen after `idle.suspended_sec` unused), and the gateway's REST port proxies requests
+that name them (`gateway.proxy`). Other gateway processes (`--gateway-processes`) do not reach them.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import shutil
 import signal
 import socket
 import tempfile
+import threading
 from collections.abc import Callable, Sequence
 
 import grpc
@@ -33,7 +39,9 @@ from volga_agent.autonomy import loop as autonomy
 from volga_agent.gateway import app, catalog, links, siblings
 from volga_agent.host import gpus, process
 from volga_agent.node import admission, pool, signature
+from volga_agent.node import server as servers
 from volga_agent.node.settings import Settings
+from volga_agent.snapshot import criu
 from volga_core import api, planner
 
 log = logging.getLogger(__name__)
@@ -70,8 +78,10 @@ class Embedded:
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"metadata.name must be unique; repeated: {', '.join(dupes)}")
-        self.specs = {s.metadata.name: s.spec for s in specs}
-        self._documents = [s.to_wire() for s in specs]
+        is_server = {s.metadata.name: s.spec.framework is api.Framework.SERVER for s in specs}
+        self.specs = {s.metadata.name: s.spec for s in specs if not is_server[s.metadata.name]}
+        self.server_specs = {s.metadata.name: s.spec for s in specs if is_server[s.metadata.name]}
+        self._documents = [s.to_wire() for s in specs if not is_server[s.metadata.name]]
         self.refused = {r.model_id: r for r in refused}
         processes = self.options.gateway_processes
         if processes < 1:
@@ -101,9 +111,18 @@ class Embedded:
             metrics_port=self.options.metrics_port, cache_ttl_sec=self.options.settings.gateway_cache_ttl_sec,
             tokens=self.options.tokens, reuse_port=processes > 1)
         self.siblings: siblings.Siblings | None = None
+        self.fleet: servers.Fleet | None = None
+        if self.server_specs:
+            engine = criu.CriuEngine(snapshots / "servers", keep_failed=self.settings.keep_failed_restores)
+            self.fleet = servers.Fleet(servers.ServerInstance(spec, workroot / "servers" / spec.model_id, engine,
+                                                              agent_metrics=self.agent_metrics)
+                                       for spec in self.server_specs.values())
+        self._servers_stop = threading.Event()
+        self._servers_settled = threading.Event()  # each server brought to its floor's tier once
+        self._servers_thread: threading.Thread | None = None
         self.gateway = app.Gateway(catalog.Catalog({s.model_id: s for s in self.specs.values()}),
                                    links.LocalAgentLink(self._activate, self._instances), gw_settings,
-                                   extra_metrics=[self.agent_metrics.registry])
+                                   extra_metrics=[self.agent_metrics.registry], servers=self.fleet)
         for r in self.refused.values():
             reason = refusal_reason(r)
             self.gateway.catalog.refuse(r.model_id, r.spec.spec.version, reason)
@@ -127,11 +146,36 @@ class Embedded:
         self._owned.append(path)
         return path
 
+    def _keep_servers(self, fleet: servers.Fleet) -> None:
+        """Bring each server to its pool floor's tier (HOT, else FROZEN), then freeze the idle ones, every tick."""
+        for instance in fleet.instances.values():
+            floors = instance.spec.pool
+            try:
+                if floors.hot or floors.frozen:
+                    instance.ensure_hot()
+                if not floors.hot and floors.frozen:
+                    instance.freeze()
+            except (servers.ServerError, criu.CriuError) as exc:
+                log.error("model server %s: %s", instance.name, exc)
+        self._servers_settled.set()
+        while not self._servers_stop.wait(self.options.tick_sec):
+            for instance in fleet.instances.values():
+                if instance.spec.pool.hot:
+                    continue
+                try:
+                    instance.demote_if_idle(self.settings.idle.suspended_sec)
+                except (servers.ServerError, criu.CriuError) as exc:
+                    log.warning("model server %s stays HOT: %s", instance.name, exc)
+
     async def start(self) -> None:
         for name, reason in self.plan.unplaced.items():
             log.error("ModelSpec %s not placed: %s", name, reason)
         self.pool.apply(self.plan.desired, self.specs)
         self.pool.start(self.options.tick_sec)
+        if self.fleet is not None:
+            self._servers_thread = threading.Thread(target=self._keep_servers, args=(self.fleet,),
+                                                    name="model-servers", daemon=True)
+            self._servers_thread.start()
         await self.gateway.start()
         if self.autonomy is not None:
             self.autonomy.start()
@@ -165,6 +209,8 @@ class Embedded:
 
     async def wait_converged(self, timeout: float = 300.0) -> None:
         await asyncio.to_thread(self.pool.wait_converged, timeout)
+        if self.fleet is not None and not await asyncio.to_thread(self._servers_settled.wait, timeout):
+            raise TimeoutError(f"the model servers did not reach their tiers within {timeout:g} s")
 
     async def stop(self) -> None:
         if self.siblings is not None:
@@ -176,6 +222,11 @@ class Embedded:
         if self._agent is not None:
             await self._agent.stop(1.0)
         await asyncio.to_thread(self.pool.close)
+        self._servers_stop.set()
+        if self.fleet is not None:
+            if self._servers_thread is not None:
+                await asyncio.to_thread(self._servers_thread.join, 60.0)
+            await asyncio.to_thread(self.fleet.close)
         for path in self._owned:
             shutil.rmtree(path, ignore_errors=True)
 

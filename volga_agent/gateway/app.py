@@ -16,7 +16,7 @@ import prometheus_client as prom
 from aiohttp import web
 
 from volga_agent import auth, metrics
-from volga_agent.gateway import catalog, dataplane, grpc_service, links, rest
+from volga_agent.gateway import catalog, dataplane, grpc_service, links, proxy, rest
 from volga_agent.rpc.inference import grpc_service_pb2_grpc as pb_grpc
 from volga_core import http
 
@@ -47,8 +47,10 @@ class Gateway:
 
     def __init__(self, models: catalog.Catalog, link: links.AgentLink, settings: Settings | None = None,
                  gateway_metrics: metrics.GatewayMetrics | None = None,
-                 extra_metrics: list[prom.CollectorRegistry] | None = None) -> None:
+                 extra_metrics: list[prom.CollectorRegistry] | None = None,
+                 servers: proxy.Servers | None = None) -> None:
         self.settings = s = settings or Settings()
+        self.servers = servers  # model servers, proxied over REST
         self.dataplane = dataplane.Dataplane(models, link, s.node, s.cache_ttl_sec, s.max_request_bytes, s.shm_bytes,
                                              gateway_metrics)
         self.catalog = models
@@ -73,7 +75,7 @@ class Gateway:
         if self.ports["grpc"] == 0:
             raise OSError(f"cannot listen on {s.host}:{s.grpc_port} (gRPC)")
         await self._grpc.start()
-        self.ports["http"] = await self._listen(rest.app(self.dataplane, s.tokens), s.http_port,
+        self.ports["http"] = await self._listen(rest.app(self.dataplane, s.tokens, self.servers), s.http_port,
                                                 reuse_port=s.reuse_port, **rest.RUNNER_OPTIONS)
         self.ports["metrics"] = await self._listen(http.metrics_app([self.metrics.registry, *self.extra_metrics],
                                                                       s.metrics_tokens), s.metrics_port)

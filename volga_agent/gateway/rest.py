@@ -3,6 +3,8 @@
 Each handler decodes its request with `oip`, asks the dataplane and encodes the answer; an `oip.OipError`
 becomes its HTTP status with a JSON `error` body. Nothing here decides anything (`docs/architecture.md`).
 
+Requests that name a model server (`framework: server`) are proxied to it (`proxy`), before any OIP handler.
+
 Bodies arrive as sent: the server runs without aiohttp's automatic decompression (`RUNNER_OPTIONS`), so a
 gzip or deflate body is checked and decompressed here (`oip.decode_content`), within the body size limit. Every
 handler answers anything unexpected with a short 500, and a client that goes away is logged in one line.
@@ -18,7 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from volga_agent import auth
-from volga_agent.gateway import dataplane, oip
+from volga_agent.gateway import dataplane, oip, proxy
 
 log = logging.getLogger(__name__)
 # How the REST server's runner is set up: bodies are decompressed by `oip.decode_content`, not by aiohttp.
@@ -80,7 +82,24 @@ async def _body(request: web.Request, plane: dataplane.Dataplane, headers: dict[
     return await dataplane.off_loop(len(body), oip.decode_content, body, encoding, plane.max_request_bytes)
 
 
-def app(plane: dataplane.Dataplane, tokens: auth.Tokens | None = None) -> web.Application:
+def _to_servers(servers: proxy.Servers, max_request_bytes: int) -> Any:
+    """A middleware that proxies every request naming a model server (`proxy`), whatever its path."""
+
+    @web.middleware
+    async def route(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            model = proxy.model_of(request)
+        except oip.OipError:
+            return await handler(request)  # the OIP handlers answer it
+        if model and servers.serves(model):
+            return await proxy.forward(request, servers, model, max_request_bytes)
+        return await handler(request)
+
+    return route
+
+
+def app(plane: dataplane.Dataplane, tokens: auth.Tokens | None = None,
+        servers: proxy.Servers | None = None) -> web.Application:
     async def live(_: web.Request) -> web.Response:
         return web.Response(status=200)
 
@@ -142,6 +161,8 @@ def app(plane: dataplane.Dataplane, tokens: auth.Tokens | None = None) -> web.Ap
             return _error(exc)
 
     middlewares = [auth.rest_middleware(tokens, OPEN_PREFIXES)] if tokens is not None else []
+    if servers is not None:
+        middlewares.append(_to_servers(servers, plane.max_request_bytes))
     web_app = web.Application(client_max_size=plane.max_request_bytes, middlewares=middlewares)
     routes: list[tuple[str, str, Handler]] = [
         ("GET", "/v2/health/live", live), ("GET", "/v2/health/ready", live), ("GET", "/v2", server_metadata),

@@ -135,7 +135,7 @@ def fill(spec: api.ModelSpecSpec) -> api.ModelSpecSpec:
     """The spec with the inputs and outputs it leaves out read from its model file (ONNX), symbolic dimensions
     as -1; a spec that writes both comes back as it is, without opening the file. Raises SpecError naming the
     field and the reason when the file is missing, is not ONNX, or declares what a spec cannot say."""
-    if spec.has_signature:
+    if spec.has_signature or spec.framework is api.Framework.SERVER:  # a server: no file to read
         return spec
     if spec.framework is not api.Framework.ONNX:
         raise api.SpecError(spec.source, [("spec.inputs" if not spec.inputs else "spec.outputs",

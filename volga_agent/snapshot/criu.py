@@ -2,8 +2,9 @@
 
 Facts this code is built on (measured on the target kernels; docs/architecture.md, Tiers):
 
-- CRIU 4.x is needed (3.17 fails on current vDSO layouts). `scripts/install-criu.sh` installs it into a
-  private root; this module finds it through `VOLGA_CRIU`, the install prefix, or PATH.
+- CRIU 4.x is needed (3.17 fails on current vDSO layouts), 4.2 for processes holding TCP or UDP sockets on kernels
+  >= 6.16 (model servers, `node.server`). `scripts/install-criu.sh` installs 4.2.1 into a private root; this module
+  finds it through `VOLGA_CRIU`, the install prefix, or PATH.
 - onnxruntime holds file locks, so dumps and restores pass `--file-locks`.
 - Each worker is the init of its own PID namespace (see `worker.nsinit`), so restores never collide on
   PIDs; CRIU recreates the namespace from the image.
@@ -165,7 +166,7 @@ def find_criu() -> str:
     for candidate in candidates:
         if candidate and os.access(candidate, os.X_OK):
             return candidate
-    raise CriuError("criu not found: run scripts/install-criu.sh (installs CRIU 4.x into "
+    raise CriuError("criu not found: run scripts/install-criu.sh (installs CRIU 4.2 into "
                     f"{DEFAULT_PREFIX}) or set VOLGA_CRIU to the criu binary")
 
 

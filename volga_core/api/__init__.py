@@ -10,6 +10,7 @@ else of Volga. This module only gathers the names the rest of the code reads as 
 
     base        the API group and version, name rules and limits, the enums (Framework, Tier, DType,
                 Precision), `Model` (the base of every type) and the small validators the fields share
+    servers     a model server a ModelSpec runs instead of a model file (`framework: server`)
     modelspec   a ModelSpec's spec (`ModelSpecSpec`) and its parts: tensors, hardware, targets, SLO, pool
                 floors, dynamic batching, warm-up, runtime
     documents   the ModelSpec document (metadata around a spec), parsed and loaded from YAML, `SpecError`
@@ -75,6 +76,7 @@ from volga_core.api.modelspec import (
     WarmupSample,
     warmup_problems,
 )
+from volga_core.api.servers import Canary, Hooks, HttpCall, Listen, Protocol, Readiness, ServerSpec
 from volga_core.api.status import (
     BatchProfile,
     Calibration,
@@ -92,12 +94,11 @@ from volga_core.api.status import (
 __all__ = [
     "API_VERSION", "GROUP", "MAX_BATCH", "MAX_CHAIN", "MAX_DIM", "MAX_FLOOR", "MAX_NAME", "MAX_WARMUP_ELEMENTS",
     "NAME_RULE", "NOT_BATCHED", "NO_SIGNATURE", "VERSION", "BaselineTag", "BatchProfile", "Calibration",
-    "CalibrationAnswer", "ChainMigration", "ChainStatus", "Condition", "Count", "DType", "Dim", "DynamicBatching",
-    "EmiSpec", "EmiStatus", "Framework", "GpuRef", "Hardware", "Model", "ModelSpec", "ModelSpecSpec",
-    "ModelSpecStatus", "ObjectMeta", "Pool", "Precision", "Runtime", "SharedSnapshotRef", "Slo", "SourceStatus",
-    "SpecError",
-    "Targets", "TensorSpec", "Tier", "TierCounts", "ToleranceStep", "WarmupInput", "WarmupSample",
-    "bad_characters", "chain_errors", "chain_invalid", "chain_peers", "chain_problems", "ensemble_problems",
-    "load_labelled", "load_model_specs", "parse_model_spec", "problems_of", "repeated", "validate_spec",
-    "warmup_problems",
+    "CalibrationAnswer", "Canary", "ChainMigration", "ChainStatus", "Condition", "Count", "DType", "Dim",
+    "DynamicBatching", "EmiSpec", "EmiStatus", "Framework", "GpuRef", "Hardware", "Hooks", "HttpCall", "Listen",
+    "Model", "ModelSpec", "ModelSpecSpec", "ModelSpecStatus", "ObjectMeta", "Pool", "Precision", "Protocol",
+    "Readiness", "Runtime", "ServerSpec", "SharedSnapshotRef", "Slo", "SourceStatus", "SpecError", "Targets",
+    "TensorSpec", "Tier", "TierCounts", "ToleranceStep", "WarmupInput", "WarmupSample", "bad_characters",
+    "chain_errors", "chain_invalid", "chain_peers", "chain_problems", "ensemble_problems", "load_labelled",
+    "load_model_specs", "parse_model_spec", "problems_of", "repeated", "validate_spec", "warmup_problems",
 ]

@@ -43,6 +43,7 @@ class Framework(enum.StrEnum):
     ONNX = "onnx"
     TORCHSCRIPT = "torchscript"
     PYTORCH = "pytorch"
+    SERVER = "server"  # a model server the ModelSpec's `server` runs (`servers`)
 
 
 class Tier(enum.StrEnum):

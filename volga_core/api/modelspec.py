@@ -14,7 +14,7 @@ from typing import Annotated, Any
 
 import pydantic
 
-from volga_core.api import base
+from volga_core.api import base, servers
 
 
 class TensorSpec(base.Model):
@@ -439,7 +439,7 @@ class ModelSpecSpec(base.Model):
         description=f"the model's name in requests (the Open Inference Protocol's model name, or x-model-id); "
                     f"1-{base.MAX_NAME} lowercase letters, digits, '-' or '.' (a DNS-1123 subdomain), unique")
     framework: base.Framework = pydantic.Field(description="how the file is loaded: onnx (onnxruntime), torchscript "
-                                                      "(torch.jit.load) or pytorch")
+                                                      "(torch.jit.load) or pytorch; server: run `server`")
     source: str = pydantic.Field(
         min_length=1, max_length=4096, json_schema_extra={"pattern": "^(file://.+|(s3|https?|oci)://.+|[^:]+)$"},
         description="where the model file (or folder) is, at most 4096 characters: a local path or file:// URI on "
@@ -526,9 +526,23 @@ class ModelSpecSpec(base.Model):
             raise ValueError(f"{value!r} is not a content digest: write sha256: and 64 lowercase hex digits")
         return value
 
+    server: servers.ServerSpec | None = pydantic.Field(default=None, description=(
+        "with framework: server, the model server Volga runs instead of loading a file; source is then the "
+        "server's folder. Default: unset"))
+
+    @pydantic.model_validator(mode="after")
+    def _server(self) -> ModelSpecSpec:
+        if self.framework is base.Framework.SERVER and self.server is None:
+            raise _field_error("ModelSpecSpec", ("server",), "framework: server needs server (its command, protocol, "
+                                                             "readiness and hooks)")
+        if self.framework is not base.Framework.SERVER and self.server is not None:
+            raise _field_error("ModelSpecSpec", ("framework",), f"server is set, but framework is "
+                                                                f"{self.framework.value}: write framework: server")
+        return self
+
     @pydantic.model_validator(mode="after")
     def _signature(self) -> ModelSpecSpec:
-        if self.framework is not base.Framework.ONNX:
+        if self.framework not in (base.Framework.ONNX, base.Framework.SERVER):
             for field, tensors in (("inputs", self.inputs), ("outputs", self.outputs)):
                 if not tensors:
                     raise pydantic.ValidationError.from_exception_data("ModelSpecSpec", [{

@@ -1,0 +1,60 @@
+"""A ModelSpec naming a model server (`framework: server`): what it accepts and the errors that name the field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pydantic
+import pytest
+
+from volga_core import api
+
+
+def parse(server: dict[str, Any] | None, framework: str = "server") -> api.ModelSpecSpec:
+    body: dict[str, Any] = {"modelId": "srv", "framework": framework, "source": "/srv"}
+    if server is not None:
+        body["server"] = server
+    if framework != "server":
+        body |= {"inputs": [{"name": "x", "dtype": "FP32", "shape": [-1]}],
+                 "outputs": [{"name": "y", "dtype": "FP32", "shape": [-1]}]}
+    return api.ModelSpecSpec.model_validate(body)
+
+
+def error(server: dict[str, Any] | None, framework: str = "server") -> tuple[tuple[Any, ...], str]:
+    with pytest.raises(pydantic.ValidationError) as caught:
+        parse(server, framework)
+    first = caught.value.errors()[0]
+    return tuple(first["loc"]), first["msg"]
+
+
+def test_defaults_and_wire_names() -> None:
+    spec = parse({"command": ["python", "-m", "app", "--port", "{port}"],
+                  "hooks": {"signalFiles": True, "beforeCheckpoint": [{"path": "/sleep?level=1"}]},
+                  "canary": {"path": "/v1/x", "body": "{}", "expect": "ok"}})
+    assert spec.server is not None and not spec.has_signature
+    assert spec.server.protocol is api.Protocol.HTTP and spec.server.listen is api.Listen.PORT
+    assert spec.server.hooks.before_checkpoint[0].method == "POST"
+    wire = spec.to_wire()["server"]
+    assert wire["hooks"]["signalFiles"] is True and wire["readiness"]["path"] == "/"
+    assert api.ModelSpecSpec.model_validate(spec.to_wire()) == spec
+
+
+@pytest.mark.parametrize(("server", "framework", "loc", "words"), [
+    (None, "server", ("server",), "framework: server needs server"),
+    ({"command": ["x"]}, "onnx", ("framework",), "write framework: server"),
+    ({"command": []}, "server", ("server", "command"), "at least 1"),
+    ({"command": ["x", "{socket}"]}, "server", ("server",), "listen is port"),
+    ({"command": ["x", "{port}"], "listen": "unix"}, "server", ("server",), "listen is unix"),
+    ({"command": ["x"], "listen": "unix", "protocol": "oip-grpc"}, "server", ("server",), "oip-grpc"),
+    ({"command": ["x"], "env": {"1BAD": "v"}}, "server", ("server", "env"), "'1BAD'"),
+    ({"command": ["x"], "env": {"VOLGA_SIGNAL_DIR": "v"}}, "server", ("server", "env"), "set by Volga"),
+    ({"command": ["x"], "readiness": {"path": "health"}}, "server", ("server", "readiness", "path"), "starts with '/'"),
+    ({"command": ["x"], "hooks": {"afterRestore": [{"path": "/w", "method": "DELETE"}]}}, "server",
+     ("server", "hooks", "afterRestore", 0, "method"), "GET|POST|PUT"),
+    ({"command": ["x"], "protocol": "grpc"}, "server", ("server", "protocol"), "oip-http"),
+])
+def test_errors_name_the_field(server: dict[str, Any] | None, framework: str, loc: tuple[Any, ...],
+                               words: str) -> None:
+    where, message = error(server, framework)
+    assert where == loc
+    assert words in message

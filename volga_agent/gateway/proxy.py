@@ -1,0 +1,143 @@
+"""The gateway's path to model servers (`framework: server`): HTTP requests proxied to the server a request names.
+
+The model is `x-model-id`, or for the Open Inference Protocol's routes the model in the URL
+(`/v2/models/{model}/...`; both given and different is the client's error, as for Volga's own models). The first
+request to a FROZEN server wakes it (`Servers.lease`, single-flight on the node side); the server is kept from being
+frozen until the answer has been passed on. OIP HTTP requests are passed through as they are; plain HTTP is
+forwarded under the server's path prefix only. An answer is streamed back chunk by chunk as the server writes it,
+so server-sent events and chunked answers stay streaming.
+
+Bounds as for every model: the body is read up to the gateway's request limit (413 above it), and `x-timeout-ms`
+bounds the wake and the whole exchange (504 when it passes). Each exchange opens its own connection to the server
+and closes it: a connection left open would be one more socket in the server's image.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import time
+from collections.abc import AsyncIterator, Iterable
+from typing import Protocol
+
+import aiohttp
+from aiohttp import web
+
+from volga_agent.gateway import dataplane, oip
+
+_OIP_MODEL = re.compile(r"^/v2/models/([^/]+)(/|$)")
+# Headers that belong to one connection (RFC 9110 7.6.1) and are not forwarded; the body's length is set again.
+_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+                  "transfer-encoding", "upgrade", "host", "content-length"})
+
+
+class Lease(Protocol):
+    """A HOT server that stays HOT until released."""
+
+    @property
+    def base_url(self) -> str: ...  # http://127.0.0.1:PORT or unix:PATH
+
+    @property
+    def path_prefix(self) -> str: ...
+
+    @property
+    def oip(self) -> bool: ...
+
+
+class Servers(Protocol):
+    """The node side: which model ids are servers, and a lease on one (waking it when needed)."""
+
+    def serves(self, model_id: str) -> bool: ...
+
+    def lease(self, model_id: str, timeout_sec: float | None) -> contextlib.AbstractAsyncContextManager[Lease]: ...
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+def _forwarded(pairs: Iterable[tuple[str, str]]) -> dict[str, str]:
+    return {k: v for k, v in pairs if k.lower() not in _HOP}
+
+
+def model_of(request: web.Request) -> str:
+    """The model a request names (OipError when the header and the URL disagree); "" when it names none."""
+    found = _OIP_MODEL.match(request.path)
+    return dataplane.model_id(dataplane.headers(request.headers.items()), found.group(1) if found else "")
+
+
+async def forward(request: web.Request, servers: Servers, model: str, max_request_bytes: int) -> web.StreamResponse:
+    """Proxy `request` to the server of `model`, streaming its answer back."""
+    timeout_ms = request.headers.get("x-timeout-ms")
+    try:
+        deadline = time.monotonic() + int(timeout_ms) / 1000 if timeout_ms else None
+    except ValueError:
+        return _error(400, f"x-timeout-ms {timeout_ms!r} is not a whole number of milliseconds")
+    try:
+        body = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        return _error(413, f"request body over {max_request_bytes} bytes")
+    try:
+        async with asyncio.timeout_at(None if deadline is None else _loop_time(deadline)):
+            async with servers.lease(model, None if deadline is None else deadline - time.monotonic()) as lease:
+                if not lease.oip and not request.path.startswith(lease.path_prefix):
+                    return _error(404, f"{model} serves paths under {lease.path_prefix}, not {request.path}")
+                return await _exchange(request, lease, body)
+    except TimeoutError:
+        return _error(504, f"{model}: no answer within x-timeout-ms {timeout_ms} (waking and answering)")
+
+
+def _loop_time(deadline: float) -> float:
+    return asyncio.get_running_loop().time() + (deadline - time.monotonic())
+
+
+async def _exchange(request: web.Request, lease: Lease, body: bytes) -> web.StreamResponse:
+    if lease.base_url.startswith("unix:"):
+        connector: aiohttp.BaseConnector = aiohttp.UnixConnector(path=lease.base_url[len("unix:"):],
+                                                                 force_close=True)
+        base = "http://localhost"
+    else:
+        connector, base = aiohttp.TCPConnector(force_close=True), lease.base_url
+    async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
+        try:
+            upstream_cm = session.request(request.method, base + request.path_qs, data=body or None,
+                                          headers=_forwarded(request.headers.items()), allow_redirects=False)
+            async with upstream_cm as upstream:
+                response = web.StreamResponse(status=upstream.status, reason=upstream.reason,
+                                              headers=_forwarded(upstream.headers.items()))
+                if upstream.headers.get("content-length") is None:
+                    response.enable_chunked_encoding()
+                else:
+                    response.content_length = int(upstream.headers["content-length"])
+                await response.prepare(request)
+                async for chunk in _chunks(upstream):
+                    await response.write(chunk)
+                await response.write_eof()
+                return response
+        except aiohttp.ClientError as exc:
+            return _error(502, f"the server did not answer: {exc}")
+
+
+async def _chunks(upstream: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    async for chunk in upstream.content.iter_any():
+        yield chunk
+
+
+def app(servers: Servers, max_request_bytes: int = 64 * 2**20) -> web.Application:
+    """An aiohttp application that proxies every request naming a server (404 for anything else)."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        try:
+            model = model_of(request)
+        except oip.OipError as exc:
+            return _error(exc.http_status, str(exc))
+        if not model:
+            return _error(400, "name the model: an x-model-id header (or /v2/models/{model}/... for OIP)")
+        if not servers.serves(model):
+            return _error(404, f"{model!r} is not a model server this gateway knows")
+        return await forward(request, servers, model, max_request_bytes)
+
+    web_app = web.Application(client_max_size=max_request_bytes)
+    web_app.router.add_route("*", "/{tail:.*}", handle)
+    return web_app
