@@ -35,7 +35,11 @@ mkdir -p "$work/lists/partial" "$work/debs" "$work/cache/archives/partial"
 echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] $mirror $suite main" >"$work/sources.list"
 apt_opts=(-o "Dir::Etc::SourceList=$work/sources.list" -o "Dir::Etc::SourceParts=/nonexistent"
           -o "Dir::State::Lists=$work/lists" -o "Dir::Cache=$work/cache" -o "Debug::NoLocking=1"
-          -o "APT::Get::List-Cleanup=0")
+          -o "APT::Get::List-Cleanup=0"
+          # A testing suite's Release carries a Valid-Until a few days ahead; a mirror that lags the clock (or an
+          # image build on a machine whose own apt config allows it) would otherwise be refused outright. The
+          # packages are still checked against the archive's signature and the Release's hashes.
+          -o "Acquire::Check-Valid-Until=false")
 apt-get "${apt_opts[@]}" -qq update
 # criu and everything it needs at run time in that suite (glibc included), real packages only.
 mapfile -t packages < <(apt-cache "${apt_opts[@]}" depends --recurse --no-recommends --no-suggests \
