@@ -210,6 +210,38 @@ def timed_frozen_wakes(n: int, is_frozen: Callable[[], bool], request: Callable[
             "agent_restore_mean_ms": round((after[0] - before[0]) / restores, 1) if restores else None}
 
 
+def freezes(url: str, model: str) -> float:
+    """How many times an agent froze `model` from HOT, from its /metrics (volga_tier_transition_latency_ms): the
+    agent's own count, where an EMI's status says the tier a moment later."""
+    import urllib.request
+
+    from prometheus_client import parser
+
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        text = resp.read().decode()
+    return sum(sample.value for family in parser.text_string_to_metric_families(text)
+               if family.name == "volga_tier_transition_latency_ms" for sample in family.samples
+               if sample.name.endswith("_count") and sample.labels.get("model") == model
+               and sample.labels.get("source") == "HOT" and sample.labels.get("target") == "FROZEN")
+
+
+class Wakes:
+    """Requests that each wake a FROZEN instance: before each, wait until the agent has frozen the model once more
+    than when the last request was sent (`frozen_before`: the count the first wait starts from)."""
+
+    def __init__(self, metrics_url: Callable[[], str], model: str, target: Callable[[], str],
+                 frozen_before: float = 0.0) -> None:
+        self.metrics_url, self.model, self.target = metrics_url, model, target
+        self.last = frozen_before
+
+    def is_frozen(self) -> bool:
+        return freezes(self.metrics_url(), self.model) > self.last
+
+    def request(self) -> np.ndarray:
+        self.last = freezes(self.metrics_url(), self.model)
+        return ask(self.target(), self.model)
+
+
 def restore_totals(url: str, model: str = "") -> tuple[float, float]:
     """(sum of ms, count) of FROZEN restores in an agent's /metrics (volga_snapshot_restore_latency_ms)."""
     import urllib.request
@@ -255,10 +287,11 @@ def bench(n: int = 10, progress: Callable[[str], None] = lambda _: None) -> dict
         report["install_to_first_answer_s"] = round(time.monotonic() - start, 2)
         report["install_first_answer_identical"] = bool(np.array_equal(answer, expected))
         progress("FROZEN wakes through the Service")
-        service = timed_frozen_wakes(
-            n, lambda: tiers(node, "bench") == ["FROZEN"], lambda: ask(installed.grpc_target(), "bench"),
-            expected, lambda what, check, timeout: node.wait(what, check, timeout=timeout),
-            lambda: agent_metrics_url(installed))
+        pod = Wakes(lambda: agent_metrics_url(installed), "bench", installed.grpc_target,
+                    frozen_before=freezes(agent_metrics_url(installed), "bench"))
+        service = timed_frozen_wakes(n, pod.is_frozen, pod.request, expected,
+                                     lambda what, check, timeout: node.wait(what, check, timeout=timeout),
+                                     pod.metrics_url)
         report["service"] = service
         node.helm("uninstall", RELEASE, "--namespace", NAMESPACE, "--wait", "--timeout", "120s", check=False)
     progress("FROZEN wakes under volga up")
@@ -274,23 +307,10 @@ def bench(n: int = 10, progress: Callable[[str], None] = lambda _: None) -> dict
 
 def _up_wakes(n: int, expected: np.ndarray, snapshots: pathlib.Path) -> dict[str, Any]:
     """The same model under `volga up` (its own process, as users run it), its images on the same filesystem as the
-    node's hostPath, frozen by the same idle timer, woken by the same client; a freeze is seen in its /metrics."""
-    import urllib.request
-
-    from prometheus_client import parser
-
-    model = defaultmodel.MODEL_ID
+    node's hostPath, frozen by the same idle timer, woken by the same client."""
     args = ["--idle-sec", str(IDLE_SEC), "--snapshot-dir", str(snapshots)]
     with harness.volga_up(args) as up:
-        target = up.endpoints["grpc"]
-
-        def freezes() -> float:
-            with urllib.request.urlopen(up.endpoints["metrics"], timeout=5) as resp:
-                text = resp.read().decode()
-            return sum(sample.value for family in parser.text_string_to_metric_families(text)
-                       if family.name == "volga_tier_transition_latency_ms" for sample in family.samples
-                       if sample.name.endswith("_count") and sample.labels.get("model") == model
-                       and sample.labels.get("source") == "HOT" and sample.labels.get("target") == "FROZEN")
+        wakes = Wakes(lambda: up.endpoints["metrics"], defaultmodel.MODEL_ID, lambda: up.endpoints["grpc"])
 
         def wait(what: str, check: Callable[[], Any], timeout: float) -> None:
             deadline = time.monotonic() + timeout
@@ -299,16 +319,7 @@ def _up_wakes(n: int, expected: np.ndarray, snapshots: pathlib.Path) -> dict[str
                     raise TimeoutError(f"{what} not reached within {timeout:.0f}s")
                 time.sleep(0.1)
 
-        woken = [0]
-
-        def is_frozen() -> bool:  # one freeze at the start (the pool floor), then one after each wake
-            return freezes() >= woken[0] + 1
-
-        def request() -> np.ndarray:
-            woken[0] += 1
-            return ask(target, model)
-
-        return timed_frozen_wakes(n, is_frozen, request, expected, wait, lambda: up.endpoints["metrics"])
+        return timed_frozen_wakes(n, wakes.is_frozen, wakes.request, expected, wait, wakes.metrics_url)
 
 
 def format_report(report: dict[str, Any]) -> str:
