@@ -19,7 +19,8 @@ $(VENV)/.installed: pyproject.toml
 criu:
 	scripts/install-criu.sh $(CRIU_PREFIX)
 
-# kube-apiserver, etcd, kwok and helm from the Go module proxy (about 8 minutes the first time, cached after).
+# kube-apiserver, etcd, kwok, helm and the real node's kubelet, kube-controller-manager, kube-scheduler and kube-proxy
+# from the Go module proxy (about 12 minutes the first time on 2 cores, cached after).
 $(K8S_BIN)/VERSIONS: scripts/build-k8s-bins.sh
 	scripts/build-k8s-bins.sh $(K8S_BIN)
 

@@ -193,18 +193,18 @@ def first_answer(target: str, model: str, timeout: float, seed: int = 5) -> np.n
 
 def timed_frozen_wakes(n: int, is_frozen: Callable[[], bool], request: Callable[[], np.ndarray],
                        expected: np.ndarray, wait: Callable[[str, Callable[[], Any], float], Any],
-                       metrics_url: Callable[[], str]) -> dict[str, Any]:
+                       metrics_url: str) -> dict[str, Any]:
     """n times: wait for the idle timer to freeze the instance, then time one request (send to answer). Beside it,
     the agent's own restore time over those wakes (its restore-latency histogram, before and after)."""
     seconds, mismatches = [], 0
-    before = restore_totals(metrics_url())
+    before = restore_totals(metrics_url)
     for _ in range(n):
         wait("the instance FROZEN after idling", is_frozen, 120.0)
         start = time.perf_counter()
         answer = request()
         seconds.append(time.perf_counter() - start)
         mismatches += int(not np.array_equal(answer, expected))
-    after = restore_totals(metrics_url())
+    after = restore_totals(metrics_url)
     restores = after[1] - before[1]
     return {"first_answer": reporting.summarize(seconds), "mismatches": mismatches, "restores": restores,
             "agent_restore_mean_ms": round((after[0] - before[0]) / restores, 1) if restores else None}
@@ -227,19 +227,22 @@ def freezes(url: str, model: str) -> float:
 
 class Wakes:
     """Requests that each wake a FROZEN instance: before each, wait until the agent has frozen the model once more
-    than when the last request was sent (`frozen_before`: the count the first wait starts from)."""
+    than before the last request (`frozen_before`: the count the first wait starts from). Nothing but the request
+    itself runs between the start and the end of its timing: the count is read before, the target is fixed."""
 
-    def __init__(self, metrics_url: Callable[[], str], model: str, target: Callable[[], str],
-                 frozen_before: float = 0.0) -> None:
+    def __init__(self, metrics_url: str, model: str, target: str, frozen_before: float = 0.0) -> None:
         self.metrics_url, self.model, self.target = metrics_url, model, target
         self.last = frozen_before
 
     def is_frozen(self) -> bool:
-        return freezes(self.metrics_url(), self.model) > self.last
+        count = freezes(self.metrics_url, self.model)
+        if count > self.last:
+            self.last = count
+            return True
+        return False
 
     def request(self) -> np.ndarray:
-        self.last = freezes(self.metrics_url(), self.model)
-        return ask(self.target(), self.model)
+        return ask(self.target, self.model)
 
 
 def restore_totals(url: str, model: str = "") -> tuple[float, float]:
@@ -287,11 +290,10 @@ def bench(n: int = 10, progress: Callable[[str], None] = lambda _: None) -> dict
         report["install_to_first_answer_s"] = round(time.monotonic() - start, 2)
         report["install_first_answer_identical"] = bool(np.array_equal(answer, expected))
         progress("FROZEN wakes through the Service")
-        pod = Wakes(lambda: agent_metrics_url(installed), "bench", installed.grpc_target,
-                    frozen_before=freezes(agent_metrics_url(installed), "bench"))
+        metrics = agent_metrics_url(installed)
+        pod = Wakes(metrics, "bench", installed.grpc_target(), frozen_before=freezes(metrics, "bench"))
         service = timed_frozen_wakes(n, pod.is_frozen, pod.request, expected,
-                                     lambda what, check, timeout: node.wait(what, check, timeout=timeout),
-                                     pod.metrics_url)
+                                     lambda what, check, timeout: node.wait(what, check, timeout=timeout), metrics)
         report["service"] = service
         node.helm("uninstall", RELEASE, "--namespace", NAMESPACE, "--wait", "--timeout", "120s", check=False)
     progress("FROZEN wakes under volga up")
@@ -310,7 +312,7 @@ def _up_wakes(n: int, expected: np.ndarray, snapshots: pathlib.Path) -> dict[str
     node's hostPath, frozen by the same idle timer, woken by the same client."""
     args = ["--idle-sec", str(IDLE_SEC), "--snapshot-dir", str(snapshots)]
     with harness.volga_up(args) as up:
-        wakes = Wakes(lambda: up.endpoints["metrics"], defaultmodel.MODEL_ID, lambda: up.endpoints["grpc"])
+        wakes = Wakes(up.endpoints["metrics"], defaultmodel.MODEL_ID, up.endpoints["grpc"])
 
         def wait(what: str, check: Callable[[], Any], timeout: float) -> None:
             deadline = time.monotonic() + timeout
