@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
 import shutil
 import tempfile
@@ -274,7 +275,10 @@ def agent_metrics_url(installed: Installed, port: int = 8012) -> str:
 def bench(n: int = 10, progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """The whole comparison in one run: a real node, the chart installed, then `volga up` on the same machine."""
     expected = reference()
-    report: dict[str, Any] = {"n": n, "model": defaultmodel.MODEL_ID}
+    report: dict[str, Any] = {"n": n, "model": defaultmodel.MODEL_ID, "device": reporting.device_description("cpu"),
+                              "kernel": os.uname().release,
+                              "load_average": [round(x, 2) for x in os.getloadavg()],
+                              "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     with realnode.RealNode() as node:
         report["node_start_s"] = round(node.last_start_s or 0.0, 2)
         progress("importing the images")

@@ -18,7 +18,8 @@ What the host needs changed for it, and why (each is put back by `stop()`; docs/
   - the node's address must not be a loopback one (the kubelet refuses it): the address of the default route's
     interface is used.
 State (etcd, containerd's content, the kubelet's pods) lives in one folder, removed by `stop()`; containerd's image
-store is kept under the cache folder (VOLGA_NODE_CACHE) so images are imported once per content.
+store is kept under the cache folder (VOLGA_NODE_CACHE) so images are imported once per content, and so is the host's
+state from before the start, until the stop: a node killed before its stop is cleaned up by the next start.
 """
 
 from __future__ import annotations
@@ -164,7 +165,7 @@ class RealNode:
         started = time.monotonic()
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock()
-        self._host = HostState.capture()
+        self._host = self._original_host()
         try:
             self.control_plane.start()
             self._start_containerd()
@@ -199,12 +200,35 @@ class RealNode:
         if self._host is not None:
             self._host.restore()
             self._host = None
+            self._host_file.unlink(missing_ok=True)
         subprocess.run(["ip", "link", "delete", BRIDGE], check=False, capture_output=True)
         _remove_cgroups("kubepods")
         shutil.rmtree(self.root, ignore_errors=True)
         if self._lock_file is not None:
             self._lock_file.close()  # releases the lock
             self._lock_file = None
+
+    @property
+    def _host_file(self) -> pathlib.Path:
+        return self.cache / "host-state.json"
+
+    def _original_host(self) -> HostState:
+        """The host as it was before any node: saved at a start, removed at the stop. Found at a start, it was left
+        by a node that was killed (its changes are still on the host): that node's leftovers go first, and its
+        saved state, not the host's present one, is what this node's stop puts back."""
+        if self._host_file.exists():
+            saved = HostState(**json.loads(self._host_file.read_text()))
+            for folder in pathlib.Path("/tmp").glob("volga-node-*"):
+                if folder != self.root:
+                    _unmount_below(folder)
+                    shutil.rmtree(folder, ignore_errors=True)
+            saved.restore()
+            _remove_cgroups("kubepods")
+            return saved
+        state = HostState.capture()
+        self._host_file.parent.mkdir(parents=True, exist_ok=True)
+        self._host_file.write_text(json.dumps(dataclasses.asdict(state)))
+        return state
 
     def _lock(self, timeout: float = 300.0) -> None:
         """One node at a time on a machine: a second one would capture the first's host changes as the state to

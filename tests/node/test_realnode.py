@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pathlib
 import subprocess
+import sys
+import time
 
 from volga_bench import realnode
 
@@ -42,3 +44,28 @@ def test_a_node_comes_up_and_its_stop_puts_the_host_back() -> None:
     assert not node.root.exists()
     for pid in pids.values():
         assert not pathlib.Path(f"/proc/{pid}").exists() or "zombie" in pathlib.Path(f"/proc/{pid}/status").read_text()
+
+
+def test_a_killed_node_is_cleaned_up_by_the_next_one() -> None:
+    """A node whose process is killed cannot put the host back; the next node's start does, from the state the
+    killed one saved, and its stop leaves the host as it was before either."""
+    before = host_state()
+    script = ("from volga_bench import realnode; import time\n"
+              "node = realnode.RealNode(); node.start(); print(node.root, flush=True); time.sleep(600)")
+    killed = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert killed.stdout is not None
+        root = pathlib.Path(killed.stdout.readline().strip())
+        assert root.is_dir(), "the first node did not start"
+    finally:
+        killed.kill()
+        killed.wait()
+    time.sleep(2)  # its parts die with it (their parent-death signal)
+    assert host_state() != before, "a killed node leaves its changes behind"
+    node = realnode.RealNode()
+    try:
+        node.start()
+        assert not root.exists(), "the killed node's folder was not removed"
+    finally:
+        node.stop()
+    assert host_state() == before
