@@ -78,9 +78,11 @@ class Installed:
 
 
 def values_args(folder: pathlib.Path, **settings: Any) -> list[str]:
-    """helm arguments: the node values file, the host folders of this run, and agent settings."""
+    """helm arguments: the node values file, the host folders of this run (snapshots, models, the model cache), and
+    agent settings."""
     args = ["-f", str(NODE_VALUES), "--set", f"agent.snapshots.hostPath={folder / 'snapshots'}",
-            "--set", f"agent.models.hostPath={folder / 'models'}"]
+            "--set", f"agent.models.hostPath={folder / 'models'}",
+            "--set", f"agent.modelCache.hostPath={folder / 'model-cache'}"]
     for name, value in settings.items():
         args += ["--set", f"agent.settings.{name}={value}"]
     return args
