@@ -10,7 +10,8 @@ node. The agent's pool already stops every worker and removes the images it made
 The DaemonSet is named by VOLGA_DAEMONSET ("namespace/name", from the chart). `Follower` watches it from the agent's
 start: `helm uninstall` deletes the agent's Role together with the DaemonSet, so a read at the stop is often denied,
 while a watch opened earlier still brings the deletion. At the stop the watch's view decides, else a read; when
-neither can say (an outage), the images stay: keeping a few files is the safe mistake, a wasted restore is not.
+neither can say (an outage), the images stay: keeping a few files is the safe mistake; removing them wrongly
+costs the next agent a cold start per model.
 """
 
 from __future__ import annotations
