@@ -64,12 +64,17 @@ def kube_client(control_plane: ControlPlane) -> Iterator[k8s_client.ApiClient]:
         api.close()  # type: ignore[no-untyped-call]
 
 
+def install_crds(cp: ControlPlane) -> None:
+    """Volga's CRDs (crds/), applied to a control plane and Established."""
+    cp.kubectl("apply", "-f", str(pathlib.Path(__file__).resolve().parent.parent / "crds"))
+    cp.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/modelspecs.volga.dev",
+               "crd/executablemodelinstances.volga.dev")
+
+
 @pytest.fixture(scope="session")
 def crds(control_plane: ControlPlane) -> None:
     """Volga's CRDs (crds/), applied to the session's control plane and Established."""
-    control_plane.kubectl("apply", "-f", str(pathlib.Path(__file__).resolve().parent.parent / "crds"))
-    control_plane.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/modelspecs.volga.dev",
-                          "crd/executablemodelinstances.volga.dev")
+    install_crds(control_plane)
 
 
 @pytest.fixture

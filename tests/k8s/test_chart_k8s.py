@@ -86,9 +86,11 @@ AGENT_ALLOWED = [
     ("list", "executablemodelinstances.volga.dev", "-A"), ("watch", "executablemodelinstances.volga.dev", "-A"),
     ("patch", "executablemodelinstances.volga.dev", "--subresource=status", "-n", "default"),
     ("patch", "modelspecs.volga.dev", "--subresource=status"),  # the calibrations asked for (status.calibrated)
+    ("get", "secrets", "-n", "default"),  # the one a ModelSpec names for its remote source, by name
 ]
 AGENT_FORBIDDEN = [
-    ("list", "nodes"), ("delete", "nodes"), ("update", "nodes"), ("create", "pods"), ("get", "secrets", "-A"),
+    ("list", "nodes"), ("delete", "nodes"), ("update", "nodes"), ("create", "pods"), ("list", "secrets", "-A"),
+    ("watch", "secrets", "-A"),
     ("list", "configmaps", "-A"), ("patch", "modelspecs.volga.dev"),
     ("create", "executablemodelinstances.volga.dev"), ("patch", "executablemodelinstances.volga.dev"),
     ("delete", "executablemodelinstances.volga.dev"), ("create", "events"), ("*", "*"),

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+import k8s_fixtures
 import numpy as np
 import pytest
 import stores
@@ -55,8 +56,15 @@ def reference(seed: int = 5) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def setup(control_plane: ControlPlane, crds: None, tmp_path_factory: pytest.TempPathFactory
-          ) -> Iterator[dict[str, Any]]:
+def control_plane(own_control_plane: ControlPlane) -> ControlPlane:
+    """A control plane of this module's own: on the session's, Nodes that earlier modules made (with no agent on
+    them) would take the ModelSpec's slot, and the EMI would never be fetched for."""
+    k8s_fixtures.install_crds(own_control_plane)
+    return own_control_plane
+
+
+@pytest.fixture(scope="module")
+def setup(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     folder = tmp_path_factory.mktemp("sources")
     s3 = stores.S3(folder)
     s3.client().create_bucket(Bucket="models")
