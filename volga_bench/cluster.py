@@ -103,12 +103,13 @@ def wait_ready(installed: Installed, timeout: float = 300.0) -> None:
     """Until the operator's and the agent's pods are Ready (every container)."""
     def ready() -> bool:
         pods = installed.pods("operator") + installed.pods("agent")
-        return len(pods) >= 2 and all(_pod_ready(p) for p in pods)
+        return len(pods) >= 2 and all(pod_ready(p) for p in pods)
 
     installed.node.wait("the operator and agent pods Ready", ready, timeout=timeout)
 
 
-def _pod_ready(pod: dict[str, Any]) -> bool:
+def pod_ready(pod: dict[str, Any]) -> bool:
+    """Ready (every container), and not being deleted."""
     if pod["metadata"].get("deletionTimestamp"):
         return False
     conditions = pod.get("status", {}).get("conditions", [])

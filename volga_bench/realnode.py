@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import json
 import os
 import pathlib
+import resource
 import shutil
 import signal
 import subprocess
@@ -233,8 +235,6 @@ class RealNode:
     def _lock(self, timeout: float = 300.0) -> None:
         """One node at a time on a machine: a second one would capture the first's host changes as the state to
         put back. Waits for a node that is stopping."""
-        import fcntl
-
         self._lock_file = open(LOCK_FILE, "a+")  # noqa: SIM115 - held until stop()
         deadline = time.monotonic() + timeout
         while True:
@@ -510,8 +510,6 @@ state = "{folder / 'state'}"
 
 
 def _hard_nofile() -> int:
-    import resource
-
     return int(resource.getrlimit(resource.RLIMIT_NOFILE)[1])
 
 

@@ -114,7 +114,7 @@ def test_install_freeze_wake_refreeze(node: realnode.RealNode, installed: cluste
     for component in ("operator", "agent"):
         [pod] = installed.pods(component)
         assert pod["spec"]["nodeName"] == realnode.NODE_NAME
-        assert cluster._pod_ready(pod), pod["status"]
+        assert cluster.pod_ready(pod), pod["status"]
     cluster.apply(node, cluster.modelspec(installed, MODEL))
     # The operator places one EMI; the agent cold-starts the worker and CRIU freezes it inside its container.
     node.wait("the EMI FROZEN", lambda: cluster.tiers(node, MODEL) == ["FROZEN"], timeout=300)
@@ -166,7 +166,7 @@ def test_agent_pod_deleted_mid_traffic(node: realnode.RealNode, installed: clust
         node.kubectl("delete", "pod", "-n", installed.namespace, old, "--wait=false")
         # The DaemonSet's new pod comes up and serves again.
         node.wait("a new agent pod Ready", lambda: any(
-            p["metadata"]["name"] != old and cluster._pod_ready(p) for p in installed.pods("agent")), timeout=240)
+            p["metadata"]["name"] != old and cluster.pod_ready(p) for p in installed.pods("agent")), timeout=240)
         served = len(answers)
         node.wait("traffic answered by the new pod", lambda: len(answers) >= served + 3, timeout=120)
     finally:
@@ -194,7 +194,7 @@ def test_helm_upgrade_keeps_frozen_images(node: realnode.RealNode, installed: cl
     node.helm("upgrade", installed.release, str(cluster.CHART), "--namespace", installed.namespace,
               *cluster.values_args(installed.folder, **cluster.IDLE_SETTINGS, snapshot_interval_sec=45))
     node.wait("the upgraded agent pod Ready", lambda: any(
-        p["metadata"]["name"] != old and cluster._pod_ready(p) for p in installed.pods("agent")), timeout=240)
+        p["metadata"]["name"] != old and cluster.pod_ready(p) for p in installed.pods("agent")), timeout=240)
     cluster.wait_ready(installed)
     node.wait("the EMI FROZEN under the new agent", lambda: cluster.tiers(node, MODEL) == ["FROZEN"], timeout=180)
     assert shared_role(node, MODEL) == "restored", cluster.emis(node, MODEL)[0]["status"]
