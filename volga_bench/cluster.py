@@ -214,19 +214,25 @@ def timed_frozen_wakes(n: int, is_frozen: Callable[[], bool], request: Callable[
             "agent_restore_mean_ms": round((after[0] - before[0]) / restores, 1) if restores else None}
 
 
-def freezes(url: str, model: str) -> float:
-    """How many times an agent froze `model` from HOT, from its /metrics (volga_tier_transition_latency_ms): the
-    agent's own count, where an EMI's status says the tier a moment later."""
+def histogram_total(url: str, family: str, suffix: str, **labels: str) -> float:
+    """The sum of one histogram's `_count` or `_sum` samples in an agent's /metrics, over the samples that carry
+    `labels`."""
     import urllib.request
 
     from prometheus_client import parser
 
     with urllib.request.urlopen(url, timeout=5) as resp:
         text = resp.read().decode()
-    return sum(sample.value for family in parser.text_string_to_metric_families(text)
-               if family.name == "volga_tier_transition_latency_ms" for sample in family.samples
-               if sample.name.endswith("_count") and sample.labels.get("model") == model
-               and sample.labels.get("source") == "HOT" and sample.labels.get("target") == "FROZEN")
+    return sum(sample.value for found in parser.text_string_to_metric_families(text) if found.name == family
+               for sample in found.samples if sample.name == family + suffix
+               and all(sample.labels.get(k) == v for k, v in labels.items()))
+
+
+def freezes(url: str, model: str) -> float:
+    """How many times an agent froze `model` from HOT (volga_tier_transition_latency_ms): the agent's own count,
+    where an EMI's status says the tier a moment later."""
+    return histogram_total(url, "volga_tier_transition_latency_ms", "_count", model=model, source="HOT",
+                           target="FROZEN")
 
 
 class Wakes:
@@ -249,25 +255,10 @@ class Wakes:
         return ask(self.target, self.model)
 
 
-def restore_totals(url: str, model: str = "") -> tuple[float, float]:
+def restore_totals(url: str) -> tuple[float, float]:
     """(sum of ms, count) of FROZEN restores in an agent's /metrics (volga_snapshot_restore_latency_ms)."""
-    import urllib.request
-
-    from prometheus_client import parser
-
-    with urllib.request.urlopen(url, timeout=5) as resp:
-        text = resp.read().decode()
-    total = count = 0.0
-    for family in parser.text_string_to_metric_families(text):
-        if family.name != "volga_snapshot_restore_latency_ms":
-            continue
-        for sample in family.samples:
-            if sample.labels.get("tier") == "FROZEN" and (not model or sample.labels.get("model") == model):
-                if sample.name.endswith("_sum"):
-                    total += sample.value
-                elif sample.name.endswith("_count"):
-                    count += sample.value
-    return total, count
+    family = "volga_snapshot_restore_latency_ms"
+    return histogram_total(url, family, "_sum", tier="FROZEN"), histogram_total(url, family, "_count", tier="FROZEN")
 
 
 def agent_metrics_url(installed: Installed, port: int = 8012) -> str:
