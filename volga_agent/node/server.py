@@ -18,6 +18,19 @@ in the instance's folder (`ServerSpec.listen`). A freeze and a wake are these st
 With the signal-file handshake (`hooks.signalFiles`, `worker.handshake`) the image is taken once, at the
 handshake, before the server opens any socket (so any CRIU 4 dumps it), and kept: every later freeze only stops
 the tree, and every wake restores that image. A wake that fails falls back to a cold start and is recorded so.
+
+On a GPU (the instance is given the driver's checkpoint API, `snapshot.cuda`), the ladder has two more rungs, and
+every process of the tree that holds a CUDA context (an open /dev/nvidia* file) is moved, each by its own PID:
+
+    WARM       the beforeCheckpoint hooks have run (vLLM's sleep: the KV cache released, the weights offloaded to
+               host memory); the process keeps its context. Only where the spec names such hooks.
+    SUSPENDED  the hooks, then the driver checkpoints each CUDA process (lock + checkpoint): the GPU state lands
+               in the process's host memory and the GPU holds nothing of it; the processes keep running.
+    FROZEN     from SUSPENDED, CRIU dumps the tree: the image carries what the driver left in host memory, so
+               what the hooks released before is what the image does not carry.
+
+A wake from each runs the rest in reverse: the restore, the driver's restore of each process (the node's restore
+gate orders them with the other instances'), the afterRestore hooks, the readiness probe, the canary.
 """
 
 from __future__ import annotations
@@ -40,7 +53,7 @@ from collections.abc import AsyncIterator, Iterable, Iterator
 from volga_agent import metrics
 from volga_agent.host import process
 from volga_agent.node import instance
-from volga_agent.snapshot import criu
+from volga_agent.snapshot import criu, cuda
 from volga_agent.worker import handshake, nsinit
 from volga_core import api
 
@@ -116,11 +129,49 @@ def _comm(pid: int) -> str:
         return "?"
 
 
+def cuda_processes(root: int) -> list[int]:
+    """The processes of the tree rooted at `root` that hold a CUDA context (an open /dev/nvidia* file), parents
+    first."""
+    found = []
+    for member in process.tree(root):
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{member}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{member}/fd/{fd}").startswith("/dev/nvidia"):
+                        found.append(member)
+                        break
+    return found
+
+
+def ns_pid(pid: int) -> int:
+    """The process's PID in its own (innermost) PID namespace: the server's tree keeps these across a restore."""
+    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("NSpid:"):
+            return int(line.split()[-1])
+    return pid
+
+
+_DEPTHS = {Tier.HOT: 0, Tier.WARM: 1, Tier.SUSPENDED: 2, Tier.FROZEN: 3, Tier.COLD: 4}
+
+
+def _depth(tier: Tier) -> int:
+    return _DEPTHS[tier]
+
+
+def floor_tier(pool: api.Pool) -> Tier:
+    """The tier a server is kept in when idle: the highest its pool floors name (FROZEN when they name none)."""
+    for tier, count in ((Tier.HOT, pool.hot), (Tier.WARM, pool.warm), (Tier.SUSPENDED, pool.suspended)):
+        if count:
+            return tier
+    return Tier.FROZEN
+
+
 class ServerInstance:
     """One server process tree and its tier; every move is timed and kept in `transitions`."""
 
     def __init__(self, spec: api.ModelSpecSpec, workdir: str | pathlib.Path, engine: criu.CriuEngine,
-                 name: str | None = None, agent_metrics: metrics.AgentMetrics | None = None) -> None:
+                 name: str | None = None, agent_metrics: metrics.AgentMetrics | None = None,
+                 driver: cuda.DriverCheckpoint | None = None) -> None:
         if spec.server is None:
             raise ValueError(f"{spec.model_id}: not a server ModelSpec (framework: server)")
         self.spec = spec
@@ -141,6 +192,10 @@ class ServerInstance:
         self.image: criu.Image | None = None
         self.handshake_image = False
         self.canary_answer: Answer | None = None
+        self.driver = driver  # the CUDA driver's checkpoint API: WARM and SUSPENDED, and FROZEN with a context
+        self.slept = False  # the beforeCheckpoint hooks ran and their afterRestore counterparts have not
+        self.gpu_pids: tuple[int, ...] = ()  # the processes the driver has checkpointed (the same after a restore)
+        self._handshake_gpu_pids: tuple[int, ...] = ()  # those the handshake image holds checkpointed
         self.transitions: list[instance.Transition] = []
         self.restore_failures = 0
         self.last_used = time.monotonic()
@@ -179,6 +234,8 @@ class ServerInstance:
                 return
             if self.tier is Tier.FROZEN:
                 self.wake()
+            elif self.tier in (Tier.WARM, Tier.SUSPENDED) and self.pid is not None and process.alive(self.pid):
+                self.wake_in_place()
             else:
                 self.start()
 
@@ -222,7 +279,7 @@ class ServerInstance:
                 self._await_handshake(began)
                 if self.image is None:
                     assert self.pid is not None
-                    self.image = self.engine.dump(self.pid, self.name, leave_running=True)
+                    self.image = self._dump_at_handshake(self.pid)
                     self.handshake_image = True
                 self._go_on()
             self._await_ready(began)
@@ -230,30 +287,139 @@ class ServerInstance:
             self.last_used = time.monotonic()
             self._record(source, Tier.HOT, began)
 
-    def freeze(self) -> None:
-        """HOT -> FROZEN (see the module docstring); FreezeRefused leaves it HOT, Busy when a request runs."""
+    # -- the GPU ladder -----------------------------------------------------------------------------------------
+    @property
+    def can_warm(self) -> bool:
+        """WARM is the hooks' tier: a GPU and beforeCheckpoint hooks to release what the server holds."""
+        return self.driver is not None and bool(self.server.hooks.before_checkpoint)
+
+    def _leave_hot(self) -> None:
+        """What a move down from HOT does first: no request may be running, and the canary's answer is recorded
+        (when the spec gives no expected one) while the server still answers it."""
+        with self._active_lock:
+            if self._active:
+                raise Busy(f"{self.name}: {self._active} request(s) in flight")
+        if self.server.canary is not None and self.server.canary.expect is None:
+            self.canary_answer = self._canary()
+
+    def _sleep_hooks(self) -> None:
+        """The beforeCheckpoint hooks, once until the afterRestore ones undo them."""
+        if not self.slept:
+            for hook in self.server.hooks.before_checkpoint:
+                self._hook(hook, "beforeCheckpoint")
+            self.slept = bool(self.server.hooks.before_checkpoint)
+
+    def _wake_hooks(self) -> None:
+        if self.slept:
+            for hook in self.server.hooks.after_restore:
+                self._hook(hook, "afterRestore")
+            self.slept = False
+
+    def _checkpoint_gpu(self) -> None:
+        """The driver checkpoints every process of the tree that holds a CUDA context, remembered by its PID in the
+        server's namespace (a restore gives the tree new PIDs outside it). A failure resumes those already done."""
+        assert self.pid is not None
+        if self.driver is None or self.gpu_pids:
+            return
+        done: list[int] = []
+        try:
+            for pid in cuda_processes(self.pid):
+                self.driver.suspend(pid)
+                done.append(pid)
+        except cuda.DriverCheckpointError:
+            for pid in done:
+                with contextlib.suppress(cuda.DriverCheckpointError):
+                    self.driver.resume(pid)
+            raise
+        self.gpu_pids = tuple(ns_pid(pid) for pid in done)
+
+    def _resume_gpu(self) -> None:
+        """The driver restores each process it checkpointed (through the node's restore gate)."""
+        if self.driver is None or not self.gpu_pids:
+            return
+        assert self.pid is not None
+        hosts = {ns_pid(pid): pid for pid in process.tree(self.pid)}
+        missing = [p for p in self.gpu_pids if p not in hosts]
+        if missing:
+            raise ServerError(f"{self.name}: the processes the driver checkpointed are gone (PIDs {missing} in the "
+                              "server's namespace)")
+        for inner in self.gpu_pids:
+            self.driver.resume(hosts[inner])
+        self.gpu_pids = ()
+
+    def _dump_at_handshake(self, pid: int) -> criu.Image:
+        """The handshake's image, the server left running: on a GPU its CUDA processes checkpointed by the driver
+        for the dump and restored after it, so the image holds them checkpointed (a wake restores them)."""
+        self._checkpoint_gpu()
+        try:
+            image = self.engine.dump(pid, self.name, leave_running=True)
+        finally:
+            self._handshake_gpu_pids = self.gpu_pids  # what every wake from this image restores
+            self._resume_gpu()
+        return image
+
+    def warm(self) -> None:
+        """HOT -> WARM on a GPU: the beforeCheckpoint hooks (vLLM's sleep); the process keeps its context."""
         with self._lock:
-            if self.tier is not Tier.HOT or self.pid is None:
-                raise instance.IllegalTransition(f"{self.name}: freeze from {self.tier.value}")
-            with self._active_lock:
-                if self._active:
-                    raise Busy(f"{self.name}: {self._active} request(s) in flight")
+            if self.tier is not Tier.HOT or self.pid is None or not self.can_warm:
+                raise instance.IllegalTransition(f"{self.name}: WARM from {self.tier.value}"
+                                                 + ("" if self.can_warm else " (needs a GPU and beforeCheckpoint "
+                                                    "hooks)"))
             began = time.perf_counter()
-            if self.server.canary is not None and self.server.canary.expect is None:
-                self.canary_answer = self._canary()
+            self._leave_hot()
+            self._sleep_hooks()
+            self.tier = Tier.WARM
+            self._record(Tier.HOT, Tier.WARM, began)
+
+    def suspend(self) -> None:
+        """HOT or WARM -> SUSPENDED on a GPU: the hooks, then the driver checkpoints each CUDA process. A driver that
+        cannot leaves the server as it was (its hooks undone)."""
+        with self._lock:
+            if self.tier not in (Tier.HOT, Tier.WARM) or self.pid is None or self.driver is None:
+                raise instance.IllegalTransition(f"{self.name}: SUSPENDED from {self.tier.value}"
+                                                 + ("" if self.driver is not None else " (no GPU driver)"))
+            began = time.perf_counter()
+            source = self.tier
+            if source is Tier.HOT:
+                self._leave_hot()
+            self._sleep_hooks()
+            try:
+                self._checkpoint_gpu()
+            except cuda.DriverCheckpointError:
+                if source is Tier.HOT:
+                    self._undo_before_checkpoint()
+                raise
+            self.tier = Tier.SUSPENDED
+            self._record(source, Tier.SUSPENDED, began)
+
+    def freeze(self) -> None:
+        """HOT, WARM or SUSPENDED -> FROZEN (see the module docstring); FreezeRefused leaves it as it was, Busy
+        when a request runs."""
+        with self._lock:
+            if self.tier not in (Tier.HOT, Tier.WARM, Tier.SUSPENDED) or self.pid is None:
+                raise instance.IllegalTransition(f"{self.name}: freeze from {self.tier.value}")
+            source = self.tier
+            began = time.perf_counter()
+            if source is Tier.HOT:
+                self._leave_hot()
             if self.handshake_image:
                 self._kill()
+                self.slept, self.gpu_pids = False, ()
             else:
                 refused = undumpable(self.pid)
                 if refused:
                     raise FreezeRefused(f"{self.name}: CRIU cannot dump this server: " + "; ".join(refused))
-                for hook in self.server.hooks.before_checkpoint:
-                    self._hook(hook, "beforeCheckpoint")
+                self._sleep_hooks()
+                try:
+                    self._checkpoint_gpu()
+                except cuda.DriverCheckpointError:
+                    self._back_to(source)
+                    raise
                 old = self.image
                 try:
                     self.image = self.engine.dump(self.pid, self.name)
                 except criu.CriuError as exc:
-                    self._undo_before_checkpoint()
+                    self._back_to(source)
                     if INET_REFUSED.search(str(exc)):
                         raise FreezeRefused(f"{self.name}: it holds TCP or UDP sockets, which this CRIU "
                                             f"({self.engine.criu}) cannot dump on this kernel (>= 6.16): install CRIU "
@@ -265,17 +431,26 @@ class ServerInstance:
                 if old is not None:
                     self.engine.remove(old)
             self.tier = Tier.FROZEN
-            self._record(Tier.HOT, Tier.FROZEN, began)
+            self._record(source, Tier.FROZEN, began)
+
+    def _back_to(self, source: Tier) -> None:
+        """A freeze that failed leaves the server running as it was before it: the driver's checkpoint undone
+        unless it was SUSPENDED, the hooks undone if it was HOT."""
+        if source is not Tier.SUSPENDED and self.gpu_pids and self.pid is not None and process.alive(self.pid):
+            with contextlib.suppress(cuda.DriverCheckpointError, ServerError):
+                self._resume_gpu()
+        if source is Tier.HOT:
+            self._undo_before_checkpoint()
 
     def _undo_before_checkpoint(self) -> None:
-        """A dump that failed leaves the server running: what beforeCheckpoint did (a sleep) is undone."""
-        if self.server.hooks.before_checkpoint and self.pid is not None and process.alive(self.pid):
-            for hook in self.server.hooks.after_restore:
-                with contextlib.suppress(ServerError):
-                    self._hook(hook, "afterRestore")
+        """A move down that failed leaves the server running: what beforeCheckpoint did (a sleep) is undone."""
+        if self.slept and self.pid is not None and process.alive(self.pid):
+            with contextlib.suppress(ServerError):
+                self._wake_hooks()
 
     def wake(self) -> None:
-        """FROZEN -> HOT through a restore; a failed one falls back to a cold start."""
+        """FROZEN -> HOT through a restore (then the driver's restore and the hooks, where the freeze took them);
+        a failed one falls back to a cold start."""
         with self._lock:
             if self.tier is not Tier.FROZEN or self.image is None:
                 raise instance.IllegalTransition(f"{self.name}: wake from {self.tier.value}")
@@ -288,41 +463,105 @@ class ServerInstance:
                 restored = self.engine.restore(self.image)
                 self.pid = restored.pid
                 phases["restore"] = restored.seconds
-                mark = time.perf_counter()
                 if self.handshake_image:
-                    self._go_on()
-                self._await_ready(began)
-                if not self.handshake_image:
-                    for hook in self.server.hooks.after_restore:
-                        self._hook(hook, "afterRestore")
-                self._check_canary()
-                phases["wake"] = time.perf_counter() - mark
-            except (criu.CriuError, ServerError, instance.CanaryMismatch, OSError) as exc:
-                log.warning("%s: wake failed, cold start instead: %s", self.name, exc)
-                self.restore_failures += 1
-                self._kill()
-                if self.image is not None:
-                    self.engine.keep_failure(self.image, self.name, (self.logfile,))
-                    self.engine.remove(self.image)
-                self.image, self.handshake_image = None, False
-                self.tier = Tier.COLD
-                self.start()
-                self.transitions[-1] = dataclasses.replace(self.transitions[-1], source=Tier.FROZEN, fallback=True,
-                                                           detail=str(exc)[:500])
-                if self.metrics is not None:
-                    self.metrics.restore_failures.labels(Tier.FROZEN.value, self.spec.model_id).inc()
+                    self.gpu_pids = self._handshake_gpu_pids
+                self._back_up(began, phases)
+            except (criu.CriuError, ServerError, instance.CanaryMismatch, OSError,
+                    cuda.DriverCheckpointError) as exc:
+                self._fall_back(Tier.FROZEN, exc)
                 return
             self.tier = Tier.HOT
             self.last_used = time.monotonic()
             self._record(Tier.FROZEN, Tier.HOT, began, phases=phases)
 
-    def demote_if_idle(self, idle_sec: float) -> bool:
-        """Freeze when HOT, unused for `idle_sec` and no request runs; whether it froze."""
+    def wake_in_place(self) -> None:
+        """WARM or SUSPENDED -> HOT: the driver's restore of each CUDA process, the afterRestore hooks, the canary;
+        a failed one falls back to a cold start."""
         with self._lock:
-            if self.tier is not Tier.HOT or time.monotonic() - self.last_used < idle_sec:
+            source = self.tier
+            if source not in (Tier.WARM, Tier.SUSPENDED) or self.pid is None:
+                raise instance.IllegalTransition(f"{self.name}: wake in place from {source.value}")
+            began = time.perf_counter()
+            phases: dict[str, float] = {}
+            try:
+                self._back_up(began, phases)
+            except (ServerError, instance.CanaryMismatch, OSError, cuda.DriverCheckpointError) as exc:
+                self._fall_back(source, exc)
+                return
+            self.tier = Tier.HOT
+            self.last_used = time.monotonic()
+            self._record(source, Tier.HOT, began, phases=phases)
+
+    def _back_up(self, began: float, phases: dict[str, float]) -> None:
+        """The wake's steps after the restore (where there was one), each timed into `phases`."""
+        mark = time.perf_counter()
+        if self.gpu_pids:
+            self._resume_gpu()
+            phases["driver"] = time.perf_counter() - mark
+            mark = time.perf_counter()
+        if self.handshake_image and self.tier is Tier.FROZEN:
+            self._go_on()
+        self._await_ready(began)
+        self._wake_hooks()
+        self._check_canary()
+        phases["wake"] = time.perf_counter() - mark
+
+    def _fall_back(self, source: Tier, exc: BaseException) -> None:
+        """A wake that failed: the server is started afresh (its image dropped), the move recorded as a fallback."""
+        log.warning("%s: wake failed, cold start instead: %s", self.name, exc)
+        self.restore_failures += 1
+        self._kill()
+        if self.image is not None and source is Tier.FROZEN:
+            self.engine.keep_failure(self.image, self.name, (self.logfile,))
+        if self.image is not None:
+            self.engine.remove(self.image)
+        self.image, self.handshake_image = None, False
+        self.slept, self.gpu_pids = False, ()
+        self.tier = Tier.COLD
+        self.start()
+        self.transitions[-1] = dataclasses.replace(self.transitions[-1], source=source, fallback=True,
+                                                   detail=str(exc)[:500])
+        if self.metrics is not None:
+            self.metrics.restore_failures.labels(source.value, self.spec.model_id).inc()
+
+    def settle(self, floor: Tier) -> None:
+        """Bring a started server down to `floor` (WARM and SUSPENDED on a GPU only; a tier its tree cannot take
+        is passed over, so a server holding no CUDA context goes from HOT to FROZEN)."""
+        with self._lock:
+            for tier in self._ladder():
+                if _depth(tier) > _depth(floor) or _depth(tier) <= _depth(self.tier):
+                    continue
+                self._enter(tier)
+
+    def _ladder(self) -> list[Tier]:
+        """The tiers below HOT this server can take, highest first."""
+        on_gpu = self.driver is not None and self.pid is not None and (
+            bool(self.gpu_pids) or bool(cuda_processes(self.pid)))
+        return ([Tier.WARM] if on_gpu and self.can_warm else []) + ([Tier.SUSPENDED] if on_gpu else []) + [
+            Tier.FROZEN]
+
+    def _enter(self, tier: Tier) -> None:
+        {Tier.WARM: self.warm, Tier.SUSPENDED: self.suspend, Tier.FROZEN: self.freeze}[tier]()
+
+    def demote_if_idle(self, idle_sec: float, gpu_idle: tuple[float, float] | None = None,
+                       floor: Tier = Tier.FROZEN) -> bool:
+        """One step down its ladder when unused long enough and no request runs, never below `floor`; whether it
+        moved. The waits are seconds since the last use, keyed by the tier entered: `idle_sec` before FROZEN,
+        `gpu_idle` before WARM and before SUSPENDED (`IdleSettings`' hot_sec and warm_sec; both `idle_sec` unless
+        given)."""
+        with self._lock:
+            if self.tier not in (Tier.HOT, Tier.WARM, Tier.SUSPENDED) or _depth(self.tier) >= _depth(floor):
+                return False
+            lower = [t for t in self._ladder() if _depth(t) > _depth(self.tier)]
+            if not lower:
+                return False
+            after = {Tier.WARM: gpu_idle[0] if gpu_idle else idle_sec,
+                     Tier.SUSPENDED: gpu_idle[1] if gpu_idle else idle_sec, Tier.FROZEN: idle_sec}
+            step = lower[0]  # each wait counts from the last use, as `IdleSettings` says
+            if _depth(step) > _depth(floor) or time.monotonic() - self.last_used < after[step]:
                 return False
             try:
-                self.freeze()
+                self._enter(step)
             except Busy:
                 return False
             return True
@@ -334,6 +573,7 @@ class ServerInstance:
             if self.image is not None:
                 self.engine.remove(self.image)
             self.image, self.handshake_image = None, False
+            self.slept, self.gpu_pids = False, ()
             self.tier = Tier.COLD
 
     def stats(self) -> dict[str, object]:
@@ -341,8 +581,10 @@ class ServerInstance:
         return {"tier": self.tier.value, "transitions": len(self.transitions),
                 "restore_failures": self.restore_failures,
                 "image_bytes": self.image.size_bytes if self.image is not None else 0,
+                "gpu_processes": len(self.gpu_pids), "slept": self.slept,
                 "last_wake_ms": next((t.seconds * 1000 for t in reversed(self.transitions)
-                                      if t.source is Tier.FROZEN), None)}
+                                      if t.target is Tier.HOT and t.source in (Tier.FROZEN, Tier.SUSPENDED, Tier.WARM)),
+                                     None)}
 
     # -- steps -------------------------------------------------------------------------------------------------
     def _spawn(self) -> None:
@@ -451,7 +693,7 @@ class ServerInstance:
         if self.metrics is not None:
             model = self.spec.model_id
             self.metrics.transition_latency.labels(source.value, target.value, model).observe(move.seconds * 1000)
-            if source is Tier.FROZEN:
+            if target is Tier.HOT and source in (Tier.FROZEN, Tier.SUSPENDED, Tier.WARM):
                 self.metrics.restore_latency.labels(source.value, model).observe(move.seconds * 1000)
                 for phase, seconds in move.phases.items():
                     self.metrics.wake_phase_latency.labels(source.value, phase, model).observe(seconds * 1000)
