@@ -104,6 +104,8 @@ def cmd_bench_tiers(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_server(args: argparse.Namespace) -> int:
+    if args.gpu:
+        return _bench_server_gpu(args)
     try:
         from volga_bench import server
     except ImportError as exc:
@@ -115,6 +117,25 @@ def cmd_bench_server(args: argparse.Namespace) -> int:
         + (f"FROZEN wake p50 {r['frozen_wake_ms']} ms ({r['speedup']}x), identical: {r['identical']}"
            if "dump_error" not in r else "CRIU cannot freeze it") for r in report["results"]))
     return 0 if all(r["identical"] for r in report["results"] if "dump_error" not in r) else 1
+
+
+def _bench_server_gpu(args: argparse.Namespace) -> int:
+    try:
+        from volga_bench import llmserver
+    except ImportError as exc:
+        return _no_bench("bench server --gpu", exc)
+    report = llmserver.bench(args.n, args.cold, [h for h in args.hooks.split(",") if h], args.cache_tokens,
+                             args.models, _progress(args.json))
+
+    def line(r: dict[str, Any]) -> str:
+        ttft = r["time_to_first_token_ms"]
+        return (f"{r['server']} (hooks: {r['hooks']}): first token p50 / p99 ms: SUSPENDED "
+                f"{ttft['suspended']['p50']} / {ttft['suspended']['p99']}, FROZEN {ttft['frozen']['p50']} / {ttft['frozen']['p99']}"
+                + (f", cold start {ttft['cold']['p50']}" if "cold" in ttft else "")
+                + f"; FROZEN {r['frozen_speedup']}x faster than a cold start; image "
+                f"{r['image_bytes'] / 2**30:.2f} GiB; identical: {r['identical']}")
+    _emit(args, report, lambda: "\n".join(line(r) for r in report["results"]))
+    return 0 if all(r["identical"] for r in report["results"]) else 1
 
 
 def cmd_bench_shared(args: argparse.Namespace) -> int:
@@ -351,6 +372,13 @@ def add_bench(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--compare-criu", default="", metavar="PATH",
                    help="with --listen-variants: also freeze the FastAPI server, on a port and on a Unix socket, with "
                         "this other criu binary (such as 4.1.1)")
+    p.add_argument("--gpu", action="store_true",
+                   help="an LLM server (1.17B parameters, KV cache, streaming) on the GPU instead: time to first token "
+                        "from a cold start, SUSPENDED and FROZEN, with and without the hooks that release its memory")
+    p.add_argument("--cold", type=int, default=3, help="with --gpu: cold starts")
+    p.add_argument("--hooks", default="", help="with --gpu: comma-separated: none, kv, weights (default: all)")
+    p.add_argument("--cache-tokens", type=int, default=32768, help="with --gpu: the KV cache's length in tokens")
+    p.add_argument("--models", help="with --gpu: where the model is written (default: the temporary folder)")
     _report_args(p)
     p.set_defaults(func=cmd_bench_server)
 

@@ -378,6 +378,9 @@ class ServerInstance:
             if self.tier not in (Tier.HOT, Tier.WARM) or self.pid is None or self.driver is None:
                 raise instance.IllegalTransition(f"{self.name}: SUSPENDED from {self.tier.value}"
                                                  + ("" if self.driver is not None else " (no GPU driver)"))
+            if not cuda_processes(self.pid):
+                raise ServerError(f"{self.name}: no process of the server holds a CUDA context (an open /dev/nvidia* "
+                                  "file): SUSPENDED is for GPU servers; this one goes from HOT to FROZEN")
             began = time.perf_counter()
             source = self.tier
             if source is Tier.HOT:

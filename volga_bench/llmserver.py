@@ -1,0 +1,198 @@
+"""`volga bench server --gpu`: an LLM server's time to first token from a cold start, from SUSPENDED and from
+FROZEN, with and without the hooks that release its memory before a checkpoint, in one run on one GPU.
+
+The server is `volga_bench.servers.llm_app` (a 1.17B-parameter Llama-architecture model in fp16 with a KV cache
+preallocated for `cache_tokens` tokens, streaming over HTTP; it knows nothing of Volga). It runs as a Volga server
+instance (`node.server.ServerInstance`) with the CUDA driver's checkpoint API, behind the gateway's proxy, once per
+way of sleeping:
+
+    none      no hooks: the driver's checkpoint carries the weights and the whole KV cache into host memory, and
+              CRIU's image carries them too
+    kv        `POST /sleep?level=1` before, `POST /wake_up` after: the KV cache released before the checkpoint
+    weights   `POST /sleep?level=2`: the KV cache and the weights released (read again from the model's file,
+              in the page cache, at wake-up)
+
+Each request streams `max_tokens` tokens; the time to first token is from the request sent to the first event
+received, the answer every event. `identical` says every answer of the run equals the first cold start's. Image
+sizes are CRIU's image folder; the SUSPENDED host memory is the tree's resident memory while suspended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pathlib
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from volga_agent.gateway import proxy
+from volga_agent.host import process
+from volga_agent.node import server
+from volga_agent.snapshot import criu, cuda
+from volga_bench import reporting
+from volga_core import api
+
+HOOKS = {"none": {}, "kv": {"beforeCheckpoint": [{"method": "POST", "path": "/sleep?level=1"}],
+                            "afterRestore": [{"method": "POST", "path": "/wake_up"}]},
+         "weights": {"beforeCheckpoint": [{"method": "POST", "path": "/sleep?level=2"}],
+                     "afterRestore": [{"method": "POST", "path": "/wake_up"}]}}
+PROMPT = {"prompt": "The tiers of a model instance are", "max_tokens": 32, "stream": True}
+CANARY = {"prompt": "canary", "max_tokens": 4}
+
+
+def spec(model_dir: pathlib.Path, cache_tokens: int, hooks: str) -> api.ModelSpecSpec:
+    return api.ModelSpecSpec.model_validate({
+        "modelId": "llm", "framework": "server", "source": str(model_dir),
+        "server": {"command": [sys.executable, "-m", "uvicorn", "volga_bench.servers.llm_app:app", "--port",
+                               "{port}", "--loop", "asyncio", "--no-access-log"],
+                   "env": {"LLM_MODEL_DIR": str(model_dir), "LLM_CACHE_TOKENS": str(cache_tokens),
+                           "PYTHONPATH": os.pathsep.join(filter(None, [
+                               str(pathlib.Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH")]))},
+                   "workingDir": str(model_dir), "protocol": "http", "pathPrefix": "/v1",
+                   "readiness": {"path": "/health", "timeoutSec": 600, "intervalMs": 20},
+                   "hooks": HOOKS[hooks],
+                   "canary": {"path": "/v1/completions", "body": json.dumps(CANARY)}}})
+
+
+async def _ask(url: str) -> tuple[float, float, bytes]:
+    """(time to first token, time to the whole answer) in ms, and the answer's events."""
+    began = time.perf_counter()
+    first = 0.0
+    body = b""
+    async with aiohttp.ClientSession() as session, session.post(
+            url + "/v1/completions", json=PROMPT, headers={"x-model-id": "llm"},
+            timeout=aiohttp.ClientTimeout(total=900)) as r:
+        async for chunk in r.content.iter_any():
+            if not first:
+                first = time.perf_counter()
+            body += chunk
+        if r.status != 200:
+            raise RuntimeError(f"llm: {r.status} {body[:300]!r}")
+    return (first - began) * 1000, (time.perf_counter() - began) * 1000, body
+
+
+def _rss(pid: int | None) -> int:
+    """The resident memory of the tree rooted at `pid`, in bytes."""
+    if pid is None:
+        return 0
+    total = 0
+    for member in process.tree(pid):
+        try:
+            for line in pathlib.Path(f"/proc/{member}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return total
+
+
+def _stats(values: list[float]) -> dict[str, Any]:
+    ordered = sorted(values)
+    return {"p50": round(statistics.median(ordered), 1),
+            "p99": round(ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))], 1),
+            "all": [round(v, 1) for v in values]}
+
+
+async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, cold: int, engine: criu.CriuEngine,
+               driver: cuda.DriverCheckpoint, work: pathlib.Path, progress: Callable[[str], None]) -> dict[str, Any]:
+    instance = server.ServerInstance(spec(model_dir, cache_tokens, hooks), work / hooks, engine, driver=driver)
+    fleet = server.Fleet([instance])
+    runner = web.AppRunner(proxy.app(fleet))
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    ttft: dict[str, list[float]] = {"cold": [], "suspended": [], "frozen": []}
+    answers: list[bytes] = []
+    images: list[int] = []
+    suspended_rss: list[int] = []
+    moves: dict[str, list[float]] = {"suspend": [], "freeze": []}
+    try:
+        for i in range(cold):
+            await asyncio.to_thread(instance.close)
+            first, whole, answer = await _ask(url)
+            ttft["cold"].append(first)
+            answers.append(answer)
+            progress(f"llm ({hooks}): cold start {i + 1}/{cold}: first token {first:.0f} ms, answer {whole:.0f} ms")
+        for i in range(n):
+            began = time.perf_counter()
+            await asyncio.to_thread(instance.suspend)
+            moves["suspend"].append((time.perf_counter() - began) * 1000)
+            suspended_rss.append(_rss(instance.pid))
+            first, whole, answer = await _ask(url)
+            ttft["suspended"].append(first)
+            answers.append(answer)
+            progress(f"llm ({hooks}): SUSPENDED wake {i + 1}/{n}: first token {first:.0f} ms")
+        for i in range(n):
+            began = time.perf_counter()
+            await asyncio.to_thread(instance.freeze)
+            moves["freeze"].append((time.perf_counter() - began) * 1000)
+            images.append(instance.image.size_bytes if instance.image is not None else 0)
+            first, whole, answer = await _ask(url)
+            ttft["frozen"].append(first)
+            answers.append(answer)
+            progress(f"llm ({hooks}): FROZEN wake {i + 1}/{n}: first token {first:.0f} ms, image "
+                     f"{images[-1] / 2**30:.2f} GiB")
+        wakes = [t for t in instance.transitions if t.target is api.Tier.HOT and t.source is not api.Tier.COLD]
+        phases = {tier.value: {name: _stats([t.phases[name] * 1000 for t in wakes if t.source is tier])
+                               for name in ("restore", "driver", "wake")
+                               if any(name in t.phases for t in wakes if t.source is tier)}
+                  for tier in (api.Tier.SUSPENDED, api.Tier.FROZEN)}
+        fallbacks = sum(t.fallback for t in instance.transitions)
+    finally:
+        await asyncio.to_thread(fleet.close)
+        await runner.cleanup()
+    cold_p50 = statistics.median(ttft["cold"]) if ttft["cold"] else None
+    frozen_p50 = statistics.median(ttft["frozen"])
+    return {"server": "llm-1b", "hooks": hooks, "cache_tokens": cache_tokens,
+            "cold_start_ms": round(cold_p50, 1) if cold_p50 else None,
+            "frozen_wake_ms": round(frozen_p50, 1), "suspended_wake_ms": round(statistics.median(ttft["suspended"]), 1),
+            "frozen_speedup": round(cold_p50 / frozen_p50, 1) if cold_p50 else None,
+            "time_to_first_token_ms": {k: _stats(v) for k, v in ttft.items() if v},
+            "wake_phases_ms": phases, "suspend_ms": _stats(moves["suspend"]), "freeze_ms": _stats(moves["freeze"]),
+            "image_bytes": int(statistics.median(images)),
+            "suspended_host_bytes": int(statistics.median(suspended_rss)),
+            "identical": fallbacks == 0 and all(a == answers[0] for a in answers), "restore_fallbacks": fallbacks,
+            "answer": answers[0].decode()[:400]}
+
+
+def bench(n: int = 10, cold: int = 3, hooks: list[str] | None = None, cache_tokens: int = 32768,
+          models: str | None = None, progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """Every way of sleeping in `hooks` (default: all), one after another on one GPU; the cold starts with the
+    first only (the hooks play no part in a cold start)."""
+    from volga_bench.servers import llm_app  # torch and transformers: the GPU machine's
+
+    hooks = hooks or list(HOOKS)
+    unknown = [h for h in hooks if h not in HOOKS]
+    if unknown:
+        raise ValueError(f"--hooks: {', '.join(unknown)}: choose from {', '.join(HOOKS)}")
+    model_dir = pathlib.Path(models or tempfile.gettempdir()) / "volga-llm-1b"
+    began = time.perf_counter()
+    llm_app.make_model(model_dir)
+    progress(f"model in {model_dir} ({(time.perf_counter() - began):.1f} s)")
+    engine_root = pathlib.Path(tempfile.mkdtemp(prefix="volga-bench-llm-", dir="/dev/shm"))
+    work = pathlib.Path(tempfile.mkdtemp(prefix="vbl-"))
+    driver = cuda.DriverCheckpoint()
+    try:
+        engine = criu.CriuEngine(engine_root / "criu", criu=criu.find_criu())
+        results = [asyncio.run(_one(h, model_dir, cache_tokens, n, cold if i == 0 else 0, engine, driver, work,
+                                    progress)) for i, h in enumerate(hooks)]
+        cold_ms = results[0]["cold_start_ms"]
+        for r in results[1:]:
+            r["frozen_speedup"] = round(cold_ms / r["frozen_wake_ms"], 1) if cold_ms else None
+        return {"bench": "server-gpu", "n": n, "cold_starts": cold, "device": reporting.device_description("cuda"),
+                "driver_api": driver.driver_api, "criu": engine.version().removeprefix("Version: "),
+                "kernel": platform.release(), "cpus": os.cpu_count(),
+                "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "results": results}
+    finally:
+        shutil.rmtree(engine_root, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)

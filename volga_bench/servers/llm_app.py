@@ -1,0 +1,183 @@
+"""An LLM server that knows nothing of Volga: a transformers causal LM on the GPU with a preallocated KV cache,
+generating greedily and streaming its tokens as server-sent events (an OpenAI-style `POST /v1/completions`).
+
+Its sleep mode follows vLLM's, so that Volga's hooks can call it before a checkpoint and after a restore:
+
+    POST /sleep?level=1   release the KV cache (its GPU memory goes back to the driver); the weights stay
+    POST /sleep?level=2   release the KV cache and the weights (read again from the model's file at wake-up)
+    POST /wake_up         allocate the KV cache again (and load the weights after level 2)
+
+Asleep, it answers completions with 503 and its health with 200, as vLLM does. The model folder (`LLM_MODEL_DIR`)
+holds a transformers `config.json` and `model.safetensors`; `make_model` writes one with seeded random weights.
+Tokens are bytes of the prompt (ids 3-258) in and ids out: the answers are compared, not read.
+
+Run: LLM_MODEL_DIR=DIR uvicorn volga_bench.servers.llm_app:app --port PORT --loop asyncio --no-access-log
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import pathlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from fastapi import FastAPI, HTTPException
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, StaticCache
+
+WEIGHTS = "model.safetensors"
+
+
+def config_1b(kv_heads: int = 16) -> LlamaConfig:
+    """A Llama-architecture decoder of 1.17B parameters (TinyLlama's shape with 16 KV heads: a KV cache of 1 MiB
+    per token in fp16)."""
+    return LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                       num_attention_heads=32, num_key_value_heads=kv_heads, max_position_embeddings=65536,
+                       tie_word_embeddings=False)
+
+
+def make_model(folder: str | pathlib.Path, seed: int = 0) -> pathlib.Path:
+    """Write the 1B model with seeded random weights (fp16) into `folder` (kept when already there)."""
+    folder = pathlib.Path(folder)
+    if (folder / WEIGHTS).exists():
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(config_1b()).half()
+    config_1b().save_pretrained(folder)
+    save_file({k: v.contiguous().cpu() for k, v in model.state_dict().items()}, str(folder / (WEIGHTS + ".tmp")))
+    (folder / (WEIGHTS + ".tmp")).rename(folder / WEIGHTS)
+    return folder
+
+
+class Engine:
+    """The model, its KV cache and the sleep levels; one generation at a time (one cache)."""
+
+    def __init__(self, folder: pathlib.Path, cache_tokens: int) -> None:
+        self.folder, self.cache_tokens = folder, cache_tokens
+        self.config = AutoConfig.from_pretrained(folder)
+        with torch.device("cuda"):  # made on the GPU (its random start is overwritten by the file's weights)
+            self.model = AutoModelForCausalLM.from_config(self.config, dtype=torch.float16).eval()
+        self.model.requires_grad_(False)
+        self._buffers = {n: b.clone() for n, b in self.model.named_buffers()}  # rotary tables: not in the file
+        self._load_weights(made=True)
+        self.cache: StaticCache | None = None
+        self.level = 0
+        self.lock = threading.Lock()
+        self._allocate_cache()
+
+    def _load_weights(self, made: bool = False) -> None:
+        if not made:
+            self.model.to_empty(device="cuda")
+        self.model.load_state_dict(load_file(str(self.folder / WEIGHTS), device="cuda"))
+        for name, value in self._buffers.items():
+            owner, _, leaf = name.rpartition(".")
+            self.model.get_submodule(owner).register_buffer(leaf, value.to("cuda"), persistent=False)
+
+    def _allocate_cache(self) -> None:
+        """The KV cache, allocated whole now (a one-token prefill makes a lazily allocated cache take its memory)."""
+        try:
+            self.cache = StaticCache(config=self.config, max_cache_len=self.cache_tokens)
+        except TypeError:  # transformers < 4.56: the cache's shape and place given up front
+            self.cache = StaticCache(config=self.config, max_batch_size=1, max_cache_len=self.cache_tokens,
+                                     device="cuda", dtype=torch.float16)
+        with torch.inference_mode():
+            self.model(input_ids=torch.zeros((1, 1), dtype=torch.long, device="cuda"), past_key_values=self.cache,
+                       cache_position=torch.zeros(1, dtype=torch.long, device="cuda"), use_cache=True)
+        torch.cuda.synchronize()
+
+    def sleep(self, level: int) -> None:
+        with self.lock:
+            if self.level:
+                return
+            self.cache = None
+            if level >= 2:
+                self.model.to_empty(device="meta")
+            gc.collect()
+            torch.cuda.empty_cache()
+            self.level = level
+
+    def wake_up(self) -> None:
+        with self.lock:
+            if not self.level:
+                return
+            if self.level >= 2:
+                self._load_weights()
+            self._allocate_cache()
+            self.level = 0
+
+    def generate(self, prompt: str, max_tokens: int) -> Iterator[int]:
+        """Greedy tokens, one by one. A streamed answer's steps run on whichever thread the web framework picks,
+        so each step enters inference mode (thread-local) itself; the lock is held from the first step to the last."""
+        ids = [3 + b for b in prompt.encode()][: self.cache_tokens - max_tokens] or [3]
+        self.lock.acquire()
+        try:
+            if self.level or self.cache is None:
+                raise HTTPException(503, "asleep: POST /wake_up first")
+            self.cache.reset()
+            tokens = torch.tensor([ids], device="cuda")
+            position = torch.arange(len(ids), device="cuda")
+            for _ in range(max_tokens):
+                with torch.inference_mode():
+                    logits = self.model(input_ids=tokens, past_key_values=self.cache, cache_position=position,
+                                        use_cache=True).logits
+                    token = int(logits[0, -1].argmax())
+                yield token
+                tokens = torch.tensor([[token]], device="cuda")
+                position = position[-1:] + 1
+        finally:
+            self.lock.release()
+
+
+engine = Engine(pathlib.Path(os.environ["LLM_MODEL_DIR"]), int(os.environ.get("LLM_CACHE_TOKENS", "32768")))
+app = FastAPI()
+
+
+class Completion(BaseModel):
+    prompt: str
+    max_tokens: int = 16
+    stream: bool = False
+
+
+@app.get("/health")
+def health() -> dict[str, Any]:
+    return {"status": "ok", "asleep": bool(engine.level)}
+
+
+@app.post("/sleep")
+def sleep(level: int = 1) -> dict[str, int]:
+    if level not in (1, 2):
+        raise HTTPException(400, f"level: 1 or 2, not {level}")
+    engine.sleep(level)
+    return {"level": level}
+
+
+@app.post("/wake_up")
+def wake_up() -> dict[str, bool]:
+    engine.wake_up()
+    return {"awake": True}
+
+
+@app.post("/v1/completions")
+def completions(request: Completion) -> Any:
+    if not 1 <= request.max_tokens <= 1024:
+        raise HTTPException(400, "max_tokens: 1 to 1024")
+    if engine.level:
+        raise HTTPException(503, "asleep: POST /wake_up first")
+    tokens = engine.generate(request.prompt, request.max_tokens)
+    if not request.stream:
+        return {"choices": [{"text": " ".join(str(t) for t in tokens)}]}
+
+    def events() -> Iterator[str]:
+        for token in tokens:
+            yield f"data: {json.dumps({'choices': [{'text': f'{token} '}]})}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
