@@ -130,7 +130,8 @@ def _bench_server_gpu(args: argparse.Namespace) -> int:
     def line(r: dict[str, Any]) -> str:
         ttft = r["time_to_first_token_ms"]
         return (f"{r['server']} (hooks: {r['hooks']}): first token p50 / p99 ms: SUSPENDED "
-                f"{ttft['suspended']['p50']} / {ttft['suspended']['p99']}, FROZEN {ttft['frozen']['p50']} / {ttft['frozen']['p99']}"
+                f"{ttft['suspended']['p50']} / {ttft['suspended']['p99']}, FROZEN {ttft['frozen']['p50']} / "
+                f"{ttft['frozen']['p99']}"
                 + (f", cold start {ttft['cold']['p50']}" if "cold" in ttft else "")
                 + f"; FROZEN {r['frozen_speedup']}x faster than a cold start; image "
                 f"{r['image_bytes'] / 2**30:.2f} GiB; identical: {r['identical']}")
