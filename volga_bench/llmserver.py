@@ -169,7 +169,7 @@ def bench(n: int = 10, cold: int = 3, hooks: list[str] | None = None, cache_toke
           models: str | None = None, progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """Every way of sleeping in `hooks` (default: all), one after another on one GPU; the cold starts with the
     first only (the hooks play no part in a cold start)."""
-    from volga_bench.servers import llm_app  # torch and transformers: the GPU machine's
+    from volga_bench.servers import llm_model  # torch and transformers: the GPU machine's
 
     hooks = hooks or list(HOOKS)
     unknown = [h for h in hooks if h not in HOOKS]
@@ -177,7 +177,7 @@ def bench(n: int = 10, cold: int = 3, hooks: list[str] | None = None, cache_toke
         raise ValueError(f"--hooks: {', '.join(unknown)}: choose from {', '.join(HOOKS)}")
     model_dir = pathlib.Path(models or tempfile.gettempdir()) / "volga-llm-1b"
     began = time.perf_counter()
-    llm_app.make_model(model_dir)
+    llm_model.make_model(model_dir)
     progress(f"model in {model_dir} ({(time.perf_counter() - began):.1f} s)")
     engine_root = pathlib.Path(tempfile.mkdtemp(prefix="volga-bench-llm-", dir="/dev/shm"))
     work = pathlib.Path(tempfile.mkdtemp(prefix="vbl-"))

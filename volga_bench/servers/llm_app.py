@@ -8,7 +8,8 @@ Its sleep mode follows vLLM's, so that Volga's hooks can call it before a checkp
     POST /wake_up         allocate the KV cache again (and load the weights after level 2)
 
 Asleep, it answers completions with 503 and its health with 200, as vLLM does. The model folder (`LLM_MODEL_DIR`)
-holds a transformers `config.json` and `model.safetensors`; `make_model` writes one with seeded random weights.
+holds a transformers `config.json` and `model.safetensors`; `llm_model.make_model` writes one with seeded random
+weights.
 Tokens are bytes of the prompt (ids 3-258) in and ids out: the answers are compared, not read.
 
 Run: LLM_MODEL_DIR=DIR uvicorn volga_bench.servers.llm_app:app --port PORT --loop asyncio --no-access-log
@@ -28,33 +29,10 @@ import torch
 from fastapi import FastAPI, HTTPException
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
-from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, StaticCache
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM, StaticCache
 
-WEIGHTS = "model.safetensors"
-
-
-def config_1b(kv_heads: int = 16) -> LlamaConfig:
-    """A Llama-architecture decoder of 1.17B parameters (TinyLlama's shape with 16 KV heads: a KV cache of 1 MiB
-    per token in fp16)."""
-    return LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
-                       num_attention_heads=32, num_key_value_heads=kv_heads, max_position_embeddings=65536,
-                       tie_word_embeddings=False)
-
-
-def make_model(folder: str | pathlib.Path, seed: int = 0) -> pathlib.Path:
-    """Write the 1B model with seeded random weights (fp16) into `folder` (kept when already there)."""
-    folder = pathlib.Path(folder)
-    if (folder / WEIGHTS).exists():
-        return folder
-    folder.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = AutoModelForCausalLM.from_config(config_1b()).half()
-    config_1b().save_pretrained(folder)
-    save_file({k: v.contiguous().cpu() for k, v in model.state_dict().items()}, str(folder / (WEIGHTS + ".tmp")))
-    (folder / (WEIGHTS + ".tmp")).rename(folder / WEIGHTS)
-    return folder
+from volga_bench.servers.llm_model import WEIGHTS
 
 
 class Engine:
