@@ -99,7 +99,8 @@ class Engine:
         try:
             if self.level or self.cache is None:
                 raise HTTPException(503, "asleep: POST /wake_up first")
-            self.cache.reset()
+            with torch.inference_mode():  # the cache's tensors were made in it
+                self.cache.reset()
             tokens = torch.tensor([ids], device="cuda")
             position = torch.arange(len(ids), device="cuda")
             for _ in range(max_tokens):
