@@ -30,7 +30,8 @@ from fastapi import FastAPI, HTTPException
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from safetensors.torch import load_file
-from transformers import AutoConfig, AutoModelForCausalLM, StaticCache
+from transformers import StaticCache
+from transformers.models.llama.modeling_llama import LlamaConfig, LlamaForCausalLM
 
 from volga_bench.servers.llm_model import WEIGHTS
 
@@ -40,9 +41,9 @@ class Engine:
 
     def __init__(self, folder: pathlib.Path, cache_tokens: int) -> None:
         self.folder, self.cache_tokens = folder, cache_tokens
-        self.config = AutoConfig.from_pretrained(folder)
+        self.config = LlamaConfig.from_pretrained(folder)
         with torch.device("cuda"):  # made on the GPU (its random start is overwritten by the file's weights)
-            self.model = AutoModelForCausalLM.from_config(self.config, dtype=torch.float16).eval()
+            self.model = LlamaForCausalLM(self.config).half().eval()
         self.model.requires_grad_(False)
         self._buffers = {n: b.clone() for n, b in self.model.named_buffers()}  # rotary tables: not in the file
         self._load_weights(made=True)
