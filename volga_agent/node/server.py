@@ -2,8 +2,9 @@
 of the whole tree) or COLD, with single-flight wakes, idle demotion and a canary checked after each restore.
 
 The server is started as the init of its own PID namespace (`worker.nsinit --keep`), so its tree restores with
-its own PIDs, as many times as needed. It listens where the instance says: a free loopback port or a Unix socket
-in the instance's folder (`ServerSpec.listen`). A freeze and a wake are these steps:
+its own PIDs, as many times as needed (on a GPU without one: CUDA fails in it). It listens where the instance
+says: a free loopback port or a Unix socket in the instance's folder (`ServerSpec.listen`). A freeze and a wake
+are these steps:
 
     freeze  check  refuse a tree holding what CRIU cannot dump (inotify, io_uring), naming it
             record the canary's answer, when the spec gives no expected one
@@ -610,8 +611,11 @@ class ServerInstance:
         cwd = self.server.working_dir or str(self.spec.source_path)
         command = [fill(arg) for arg in self.server.command]
         nsinit.become_subreaper()
-        out = subprocess.run([sys.executable, "-m", "volga_agent.worker.nsinit", "--keep", str(self.logfile), "--",
-                              *command], capture_output=True, text=True, check=False, cwd=cwd, env=env)
+        # The CUDA runtime fails inside a PID namespace whose /proc is the host's (`worker.nsinit`): on a GPU the
+        # tree keeps host PIDs, which a restore then needs free (a failed one falls back to a cold start).
+        pidns = ["--no-pidns"] if self.driver is not None else []
+        out = subprocess.run([sys.executable, "-m", "volga_agent.worker.nsinit", *pidns, "--keep", str(self.logfile),
+                              "--", *command], capture_output=True, text=True, check=False, cwd=cwd, env=env)
         if out.returncode != 0:
             raise ServerError(f"{self.name}: could not start {command[0]!r}: {out.stderr.strip()}")
         self.pid = int(out.stdout.strip())
