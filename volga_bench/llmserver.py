@@ -8,9 +8,12 @@ way of sleeping:
 
     none      no hooks: the driver's checkpoint carries the weights and the whole KV cache into host memory, and
               CRIU's image carries them too
-    kv        `POST /sleep?level=1` before, `POST /wake_up` after: the KV cache released before the checkpoint
-    weights   `POST /sleep?level=2`: the KV cache and the weights released (read again from the model's file,
+    level1    `POST /sleep?level=1` before, `POST /wake_up` after (vLLM's sleep mode): the KV cache released and
+              the weights offloaded to pinned host memory before the checkpoint, copied back at wake-up
+    level2    `POST /sleep?level=2`: the KV cache and the weights released (read again from the model's file,
               in the page cache, at wake-up)
+
+FROZEN wakes use CRIU lazy pages except with level1 (`LAZY`).
 
 Each request streams `max_tokens` tokens; the time to first token is from the request sent to the first event
 received, the answer every event. `identical` says every answer of the run equals the first cold start's. Image
@@ -42,10 +45,12 @@ from volga_agent.snapshot import criu, cuda
 from volga_bench import reporting
 from volga_core import api
 
-HOOKS = {"none": {}, "kv": {"beforeCheckpoint": [{"method": "POST", "path": "/sleep?level=1"}],
-                            "afterRestore": [{"method": "POST", "path": "/wake_up"}]},
-         "weights": {"beforeCheckpoint": [{"method": "POST", "path": "/sleep?level=2"}],
-                     "afterRestore": [{"method": "POST", "path": "/wake_up"}]}}
+SLEEP = {"afterRestore": [{"method": "POST", "path": "/wake_up"}]}
+HOOKS = {"none": {}, "level1": {"beforeCheckpoint": [{"method": "POST", "path": "/sleep?level=1"}], **SLEEP},
+         "level2": {"beforeCheckpoint": [{"method": "POST", "path": "/sleep?level=2"}], **SLEEP}}
+# Restored lazily unless the server holds pinned host memory at the driver's checkpoint (level 1 keeps its weights
+# there), which the driver cannot restore after a lazy restore.
+LAZY = {"none": True, "level1": False, "level2": True}
 PROMPT = {"prompt": "The tiers of a model instance are", "max_tokens": 32, "stream": True}
 CANARY = {"prompt": "canary", "max_tokens": 4}
 
@@ -105,7 +110,8 @@ def _stats(values: list[float]) -> dict[str, Any]:
 
 async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, cold: int, engine: criu.CriuEngine,
                driver: cuda.DriverCheckpoint, work: pathlib.Path, progress: Callable[[str], None]) -> dict[str, Any]:
-    instance = server.ServerInstance(spec(model_dir, cache_tokens, hooks), work / hooks, engine, driver=driver)
+    instance = server.ServerInstance(spec(model_dir, cache_tokens, hooks), work / hooks, engine, driver=driver,
+                                     lazy_restore=LAZY[hooks])
     fleet = server.Fleet([instance])
     runner = web.AppRunner(proxy.app(fleet))
     await runner.setup()
@@ -155,7 +161,7 @@ async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, c
         await runner.cleanup()
     cold_p50 = statistics.median(ttft["cold"]) if ttft["cold"] else None
     frozen_p50 = statistics.median(ttft["frozen"])
-    return {"server": "llm-1b", "hooks": hooks, "cache_tokens": cache_tokens,
+    return {"server": "llm-1b", "hooks": hooks, "lazy_restore": LAZY[hooks], "cache_tokens": cache_tokens,
             "cold_start_ms": round(cold_p50, 1) if cold_p50 else None,
             "frozen_wake_ms": round(frozen_p50, 1), "suspended_wake_ms": round(statistics.median(ttft["suspended"]), 1),
             "frozen_speedup": round(cold_p50 / frozen_p50, 1) if cold_p50 else None,

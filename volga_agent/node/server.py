@@ -172,7 +172,7 @@ class ServerInstance:
 
     def __init__(self, spec: api.ModelSpecSpec, workdir: str | pathlib.Path, engine: criu.CriuEngine,
                  name: str | None = None, agent_metrics: metrics.AgentMetrics | None = None,
-                 driver: cuda.DriverCheckpoint | None = None) -> None:
+                 driver: cuda.DriverCheckpoint | None = None, lazy_restore: bool = False) -> None:
         if spec.server is None:
             raise ValueError(f"{spec.model_id}: not a server ModelSpec (framework: server)")
         self.spec = spec
@@ -197,6 +197,11 @@ class ServerInstance:
         self.slept = False  # the beforeCheckpoint hooks ran and their afterRestore counterparts have not
         self.gpu_pids: tuple[int, ...] = ()  # the processes the driver has checkpointed (the same after a restore)
         self._handshake_gpu_pids: tuple[int, ...] = ()  # those the handshake image holds checkpointed
+        # FROZEN wakes with CRIU lazy pages: the tree runs before its memory is read. Not for a server that holds
+        # pinned host memory at the driver's checkpoint (the driver's restore fails after a lazy restore of it): a
+        # lazy wake whose driver restore fails turns them off for this instance, and falls back to a cold start.
+        self.lazy_restore = lazy_restore
+        self._restored: criu.Restored | None = None
         self.transitions: list[instance.Transition] = []
         self.restore_failures = 0
         self.last_used = time.monotonic()
@@ -421,6 +426,7 @@ class ServerInstance:
                     raise
                 old = self.image
                 try:
+                    self._all_pages_in()
                     self.image = self.engine.dump(self.pid, self.name)
                 except criu.CriuError as exc:
                     self._back_to(source)
@@ -436,6 +442,13 @@ class ServerInstance:
                     self.engine.remove(old)
             self.tier = Tier.FROZEN
             self._record(source, Tier.FROZEN, began)
+
+    def _all_pages_in(self) -> None:
+        """A tree restored lazily is dumped only once it holds all of its memory again (its lazy-pages daemon done)."""
+        if self._restored is not None:
+            self._restored.wait_for_pages(self.engine.deadlines.for_bytes(
+                self.image.size_bytes if self.image is not None else 0))  # CriuError when they do not all arrive
+            self._restored = None
 
     def _back_to(self, source: Tier) -> None:
         """A freeze that failed leaves the server running as it was before it: the driver's checkpoint undone
@@ -464,14 +477,19 @@ class ServerInstance:
                 (self.signals / handshake.RESTORED).unlink(missing_ok=True)
                 if self.unix:
                     self.socket_path.unlink(missing_ok=True)
-                restored = self.engine.restore(self.image)
-                self.pid = restored.pid
+                lazy = self.lazy_restore and self.image.lazy_restorable
+                restored = self.engine.restore(self.image, lazy=lazy)
+                self.pid, self._restored = restored.pid, restored
                 phases["restore"] = restored.seconds
                 if self.handshake_image:
                     self.gpu_pids = self._handshake_gpu_pids
                 self._back_up(began, phases)
             except (criu.CriuError, ServerError, instance.CanaryMismatch, OSError,
                     cuda.DriverCheckpointError) as exc:
+                if lazy and isinstance(exc, cuda.DriverCheckpointError):
+                    log.warning("%s: the driver could not restore it after a lazy restore: eager from now on",
+                                self.name)
+                    self.lazy_restore = False
                 self._fall_back(Tier.FROZEN, exc)
                 return
             self.tier = Tier.HOT
@@ -689,6 +707,9 @@ class ServerInstance:
                                           f"expected {want.status} {want.body[:200]!r}")
 
     def _kill(self) -> None:
+        if self._restored is not None:
+            self._restored.stop()
+            self._restored = None
         if self.pid is not None:
             if process.alive(self.pid):
                 process.kill_tree(self.pid)

@@ -3,9 +3,10 @@ generating greedily and streaming its tokens as server-sent events (an OpenAI-st
 
 Its sleep mode follows vLLM's, so that Volga's hooks can call it before a checkpoint and after a restore:
 
-    POST /sleep?level=1   release the KV cache (its GPU memory goes back to the driver); the weights stay
+    POST /sleep?level=1   offload the weights to pinned host memory and release the KV cache (their GPU memory goes
+                          back to the driver); wake-up copies the weights back at the pinned rate
     POST /sleep?level=2   release the KV cache and the weights (read again from the model's file at wake-up)
-    POST /wake_up         allocate the KV cache again (and load the weights after level 2)
+    POST /wake_up         allocate the KV cache again and bring the weights back
 
 Asleep, it answers completions with 503 and its health with 200, as vLLM does. The model folder (`LLM_MODEL_DIR`)
 holds a transformers `config.json` and `model.safetensors`; `llm_model.make_model` writes one with seeded random
@@ -48,6 +49,7 @@ class Engine:
         self._buffers = {n: b.clone() for n, b in self.model.named_buffers()}  # rotary tables: not in the file
         self._load_weights(made=True)
         self.cache: StaticCache | None = None
+        self._host: dict[str, torch.Tensor] | None = None  # the weights offloaded by a level-1 sleep
         self.level = 0
         self.lock = threading.Lock()
         self._allocate_cache()
@@ -55,7 +57,7 @@ class Engine:
     def _load_weights(self, made: bool = False) -> None:
         if not made:
             self.model.to_empty(device="cuda")
-        self.model.load_state_dict(load_file(str(self.folder / WEIGHTS), device="cuda"))
+        self.model.load_state_dict(load_file(str(self.folder / WEIGHTS)))  # mapped from the page cache, copied over
         for name, value in self._buffers.items():
             owner, _, leaf = name.rpartition(".")
             self.model.get_submodule(owner).register_buffer(leaf, value.to("cuda"), persistent=False)
@@ -77,17 +79,38 @@ class Engine:
             if self.level:
                 return
             self.cache = None
-            if level >= 2:
+            if level == 1:
+                self._offload()
+            else:
                 self.model.to_empty(device="meta")
             gc.collect()
             torch.cuda.empty_cache()
             self.level = level
 
+    def _offload(self) -> None:
+        """The weights into pinned host memory (allocated at the first sleep, kept for the next), off the GPU."""
+        params = dict(self.model.named_parameters())
+        if self._host is None:
+            self._host = {n: torch.empty(p.shape, dtype=p.dtype, pin_memory=True) for n, p in params.items()}
+        for name, param in params.items():
+            self._host[name].copy_(param.data, non_blocking=True)
+        torch.cuda.synchronize()
+        for param in params.values():
+            param.data = torch.empty(0, dtype=param.dtype, device="cuda")
+
+    def _reload(self) -> None:
+        assert self._host is not None
+        for name, param in self.model.named_parameters():
+            param.data = self._host[name].to("cuda", non_blocking=True)
+        torch.cuda.synchronize()
+
     def wake_up(self) -> None:
         with self.lock:
             if not self.level:
                 return
-            if self.level >= 2:
+            if self.level == 1:
+                self._reload()
+            else:
                 self._load_weights()
             self._allocate_cache()
             self.level = 0
