@@ -274,3 +274,48 @@ def test_volga_up_serves_a_frozen_server_through_its_gateway(engine: criu.CriuEn
     finally:
         bg.call(up.stop(), timeout=60)
         bg.close()
+
+
+class _NoCuda:
+    """The driver's checkpoint API for a server whose tree holds no CUDA context: the GPU ladder's WARM step is the
+    hooks alone, and nothing may be handed to the driver (any call fails the test)."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"driver.{name} called for a server without a CUDA context")
+
+
+def test_gpu_ladder_warm_is_the_hooks_tier(engine: criu.CriuEngine, workdir: pathlib.Path) -> None:
+    """On a GPU node: HOT -> WARM runs the beforeCheckpoint hooks (the server sleeps: 503), a wake in place runs
+    afterRestore and the canary; SUSPENDED is refused, naming why, for a tree without a CUDA context; FROZEN from
+    WARM keeps the server asleep in its image and the wake after the restore wakes it; idle demotion walks the
+    ladder without SUSPENDED."""
+    body = json.dumps({"prompt": "ladder", "tokens": 6}).encode()
+    hooks = {"beforeCheckpoint": [{"method": "POST", "path": "/sleep"}],
+             "afterRestore": [{"method": "POST", "path": "/wake_up"}]}
+    s = server.ServerInstance(spec("sleepy", [*STREAM, "--port", "{port}"], readiness={"path": "/health"},
+                                   hooks=hooks, canary={"path": "/v1/generate", "body": body.decode()}),
+                              workdir, engine, driver=_NoCuda())  # type: ignore[arg-type]
+    try:
+        s.start()
+        awake = s.call("POST", "/v1/generate", body)
+        assert awake.status == 200
+        s.warm()
+        assert s.tier is api.Tier.WARM and s.slept and s.call("POST", "/v1/generate", body).status == 503
+        with pytest.raises(server.ServerError, match="no process of the server holds a CUDA context"):
+            s.suspend()
+        assert s.tier is api.Tier.WARM
+        with s.serving():
+            assert s.call("POST", "/v1/generate", body) == awake
+        assert s.transitions[-1].source is api.Tier.WARM and not s.transitions[-1].fallback
+        s.warm()
+        s.freeze()
+        assert s.tier is api.Tier.FROZEN and s.pid is None and s.slept
+        with s.serving():
+            assert s.call("POST", "/v1/generate", body) == awake and not s.slept
+        wake = s.transitions[-1]
+        assert (wake.source, wake.fallback) == (api.Tier.FROZEN, False) and "restore" in wake.phases
+        assert s.demote_if_idle(0.0, gpu_idle=(0.0, 0.0)) and s.tier is api.Tier.WARM
+        assert not s.demote_if_idle(0.0, gpu_idle=(0.0, 0.0), floor=api.Tier.WARM) and s.tier is api.Tier.WARM
+        assert s.demote_if_idle(0.0, gpu_idle=(0.0, 0.0)) and s.tier is api.Tier.FROZEN  # SUSPENDED passed over
+    finally:
+        s.close()

@@ -41,7 +41,7 @@ from volga_agent.host import gpus, process
 from volga_agent.node import admission, pool, signature
 from volga_agent.node import server as servers
 from volga_agent.node.settings import Settings
-from volga_agent.snapshot import criu
+from volga_agent.snapshot import criu, cuda
 from volga_core import api, planner
 
 log = logging.getLogger(__name__)
@@ -114,8 +114,10 @@ class Embedded:
         self.fleet: servers.Fleet | None = None
         if self.server_specs:
             engine = criu.CriuEngine(snapshots / "servers", keep_failed=self.settings.keep_failed_restores)
+            # On a GPU node a server gets the driver's checkpoint API: WARM (its hooks) and SUSPENDED.
             self.fleet = servers.Fleet(servers.ServerInstance(spec, workroot / "servers" / spec.model_id, engine,
-                                                              agent_metrics=self.agent_metrics)
+                                                              agent_metrics=self.agent_metrics,
+                                                              driver=self.pool.driver)
                                        for spec in self.server_specs.values())
         self._servers_stop = threading.Event()
         self._servers_settled = threading.Event()  # each server brought to its floor's tier once
@@ -147,25 +149,27 @@ class Embedded:
         return path
 
     def _keep_servers(self, fleet: servers.Fleet) -> None:
-        """Bring each server to its pool floor's tier (HOT, else FROZEN), then freeze the idle ones, every tick."""
+        """Bring each server to its pool floor's tier (started, then moved down to it: `server.floor_tier`), then
+        move the idle ones down their ladder (on a GPU: WARM, SUSPENDED, FROZEN), every tick."""
+        idle = self.settings.idle
         for instance in fleet.instances.values():
-            floors = instance.spec.pool
+            floor = servers.floor_tier(instance.spec.pool)
+            pool_floors = instance.spec.pool
+            if not (pool_floors.hot or pool_floors.warm or pool_floors.suspended or pool_floors.frozen):
+                continue  # no floor: started by its first request
             try:
-                if floors.hot or floors.frozen:
-                    instance.ensure_hot()
-                if not floors.hot and floors.frozen:
-                    instance.freeze()
-            except (servers.ServerError, criu.CriuError) as exc:
+                instance.ensure_hot()
+                instance.settle(floor)
+            except (servers.ServerError, criu.CriuError, cuda.DriverCheckpointError) as exc:
                 log.error("model server %s: %s", instance.name, exc)
         self._servers_settled.set()
         while not self._servers_stop.wait(self.options.tick_sec):
             for instance in fleet.instances.values():
-                if instance.spec.pool.hot:
-                    continue
                 try:
-                    instance.demote_if_idle(self.settings.idle.suspended_sec)
-                except (servers.ServerError, criu.CriuError) as exc:
-                    log.warning("model server %s stays HOT: %s", instance.name, exc)
+                    instance.demote_if_idle(idle.suspended_sec, (idle.hot_sec, idle.warm_sec),
+                                            servers.floor_tier(instance.spec.pool))
+                except (servers.ServerError, criu.CriuError, cuda.DriverCheckpointError) as exc:
+                    log.warning("model server %s stays %s: %s", instance.name, instance.tier.value, exc)
 
     async def start(self) -> None:
         for name, reason in self.plan.unplaced.items():

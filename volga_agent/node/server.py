@@ -557,10 +557,9 @@ class ServerInstance:
 
     def _ladder(self) -> list[Tier]:
         """The tiers below HOT this server can take, highest first."""
-        on_gpu = self.driver is not None and self.pid is not None and (
+        cuda_context = self.driver is not None and self.pid is not None and (
             bool(self.gpu_pids) or bool(cuda_processes(self.pid)))
-        return ([Tier.WARM] if on_gpu and self.can_warm else []) + ([Tier.SUSPENDED] if on_gpu else []) + [
-            Tier.FROZEN]
+        return ([Tier.WARM] if self.can_warm else []) + ([Tier.SUSPENDED] if cuda_context else []) + [Tier.FROZEN]
 
     def _enter(self, tier: Tier) -> None:
         {Tier.WARM: self.warm, Tier.SUSPENDED: self.suspend, Tier.FROZEN: self.freeze}[tier]()
