@@ -32,7 +32,7 @@ import uvloop
 from volga_agent import auth, metrics, neighbours, ports
 from volga_agent.app import defaultmodel, server
 from volga_agent.autonomy import exchange, loop
-from volga_agent.gateway import app, catalog, links, siblings
+from volga_agent.gateway import app, catalog, links, proxy, siblings
 from volga_agent.host import gpus
 from volga_agent.node import admission, pool, signature
 from volga_agent.node.settings import Settings
@@ -307,7 +307,7 @@ def gateway_main(argv: list[str] | None = None) -> int:
                                 tls_client_ca_file=args.tls_client_ca,
                                 reuse_port=args.processes > 1 or args.sibling > 0)
         link = links.GrpcAgentLink(args.agent, agent_token)
-        gw = app.Gateway(models, link, settings)
+        gw = app.Gateway(models, link, settings, servers=proxy.AgentServers(models, link))
         exchanger = links.Exchanger(gw.dataplane, link)
         watcher: Any = None
         if args.kube:

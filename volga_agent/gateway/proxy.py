@@ -7,6 +7,9 @@ frozen until the answer has been passed on. OIP HTTP requests are passed through
 forwarded under the server's path prefix only. An answer is streamed back chunk by chunk as the server writes it,
 so server-sent events and chunked answers stay streaming.
 
+In a cluster the servers run in the node's agent: `AgentServers` leases one through the Agent API (Activate wakes
+it and keeps it HOT, Release lets it go idle again), and the server listens where Activate says.
+
 Bounds as for every model: the body is read up to the gateway's request limit (413 above it), and `x-timeout-ms`
 bounds the wake and the whole exchange (504 when it passes). Each exchange opens its own connection to the server
 and closes it: a connection left open would be one more socket in the server's image.
@@ -16,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import logging
 import re
 import time
 from collections.abc import AsyncIterator, Iterable
@@ -24,7 +29,11 @@ from typing import Protocol
 import aiohttp
 from aiohttp import web
 
-from volga_agent.gateway import dataplane, oip
+from volga_agent import errors
+from volga_agent.gateway import catalog, dataplane, links, oip
+from volga_core import api
+
+log = logging.getLogger(__name__)
 
 _OIP_MODEL = re.compile(r"^/v2/models/([^/]+)(/|$)")
 # Headers that belong to one connection (RFC 9110 7.6.1) and are not forwarded; the body's length is set again.
@@ -51,6 +60,46 @@ class Servers(Protocol):
     def serves(self, model_id: str) -> bool: ...
 
     def lease(self, model_id: str, timeout_sec: float | None) -> contextlib.AbstractAsyncContextManager[Lease]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentLease:
+    """A server the node's agent woke, where it listens."""
+
+    base_url: str
+    path_prefix: str
+    oip: bool
+
+
+class AgentLink(Protocol):
+    async def activate(self, model_id: str, device_hint: str, timeout_ms: int) -> links.Route: ...
+
+    async def release(self, instance: str) -> None: ...
+
+
+class AgentServers:
+    """The model servers of a cluster (the ModelSpecs in the gateway's catalog with `framework: server`), run by
+    this node's agent and leased through its Agent API."""
+
+    def __init__(self, models: catalog.Catalog, link: AgentLink) -> None:
+        self.models = models
+        self.link = link
+
+    def serves(self, model_id: str) -> bool:
+        return self.models.known(model_id) and self.models.get(model_id).framework is api.Framework.SERVER
+
+    @contextlib.asynccontextmanager
+    async def lease(self, model_id: str, timeout_sec: float | None) -> AsyncIterator[AgentLease]:
+        server = self.models.get(model_id).server
+        assert server is not None
+        route = await self.link.activate(model_id, "", max(1, round(timeout_sec * 1e3)) if timeout_sec else 0)
+        try:
+            yield AgentLease(route.socket, server.path_prefix, server.protocol is not api.Protocol.HTTP)
+        finally:
+            try:
+                await self.link.release(route.instance)
+            except ConnectionError as exc:
+                log.warning("%s: could not release %s: %s", model_id, route.instance, exc)
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -86,6 +135,10 @@ async def forward(request: web.Request, servers: Servers, model: str, max_reques
                 return await _exchange(request, lease, body)
     except TimeoutError:
         return _error(504, f"{model}: no answer within x-timeout-ms {timeout_ms} (waking and answering)")
+    except errors.UnknownModel as exc:
+        return _error(404, str(exc))
+    except errors.ActivationFailed as exc:
+        return _error(503, str(exc))
 
 
 def _loop_time(deadline: float) -> float:

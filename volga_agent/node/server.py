@@ -189,6 +189,12 @@ class ServerInstance:
             with self._active_lock:
                 self._active += 1
 
+    @property
+    def in_flight(self) -> int:
+        """Requests holding it HOT now (`acquire` without its `release`)."""
+        with self._active_lock:
+            return self._active
+
     def release(self) -> None:
         with self._active_lock:
             self._active -= 1

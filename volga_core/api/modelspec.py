@@ -390,7 +390,7 @@ class Runtime(base.Model):
 
 
 _UNIQUE_NAMES = "self.all(a, self.filter(b, b.name == a.name).size() == 1)"
-_SIGNATURE_READ = "self.framework == 'onnx' || (has(self.inputs) && has(self.outputs))"
+_SIGNATURE_READ = "self.framework in ['onnx', 'server'] || (has(self.inputs) && has(self.outputs))"
 _BATCH_FIRST = ("!has(self.runtime) || !has(self.runtime.dynamicBatching) || "
                 "!has(self.runtime.dynamicBatching.enabled) || !self.runtime.dynamicBatching.enabled || "
                 "((!has(self.inputs) || self.inputs.all(t, size(t.shape) > 0 && t.shape[0] == -1)) && "

@@ -1,0 +1,160 @@
+"""A model server (`framework: server`) in a cluster, on a real kube-apiserver + etcd with the real operator, a
+real agent in cluster mode and the real gateway: kubectl apply a ModelSpec naming KServe's `ModelServer` (custom
+pre/post-processing, knowing nothing of Volga; its files from the node's model root, this checkout); the operator
+places it, the agent starts it and CRIU freezes it (its EMI FROZEN and Ready, the image on disk); a request through
+the gateway by x-model-id wakes it from that image and answers as the HOT server does; the EMI says HOT, then FROZEN
+again once it has been idle; `volga status` lists it; kubectl delete stops the server and removes its image."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client as k8s
+from procs import Daemon, series, wait_for
+
+from volga_bench.controlplane import ControlPlane, free_ports
+from volga_core import api
+
+if not importlib.util.find_spec("kserve"):
+    pytest.skip("KServe comes with the peers extra (make setup)", allow_module_level=True)
+
+pytest_plugins = ["k8s_fixtures"]
+pytestmark = pytest.mark.slow
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+NODE = "srv-a"
+MODEL = "k8s-scorer"  # also the KServe model's name: its processes are found by it
+IDLE_SEC = 6.0
+ROWS = {"instances": [[float(i * j % 7) for i in range(16)] for j in range(1, 4)]}
+
+
+def _scorers() -> list[int]:
+    """The pids of this test's KServe server processes."""
+    pids = []
+    for proc in pathlib.Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                args = (proc / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"volga_bench.servers.kserve_scorer" in args and MODEL.encode() in args:
+                pids.append(int(proc.name))
+    return pids
+
+
+@pytest.fixture(scope="module")
+def cluster(control_plane: ControlPlane, crds: None, tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[dict[str, Any]]:
+    folder = tmp_path_factory.mktemp("servers")
+    api = control_plane.api_client()
+    k8s.CoreV1Api(api).create_node(k8s.V1Node(metadata=k8s.V1ObjectMeta(name=NODE)))
+    env = {**os.environ, "KUBECONFIG": str(control_plane.kubeconfig), "PYTHONUNBUFFERED": "1",
+           "VOLGA_RESYNC_SEC": "5"}
+    settings = folder / "settings.yaml"
+    # Servers run code: the node allows it, and their files come from its model root (this checkout).
+    settings.write_text(yaml.safe_dump({"allowModelCode": True, "modelRoots": [str(ROOT)],
+                                        "idle": {"hotSec": 1.0, "warmSec": 2.0, "suspendedSec": IDLE_SEC}}))
+    py = sys.executable
+    snapshots = folder / "snapshots"
+    metrics_port, = free_ports(1)
+    daemons = {"operator": Daemon("operator", [py, "-m", "volga_operator", "--liveness", "", "-v"], env, folder)}
+    daemons["agent"] = Daemon("agent", [
+        py, "-m", "volga_agent.app.daemons", "--kube", "--node", NODE, "--port", "0", "--metrics-port",
+        str(metrics_port), "--workdir", f"/tmp/vw-{NODE}", "--snapshot-dir", str(snapshots), "--settings",
+        str(settings), "-v"], env, folder, "volga-agent")
+    gateway = str(pathlib.Path(py).with_name("volga-gateway"))  # the console script, as the image runs it
+    daemons["gateway"] = Daemon("gateway", [
+        gateway, "--kube", "--agent", f"127.0.0.1:{daemons['agent'].port('Agent API')}", "--node", NODE,
+        "--host", "127.0.0.1", "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"], env, folder,
+        "volga-gateway")
+    http = re.search(r"HTTP [\d.]+:(\d+)", daemons["gateway"].line)
+    assert http, daemons["gateway"].line
+    yield {"http": f"http://127.0.0.1:{http.group(1)}", "snapshots": snapshots, "folder": folder,
+           "agent_metrics": f"http://127.0.0.1:{metrics_port}/metrics", "kubeconfig": str(control_plane.kubeconfig)}
+    codes = {name: d.stop() for name, d in daemons.items()}
+    api.close()
+    assert all(code == 0 for code in codes.values()), {n: (c, daemons[n].log.read_text()[-3000:])
+                                                       for n, c in codes.items() if c}
+    assert not _scorers(), "the agent left its server running"
+
+
+def modelspec() -> dict[str, Any]:
+    return {"apiVersion": api.API_VERSION, "kind": "ModelSpec",
+            "metadata": {"name": MODEL, "namespace": "default"},
+            "spec": {"modelId": MODEL, "framework": "server", "source": str(ROOT), "pool": {"hot": 0, "frozen": 1},
+                     "server": {"command": [sys.executable, "-m", "volga_bench.servers.kserve_scorer",
+                                            "--http_port", "{port}", "--enable_grpc", "false",
+                                            "--model_name", MODEL, "--configure_logging", "false"],
+                                "protocol": "oip-http", "env": {"UV_USE_IO_URING": "0"},
+                                "readiness": {"path": "/v2/health/ready"},
+                                "canary": {"path": f"/v1/models/{MODEL}:predict", "body": json.dumps(ROWS)}}}}
+
+
+def emi(cp: ControlPlane) -> dict[str, Any] | None:
+    items = json.loads(cp.kubectl("get", "emi", "-l", f"volga.dev/modelspec={MODEL}", "-o", "json").stdout)["items"]
+    return items[0] if len(items) == 1 else None
+
+
+def tier(cp: ControlPlane, want: str, ready: bool = True) -> dict[str, Any] | None:
+    found = emi(cp)
+    status = (found or {}).get("status") or {}
+    is_ready = any(c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions", ()))
+    return found if status.get("tier") == want and is_ready == ready else None
+
+
+def predict(url: str) -> tuple[int, Any]:
+    request = urllib.request.Request(f"{url}/v1/models/{MODEL}:predict", data=json.dumps(ROWS).encode(),
+                                     headers={"x-model-id": MODEL, "Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as reply:
+        return reply.status, json.loads(reply.read())
+
+
+def test_server_modelspec_frozen_woken_through_the_gateway_and_deleted(
+        control_plane: ControlPlane, cluster: dict[str, Any], tmp_path: pathlib.Path) -> None:
+    cp = control_plane
+    path = tmp_path / "server.yaml"
+    path.write_text(yaml.safe_dump(modelspec()))
+    cp.kubectl("apply", "-f", str(path))
+    # Placed, started, frozen by CRIU: its floor.
+    frozen = wait_for("the server's EMI FROZEN and Ready", lambda: tier(cp, "FROZEN"), timeout=240)
+    assert frozen["spec"]["node"] == NODE and frozen["status"]["snapshotBytes"] > 0
+    assert any(cluster["snapshots"].rglob("pstree.img")), "no CRIU image of the server"
+    assert not _scorers(), "FROZEN, yet its processes run"
+    # `volga status` (cluster) lists it.
+    out = subprocess.run([sys.executable, "-m", "volga_agent.cli", "status", "--kubeconfig", cluster["kubeconfig"],
+                          "--json"], capture_output=True, text=True, check=True, cwd=ROOT)
+    [listed] = [m for m in json.loads(out.stdout)["models"] if m["modelId"] == MODEL]
+    assert [(i["node"], i["tier"]) for i in listed["instanceList"]] == [(NODE, "FROZEN")], listed
+
+    # A request through the gateway by x-model-id wakes it from that image; the HOT server answers the same.
+    status, woken = predict(cluster["http"])
+    assert status == 200 and len(woken["predictions"]) == 3
+    status, hot = predict(cluster["http"])
+    assert status == 200 and hot == woken
+    wakes = series(cluster["agent_metrics"], "volga_activations_total")
+    assert wakes.get(f'{{model="{MODEL}",tier="FROZEN"}}') == 1.0, wakes
+    assert not series(cluster["agent_metrics"], "volga_snapshot_restore_failures_total"), "the wake fell back"
+    wait_for("the EMI reported HOT", lambda: tier(cp, "HOT"))
+
+    # Idle for IDLE_SEC: frozen again, and a second wake answers the same.
+    wait_for("the EMI FROZEN again after idle", lambda: tier(cp, "FROZEN"), timeout=60)
+    wait_for("its processes gone", lambda: not _scorers())
+    assert predict(cluster["http"]) == (200, hot)
+    wakes = series(cluster["agent_metrics"], "volga_activations_total")
+    assert wakes.get(f'{{model="{MODEL}",tier="FROZEN"}}') == 2.0, wakes
+
+    # Deleted: the server stops and its image goes.
+    cp.kubectl("delete", "ms", MODEL, "--timeout=120s")
+    wait_for("EMI gone", lambda: json.loads(cp.kubectl("get", "emi", "-o", "json").stdout)["items"] == [])
+    wait_for("server processes gone", lambda: not _scorers())
+    wait_for("image removed", lambda: not any(cluster["snapshots"].rglob("pstree.img")))
