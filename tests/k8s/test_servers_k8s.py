@@ -3,7 +3,9 @@ real agent in cluster mode and the real gateway: kubectl apply a ModelSpec namin
 pre/post-processing, knowing nothing of Volga; its files from the node's model root, this checkout); the operator
 places it, the agent starts it and CRIU freezes it (its EMI FROZEN and Ready, the image on disk); a request through
 the gateway by x-model-id wakes it from that image and answers as the HOT server does; the EMI says HOT, then FROZEN
-again once it has been idle; `volga status` lists it; kubectl delete stops the server and removes its image."""
+again once it has been idle; `volga status` lists it; kubectl delete stops the server and removes its image.
+The same server speaking the Open Inference Protocol over gRPC (`protocol: oip-grpc`) answers an unmodified
+tritonclient.grpc through the gateway's gRPC port, frozen and woken by the call, by the model name in the message."""
 
 from __future__ import annotations
 
@@ -18,7 +20,9 @@ import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 import yaml
 from kubernetes import client as k8s
 from procs import Daemon, series, wait_for
@@ -34,12 +38,13 @@ pytestmark = pytest.mark.slow
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 NODE = "srv-a"
 MODEL = "k8s-scorer"  # also the KServe model's name: its processes are found by it
+GRPC_MODEL = "k8s-grpc-scorer"
 IDLE_SEC = 6.0
 ROWS = {"instances": [[float(i * j % 7) for i in range(16)] for j in range(1, 4)]}
 
 
-def _scorers() -> list[int]:
-    """The pids of this test's KServe server processes."""
+def _scorers(model: str = MODEL) -> list[int]:
+    """The pids of the KServe server processes of `model`."""
     pids = []
     for proc in pathlib.Path("/proc").iterdir():
         if proc.name.isdigit():
@@ -47,7 +52,7 @@ def _scorers() -> list[int]:
                 args = (proc / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"volga_bench.servers.kserve_scorer" in args and MODEL.encode() in args:
+            if b"volga_bench.servers.kserve_scorer" in args and model.encode() in args:
                 pids.append(int(proc.name))
     return pids
 
@@ -79,13 +84,13 @@ def cluster(control_plane: ControlPlane, crds: None, tmp_path_factory: pytest.Te
         "volga-gateway")
     http = re.search(r"HTTP [\d.]+:(\d+)", daemons["gateway"].line)
     assert http, daemons["gateway"].line
-    yield {"http": f"http://127.0.0.1:{http.group(1)}", "snapshots": snapshots, "folder": folder,
+    yield {"http": f"http://127.0.0.1:{http.group(1)}", "grpc": f"127.0.0.1:{daemons['gateway'].port('gRPC')}", "snapshots": snapshots, "folder": folder,
            "agent_metrics": f"http://127.0.0.1:{metrics_port}/metrics", "kubeconfig": str(control_plane.kubeconfig)}
     codes = {name: d.stop() for name, d in daemons.items()}
     api.close()
     assert all(code == 0 for code in codes.values()), {n: (c, daemons[n].log.read_text()[-3000:])
                                                        for n, c in codes.items() if c}
-    assert not _scorers(), "the agent left its server running"
+    assert not _scorers() and not _scorers(GRPC_MODEL), "the agent left its server running"
 
 
 def modelspec() -> dict[str, Any]:
@@ -100,13 +105,24 @@ def modelspec() -> dict[str, Any]:
                                 "canary": {"path": f"/v1/models/{MODEL}:predict", "body": json.dumps(ROWS)}}}}
 
 
-def emi(cp: ControlPlane) -> dict[str, Any] | None:
-    items = json.loads(cp.kubectl("get", "emi", "-l", f"volga.dev/modelspec={MODEL}", "-o", "json").stdout)["items"]
+def grpc_modelspec() -> dict[str, Any]:
+    doc = modelspec()
+    doc["metadata"]["name"] = doc["spec"]["modelId"] = GRPC_MODEL
+    server = doc["spec"]["server"]
+    server["command"] = [*server["command"][:3], "--http_port", "{port}", "--grpc_port", "{grpc_port}",
+                         "--model_name", GRPC_MODEL, "--configure_logging", "false"]
+    server["protocol"] = "oip-grpc"
+    server["canary"]["path"] = f"/v1/models/{GRPC_MODEL}:predict"
+    return dict(doc)
+
+
+def emi(cp: ControlPlane, model: str = MODEL) -> dict[str, Any] | None:
+    items = json.loads(cp.kubectl("get", "emi", "-l", f"volga.dev/modelspec={model}", "-o", "json").stdout)["items"]
     return items[0] if len(items) == 1 else None
 
 
-def tier(cp: ControlPlane, want: str, ready: bool = True) -> dict[str, Any] | None:
-    found = emi(cp)
+def tier(cp: ControlPlane, want: str, ready: bool = True, model: str = MODEL) -> dict[str, Any] | None:
+    found = emi(cp, model)
     status = (found or {}).get("status") or {}
     is_ready = any(c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions", ()))
     return found if status.get("tier") == want and is_ready == ready else None
@@ -158,3 +174,47 @@ def test_server_modelspec_frozen_woken_through_the_gateway_and_deleted(
     wait_for("EMI gone", lambda: json.loads(cp.kubectl("get", "emi", "-o", "json").stdout)["items"] == [])
     wait_for("server processes gone", lambda: not _scorers())
     wait_for("image removed", lambda: not any(cluster["snapshots"].rglob("pstree.img")))
+
+
+def infer_grpc(address: str) -> tuple[np.ndarray, np.ndarray]:
+    """An unmodified tritonclient.grpc call through the gateway, the model named in the message."""
+    rows = grpcclient.InferInput("rows", [3, 16], "FP32")
+    rows.set_data_from_numpy(np.asarray(ROWS["instances"], dtype=np.float32))
+    client = grpcclient.InferenceServerClient(address)
+    try:
+        answer = client.infer(GRPC_MODEL, [rows], client_timeout=120)
+        return answer.as_numpy("probabilities"), answer.as_numpy("label")
+    finally:
+        client.close()
+
+
+def test_oip_grpc_server_frozen_and_woken_by_tritonclient(control_plane: ControlPlane, cluster: dict[str, Any],
+                                                         tmp_path: pathlib.Path) -> None:
+    cp = control_plane
+    path = tmp_path / "grpc-server.yaml"
+    path.write_text(yaml.safe_dump(grpc_modelspec()))
+    cp.kubectl("apply", "-f", str(path))
+    wait_for("the gRPC server's EMI FROZEN and Ready", lambda: tier(cp, "FROZEN", model=GRPC_MODEL), timeout=240)
+    assert not _scorers(GRPC_MODEL), "FROZEN, yet its processes run"
+
+    woken = infer_grpc(cluster["grpc"])  # wakes it from its image
+    assert woken[0].shape == (3, 4) and woken[0].dtype == np.float64 and woken[1].shape == (3,)
+    hot = infer_grpc(cluster["grpc"])
+    assert all(np.array_equal(a, b) for a, b in zip(woken, hot, strict=True))
+    wakes = series(cluster["agent_metrics"], "volga_activations_total")
+    assert wakes.get(f'{{model="{GRPC_MODEL}",tier="FROZEN"}}') == 1.0, wakes
+    # The model's readiness and metadata pass through too (KServe's own answer, not the gateway's).
+    client = grpcclient.InferenceServerClient(cluster["grpc"])
+    try:
+        assert client.is_model_ready(GRPC_MODEL)
+        assert client.get_model_metadata(GRPC_MODEL).name == GRPC_MODEL
+    finally:
+        client.close()
+
+    wait_for("FROZEN again after idle", lambda: tier(cp, "FROZEN", model=GRPC_MODEL), timeout=60)
+    wait_for("its processes gone", lambda: not _scorers(GRPC_MODEL))
+    again = infer_grpc(cluster["grpc"])
+    assert all(np.array_equal(a, b) for a, b in zip(again, hot, strict=True))
+    assert not series(cluster["agent_metrics"], "volga_snapshot_restore_failures_total"), "a wake fell back"
+    cp.kubectl("delete", "ms", GRPC_MODEL, "--timeout=120s")
+    wait_for("server processes gone", lambda: not _scorers(GRPC_MODEL))

@@ -53,6 +53,9 @@ class Lease(Protocol):
     @property
     def oip(self) -> bool: ...
 
+    @property
+    def grpc_address(self) -> str: ...  # an oip-grpc server's gRPC (127.0.0.1:PORT); "" for the others
+
 
 class Servers(Protocol):
     """The node side: which model ids are servers, and a lease on one (waking it when needed)."""
@@ -69,6 +72,7 @@ class AgentLease:
     base_url: str
     path_prefix: str
     oip: bool
+    grpc_address: str
 
 
 class AgentLink(Protocol):
@@ -94,7 +98,8 @@ class AgentServers:
         assert server is not None
         route = await self.link.activate(model_id, "", max(1, round(timeout_sec * 1e3)) if timeout_sec else 0)
         try:
-            yield AgentLease(route.socket, server.path_prefix, server.protocol is not api.Protocol.HTTP)
+            base_url, grpc_address = api.split_address(route.socket)
+            yield AgentLease(base_url, server.path_prefix, server.protocol is not api.Protocol.HTTP, grpc_address)
         finally:
             try:
                 await self.link.release(route.instance)

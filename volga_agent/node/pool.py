@@ -460,11 +460,12 @@ class Pool:
                           activated.fallback)
 
     def _server_info(self, slot: serverpool.ServerSlot) -> InstanceInfo:
-        """A server's view; its `socket` is where it listens (http://127.0.0.1:PORT or unix:PATH)."""
+        """A server's view; its `socket` is where it listens (`api.listen_address`: http://127.0.0.1:PORT or unix:PATH,
+        and an oip-grpc server's gRPC address)."""
         inst = slot.inst
         return InstanceInfo(
             name=inst.name, model_id=inst.spec.model_id, model_version=inst.spec.version, tier=inst.tier,
-            device="cpu", socket=inst.base_url, node=self.node,
+            device="cpu", socket=inst.address, node=self.node,
             snapshot_bytes=inst.image.size_bytes if inst.image else 0, last_used_unix=slot.last_used_unix,
             last_wake_ms=slot.last_wake_ms, input_hash="", state_reason=slot.reason, target_tier=slot.target)
 
