@@ -84,7 +84,8 @@ def cluster(control_plane: ControlPlane, crds: None, tmp_path_factory: pytest.Te
         "volga-gateway")
     http = re.search(r"HTTP [\d.]+:(\d+)", daemons["gateway"].line)
     assert http, daemons["gateway"].line
-    yield {"http": f"http://127.0.0.1:{http.group(1)}", "grpc": f"127.0.0.1:{daemons['gateway'].port('gRPC')}", "snapshots": snapshots, "folder": folder,
+    yield {"http": f"http://127.0.0.1:{http.group(1)}", "grpc": f"127.0.0.1:{daemons['gateway'].port('gRPC')}",
+           "snapshots": snapshots, "folder": folder,
            "agent_metrics": f"http://127.0.0.1:{metrics_port}/metrics", "kubeconfig": str(control_plane.kubeconfig)}
     codes = {name: d.stop() for name, d in daemons.items()}
     api.close()
