@@ -39,3 +39,38 @@ def test_refusals_name_the_field(tmp_path: pathlib.Path, source: str, working_di
     with pytest.raises(ValueError) as caught:
         serverpool.check_source(given, [str(root)], allow_model_code=allowed)
     assert words in str(caught.value)
+
+
+class _Held:
+    """What the lease bookkeeping touches of a server instance: its release, tier and last use."""
+
+    def __init__(self) -> None:
+        self.released = 0
+        self.tier = api.Tier.HOT
+        self.in_flight = 1
+        self.last_used = 0.0
+        self.name = "ns.held-0"
+
+    def release(self) -> None:
+        self.released += 1
+
+
+def test_an_activation_never_released_is_given_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    import concurrent.futures
+
+    from volga_agent import metrics
+    from volga_agent.node.settings import Settings
+
+    with concurrent.futures.ThreadPoolExecutor(1) as executor:
+        servers = serverpool.ServerPool("n", pathlib.Path("/nonexistent"), None, Settings(), metrics.AgentMetrics(),
+                                        executor)
+        held = _Held()
+        slot = serverpool.ServerSlot(held, api.Tier.HOT, leases=[0.0, 1.0])  # type: ignore[arg-type]
+        servers.slots[held.name] = slot
+        servers.release(held.name)  # the first activation's gateway answered
+        assert held.released == 1 and slot.leases == [1.0]
+        monkeypatch.setattr(serverpool, "LEASE_MAX_SEC", 0.0)
+        servers.tick()  # the second's never did: given back
+        assert held.released == 2 and slot.leases == []
+        servers.release(held.name)  # its release, late: not counted twice
+        assert held.released == 2

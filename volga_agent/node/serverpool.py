@@ -5,7 +5,8 @@ tiers a server has on this node: HOT, FROZEN (a CRIU image of its process tree) 
 each is brought to its EMI's resting tier (a FROZEN floor: started once, then frozen), woken by an activation (the
 gateway's request, through the Agent API), and taken back down to its floor when it has been idle for
 `settings.idle.suspended_sec` (a CPU instance's way to FROZEN; a COLD floor stops it). An activation keeps the
-server from being frozen until its `release`: a request is never frozen mid-answer.
+server from being frozen until its `release`: a request is never frozen mid-answer. An activation whose release never
+comes (its gateway died mid-request) is given back after `LEASE_MAX_SEC`.
 
 Where the server's files come from: its ModelSpec's `source` names a file or folder on the node, inside the model
 roots (`settings.model_roots`), and it runs there (or in `server.workingDir`, inside them too). A server runs the
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 # The resting tiers a server has (no GPU tiers yet): a WARM or SUSPENDED floor rests FROZEN.
 RESTING = {Tier.HOT: Tier.HOT, Tier.WARM: Tier.FROZEN, Tier.SUSPENDED: Tier.FROZEN, Tier.FROZEN: Tier.FROZEN,
            Tier.COLD: Tier.COLD}
+LEASE_MAX_SEC = 3600.0  # an activation not released within this is taken for one whose gateway is gone
 MOVE_ERRORS = (server.ServerError, criu.CriuError, instance.IllegalTransition, instance.CanaryMismatch, OSError)
 
 
@@ -72,6 +74,7 @@ class ServerSlot:
     last_used_unix: float = 0.0
     refused: bool = False  # CRIU cannot dump it (FreezeRefused): it stays HOT, idle or not
     removed: bool = False
+    leases: list[float] = dataclasses.field(default_factory=list)  # when each unreleased activation began
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,12 +209,18 @@ class ServerPool:
             self.metrics.activations.labels(source.value, model_id).inc()
             slot.reason = "RestoreFailed" if fallback else ""
         slot.last_used_unix = time.time()
+        with self._lock:
+            slot.leases.append(time.monotonic())
         return Activated(slot, source, wake_ms, fallback)
 
     def release(self, name: str) -> None:
         slot = self.slots.get(name)
         if slot is None:
             raise errors.UnknownModel(f"no instance {name!r} on node {self.node}")
+        with self._lock:
+            if not slot.leases:
+                return  # given back already (LEASE_MAX_SEC), or a release without its activation
+            slot.leases.pop(0)
         slot.inst.release()
         slot.last_used_unix = time.time()
 
@@ -220,6 +229,13 @@ class ServerPool:
         """Idle servers back down to their floors (on the executor)."""
         idle = self.settings.idle.suspended_sec
         for slot in list(self.slots.values()):
+            with self._lock:
+                expired = [t for t in slot.leases if time.monotonic() - t > LEASE_MAX_SEC]
+                del slot.leases[:len(expired)]
+            for _ in expired:
+                slot.inst.release()
+                log.warning("%s: an activation not released within %g s is given back", slot.inst.name,
+                            LEASE_MAX_SEC)
             inst = slot.inst
             if (inst.tier is Tier.HOT and slot.target is not Tier.HOT and not slot.refused and not inst.in_flight
                     and time.monotonic() - inst.last_used >= idle):
