@@ -147,6 +147,14 @@ def test_server_modelspec_frozen_woken_through_the_gateway_and_deleted(
     assert frozen["spec"]["node"] == NODE and frozen["status"]["snapshotBytes"] > 0
     assert any(cluster["snapshots"].rglob("pstree.img")), "no CRIU image of the server"
     assert not _scorers(), "FROZEN, yet its processes run"
+
+    def modelspec_ready() -> dict[str, Any] | None:  # the operator counts it as any model's
+        ms = json.loads(cp.kubectl("get", "ms", MODEL, "-o", "json").stdout)
+        status = ms.get("status") or {}
+        ready = any(c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions", ()))
+        return ms if ready and (status.get("tiers") or {}).get("FROZEN") == 1 else None
+
+    wait_for("the ModelSpec Ready, one instance FROZEN", modelspec_ready)
     # `volga status` (cluster) lists it.
     out = subprocess.run([sys.executable, "-m", "volga_agent.cli", "status", "--kubeconfig", cluster["kubeconfig"],
                           "--json"], capture_output=True, text=True, check=True, cwd=ROOT)
