@@ -26,6 +26,7 @@ import tritonclient.grpc as grpcclient
 import yaml
 from kubernetes import client as k8s
 from procs import Daemon, series, wait_for
+from tritonclient.utils import InferenceServerException
 
 from volga_bench.controlplane import ControlPlane, free_ports
 from volga_core import api
@@ -160,6 +161,13 @@ def test_server_modelspec_frozen_woken_through_the_gateway_and_deleted(
                           "--json"], capture_output=True, text=True, check=True, cwd=ROOT)
     [listed] = [m for m in json.loads(out.stdout)["models"] if m["modelId"] == MODEL]
     assert [(i["node"], i["tier"]) for i in listed["instanceList"]] == [(NODE, "FROZEN")], listed
+    # It speaks HTTP only: a gRPC call for it is refused by name, without waking it (the wakes are counted below).
+    client = grpcclient.InferenceServerClient(cluster["grpc"])
+    try:
+        with pytest.raises(InferenceServerException, match="without gRPC"):
+            client.infer(MODEL, [grpcclient.InferInput("rows", [3, 16], "FP32")], client_timeout=30)
+    finally:
+        client.close()
 
     # A request through the gateway by x-model-id wakes it from that image; the HOT server answers the same.
     status, woken = predict(cluster["http"])

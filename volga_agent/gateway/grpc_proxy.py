@@ -47,20 +47,19 @@ class GrpcPass:
     async def call(self, method: str, model: str, request: Any, context: grpc.aio.ServicerContext) -> Any:
         """`method` of GRPCInferenceService on the server of `model`, with `request`; its answer, or the call
         aborted with the server's status (or the wake's)."""
+        if not self.servers.speaks_grpc(model):
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{model} is a model server without gRPC (its "
+                                "protocol is not oip-grpc): send its requests over HTTP")
         remaining = context.time_remaining()
         loop = asyncio.get_running_loop()
         deadline = None if remaining is None else loop.time() + remaining
         try:
-            async with asyncio.timeout_at(deadline):
-                async with self.servers.lease(model, remaining) as lease:
-                    if not lease.grpc_address:
-                        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{model} is a model server without "
-                                            "gRPC (its protocol is not oip-grpc): send its requests over HTTP")
-                    async with grpc.aio.insecure_channel(lease.grpc_address, options=self.options) as channel:
-                        stub = pb_grpc.GRPCInferenceServiceStub(channel)
-                        timeout = None if deadline is None else max(0.001, deadline - loop.time())
-                        return await getattr(stub, method)(request, timeout=timeout,
-                                                           metadata=_passed(context.invocation_metadata()))
+            async with (asyncio.timeout_at(deadline), self.servers.lease(model, remaining) as lease,
+                        grpc.aio.insecure_channel(lease.grpc_address, options=self.options) as channel):
+                stub = pb_grpc.GRPCInferenceServiceStub(channel)
+                timeout = None if deadline is None else max(0.001, deadline - loop.time())
+                return await getattr(stub, method)(request, timeout=timeout,
+                                                   metadata=_passed(context.invocation_metadata()))
         except grpc.aio.AioRpcError as exc:
             await context.abort(exc.code(), exc.details() or "")
         except TimeoutError:

@@ -62,6 +62,8 @@ class Servers(Protocol):
 
     def serves(self, model_id: str) -> bool: ...
 
+    def speaks_grpc(self, model_id: str) -> bool: ...  # protocol: oip-grpc
+
     def lease(self, model_id: str, timeout_sec: float | None) -> contextlib.AbstractAsyncContextManager[Lease]: ...
 
 
@@ -91,6 +93,10 @@ class AgentServers:
 
     def serves(self, model_id: str) -> bool:
         return self.models.known(model_id) and self.models.get(model_id).framework is api.Framework.SERVER
+
+    def speaks_grpc(self, model_id: str) -> bool:
+        server = self.models.get(model_id).server
+        return server is not None and server.protocol is api.Protocol.OIP_GRPC
 
     @contextlib.asynccontextmanager
     async def lease(self, model_id: str, timeout_sec: float | None) -> AsyncIterator[AgentLease]:

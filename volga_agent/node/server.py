@@ -492,6 +492,9 @@ class Fleet:
     def serves(self, model_id: str) -> bool:
         return model_id in self.instances
 
+    def speaks_grpc(self, model_id: str) -> bool:
+        return self.instances[model_id].server.protocol is api.Protocol.OIP_GRPC
+
     @contextlib.asynccontextmanager
     async def lease(self, model_id: str, timeout_sec: float | None) -> AsyncIterator[ServerInstance]:
         """The server HOT (woken in a thread: concurrent leases share one wake) until the block ends. The caller's
