@@ -235,3 +235,38 @@ def test_oip_grpc_server_frozen_and_woken_by_tritonclient(control_plane: Control
     assert not series(cluster["agent_metrics"], "volga_snapshot_restore_failures_total"), "a wake fell back"
     cp.kubectl("delete", "ms", GRPC_MODEL, "--timeout=120s")
     wait_for("server processes gone", lambda: not _scorers(GRPC_MODEL))
+
+
+def _holding(marker: str) -> list[int]:
+    """The pids whose environment names `marker` (a server's instance folder carries its EMI's name)."""
+    pids = []
+    for proc in pathlib.Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if marker.encode() in (proc / "environ").read_bytes():
+                    pids.append(int(proc.name))
+            except OSError:
+                continue
+    return pids
+
+
+def test_a_server_criu_cannot_freeze_stays_hot_and_says_why(control_plane: ControlPlane, cluster: dict[str, Any],
+                                                            tmp_path: pathlib.Path) -> None:
+    """uvicorn's default loop (uvloop) holds an io_uring instance: the EMI stays HOT, not Ready, naming it."""
+    if not importlib.util.find_spec("uvloop"):
+        pytest.skip("uvloop is what holds the io_uring instance here")
+    cp = control_plane
+    name = "k8s-uring"
+    doc = modelspec()
+    doc["metadata"]["name"] = doc["spec"]["modelId"] = name
+    doc["spec"]["server"] = {"command": [sys.executable, "-m", "uvicorn", "volga_bench.servers.stream_app:app",
+                                         "--no-access-log", "--port", "{port}"], "readiness": {"path": "/health"}}
+    path = tmp_path / "uring.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    cp.kubectl("apply", "-f", str(path))
+    refused = wait_for("the EMI HOT and not Ready", lambda: tier(cp, "HOT", ready=False, model=name), timeout=240)
+    [condition] = [c for c in refused["status"]["conditions"] if c["type"] == "Ready"]
+    assert condition["reason"] == "FreezeRefused" and "io_uring" in condition["message"], condition
+    assert _holding(f"default.{name}-0"), "its server does not run"
+    cp.kubectl("delete", "ms", name, "--timeout=120s")
+    wait_for("its server gone", lambda: not _holding(f"default.{name}-0"))
