@@ -3,7 +3,9 @@ real agent in cluster mode and the real gateway: kubectl apply a ModelSpec namin
 pre/post-processing, knowing nothing of Volga; its files from the node's model root, this checkout); the operator
 places it, the agent starts it and CRIU freezes it (its EMI FROZEN and Ready, the image on disk); a request through
 the gateway by x-model-id wakes it from that image and answers as the HOT server does; the EMI says HOT, then FROZEN
-again once it has been idle; `volga status` lists it; kubectl delete stops the server and removes its image.
+again once it has been idle, and a request through another node's gateway (whose own agent knows nothing of it) is
+passed on to this node's gateway and wakes it there; `volga status` lists it; kubectl delete stops the server and
+removes its image.
 The same server speaking the Open Inference Protocol over gRPC (`protocol: oip-grpc`) answers an unmodified
 tritonclient.grpc through the gateway's gRPC port, frozen and woken by the call, by the model name in the message."""
 
@@ -13,7 +15,6 @@ import importlib.util
 import json
 import os
 import pathlib
-import re
 import subprocess
 import sys
 import urllib.request
@@ -72,20 +73,24 @@ def cluster(control_plane: ControlPlane, crds: None, tmp_path_factory: pytest.Te
                                         "idle": {"hotSec": 1.0, "warmSec": 2.0, "suspendedSec": IDLE_SEC}}))
     py = sys.executable
     snapshots = folder / "snapshots"
-    metrics_port, = free_ports(1)
+    metrics_port, http_port, grpc_port = free_ports(3)
     daemons = {"operator": Daemon("operator", [py, "-m", "volga_operator", "--liveness", "", "-v"], env, folder)}
     daemons["agent"] = Daemon("agent", [
         py, "-m", "volga_agent.app.daemons", "--kube", "--node", NODE, "--port", "0", "--metrics-port",
         str(metrics_port), "--workdir", f"/tmp/vw-{NODE}", "--snapshot-dir", str(snapshots), "--settings",
-        str(settings), "-v"], env, folder, "volga-agent")
+        str(settings), "--gateway-address", f"127.0.0.1:{grpc_port}", "-v"], env, folder, "volga-agent")
     gateway = str(pathlib.Path(py).with_name("volga-gateway"))  # the console script, as the image runs it
     daemons["gateway"] = Daemon("gateway", [
         gateway, "--kube", "--agent", f"127.0.0.1:{daemons['agent'].port('Agent API')}", "--node", NODE,
-        "--host", "127.0.0.1", "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"], env, folder,
-        "volga-gateway")
-    http = re.search(r"HTTP [\d.]+:(\d+)", daemons["gateway"].line)
-    assert http, daemons["gateway"].line
-    yield {"http": f"http://127.0.0.1:{http.group(1)}", "grpc": f"127.0.0.1:{daemons['gateway'].port('gRPC')}",
+        "--host", "127.0.0.1", "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", "0"],
+        env, folder, "volga-gateway")
+    # Another node's gateway, on the same ports (as a cluster's gateways are), its agent gone: what it serves of the
+    # servers it can only have passed on.
+    daemons["gateway-b"] = Daemon("gateway-b", [
+        gateway, "--kube", "--agent", "127.0.0.1:1", "--node", "srv-b", "--host", "127.0.0.2", "--http-port",
+        str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", "0"], env, folder, "volga-gateway")
+    yield {"http": f"http://127.0.0.1:{http_port}", "grpc": f"127.0.0.1:{grpc_port}",
+           "http_b": f"http://127.0.0.2:{http_port}", "grpc_b": f"127.0.0.2:{grpc_port}",
            "snapshots": snapshots, "folder": folder,
            "agent_metrics": f"http://127.0.0.1:{metrics_port}/metrics", "kubeconfig": str(control_plane.kubeconfig)}
     codes = {name: d.stop() for name, d in daemons.items()}
@@ -182,7 +187,8 @@ def test_server_modelspec_frozen_woken_through_the_gateway_and_deleted(
     # Idle for IDLE_SEC: frozen again, and a second wake answers the same.
     wait_for("the EMI FROZEN again after idle", lambda: tier(cp, "FROZEN"), timeout=60)
     wait_for("its processes gone", lambda: not _scorers())
-    assert predict(cluster["http"]) == (200, hot)
+    # Through the other node's gateway: passed on to this node's, which wakes it.
+    assert predict(cluster["http_b"]) == (200, hot)
     wakes = series(cluster["agent_metrics"], "volga_activations_total")
     assert wakes.get(f'{{model="{MODEL}",tier="FROZEN"}}') == 2.0, wakes
 
@@ -230,7 +236,7 @@ def test_oip_grpc_server_frozen_and_woken_by_tritonclient(control_plane: Control
 
     wait_for("FROZEN again after idle", lambda: tier(cp, "FROZEN", model=GRPC_MODEL), timeout=60)
     wait_for("its processes gone", lambda: not _scorers(GRPC_MODEL))
-    again = infer_grpc(cluster["grpc"])
+    again = infer_grpc(cluster["grpc_b"])  # through the other node's gateway, passed on
     assert all(np.array_equal(a, b) for a, b in zip(again, hot, strict=True))
     assert not series(cluster["agent_metrics"], "volga_snapshot_restore_failures_total"), "a wake fell back"
     cp.kubectl("delete", "ms", GRPC_MODEL, "--timeout=120s")

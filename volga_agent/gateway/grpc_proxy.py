@@ -2,7 +2,9 @@
 such as KServe's ModelServer or Triton): their calls of `inference.GRPCInferenceService` passed through.
 
 The gateway's gRPC adapter (`grpc_service`) hands a call here when the model it names (the message's model name,
-or `x-model-id`; both given and different is the client's error) is a model server. The first call to a FROZEN
+or `x-model-id`; both given and different is the client's error) is a model server. A server this node has no
+instance of is called through the gateway of a node that has one, once (`proxy.Servers.elsewhere`,
+`x-volga-forwarded`). The first call to a FROZEN
 server wakes it (`proxy.Servers.lease`, single-flight on the node side), and the server is kept from being frozen
 until its answer is back. The message goes on as it came, with the model's name filled in when only `x-model-id`
 named it, and the client's metadata but for the connection's own (authorization, grpc-*). Bounds as for the
@@ -21,7 +23,7 @@ from typing import Any
 import grpc
 
 from volga_agent import errors
-from volga_agent.gateway import proxy
+from volga_agent.gateway import links, proxy
 from volga_agent.rpc.inference import grpc_service_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
@@ -53,13 +55,16 @@ class GrpcPass:
         remaining = context.time_remaining()
         loop = asyncio.get_running_loop()
         deadline = None if remaining is None else loop.time() + remaining
+        metadata = _passed(context.invocation_metadata())
+        forwarded = any(k.lower() == links.FORWARDED for k, _ in metadata)
+        remote = None if forwarded else self.servers.elsewhere(model)
         try:
-            async with (asyncio.timeout_at(deadline), self.servers.lease(model, remaining) as lease,
-                        grpc.aio.insecure_channel(lease.grpc_address, options=self.options) as channel):
-                stub = pb_grpc.GRPCInferenceServiceStub(channel)
-                timeout = None if deadline is None else max(0.001, deadline - loop.time())
-                return await getattr(stub, method)(request, timeout=timeout,
-                                                   metadata=_passed(context.invocation_metadata()))
+            async with asyncio.timeout_at(deadline):
+                if remote is not None:
+                    return await self._call(remote.grpc_address, method, request, (*metadata, (links.FORWARDED, "1")),
+                                            deadline)
+                async with self.servers.lease(model, remaining) as lease:
+                    return await self._call(lease.grpc_address, method, request, metadata, deadline)
         except grpc.aio.AioRpcError as exc:
             await context.abort(exc.code(), exc.details() or "")
         except TimeoutError:
@@ -70,3 +75,10 @@ class GrpcPass:
         except errors.ActivationFailed as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         raise AssertionError("unreachable: abort raises")
+
+    async def _call(self, address: str, method: str, request: Any, metadata: tuple[tuple[str, str | bytes], ...],
+                    deadline: float | None) -> Any:
+        async with grpc.aio.insecure_channel(address, options=self.options) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            timeout = None if deadline is None else max(0.001, deadline - asyncio.get_running_loop().time())
+            return await getattr(stub, method)(request, timeout=timeout, metadata=metadata)

@@ -495,6 +495,10 @@ class Fleet:
     def speaks_grpc(self, model_id: str) -> bool:
         return self.instances[model_id].server.protocol is api.Protocol.OIP_GRPC
 
+    def elsewhere(self, model_id: str) -> None:
+        """One node: every server of the fleet is here."""
+        return None
+
     @contextlib.asynccontextmanager
     async def lease(self, model_id: str, timeout_sec: float | None) -> AsyncIterator[ServerInstance]:
         """The server HOT (woken in a thread: concurrent leases share one wake) until the block ends. The caller's
