@@ -276,3 +276,41 @@ def test_a_server_criu_cannot_freeze_stays_hot_and_says_why(control_plane: Contr
     assert _holding(f"default.{name}-0"), "its server does not run"
     cp.kubectl("delete", "ms", name, "--timeout=120s")
     wait_for("its server gone", lambda: not _holding(f"default.{name}-0"))
+
+
+def test_a_streaming_server_on_a_unix_socket_woken_through_the_gateway(
+        control_plane: ControlPlane, cluster: dict[str, Any], tmp_path: pathlib.Path) -> None:
+    """The FastAPI app on a Unix socket in its instance's folder (group-writable, for a gateway of another user):
+    FROZEN, woken by a streamed request through the gateway, the events the same as HOT, in more than one chunk."""
+    cp = control_plane
+    name = "k8s-stream"
+    doc = modelspec()
+    doc["metadata"]["name"] = doc["spec"]["modelId"] = name
+    doc["spec"]["server"] = {"command": [sys.executable, "-m", "uvicorn", "volga_bench.servers.stream_app:app",
+                                         "--no-access-log", "--loop", "asyncio", "--uds", "{socket}"],
+                             "listen": "unix", "readiness": {"path": "/health"}}
+    path = tmp_path / "stream.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    cp.kubectl("apply", "-f", str(path))
+    wait_for("the EMI FROZEN and Ready", lambda: tier(cp, "FROZEN", model=name), timeout=240)
+    [sock] = pathlib.Path(f"/tmp/vw-{NODE}/servers/default.{name}-0").glob("server.sock")
+    assert sock.stat().st_mode & 0o060 == 0o060, oct(sock.stat().st_mode)
+
+    def stream() -> list[bytes]:
+        request = urllib.request.Request(f"{cluster['http']}/v1/stream", data=json.dumps(
+            {"prompt": "volga", "tokens": 6, "delay_ms": 30}).encode(), headers={
+            "x-model-id": name, "Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            assert reply.status == 200
+            chunks = []
+            while chunk := reply.read1():
+                chunks.append(chunk)
+            return chunks
+
+    woken = stream()
+    hot = stream()
+    assert len(woken) > 1 and b"".join(woken) == b"".join(hot) and b"".join(woken).count(b"data: ") == 7
+    wakes = series(cluster["agent_metrics"], "volga_activations_total")
+    assert wakes.get(f'{{model="{name}",tier="FROZEN"}}') == 1.0, wakes
+    cp.kubectl("delete", "ms", name, "--timeout=120s")
+    wait_for("its server gone", lambda: not _holding(f"default.{name}-0"))

@@ -16,9 +16,12 @@ command its ModelSpec gives, so a node runs servers only where model code is all
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
+import os
 import pathlib
+import stat
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -151,6 +154,7 @@ class ServerPool:
             return
         try:
             slot.inst.ensure_hot()
+            _share_socket(slot.inst)
             if slot.target is Tier.FROZEN and not slot.refused:
                 slot.inst.freeze()
             slot.reason = ""
@@ -203,6 +207,7 @@ class ServerPool:
             raise errors.ActivationFailed(f"{inst.name}: {exc}") from exc
         wake_ms, fallback = 0.0, False
         if len(inst.transitions) > moves:
+            _share_socket(inst)
             move = inst.transitions[-1]
             wake_ms, fallback = move.seconds * 1e3, move.fallback
             slot.last_wake_ms = wake_ms
@@ -273,6 +278,17 @@ class ServerPool:
     def close(self) -> None:
         for name in list(self.slots):
             self.remove(name)
+
+
+def _share_socket(inst: server.ServerInstance) -> None:
+    """A Unix socket the server made group-writable: the gateway may run as another user of the group (the chart's
+    fsGroup, which the instance's folder passes on). CRIU keeps the mode across freezes."""
+    if not inst.unix:
+        return
+    with contextlib.suppress(OSError):
+        mode = stat.S_IMODE(inst.socket_path.stat().st_mode)
+        if mode & 0o060 != 0o060:
+            os.chmod(inst.socket_path, mode | 0o060)
 
 
 def _rank(tier: Tier) -> int:
