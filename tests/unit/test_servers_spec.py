@@ -69,3 +69,11 @@ def test_an_oip_grpc_server_is_told_its_grpc_port_and_reported_with_it() -> None
     both = api.listen_address("http://127.0.0.1:8080", "127.0.0.1:9090")
     assert api.split_address(both) == ("http://127.0.0.1:8080", "127.0.0.1:9090")
     assert api.split_address(api.listen_address("unix:/run/v/server.sock")) == ("unix:/run/v/server.sock", "")
+
+
+def test_a_server_source_is_on_the_node() -> None:
+    with pytest.raises(pydantic.ValidationError) as caught:
+        api.ModelSpecSpec.model_validate({"modelId": "srv", "framework": "server", "source": "s3://bucket/app/",
+                                          "server": {"command": ["x"]}})
+    first = caught.value.errors()[0]
+    assert first["loc"] == ("source",) and "come from the node" in first["msg"]

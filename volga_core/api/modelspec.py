@@ -538,6 +538,9 @@ class ModelSpecSpec(base.Model):
         if self.framework is not base.Framework.SERVER and self.server is not None:
             raise _field_error("ModelSpecSpec", ("framework",), f"server is set, but framework is "
                                                                 f"{self.framework.value}: write framework: server")
+        if self.server is not None and self.remote_source:
+            raise _field_error("ModelSpecSpec", ("source",), f"{self.source}: a model server's files come from the "
+                                                             "node: give its folder there (a path or file://)")
         return self
 
     @pydantic.model_validator(mode="after")
