@@ -15,6 +15,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import urllib.request
@@ -234,7 +235,12 @@ def test_oip_grpc_server_frozen_and_woken_by_tritonclient(control_plane: Control
     finally:
         client.close()
 
-    wait_for("FROZEN again after idle", lambda: tier(cp, "FROZEN", model=GRPC_MODEL), timeout=60)
+    # Its process killed while HOT: the agent notices, starts it again and brings it back to its floor.
+    for pid in _scorers(GRPC_MODEL):
+        os.kill(pid, signal.SIGKILL)
+    assert wait_for("the death counted", lambda: series(cluster["agent_metrics"], "volga_worker_deaths_total").get(
+        f'{{model="{GRPC_MODEL}"}}') == 1.0)
+    wait_for("FROZEN again", lambda: tier(cp, "FROZEN", model=GRPC_MODEL), timeout=60)
     wait_for("its processes gone", lambda: not _scorers(GRPC_MODEL))
     again = infer_grpc(cluster["grpc_b"])  # through the other node's gateway, passed on
     assert all(np.array_equal(a, b) for a, b in zip(again, hot, strict=True))

@@ -27,6 +27,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from volga_agent import errors, metrics
+from volga_agent.host import process
 from volga_agent.node import admission, instance, server
 from volga_agent.node.settings import Settings
 from volga_agent.snapshot import criu
@@ -150,7 +151,12 @@ class ServerPool:
 
     def _converge(self, slot: ServerSlot) -> None:
         """Up to its resting tier: a FROZEN floor is a cold start and a freeze (the first request restores)."""
-        if slot.removed or slot.target is Tier.COLD:
+        if slot.removed:
+            return
+        if slot.target is Tier.COLD:
+            if _died(slot.inst):
+                slot.inst.close()
+                slot.reason = ""
             return
         try:
             slot.inst.ensure_hot()
@@ -231,7 +237,8 @@ class ServerPool:
 
     # -- the local control loop ----------------------------------------------------------------------------------
     def tick(self) -> None:
-        """Idle servers back down to their floors (on the executor)."""
+        """Servers that died while HOT started again (and brought to their floors), idle ones back down to their
+        floors (on the executor)."""
         idle = self.settings.idle.suspended_sec
         for slot in list(self.slots.values()):
             with self._lock:
@@ -242,6 +249,12 @@ class ServerPool:
                 log.warning("%s: an activation not released within %g s is given back", slot.inst.name,
                             LEASE_MAX_SEC)
             inst = slot.inst
+            if inst.tier is Tier.HOT and _died(inst) and not slot.removed:
+                log.warning("%s: the server died while HOT; starting it again", inst.name)
+                self.metrics.worker_deaths.labels(inst.spec.model_id).inc()
+                slot.reason = "ServerDied: its process exited while HOT"
+                self._converge_async(slot)
+                continue
             if (inst.tier is Tier.HOT and slot.target is not Tier.HOT and not slot.refused and not inst.in_flight
                     and time.monotonic() - inst.last_used >= idle):
                 self._converge_down(slot)
@@ -278,6 +291,11 @@ class ServerPool:
     def close(self) -> None:
         for name in list(self.slots):
             self.remove(name)
+
+
+def _died(inst: server.ServerInstance) -> bool:
+    pid = inst.pid
+    return pid is not None and (not process.alive(pid) or process.is_zombie(pid))
 
 
 def _share_socket(inst: server.ServerInstance) -> None:
