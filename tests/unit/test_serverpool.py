@@ -42,7 +42,7 @@ def test_refusals_name_the_field(tmp_path: pathlib.Path, source: str, working_di
 
 
 class _Held:
-    """What the lease bookkeeping touches of a server instance: its release, tier and last use."""
+    """What the lease bookkeeping touches of a server instance: its release, tier, process and last use."""
 
     def __init__(self) -> None:
         self.released = 0
@@ -50,6 +50,7 @@ class _Held:
         self.in_flight = 1
         self.last_used = 0.0
         self.name = "ns.held-0"
+        self.pid = None  # no process: nothing to find dead
 
     def release(self) -> None:
         self.released += 1
