@@ -73,7 +73,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
                 continue
             checked.append((label, spec))
             digest = (f"input hash {spec.spec.input_hash()[:16]}..." if spec.spec.has_signature else
-                      "a model server, run by `volga up` (docs/servers.md)" if spec.spec.server is not None else
+                      "a model server, run by `volga up` or a cluster's agents (docs/servers.md)"
+                      if spec.spec.server is not None else
                       "inputs and outputs to be read from the model file")
             print(f"{label}: ModelSpec {spec.metadata.name} ({spec.spec.model_id}, "
                   f"{spec.spec.framework.value}) is valid; {digest}")

@@ -53,9 +53,10 @@ def test_schema_keeps_the_models_constraints() -> None:
     latency = {k: v for k, v in props["targets"]["properties"]["latencyMs"].items() if k != "description"}
     assert latency == {"type": "number", "minimum": 0, "exclusiveMinimum": True, "nullable": True}
     assert "self.all(d, d == -1 || d > 0)" in yaml.safe_dump(props["inputs"])
-    # inputs and outputs may be left out (ONNX: read from the model file); a CEL rule holds the other frameworks.
+    # inputs and outputs may be left out (ONNX: read from the model file; a server: none); a CEL rule holds the
+    # other frameworks.
     assert set(spec["required"]) == {"modelId", "framework", "source"}
-    assert "self.framework == 'onnx'" in yaml.safe_dump(spec["x-kubernetes-validations"])
+    assert "self.framework in ['onnx', 'server']" in yaml.safe_dump(spec["x-kubernetes-validations"])
     tensor = props["inputs"]["items"]["properties"]
     assert tensor["shape"]["items"] == {"type": "integer", "minimum": -1, "maximum": 2**31 - 1}
     assert "\\x{202E}" in tensor["name"]["pattern"] and "\\x00-\\x1f" in tensor["name"]["pattern"]

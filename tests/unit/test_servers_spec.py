@@ -52,9 +52,28 @@ def test_defaults_and_wire_names() -> None:
     ({"command": ["x"], "hooks": {"afterRestore": [{"path": "/w", "method": "DELETE"}]}}, "server",
      ("server", "hooks", "afterRestore", 0, "method"), "GET|POST|PUT"),
     ({"command": ["x"], "protocol": "grpc"}, "server", ("server", "protocol"), "oip-http"),
+    ({"command": ["x", "{port}"], "protocol": "oip-grpc"}, "server", ("server",), "write {grpc_port}"),
+    ({"command": ["x", "{grpc_port}"], "protocol": "oip-http"}, "server", ("server",), "only protocol: oip-grpc"),
 ])
 def test_errors_name_the_field(server: dict[str, Any] | None, framework: str, loc: tuple[Any, ...],
                                words: str) -> None:
     where, message = error(server, framework)
     assert where == loc
     assert words in message
+
+
+def test_an_oip_grpc_server_is_told_its_grpc_port_and_reported_with_it() -> None:
+    spec = parse({"command": ["kserve", "--http_port", "{port}"], "env": {"GRPC": "{grpc_port}"},
+                  "protocol": "oip-grpc"})
+    assert spec.server is not None and spec.server.protocol is api.Protocol.OIP_GRPC
+    both = api.listen_address("http://127.0.0.1:8080", "127.0.0.1:9090")
+    assert api.split_address(both) == ("http://127.0.0.1:8080", "127.0.0.1:9090")
+    assert api.split_address(api.listen_address("unix:/run/v/server.sock")) == ("unix:/run/v/server.sock", "")
+
+
+def test_a_server_source_is_on_the_node() -> None:
+    with pytest.raises(pydantic.ValidationError) as caught:
+        api.ModelSpecSpec.model_validate({"modelId": "srv", "framework": "server", "source": "s3://bucket/app/",
+                                          "server": {"command": ["x"]}})
+    first = caught.value.errors()[0]
+    assert first["loc"] == ("source",) and "come from the node" in first["msg"]

@@ -32,7 +32,7 @@ import uvloop
 from volga_agent import auth, metrics, neighbours, ports
 from volga_agent.app import defaultmodel, server
 from volga_agent.autonomy import exchange, loop
-from volga_agent.gateway import app, catalog, links, siblings
+from volga_agent.gateway import app, catalog, links, proxy, siblings
 from volga_agent.host import gpus
 from volga_agent.node import admission, pool, signature
 from volga_agent.node.settings import Settings
@@ -307,7 +307,8 @@ def gateway_main(argv: list[str] | None = None) -> int:
                                 tls_client_ca_file=args.tls_client_ca,
                                 reuse_port=args.processes > 1 or args.sibling > 0)
         link = links.GrpcAgentLink(args.agent, agent_token)
-        gw = app.Gateway(models, link, settings)
+        model_servers = proxy.AgentServers(models, link, args.node)
+        gw = app.Gateway(models, link, settings, servers=model_servers)
         exchanger = links.Exchanger(gw.dataplane, link)
         watcher: Any = None
         if args.kube:
@@ -321,6 +322,7 @@ def gateway_main(argv: list[str] | None = None) -> int:
                 for refused in json.loads(pathlib.Path(args.refused).read_text()):
                     models.refuse(refused["modelId"], refused["version"], refused["reason"])
         await gw.start()
+        model_servers.http_port = gw.ports["http"]
         exchanger.start()
         # Process 0 of several reads this line from the others for their metrics port (`siblings.READY`).
         print(f"volga-gateway: HTTP {args.host}:{gw.ports['http']}, gRPC {args.host}:{gw.ports['grpc']}, "

@@ -214,7 +214,8 @@ class AgentSync:
             shared_ref = self._shared_ref(info)
             if shared_ref is not None:
                 out[key]["sharedSnapshot"] = shared_ref
-        for name, problem in self.pool.failed.items():
+        failed = {**self.pool.failed, **{n: why for n, (_, why) in self.pool.servers.failed.copy().items()}}
+        for name, problem in failed.items():
             key = by_instance.get(name)
             if key is not None:
                 out[key] = {"tier": Tier.COLD.value, "conditions": [

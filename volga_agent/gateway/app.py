@@ -16,7 +16,7 @@ import prometheus_client as prom
 from aiohttp import web
 
 from volga_agent import auth, metrics
-from volga_agent.gateway import catalog, dataplane, grpc_service, links, proxy, rest
+from volga_agent.gateway import catalog, dataplane, grpc_proxy, grpc_service, links, proxy, rest
 from volga_agent.rpc.inference import grpc_service_pb2_grpc as pb_grpc
 from volga_core import http
 
@@ -66,7 +66,8 @@ class Gateway:
                    ("grpc.max_send_message_length", s.max_request_bytes), ("grpc.so_reuseport", int(s.reuse_port))]
         interceptors = [auth.GrpcAuth(s.tokens, grpc_service.OPEN_METHODS)] if s.tokens is not None else None
         self._grpc = grpc.aio.server(options=options, interceptors=interceptors)
-        pb_grpc.add_GRPCInferenceServiceServicer_to_server(grpc_service.Servicer(self.dataplane), self._grpc)
+        passes = grpc_proxy.GrpcPass(self.servers, s.max_request_bytes) if self.servers is not None else None
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(grpc_service.Servicer(self.dataplane, passes), self._grpc)
         address = f"{s.host}:{s.grpc_port}"
         if s.tls_cert_file:
             self.ports["grpc"] = self._grpc.add_secure_port(address, _server_credentials(s))

@@ -3,6 +3,9 @@
 Each method decodes its request with `oip`, asks the dataplane and encodes the answer; an `oip.OipError`
 aborts the call with its status, and anything unexpected with INTERNAL and a short message (grpc's own
 fallback would be UNKNOWN with a traceback). Nothing here decides anything (`docs/architecture.md`).
+
+Calls that name a model server speaking OIP over gRPC (`framework: server`, `protocol: oip-grpc`) are passed through
+to it (`grpc_proxy`) before anything here decodes them.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from volga_agent.gateway import dataplane, oip
+from volga_agent.gateway import dataplane, grpc_proxy, oip
 from volga_agent.rpc.inference import grpc_service_pb2 as pb
 from volga_agent.rpc.inference import grpc_service_pb2_grpc as pb_grpc
 
@@ -51,8 +54,10 @@ def _payload_bytes(request: Any) -> int:
 
 
 class Servicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, plane: dataplane.Dataplane) -> None:
+    def __init__(self, plane: dataplane.Dataplane, servers: grpc_proxy.GrpcPass | None = None) -> None:
         self.plane = plane
+        self.servers = servers
+
 
     async def ServerLive(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return pb.ServerLiveResponse(live=True)
@@ -64,7 +69,23 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ServerMetadataResponse(name=dataplane.SERVER_NAME, version=dataplane.SERVER_VERSION,
                                          extensions=list(dataplane.EXTENSIONS))
 
+    async def _pass(self, method: str, request: Any, context: grpc.aio.ServicerContext, field: str = "name") -> Any:
+        """The call passed through to the model server it names, or None when it names none."""
+        if self.servers is None:
+            return None
+        try:
+            model = dataplane.model_id(_headers(context), getattr(request, field))
+        except oip.OipError as exc:
+            await context.abort(grpc.StatusCode[exc.code], exc.message)
+        if not self.servers.serves(model):
+            return None
+        setattr(request, field, model)
+        return await self.servers.call(method, model, request, context)
+
     async def ModelReady(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if (passed := await self._pass("ModelReady", request, context)) is not None:
+            return passed
+
         async def make() -> Any:
             model = dataplane.model_id(_headers(context), request.name)
             return pb.ModelReadyResponse(ready=await self.plane.model_ready(model, request.version))
@@ -72,6 +93,9 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
         return await _answer(context, "ModelReady", make)
 
     async def ModelMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if (passed := await self._pass("ModelMetadata", request, context)) is not None:
+            return passed
+
         async def make() -> Any:
             m = await self.plane.model_metadata(dataplane.model_id(_headers(context), request.name), request.version)
             return oip.model_metadata_grpc(m.name, m.versions, m.platform, m.inputs, m.outputs)
@@ -79,6 +103,9 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
         return await _answer(context, "ModelMetadata", make)
 
     async def ModelConfig(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if (passed := await self._pass("ModelConfig", request, context)) is not None:
+            return passed
+
         async def make() -> Any:
             model = dataplane.model_id(_headers(context), request.name)
             return dataplane.config_grpc(await self.plane.model_config(model, request.version))
@@ -96,6 +123,8 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
         return await _answer(context, "RepositoryIndex", make)
 
     async def ModelInfer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if (passed := await self._pass("ModelInfer", request, context, "model_name")) is not None:
+            return passed
         headers = _headers(context)
         try:
             model = dataplane.model_id(headers, request.model_name)

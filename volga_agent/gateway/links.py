@@ -133,6 +133,13 @@ class GrpcAgentLink:
             raise errors.ActivationFailed(f"agent {self.address}: {exc.code().name}: {exc.details()}") from None
         return Route(reply.instance.name, reply.instance.socket, tuple(other.socket for other in reply.also))
 
+    async def release(self, instance: str) -> None:
+        """The caller is done with the instance (a model server's request has been answered)."""
+        try:
+            await self.stub.Release(agent_pb.ReleaseRequest(instance=instance), timeout=5.0, metadata=self.metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise ConnectionError(f"agent {self.address}: {exc.code().name}: {exc.details()}") from None
+
     async def instances(self, model_id: str) -> list[InstanceState] | None:
         try:
             reply = await self.stub.ListInstances(agent_pb.ListInstancesRequest(model_id=model_id), timeout=5.0,

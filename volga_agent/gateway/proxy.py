@@ -7,6 +7,12 @@ frozen until the answer has been passed on. OIP HTTP requests are passed through
 forwarded under the server's path prefix only. An answer is streamed back chunk by chunk as the server writes it,
 so server-sent events and chunked answers stay streaming.
 
+In a cluster the servers run in the node's agent: `AgentServers` leases one through the Agent API (Activate wakes
+it and keeps it HOT, Release lets it go idle again), and the server listens where Activate says. A request for a
+server this node has no instance of is passed on, once, to the gateway of a node that has one (`elsewhere`: the
+address its EMI reports, on this gateway's HTTP port: a cluster's gateways listen on the same ports), marked
+`x-volga-forwarded` so that it is never passed on again.
+
 Bounds as for every model: the body is read up to the gateway's request limit (413 above it), and `x-timeout-ms`
 bounds the wake and the whole exchange (504 when it passes). Each exchange opens its own connection to the server
 and closes it: a connection left open would be one more socket in the server's image.
@@ -16,6 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import logging
 import re
 import time
 from collections.abc import AsyncIterator, Iterable
@@ -24,7 +32,11 @@ from typing import Protocol
 import aiohttp
 from aiohttp import web
 
-from volga_agent.gateway import dataplane, oip
+from volga_agent import errors
+from volga_agent.gateway import catalog, dataplane, links, oip
+from volga_core import api
+
+log = logging.getLogger(__name__)
 
 _OIP_MODEL = re.compile(r"^/v2/models/([^/]+)(/|$)")
 # Headers that belong to one connection (RFC 9110 7.6.1) and are not forwarded; the body's length is set again.
@@ -44,13 +56,86 @@ class Lease(Protocol):
     @property
     def oip(self) -> bool: ...
 
+    @property
+    def grpc_address(self) -> str: ...  # an oip-grpc server's gRPC (127.0.0.1:PORT); "" for the others
+
 
 class Servers(Protocol):
     """The node side: which model ids are servers, and a lease on one (waking it when needed)."""
 
     def serves(self, model_id: str) -> bool: ...
 
+    def speaks_grpc(self, model_id: str) -> bool: ...  # protocol: oip-grpc
+
+    def elsewhere(self, model_id: str) -> Remote | None: ...  # another node's gateway, when this node has none
+
     def lease(self, model_id: str, timeout_sec: float | None) -> contextlib.AbstractAsyncContextManager[Lease]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Remote:
+    """Another node's gateway, for a model server this node has no instance of."""
+
+    base_url: str  # http://HOST:PORT
+    grpc_address: str  # HOST:PORT
+    path_prefix: str = "/"  # that gateway checks it
+    oip: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentLease:
+    """A server the node's agent woke, where it listens."""
+
+    base_url: str
+    path_prefix: str
+    oip: bool
+    grpc_address: str
+
+
+class AgentLink(Protocol):
+    async def activate(self, model_id: str, device_hint: str, timeout_ms: int) -> links.Route: ...
+
+    async def release(self, instance: str) -> None: ...
+
+
+class AgentServers:
+    """The model servers of a cluster (the ModelSpecs in the gateway's catalog with `framework: server`), run by
+    this node's agent and leased through its Agent API."""
+
+    def __init__(self, models: catalog.Catalog, link: AgentLink, node: str = "") -> None:
+        self.models = models
+        self.link = link
+        self.node = node
+        self.http_port = 0  # this gateway's, once it listens: the other gateways' too
+
+    def elsewhere(self, model_id: str) -> Remote | None:
+        here = self.models.local(model_id, self.node)
+        others = self.models.remote_gateways(model_id, self.node) if here == () else []
+        if not others or not self.http_port:
+            return None  # served here (or nowhere: the agent says so)
+        host = others[0].rpartition(":")[0]
+        return Remote(f"http://{host}:{self.http_port}", others[0])
+
+    def serves(self, model_id: str) -> bool:
+        return self.models.known(model_id) and self.models.get(model_id).framework is api.Framework.SERVER
+
+    def speaks_grpc(self, model_id: str) -> bool:
+        server = self.models.get(model_id).server
+        return server is not None and server.protocol is api.Protocol.OIP_GRPC
+
+    @contextlib.asynccontextmanager
+    async def lease(self, model_id: str, timeout_sec: float | None) -> AsyncIterator[AgentLease]:
+        server = self.models.get(model_id).server
+        assert server is not None
+        route = await self.link.activate(model_id, "", max(1, round(timeout_sec * 1e3)) if timeout_sec else 0)
+        try:
+            base_url, grpc_address = api.split_address(route.socket)
+            yield AgentLease(base_url, server.path_prefix, server.protocol is not api.Protocol.HTTP, grpc_address)
+        finally:
+            try:
+                await self.link.release(route.instance)
+            except ConnectionError as exc:
+                log.warning("%s: could not release %s: %s", model_id, route.instance, exc)
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -78,21 +163,29 @@ async def forward(request: web.Request, servers: Servers, model: str, max_reques
         body = await request.read()
     except web.HTTPRequestEntityTooLarge:
         return _error(413, f"request body over {max_request_bytes} bytes")
+    remote = None if request.headers.get(links.FORWARDED) else servers.elsewhere(model)
     try:
         async with asyncio.timeout_at(None if deadline is None else _loop_time(deadline)):
+            if remote is not None:
+                return await _exchange(request, remote, body, {links.FORWARDED: "1"})
             async with servers.lease(model, None if deadline is None else deadline - time.monotonic()) as lease:
                 if not lease.oip and not request.path.startswith(lease.path_prefix):
                     return _error(404, f"{model} serves paths under {lease.path_prefix}, not {request.path}")
                 return await _exchange(request, lease, body)
     except TimeoutError:
         return _error(504, f"{model}: no answer within x-timeout-ms {timeout_ms} (waking and answering)")
+    except errors.UnknownModel as exc:
+        return _error(404, str(exc))
+    except errors.ActivationFailed as exc:
+        return _error(503, str(exc))
 
 
 def _loop_time(deadline: float) -> float:
     return asyncio.get_running_loop().time() + (deadline - time.monotonic())
 
 
-async def _exchange(request: web.Request, lease: Lease, body: bytes) -> web.StreamResponse:
+async def _exchange(request: web.Request, lease: Lease, body: bytes,
+                    extra_headers: dict[str, str] | None = None) -> web.StreamResponse:
     if lease.base_url.startswith("unix:"):
         connector: aiohttp.BaseConnector = aiohttp.UnixConnector(path=lease.base_url[len("unix:"):],
                                                                  force_close=True)
@@ -102,7 +195,8 @@ async def _exchange(request: web.Request, lease: Lease, body: bytes) -> web.Stre
     async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
         try:
             upstream_cm = session.request(request.method, base + request.path_qs, data=body or None,
-                                          headers=_forwarded(request.headers.items()), allow_redirects=False)
+                                          headers={**_forwarded(request.headers.items()), **(extra_headers or {})},
+                                          allow_redirects=False)
             async with upstream_cm as upstream:
                 response = web.StreamResponse(status=upstream.status, reason=upstream.reason,
                                               headers=_forwarded(upstream.headers.items()))

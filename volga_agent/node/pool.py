@@ -12,6 +12,8 @@ The pool owns one `Instance` per EMI placed on this node. It:
 - every tick applies the local policy (`policy.plan_demotions`): idle instances go down a tier, budgets
   evict by LRU or hybrid; notices workers that died and restarts them; keeps the circuit breaker that
   stops snapshotting a model whose restores keep failing;
+- hands the EMIs of model servers (`framework: server`) to `serverpool.ServerPool`, which runs them as server
+  instances with the same activations, releases, idle demotion and views;
 - with shared snapshots (`settings.shared.folder`), gives its instances the shared store (a COLD instance
   restores a compatible image another node published) and collects the store's garbage: images of versions no
   ModelSpec it was given has, and whatever exceeds the budget.
@@ -42,7 +44,7 @@ from typing import Any
 from volga_agent import errors, metrics
 from volga_agent.host import gpus as gpu_discovery
 from volga_agent.host import process
-from volga_agent.node import admission, chains, instance, policy
+from volga_agent.node import admission, chains, instance, policy, serverpool
 from volga_agent.node.settings import Settings
 from volga_agent.snapshot import criu, cuda, shared
 from volga_agent.worker import contract, protocol
@@ -168,6 +170,8 @@ class Pool:
         self._eviction_times: collections.deque[float] = collections.deque()
         self.activations = 0
         self.evictions = 0
+        self.servers = serverpool.ServerPool(node, self.workroot, self.criu, self.settings, self.metrics,
+                                             self._executor)
         self._stop = threading.Event()
         self._ticker: threading.Thread | None = None
         # Cluster mode sets it (`cluster.fetches`): model id -> an Event set once the model's remote source is on
@@ -178,6 +182,11 @@ class Pool:
 
     def apply(self, desired: Sequence[planner.Desired], specs: Mapping[str, api.ModelSpecSpec]) -> None:
         """Make this node's instances match the plan: create, retarget, remove; moves run in background."""
+        servers = {name for name, spec in specs.items() if serverpool.is_server(spec)}
+        if servers or self.servers.slots or self.servers.failed:
+            self.servers.apply([d for d in desired if d.model_spec in servers], specs)
+            desired = [d for d in desired if d.model_spec not in servers]
+            specs = {name: spec for name, spec in specs.items() if name not in servers}
         mine = {d.name: d for d in desired if d.node == self.node}
         self.chains = chains.Chains.of(specs.values())
         self._specs = {(spec.model_id, spec.version): name for name, spec in specs.items()}
@@ -408,7 +417,10 @@ class Pool:
 
     def activate(self, model_id: str, name: str = "", device_hint: str = "", joint: bool = True) -> Activation:
         """Bring the best instance of the model to HOT and say where it listens; with `joint`, the other models
-        of its chain start waking too, in parallel, and this call does not wait for them."""
+        of its chain start waking too, in parallel, and this call does not wait for them. A model server's is
+        kept HOT until `release`."""
+        if self.servers.serves(model_id):
+            return self._activate_server(model_id, name)
         slot = self.pick(model_id, name, device_hint)
         if joint:
             self._wake_peers(model_id, device_hint)
@@ -439,6 +451,23 @@ class Pool:
             slot.last_used_unix = time.time()
             activated = self._info(slot)
         return Activation(activated, source, wake_ms, fallback, () if name else self._hot_besides(slot))
+
+    def _activate_server(self, model_id: str, name: str) -> Activation:
+        activated = self.servers.activate(model_id, name)
+        if activated.woke_from is not Tier.HOT:
+            self.activations += 1
+        return Activation(self._server_info(activated.slot), activated.woke_from, activated.wake_ms,
+                          activated.fallback)
+
+    def _server_info(self, slot: serverpool.ServerSlot) -> InstanceInfo:
+        """A server's view; its `socket` is where it listens (`api.listen_address`: http://127.0.0.1:PORT or unix:PATH,
+        and an oip-grpc server's gRPC address)."""
+        inst = slot.inst
+        return InstanceInfo(
+            name=inst.name, model_id=inst.spec.model_id, model_version=inst.spec.version, tier=inst.tier,
+            device="cpu", socket=inst.address, node=self.node,
+            snapshot_bytes=inst.image.size_bytes if inst.image else 0, last_used_unix=slot.last_used_unix,
+            last_wake_ms=slot.last_wake_ms, input_hash="", state_reason=slot.reason, target_tier=slot.target)
 
     def _hot_besides(self, chosen: Slot) -> tuple[InstanceInfo, ...]:
         """The model's instances other than `chosen` that are HOT now, with a live worker, on the device kind of
@@ -480,7 +509,11 @@ class Pool:
             log.warning("%s: waking it with its chain failed: %s", model_id, exc)
 
     def release(self, name: str) -> None:
-        """The caller is done with it: it counts as idle from now on, and the policy demotes it next tick."""
+        """The caller is done with it: it counts as idle from now on, and the policy demotes it next tick. A model
+        server counts as idle from now on once no other activation holds it."""
+        if self.servers.owns(name):
+            self.servers.release(name)
+            return
         with self._slots_lock:
             slot = self.slots.get(name)
         if slot is None:
@@ -523,6 +556,9 @@ class Pool:
             failed = [(n, self._failed_specs[n], why) for n, why in sorted(self.failed.items())
                       if include_failed and n in self._failed_specs]
         infos = [self._info(s) for s in slots if not model_id or s.inst.spec.model_id == model_id]
+        infos += [self._server_info(s) for _, s in sorted(self.servers.slots.copy().items())
+                  if not model_id or s.inst.spec.model_id == model_id]
+        failed += [(n, spec, why) for n, (spec, why) in sorted(self.servers.failed.copy().items()) if include_failed]
         return infos + [InstanceInfo(name, spec.model_id, spec.version, Tier.COLD, "", "", self.node, 0, 0.0, 0.0,
                                      spec.input_hash(), f"cannot create the instance: {why}", Tier.COLD)
                         for name, spec, why in failed if not model_id or spec.model_id == model_id]
@@ -536,7 +572,8 @@ class Pool:
     def status(self) -> NodeStatus:
         usage = self.usage()
         return NodeStatus(self.node, usage.host_bytes, usage.gpu_bytes, usage.snapshot_bytes, self.activations,
-                          sum(s.inst.restore_failures for s in list(self.slots.values())), self.evictions,
+                          sum(s.inst.restore_failures for s in list(self.slots.values()))
+                          + self.servers.restore_failures(), self.evictions,
                           tuple(self.breaker.open_keys(time.monotonic())))
 
     def _views(self) -> list[policy.InstanceView]:
@@ -565,6 +602,7 @@ class Pool:
         moves = policy.plan_demotions(views, self.settings, now, self.usage(views))
         for move in moves:
             self._executor.submit(self._demote, move)
+        self.servers.tick()
         self._publish(now)
         if self.shared is not None and now - self._collected >= SHARED_COLLECT_SEC:
             self._collected = now
@@ -621,7 +659,8 @@ class Pool:
             self._eviction_times.append(time.monotonic())
 
     def _publish(self, now: float) -> None:
-        counts = collections.Counter(s.inst.tier for s in list(self.slots.values()))
+        tiers = [s.inst.tier for s in list(self.slots.values())]
+        counts = collections.Counter(tiers + [s.inst.tier for s in list(self.servers.slots.values())])
         for tier in Tier:
             self.metrics.emis_active.labels(tier.value).set(counts.get(tier, 0))
         while self._eviction_times and self._eviction_times[0] < now - 60:
@@ -651,6 +690,7 @@ class Pool:
         deadline = time.monotonic() + timeout
         for future in [*self._pending.values(), *self._joint.values()]:
             future.result(timeout=max(0.0, deadline - time.monotonic()))
+        self.servers.wait_converged(max(0.0, deadline - time.monotonic()))
 
     def interrupt(self) -> None:
         """The agent is stopping: CRIU calls in flight are killed (their wakes fail at once), none start."""
@@ -667,6 +707,7 @@ class Pool:
         self._executor.shutdown(wait=True, cancel_futures=True)
         for name in list(self.slots):
             self.remove(name, keep_kept=True)
+        self.servers.close()
 
 
 def _warmup_fields(report: contract.WarmupReport | None) -> dict[str, Any]:

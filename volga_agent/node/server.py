@@ -187,6 +187,7 @@ class ServerInstance:
         self.tier = Tier.COLD
         self.pid: int | None = None
         self.port = 0
+        self.grpc_port = 0  # an oip-grpc server's gRPC port ({grpc_port})
         self.socket_path = self.workdir / "server.sock"
         if len(str(self.socket_path)) > instance.MAX_SOCKET_PATH:
             raise ValueError(f"{self.socket_path}: a Unix socket path is at most {instance.MAX_SOCKET_PATH} bytes")
@@ -218,6 +219,16 @@ class ServerInstance:
     def base_url(self) -> str:
         """Where a client reaches it: http://127.0.0.1:PORT, or unix:PATH."""
         return f"unix:{self.socket_path}" if self.unix else f"http://127.0.0.1:{self.port}"
+
+    @property
+    def grpc_address(self) -> str:
+        """Where an oip-grpc server serves gRPC (127.0.0.1:PORT); "" for the others."""
+        return f"127.0.0.1:{self.grpc_port}" if self.grpc_port else ""
+
+    @property
+    def address(self) -> str:
+        """`base_url` and `grpc_address` in one string (`api.listen_address`), as the Agent API reports it."""
+        return api.listen_address(self.base_url, self.grpc_address)
 
     def call(self, method: str, path: str, body: bytes = b"", content_type: str = "application/json",
              timeout: float = 30.0) -> Answer:
@@ -251,6 +262,12 @@ class ServerInstance:
             self.ensure_hot()
             with self._active_lock:
                 self._active += 1
+
+    @property
+    def in_flight(self) -> int:
+        """Requests holding it HOT now (`acquire` without its `release`)."""
+        with self._active_lock:
+            return self._active
 
     def release(self) -> None:
         with self._active_lock:
@@ -617,12 +634,14 @@ class ServerInstance:
         else:
             self.port = free_port()
         where = {"port": str(self.port), "socket": str(self.socket_path)}
+        grpc_env = self._grpc_port()
 
         def fill(text: str) -> str:
-            return text.replace("{port}", where["port"]).replace("{socket}", where["socket"])
+            return text.replace("{port}", where["port"]).replace("{socket}", where["socket"]).replace(
+                api.servers.GRPC_PORT, str(self.grpc_port))
 
         env = {**process.owned_env(), **{k: fill(v) for k, v in self.server.env.items()},
-               handshake.SIGNAL_DIR_ENV: str(self.signals),
+               handshake.SIGNAL_DIR_ENV: str(self.signals), **grpc_env,
                "VOLGA_SERVER_PORT" if not self.unix else "VOLGA_SERVER_SOCKET":
                    where["socket" if self.unix else "port"]}
         cwd = self.server.working_dir or str(self.spec.source_path)
@@ -636,6 +655,13 @@ class ServerInstance:
         if out.returncode != 0:
             raise ServerError(f"{self.name}: could not start {command[0]!r}: {out.stderr.strip()}")
         self.pid = int(out.stdout.strip())
+
+    def _grpc_port(self) -> dict[str, str]:
+        """An oip-grpc server's gRPC port, picked free: the environment that says it."""
+        if self.server.protocol is not api.Protocol.OIP_GRPC:
+            return {}
+        self.grpc_port = free_port()
+        return {"VOLGA_SERVER_GRPC_PORT": str(self.grpc_port)}
 
     def _alive_or_raise(self, what: str) -> None:
         if self.pid is None or not process.alive(self.pid) or process.is_zombie(self.pid):
@@ -734,6 +760,13 @@ class Fleet:
 
     def serves(self, model_id: str) -> bool:
         return model_id in self.instances
+
+    def speaks_grpc(self, model_id: str) -> bool:
+        return self.instances[model_id].server.protocol is api.Protocol.OIP_GRPC
+
+    def elsewhere(self, model_id: str) -> None:
+        """One node: every server of the fleet is here."""
+        return None
 
     @contextlib.asynccontextmanager
     async def lease(self, model_id: str, timeout_sec: float | None) -> AsyncIterator[ServerInstance]:

@@ -76,7 +76,17 @@ from volga_core.api.modelspec import (
     WarmupSample,
     warmup_problems,
 )
-from volga_core.api.servers import Canary, Hooks, HttpCall, Listen, Protocol, Readiness, ServerSpec
+from volga_core.api.servers import (
+    Canary,
+    Hooks,
+    HttpCall,
+    Listen,
+    Protocol,
+    Readiness,
+    ServerSpec,
+    listen_address,
+    split_address,
+)
 from volga_core.api.status import (
     BatchProfile,
     Calibration,
@@ -99,6 +109,7 @@ __all__ = [
     "Model", "ModelSpec", "ModelSpecSpec", "ModelSpecStatus", "ObjectMeta", "Pool", "Precision", "Protocol",
     "Readiness", "Runtime", "ServerSpec", "SharedSnapshotRef", "Slo", "SourceStatus", "SpecError", "Targets",
     "TensorSpec", "Tier", "TierCounts", "ToleranceStep", "WarmupInput", "WarmupSample", "bad_characters",
-    "chain_errors", "chain_invalid", "chain_peers", "chain_problems", "ensemble_problems", "load_labelled",
-    "load_model_specs", "parse_model_spec", "problems_of", "repeated", "validate_spec", "warmup_problems",
+    "chain_errors", "chain_invalid", "chain_peers", "chain_problems", "ensemble_problems", "listen_address",
+    "load_labelled", "load_model_specs", "parse_model_spec", "problems_of", "repeated", "split_address",
+    "validate_spec", "warmup_problems",
 ]

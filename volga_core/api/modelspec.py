@@ -390,7 +390,7 @@ class Runtime(base.Model):
 
 
 _UNIQUE_NAMES = "self.all(a, self.filter(b, b.name == a.name).size() == 1)"
-_SIGNATURE_READ = "self.framework == 'onnx' || (has(self.inputs) && has(self.outputs))"
+_SIGNATURE_READ = "self.framework in ['onnx', 'server'] || (has(self.inputs) && has(self.outputs))"
 _BATCH_FIRST = ("!has(self.runtime) || !has(self.runtime.dynamicBatching) || "
                 "!has(self.runtime.dynamicBatching.enabled) || !self.runtime.dynamicBatching.enabled || "
                 "((!has(self.inputs) || self.inputs.all(t, size(t.shape) > 0 && t.shape[0] == -1)) && "
@@ -538,6 +538,9 @@ class ModelSpecSpec(base.Model):
         if self.framework is not base.Framework.SERVER and self.server is not None:
             raise _field_error("ModelSpecSpec", ("framework",), f"server is set, but framework is "
                                                                 f"{self.framework.value}: write framework: server")
+        if self.server is not None and self.remote_source:
+            raise _field_error("ModelSpecSpec", ("source",), f"{self.source}: a model server's files come from the "
+                                                             "node: give its folder there (a path or file://)")
         return self
 
     @pydantic.model_validator(mode="after")

@@ -4,9 +4,12 @@ Volga runs the server's command as an instance like any other: it starts it, pro
 tree with CRIU and wakes it on the first request. What Volga needs to know, and nothing about the server's code:
 
     command, env, workingDir    how to start it; `{port}` and `{socket}` in the command and the environment are
-                                replaced by where Volga tells it to listen (also in VOLGA_SERVER_PORT / _SOCKET)
+                                replaced by where Volga tells it to listen (also in VOLGA_SERVER_PORT / _SOCKET);
+                                an oip-grpc server also gets `{grpc_port}` (VOLGA_SERVER_GRPC_PORT) for its gRPC
     protocol                    oip-http / oip-grpc (Open Inference Protocol v2) or http (plain HTTP under
-                                `pathPrefix`, such as OpenAI-compatible routes); the gateway proxies accordingly
+                                `pathPrefix`, such as OpenAI-compatible routes); the gateway proxies accordingly:
+                                an oip-grpc server's gRPC calls through the gateway's gRPC port, its HTTP (and the
+                                readiness probe, hooks and canary) on {port}
     listen                      port (a free loopback port Volga picks) or unix (a socket in the instance's folder)
     readiness                   an HTTP GET that answers 2xx once the server serves
     hooks                       signalFiles: the server takes part in the handshake (`volga_agent.worker.handshake`:
@@ -142,4 +145,25 @@ class ServerSpec(base.Model):
             raise ValueError("listen is port, but the command or env uses {socket}: write {port}, or listen: unix")
         if self.listen is Listen.UNIX and self.protocol is Protocol.OIP_GRPC:
             raise ValueError("listen: unix is for HTTP servers; an oip-grpc server listens on a port")
+        if self.protocol is Protocol.OIP_GRPC and GRPC_PORT not in text:
+            raise ValueError(f"protocol is oip-grpc, but neither the command nor env says where to serve gRPC: "
+                             f"write {GRPC_PORT} (a loopback port Volga picks)")
+        if self.protocol is not Protocol.OIP_GRPC and GRPC_PORT in text:
+            raise ValueError(f"the command or env uses {GRPC_PORT}, which only protocol: oip-grpc has")
         return self
+
+
+GRPC_PORT = "{grpc_port}"
+_GRPC_MARK = "#grpc="
+
+
+def listen_address(base_url: str, grpc_address: str = "") -> str:
+    """Where a running server listens, in one string (the Agent API's instance `socket`): its HTTP base URL
+    (http://127.0.0.1:PORT or unix:PATH), and for oip-grpc its gRPC address after `#grpc=`."""
+    return f"{base_url}{_GRPC_MARK}{grpc_address}" if grpc_address else base_url
+
+
+def split_address(address: str) -> tuple[str, str]:
+    """(HTTP base URL, gRPC address or "") of a `listen_address`."""
+    base_url, _, grpc_address = address.partition(_GRPC_MARK)
+    return base_url, grpc_address

@@ -1,0 +1,77 @@
+"""Where a node lets a model server run (`serverpool.check_source`): only with model code allowed, and only from
+its model roots; each refusal names the field and the reason."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from volga_agent.node import serverpool
+from volga_core import api
+
+
+def spec(source: pathlib.Path, working_dir: pathlib.Path | None = None) -> api.ModelSpecSpec:
+    server: dict[str, object] = {"command": ["python", "-m", "app", "--port", "{port}"]}
+    if working_dir is not None:
+        server["workingDir"] = str(working_dir)
+    return api.ModelSpecSpec.model_validate({"modelId": "srv", "framework": "server", "source": str(source),
+                                             "server": server})
+
+
+def test_a_server_from_a_model_root_runs_where_model_code_is_allowed(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "app").mkdir()
+    serverpool.check_source(spec(tmp_path / "app", tmp_path / "app"), [str(tmp_path)], allow_model_code=True)
+
+
+@pytest.mark.parametrize(("source", "working_dir", "allowed", "words"), [
+    ("app", None, False, "spec.framework: server runs the command"),
+    ("missing", None, True, "does not exist on this node"),
+    ("../outside", None, True, "outside the model roots"),
+    ("app", "../outside", True, "spec.server.workingDir: resolves to"),
+])
+def test_refusals_name_the_field(tmp_path: pathlib.Path, source: str, working_dir: str | None, allowed: bool,
+                                 words: str) -> None:
+    root = tmp_path / "root"
+    (root / "app").mkdir(parents=True)
+    (tmp_path / "outside").mkdir()
+    given = spec(root / source, None if working_dir is None else root / working_dir)
+    with pytest.raises(ValueError) as caught:
+        serverpool.check_source(given, [str(root)], allow_model_code=allowed)
+    assert words in str(caught.value)
+
+
+class _Held:
+    """What the lease bookkeeping touches of a server instance: its release, tier, process and last use."""
+
+    def __init__(self) -> None:
+        self.released = 0
+        self.tier = api.Tier.HOT
+        self.in_flight = 1
+        self.last_used = 0.0
+        self.name = "ns.held-0"
+        self.pid = None  # no process: nothing to find dead
+
+    def release(self) -> None:
+        self.released += 1
+
+
+def test_an_activation_never_released_is_given_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    import concurrent.futures
+
+    from volga_agent import metrics
+    from volga_agent.node.settings import Settings
+
+    with concurrent.futures.ThreadPoolExecutor(1) as executor:
+        servers = serverpool.ServerPool("n", pathlib.Path("/nonexistent"), None, Settings(), metrics.AgentMetrics(),
+                                        executor)
+        held = _Held()
+        slot = serverpool.ServerSlot(held, api.Tier.HOT, leases=[0.0, 1.0])  # type: ignore[arg-type]
+        servers.slots[held.name] = slot
+        servers.release(held.name)  # the first activation's gateway answered
+        assert held.released == 1 and slot.leases == [1.0]
+        monkeypatch.setattr(serverpool, "LEASE_MAX_SEC", 0.0)
+        servers.tick()  # the second's never did: given back
+        assert held.released == 2 and slot.leases == []
+        servers.release(held.name)  # its release, late: not counted twice
+        assert held.released == 2
