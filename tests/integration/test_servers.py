@@ -319,3 +319,19 @@ def test_gpu_ladder_warm_is_the_hooks_tier(engine: criu.CriuEngine, workdir: pat
         assert s.demote_if_idle(0.0, gpu_idle=(0.0, 0.0)) and s.tier is api.Tier.FROZEN  # SUSPENDED passed over
     finally:
         s.close()
+
+
+def test_a_floor_the_ladder_lacks_rests_below_it(engine: criu.CriuEngine, workdir: pathlib.Path) -> None:
+    """A SUSPENDED floor for a server without a CUDA context (a CPU server on a GPU node) rests FROZEN, the next tier
+    its ladder has, both when it is brought to its floor and when idle demotion takes it there."""
+    s = server.ServerInstance(spec("floor", [*STREAM, "--port", "{port}"], readiness={"path": "/health"}), workdir,
+                              engine, driver=_NoCuda())  # type: ignore[arg-type]
+    try:
+        s.start()
+        s.settle(api.Tier.SUSPENDED)
+        assert s.tier is api.Tier.FROZEN
+        with s.serving():
+            assert s.call("GET", "/health").status == 200
+        assert s.demote_if_idle(0.0, gpu_idle=(0.0, 0.0), floor=api.Tier.SUSPENDED) and s.tier is api.Tier.FROZEN
+    finally:
+        s.close()

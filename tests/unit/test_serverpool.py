@@ -75,3 +75,21 @@ def test_an_activation_never_released_is_given_back(monkeypatch: pytest.MonkeyPa
         assert held.released == 2 and slot.leases == []
         servers.release(held.name)  # its release, late: not counted twice
         assert held.released == 2
+
+
+@pytest.mark.parametrize(("driver", "rests"), [
+    (None, {api.Tier.WARM: api.Tier.FROZEN, api.Tier.SUSPENDED: api.Tier.FROZEN}),
+    (object(), {api.Tier.WARM: api.Tier.WARM, api.Tier.SUSPENDED: api.Tier.SUSPENDED}),
+])
+def test_gpu_floors_rest_where_the_node_has_a_driver(driver: object, rests: dict[api.Tier, api.Tier]) -> None:
+    import concurrent.futures
+
+    from volga_agent import metrics
+    from volga_agent.node.settings import Settings
+
+    with concurrent.futures.ThreadPoolExecutor(1) as executor:
+        servers = serverpool.ServerPool("n", pathlib.Path("/nonexistent"), None, Settings(), metrics.AgentMetrics(),
+                                        executor, driver)  # type: ignore[arg-type]
+        assert {tier: servers.resting(tier) for tier in rests} == rests
+        assert [servers.resting(t) for t in (api.Tier.HOT, api.Tier.FROZEN, api.Tier.COLD)] == [
+            api.Tier.HOT, api.Tier.FROZEN, api.Tier.COLD]

@@ -171,7 +171,7 @@ class Pool:
         self.activations = 0
         self.evictions = 0
         self.servers = serverpool.ServerPool(node, self.workroot, self.criu, self.settings, self.metrics,
-                                             self._executor)
+                                             self._executor, self.driver)
         self._stop = threading.Event()
         self._ticker: threading.Thread | None = None
         # Cluster mode sets it (`cluster.fetches`): model id -> an Event set once the model's remote source is on

@@ -567,10 +567,19 @@ class ServerInstance:
         """Bring a started server down to `floor` (WARM and SUSPENDED on a GPU only; a tier its tree cannot take
         is passed over, so a server holding no CUDA context goes from HOT to FROZEN)."""
         with self._lock:
+            floor = self._reachable(floor)
             for tier in self._ladder():
                 if _depth(tier) > _depth(floor) or _depth(tier) <= _depth(self.tier):
                     continue
                 self._enter(tier)
+
+    def _reachable(self, floor: Tier) -> Tier:
+        """`floor`, or where its ladder lacks it (SUSPENDED for a server without a CUDA context), the next tier
+        below it."""
+        ladder = self._ladder()
+        if floor is Tier.HOT or floor in ladder:
+            return floor
+        return next((t for t in ladder if _depth(t) > _depth(floor)), floor)
 
     def _ladder(self) -> list[Tier]:
         """The tiers below HOT this server can take, highest first."""
@@ -584,10 +593,11 @@ class ServerInstance:
     def demote_if_idle(self, idle_sec: float, gpu_idle: tuple[float, float] | None = None,
                        floor: Tier = Tier.FROZEN) -> bool:
         """One step down its ladder when unused long enough and no request runs, never below `floor`; whether it
-        moved. The waits are seconds since the last use, keyed by the tier entered: `idle_sec` before FROZEN,
-        `gpu_idle` before WARM and before SUSPENDED (`IdleSettings`' hot_sec and warm_sec; both `idle_sec` unless
-        given)."""
+        moved (a floor its ladder lacks: the next tier below it). The waits are seconds since the last use, keyed by
+        the tier entered: `idle_sec` before FROZEN, `gpu_idle` before WARM and before SUSPENDED (`IdleSettings`'
+        hot_sec and warm_sec; both `idle_sec` unless given)."""
         with self._lock:
+            floor = self._reachable(floor)
             if self.tier not in (Tier.HOT, Tier.WARM, Tier.SUSPENDED) or _depth(self.tier) >= _depth(floor):
                 return False
             lower = [t for t in self._ladder() if _depth(t) > _depth(self.tier)]

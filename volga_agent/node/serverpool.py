@@ -1,10 +1,12 @@
 """A node's model servers (`framework: server`) as the pool's instances: what `pool.Pool` hands them to.
 
 The pool gives every EMI of a server ModelSpec to `ServerPool`, which runs it as a `server.ServerInstance` with the
-tiers a server has on this node: HOT, FROZEN (a CRIU image of its process tree) and COLD. Like a model's instance,
-each is brought to its EMI's resting tier (a FROZEN floor: started once, then frozen), woken by an activation (the
-gateway's request, through the Agent API), and taken back down to its floor when it has been idle for
-`settings.idle.suspended_sec` (a CPU instance's way to FROZEN; a COLD floor stops it). An activation keeps the
+tiers a server has on this node: HOT, FROZEN (a CRIU image of its process tree) and COLD, and on a GPU node (the
+pool's driver checkpoint API) WARM (its sleep hooks) and SUSPENDED (the driver's checkpoint of its CUDA processes).
+Like a model's instance, each is brought to its EMI's resting tier (a FROZEN floor: started once, then frozen),
+woken by an activation (the gateway's request, through the Agent API), and taken back down its ladder to its floor
+when idle (`settings.idle`: hot_sec before WARM, warm_sec before SUSPENDED, suspended_sec before FROZEN; a COLD
+floor stops it after suspended_sec). An activation keeps the
 server from being frozen until its `release`: a request is never frozen mid-answer. An activation whose release never
 comes (its gateway died mid-request) is given back after `LEASE_MAX_SEC`.
 
@@ -30,16 +32,18 @@ from volga_agent import errors, metrics
 from volga_agent.host import process
 from volga_agent.node import admission, instance, server
 from volga_agent.node.settings import Settings
-from volga_agent.snapshot import criu
+from volga_agent.snapshot import criu, cuda
 from volga_core import api, planner
 
 Tier = api.Tier
 log = logging.getLogger(__name__)
-# The resting tiers a server has (no GPU tiers yet): a WARM or SUSPENDED floor rests FROZEN.
+# The resting tiers a server has on a node without a GPU driver: a WARM or SUSPENDED floor rests FROZEN.
 RESTING = {Tier.HOT: Tier.HOT, Tier.WARM: Tier.FROZEN, Tier.SUSPENDED: Tier.FROZEN, Tier.FROZEN: Tier.FROZEN,
            Tier.COLD: Tier.COLD}
+ASLEEP = (Tier.WARM, Tier.SUSPENDED)  # a process still there, its wake in place
 LEASE_MAX_SEC = 3600.0  # an activation not released within this is taken for one whose gateway is gone
-MOVE_ERRORS = (server.ServerError, criu.CriuError, instance.IllegalTransition, instance.CanaryMismatch, OSError)
+MOVE_ERRORS = (server.ServerError, criu.CriuError, instance.IllegalTransition, instance.CanaryMismatch, OSError,
+               cuda.DriverCheckpointError)
 
 
 def is_server(spec: api.ModelSpecSpec) -> bool:
@@ -93,8 +97,10 @@ class ServerPool:
     """The server instances of a node by EMI name; every move on the pool's executor or the caller's thread."""
 
     def __init__(self, node: str, workroot: pathlib.Path, engine: criu.CriuEngine | None, settings: Settings,
-                 agent_metrics: metrics.AgentMetrics, executor: concurrent.futures.Executor) -> None:
+                 agent_metrics: metrics.AgentMetrics, executor: concurrent.futures.Executor,
+                 driver: cuda.DriverCheckpoint | None = None) -> None:
         self.node = node
+        self.driver = driver  # a GPU node's: its servers get WARM and SUSPENDED
         self.workroot = workroot / "servers"
         self.engine = engine
         self.settings = settings
@@ -119,7 +125,7 @@ class ServerPool:
         moving = []
         with self._lock:
             for name, want in mine.items():
-                target = RESTING[want.target_tier]
+                target = self.resting(want.target_tier)
                 slot = self.slots.get(name)
                 if slot is not None:
                     slot.target = target
@@ -132,7 +138,8 @@ class ServerPool:
                     check_source(spec, self.settings.model_roots, self.settings.allow_model_code)
                     if self.engine is None:
                         raise ValueError("this node has no usable CRIU: a server needs it for its FROZEN tier")
-                    inst = server.ServerInstance(spec, self.workroot / name, self.engine, name, self.metrics)
+                    inst = server.ServerInstance(spec, self.workroot / name, self.engine, name, self.metrics,
+                                                 driver=self.driver)
                 except (OSError, ValueError) as exc:
                     self.failed[name] = (spec, f"{type(exc).__name__}: {exc}")
                     log.error("%s: cannot create the server instance: %s", name, exc)
@@ -143,6 +150,10 @@ class ServerPool:
         for slot in moving:
             self._converge_async(slot)
 
+    def resting(self, tier: Tier) -> Tier:
+        """Where a server of an EMI whose target is `tier` rests on this node."""
+        return tier if self.driver is not None and tier in ASLEEP else RESTING[tier]
+
     def _converge_async(self, slot: ServerSlot) -> None:
         name = slot.inst.name
         future = self._pending.get(name)
@@ -150,7 +161,8 @@ class ServerPool:
             self._pending[name] = self.executor.submit(self._converge, slot)
 
     def _converge(self, slot: ServerSlot) -> None:
-        """Up to its resting tier: a FROZEN floor is a cold start and a freeze (the first request restores)."""
+        """Up to its resting tier: a FROZEN floor is a cold start and a freeze (the first request restores); a
+        WARM or SUSPENDED one a cold start and the moves down to it (`ServerInstance.settle`)."""
         if slot.removed:
             return
         if slot.target is Tier.COLD:
@@ -161,8 +173,8 @@ class ServerPool:
         try:
             slot.inst.ensure_hot()
             _share_socket(slot.inst)
-            if slot.target is Tier.FROZEN and not slot.refused:
-                slot.inst.freeze()
+            if slot.target is not Tier.HOT and not slot.refused:
+                slot.inst.settle(slot.target)
             slot.reason = ""
         except server.Busy:
             slot.reason = ""  # a request woke it first: the idle demotion takes it down later
@@ -239,7 +251,8 @@ class ServerPool:
     def tick(self) -> None:
         """Servers that died while HOT started again (and brought to their floors), idle ones back down to their
         floors (on the executor)."""
-        idle = self.settings.idle.suspended_sec
+        idle = self.settings.idle
+        first_step = min(idle.hot_sec, idle.warm_sec, idle.suspended_sec) if self.driver else idle.suspended_sec
         for slot in list(self.slots.values()):
             with self._lock:
                 expired = [t for t in slot.leases if time.monotonic() - t > LEASE_MAX_SEC]
@@ -249,30 +262,33 @@ class ServerPool:
                 log.warning("%s: an activation not released within %g s is given back", slot.inst.name,
                             LEASE_MAX_SEC)
             inst = slot.inst
-            if inst.tier is Tier.HOT and _died(inst) and not slot.removed:
-                log.warning("%s: the server died while HOT; starting it again", inst.name)
+            if (inst.tier is Tier.HOT or inst.tier in ASLEEP) and _died(inst) and not slot.removed:
+                log.warning("%s: the server died while %s; starting it again", inst.name, inst.tier.value)
                 self.metrics.worker_deaths.labels(inst.spec.model_id).inc()
-                slot.reason = "ServerDied: its process exited while HOT"
+                slot.reason = f"ServerDied: its process exited while {inst.tier.value}"
+                inst.close()  # its tier, hooks and driver state go with the process
                 self._converge_async(slot)
                 continue
-            if (inst.tier is Tier.HOT and slot.target is not Tier.HOT and not slot.refused and not inst.in_flight
-                    and time.monotonic() - inst.last_used >= idle):
+            if ((inst.tier is Tier.HOT or inst.tier in ASLEEP) and _rank(inst.tier) < _rank(slot.target)
+                    and not slot.refused and not inst.in_flight and time.monotonic() - inst.last_used >= first_step):
                 self._converge_down(slot)
 
     def _converge_down(self, slot: ServerSlot) -> None:
         name = slot.inst.name
         future = self._pending.get(name)
         if future is None or future.done():
-            self._pending[name] = self.executor.submit(self._demote, slot, self.settings.idle.suspended_sec)
+            self._pending[name] = self.executor.submit(self._demote, slot)
 
-    def _demote(self, slot: ServerSlot, idle: float) -> None:
+    def _demote(self, slot: ServerSlot) -> None:
+        """One step down its ladder towards its floor when idle long enough (a COLD floor: stopped)."""
         if slot.removed:
             return
+        idle = self.settings.idle
         try:
-            if slot.target is Tier.FROZEN:
-                slot.inst.demote_if_idle(idle)
-            elif not slot.inst.in_flight and time.monotonic() - slot.inst.last_used >= idle:
-                slot.inst.close()  # a COLD floor
+            if slot.target is not Tier.COLD:
+                slot.inst.demote_if_idle(idle.suspended_sec, (idle.hot_sec, idle.warm_sec), slot.target)
+            elif not slot.inst.in_flight and time.monotonic() - slot.inst.last_used >= idle.suspended_sec:
+                slot.inst.close()
         except server.FreezeRefused as exc:
             slot.refused, slot.reason = True, f"FreezeRefused: {exc}"
             log.warning("%s stays HOT: %s", slot.inst.name, exc)
@@ -310,5 +326,5 @@ def _share_socket(inst: server.ServerInstance) -> None:
 
 
 def _rank(tier: Tier) -> int:
-    """How far from serving: HOT 0, FROZEN 1, COLD 2."""
-    return {Tier.HOT: 0, Tier.FROZEN: 1}.get(tier, 2)
+    """How far from serving: HOT 0, WARM 1, SUSPENDED 2, FROZEN 3, COLD 4."""
+    return {Tier.HOT: 0, Tier.WARM: 1, Tier.SUSPENDED: 2, Tier.FROZEN: 3}.get(tier, 4)
