@@ -30,6 +30,19 @@ def missing() -> str:
     return f"not installed: {', '.join(lacking)} (make setup runs scripts/install-stores.sh)" if lacking else ""
 
 
+def self_signed(folder: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path, pathlib.Path]:
+    """A private CA and a certificate it signed for 127.0.0.1 (trustme): the (CA, certificate, key) files."""
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    files = (folder / "ca.pem", folder / "cert.pem", folder / "key.pem")
+    ca.cert_pem.write_to_path(str(files[0]))
+    cert.cert_chain_pems[0].write_to_path(str(files[1]))
+    cert.private_key_pem.write_to_path(str(files[2]))
+    return files
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -63,13 +76,17 @@ class Server:
 class S3(Server):
     """versitygw over a POSIX folder, one root user."""
 
-    def __init__(self, folder: pathlib.Path) -> None:
+    def __init__(self, folder: pathlib.Path, tls: tuple[pathlib.Path, pathlib.Path, pathlib.Path] | None = None
+                 ) -> None:
+        """`tls`: (CA, certificate, key) files: the store speaks HTTPS only."""
         data = folder / "s3"
         data.mkdir(parents=True, exist_ok=True)
         port = free_port()
-        super().__init__("versitygw", [str(VERSITYGW), "--access", ACCESS, "--secret", SECRET, "--quiet",
+        https = ["--cert", str(tls[1]), "--key", str(tls[2])] if tls else []
+        super().__init__("versitygw", [str(VERSITYGW), "--access", ACCESS, "--secret", SECRET, "--quiet", *https,
                                        "--port", f"127.0.0.1:{port}", "posix", str(data)], folder, port, {})
-        self.endpoint = f"http://127.0.0.1:{port}"
+        self.endpoint = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
+        self.tls = tls
 
     def credentials(self, secret: str = SECRET) -> dict[str, str]:
         return {"AWS_ACCESS_KEY_ID": ACCESS, "AWS_SECRET_ACCESS_KEY": secret, "AWS_ENDPOINT_URL": self.endpoint,
@@ -80,7 +97,8 @@ class S3(Server):
         import boto3
 
         return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=ACCESS,
-                            aws_secret_access_key=SECRET, region_name="us-east-1")
+                            aws_secret_access_key=SECRET, region_name="us-east-1",
+                            verify=str(self.tls[0]) if self.tls else None)
 
 
 class Registry(Server):

@@ -307,29 +307,113 @@ def test_an_http_source_is_fetched_in_ranges_from_a_real_server(registry: stores
 
 def test_https_and_oci_over_tls_with_the_ca_from_the_environment(tmp_path: pathlib.Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    import trustme
-
-    ca = trustme.CA()
-    cert = ca.issue_cert("127.0.0.1")
-    files = (tmp_path / "ca.pem", tmp_path / "cert.pem", tmp_path / "key.pem")
-    ca.cert_pem.write_to_path(str(files[0]))
-    cert.cert_chain_pems[0].write_to_path(str(files[1]))
-    cert.private_key_pem.write_to_path(str(files[2]))
+    files = stores.self_signed(tmp_path)
     registry = stores.Registry(tmp_path, tls=files)
     try:
         data = os.urandom(1 << 20)
         (tmp_path / "model.onnx").write_bytes(data)
         registry.push("models/tls:v1", ["model.onnx"], tmp_path)
-        with pytest.raises(errors.SourceUnavailable):  # a CA it does not know: refused, not fetched
-            cache.Cache(tmp_path / "untrusted").resolve(f"https://{registry.host}/v2/models/tls/blobs/{sha(data)}")
+        url = f"https://{registry.host}/v2/models/tls/blobs/{sha(data)}"
+        with pytest.raises(errors.SourceUntrusted, match="TLS certificate was not trusted") as caught:
+            cache.Cache(tmp_path / "untrusted").resolve(url)  # a CA it does not know: refused, not fetched
+        assert not caught.value.retry and "SOURCE_CA_BUNDLE" in str(caught.value) and url in str(caught.value)
+        with pytest.raises(errors.SourceUntrusted, match="Secret 'ml/store'"):
+            cache.Cache(tmp_path / "untrusted").resolve(f"oci://{registry.host}/models/tls:v1", sha(data),
+                                                        {"SOURCE_PLAIN_HTTP": "false"}, secret="ml/store")
+        # volga up's environment: SOURCE_CA_BUNDLE names a PEM file
+        got = cache.Cache(tmp_path / "c0").resolve(url, sha(data), {"SOURCE_CA_BUNDLE": str(files[0])})
+        assert got.path.read_bytes() == data
         monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(files[0]))
-        got = cache.Cache(tmp_path / "c1").resolve(f"https://{registry.host}/v2/models/tls/blobs/{sha(data)}")
+        got = cache.Cache(tmp_path / "c1").resolve(url)
         assert got.path.read_bytes() == data
         pulled = cache.Cache(tmp_path / "c2").resolve(f"oci://{registry.host}/models/tls:v1", sha(data),
                                                      {"SOURCE_PLAIN_HTTP": "false"})
         assert pulled.path.read_bytes() == data
     finally:
         registry.stop()
+
+
+def test_an_s3_endpoint_with_an_untrusted_certificate_is_a_configuration_error(tmp_path: pathlib.Path) -> None:
+    """versitygw over HTTPS with a certificate of a private CA: the fetch is refused naming the source, the Secret
+    and the reason, is not tried again (one read of the Secret), and goes through once the Secret carries the CA's
+    PEM as SOURCE_CA_BUNDLE."""
+    from procs import wait_for
+
+    from volga_agent.cluster import fetches
+    from volga_core import planner
+
+    files = stores.self_signed(tmp_path)
+    s3 = stores.S3(tmp_path, tls=files)
+    try:
+        s3.client().create_bucket(Bucket="models")
+        model = defaultmodel.ensure().spec.source_path
+        s3.client().upload_file(str(model), "models", "tls/model.onnx")
+        spec = api_spec(defaultmodel.spec_document(model), source="s3://models/tls/model.onnx", sourceSecret="store")
+        core = SecretsApi({("ml", "store"): s3.credentials()})
+        f = fetches.Fetches(core, lambda: None, root=str(tmp_path / "cache"))
+        desired = [planner.Desired("ml.a-0", "ml/a", spec.model_id, "n", api.Tier.FROZEN)]
+
+        def settled() -> fetches.Pending | None:
+            f.localise({"ml/a": spec}, desired, lambda name: None)
+            pending = f.pending.get("ml/a")
+            return pending if pending is not None and pending.reason != "Fetching" else None
+
+        pending = wait_for("the fetch to fail", settled, timeout=60)
+        assert pending.reason == "SourceCertificateUntrusted", pending
+        assert "s3://models/tls/model.onnx" in pending.message and "was not trusted" in pending.message
+        assert "Secret 'ml/store'" in pending.message and "SOURCE_CA_BUNDLE" in pending.message
+        f.applied()
+        assert f.awaiting(spec.model_id) is None  # requests are not held for a fetch that is not tried again
+        reads = core.reads
+        for _ in range(3):
+            f.localise({"ml/a": spec}, desired, lambda name: None)
+        assert core.reads == reads == 1  # not tried again in a loop
+        f.stop()
+
+        core.secrets[("ml", "store")] = {**s3.credentials(), "SOURCE_CA_BUNDLE": files[0].read_text()}
+        got = cache.Cache(tmp_path / "cache").resolve(spec.source, "", core.secrets[("ml", "store")],
+                                                      secret="ml/store")
+        assert got.path.read_bytes() == model.read_bytes()
+    finally:
+        s3.stop()
+
+
+def test_volga_up_names_an_untrusted_certificate_and_takes_a_ca_file(tmp_path: pathlib.Path) -> None:
+    """`volga up -f` with a model in an S3 store over HTTPS signed by a private CA: refused at once (exit 2) naming
+    the source and the untrusted certificate; with SOURCE_CA_BUNDLE naming the CA's file it fetches."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    files = stores.self_signed(tmp_path)
+    s3 = stores.S3(tmp_path, tls=files)
+    try:
+        s3.client().create_bucket(Bucket="models")
+        model = defaultmodel.ensure().spec.source_path
+        s3.client().upload_file(str(model), "models", "tls/model.onnx")
+        doc = defaultmodel.spec_document(model)
+        doc["spec"]["source"] = "s3://models/tls/model.onnx"  # type: ignore[index]
+        (tmp_path / "spec.yaml").write_text(yaml.safe_dump(doc))
+        root = pathlib.Path(__file__).resolve().parents[2]
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("AWS_")}, **s3.credentials(),
+               "VOLGA_MODEL_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(root)}
+        up = [sys.executable, "-m", "volga_agent.cli", "up", "-f", str(tmp_path / "spec.yaml"), "--snapshot-dir",
+              str(tmp_path / "snapshots")]
+        out = subprocess.run(up, capture_output=True, text=True, timeout=120, cwd=root, env=env)
+        assert out.returncode == 2, out.stderr
+        assert "s3://models/tls/model.onnx: the server's TLS certificate was not trusted" in out.stderr
+        assert "SOURCE_CA_BUNDLE (a PEM file in volga up's environment" in out.stderr
+        assert stores.SECRET not in out.stdout + out.stderr
+        # The same checks `volga up` makes before it serves, with the CA's file in its environment.
+        check = [sys.executable, "-c", "from volga_agent import cli; import sys; "
+                 "print(cli.load_specs(sys.argv[1:]).specs[0].spec.source_digest)", str(tmp_path / "spec.yaml")]
+        ok = subprocess.run(check, capture_output=True, text=True, timeout=120, cwd=root,
+                            env={**env, "SOURCE_CA_BUNDLE": str(files[0])})
+        assert ok.returncode == 0, ok.stderr
+        assert ok.stdout.strip() == sha(model.read_bytes())
+    finally:
+        s3.stop()
 
 
 def test_an_unreachable_store_is_reported_and_tried_again(tmp_path: pathlib.Path) -> None:

@@ -5,6 +5,7 @@ Layout under the cache root:
     sha256/<hex>/            one entry per content digest: the model file (or folder), with its own name
     partial/<key>/           fetches under way: each object's .part file and its resume state
     tmp/                     entries being assembled; renamed into sha256/ once verified, emptied at start
+    ca/<hex>.pem             CA bundles a Secret gave as PEM text (SOURCE_CA_BUNDLE), by their digest
     index.json               the entries (size, last use, model file) and, per source URI (and the credentials
                              that read it), the version and digest it last resolved to: survives an agent restart
     .users, .index.lock      locks: several processes may share a cache (each holds .users shared; the index is
@@ -258,7 +259,7 @@ class Cache:
         with lock:  # one fetch per source: a second caller waits, then finds the entry
             if digest and (found := self.lookup(source, digest, secret)) is not None:
                 return self._hit(found)
-            store = self._open_store(src, credentials or {}, secret, self.connections)
+            store = self._open_store(src, self._ca_file(credentials or {}), secret, self.connections)
             listing = store.describe(src)  # the store says these credentials may read it, and its version
             with self._lock:
                 self._refresh()
@@ -270,6 +271,19 @@ class Cache:
                         return self._hit(found)
             resolved = self._fetch(src, store, listing, digest, secret)
         return dataclasses.replace(resolved, seconds=time.monotonic() - started)
+
+    def _ca_file(self, credentials: Mapping[str, str]) -> Mapping[str, str]:
+        """`credentials` with a CA bundle given as PEM text (a Secret's key) written to a file the stores read."""
+        pem = credentials.get(stores.CA_BUNDLE, "")
+        if not pem.lstrip().startswith("-----BEGIN"):
+            return credentials  # none, or a file's path (volga up's environment)
+        path = self.root / "ca" / f"{hashlib.sha256(pem.encode()).hexdigest()[:32]}.pem"
+        if not path.is_file():
+            path.parent.mkdir(exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}")
+            tmp.write_text(pem)
+            os.replace(tmp, path)
+        return {**credentials, stores.CA_BUNDLE: str(path)}
 
     def _hit(self, found: Resolved) -> Resolved:
         if self.metrics is not None:

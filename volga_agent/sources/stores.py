@@ -12,7 +12,10 @@ mapping of environment-variable names (a Kubernetes Secret's keys, or the node's
     OCI    SOURCE_USERNAME and SOURCE_PASSWORD (or SOURCE_TOKEN), for the registry's basic or token auth;
            SOURCE_PLAIN_HTTP=true for a registry without TLS (=false for TLS on a loopback registry, which is
            otherwise reached over HTTP)
-    TLS    the system's CAs, or REQUESTS_CA_BUNDLE in the environment (requests' own setting)
+    TLS    the system's CAs; SOURCE_CA_BUNDLE for a store whose certificate a private CA signed (in a Secret: the
+           CA's PEM text; in `volga up`'s environment: a PEM file); REQUESTS_CA_BUNDLE and AWS_CA_BUNDLE in the
+           environment work too (requests' and botocore's own settings). A certificate not trusted is a
+           configuration error (SourceUntrusted), not retried.
 
 No credential is ever logged or put into an error message: errors name the source and, where given, the Secret.
 """
@@ -35,6 +38,7 @@ READ_BYTES = 1 << 20
 TIMEOUT = (10.0, 60.0)  # connect, read (seconds)
 OCI_MANIFESTS = ("application/vnd.oci.image.manifest.v1+json, application/vnd.docker.distribution.manifest.v2+json")
 OCI_TITLE = "org.opencontainers.image.title"
+CA_BUNDLE = "SOURCE_CA_BUNDLE"  # a PEM file of the CAs to trust for this source (the cache writes a Secret's PEM)
 ORAS_UNPACK = "io.deis.oras.content.unpack"
 
 
@@ -77,6 +81,21 @@ def _where(secret: str) -> str:
     return f" (credentials from Secret {secret!r})" if secret else ""
 
 
+_VERIFY_FAILED = re.compile(r"certificate verify failed:?\s*([^()\]]*)", re.IGNORECASE)
+
+
+def _untrusted(source: str, exc: Exception, secret: str) -> errors.SourceUntrusted | None:
+    """SourceUntrusted when `exc` is a TLS certificate the node does not trust (else None)."""
+    found = _VERIFY_FAILED.search(str(exc))
+    if found is None:
+        return None
+    why = found.group(1).strip().rstrip(".") or "certificate verify failed"
+    where = (f"add the CA that signed it (PEM) to Secret {secret!r} as key {CA_BUNDLE}" if secret else
+             f"give the CA that signed it as {CA_BUNDLE} (a PEM file in volga up's environment, or a key of the "
+             "Secret spec.sourceSecret names)")
+    return errors.SourceUntrusted(f"{source}: the server's TLS certificate was not trusted ({why}): {where}")
+
+
 def open_store(source: uri.Source, credentials: Mapping[str, str], secret: str = "", connections: int = 8) -> Store:
     """The store `source` lives in. `secret`: the name of the Secret the credentials came from, for errors."""
     if source.scheme == "s3":
@@ -115,11 +134,13 @@ class S3Store:
                     "aws_session_token": credentials.get("AWS_SESSION_TOKEN") or None}
         region = credentials.get("AWS_REGION") or credentials.get("AWS_DEFAULT_REGION") or "us-east-1"
         self.client: Any = session.create_client("s3", region_name=region, endpoint_url=endpoint, config=config,
-                                                 **keys)
+                                                 verify=credentials.get(CA_BUNDLE) or None, **keys)
 
     def _error(self, source: str, exc: Exception) -> errors.SourceError:
         import botocore.exceptions as bx
 
+        if isinstance(exc, bx.SSLError) and (untrusted := _untrusted(source, exc, self.secret)) is not None:
+            return untrusted
         if isinstance(exc, bx.NoCredentialsError):
             return errors.SourceDenied(f"{source}: no S3 credentials{_where(self.secret)}: set AWS_ACCESS_KEY_ID "
                                        "and AWS_SECRET_ACCESS_KEY")
@@ -177,8 +198,21 @@ class S3Store:
 
 # -- HTTP(S) ------------------------------------------------------------------------------------------------------
 
+class _Session(requests.Session):
+    """A session that verifies TLS against `ca` (a PEM file) when given: requests lets REQUESTS_CA_BUNDLE in the
+    environment override a session's own `verify`, so it is passed with every request."""
+
+    ca = ""
+
+    def request(self, *args: Any, **kwargs: Any) -> requests.Response:
+        if self.ca:
+            kwargs.setdefault("verify", self.ca)
+        return super().request(*args, **kwargs)
+
+
 def _session(credentials: Mapping[str, str], connections: int) -> requests.Session:
-    session = requests.Session()
+    session = _Session()
+    session.ca = credentials.get(CA_BUNDLE, "")
     adapter = requests.adapters.HTTPAdapter(pool_connections=connections, pool_maxsize=max(connections, 10))
     session.mount("http://", adapter)
     session.mount("https://", adapter)
@@ -187,6 +221,12 @@ def _session(credentials: Mapping[str, str], connections: int) -> requests.Sessi
     elif credentials.get("SOURCE_USERNAME"):
         session.auth = (credentials["SOURCE_USERNAME"], credentials.get("SOURCE_PASSWORD", ""))
     return session
+
+
+def _unreachable(source: str, exc: requests.RequestException, secret: str, what: str) -> errors.SourceError:
+    if isinstance(exc, requests.exceptions.SSLError) and (untrusted := _untrusted(source, exc, secret)) is not None:
+        return untrusted
+    return errors.SourceUnavailable(f"{source}: the {what} is unreachable: {type(exc).__name__}")
 
 
 def _check(reply: requests.Response, source: str, secret: str) -> None:
@@ -214,7 +254,7 @@ def _stream(session: requests.Session, url: str, start: int, end: int, version: 
                 raise errors.SourceUnavailable(f"{source}: the object changed during the fetch")
             yield from reply.iter_content(READ_BYTES)
     except requests.RequestException as exc:
-        raise errors.SourceUnavailable(f"{source}: the server is unreachable: {type(exc).__name__}") from None
+        raise _unreachable(source, exc, secret, "server") from None
 
 
 class HttpStore:
@@ -227,7 +267,7 @@ class HttpStore:
         try:
             reply = self.session.head(source.uri, allow_redirects=True, timeout=TIMEOUT)
         except requests.RequestException as exc:
-            raise errors.SourceUnavailable(f"{source}: the server is unreachable: {type(exc).__name__}") from None
+            raise _unreachable(source.uri, exc, self.secret, "server") from None
         _check(reply, source.uri, self.secret)
         if "Content-Length" not in reply.headers:
             raise errors.SourceUnavailable(f"{source}: the server does not say the file's size (Content-Length)")
@@ -263,7 +303,7 @@ class OciStore:
         self.base = f"{'http' if plain else 'https'}://{source.host}/v2/{source.path}"
         self.secret = secret
         self.credentials = dict(credentials)
-        self.session = _session({}, connections)
+        self.session = _session({CA_BUNDLE: credentials.get(CA_BUNDLE, "")}, connections)
         self.token = ""
         self.repo = source.path
         self.ref = source.ref
@@ -286,10 +326,10 @@ class OciStore:
             if "scope" not in params:
                 params["scope"] = f"repository:{self.repo}:pull"
             try:
-                got = requests.get(realm, params=params, auth=(user, password) if user else None, timeout=TIMEOUT)
+                got = requests.get(realm, params=params, auth=(user, password) if user else None, timeout=TIMEOUT,
+                                   verify=self.credentials.get(CA_BUNDLE) or True)
             except requests.RequestException as exc:
-                raise errors.SourceUnavailable(f"oci://{self.repo}: the registry's token service is unreachable: "
-                                               f"{type(exc).__name__}") from None
+                raise _unreachable(f"oci://{self.repo}", exc, self.secret, "registry's token service") from None
             if got.status_code in (401, 403):
                 return False
             body = got.json()
@@ -304,7 +344,7 @@ class OciStore:
             if reply.status_code == 401 and self._auth(reply):
                 reply = self.session.get(url, timeout=TIMEOUT, **kwargs)
         except requests.RequestException as exc:
-            raise errors.SourceUnavailable(f"{source}: the registry is unreachable: {type(exc).__name__}") from None
+            raise _unreachable(source, exc, self.secret, "registry") from None
         _check(reply, source, self.secret)
         return reply
 
