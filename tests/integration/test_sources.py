@@ -132,19 +132,29 @@ def test_volga_up_reads_a_models_signature_from_its_s3_copy(s3: stores.S3, tmp_p
 
 class SecretsApi:
     """The CoreV1Api call `cluster.fetches` makes for a Secret, answering from a dict (the API server's part is
-    in tests/k8s); counts the reads."""
+    in tests/k8s); counts the reads. `put` changes a Secret (a new resourceVersion)."""
 
     def __init__(self, secrets: dict[tuple[str, str], dict[str, str]]) -> None:
         self.secrets = secrets
+        self.versions = {key: 1 for key in secrets}
         self.reads = 0
+
+    def put(self, namespace: str, name: str, data: dict[str, str]) -> None:
+        self.secrets[(namespace, name)] = data
+        self.versions[(namespace, name)] = self.versions.get((namespace, name), 0) + 1
 
     def read_namespaced_secret(self, name: str, namespace: str, **_: object) -> object:
         import base64
         import types
 
+        from kubernetes.client import ApiException
+
         self.reads += 1
+        if (namespace, name) not in self.secrets:
+            raise ApiException(status=404, reason="Not Found")
         data = {k: base64.b64encode(v.encode()).decode() for k, v in self.secrets[(namespace, name)].items()}
-        return types.SimpleNamespace(data=data)
+        return types.SimpleNamespace(data=data, metadata=types.SimpleNamespace(
+            resource_version=str(self.versions[(namespace, name)])))
 
 
 def test_a_placed_model_is_prefetched_with_its_secret_and_reported_while_it_fetches(
@@ -182,13 +192,63 @@ def test_a_placed_model_is_prefetched_with_its_secret_and_reported_while_it_fetc
     assert f.model_cache is not None and f.model_cache.held() == {sha(model.read_bytes())}  # not evicted while placed
     f.localise(specs, [], lambda name: None)
     assert f.model_cache.held() == set()  # no longer placed: evictable
-    f.localise(specs, desired, lambda name: None)
-    denied = f.pending["ml/b"]
+
+    def denial() -> fetches.Pending | None:  # placed again: fetched again (a fetch no longer placed is forgotten)
+        f.localise(specs, desired, lambda name: None)
+        return f.pending["ml/b"] if f.pending["ml/b"].reason != "Fetching" else None
+
+    denied = wait_for("the denial", denial, timeout=60)
     assert denied.reason == "SourceDenied" and "Secret 'ml/stale'" in denied.message and "wrong" not in denied.message
     reads = core.reads
     for _ in range(3):  # a denied credential is not retried: no storm of requests
         f.localise(specs, desired, lambda name: None)
     assert core.reads == reads
+    f.stop()
+
+
+def test_a_denied_fetch_is_tried_again_when_its_secret_changes(s3: stores.S3, tmp_path: pathlib.Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Wrong credentials in the Secret: SourceDenied naming the Secret, the store asked once however often the
+    Secret is read for a change; a Secret that does not exist yet is said so; the Secret put right (a new
+    resourceVersion) -> fetched."""
+    from procs import wait_for
+
+    from volga_agent.cluster import fetches
+    from volga_core import planner
+
+    monkeypatch.setenv("VOLGA_SOURCE_SECRET_POLL_SEC", "0.1")
+    model = defaultmodel.ensure().spec.source_path
+    s3.client().upload_file(str(model), "models", "rotated/model.onnx")
+    doc = defaultmodel.spec_document(model)
+    spec = api_spec(doc, source="s3://models/rotated/model.onnx", sourceSecret="store")
+    later = api_spec(doc, source="s3://models/rotated/model.onnx", sourceSecret="later", modelId="later")
+    core = SecretsApi({("ml", "store"): s3.credentials("wrong")})
+    f = fetches.Fetches(core, lambda: None, root=str(tmp_path / "cache"))
+    specs = {"ml/a": spec, "ml/b": later}
+    desired = [planner.Desired("ml.a-0", "ml/a", spec.model_id, "n", api.Tier.FROZEN),
+               planner.Desired("ml.b-0", "ml/b", later.model_id, "n", api.Tier.FROZEN)]
+
+    def failed(owner: str) -> fetches.Pending | None:
+        f.localise(specs, desired, lambda name: None)
+        pending = f.pending.get(owner)
+        return pending if pending is not None and pending.reason != "Fetching" else None
+
+    denied = wait_for("the denial", lambda: failed("ml/a"), timeout=60)
+    assert denied.reason == "SourceDenied" and "Secret 'ml/store'" in denied.message
+    missing = wait_for("the missing Secret", lambda: failed("ml/b"), timeout=60)
+    assert missing.reason == "SourceDenied" and "'ml/later'" in missing.message and "does not exist" in missing.message
+    prefetcher = f._cache()
+    reads = core.reads
+    wait_for("the Secrets to be read for a change a few times", lambda: core.reads >= reads + 6, timeout=60)
+    # the store asked once for the wrong key (no retry storm), never for the Secret that is not there
+    assert prefetcher.attempts("ml", spec) == 1 and prefetcher.attempts("ml", later) == 0
+
+    core.put("ml", "store", s3.credentials())
+    core.put("ml", "later", s3.credentials())
+    wait_for("the fetches after the Secrets changed", lambda: f.localise(specs, desired, lambda name: None) and
+             {"ml/a", "ml/b"} <= f.loaded.keys(), timeout=60)
+    assert f.loaded["ml/a"].digest == sha(model.read_bytes()) and not f.pending
+    f.localise(specs, [], lambda name: None)  # no longer placed: nothing is read any more
     f.stop()
 
 
