@@ -263,6 +263,10 @@ def api_spec(doc: dict, **changes: str) -> api.ModelSpecSpec:
 @pytest.mark.slow
 def test_volga_up_serves_a_model_pushed_to_s3_with_credentials_from_its_environment(
         s3: stores.S3, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+    import subprocess
+    import sys
+
     import numpy as np
     import tritonclient.http as httpclient
     import yaml
@@ -287,6 +291,18 @@ def test_volga_up_serves_a_model_pushed_to_s3_with_credentials_from_its_environm
         out = client.infer(spec.model_id, harness.triton_inputs(decls, x, httpclient)).as_numpy("probability")
         client.close()
         assert out.shape == (2, 1) and np.all((out > 0) & (out < 1))
+        # `volga status` against the running `volga up` (its Agent API) says where the bytes came from
+        root = pathlib.Path(__file__).resolve().parents[2]
+        status = subprocess.run([sys.executable, "-m", "volga_agent.cli", "status", "--agent", up.endpoints["agent"]],
+                                capture_output=True, text=True, timeout=60, cwd=root,
+                                env={**os.environ, "PYTHONPATH": str(root)})
+        listed = subprocess.run([sys.executable, "-m", "volga_agent.cli", "status", "--agent", up.endpoints["agent"],
+                                 "--json"], capture_output=True, text=True, timeout=60, cwd=root,
+                                env={**os.environ, "PYTHONPATH": str(root)})
+    line = f"bytes from s3://models/served/model.onnx, {sha(spec.source_path.read_bytes())}"
+    assert status.returncode == 0 and any(line in row for row in status.stdout.splitlines()), status.stdout
+    [model] = json.loads(listed.stdout)["models"]
+    assert model["instanceList"] and all(i["source"] == line for i in model["instanceList"])
     output = "".join(up.output)
     assert "s3://models/served/model.onnx" in output and stores.SECRET not in output
     assert (tmp_path / "cache" / "sha256" / sha(spec.source_path.read_bytes())[7:] / "model.onnx").is_file()

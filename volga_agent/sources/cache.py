@@ -47,6 +47,12 @@ from volga_core import api
 log = logging.getLogger(__name__)
 
 MODEL_SUFFIXES = (".onnx", ".pt", ".pth", ".ts", ".torchscript", ".jit")
+_ORIGINS: dict[str, str] = {}  # a cached model file's path -> the source URI this process last resolved to it
+
+
+def origin(path: str) -> str:
+    """The source URI a model file of this process's model cache was resolved from ('' for any other path)."""
+    return _ORIGINS.get(path, "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,7 +248,9 @@ class Cache:
         if entry is None:
             return None
         entry["last_used"] = time.time()
-        return Resolved(source, self._entry(digest) / entry["model"], digest, int(entry["size"]), True)
+        path = self._entry(digest) / entry["model"]
+        _ORIGINS[str(path)] = source
+        return Resolved(source, path, digest, int(entry["size"]), True)
 
     def resolve(self, source: str, digest: str = "", credentials: Mapping[str, str] | None = None,
                 secret: str = "") -> Resolved:
@@ -345,6 +353,7 @@ class Cache:
                 self.metrics.fetched_bytes.labels(src.scheme).inc(listing.size)
                 self.metrics.fetch_latency.labels(src.scheme).observe(seconds * 1000)
             log.info("%s: fetched %d bytes in %.1f s, digest %s", src.uri, listing.size, seconds, digest)
+            _ORIGINS[str(entry / model)] = src.uri
             return Resolved(src.uri, entry / model, digest, size, False, seconds)
         finally:
             self.fetching.pop(src.uri, None)
