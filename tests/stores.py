@@ -4,6 +4,7 @@ docker-registry (distribution 2.8, an OCI registry), and the clients users push 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import shutil
@@ -11,6 +12,7 @@ import signal
 import socket
 import subprocess
 import urllib.request
+from collections.abc import Iterator
 from typing import Any
 
 STORES = pathlib.Path(os.environ.get("VOLGA_STORES", pathlib.Path.home() / ".cache/volga/stores"))
@@ -41,6 +43,25 @@ def self_signed(folder: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path, pathl
     cert.cert_chain_pems[0].write_to_path(str(files[1]))
     cert.private_key_pem.write_to_path(str(files[2]))
     return files
+
+
+@contextlib.contextmanager
+def small_disk(path: pathlib.Path, mib: int) -> Iterator[pathlib.Path]:
+    """A file system of `mib` MiB (a size-limited tmpfs) mounted at `path` for the block: a disk that really fills.
+    Skips the test, saying why, where mounting is not allowed (root with CAP_SYS_ADMIN is needed)."""
+    import pytest
+
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mib}m,mode=0755", "tmpfs", str(path)],
+                             capture_output=True, text=True, timeout=30)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a {mib} MiB tmpfs at {path} (needs root with CAP_SYS_ADMIN): "
+                    f"{mounted.stderr.strip() or mounted.returncode}")
+    try:
+        yield path
+    finally:
+        if subprocess.run(["umount", str(path)], capture_output=True, timeout=30).returncode != 0:
+            subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=30)
 
 
 def free_port() -> int:

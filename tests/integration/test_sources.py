@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import pathlib
+import shutil
 from collections.abc import Iterator
 
 import pytest
@@ -490,6 +491,81 @@ def test_volga_up_names_an_untrusted_certificate_and_takes_a_ca_file(tmp_path: p
         assert ok.stdout.strip() == sha(model.read_bytes())
     finally:
         s3.stop()
+
+
+def test_a_full_disk_refuses_what_does_not_fit_and_evicts_only_what_makes_room(s3: stores.S3,
+                                                                             tmp_path: pathlib.Path) -> None:
+    """The cache on a 24 MiB file system: a model larger than what eviction could free is refused (CacheFull)
+    without evicting anything; one that fits once a model no instance holds is evicted gets that room; the held
+    model's bytes stay. A disk that has filled by the time the bytes are written: CacheFull, the space given
+    back."""
+    from volga_agent.sources import download
+
+    blobs = {name: os.urandom(mib << 20) for name, mib in (("a", 8), ("b", 8), ("c", 20), ("d", 12))}
+    for name, data in blobs.items():
+        s3.client().put_object(Bucket="models", Key=f"disk/{name}.onnx", Body=data)
+    with stores.small_disk(tmp_path / "disk", 24) as disk:
+        c = cache.Cache(disk / "cache")
+        got = {name: c.resolve(f"s3://models/disk/{name}.onnx", "", s3.credentials()) for name in ("a", "b")}
+        c.hold("served-a", got["a"].digest)  # an instance holds a; b is held by none
+        with pytest.raises(errors.CacheFull, match="do not fit the model cache") as caught:
+            c.resolve("s3://models/disk/c.onnx", "", s3.credentials())
+        assert caught.value.reason == "CacheFull" and "s3://models/disk/c.onnx" in str(caught.value)
+        assert got["b"].path.exists() and c.evictions == 0  # evicting b would not have made room: kept
+        d = c.resolve("s3://models/disk/d.onnx", "", s3.credentials())
+        assert d.path.read_bytes() == blobs["d"] and c.evictions == 1 and not got["b"].path.exists()
+        assert got["a"].path.read_bytes() == blobs["a"]  # the held model's bytes were not touched
+        assert not any((disk / "cache" / "partial").iterdir())
+
+        # The disk filled by another writer after the cache looked: the fetch's reservation fails at once.
+        free = shutil.disk_usage(disk).free
+        part = disk / "cache" / "partial" / "x.part"
+        with pytest.raises(errors.CacheFull, match="no space left on the cache's disk"):
+            download.fetch(lambda start, end: iter([bytes(end - start)]), free + (1 << 20), part, "v1")
+        assert part.stat().st_size == 0 and shutil.disk_usage(disk).free >= free - (64 << 10)
+
+
+@pytest.mark.slow
+def test_volga_up_serves_the_model_that_fits_a_full_disk(s3: stores.S3, tmp_path: pathlib.Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """`volga up -f` with two S3 models and its cache on a 100 MiB file system: the 70 MiB default model fits and
+    is answered; the 40 MiB one does not (the first is held by its instance), is refused with the cache-full
+    reason, and its requests answer UNAVAILABLE."""
+    import numpy as np
+    import tritonclient.http as httpclient
+    import yaml
+
+    from volga_agent.node import instance
+    from volga_agent.worker import contract
+    from volga_bench import harness
+
+    spec = defaultmodel.ensure().spec
+    s3.client().upload_file(str(spec.source_path), "models", "full/model.onnx")
+    s3.client().put_object(Bucket="models", Key="full/big.onnx", Body=os.urandom(40 << 20))
+    fits = defaultmodel.spec_document(spec.source_path)
+    fits["spec"]["source"] = "s3://models/full/model.onnx"  # type: ignore[index]
+    big = defaultmodel.spec_document(spec.source_path)
+    big["metadata"] = {"name": "too-big"}
+    big["spec"].update({"source": "s3://models/full/big.onnx", "modelId": "too-big"})  # type: ignore[union-attr]
+    (tmp_path / "specs.yaml").write_text(yaml.safe_dump_all([fits, big]))
+    for key, value in s3.credentials().items():
+        monkeypatch.setenv(key, value)
+    with stores.small_disk(tmp_path / "disk", 100) as disk:
+        monkeypatch.setenv("VOLGA_MODEL_CACHE", str(disk / "cache"))
+        with harness.volga_up(["-f", str(tmp_path / "specs.yaml"), "--snapshot-dir", str(tmp_path / "snaps")]) as up:
+            client = httpclient.InferenceServerClient(up.endpoints["http"].removeprefix("http://"))
+            decls = instance.decls(spec.inputs)
+            x = contract.sample_inputs(decls, batch=2, seed=7)
+            out = client.infer(spec.model_id, harness.triton_inputs(decls, x, httpclient)).as_numpy("probability")
+            with pytest.raises(Exception, match="unavailable") as refused:
+                client.infer("too-big", harness.triton_inputs(decls, x, httpclient))
+            client.close()
+        assert out.shape == (2, 1) and np.all((out > 0) & (out < 1))
+        output = "".join(up.output)
+        assert "s3://models/full/big.onnx" in output and "do not fit the model cache" in output, output[-3000:]
+        assert "[503] model 'too-big' is unavailable" in str(refused.value)
+        assert "s3://models/full/big.onnx: 41943040 bytes do not fit the model cache" in str(refused.value)
+        assert not (disk / "cache" / "partial").exists() or not any((disk / "cache" / "partial").iterdir())
 
 
 def test_an_unreachable_store_is_reported_and_tried_again(tmp_path: pathlib.Path) -> None:

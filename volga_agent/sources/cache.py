@@ -355,6 +355,11 @@ class Cache:
             log.info("%s: fetched %d bytes in %.1f s, digest %s", src.uri, listing.size, seconds, digest)
             _ORIGINS[str(entry / model)] = src.uri
             return Resolved(src.uri, entry / model, digest, size, False, seconds)
+        except errors.CacheFull as exc:
+            shutil.rmtree(partial, ignore_errors=True)  # a full disk: what landed gives its space back
+            if str(exc).startswith(src.uri):
+                raise
+            raise errors.CacheFull(f"{src}: {exc}") from None
         finally:
             self.fetching.pop(src.uri, None)
             shutil.rmtree(assembly, ignore_errors=True)
@@ -382,6 +387,9 @@ class Cache:
             alone = self._alone()
             victims = sorted((e["last_used"], d) for d, e in self._index["entries"].items()
                              if d not in held) if alone else []
+            evictable = sum(int(self._index["entries"][d]["size"]) for _, d in victims)
+            if (self.budget and self.used() - evictable + need > self.budget) or need > free + evictable:
+                victims = []  # even evicting them all would not make room: nothing is evicted in vain
             while over() and victims:
                 _, digest = victims.pop(0)
                 size = int(self._index["entries"].pop(digest)["size"])
@@ -398,9 +406,10 @@ class Cache:
             self._gauge()
             if over():
                 shared = "" if alone else "; another process uses the cache, so nothing was evicted"
+                budget = f"a budget of {self.budget} bytes" if self.budget else "no budget"
                 raise errors.CacheFull(
-                    f"{source}: {need} bytes do not fit the model cache{shared} ({self.used()} of "
-                    f"{self.budget or 'unbounded'} bytes used by models instances hold; {free} bytes free on disk)")
+                    f"{source}: {need} bytes do not fit the model cache{shared} ({self.used()} bytes cached, "
+                    f"{budget}, {free} bytes free on disk; models in use are never evicted)")
 
 
 def _unpack(archive: pathlib.Path, into: pathlib.Path, source: str) -> dict[str, str]:

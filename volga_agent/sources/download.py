@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -77,11 +78,31 @@ def fetch(read: Reader, size: int, part: pathlib.Path, version: str, connections
         if not done:
             os.ftruncate(fd, 0)
         os.ftruncate(fd, size)
+        try:  # the disk space, reserved before the first byte (a disk that fills meanwhile fails here, not midway)
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                os.ftruncate(fd, 0)
+                raise errors.CacheFull(f"no space left on the cache's disk for the {size} bytes to fetch "
+                                       f"({_free(part)} bytes free)") from None
+            # A file system without fallocate (EOPNOTSUPP, EINVAL): the bytes are written without the reservation.
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
         if progress is not None:
             progress.add(sum(chunks[i][1] - chunks[i][0] for i in done))
-        return _run(read, fd, chunks, done, state_file, version, size, chunk_bytes, connections, progress)
+        try:
+            return _run(read, fd, chunks, done, state_file, version, size, chunk_bytes, connections, progress)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            raise errors.CacheFull(f"the cache's disk filled during the fetch ({_free(part)} bytes free)") from None
     finally:
         os.close(fd)
+
+
+def _free(path: pathlib.Path) -> int:
+    st = os.statvfs(path.parent)
+    return st.f_bavail * st.f_frsize
 
 
 def _run(read: Reader, fd: int, chunks: list[tuple[int, int]], done: set[int], state_file: pathlib.Path,
