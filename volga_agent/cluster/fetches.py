@@ -5,7 +5,7 @@ credentials of the Secret each names (read from the API server, never logged or 
 While a fetch runs, the EMI is reported COLD with Ready=False, reason Fetching, and its status.source says how
 many bytes have landed and at what rate; an instance of an earlier version of the ModelSpec keeps serving until
 the new bytes are on the node. A fetch that fails is reported with its reason (SourceUnavailable, SourceDenied
-naming the Secret, SourceNotFound, SourceDigestMismatch, CacheFull).
+naming the Secret, SourceCertificateUntrusted, SourceNotFound, SourceDigestMismatch, CacheFull).
 """
 
 from __future__ import annotations
