@@ -26,7 +26,8 @@ CHUNK_BYTES = 16 << 20
 HASH_BYTES = 8 << 20
 CHUNK_TRIES = 3
 
-Reader = Callable[[int, int], Iterator[bytes]]
+# A range's bytes as they arrive; a memoryview piece may be reused once the next is asked for
+Reader = Callable[[int, int], Iterator[bytes | memoryview]]
 
 
 @dataclasses.dataclass
