@@ -185,3 +185,56 @@ def test_a_denied_fetch_is_fetched_once_its_secret_is_put_right(control_plane: C
     np.testing.assert_allclose(answer, reference(), rtol=1e-5)
     assert "Secret default/rotated changed: fetching again" in agent_log.read_text()
     assert agent_log.read_text().count(refused) == 1
+
+
+def test_an_untrusted_certificate_is_named_and_a_ca_in_the_secret_fixes_it(
+        control_plane: ControlPlane, setup: dict[str, Any], tmp_path: pathlib.Path) -> None:
+    """An S3 store over HTTPS with a private CA's certificate: the EMI's Ready condition says
+    SourceCertificateUntrusted, naming the source and the Secret key to add; `kubectl apply` of the Secret with the
+    CA's PEM as SOURCE_CA_BUNDLE -> fetched and answered."""
+    files = stores.self_signed(tmp_path)
+    s3 = stores.S3(tmp_path, tls=files)
+    try:
+        s3.client().create_bucket(Bucket="models")
+        model = defaultmodel.ensure().spec.source_path
+        s3.client().upload_file(str(model), "models", "tls/model.onnx")
+        digest = "sha256:" + hashlib.sha256(model.read_bytes()).hexdigest()
+
+        def secret(**extra: str) -> dict[str, Any]:
+            return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "tls-store", "namespace": "default"},
+                    "stringData": {**s3.credentials(), **extra}}
+
+        doc = defaultmodel.spec_document(model)
+        doc["metadata"] = {"name": "over-tls", "namespace": "default"}
+        doc["spec"].update({"modelId": "over-tls", "source": "s3://models/tls/model.onnx",  # type: ignore[union-attr]
+                            "sourceSecret": "tls-store", "pool": {"hot": 0, "frozen": 1}})
+        (tmp_path / "untrusted.yaml").write_text(yaml.safe_dump_all([secret(), doc]))
+        control_plane.kubectl("apply", "-f", str(tmp_path / "untrusted.yaml"))
+
+        def emi() -> dict[str, Any] | None:
+            out = control_plane.kubectl("get", "emi", "-l", "volga.dev/modelspec=over-tls", "-o", "json")
+            items = json.loads(out.stdout)["items"]
+            return items[0] if items else None
+
+        def untrusted() -> dict[str, Any] | None:
+            conditions = ((emi() or {}).get("status") or {}).get("conditions") or []
+            return next((c for c in conditions if c["type"] == "Ready" and
+                         c.get("reason") == "SourceCertificateUntrusted"), None)
+
+        said = wait_for("the EMI to say the certificate was not trusted", untrusted, timeout=180)
+        assert "s3://models/tls/model.onnx: the server's TLS certificate was not trusted" in said["message"]
+        assert "to Secret 'default/tls-store' as key SOURCE_CA_BUNDLE" in said["message"]
+
+        (tmp_path / "trusted.yaml").write_text(yaml.safe_dump(secret(SOURCE_CA_BUNDLE=files[0].read_text())))
+        control_plane.kubectl("apply", "-f", str(tmp_path / "trusted.yaml"))
+
+        def fetched() -> dict[str, Any] | None:
+            found = emi()
+            return found if ((found or {}).get("status") or {}).get("source", {}).get("digest") else None
+
+        assert wait_for("the fetch with the CA", fetched, timeout=180)["status"]["source"]["digest"] == digest
+        [answer] = wait_for("an answer through the gateway", lambda: [request(setup["grpc"], "over-tls")],
+                            timeout=180)
+        np.testing.assert_allclose(answer, reference(), rtol=1e-5)
+    finally:
+        s3.stop()
