@@ -493,12 +493,15 @@ def test_volga_up_names_an_untrusted_certificate_and_takes_a_ca_file(tmp_path: p
         s3.stop()
 
 
-def test_a_full_disk_refuses_what_does_not_fit_and_evicts_only_what_makes_room(s3: stores.S3,
-                                                                             tmp_path: pathlib.Path) -> None:
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")  # no fetch thread dies unheard
+def test_a_full_disk_refuses_what_does_not_fit_and_evicts_only_what_makes_room(
+        s3: stores.S3, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The cache on a 24 MiB file system: a model larger than what eviction could free is refused (CacheFull)
     without evicting anything; one that fits once a model no instance holds is evicted gets that room; the held
     model's bytes stay. A disk that has filled by the time the bytes are written: CacheFull, the space given
-    back."""
+    back; on a file system without fallocate, the write that finds the disk full is CacheFull."""
+    import errno
+
     from volga_agent.sources import download
 
     blobs = {name: os.urandom(mib << 20) for name, mib in (("a", 8), ("b", 8), ("c", 20), ("d", 12))}
@@ -523,6 +526,15 @@ def test_a_full_disk_refuses_what_does_not_fit_and_evicts_only_what_makes_room(s
         with pytest.raises(errors.CacheFull, match="no space left on the cache's disk"):
             download.fetch(lambda start, end: iter([bytes(end - start)]), free + (1 << 20), part, "v1")
         assert part.stat().st_size == 0 and shutil.disk_usage(disk).free >= free - (64 << 10)
+
+        # A file system without fallocate: the disk fills while the bytes are written, and that is CacheFull too.
+        def no_fallocate(fd: int, offset: int, length: int) -> None:
+            raise OSError(errno.EOPNOTSUPP, "not supported")
+
+        monkeypatch.setattr(os, "posix_fallocate", no_fallocate)
+        with pytest.raises(errors.CacheFull, match="the cache's disk filled during the fetch"):
+            download.fetch(lambda start, end: iter([bytes(end - start)]), free + (1 << 20), part, "v2",
+                           chunk_bytes=1 << 20)
 
 
 @pytest.mark.slow

@@ -163,8 +163,13 @@ def _run(read: Reader, fd: int, chunks: list[tuple[int, int]], done: set[int], s
                 return
             with cond:
                 done.add(index)
-                save()
-                cond.notify_all()
+                try:
+                    save()
+                except OSError as exc:  # a full disk, say: the fetch fails with it (never a worker lost silently)
+                    failure.append(exc)
+                    return
+                finally:
+                    cond.notify_all()
 
     threads = [threading.Thread(target=worker, name=f"fetch-{n}", daemon=True)
                for n in range(max(1, min(connections, len(todo))))]
