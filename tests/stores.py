@@ -4,6 +4,7 @@ docker-registry (distribution 2.8, an OCI registry), and the clients users push 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import shutil
@@ -11,6 +12,7 @@ import signal
 import socket
 import subprocess
 import urllib.request
+from collections.abc import Iterator
 from typing import Any
 
 STORES = pathlib.Path(os.environ.get("VOLGA_STORES", pathlib.Path.home() / ".cache/volga/stores"))
@@ -28,6 +30,38 @@ def missing() -> str:
     except ImportError:
         lacking.append("boto3")
     return f"not installed: {', '.join(lacking)} (make setup runs scripts/install-stores.sh)" if lacking else ""
+
+
+def self_signed(folder: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path, pathlib.Path]:
+    """A private CA and a certificate it signed for 127.0.0.1 (trustme): the (CA, certificate, key) files."""
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    files = (folder / "ca.pem", folder / "cert.pem", folder / "key.pem")
+    ca.cert_pem.write_to_path(str(files[0]))
+    cert.cert_chain_pems[0].write_to_path(str(files[1]))
+    cert.private_key_pem.write_to_path(str(files[2]))
+    return files
+
+
+@contextlib.contextmanager
+def small_disk(path: pathlib.Path, mib: int) -> Iterator[pathlib.Path]:
+    """A file system of `mib` MiB (a size-limited tmpfs) mounted at `path` for the block: a disk that really fills.
+    Skips the test, saying why, where mounting is not allowed (root with CAP_SYS_ADMIN is needed)."""
+    import pytest
+
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mib}m,mode=0755", "tmpfs", str(path)],
+                             capture_output=True, text=True, timeout=30)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a {mib} MiB tmpfs at {path} (needs root with CAP_SYS_ADMIN): "
+                    f"{mounted.stderr.strip() or mounted.returncode}")
+    try:
+        yield path
+    finally:
+        if subprocess.run(["umount", str(path)], capture_output=True, timeout=30).returncode != 0:
+            subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=30)
 
 
 def free_port() -> int:
@@ -63,13 +97,17 @@ class Server:
 class S3(Server):
     """versitygw over a POSIX folder, one root user."""
 
-    def __init__(self, folder: pathlib.Path) -> None:
+    def __init__(self, folder: pathlib.Path, tls: tuple[pathlib.Path, pathlib.Path, pathlib.Path] | None = None
+                 ) -> None:
+        """`tls`: (CA, certificate, key) files: the store speaks HTTPS only."""
         data = folder / "s3"
         data.mkdir(parents=True, exist_ok=True)
         port = free_port()
-        super().__init__("versitygw", [str(VERSITYGW), "--access", ACCESS, "--secret", SECRET, "--quiet",
+        https = ["--cert", str(tls[1]), "--key", str(tls[2])] if tls else []
+        super().__init__("versitygw", [str(VERSITYGW), "--access", ACCESS, "--secret", SECRET, "--quiet", *https,
                                        "--port", f"127.0.0.1:{port}", "posix", str(data)], folder, port, {})
-        self.endpoint = f"http://127.0.0.1:{port}"
+        self.endpoint = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
+        self.tls = tls
 
     def credentials(self, secret: str = SECRET) -> dict[str, str]:
         return {"AWS_ACCESS_KEY_ID": ACCESS, "AWS_SECRET_ACCESS_KEY": secret, "AWS_ENDPOINT_URL": self.endpoint,
@@ -80,7 +118,8 @@ class S3(Server):
         import boto3
 
         return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=ACCESS,
-                            aws_secret_access_key=SECRET, region_name="us-east-1")
+                            aws_secret_access_key=SECRET, region_name="us-east-1",
+                            verify=str(self.tls[0]) if self.tls else None)
 
 
 class Registry(Server):

@@ -5,7 +5,10 @@ on the same object, in one run (alternated rounds, medians reported).
 The store is versitygw (`make setup` builds it, scripts/install-stores.sh) on loopback; the model is an ONNX
 MatMul whose weight is one initializer of `size_mib` MiB. Cold start: fetch (for the remote one) + onnxruntime
 session + first answer. Rates are over the object's bytes, in MB/s (10^6 bytes); the cache's includes hashing
-the bytes it verifies.
+the bytes it verifies. Each round also gives the ratio of the two rates (cache / boto3, measured back to back, so
+that a burst of other work on the machine weighs on one round's pair rather than on one side) and the CPU seconds
+this process spent on each download (both run in it; the store's are not counted): on a machine whose cores the
+store and other work share, the CPU a download needs is what its rate depends on, and varies far less than the rate.
 """
 
 from __future__ import annotations
@@ -95,18 +98,20 @@ def run(size_mib: int = 1024, connections: int = 10, rounds: int = 3,
             client.upload_file(str(model), "models", "model.onnx")
             credentials = {"AWS_ACCESS_KEY_ID": ACCESS, "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_ENDPOINT_URL": endpoint}
 
-            client_times, cache_times = [], []
+            client_times, cache_times, client_cpu, cache_cpu = [], [], [], []
             for n in range(rounds):  # alternated, so that the other work on the machine weighs on both alike
                 progress(f"round {n + 1}/{rounds}: boto3 download_file (the store's own client)")
-                started = time.perf_counter()
+                started, cpu = time.perf_counter(), time.process_time()
                 client.download_file("models", "model.onnx", str(root / "client.onnx"))
                 client_times.append(time.perf_counter() - started)
+                client_cpu.append(time.process_time() - cpu)
                 (root / "client.onnx").unlink()
                 progress(f"round {n + 1}/{rounds}: the model cache's fetch")
-                started = time.perf_counter()
+                started, cpu = time.perf_counter(), time.process_time()
                 got = cache.Cache(root / "cache-rate", connections=connections).resolve(
                     "s3://models/model.onnx", "", credentials)
                 cache_times.append(time.perf_counter() - started)
+                cache_cpu.append(time.process_time() - cpu)
                 shutil.rmtree(root / "cache-rate")
             client_s, cache_s = statistics.median(client_times), statistics.median(cache_times)
 
@@ -131,6 +136,11 @@ def run(size_mib: int = 1024, connections: int = 10, rounds: int = 3,
             "cache_seconds": round(cache_s, 3), "client_seconds": round(client_s, 3), "rounds": rounds,
             "cache_rates_mbps": [round(size / t / 1e6, 1) for t in cache_times],
             "client_rates_mbps": [round(size / t / 1e6, 1) for t in client_times],
+            "cache_over_client": [round(c / t, 3) for c, t in zip(client_times, cache_times, strict=True)],
+            "cache_over_client_median": round(statistics.median(c / t for c, t in zip(client_times, cache_times,
+                                                                                      strict=True)), 3),
+            "cache_cpu_seconds": [round(x, 2) for x in cache_cpu],
+            "client_cpu_seconds": [round(x, 2) for x in client_cpu],
             "chunk_bytes": download.CHUNK_BYTES, "load_average": [round(x, 2) for x in os.getloadavg()],
             "store": "versitygw (posix, loopback)", "client": "boto3 download_file (s3transfer defaults)",
             "cpus": os.cpu_count()}
@@ -141,5 +151,9 @@ def format_table(report: dict[str, Any]) -> str:
         f"object: {report['bytes']} bytes ({report['store']})",
         f"  model cache fetch (verified) : {report['cache_rate_mbps']:8.1f} MB/s  ({report['cache_seconds']} s)",
         f"  {report['client']:29}: {report['client_rate_mbps']:8.1f} MB/s  ({report['client_seconds']} s)",
+        f"  cache / client per round     : {', '.join(f'{r:.2f}' for r in report['cache_over_client'])} (median "
+        f"{report['cache_over_client_median']:.2f})",
+        f"  CPU s per download           : cache {statistics.median(report['cache_cpu_seconds']):.2f}, client "
+        f"{statistics.median(report['client_cpu_seconds']):.2f} (medians; this process only)",
         f"  cold start from S3           : {report['remote_cold_start_ms']:8.1f} ms (fetch + load + first answer)",
         f"  cold start from a local file : {report['local_cold_start_ms']:8.1f} ms"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import pathlib
+import shutil
 from collections.abc import Iterator
 
 import pytest
@@ -132,19 +133,29 @@ def test_volga_up_reads_a_models_signature_from_its_s3_copy(s3: stores.S3, tmp_p
 
 class SecretsApi:
     """The CoreV1Api call `cluster.fetches` makes for a Secret, answering from a dict (the API server's part is
-    in tests/k8s); counts the reads."""
+    in tests/k8s); counts the reads. `put` changes a Secret (a new resourceVersion)."""
 
     def __init__(self, secrets: dict[tuple[str, str], dict[str, str]]) -> None:
         self.secrets = secrets
+        self.versions = {key: 1 for key in secrets}
         self.reads = 0
+
+    def put(self, namespace: str, name: str, data: dict[str, str]) -> None:
+        self.secrets[(namespace, name)] = data
+        self.versions[(namespace, name)] = self.versions.get((namespace, name), 0) + 1
 
     def read_namespaced_secret(self, name: str, namespace: str, **_: object) -> object:
         import base64
         import types
 
+        from kubernetes.client import ApiException
+
         self.reads += 1
+        if (namespace, name) not in self.secrets:
+            raise ApiException(status=404, reason="Not Found")
         data = {k: base64.b64encode(v.encode()).decode() for k, v in self.secrets[(namespace, name)].items()}
-        return types.SimpleNamespace(data=data)
+        return types.SimpleNamespace(data=data, metadata=types.SimpleNamespace(
+            resource_version=str(self.versions[(namespace, name)])))
 
 
 def test_a_placed_model_is_prefetched_with_its_secret_and_reported_while_it_fetches(
@@ -182,13 +193,63 @@ def test_a_placed_model_is_prefetched_with_its_secret_and_reported_while_it_fetc
     assert f.model_cache is not None and f.model_cache.held() == {sha(model.read_bytes())}  # not evicted while placed
     f.localise(specs, [], lambda name: None)
     assert f.model_cache.held() == set()  # no longer placed: evictable
-    f.localise(specs, desired, lambda name: None)
-    denied = f.pending["ml/b"]
+
+    def denial() -> fetches.Pending | None:  # placed again: fetched again (a fetch no longer placed is forgotten)
+        f.localise(specs, desired, lambda name: None)
+        return f.pending["ml/b"] if f.pending["ml/b"].reason != "Fetching" else None
+
+    denied = wait_for("the denial", denial, timeout=60)
     assert denied.reason == "SourceDenied" and "Secret 'ml/stale'" in denied.message and "wrong" not in denied.message
     reads = core.reads
     for _ in range(3):  # a denied credential is not retried: no storm of requests
         f.localise(specs, desired, lambda name: None)
     assert core.reads == reads
+    f.stop()
+
+
+def test_a_denied_fetch_is_tried_again_when_its_secret_changes(s3: stores.S3, tmp_path: pathlib.Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Wrong credentials in the Secret: SourceDenied naming the Secret, the store asked once however often the
+    Secret is read for a change; a Secret that does not exist yet is said so; the Secret put right (a new
+    resourceVersion) -> fetched."""
+    from procs import wait_for
+
+    from volga_agent.cluster import fetches
+    from volga_core import planner
+
+    monkeypatch.setenv("VOLGA_SOURCE_SECRET_POLL_SEC", "0.1")
+    model = defaultmodel.ensure().spec.source_path
+    s3.client().upload_file(str(model), "models", "rotated/model.onnx")
+    doc = defaultmodel.spec_document(model)
+    spec = api_spec(doc, source="s3://models/rotated/model.onnx", sourceSecret="store")
+    later = api_spec(doc, source="s3://models/rotated/model.onnx", sourceSecret="later", modelId="later")
+    core = SecretsApi({("ml", "store"): s3.credentials("wrong")})
+    f = fetches.Fetches(core, lambda: None, root=str(tmp_path / "cache"))
+    specs = {"ml/a": spec, "ml/b": later}
+    desired = [planner.Desired("ml.a-0", "ml/a", spec.model_id, "n", api.Tier.FROZEN),
+               planner.Desired("ml.b-0", "ml/b", later.model_id, "n", api.Tier.FROZEN)]
+
+    def failed(owner: str) -> fetches.Pending | None:
+        f.localise(specs, desired, lambda name: None)
+        pending = f.pending.get(owner)
+        return pending if pending is not None and pending.reason != "Fetching" else None
+
+    denied = wait_for("the denial", lambda: failed("ml/a"), timeout=60)
+    assert denied.reason == "SourceDenied" and "Secret 'ml/store'" in denied.message
+    missing = wait_for("the missing Secret", lambda: failed("ml/b"), timeout=60)
+    assert missing.reason == "SourceDenied" and "'ml/later'" in missing.message and "does not exist" in missing.message
+    prefetcher = f._cache()
+    reads = core.reads
+    wait_for("the Secrets to be read for a change a few times", lambda: core.reads >= reads + 6, timeout=60)
+    # the store asked once for the wrong key (no retry storm), never for the Secret that is not there
+    assert prefetcher.attempts("ml", spec) == 1 and prefetcher.attempts("ml", later) == 0
+
+    core.put("ml", "store", s3.credentials())
+    core.put("ml", "later", s3.credentials())
+    wait_for("the fetches after the Secrets changed", lambda: f.localise(specs, desired, lambda name: None) and
+             {"ml/a", "ml/b"} <= f.loaded.keys(), timeout=60)
+    assert f.loaded["ml/a"].digest == sha(model.read_bytes()) and not f.pending
+    f.localise(specs, [], lambda name: None)  # no longer placed: nothing is read any more
     f.stop()
 
 
@@ -203,6 +264,10 @@ def api_spec(doc: dict, **changes: str) -> api.ModelSpecSpec:
 @pytest.mark.slow
 def test_volga_up_serves_a_model_pushed_to_s3_with_credentials_from_its_environment(
         s3: stores.S3, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+    import subprocess
+    import sys
+
     import numpy as np
     import tritonclient.http as httpclient
     import yaml
@@ -227,6 +292,18 @@ def test_volga_up_serves_a_model_pushed_to_s3_with_credentials_from_its_environm
         out = client.infer(spec.model_id, harness.triton_inputs(decls, x, httpclient)).as_numpy("probability")
         client.close()
         assert out.shape == (2, 1) and np.all((out > 0) & (out < 1))
+        # `volga status` against the running `volga up` (its Agent API) says where the bytes came from
+        root = pathlib.Path(__file__).resolve().parents[2]
+        status = subprocess.run([sys.executable, "-m", "volga_agent.cli", "status", "--agent", up.endpoints["agent"]],
+                                capture_output=True, text=True, timeout=60, cwd=root,
+                                env={**os.environ, "PYTHONPATH": str(root)})
+        listed = subprocess.run([sys.executable, "-m", "volga_agent.cli", "status", "--agent", up.endpoints["agent"],
+                                 "--json"], capture_output=True, text=True, timeout=60, cwd=root,
+                                env={**os.environ, "PYTHONPATH": str(root)})
+    line = f"bytes from s3://models/served/model.onnx, {sha(spec.source_path.read_bytes())}"
+    assert status.returncode == 0 and any(line in row for row in status.stdout.splitlines()), status.stdout
+    [model] = json.loads(listed.stdout)["models"]
+    assert model["instanceList"] and all(i["source"] == line for i in model["instanceList"])
     output = "".join(up.output)
     assert "s3://models/served/model.onnx" in output and stores.SECRET not in output
     assert (tmp_path / "cache" / "sha256" / sha(spec.source_path.read_bytes())[7:] / "model.onnx").is_file()
@@ -307,29 +384,200 @@ def test_an_http_source_is_fetched_in_ranges_from_a_real_server(registry: stores
 
 def test_https_and_oci_over_tls_with_the_ca_from_the_environment(tmp_path: pathlib.Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    import trustme
-
-    ca = trustme.CA()
-    cert = ca.issue_cert("127.0.0.1")
-    files = (tmp_path / "ca.pem", tmp_path / "cert.pem", tmp_path / "key.pem")
-    ca.cert_pem.write_to_path(str(files[0]))
-    cert.cert_chain_pems[0].write_to_path(str(files[1]))
-    cert.private_key_pem.write_to_path(str(files[2]))
+    files = stores.self_signed(tmp_path)
     registry = stores.Registry(tmp_path, tls=files)
     try:
         data = os.urandom(1 << 20)
         (tmp_path / "model.onnx").write_bytes(data)
         registry.push("models/tls:v1", ["model.onnx"], tmp_path)
-        with pytest.raises(errors.SourceUnavailable):  # a CA it does not know: refused, not fetched
-            cache.Cache(tmp_path / "untrusted").resolve(f"https://{registry.host}/v2/models/tls/blobs/{sha(data)}")
+        url = f"https://{registry.host}/v2/models/tls/blobs/{sha(data)}"
+        with pytest.raises(errors.SourceUntrusted, match="TLS certificate was not trusted") as caught:
+            cache.Cache(tmp_path / "untrusted").resolve(url)  # a CA it does not know: refused, not fetched
+        assert not caught.value.retry and "SOURCE_CA_BUNDLE" in str(caught.value) and url in str(caught.value)
+        with pytest.raises(errors.SourceUntrusted, match="Secret 'ml/store'"):
+            cache.Cache(tmp_path / "untrusted").resolve(f"oci://{registry.host}/models/tls:v1", sha(data),
+                                                        {"SOURCE_PLAIN_HTTP": "false"}, secret="ml/store")
+        # volga up's environment: SOURCE_CA_BUNDLE names a PEM file
+        got = cache.Cache(tmp_path / "c0").resolve(url, sha(data), {"SOURCE_CA_BUNDLE": str(files[0])})
+        assert got.path.read_bytes() == data
         monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(files[0]))
-        got = cache.Cache(tmp_path / "c1").resolve(f"https://{registry.host}/v2/models/tls/blobs/{sha(data)}")
+        got = cache.Cache(tmp_path / "c1").resolve(url)
         assert got.path.read_bytes() == data
         pulled = cache.Cache(tmp_path / "c2").resolve(f"oci://{registry.host}/models/tls:v1", sha(data),
                                                      {"SOURCE_PLAIN_HTTP": "false"})
         assert pulled.path.read_bytes() == data
     finally:
         registry.stop()
+
+
+def test_an_s3_endpoint_with_an_untrusted_certificate_is_a_configuration_error(tmp_path: pathlib.Path) -> None:
+    """versitygw over HTTPS with a certificate of a private CA: the fetch is refused naming the source, the Secret
+    and the reason, is not tried again (one read of the Secret), and goes through once the Secret carries the CA's
+    PEM as SOURCE_CA_BUNDLE."""
+    from procs import wait_for
+
+    from volga_agent.cluster import fetches
+    from volga_core import planner
+
+    files = stores.self_signed(tmp_path)
+    s3 = stores.S3(tmp_path, tls=files)
+    try:
+        s3.client().create_bucket(Bucket="models")
+        model = defaultmodel.ensure().spec.source_path
+        s3.client().upload_file(str(model), "models", "tls/model.onnx")
+        spec = api_spec(defaultmodel.spec_document(model), source="s3://models/tls/model.onnx", sourceSecret="store")
+        core = SecretsApi({("ml", "store"): s3.credentials()})
+        f = fetches.Fetches(core, lambda: None, root=str(tmp_path / "cache"))
+        desired = [planner.Desired("ml.a-0", "ml/a", spec.model_id, "n", api.Tier.FROZEN)]
+
+        def settled() -> fetches.Pending | None:
+            f.localise({"ml/a": spec}, desired, lambda name: None)
+            pending = f.pending.get("ml/a")
+            return pending if pending is not None and pending.reason != "Fetching" else None
+
+        pending = wait_for("the fetch to fail", settled, timeout=60)
+        assert pending.reason == "SourceCertificateUntrusted", pending
+        assert "s3://models/tls/model.onnx" in pending.message and "was not trusted" in pending.message
+        assert "Secret 'ml/store'" in pending.message and "SOURCE_CA_BUNDLE" in pending.message
+        f.applied()
+        assert f.awaiting(spec.model_id) is None  # requests are not held for a fetch that is not tried again
+        reads = core.reads
+        for _ in range(3):
+            f.localise({"ml/a": spec}, desired, lambda name: None)
+        assert core.reads == reads == 1  # not tried again in a loop
+        f.stop()
+
+        core.secrets[("ml", "store")] = {**s3.credentials(), "SOURCE_CA_BUNDLE": files[0].read_text()}
+        got = cache.Cache(tmp_path / "cache").resolve(spec.source, "", core.secrets[("ml", "store")],
+                                                      secret="ml/store")
+        assert got.path.read_bytes() == model.read_bytes()
+    finally:
+        s3.stop()
+
+
+def test_volga_up_names_an_untrusted_certificate_and_takes_a_ca_file(tmp_path: pathlib.Path) -> None:
+    """`volga up -f` with a model in an S3 store over HTTPS signed by a private CA: refused at once (exit 2) naming
+    the source and the untrusted certificate; with SOURCE_CA_BUNDLE naming the CA's file it fetches."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    files = stores.self_signed(tmp_path)
+    s3 = stores.S3(tmp_path, tls=files)
+    try:
+        s3.client().create_bucket(Bucket="models")
+        model = defaultmodel.ensure().spec.source_path
+        s3.client().upload_file(str(model), "models", "tls/model.onnx")
+        doc = defaultmodel.spec_document(model)
+        doc["spec"]["source"] = "s3://models/tls/model.onnx"  # type: ignore[index]
+        (tmp_path / "spec.yaml").write_text(yaml.safe_dump(doc))
+        root = pathlib.Path(__file__).resolve().parents[2]
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("AWS_")}, **s3.credentials(),
+               "VOLGA_MODEL_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(root)}
+        up = [sys.executable, "-m", "volga_agent.cli", "up", "-f", str(tmp_path / "spec.yaml"), "--snapshot-dir",
+              str(tmp_path / "snapshots")]
+        out = subprocess.run(up, capture_output=True, text=True, timeout=120, cwd=root, env=env)
+        assert out.returncode == 2, out.stderr
+        assert "s3://models/tls/model.onnx: the server's TLS certificate was not trusted" in out.stderr
+        assert "SOURCE_CA_BUNDLE (a PEM file in volga up's environment" in out.stderr
+        assert stores.SECRET not in out.stdout + out.stderr
+        # The same checks `volga up` makes before it serves, with the CA's file in its environment.
+        check = [sys.executable, "-c", "from volga_agent import cli; import sys; "
+                 "print(cli.load_specs(sys.argv[1:]).specs[0].spec.source_digest)", str(tmp_path / "spec.yaml")]
+        ok = subprocess.run(check, capture_output=True, text=True, timeout=120, cwd=root,
+                            env={**env, "SOURCE_CA_BUNDLE": str(files[0])})
+        assert ok.returncode == 0, ok.stderr
+        assert ok.stdout.strip() == sha(model.read_bytes())
+    finally:
+        s3.stop()
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")  # no fetch thread dies unheard
+def test_a_full_disk_refuses_what_does_not_fit_and_evicts_only_what_makes_room(
+        s3: stores.S3, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cache on a 24 MiB file system: a model larger than what eviction could free is refused (CacheFull)
+    without evicting anything; one that fits once a model no instance holds is evicted gets that room; the held
+    model's bytes stay. A disk that has filled by the time the bytes are written: CacheFull, the space given
+    back; on a file system without fallocate, the write that finds the disk full is CacheFull."""
+    import errno
+
+    from volga_agent.sources import download
+
+    blobs = {name: os.urandom(mib << 20) for name, mib in (("a", 8), ("b", 8), ("c", 20), ("d", 12))}
+    for name, data in blobs.items():
+        s3.client().put_object(Bucket="models", Key=f"disk/{name}.onnx", Body=data)
+    with stores.small_disk(tmp_path / "disk", 24) as disk:
+        c = cache.Cache(disk / "cache")
+        got = {name: c.resolve(f"s3://models/disk/{name}.onnx", "", s3.credentials()) for name in ("a", "b")}
+        c.hold("served-a", got["a"].digest)  # an instance holds a; b is held by none
+        with pytest.raises(errors.CacheFull, match="do not fit the model cache") as caught:
+            c.resolve("s3://models/disk/c.onnx", "", s3.credentials())
+        assert caught.value.reason == "CacheFull" and "s3://models/disk/c.onnx" in str(caught.value)
+        assert got["b"].path.exists() and c.evictions == 0  # evicting b would not have made room: kept
+        d = c.resolve("s3://models/disk/d.onnx", "", s3.credentials())
+        assert d.path.read_bytes() == blobs["d"] and c.evictions == 1 and not got["b"].path.exists()
+        assert got["a"].path.read_bytes() == blobs["a"]  # the held model's bytes were not touched
+        assert not any((disk / "cache" / "partial").iterdir())
+
+        # The disk filled by another writer after the cache looked: the fetch's reservation fails at once.
+        free = shutil.disk_usage(disk).free
+        part = disk / "cache" / "partial" / "x.part"
+        with pytest.raises(errors.CacheFull, match="no space left on the cache's disk"):
+            download.fetch(lambda start, end: iter([bytes(end - start)]), free + (1 << 20), part, "v1")
+        assert part.stat().st_size == 0 and shutil.disk_usage(disk).free >= free - (64 << 10)
+
+        # A file system without fallocate: the disk fills while the bytes are written, and that is CacheFull too.
+        def no_fallocate(fd: int, offset: int, length: int) -> None:
+            raise OSError(errno.EOPNOTSUPP, "not supported")
+
+        monkeypatch.setattr(os, "posix_fallocate", no_fallocate)
+        with pytest.raises(errors.CacheFull, match="the cache's disk filled during the fetch"):
+            download.fetch(lambda start, end: iter([bytes(end - start)]), free + (1 << 20), part, "v2",
+                           chunk_bytes=1 << 20)
+
+
+@pytest.mark.slow
+def test_volga_up_serves_the_model_that_fits_a_full_disk(s3: stores.S3, tmp_path: pathlib.Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """`volga up -f` with two S3 models and its cache on a 100 MiB file system: the 70 MiB default model fits and
+    is answered; the 40 MiB one does not (the first is held by its instance), is refused with the cache-full
+    reason, and its requests answer UNAVAILABLE."""
+    import numpy as np
+    import tritonclient.http as httpclient
+    import yaml
+
+    from volga_agent.node import instance
+    from volga_agent.worker import contract
+    from volga_bench import harness
+
+    spec = defaultmodel.ensure().spec
+    s3.client().upload_file(str(spec.source_path), "models", "full/model.onnx")
+    s3.client().put_object(Bucket="models", Key="full/big.onnx", Body=os.urandom(40 << 20))
+    fits = defaultmodel.spec_document(spec.source_path)
+    fits["spec"]["source"] = "s3://models/full/model.onnx"  # type: ignore[index]
+    big = defaultmodel.spec_document(spec.source_path)
+    big["metadata"] = {"name": "too-big"}
+    big["spec"].update({"source": "s3://models/full/big.onnx", "modelId": "too-big"})  # type: ignore[union-attr]
+    (tmp_path / "specs.yaml").write_text(yaml.safe_dump_all([fits, big]))
+    for key, value in s3.credentials().items():
+        monkeypatch.setenv(key, value)
+    with stores.small_disk(tmp_path / "disk", 100) as disk:
+        monkeypatch.setenv("VOLGA_MODEL_CACHE", str(disk / "cache"))
+        with harness.volga_up(["-f", str(tmp_path / "specs.yaml"), "--snapshot-dir", str(tmp_path / "snaps")]) as up:
+            client = httpclient.InferenceServerClient(up.endpoints["http"].removeprefix("http://"))
+            decls = instance.decls(spec.inputs)
+            x = contract.sample_inputs(decls, batch=2, seed=7)
+            out = client.infer(spec.model_id, harness.triton_inputs(decls, x, httpclient)).as_numpy("probability")
+            with pytest.raises(Exception, match="unavailable") as refused:
+                client.infer("too-big", harness.triton_inputs(decls, x, httpclient))
+            client.close()
+        assert out.shape == (2, 1) and np.all((out > 0) & (out < 1))
+        output = "".join(up.output)
+        assert "s3://models/full/big.onnx" in output and "do not fit the model cache" in output, output[-3000:]
+        assert "[503] model 'too-big' is unavailable" in str(refused.value)
+        assert "s3://models/full/big.onnx: 41943040 bytes do not fit the model cache" in str(refused.value)
+        assert not (disk / "cache" / "partial").exists() or not any((disk / "cache" / "partial").iterdir())
 
 
 def test_an_unreachable_store_is_reported_and_tried_again(tmp_path: pathlib.Path) -> None:

@@ -71,7 +71,8 @@ def setup(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory)
     api = control_plane.api_client()
     k8s.CoreV1Api(api).create_node(k8s.V1Node(metadata=k8s.V1ObjectMeta(name=NODE)))
     env = {**os.environ, "KUBECONFIG": str(control_plane.kubeconfig), "PYTHONUNBUFFERED": "1",
-           "VOLGA_RESYNC_SEC": "5", "VOLGA_MODEL_CACHE": str(folder / "cache")}
+           "VOLGA_RESYNC_SEC": "5", "VOLGA_MODEL_CACHE": str(folder / "cache"),
+           "VOLGA_SOURCE_SECRET_POLL_SEC": "1"}
     for key in [k for k in env if k.startswith("AWS_")]:
         del env[key]  # the agent gets the credentials from the Secret only
     py = sys.executable
@@ -130,3 +131,110 @@ def test_a_model_in_s3_is_fetched_with_its_secret_and_served(control_plane: Cont
     logs = "".join(d.log.read_text() for d in setup["daemons"].values())
     for text in (events, emis, logs):
         assert stores.SECRET not in text
+
+
+def test_a_denied_fetch_is_fetched_once_its_secret_is_put_right(control_plane: ControlPlane, setup: dict[str, Any],
+                                                                tmp_path: pathlib.Path) -> None:
+    """A Secret with the wrong key: the EMI's Ready condition says SourceDenied naming the Secret, and the store is
+    asked once (the agent reads the Secret for a change, not the store); `kubectl apply` of the right key ->
+    fetched and answered, with no change to the ModelSpec."""
+    import time
+
+    s3: stores.S3 = setup["s3"]
+    model = defaultmodel.ensure().spec.source_path
+    s3.client().upload_file(str(model), "models", "rotated/model.onnx")
+    digest = "sha256:" + hashlib.sha256(model.read_bytes()).hexdigest()
+
+    def secret(key: str) -> dict[str, Any]:
+        return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "rotated", "namespace": "default"},
+                "stringData": s3.credentials(key)}
+
+    doc = defaultmodel.spec_document(model)
+    doc["metadata"] = {"name": "rotated", "namespace": "default"}
+    doc["spec"].update({"modelId": "rotated", "source": "s3://models/rotated/model.onnx",  # type: ignore[union-attr]
+                        "sourceSecret": "rotated", "pool": {"hot": 0, "frozen": 1}})
+    (tmp_path / "wrong.yaml").write_text(yaml.safe_dump_all([secret("not-the-key"), doc]))
+    control_plane.kubectl("apply", "-f", str(tmp_path / "wrong.yaml"))
+
+    def ready(reason: str) -> dict[str, Any] | None:
+        out = control_plane.kubectl("get", "emi", "-l", "volga.dev/modelspec=rotated", "-o", "json")
+        items = json.loads(out.stdout)["items"]
+        conditions = (items[0].get("status") or {}).get("conditions") or [] if items else []
+        found = next((c for c in conditions if c["type"] == "Ready" and c.get("reason") == reason), None)
+        return found
+
+    denied = wait_for("the EMI to say the credentials were refused", lambda: ready("SourceDenied"), timeout=180)
+    assert "Secret 'default/rotated'" in denied["message"] and "not-the-key" not in denied["message"]
+    time.sleep(5)  # the agent reads the Secret for a change every second meanwhile (VOLGA_SOURCE_SECRET_POLL_SEC)
+    agent_log = setup["daemons"]["agent"].log
+    refused = "s3://models/rotated/model.onnx: the store refused the credentials (credentials from Secret " \
+              "'default/rotated')"
+    assert agent_log.read_text().count(refused) == 1  # the store was asked once: no retry storm
+
+    (tmp_path / "right.yaml").write_text(yaml.safe_dump(secret(stores.SECRET)))
+    control_plane.kubectl("apply", "-f", str(tmp_path / "right.yaml"))
+
+    def fetched() -> dict[str, Any] | None:
+        out = control_plane.kubectl("get", "emi", "-l", "volga.dev/modelspec=rotated", "-o", "json")
+        items = json.loads(out.stdout)["items"]
+        source = (items[0].get("status") or {}).get("source") or {} if items else {}
+        return items[0] if source.get("digest") else None
+
+    assert wait_for("the fetch after the Secret changed", fetched, timeout=180)["status"]["source"]["digest"] == digest
+    [answer] = wait_for("an answer through the gateway", lambda: [request(setup["grpc"], "rotated")], timeout=180)
+    np.testing.assert_allclose(answer, reference(), rtol=1e-5)
+    assert "Secret default/rotated changed: fetching again" in agent_log.read_text()
+    assert agent_log.read_text().count(refused) == 1
+
+
+def test_an_untrusted_certificate_is_named_and_a_ca_in_the_secret_fixes_it(
+        control_plane: ControlPlane, setup: dict[str, Any], tmp_path: pathlib.Path) -> None:
+    """An S3 store over HTTPS with a private CA's certificate: the EMI's Ready condition says
+    SourceCertificateUntrusted, naming the source and the Secret key to add; `kubectl apply` of the Secret with the
+    CA's PEM as SOURCE_CA_BUNDLE -> fetched and answered."""
+    files = stores.self_signed(tmp_path)
+    s3 = stores.S3(tmp_path, tls=files)
+    try:
+        s3.client().create_bucket(Bucket="models")
+        model = defaultmodel.ensure().spec.source_path
+        s3.client().upload_file(str(model), "models", "tls/model.onnx")
+        digest = "sha256:" + hashlib.sha256(model.read_bytes()).hexdigest()
+
+        def secret(**extra: str) -> dict[str, Any]:
+            return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "tls-store", "namespace": "default"},
+                    "stringData": {**s3.credentials(), **extra}}
+
+        doc = defaultmodel.spec_document(model)
+        doc["metadata"] = {"name": "over-tls", "namespace": "default"}
+        doc["spec"].update({"modelId": "over-tls", "source": "s3://models/tls/model.onnx",  # type: ignore[union-attr]
+                            "sourceSecret": "tls-store", "pool": {"hot": 0, "frozen": 1}})
+        (tmp_path / "untrusted.yaml").write_text(yaml.safe_dump_all([secret(), doc]))
+        control_plane.kubectl("apply", "-f", str(tmp_path / "untrusted.yaml"))
+
+        def emi() -> dict[str, Any] | None:
+            out = control_plane.kubectl("get", "emi", "-l", "volga.dev/modelspec=over-tls", "-o", "json")
+            items = json.loads(out.stdout)["items"]
+            return items[0] if items else None
+
+        def untrusted() -> dict[str, Any] | None:
+            conditions = ((emi() or {}).get("status") or {}).get("conditions") or []
+            return next((c for c in conditions if c["type"] == "Ready" and
+                         c.get("reason") == "SourceCertificateUntrusted"), None)
+
+        said = wait_for("the EMI to say the certificate was not trusted", untrusted, timeout=180)
+        assert "s3://models/tls/model.onnx: the server's TLS certificate was not trusted" in said["message"]
+        assert "to Secret 'default/tls-store' as key SOURCE_CA_BUNDLE" in said["message"]
+
+        (tmp_path / "trusted.yaml").write_text(yaml.safe_dump(secret(SOURCE_CA_BUNDLE=files[0].read_text())))
+        control_plane.kubectl("apply", "-f", str(tmp_path / "trusted.yaml"))
+
+        def fetched() -> dict[str, Any] | None:
+            found = emi()
+            return found if ((found or {}).get("status") or {}).get("source", {}).get("digest") else None
+
+        assert wait_for("the fetch with the CA", fetched, timeout=180)["status"]["source"]["digest"] == digest
+        [answer] = wait_for("an answer through the gateway", lambda: [request(setup["grpc"], "over-tls")],
+                            timeout=180)
+        np.testing.assert_allclose(answer, reference(), rtol=1e-5)
+    finally:
+        s3.stop()

@@ -4,6 +4,7 @@ in-memory store that serves byte ranges (the real stores are exercised in tests/
 from __future__ import annotations
 
 import hashlib
+import os
 import pathlib
 from collections.abc import Iterator, Mapping
 
@@ -100,6 +101,31 @@ def test_a_cut_fetch_resumes_with_the_ranges_it_lacks(tmp_path: pathlib.Path) ->
     assert sorted(served) == [(n, n + 1024) for n in range(5120, 10240, 1024)]  # only what the first left
     # A new version of the object starts over.
     assert download.fetch(lambda a, b: iter([data[a:b]]), len(data), part, "v2", chunk_bytes=1024) == got
+
+
+def test_the_fetch_runs_no_further_ahead_of_the_hash_than_its_window(tmp_path: pathlib.Path) -> None:
+    """While the first range is held up (so nothing can be hashed), the other connection starts ranges only up to
+    connections + AHEAD_CHUNKS: it leaves the CPU to the hash rather than racing on (all 32 ranges, unbounded)."""
+    import threading
+    import time
+
+    data = os.urandom(32 * 1024)
+    asked: list[int] = []
+    first_done = threading.Event()
+    seen_while_held: list[int] = []
+
+    def read(start: int, end: int) -> Iterator[bytes]:
+        asked.append(start // 1024)
+        if start == 0:
+            time.sleep(0.5)  # the others have long finished any range they may start
+            seen_while_held.extend(asked)
+            first_done.set()
+        yield data[start:end]
+
+    got = download.fetch(read, len(data), tmp_path / "p.part", "v1", connections=2, chunk_bytes=1024)
+    assert got == hashlib.sha256(data).hexdigest() and first_done.is_set()
+    assert max(seen_while_held) == 2 + download.AHEAD_CHUNKS - 1, seen_while_held
+    assert sorted(asked) == list(range(32))
 
 
 def test_a_changed_object_is_a_new_version_and_the_old_one_stays_its_own(tmp_path: pathlib.Path) -> None:

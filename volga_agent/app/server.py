@@ -59,7 +59,7 @@ def instance_pb(info: pool.InstanceInfo) -> Any:
                        snapshot_bytes=info.snapshot_bytes, last_used_unix=info.last_used_unix,
                        last_wake_ms=info.last_wake_ms, input_hash=info.input_hash, state_reason=info.state_reason,
                        warmup_reported=info.warmup_reported, warmup_skipped=info.warmup_skipped,
-                       output_mismatch=info.output_mismatch,
+                       output_mismatch=info.output_mismatch, source=info.source, source_digest=info.source_digest,
                        answered_outputs=[pb.TensorShape(name=name, shape=shape)
                                          for name, shape in info.answered_outputs])
 

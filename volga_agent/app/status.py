@@ -37,8 +37,8 @@ class Instance:
     # What else went wrong though it serves: a made-up warm-up the model refused, answers that contradict its
     # declared outputs (the EMI's other conditions that are False, in a cluster)
     notices: tuple[str, ...] = ()
-    # Where its model's bytes came from, for a remote source (the EMI's status.source): "URI, digest", or how the
-    # fetch goes
+    # Where its model's bytes came from, for a remote source or a pinned digest (the EMI's status.source, or the
+    # Agent API's source and source_digest): "bytes from URI, digest", or how the fetch goes
     source: str = ""
 
 
@@ -103,8 +103,14 @@ def from_agent(address: str, timeout: float = 10.0) -> list[Model]:
     return group(Instance(i.name, i.model_id, i.node, pb.Tier.Name(i.tier), i.snapshot_bytes,
                           _rfc3339(i.last_used_unix), i.last_wake_ms, i.state_reason,
                           tuple(n for n in (i.warmup_skipped and f"warm-up skipped: {i.warmup_skipped}",
-                                            i.output_mismatch) if n))
+                                            i.output_mismatch) if n),
+                          _source({"uri": i.source, "digest": i.source_digest}
+                                  if i.source_digest or _remote(i.source) else {}))
                  for i in reply.instances)
+
+
+def _remote(source: str) -> bool:
+    return "://" in source and not source.startswith("file://")
 
 
 def _emi(obj: Mapping[str, Any]) -> Instance:

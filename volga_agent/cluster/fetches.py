@@ -5,7 +5,7 @@ credentials of the Secret each names (read from the API server, never logged or 
 While a fetch runs, the EMI is reported COLD with Ready=False, reason Fetching, and its status.source says how
 many bytes have landed and at what rate; an instance of an earlier version of the ModelSpec keeps serving until
 the new bytes are on the node. A fetch that fails is reported with its reason (SourceUnavailable, SourceDenied
-naming the Secret, SourceNotFound, SourceDigestMismatch, CacheFull).
+naming the Secret, SourceCertificateUntrusted, SourceNotFound, SourceDigestMismatch, CacheFull).
 """
 
 from __future__ import annotations
@@ -64,9 +64,17 @@ class Fetches:
         """The node's model cache, once a remote source has been placed here."""
         return self._prefetcher.cache if self._prefetcher is not None else None
 
-    def _read_secret(self, namespace: str, name: str) -> Mapping[str, str]:
-        secret = self.core.read_namespaced_secret(name, namespace, _request_timeout=10)
-        return {k: base64.b64decode(v).decode() for k, v in (secret.data or {}).items()}
+    def _read_secret(self, namespace: str, name: str) -> prefetch.Secret | None:
+        from kubernetes.client import ApiException
+
+        try:
+            secret = self.core.read_namespaced_secret(name, namespace, _request_timeout=10)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return prefetch.Secret({k: base64.b64decode(v).decode() for k, v in (secret.data or {}).items()},
+                               str(secret.metadata.resource_version or ""))
 
     def localise(self, specs: Mapping[str, api.ModelSpecSpec], desired: Sequence[planner.Desired],
                  current: Callable[[str], api.ModelSpecSpec | None]) -> tuple[dict[str, api.ModelSpecSpec],
@@ -104,6 +112,9 @@ class Fetches:
                 pending[owner] = Pending(spec, "Fetching", f"fetching {spec.source}: {status.bytes} of "
                                          f"{status.total_bytes} bytes at {status.rate_bytes_per_sec / 1e6:.1f} MB/s",
                                          status)
+        if self._prefetcher is not None:  # the fetches of ModelSpecs no longer placed here end
+            self._prefetcher.keep(prefetch.Prefetcher.key(o.split("/", 1)[0], specs[o])
+                                  for o in {d.model_spec for d in desired} if specs[o].remote_source)
         kept = []
         for d in desired:
             if d.model_spec not in pending:

@@ -47,6 +47,7 @@ from volga_agent.host import process
 from volga_agent.node import admission, chains, instance, policy, serverpool
 from volga_agent.node.settings import Settings
 from volga_agent.snapshot import criu, cuda, shared
+from volga_agent.sources import cache
 from volga_agent.worker import contract, protocol
 from volga_core import api, planner
 
@@ -83,6 +84,10 @@ class InstanceInfo:
     warmup_skipped: str = ""
     output_mismatch: str = ""
     answered_outputs: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    # Where the model's bytes came from (the remote URI fetched into the model cache, else the model file) and their
+    # content digest ("" for a node file no sourceDigest pins)
+    source: str = ""
+    source_digest: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -546,6 +551,7 @@ class Pool:
             last_wake_ms=slot.last_wake_ms, input_hash=inst.spec.input_hash(), state_reason=slot.reason,
             target_tier=slot.target, shared_snapshot=inst.shared_from or inst.shared_published,
             shared_snapshot_role="restored" if inst.shared_from else "published" if inst.shared_published else "",
+            source=cache.origin(inst.spec.source) or inst.spec.source, source_digest=inst.spec.source_digest or "",
             **_warmup_fields(inst.warmup))
 
     def instances(self, model_id: str = "", include_failed: bool = False) -> list[InstanceInfo]:

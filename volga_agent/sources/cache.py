@@ -5,6 +5,7 @@ Layout under the cache root:
     sha256/<hex>/            one entry per content digest: the model file (or folder), with its own name
     partial/<key>/           fetches under way: each object's .part file and its resume state
     tmp/                     entries being assembled; renamed into sha256/ once verified, emptied at start
+    ca/<hex>.pem             CA bundles a Secret gave as PEM text (SOURCE_CA_BUNDLE), by their digest
     index.json               the entries (size, last use, model file) and, per source URI (and the credentials
                              that read it), the version and digest it last resolved to: survives an agent restart
     .users, .index.lock      locks: several processes may share a cache (each holds .users shared; the index is
@@ -46,6 +47,12 @@ from volga_core import api
 log = logging.getLogger(__name__)
 
 MODEL_SUFFIXES = (".onnx", ".pt", ".pth", ".ts", ".torchscript", ".jit")
+_ORIGINS: dict[str, str] = {}  # a cached model file's path -> the source URI this process last resolved to it
+
+
+def origin(path: str) -> str:
+    """The source URI a model file of this process's model cache was resolved from ('' for any other path)."""
+    return _ORIGINS.get(path, "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,7 +248,9 @@ class Cache:
         if entry is None:
             return None
         entry["last_used"] = time.time()
-        return Resolved(source, self._entry(digest) / entry["model"], digest, int(entry["size"]), True)
+        path = self._entry(digest) / entry["model"]
+        _ORIGINS[str(path)] = source
+        return Resolved(source, path, digest, int(entry["size"]), True)
 
     def resolve(self, source: str, digest: str = "", credentials: Mapping[str, str] | None = None,
                 secret: str = "") -> Resolved:
@@ -258,7 +267,7 @@ class Cache:
         with lock:  # one fetch per source: a second caller waits, then finds the entry
             if digest and (found := self.lookup(source, digest, secret)) is not None:
                 return self._hit(found)
-            store = self._open_store(src, credentials or {}, secret, self.connections)
+            store = self._open_store(src, self._ca_file(credentials or {}), secret, self.connections)
             listing = store.describe(src)  # the store says these credentials may read it, and its version
             with self._lock:
                 self._refresh()
@@ -270,6 +279,19 @@ class Cache:
                         return self._hit(found)
             resolved = self._fetch(src, store, listing, digest, secret)
         return dataclasses.replace(resolved, seconds=time.monotonic() - started)
+
+    def _ca_file(self, credentials: Mapping[str, str]) -> Mapping[str, str]:
+        """`credentials` with a CA bundle given as PEM text (a Secret's key) written to a file the stores read."""
+        pem = credentials.get(stores.CA_BUNDLE, "")
+        if not pem.lstrip().startswith("-----BEGIN"):
+            return credentials  # none, or a file's path (volga up's environment)
+        path = self.root / "ca" / f"{hashlib.sha256(pem.encode()).hexdigest()[:32]}.pem"
+        if not path.is_file():
+            path.parent.mkdir(exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}")
+            tmp.write_text(pem)
+            os.replace(tmp, path)
+        return {**credentials, stores.CA_BUNDLE: str(path)}
 
     def _hit(self, found: Resolved) -> Resolved:
         if self.metrics is not None:
@@ -331,7 +353,13 @@ class Cache:
                 self.metrics.fetched_bytes.labels(src.scheme).inc(listing.size)
                 self.metrics.fetch_latency.labels(src.scheme).observe(seconds * 1000)
             log.info("%s: fetched %d bytes in %.1f s, digest %s", src.uri, listing.size, seconds, digest)
+            _ORIGINS[str(entry / model)] = src.uri
             return Resolved(src.uri, entry / model, digest, size, False, seconds)
+        except errors.CacheFull as exc:
+            shutil.rmtree(partial, ignore_errors=True)  # a full disk: what landed gives its space back
+            if str(exc).startswith(src.uri):
+                raise
+            raise errors.CacheFull(f"{src}: {exc}") from None
         finally:
             self.fetching.pop(src.uri, None)
             shutil.rmtree(assembly, ignore_errors=True)
@@ -359,6 +387,9 @@ class Cache:
             alone = self._alone()
             victims = sorted((e["last_used"], d) for d, e in self._index["entries"].items()
                              if d not in held) if alone else []
+            evictable = sum(int(self._index["entries"][d]["size"]) for _, d in victims)
+            if (self.budget and self.used() - evictable + need > self.budget) or need > free + evictable:
+                victims = []  # even evicting them all would not make room: nothing is evicted in vain
             while over() and victims:
                 _, digest = victims.pop(0)
                 size = int(self._index["entries"].pop(digest)["size"])
@@ -375,9 +406,10 @@ class Cache:
             self._gauge()
             if over():
                 shared = "" if alone else "; another process uses the cache, so nothing was evicted"
+                budget = f"a budget of {self.budget} bytes" if self.budget else "no budget"
                 raise errors.CacheFull(
-                    f"{source}: {need} bytes do not fit the model cache{shared} ({self.used()} of "
-                    f"{self.budget or 'unbounded'} bytes used by models instances hold; {free} bytes free on disk)")
+                    f"{source}: {need} bytes do not fit the model cache{shared} ({self.used()} bytes cached, "
+                    f"{budget}, {free} bytes free on disk; models in use are never evicted)")
 
 
 def _unpack(archive: pathlib.Path, into: pathlib.Path, source: str) -> dict[str, str]:

@@ -24,6 +24,13 @@ class SourceDenied(SourceError):
     reason = "SourceDenied"
 
 
+class SourceUntrusted(SourceError):
+    """The store's TLS certificate is not signed by a CA this node trusts (a self-signed or private CA): a
+    configuration error, not retried until the ModelSpec or its Secret changes (SOURCE_CA_BUNDLE gives the CA)."""
+
+    reason = "SourceCertificateUntrusted"
+
+
 class SourceNotFound(SourceError):
     """The store has no such object, bucket, repository or tag."""
 

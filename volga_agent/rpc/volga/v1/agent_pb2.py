@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14volga/v1/agent.proto\x12\x08volga.v1\"^\n\x0f\x41\x63tivateRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x10\n\x08instance\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65vice_hint\x18\x03 \x01(\t\x12\x12\n\ntimeout_ms\x18\x04 \x01(\r\"\xa0\x01\n\x10\x41\x63tivateResponse\x12$\n\x08instance\x18\x01 \x01(\x0b\x32\x12.volga.v1.Instance\x12!\n\twoke_from\x18\x02 \x01(\x0e\x32\x0e.volga.v1.Tier\x12\x0f\n\x07wake_ms\x18\x03 \x01(\x01\x12\x10\n\x08\x66\x61llback\x18\x04 \x01(\x08\x12 \n\x04\x61lso\x18\x05 \x03(\x0b\x32\x12.volga.v1.Instance\"\"\n\x0eReleaseRequest\x12\x10\n\x08instance\x18\x01 \x01(\t\"\x11\n\x0fReleaseResponse\"\x0f\n\rStatusRequest\"\xa1\x01\n\x03Gpu\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04uuid\x18\x02 \x01(\t\x12\x0f\n\x07product\x18\x03 \x01(\t\x12\x1a\n\x12memory_total_bytes\x18\x04 \x01(\x04\x12\x19\n\x11memory_used_bytes\x18\x05 \x01(\x04\x12\x0e\n\x06\x64river\x18\x06 \x01(\t\x12\x12\n\npci_bus_id\x18\x07 \x01(\t\x12\x11\n\tnuma_node\x18\x08 \x01(\x05\"\x9b\x02\n\x0eStatusResponse\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x1b\n\x04gpus\x18\x02 \x03(\x0b\x32\r.volga.v1.Gpu\x12 \n\x18host_memory_budget_bytes\x18\x03 \x01(\x04\x12\x1e\n\x16host_memory_used_bytes\x18\x04 \x01(\x04\x12\"\n\x1asnapshot_disk_budget_bytes\x18\x05 \x01(\x04\x12 \n\x18snapshot_disk_used_bytes\x18\x06 \x01(\x04\x12\x13\n\x0b\x61\x63tivations\x18\x07 \x01(\x04\x12\x18\n\x10restore_failures\x18\x08 \x01(\x04\x12\x11\n\tevictions\x18\t \x01(\x04\x12\x14\n\x0c\x63ircuit_open\x18\n \x01(\x08\"\xf8\x02\n\x08Instance\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x15\n\rmodel_version\x18\x03 \x01(\t\x12\x1c\n\x04tier\x18\x04 \x01(\x0e\x32\x0e.volga.v1.Tier\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x0e\n\x06socket\x18\x06 \x01(\t\x12\x0c\n\x04node\x18\x07 \x01(\t\x12\x16\n\x0esnapshot_bytes\x18\x08 \x01(\x04\x12\x16\n\x0elast_used_unix\x18\t \x01(\x01\x12\x14\n\x0clast_wake_ms\x18\n \x01(\x01\x12\x12\n\ninput_hash\x18\x0b \x01(\t\x12\x14\n\x0cstate_reason\x18\x0c \x01(\t\x12\x17\n\x0fwarmup_reported\x18\r \x01(\x08\x12\x16\n\x0ewarmup_skipped\x18\x0e \x01(\t\x12\x17\n\x0foutput_mismatch\x18\x0f \x01(\t\x12/\n\x10\x61nswered_outputs\x18\x10 \x03(\x0b\x32\x15.volga.v1.TensorShape\"*\n\x0bTensorShape\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\"(\n\x14ListInstancesRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\">\n\x15ListInstancesResponse\x12%\n\tinstances\x18\x01 \x03(\x0b\x32\x12.volga.v1.Instance\"{\n\tModelLoad\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x10\n\x08\x61rrivals\x18\x02 \x01(\r\x12\x11\n\tcompleted\x18\x03 \x01(\r\x12\x13\n\x0bqueue_depth\x18\x04 \x01(\r\x12\x14\n\x0clatencies_ms\x18\x05 \x03(\x02\x12\x0c\n\x04shed\x18\x06 \x01(\r\"9\n\x13\x45xchangeLoadRequest\x12\"\n\x05loads\x18\x01 \x03(\x0b\x32\x13.volga.v1.ModelLoad\"\xf4\x02\n\x14\x45xchangeLoadResponse\x12\x10\n\x08\x61utonomy\x18\x01 \x01(\x08\x12\x41\n\nbatch_caps\x18\x02 \x03(\x0b\x32-.volga.v1.ExchangeLoadResponse.BatchCapsEntry\x12Q\n\x13shed_retry_after_ms\x18\x03 \x03(\x0b\x32\x34.volga.v1.ExchangeLoadResponse.ShedRetryAfterMsEntry\x12\x11\n\tperiod_ms\x18\x04 \x01(\r\x12\r\n\x05state\x18\x05 \x01(\t\x12\'\n\nneighbours\x18\x06 \x03(\x0b\x32\x13.volga.v1.NodeLevel\x1a\x30\n\x0e\x42\x61tchCapsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a\x37\n\x15ShedRetryAfterMsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"9\n\nModelLevel\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0b\n\x03hot\x18\x02 \x01(\x08\x12\x0c\n\x04shed\x18\x03 \x01(\x08\"\xa3\x01\n\tNodeLevel\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x12\n\nmemory_pct\x18\x03 \x01(\x02\x12\x0c\n\x04load\x18\x04 \x01(\x02\x12$\n\x06models\x18\x05 \x03(\x0b\x32\x14.volga.v1.ModelLevel\x12\x10\n\x08sequence\x18\x06 \x01(\x04\x12\x0f\n\x07gateway\x18\x07 \x01(\t\x12\x0e\n\x06\x61ge_ms\x18\x08 \x01(\r*T\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x07\n\x03HOT\x10\x01\x12\x08\n\x04WARM\x10\x02\x12\r\n\tSUSPENDED\x10\x03\x12\n\n\x06\x46ROZEN\x10\x04\x12\x08\n\x04\x43OLD\x10\x05\x32\xa3\x03\n\x05\x41gent\x12\x41\n\x08\x41\x63tivate\x12\x19.volga.v1.ActivateRequest\x1a\x1a.volga.v1.ActivateResponse\x12>\n\x07Release\x12\x18.volga.v1.ReleaseRequest\x1a\x19.volga.v1.ReleaseResponse\x12;\n\x06Status\x12\x17.volga.v1.StatusRequest\x1a\x18.volga.v1.StatusResponse\x12P\n\rListInstances\x12\x1e.volga.v1.ListInstancesRequest\x1a\x1f.volga.v1.ListInstancesResponse\x12M\n\x0c\x45xchangeLoad\x12\x1d.volga.v1.ExchangeLoadRequest\x1a\x1e.volga.v1.ExchangeLoadResponse\x12\x39\n\rExchangeLevel\x12\x13.volga.v1.NodeLevel\x1a\x13.volga.v1.NodeLevelb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14volga/v1/agent.proto\x12\x08volga.v1\"^\n\x0f\x41\x63tivateRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x10\n\x08instance\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65vice_hint\x18\x03 \x01(\t\x12\x12\n\ntimeout_ms\x18\x04 \x01(\r\"\xa0\x01\n\x10\x41\x63tivateResponse\x12$\n\x08instance\x18\x01 \x01(\x0b\x32\x12.volga.v1.Instance\x12!\n\twoke_from\x18\x02 \x01(\x0e\x32\x0e.volga.v1.Tier\x12\x0f\n\x07wake_ms\x18\x03 \x01(\x01\x12\x10\n\x08\x66\x61llback\x18\x04 \x01(\x08\x12 \n\x04\x61lso\x18\x05 \x03(\x0b\x32\x12.volga.v1.Instance\"\"\n\x0eReleaseRequest\x12\x10\n\x08instance\x18\x01 \x01(\t\"\x11\n\x0fReleaseResponse\"\x0f\n\rStatusRequest\"\xa1\x01\n\x03Gpu\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04uuid\x18\x02 \x01(\t\x12\x0f\n\x07product\x18\x03 \x01(\t\x12\x1a\n\x12memory_total_bytes\x18\x04 \x01(\x04\x12\x19\n\x11memory_used_bytes\x18\x05 \x01(\x04\x12\x0e\n\x06\x64river\x18\x06 \x01(\t\x12\x12\n\npci_bus_id\x18\x07 \x01(\t\x12\x11\n\tnuma_node\x18\x08 \x01(\x05\"\x9b\x02\n\x0eStatusResponse\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x1b\n\x04gpus\x18\x02 \x03(\x0b\x32\r.volga.v1.Gpu\x12 \n\x18host_memory_budget_bytes\x18\x03 \x01(\x04\x12\x1e\n\x16host_memory_used_bytes\x18\x04 \x01(\x04\x12\"\n\x1asnapshot_disk_budget_bytes\x18\x05 \x01(\x04\x12 \n\x18snapshot_disk_used_bytes\x18\x06 \x01(\x04\x12\x13\n\x0b\x61\x63tivations\x18\x07 \x01(\x04\x12\x18\n\x10restore_failures\x18\x08 \x01(\x04\x12\x11\n\tevictions\x18\t \x01(\x04\x12\x14\n\x0c\x63ircuit_open\x18\n \x01(\x08\"\x9f\x03\n\x08Instance\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x15\n\rmodel_version\x18\x03 \x01(\t\x12\x1c\n\x04tier\x18\x04 \x01(\x0e\x32\x0e.volga.v1.Tier\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x0e\n\x06socket\x18\x06 \x01(\t\x12\x0c\n\x04node\x18\x07 \x01(\t\x12\x16\n\x0esnapshot_bytes\x18\x08 \x01(\x04\x12\x16\n\x0elast_used_unix\x18\t \x01(\x01\x12\x14\n\x0clast_wake_ms\x18\n \x01(\x01\x12\x12\n\ninput_hash\x18\x0b \x01(\t\x12\x14\n\x0cstate_reason\x18\x0c \x01(\t\x12\x17\n\x0fwarmup_reported\x18\r \x01(\x08\x12\x16\n\x0ewarmup_skipped\x18\x0e \x01(\t\x12\x17\n\x0foutput_mismatch\x18\x0f \x01(\t\x12/\n\x10\x61nswered_outputs\x18\x10 \x03(\x0b\x32\x15.volga.v1.TensorShape\x12\x0e\n\x06source\x18\x11 \x01(\t\x12\x15\n\rsource_digest\x18\x12 \x01(\t\"*\n\x0bTensorShape\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\"(\n\x14ListInstancesRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\">\n\x15ListInstancesResponse\x12%\n\tinstances\x18\x01 \x03(\x0b\x32\x12.volga.v1.Instance\"{\n\tModelLoad\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x10\n\x08\x61rrivals\x18\x02 \x01(\r\x12\x11\n\tcompleted\x18\x03 \x01(\r\x12\x13\n\x0bqueue_depth\x18\x04 \x01(\r\x12\x14\n\x0clatencies_ms\x18\x05 \x03(\x02\x12\x0c\n\x04shed\x18\x06 \x01(\r\"9\n\x13\x45xchangeLoadRequest\x12\"\n\x05loads\x18\x01 \x03(\x0b\x32\x13.volga.v1.ModelLoad\"\xf4\x02\n\x14\x45xchangeLoadResponse\x12\x10\n\x08\x61utonomy\x18\x01 \x01(\x08\x12\x41\n\nbatch_caps\x18\x02 \x03(\x0b\x32-.volga.v1.ExchangeLoadResponse.BatchCapsEntry\x12Q\n\x13shed_retry_after_ms\x18\x03 \x03(\x0b\x32\x34.volga.v1.ExchangeLoadResponse.ShedRetryAfterMsEntry\x12\x11\n\tperiod_ms\x18\x04 \x01(\r\x12\r\n\x05state\x18\x05 \x01(\t\x12\'\n\nneighbours\x18\x06 \x03(\x0b\x32\x13.volga.v1.NodeLevel\x1a\x30\n\x0e\x42\x61tchCapsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a\x37\n\x15ShedRetryAfterMsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"9\n\nModelLevel\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0b\n\x03hot\x18\x02 \x01(\x08\x12\x0c\n\x04shed\x18\x03 \x01(\x08\"\xa3\x01\n\tNodeLevel\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x12\n\nmemory_pct\x18\x03 \x01(\x02\x12\x0c\n\x04load\x18\x04 \x01(\x02\x12$\n\x06models\x18\x05 \x03(\x0b\x32\x14.volga.v1.ModelLevel\x12\x10\n\x08sequence\x18\x06 \x01(\x04\x12\x0f\n\x07gateway\x18\x07 \x01(\t\x12\x0e\n\x06\x61ge_ms\x18\x08 \x01(\r*T\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x07\n\x03HOT\x10\x01\x12\x08\n\x04WARM\x10\x02\x12\r\n\tSUSPENDED\x10\x03\x12\n\n\x06\x46ROZEN\x10\x04\x12\x08\n\x04\x43OLD\x10\x05\x32\xa3\x03\n\x05\x41gent\x12\x41\n\x08\x41\x63tivate\x12\x19.volga.v1.ActivateRequest\x1a\x1a.volga.v1.ActivateResponse\x12>\n\x07Release\x12\x18.volga.v1.ReleaseRequest\x1a\x19.volga.v1.ReleaseResponse\x12;\n\x06Status\x12\x17.volga.v1.StatusRequest\x1a\x18.volga.v1.StatusResponse\x12P\n\rListInstances\x12\x1e.volga.v1.ListInstancesRequest\x1a\x1f.volga.v1.ListInstancesResponse\x12M\n\x0c\x45xchangeLoad\x12\x1d.volga.v1.ExchangeLoadRequest\x1a\x1e.volga.v1.ExchangeLoadResponse\x12\x39\n\rExchangeLevel\x12\x13.volga.v1.NodeLevel\x1a\x13.volga.v1.NodeLevelb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,8 +35,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EXCHANGELOADRESPONSE_BATCHCAPSENTRY']._serialized_options = b'8\001'
   _globals['_EXCHANGELOADRESPONSE_SHEDRETRYAFTERMSENTRY']._loaded_options = None
   _globals['_EXCHANGELOADRESPONSE_SHEDRETRYAFTERMSENTRY']._serialized_options = b'8\001'
-  _globals['_TIER']._serialized_start=2128
-  _globals['_TIER']._serialized_end=2212
+  _globals['_TIER']._serialized_start=2167
+  _globals['_TIER']._serialized_end=2251
   _globals['_ACTIVATEREQUEST']._serialized_start=34
   _globals['_ACTIVATEREQUEST']._serialized_end=128
   _globals['_ACTIVATERESPONSE']._serialized_start=131
@@ -52,27 +52,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATUSRESPONSE']._serialized_start=530
   _globals['_STATUSRESPONSE']._serialized_end=813
   _globals['_INSTANCE']._serialized_start=816
-  _globals['_INSTANCE']._serialized_end=1192
-  _globals['_TENSORSHAPE']._serialized_start=1194
-  _globals['_TENSORSHAPE']._serialized_end=1236
-  _globals['_LISTINSTANCESREQUEST']._serialized_start=1238
-  _globals['_LISTINSTANCESREQUEST']._serialized_end=1278
-  _globals['_LISTINSTANCESRESPONSE']._serialized_start=1280
-  _globals['_LISTINSTANCESRESPONSE']._serialized_end=1342
-  _globals['_MODELLOAD']._serialized_start=1344
-  _globals['_MODELLOAD']._serialized_end=1467
-  _globals['_EXCHANGELOADREQUEST']._serialized_start=1469
-  _globals['_EXCHANGELOADREQUEST']._serialized_end=1526
-  _globals['_EXCHANGELOADRESPONSE']._serialized_start=1529
-  _globals['_EXCHANGELOADRESPONSE']._serialized_end=1901
-  _globals['_EXCHANGELOADRESPONSE_BATCHCAPSENTRY']._serialized_start=1796
-  _globals['_EXCHANGELOADRESPONSE_BATCHCAPSENTRY']._serialized_end=1844
-  _globals['_EXCHANGELOADRESPONSE_SHEDRETRYAFTERMSENTRY']._serialized_start=1846
-  _globals['_EXCHANGELOADRESPONSE_SHEDRETRYAFTERMSENTRY']._serialized_end=1901
-  _globals['_MODELLEVEL']._serialized_start=1903
-  _globals['_MODELLEVEL']._serialized_end=1960
-  _globals['_NODELEVEL']._serialized_start=1963
-  _globals['_NODELEVEL']._serialized_end=2126
-  _globals['_AGENT']._serialized_start=2215
-  _globals['_AGENT']._serialized_end=2634
+  _globals['_INSTANCE']._serialized_end=1231
+  _globals['_TENSORSHAPE']._serialized_start=1233
+  _globals['_TENSORSHAPE']._serialized_end=1275
+  _globals['_LISTINSTANCESREQUEST']._serialized_start=1277
+  _globals['_LISTINSTANCESREQUEST']._serialized_end=1317
+  _globals['_LISTINSTANCESRESPONSE']._serialized_start=1319
+  _globals['_LISTINSTANCESRESPONSE']._serialized_end=1381
+  _globals['_MODELLOAD']._serialized_start=1383
+  _globals['_MODELLOAD']._serialized_end=1506
+  _globals['_EXCHANGELOADREQUEST']._serialized_start=1508
+  _globals['_EXCHANGELOADREQUEST']._serialized_end=1565
+  _globals['_EXCHANGELOADRESPONSE']._serialized_start=1568
+  _globals['_EXCHANGELOADRESPONSE']._serialized_end=1940
+  _globals['_EXCHANGELOADRESPONSE_BATCHCAPSENTRY']._serialized_start=1835
+  _globals['_EXCHANGELOADRESPONSE_BATCHCAPSENTRY']._serialized_end=1883
+  _globals['_EXCHANGELOADRESPONSE_SHEDRETRYAFTERMSENTRY']._serialized_start=1885
+  _globals['_EXCHANGELOADRESPONSE_SHEDRETRYAFTERMSENTRY']._serialized_end=1940
+  _globals['_MODELLEVEL']._serialized_start=1942
+  _globals['_MODELLEVEL']._serialized_end=1999
+  _globals['_NODELEVEL']._serialized_start=2002
+  _globals['_NODELEVEL']._serialized_end=2165
+  _globals['_AGENT']._serialized_start=2254
+  _globals['_AGENT']._serialized_end=2673
 # @@protoc_insertion_point(module_scope)

@@ -107,7 +107,7 @@ class StatusResponse(_message.Message):
     def __init__(self, node: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., host_memory_budget_bytes: _Optional[int] = ..., host_memory_used_bytes: _Optional[int] = ..., snapshot_disk_budget_bytes: _Optional[int] = ..., snapshot_disk_used_bytes: _Optional[int] = ..., activations: _Optional[int] = ..., restore_failures: _Optional[int] = ..., evictions: _Optional[int] = ..., circuit_open: _Optional[bool] = ...) -> None: ...
 
 class Instance(_message.Message):
-    __slots__ = ("name", "model_id", "model_version", "tier", "device", "socket", "node", "snapshot_bytes", "last_used_unix", "last_wake_ms", "input_hash", "state_reason", "warmup_reported", "warmup_skipped", "output_mismatch", "answered_outputs")
+    __slots__ = ("name", "model_id", "model_version", "tier", "device", "socket", "node", "snapshot_bytes", "last_used_unix", "last_wake_ms", "input_hash", "state_reason", "warmup_reported", "warmup_skipped", "output_mismatch", "answered_outputs", "source", "source_digest")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +124,8 @@ class Instance(_message.Message):
     WARMUP_SKIPPED_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_MISMATCH_FIELD_NUMBER: _ClassVar[int]
     ANSWERED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     name: str
     model_id: str
     model_version: str
@@ -140,7 +142,9 @@ class Instance(_message.Message):
     warmup_skipped: str
     output_mismatch: str
     answered_outputs: _containers.RepeatedCompositeFieldContainer[TensorShape]
-    def __init__(self, name: _Optional[str] = ..., model_id: _Optional[str] = ..., model_version: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., device: _Optional[str] = ..., socket: _Optional[str] = ..., node: _Optional[str] = ..., snapshot_bytes: _Optional[int] = ..., last_used_unix: _Optional[float] = ..., last_wake_ms: _Optional[float] = ..., input_hash: _Optional[str] = ..., state_reason: _Optional[str] = ..., warmup_reported: _Optional[bool] = ..., warmup_skipped: _Optional[str] = ..., output_mismatch: _Optional[str] = ..., answered_outputs: _Optional[_Iterable[_Union[TensorShape, _Mapping]]] = ...) -> None: ...
+    source: str
+    source_digest: str
+    def __init__(self, name: _Optional[str] = ..., model_id: _Optional[str] = ..., model_version: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., device: _Optional[str] = ..., socket: _Optional[str] = ..., node: _Optional[str] = ..., snapshot_bytes: _Optional[int] = ..., last_used_unix: _Optional[float] = ..., last_wake_ms: _Optional[float] = ..., input_hash: _Optional[str] = ..., state_reason: _Optional[str] = ..., warmup_reported: _Optional[bool] = ..., warmup_skipped: _Optional[str] = ..., output_mismatch: _Optional[str] = ..., answered_outputs: _Optional[_Iterable[_Union[TensorShape, _Mapping]]] = ..., source: _Optional[str] = ..., source_digest: _Optional[str] = ...) -> None: ...
 
 class TensorShape(_message.Message):
     __slots__ = ("name", "shape")
