@@ -297,6 +297,7 @@ class ServerInstance:
             began = time.perf_counter()
             source = self.tier
             self._kill()
+            self.slept, self.gpu_pids = False, ()  # a new process: nothing of the old one's sleep or checkpoint
             self._spawn()
             if self.server.hooks.signal_files:
                 self._await_handshake(began)
