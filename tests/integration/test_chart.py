@@ -449,6 +449,13 @@ def test_the_agent_writes_only_where_it_must(default: Rendered) -> None:
     assert "scratch" not in {v["name"] for v in writable_root.agent_pod()["volumes"]}
 
 
+@pytest.mark.parametrize("workdir", ["/run", "/run/"])
+def test_the_workdir_cannot_be_the_agents_run(workdir: str) -> None:
+    proc = run(helm(), "template", RELEASE, str(CHART), "--namespace", NAMESPACE, "--set", f"agent.workdir={workdir}",
+               check=False)
+    assert proc.returncode != 0 and "agent.workdir: /run is the agent's own tmpfs" in proc.stderr, proc.stderr
+
+
 def test_gateway_authentication_and_tls_come_from_secrets() -> None:
     assert not any(a.startswith(("--token-file", "--tls")) for a in template().container("gateway")["args"])
     rendered = template("--set", "gateway.auth.existingSecret=gateway-tokens", "--set",
