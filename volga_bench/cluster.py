@@ -8,7 +8,8 @@ The tests in tests/node use these steps one by one; `volga bench cluster` times 
   - `service_frozen_wake_ms`: a FROZEN instance's first answer through the Service (kube-proxy, the gateway pod,
     CRIU inside the agent's container), the instance demoted to FROZEN by its own idle timer between requests;
   - `up_frozen_wake_ms`: the same model woken the same way under `volga up` (its own process, its images on the same
-    filesystem as the node's snapshot hostPath) on the same machine, in the same run.
+    filesystem as the node's snapshot hostPath) on the same machine, in the same run: its wakes alternate with the
+    Service's, each sent while both instances are FROZEN, so both sides meet the machine's load as it varies.
 
     python3 -m volga_agent.cli bench cluster [-n 10] [--json] [--out FILE]
 """
@@ -195,25 +196,6 @@ def first_answer(target: str, model: str, timeout: float, seed: int = 5) -> np.n
             time.sleep(0.2)
 
 
-def timed_frozen_wakes(n: int, is_frozen: Callable[[], bool], request: Callable[[], np.ndarray],
-                       expected: np.ndarray, wait: Callable[[str, Callable[[], Any], float], Any],
-                       metrics_url: str) -> dict[str, Any]:
-    """n times: wait for the idle timer to freeze the instance, then time one request (send to answer). Beside it,
-    the agent's own restore time over those wakes (its restore-latency histogram, before and after)."""
-    seconds, mismatches = [], 0
-    before = restore_totals(metrics_url)
-    for _ in range(n):
-        wait("the instance FROZEN after idling", is_frozen, 120.0)
-        start = time.perf_counter()
-        answer = request()
-        seconds.append(time.perf_counter() - start)
-        mismatches += int(not np.array_equal(answer, expected))
-    after = restore_totals(metrics_url)
-    restores = after[1] - before[1]
-    return {"first_answer": reporting.summarize(seconds), "mismatches": mismatches, "restores": restores,
-            "agent_restore_mean_ms": round((after[0] - before[0]) / restores, 1) if restores else None}
-
-
 def histogram_total(url: str, family: str, suffix: str, **labels: str) -> float:
     """The sum of one histogram's `_count` or `_sum` samples in an agent's /metrics, over the samples that carry
     `labels`."""
@@ -236,29 +218,65 @@ def freezes(url: str, model: str) -> float:
 
 
 class Wakes:
-    """Requests that each wake a FROZEN instance: before each, wait until the agent has frozen the model once more
-    than before the last request (`frozen_before`: the count the first wait starts from). Nothing but the request
-    itself runs between the start and the end of its timing: the count is read before, the target is fixed."""
+    """One side of the comparison: requests that each wake a FROZEN instance. The instance counts as FROZEN again once
+    its agent has frozen the model more times than when the last request was sent (`frozen_before`: the count the
+    first wait starts from). Nothing but the request itself runs between the start and the end of its timing: the
+    count is read before, the target is fixed."""
 
     def __init__(self, metrics_url: str, model: str, target: str, frozen_before: float = 0.0) -> None:
         self.metrics_url, self.model, self.target = metrics_url, model, target
-        self.last = frozen_before
+        self.last = self.seen = frozen_before
 
     def is_frozen(self) -> bool:
-        count = freezes(self.metrics_url, self.model)
-        if count > self.last:
-            self.last = count
-            return True
-        return False
+        self.seen = freezes(self.metrics_url, self.model)
+        return self.seen > self.last
 
     def request(self) -> np.ndarray:
+        self.last = self.seen
         return ask(self.target, self.model)
 
+    def totals(self) -> dict[str, tuple[float, float]]:
+        """(sum of ms, count) of the agent's FROZEN wakes so far: the whole restore (volga_snapshot_restore_latency_ms)
+        and its phases (volga_wake_phase_latency_ms: `restore` is the criu call, `wake` the worker's own)."""
+        found = {}
+        for key, family, labels in (("restore", "volga_snapshot_restore_latency_ms", {}),
+                                    ("criu", "volga_wake_phase_latency_ms", {"phase": "restore"}),
+                                    ("worker", "volga_wake_phase_latency_ms", {"phase": "wake"})):
+            found[key] = (histogram_total(self.metrics_url, family, "_sum", tier="FROZEN", model=self.model, **labels),
+                          histogram_total(self.metrics_url, family, "_count", tier="FROZEN", model=self.model,
+                                          **labels))
+        return found
 
-def restore_totals(url: str) -> tuple[float, float]:
-    """(sum of ms, count) of FROZEN restores in an agent's /metrics (volga_snapshot_restore_latency_ms)."""
-    family = "volga_snapshot_restore_latency_ms"
-    return histogram_total(url, family, "_sum", tier="FROZEN"), histogram_total(url, family, "_count", tier="FROZEN")
+
+def alternate_wakes(n: int, sides: dict[str, Wakes], expected: np.ndarray,
+                    wait: Callable[[str, Callable[[], Any], float], Any]) -> dict[str, dict[str, Any]]:
+    """n rounds; in each, every side in turn: wait until every side's instance is FROZEN (so no freeze of one runs
+    during the other's wake), then time one request (send to answer). The sides thus share the machine's load as it
+    varies. Beside each side's first answers, its agent's own means over those wakes: the whole restore, the criu
+    call, the worker's part."""
+    seconds: dict[str, list[float]] = {name: [] for name in sides}
+    mismatches = dict.fromkeys(sides, 0)
+    before = {name: side.totals() for name, side in sides.items()}
+    for _ in range(n):
+        for name, side in sides.items():
+            for other in sides.values():
+                wait("every instance FROZEN after idling", other.is_frozen, 120.0)
+            start = time.perf_counter()
+            answer = side.request()
+            seconds[name].append(time.perf_counter() - start)
+            mismatches[name] += int(not np.array_equal(answer, expected))
+    report = {}
+    for name, side in sides.items():
+        after = side.totals()
+        means = {}
+        for key, (total, count) in after.items():
+            done = count - before[name][key][1]
+            means[key] = round((total - before[name][key][0]) / done, 1) if done else None
+        report[name] = {"first_answer": reporting.summarize(seconds[name]), "mismatches": mismatches[name],
+                        "restores": after["restore"][1] - before[name]["restore"][1],
+                        "agent_restore_mean_ms": means["restore"], "agent_criu_restore_mean_ms": means["criu"],
+                        "agent_worker_wake_mean_ms": means["worker"]}
+    return report
 
 
 def agent_metrics_url(installed: Installed, port: int = 8012) -> str:
@@ -287,39 +305,25 @@ def bench(n: int = 10, progress: Callable[[str], None] = lambda _: None) -> dict
         answer = first_answer(installed.grpc_target(), "bench", timeout=600)
         report["install_to_first_answer_s"] = round(time.monotonic() - start, 2)
         report["install_first_answer_identical"] = bool(np.array_equal(answer, expected))
-        progress("FROZEN wakes through the Service")
+        progress("FROZEN wakes through the Service and under volga up, alternating")
         metrics = agent_metrics_url(installed)
         pod = Wakes(metrics, "bench", installed.grpc_target(), frozen_before=freezes(metrics, "bench"))
-        service = timed_frozen_wakes(n, pod.is_frozen, pod.request, expected,
-                                     lambda what, check, timeout: node.wait(what, check, timeout=timeout), metrics)
-        report["service"] = service
+        with tempfile.TemporaryDirectory(dir="/tmp", prefix="volga-up-") as snapshots, \
+                harness.volga_up(["--idle-sec", str(IDLE_SEC), "--snapshot-dir", snapshots]) as up:
+            # The same model under `volga up` (its own process, as users run it), its images on the same filesystem
+            # as the node's hostPath, frozen by the same idle timer, woken by the same client; its first freeze
+            # follows its cold start.
+            local = Wakes(up.endpoints["metrics"], defaultmodel.MODEL_ID, up.endpoints["grpc"])
+            report.update(alternate_wakes(n, {"service": pod, "up": local}, expected,
+                                          lambda what, check, timeout: node.wait(what, check, timeout=timeout)))
         node.helm("uninstall", RELEASE, "--namespace", NAMESPACE, "--wait", "--timeout", "120s", check=False)
-    progress("FROZEN wakes under volga up")
-    with tempfile.TemporaryDirectory(dir="/tmp", prefix="volga-up-") as snapshots:
-        report["up"] = _up_wakes(n, expected, pathlib.Path(snapshots))
+    report["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     report["service_frozen_wake_ms"] = report["service"]["first_answer"]["p50_ms"]
     report["up_frozen_wake_ms"] = report["up"]["first_answer"]["p50_ms"]
     report["service_over_up"] = round(report["service_frozen_wake_ms"] / report["up_frozen_wake_ms"], 2)
     report["identical"] = report["install_first_answer_identical"] and not (
         report["service"]["mismatches"] or report["up"]["mismatches"])
     return report
-
-
-def _up_wakes(n: int, expected: np.ndarray, snapshots: pathlib.Path) -> dict[str, Any]:
-    """The same model under `volga up` (its own process, as users run it), its images on the same filesystem as the
-    node's hostPath, frozen by the same idle timer, woken by the same client."""
-    args = ["--idle-sec", str(IDLE_SEC), "--snapshot-dir", str(snapshots)]
-    with harness.volga_up(args) as up:
-        wakes = Wakes(up.endpoints["metrics"], defaultmodel.MODEL_ID, up.endpoints["grpc"])
-
-        def wait(what: str, check: Callable[[], Any], timeout: float) -> None:
-            deadline = time.monotonic() + timeout
-            while not check():
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{what} not reached within {timeout:.0f}s")
-                time.sleep(0.1)
-
-        return timed_frozen_wakes(n, wakes.is_frozen, wakes.request, expected, wait, wakes.metrics_url)
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -332,7 +336,9 @@ def format_report(report: dict[str, Any]) -> str:
         f"  under volga up               {report['up']['first_answer']['p50_ms']:8.1f} / "
         f"{report['up']['first_answer']['p99_ms']:.1f} ms",
         f"  the agent's own restore, mean: {report['service']['agent_restore_mean_ms']} ms in the pod, "
-        f"{report['up']['agent_restore_mean_ms']} ms under volga up",
+        f"{report['up']['agent_restore_mean_ms']} ms under volga up (the criu call "
+        f"{report['service'].get('agent_criu_restore_mean_ms')} / {report['up'].get('agent_criu_restore_mean_ms')} ms)",
+        f"  load average {report['load_average']} at the start, {report.get('load_average_end')} at the end",
         f"  Service / volga up: {report['service_over_up']}x (target <= 1.2x); every answer identical: "
         f"{report['identical']}",
     ]

@@ -431,8 +431,10 @@ def test_the_agent_writes_only_where_it_must(default: Rendered) -> None:
     agent = default.container("agent")
     assert agent["securityContext"]["readOnlyRootFilesystem"] is True
     writable = {path: volumes[m["name"]] for path, m in mounts_of(agent).items() if not m.get("readOnly")}
-    assert set(writable) == {"/run/volga", "/dev/shm", "/var/lib/volga/snapshots", "/tmp", "/var/lib/volga/home",
-                             "/var/lib/volga/model-cache"}
+    assert set(writable) == {"/run", "/run/volga", "/dev/shm", "/var/lib/volga/snapshots", "/tmp",
+                             "/var/lib/volga/home", "/var/lib/volga/model-cache"}
+    # /run is a tmpfs, so CRIU keeps its kernel probes there (/run/criu.kdat) instead of probing in every call.
+    assert volumes[mounts_of(agent)["/run"]["name"]]["emptyDir"]["medium"] == "Memory"
     for path, volume in writable.items():
         assert "emptyDir" in volume or path in ("/var/lib/volga/snapshots", "/var/lib/volga/model-cache"), (path,
                                                                                                             volume)
@@ -445,6 +447,13 @@ def test_the_agent_writes_only_where_it_must(default: Rendered) -> None:
     writable_root = template("--set", "agent.readOnlyRootFilesystem=false")
     assert writable_root.container("agent")["securityContext"]["readOnlyRootFilesystem"] is False
     assert "scratch" not in {v["name"] for v in writable_root.agent_pod()["volumes"]}
+
+
+@pytest.mark.parametrize("workdir", ["/run", "/run/"])
+def test_the_workdir_cannot_be_the_agents_run(workdir: str) -> None:
+    proc = run(helm(), "template", RELEASE, str(CHART), "--namespace", NAMESPACE, "--set", f"agent.workdir={workdir}",
+               check=False)
+    assert proc.returncode != 0 and "agent.workdir: /run is the agent's own tmpfs" in proc.stderr, proc.stderr
 
 
 def test_gateway_authentication_and_tls_come_from_secrets() -> None:

@@ -10,6 +10,9 @@ whose /run is a fresh tmpfs, keeps the file in a private folder on a tmpfs that 
 and points /run/criu.kdat at it. criu reads the cache through the link; a cache it finds stale (another criu
 release) it removes and probes again, as it would without one. Where any step is not possible (no tmpfs, no
 right to make a mount namespace, /run not writable) nothing changes and criu probes on every call, as before.
+A container with a read-only root filesystem has a read-only /run: the chart mounts a tmpfs there for the agent, so
+criu keeps its own cache (without it every FROZEN wake in the agent's pod paid the probes, ~40 ms, measured in
+docs/measurements.md, "Helm install on a real node").
 """
 
 from __future__ import annotations
@@ -103,7 +106,9 @@ def ensure(criu: str, run: pathlib.Path = RUN, store: pathlib.Path = STORE) -> p
         link.symlink_to(cache)
         link.rename(run / CACHE_NAME)  # atomic: a criu starting now sees the old cache or the new one
     except OSError as exc:
-        log.info("criu's kernel-probe cache not kept: %s", exc)
+        # A read-only /run (a container's read-only root filesystem) lands here: mount a tmpfs on /run.
+        log.warning("criu's kernel-probe cache not kept (criu probes the kernel again in every dump and restore, "
+                    "~40 ms each; a tmpfs on /run lets criu keep it): %s", exc)
         return None
     log.info("criu's kernel probes are cached in %s (linked from %s)", cache, run / CACHE_NAME)
     return cache

@@ -105,4 +105,7 @@ turned on by agent.neighbours (which also opens the Agent API to the other agent
 {{- if and (or $settings.neighbours_enabled $settings.neighboursEnabled) (not .Values.agent.neighbours.enabled) }}
 {{- fail "agent.settings.neighbours_enabled: set agent.neighbours.enabled instead (it also gives the Agent API its tokens, port and published address)" }}
 {{- end }}
+{{- if eq (clean .Values.agent.workdir) "/run" }}
+{{- fail "agent.workdir: /run is the agent's own tmpfs (CRIU's kernel-probe cache); give the workdir a folder below it, such as /run/volga" }}
+{{- end }}
 {{- end }}
