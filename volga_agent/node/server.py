@@ -256,12 +256,15 @@ class ServerInstance:
             else:
                 self.start()
 
-    def acquire(self) -> None:
-        """Make it HOT and keep it from being frozen until `release`."""
+    def acquire(self) -> instance.Transition | None:
+        """Make it HOT and keep it from being frozen until `release`. The move this call made to get there; None when
+        it was HOT, or when a concurrent caller's wake made it so (that wake is the other caller's)."""
         with self._lock:
+            moves = len(self.transitions)
             self.ensure_hot()
             with self._active_lock:
                 self._active += 1
+            return self.transitions[-1] if len(self.transitions) > moves else None
 
     @property
     def in_flight(self) -> int:
@@ -787,7 +790,7 @@ class Fleet:
         try:
             await asyncio.wait_for(asyncio.shield(task), timeout_sec)
         except TimeoutError:
-            def give_back(done: asyncio.Future[None]) -> None:
+            def give_back(done: asyncio.Future[instance.Transition | None]) -> None:
                 if not done.cancelled() and done.exception() is None:
                     target.release()
             task.add_done_callback(give_back)
