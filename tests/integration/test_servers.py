@@ -323,9 +323,14 @@ def test_volga_up_server_reached_by_every_gateway_process(engine: criu.CriuEngin
         assert all(status == 200 for status, _ in answers)
         bodies = {b"".join(chunks) for _, chunks in answers}
         assert len(bodies) == 1 and next(iter(bodies)).count(b"data: ") == 7
-        served = [_counted(url, "volga_gateway_requests_total", model="stream", protocol="http", code="OK")
-                  for url in metrics]
-        assert sum(served) == 24 and min(served) > 0, served
+
+        def served() -> list[float]:
+            return [_counted(url, "volga_gateway_requests_total", model="stream", protocol="http", code="OK")
+                    for url in metrics]
+
+        # A process counts an answer once its last byte is sent: the client may have read it a moment before.
+        wait_for("every answer counted", lambda: sum(served()) == 24, timeout=30, every=0.1)
+        assert min(served()) > 0, served()
         # One wake from FROZEN for all of them, whichever process they came through.
         assert _counted(metrics[0], "volga_activations_total", tier="FROZEN", model="stream") == 1
         assert _counted(metrics[0], "volga_snapshot_restore_failures_total", model="stream") == 0
