@@ -111,7 +111,9 @@ class Embedded:
             tokens=self.options.tokens, reuse_port=processes > 1)
         self.siblings: siblings.Siblings | None = None
         models = catalog.Catalog({s.model_id: s for s in self.specs.values()})
-        self.servers = proxy.AgentServers(models, proxy.PoolLink(self._activate_server, self.pool.release))
+        # Model servers: leased from the pool (no proxy in the request path of a volga up that has none).
+        self.servers = (proxy.AgentServers(models, proxy.PoolLink(self._activate_server, self.pool.release))
+                        if any(s.framework is api.Framework.SERVER for s in self.specs.values()) else None)
         self.gateway = app.Gateway(models, links.LocalAgentLink(self._activate, self._instances), gw_settings,
                                    extra_metrics=[self.agent_metrics.registry], servers=self.servers)
         for r in self.refused.values():
