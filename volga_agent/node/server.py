@@ -766,7 +766,8 @@ class ServerInstance:
 
 
 class Fleet:
-    """The server instances of a node by model id: what the gateway's proxy leases (`gateway.proxy.Servers`)."""
+    """Server instances by model id, leased by a gateway proxy of their own (`gateway.proxy.Servers`) with no pool:
+    `volga bench server` and the tests of one server. A node runs its servers in the pool (`serverpool`)."""
 
     def __init__(self, instances: Iterable[ServerInstance] = ()) -> None:
         self.instances = {i.spec.model_id: i for i in instances}
