@@ -199,7 +199,7 @@ class Embedded:
     def warming(self) -> str:
         """How many instances are on their way to their tiers, and how many could not even be created."""
         refused = {_instance(r) for r in self.refused.values()}
-        failed = sum(1 for name in list(self.pool.failed) if name not in refused)
+        failed = sum(1 for name in [*self.pool.failed, *self.pool.servers.failed] if name not in refused)
         warming = len(self.plan.desired) - failed
         text = "1 instance warming into its tier" if warming == 1 else f"{warming} instances warming into their tiers"
         if failed:
