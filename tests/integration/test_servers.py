@@ -253,8 +253,7 @@ def test_volga_up_serves_a_frozen_server_through_its_gateway(engine: criu.CriuEn
     bg, up = harness.start_embedded([api.parse_model_spec(doc)])
     try:
         bg.call(up.wait_converged(), timeout=120)
-        assert up.fleet is not None
-        s = up.fleet.instances["stream"]
+        s = up.pool.servers.slots["stream-0"].inst  # the pool's server instance, as a cluster node's agent runs it
         assert s.tier is api.Tier.FROZEN
 
         async def ask() -> tuple[int, list[bytes], int]:
@@ -274,6 +273,69 @@ def test_volga_up_serves_a_frozen_server_through_its_gateway(engine: criu.CriuEn
     finally:
         bg.call(up.stop(), timeout=60)
         bg.close()
+
+
+def _counted(metrics_url: str, name: str, **labels: str) -> float:
+    """The sum of a metric's samples with these labels in one process's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(metrics_url, timeout=10) as r:
+        text = r.read().decode()
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()))
+
+
+def test_volga_up_server_reached_by_every_gateway_process(engine: criu.CriuEngine, tmp_path: pathlib.Path) -> None:
+    """`volga up --gateway-processes 2` with a server ModelSpec: the pool runs it as a cluster node's agent does
+    (FROZEN at start-up), `volga status --agent` lists it with its tier; requests on fresh connections, spread by the
+    kernel over both gateway processes (the second leases the server through the Agent API), are all answered, the
+    same, by one wake from FROZEN; idle again, it goes back to FROZEN."""
+    import subprocess
+
+    import yaml
+    from procs import wait_for
+
+    from volga_bench import harness
+
+    doc = {"apiVersion": api.API_VERSION, "kind": "ModelSpec", "metadata": {"name": "stream"},
+           "spec": spec("stream", [*STREAM, "--port", "{port}"], readiness={"path": "/health"},
+                        canary={"path": "/v1/generate", "body": json.dumps({"prompt": "canary"})}).to_wire()}
+    (tmp_path / "stream.yaml").write_text(yaml.safe_dump(doc))
+
+    def listed(up: harness.UpProcess) -> list[str]:
+        out = subprocess.run([sys.executable, "-m", "volga_agent.cli", "status", "--agent", up.endpoints["agent"],
+                              "--json"], capture_output=True, text=True, timeout=60, check=True)
+        [model] = [m for m in json.loads(out.stdout)["models"] if m["modelId"] == "stream"]
+        return [i["tier"] for i in model["instanceList"]]
+
+    async def spread(url: str, count: int) -> list[tuple[int, list[bytes]]]:
+        async def one() -> tuple[int, list[bytes]]:
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+                return await _stream(session, url, "stream")  # a connection of its own
+        return list(await asyncio.gather(*(one() for _ in range(count))))
+
+    # The server's folder is this checkout: the model roots name it (a server's files lie inside them).
+    with harness.volga_up(["-f", str(tmp_path / "stream.yaml"), "--model-root", str(ROOT), "--gateway-processes", "2",
+                           "--idle-sec", "2"]) as up:
+        metrics = [up.endpoints["metrics"], up.endpoints["metrics1"]]
+        wait_for("the server frozen at its floor", lambda: listed(up) == ["FROZEN"], timeout=120, every=0.5)
+        answers = asyncio.run(spread(up.endpoints["http"], 24))  # all on one process by chance: 2 in 2**24
+        assert all(status == 200 for status, _ in answers)
+        bodies = {b"".join(chunks) for _, chunks in answers}
+        assert len(bodies) == 1 and next(iter(bodies)).count(b"data: ") == 7
+
+        def served() -> list[float]:
+            return [_counted(url, "volga_gateway_requests_total", model="stream", protocol="http", code="OK")
+                    for url in metrics]
+
+        # A process counts an answer once its last byte is sent: the client may have read it a moment before.
+        wait_for("every answer counted", lambda: sum(served()) == 24, timeout=30, every=0.1)
+        assert min(served()) > 0, served()
+        # One wake from FROZEN for all of them, whichever process they came through.
+        assert _counted(metrics[0], "volga_activations_total", tier="FROZEN", model="stream") == 1
+        assert _counted(metrics[0], "volga_snapshot_restore_failures_total", model="stream") == 0
+        assert listed(up) == ["HOT"]
+        wait_for("the idle server frozen again", lambda: listed(up) == ["FROZEN"], timeout=60, every=0.5)
 
 
 class _NoCuda:

@@ -76,6 +76,28 @@ def test_outside_roots_finds_model_files_outside_and_through_links(tmp_path: pat
     assert admission.outside_roots(labelled, []) == []  # no roots: anywhere
 
 
+def test_outside_roots_names_a_servers_folder_and_working_folder(tmp_path: pathlib.Path) -> None:
+    inside, elsewhere = tmp_path / "in", tmp_path / "out"
+    (inside / "app").mkdir(parents=True)
+    elsewhere.mkdir()
+
+    def server(name: str, source: pathlib.Path, working_dir: pathlib.Path | None = None) -> api.ModelSpec:
+        fields: dict[str, object] = {"command": ["python", "-m", "app", "--port", "{port}"]}
+        if working_dir is not None:
+            fields["workingDir"] = str(working_dir)
+        return api.parse_model_spec({"apiVersion": api.API_VERSION, "kind": "ModelSpec", "metadata": {"name": name},
+                                     "spec": {"modelId": name, "framework": "server", "source": str(source),
+                                              "server": fields}})
+
+    labelled = [("a.yaml", server("a", inside / "app", inside / "app")), ("b.yaml", server("b", elsewhere)),
+                ("c.yaml", server("c", inside / "app", elsewhere))]
+    found = admission.outside_roots(labelled, [str(inside)])
+    assert [(o.name, o.problem) for o in found] == [
+        ("b", ("spec.source", f"{elsewhere}: the server's source {elsewhere} is outside the model roots")),
+        ("c", ("spec.server.workingDir", f"{elsewhere}: the server's working folder {elsewhere} is outside the model "
+                                         "roots"))]
+
+
 def test_volga_up_stops_once_at_the_start_naming_the_flag_and_the_setting(
         apart: tuple[pathlib.Path, pathlib.Path], capsys: pytest.CaptureFixture[str]) -> None:
     specs, models = apart

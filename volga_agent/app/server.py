@@ -12,6 +12,7 @@ wake goes on, so the next request finds the instance HOT).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import pathlib
 import time
@@ -87,11 +88,11 @@ class AgentService(pb_grpc.AgentServicer):
         work = asyncio.to_thread(self.pool.activate, request.model_id, request.instance, request.device_hint)
         task = asyncio.ensure_future(work)
         try:
-            if request.timeout_ms:
-                activation = await asyncio.wait_for(asyncio.shield(task), request.timeout_ms / 1e3)
-            else:
-                activation = await task
-        except TimeoutError:
+            activation = await asyncio.wait_for(asyncio.shield(task), request.timeout_ms / 1e3 or None)
+        except (TimeoutError, asyncio.CancelledError) as exc:
+            task.add_done_callback(self._given_up)  # the wake goes on; a server's lease is not left held
+            if isinstance(exc, asyncio.CancelledError):
+                raise
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 f"{request.model_id}: not awake within {request.timeout_ms} ms (the wake goes on)")
         except errors.UnknownModel as exc:
@@ -101,6 +102,17 @@ class AgentService(pb_grpc.AgentServicer):
         return pb.ActivateResponse(instance=instance_pb(activation.instance), woke_from=tier_pb(activation.woke_from),
                                    wake_ms=activation.wake_ms, fallback=activation.fallback,
                                    also=[instance_pb(other) for other in activation.also])
+
+    def _given_up(self, task: asyncio.Future[pool.Activation]) -> None:
+        """A model server's activation whose caller stopped waiting (its deadline passed, its call was cancelled):
+        released once its wake is done, as the caller's Release would have; unreleased, it would keep the server
+        from its idle freeze for `serverpool.LEASE_MAX_SEC`. Other models' activations hold nothing."""
+        if task.cancelled() or task.exception() is not None:
+            return
+        name = task.result().instance.name
+        if self.pool.servers.owns(name):
+            with contextlib.suppress(errors.UnknownModel):  # removed meanwhile
+                self.pool.release(name)
 
     async def Release(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:

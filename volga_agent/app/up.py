@@ -10,10 +10,13 @@ restore does not hold it up. Its temporary folders carry an owner marker: a run 
 them (and, for a moment, processes) behind, and the next run removes what is proven to be a dead run's
 (`process.remove_abandoned`).
 
-ModelSpecs with `framework: server` are model servers (`node.server`): they are kept apart from the planner and
-the pool, run as `ServerInstance`s of one `Fleet` (started and frozen at start-up when their pool floor is FROZEN,
-kept HOT when it is HOT, frozen after `idle.suspended_sec` unused), and the gateway's REST port proxies requests
-that name them (`gateway.proxy`). Other gateway processes (`--gateway-processes`) do not reach them.
+ModelSpecs with `framework: server` are model servers: the planner places their pool floors like any model's and
+the pool runs them as a cluster node's agent does (`node.serverpool`: brought to their floors' tiers, woken by the
+first request, taken back down their ladder when idle). The gateway's REST port proxies requests that name them
+(`gateway.proxy`), leasing them from the pool in this process (`proxy.PoolLink`); the other gateway processes
+(`--gateway-processes`) lease them through the Agent API, and `volga status` lists them. A server runs the command
+its ModelSpec gives: `volga up` runs the ModelSpecs its user hands it, so it runs their servers without
+`--allow-model-code`; their folders must lie inside the model roots as model files do.
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ import shutil
 import signal
 import socket
 import tempfile
-import threading
 from collections.abc import Callable, Sequence
 
 import grpc
@@ -36,12 +38,10 @@ import yaml
 from volga_agent import auth, metrics, ports
 from volga_agent.app import server
 from volga_agent.autonomy import loop as autonomy
-from volga_agent.gateway import app, catalog, links, siblings
+from volga_agent.gateway import app, catalog, links, proxy, siblings
 from volga_agent.host import gpus, process
 from volga_agent.node import admission, pool, signature
-from volga_agent.node import server as servers
 from volga_agent.node.settings import Settings
-from volga_agent.snapshot import criu, cuda
 from volga_core import api, planner
 
 log = logging.getLogger(__name__)
@@ -78,10 +78,8 @@ class Embedded:
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"metadata.name must be unique; repeated: {', '.join(dupes)}")
-        is_server = {s.metadata.name: s.spec.framework is api.Framework.SERVER for s in specs}
-        self.specs = {s.metadata.name: s.spec for s in specs if not is_server[s.metadata.name]}
-        self.server_specs = {s.metadata.name: s.spec for s in specs if is_server[s.metadata.name]}
-        self._documents = [s.to_wire() for s in specs if not is_server[s.metadata.name]]
+        self.specs = {s.metadata.name: s.spec for s in specs}
+        self._documents = [s.to_wire() for s in specs]
         self.refused = {r.model_id: r for r in refused}
         processes = self.options.gateway_processes
         if processes < 1:
@@ -106,25 +104,18 @@ class Embedded:
         self.folders = {"workdir": workroot, "snapshots": snapshots}
         self.agent_metrics = metrics.AgentMetrics()
         self.pool = pool.Pool(NODE, workroot, snapshots, self.settings, self.agent_metrics, self.gpus)
+        self.pool.servers.commands_allowed = True  # the user's own ModelSpecs (see above); model roots still hold
         gw_settings = app.Settings(
             host=self.options.host, http_port=self.options.http_port, grpc_port=self.options.grpc_port,
             metrics_port=self.options.metrics_port, cache_ttl_sec=self.options.settings.gateway_cache_ttl_sec,
             tokens=self.options.tokens, reuse_port=processes > 1)
         self.siblings: siblings.Siblings | None = None
-        self.fleet: servers.Fleet | None = None
-        if self.server_specs:
-            engine = criu.CriuEngine(snapshots / "servers", keep_failed=self.settings.keep_failed_restores)
-            # On a GPU node a server gets the driver's checkpoint API: WARM (its hooks) and SUSPENDED.
-            self.fleet = servers.Fleet(servers.ServerInstance(spec, workroot / "servers" / spec.model_id, engine,
-                                                              agent_metrics=self.agent_metrics,
-                                                              driver=self.pool.driver)
-                                       for spec in self.server_specs.values())
-        self._servers_stop = threading.Event()
-        self._servers_settled = threading.Event()  # each server brought to its floor's tier once
-        self._servers_thread: threading.Thread | None = None
-        self.gateway = app.Gateway(catalog.Catalog({s.model_id: s for s in self.specs.values()}),
-                                   links.LocalAgentLink(self._activate, self._instances), gw_settings,
-                                   extra_metrics=[self.agent_metrics.registry], servers=self.fleet)
+        models = catalog.Catalog({s.model_id: s for s in self.specs.values()})
+        # Model servers: leased from the pool (no proxy in the request path of a volga up that has none).
+        self.servers = (proxy.AgentServers(models, proxy.PoolLink(self._activate_server, self.pool.release))
+                        if any(s.framework is api.Framework.SERVER for s in self.specs.values()) else None)
+        self.gateway = app.Gateway(models, links.LocalAgentLink(self._activate, self._instances), gw_settings,
+                                   extra_metrics=[self.agent_metrics.registry], servers=self.servers)
         for r in self.refused.values():
             reason = refusal_reason(r)
             self.gateway.catalog.refuse(r.model_id, r.spec.spec.version, reason)
@@ -139,6 +130,11 @@ class Embedded:
         act = self.pool.activate(model_id, "", device_hint)
         return links.Route(act.instance.name, act.instance.socket, tuple(other.socket for other in act.also))
 
+    def _activate_server(self, model_id: str) -> links.Route:
+        """A model server's lease from the pool: its activation, until `pool.release`."""
+        act = self.pool.activate(model_id)
+        return links.Route(act.instance.name, act.instance.socket)
+
     def _instances(self, model_id: str) -> list[pool.InstanceInfo]:
         return self.pool.instances(model_id, include_failed=True)
 
@@ -148,38 +144,11 @@ class Embedded:
         self._owned.append(path)
         return path
 
-    def _keep_servers(self, fleet: servers.Fleet) -> None:
-        """Bring each server to its pool floor's tier (started, then moved down to it: `server.floor_tier`), then
-        move the idle ones down their ladder (on a GPU: WARM, SUSPENDED, FROZEN), every tick."""
-        idle = self.settings.idle
-        for instance in fleet.instances.values():
-            floor = servers.floor_tier(instance.spec.pool)
-            pool_floors = instance.spec.pool
-            if not (pool_floors.hot or pool_floors.warm or pool_floors.suspended or pool_floors.frozen):
-                continue  # no floor: started by its first request
-            try:
-                instance.ensure_hot()
-                instance.settle(floor)
-            except (servers.ServerError, criu.CriuError, cuda.DriverCheckpointError) as exc:
-                log.error("model server %s: %s", instance.name, exc)
-        self._servers_settled.set()
-        while not self._servers_stop.wait(self.options.tick_sec):
-            for instance in fleet.instances.values():
-                try:
-                    instance.demote_if_idle(idle.suspended_sec, (idle.hot_sec, idle.warm_sec),
-                                            servers.floor_tier(instance.spec.pool))
-                except (servers.ServerError, criu.CriuError, cuda.DriverCheckpointError) as exc:
-                    log.warning("model server %s stays %s: %s", instance.name, instance.tier.value, exc)
-
     async def start(self) -> None:
         for name, reason in self.plan.unplaced.items():
             log.error("ModelSpec %s not placed: %s", name, reason)
         self.pool.apply(self.plan.desired, self.specs)
         self.pool.start(self.options.tick_sec)
-        if self.fleet is not None:
-            self._servers_thread = threading.Thread(target=self._keep_servers, args=(self.fleet,),
-                                                    name="model-servers", daemon=True)
-            self._servers_thread.start()
         await self.gateway.start()
         if self.autonomy is not None:
             self.autonomy.start()
@@ -213,8 +182,6 @@ class Embedded:
 
     async def wait_converged(self, timeout: float = 300.0) -> None:
         await asyncio.to_thread(self.pool.wait_converged, timeout)
-        if self.fleet is not None and not await asyncio.to_thread(self._servers_settled.wait, timeout):
-            raise TimeoutError(f"the model servers did not reach their tiers within {timeout:g} s")
 
     async def stop(self) -> None:
         if self.siblings is not None:
@@ -226,18 +193,13 @@ class Embedded:
         if self._agent is not None:
             await self._agent.stop(1.0)
         await asyncio.to_thread(self.pool.close)
-        self._servers_stop.set()
-        if self.fleet is not None:
-            if self._servers_thread is not None:
-                await asyncio.to_thread(self._servers_thread.join, 60.0)
-            await asyncio.to_thread(self.fleet.close)
         for path in self._owned:
             shutil.rmtree(path, ignore_errors=True)
 
     def warming(self) -> str:
         """How many instances are on their way to their tiers, and how many could not even be created."""
         refused = {_instance(r) for r in self.refused.values()}
-        failed = sum(1 for name in list(self.pool.failed) if name not in refused)
+        failed = sum(1 for name in [*self.pool.failed, *self.pool.servers.failed] if name not in refused)
         warming = len(self.plan.desired) - failed
         text = "1 instance warming into its tier" if warming == 1 else f"{warming} instances warming into their tiers"
         if failed:

@@ -11,7 +11,9 @@ In a cluster the servers run in the node's agent: `AgentServers` leases one thro
 it and keeps it HOT, Release lets it go idle again), and the server listens where Activate says. A request for a
 server this node has no instance of is passed on, once, to the gateway of a node that has one (`elsewhere`: the
 address its EMI reports, on this gateway's HTTP port: a cluster's gateways listen on the same ports), marked
-`x-volga-forwarded` so that it is never passed on again.
+`x-volga-forwarded` so that it is never passed on again. Under `volga up` the agent's pool is in the gateway's
+process: `PoolLink` is the same link over it, and the other gateway processes lease through the Agent API as in a
+cluster.
 
 Bounds as for every model: the body is read up to the gateway's request limit (413 above it), and `x-timeout-ms`
 bounds the wake and the whole exchange (504 when it passes). Each exchange opens its own connection to the server
@@ -26,7 +28,7 @@ import dataclasses
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Protocol
 
 import aiohttp
@@ -96,6 +98,40 @@ class AgentLink(Protocol):
     async def activate(self, model_id: str, device_hint: str, timeout_ms: int) -> links.Route: ...
 
     async def release(self, instance: str) -> None: ...
+
+
+class PoolLink:
+    """A node's pool in this process (`volga up`) as `AgentServers`' link: `activate(model_id)` (blocking: run in a
+    thread) and `release(instance)`. An activation whose caller stopped waiting (its deadline passed, its client went
+    away) while the wake went on is released once the wake is done: unreleased, it would keep the server from its
+    idle freeze."""
+
+    def __init__(self, activate: Callable[[str], links.Route], release: Callable[[str], None]) -> None:
+        self._activate = activate
+        self._release = release
+
+    async def activate(self, model_id: str, device_hint: str, timeout_ms: int) -> links.Route:
+        wake = asyncio.ensure_future(asyncio.to_thread(self._activate, model_id))
+        try:
+            return await asyncio.shield(wake)
+        except asyncio.CancelledError:
+            wake.add_done_callback(self._given_up)
+            raise
+
+    def _given_up(self, wake: asyncio.Future[links.Route]) -> None:
+        if wake.cancelled() or wake.exception() is not None:
+            return
+        route = wake.result()
+        try:
+            self._release(route.instance)
+        except errors.UnknownModel as exc:  # removed meanwhile
+            log.warning("%s: could not release it: %s", route.instance, exc)
+
+    async def release(self, instance: str) -> None:
+        try:
+            await asyncio.to_thread(self._release, instance)
+        except errors.UnknownModel as exc:
+            raise ConnectionError(str(exc)) from None
 
 
 class AgentServers:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -82,8 +83,14 @@ async def _body(request: web.Request, plane: dataplane.Dataplane, headers: dict[
     return await dataplane.off_loop(len(body), oip.decode_content, body, encoding, plane.max_request_bytes)
 
 
-def _to_servers(servers: proxy.Servers, max_request_bytes: int) -> Any:
-    """A middleware that proxies every request naming a model server (`proxy`), whatever its path."""
+# A server's HTTP status -> the gRPC status name its count is labelled with (502 from an upstream that did not answer).
+_STATUS_NAMES = {**{status: name for name, status in reversed(oip.HTTP_STATUS.items())}, 502: "UNAVAILABLE"}
+
+
+def _to_servers(servers: proxy.Servers, plane: dataplane.Dataplane) -> Any:
+    """A middleware that proxies every request naming a model server (`proxy`), whatever its path; each is counted
+    in `volga_gateway_requests` (protocol http; code OK for an answer under 400, else the gRPC status name of its
+    HTTP status) and an OK one's time, wake included, in `volga_gateway_request_latency_ms`."""
 
     @web.middleware
     async def route(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -92,7 +99,13 @@ def _to_servers(servers: proxy.Servers, max_request_bytes: int) -> Any:
         except oip.OipError:
             return await handler(request)  # the OIP handlers answer it
         if model and servers.serves(model):
-            return await proxy.forward(request, servers, model, max_request_bytes)
+            start = time.perf_counter()
+            response = await proxy.forward(request, servers, model, plane.max_request_bytes)
+            code = "OK" if response.status < 400 else _STATUS_NAMES.get(response.status, "UNKNOWN")
+            plane.metrics.requests.labels(model, "http", code).inc()
+            if code == "OK":
+                plane.metrics.latency.labels(model, "http").observe((time.perf_counter() - start) * 1e3)
+            return response
         return await handler(request)
 
     return route
@@ -162,7 +175,7 @@ def app(plane: dataplane.Dataplane, tokens: auth.Tokens | None = None,
 
     middlewares = [auth.rest_middleware(tokens, OPEN_PREFIXES)] if tokens is not None else []
     if servers is not None:
-        middlewares.append(_to_servers(servers, plane.max_request_bytes))
+        middlewares.append(_to_servers(servers, plane))
     web_app = web.Application(client_max_size=plane.max_request_bytes, middlewares=middlewares)
     routes: list[tuple[str, str, Handler]] = [
         ("GET", "/v2/health/live", live), ("GET", "/v2/health/ready", live), ("GET", "/v2", server_metadata),

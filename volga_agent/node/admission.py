@@ -65,12 +65,14 @@ class Outside:
     source: str
     path: pathlib.Path  # the file the source names
     resolved: pathlib.Path  # ... with symlinks resolved
+    field: str = "spec.source"  # or a model server's spec.server.workingDir
+    what: str = "the model file"  # or a model server's source, or working folder
 
     @property
     def problem(self) -> tuple[str, str]:
         """(field path, reason), as `volga validate` lists a problem."""
         where = f"{self.path}" if self.resolved == self.path else f"{self.path}, which resolves to {self.resolved},"
-        return "spec.source", f"{self.source}: the model file {where} is outside the model roots"
+        return self.field, f"{self.source}: {self.what} {where} is outside the model roots"
 
 
 def outside_roots(labelled: Iterable[tuple[str, api.ModelSpec]], roots: Sequence[str]) -> list[Outside]:
@@ -81,15 +83,20 @@ def outside_roots(labelled: Iterable[tuple[str, api.ModelSpec]], roots: Sequence
     inside = [pathlib.Path(root).resolve() for root in roots]
     found = []
     for label, spec in labelled:
-        path = spec.spec.source_path
-        if not path.is_absolute():
-            continue  # check_source says why, when the instance is created
-        try:
-            resolved = path.resolve(strict=True)
-        except (OSError, RuntimeError):
-            continue  # missing or unreadable: said where the file is read
-        if not any(resolved.is_relative_to(root) for root in inside):
-            found.append(Outside(label, spec.metadata.name, spec.spec.source, path, resolved))
+        server = spec.spec.server if spec.spec.framework is api.Framework.SERVER else None
+        given = [("spec.source", spec.spec.source, "the model file" if server is None else "the server's source")]
+        if server is not None and server.working_dir:
+            given.append(("spec.server.workingDir", server.working_dir, "the server's working folder"))
+        for field, source, what in given:
+            path = spec.spec.source_path if field == "spec.source" else pathlib.Path(source)
+            if not path.is_absolute():
+                continue  # check_source says why, when the instance is created
+            try:
+                resolved = path.resolve(strict=True)
+            except (OSError, RuntimeError):
+                continue  # missing or unreadable: said where the file is read
+            if not any(resolved.is_relative_to(root) for root in inside):
+                found.append(Outside(label, spec.metadata.name, source, path, resolved, field, what))
     return found
 
 

@@ -256,12 +256,15 @@ class ServerInstance:
             else:
                 self.start()
 
-    def acquire(self) -> None:
-        """Make it HOT and keep it from being frozen until `release`."""
+    def acquire(self) -> instance.Transition | None:
+        """Make it HOT and keep it from being frozen until `release`. The move this call made to get there; None when
+        it was HOT, or when a concurrent caller's wake made it so (that wake is the other caller's)."""
         with self._lock:
+            moves = len(self.transitions)
             self.ensure_hot()
             with self._active_lock:
                 self._active += 1
+            return self.transitions[-1] if len(self.transitions) > moves else None
 
     @property
     def in_flight(self) -> int:
@@ -764,7 +767,8 @@ class ServerInstance:
 
 
 class Fleet:
-    """The server instances of a node by model id: what the gateway's proxy leases (`gateway.proxy.Servers`)."""
+    """Server instances by model id, leased by a gateway proxy of their own (`gateway.proxy.Servers`) with no pool:
+    `volga bench server` and the tests of one server. A node runs its servers in the pool (`serverpool`)."""
 
     def __init__(self, instances: Iterable[ServerInstance] = ()) -> None:
         self.instances = {i.spec.model_id: i for i in instances}
@@ -788,7 +792,7 @@ class Fleet:
         try:
             await asyncio.wait_for(asyncio.shield(task), timeout_sec)
         except TimeoutError:
-            def give_back(done: asyncio.Future[None]) -> None:
+            def give_back(done: asyncio.Future[instance.Transition | None]) -> None:
                 if not done.cancelled() and done.exception() is None:
                     target.release()
             task.add_done_callback(give_back)

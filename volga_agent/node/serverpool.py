@@ -12,7 +12,9 @@ comes (its gateway died mid-request) is given back after `LEASE_MAX_SEC`.
 
 Where the server's files come from: its ModelSpec's `source` names a file or folder on the node, inside the model
 roots (`settings.model_roots`), and it runs there (or in `server.workingDir`, inside them too). A server runs the
-command its ModelSpec gives, so a node runs servers only where model code is allowed (`settings.allow_model_code`).
+command its ModelSpec gives, so a cluster's node runs servers only where model code is allowed
+(`settings.allow_model_code`); `volga up`, which runs the ModelSpecs its user hands it, allows them
+(`commands_allowed`).
 """
 
 from __future__ import annotations
@@ -104,6 +106,9 @@ class ServerPool:
         self.workroot = workroot / "servers"
         self.engine = engine
         self.settings = settings
+        # A server runs its ModelSpec's command: a cluster's nodes only where model code is allowed; `volga up`
+        # runs the ModelSpecs its own user hands it, and allows them.
+        self.commands_allowed = settings.allow_model_code
         self.metrics = agent_metrics
         self.executor = executor
         self.slots: dict[str, ServerSlot] = {}
@@ -135,7 +140,7 @@ class ServerPool:
                 spec = specs[want.model_spec]
                 try:
                     admission.check_instance_name(name)
-                    check_source(spec, self.settings.model_roots, self.settings.allow_model_code)
+                    check_source(spec, self.settings.model_roots, self.commands_allowed)
                     if self.engine is None:
                         raise ValueError("this node has no usable CRIU: a server needs it for its FROZEN tier")
                     inst = server.ServerInstance(spec, self.workroot / name, self.engine, name, self.metrics,
@@ -216,18 +221,15 @@ class ServerPool:
             raise errors.UnknownModel(f"no instance of model {model_id!r} on node {self.node}")
         slot = min(slots, key=lambda s: (_rank(s.inst.tier), s.inst.name))
         inst = slot.inst
-        source = inst.tier
-        moves = len(inst.transitions)
         try:
-            inst.acquire()
+            move = inst.acquire()
         except MOVE_ERRORS as exc:
             slot.reason = f"ActivationFailed: {exc}"
             raise errors.ActivationFailed(f"{inst.name}: {exc}") from exc
-        wake_ms, fallback = 0.0, False
-        if len(inst.transitions) > moves:
+        source, wake_ms, fallback = Tier.HOT, 0.0, False
+        if move is not None:  # this call's wake (concurrent ones wait for it, and count none of their own)
             _share_socket(inst)
-            move = inst.transitions[-1]
-            wake_ms, fallback = move.seconds * 1e3, move.fallback
+            source, wake_ms, fallback = move.source, move.seconds * 1e3, move.fallback
             slot.last_wake_ms = wake_ms
             self.metrics.activations.labels(source.value, model_id).inc()
             slot.reason = "RestoreFailed" if fallback else ""
