@@ -122,6 +122,21 @@ class S3(Server):
                             verify=str(self.tls[0]) if self.tls else None)
 
 
+def untrusted_s3(folder: pathlib.Path, model: pathlib.Path, key: str = "tls/model.onnx"
+                 ) -> tuple[S3, tuple[pathlib.Path, pathlib.Path, pathlib.Path]]:
+    """versitygw over HTTPS with a private CA's certificate (which no client trusts unless told), `model` uploaded
+    to bucket `models` as `key`: the store, and the (CA, certificate, key) files."""
+    files = self_signed(folder)
+    s3 = S3(folder, tls=files)
+    try:
+        s3.client().create_bucket(Bucket="models")
+        s3.client().upload_file(str(model), "models", key)
+    except BaseException:
+        s3.stop()
+        raise
+    return s3, files
+
+
 class Registry(Server):
     """docker-registry (distribution 2.8) on a folder, plain HTTP on loopback."""
 

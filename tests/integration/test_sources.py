@@ -419,12 +419,9 @@ def test_an_s3_endpoint_with_an_untrusted_certificate_is_a_configuration_error(t
     from volga_agent.cluster import fetches
     from volga_core import planner
 
-    files = stores.self_signed(tmp_path)
-    s3 = stores.S3(tmp_path, tls=files)
+    model = defaultmodel.ensure().spec.source_path
+    s3, files = stores.untrusted_s3(tmp_path, model)
     try:
-        s3.client().create_bucket(Bucket="models")
-        model = defaultmodel.ensure().spec.source_path
-        s3.client().upload_file(str(model), "models", "tls/model.onnx")
         spec = api_spec(defaultmodel.spec_document(model), source="s3://models/tls/model.onnx", sourceSecret="store")
         core = SecretsApi({("ml", "store"): s3.credentials()})
         f = fetches.Fetches(core, lambda: None, root=str(tmp_path / "cache"))
@@ -463,12 +460,9 @@ def test_volga_up_names_an_untrusted_certificate_and_takes_a_ca_file(tmp_path: p
 
     import yaml
 
-    files = stores.self_signed(tmp_path)
-    s3 = stores.S3(tmp_path, tls=files)
+    model = defaultmodel.ensure().spec.source_path
+    s3, files = stores.untrusted_s3(tmp_path, model)
     try:
-        s3.client().create_bucket(Bucket="models")
-        model = defaultmodel.ensure().spec.source_path
-        s3.client().upload_file(str(model), "models", "tls/model.onnx")
         doc = defaultmodel.spec_document(model)
         doc["spec"]["source"] = "s3://models/tls/model.onnx"  # type: ignore[index]
         (tmp_path / "spec.yaml").write_text(yaml.safe_dump(doc))

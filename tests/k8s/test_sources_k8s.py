@@ -192,12 +192,9 @@ def test_an_untrusted_certificate_is_named_and_a_ca_in_the_secret_fixes_it(
     """An S3 store over HTTPS with a private CA's certificate: the EMI's Ready condition says
     SourceCertificateUntrusted, naming the source and the Secret key to add; `kubectl apply` of the Secret with the
     CA's PEM as SOURCE_CA_BUNDLE -> fetched and answered."""
-    files = stores.self_signed(tmp_path)
-    s3 = stores.S3(tmp_path, tls=files)
+    model = defaultmodel.ensure().spec.source_path
+    s3, files = stores.untrusted_s3(tmp_path, model)
     try:
-        s3.client().create_bucket(Bucket="models")
-        model = defaultmodel.ensure().spec.source_path
-        s3.client().upload_file(str(model), "models", "tls/model.onnx")
         digest = "sha256:" + hashlib.sha256(model.read_bytes()).hexdigest()
 
         def secret(**extra: str) -> dict[str, Any]:

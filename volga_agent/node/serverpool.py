@@ -28,7 +28,7 @@ import pathlib
 import stat
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from volga_agent import errors, metrics
 from volga_agent.host import process
@@ -160,10 +160,14 @@ class ServerPool:
         return tier if self.driver is not None and tier in ASLEEP else RESTING[tier]
 
     def _converge_async(self, slot: ServerSlot) -> None:
+        self._submit(slot, self._converge)
+
+    def _submit(self, slot: ServerSlot, move: Callable[[ServerSlot], None]) -> None:
+        """`move` of the slot on the executor, unless one of its moves is still pending."""
         name = slot.inst.name
         future = self._pending.get(name)
         if future is None or future.done():
-            self._pending[name] = self.executor.submit(self._converge, slot)
+            self._pending[name] = self.executor.submit(move, slot)
 
     def _converge(self, slot: ServerSlot) -> None:
         """Up to its resting tier: a FROZEN floor is a cold start and a freeze (the first request restores); a
@@ -276,10 +280,7 @@ class ServerPool:
                 self._converge_down(slot)
 
     def _converge_down(self, slot: ServerSlot) -> None:
-        name = slot.inst.name
-        future = self._pending.get(name)
-        if future is None or future.done():
-            self._pending[name] = self.executor.submit(self._demote, slot)
+        self._submit(slot, self._demote)
 
     def _demote(self, slot: ServerSlot) -> None:
         """One step down its ladder towards its floor when idle long enough (a COLD floor: stopped)."""
