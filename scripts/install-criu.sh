@@ -25,7 +25,7 @@ case $suite in
 esac
 
 if [ -x "$prefix/bin/criu" ] && "$prefix/bin/criu" --version 2>/dev/null | grep -Eq "$want"; then
-  echo "criu already installed: $("$prefix/bin/criu" --version | head -1) at $prefix/bin/criu"
+  echo "criu already installed: $("$prefix/bin/criu" --version | sed -n 1p) at $prefix/bin/criu"
   exit 0
 fi
 

@@ -18,4 +18,4 @@ if [ ${#need[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
 containerd --version
-runc --version | head -1
+runc --version | sed -n 1p

@@ -41,4 +41,4 @@ if ! "$venv/bin/python" -c 'import boto3' 2>/dev/null; then
   "$venv/bin/python" -m pip install -q 'boto3>=1.34'
 fi
 
-{ docker-registry --version; "$prefix/bin/versitygw" --version | head -1; "$prefix/bin/oras" version | head -1; } 2>&1
+{ docker-registry --version; "$prefix/bin/versitygw" --version | sed -n 1p; "$prefix/bin/oras" version | sed -n 1p; } 2>&1

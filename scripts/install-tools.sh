@@ -21,4 +21,4 @@ if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
   # Recommends would add node-exporter and friends; the tests need the server and promtool only.
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
 fi
-prometheus --version 2>&1 | head -1
+prometheus --version 2>&1 | sed -n 1p
