@@ -78,7 +78,7 @@ def check_source(spec: api.ModelSpecSpec, roots: Sequence[str], allow_model_code
 @dataclasses.dataclass
 class ServerSlot:
     inst: server.ServerInstance
-    target: Tier  # the resting tier (RESTING of the EMI's)
+    target: Tier  # the resting tier (`ServerPool.resting` of the EMI's)
     reason: str = ""  # why it is not where it should be; "" when fine
     last_wake_ms: float = 0.0
     last_used_unix: float = 0.0
