@@ -17,6 +17,7 @@ import base64
 import contextlib
 import os
 import pathlib
+import random
 import shutil
 import socket
 import ssl
@@ -86,15 +87,28 @@ def find_kubectl(folder: pathlib.Path | None = None) -> pathlib.Path | None:
 
 
 def free_ports(count: int) -> list[int]:
-    """`count` distinct free loopback ports. They are free when asked; the short window before the servers bind
-    them is acceptable on loopback. All sockets stay open until every port is picked, so no port repeats."""
+    """`count` distinct free loopback ports, below the kernel's ephemeral range (`ip_local_port_range`): a port
+    handed to a process that binds port 0 is never one of them, so none is taken in the window before the servers
+    bind them (other servers starting meanwhile ask for port 0). All sockets stay open until every port is picked,
+    so no port repeats."""
+    try:
+        low = int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    candidates = list(range(max(1024, low - 16384), low))
+    random.shuffle(candidates)
     with contextlib.ExitStack() as stack:
-        ports = []
-        for _ in range(count):
+        ports: list[int] = []
+        for port in candidates:
             sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            sock.bind(("127.0.0.1", 0))
-            ports.append(int(sock.getsockname()[1]))
-        return ports
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # in use (or lingering in TIME_WAIT): the next one
+            ports.append(port)
+            if len(ports) == count:
+                return ports
+    raise OSError(f"no {count} free loopback ports below {low}")
 
 
 def eventually(check: Callable[[], T], timeout: float = 20.0, what: str = "condition") -> T:

@@ -44,24 +44,29 @@ def cluster(control_plane: ControlPlane, crds: None, tmp_path_factory: pytest.Te
     env = {**os.environ, "KUBECONFIG": str(control_plane.kubeconfig), "PYTHONUNBUFFERED": "1",
            "VOLGA_RESYNC_SEC": "5"}
     py = sys.executable
-    daemons: dict[str, Daemon] = {
-        "operator": Daemon("operator", [py, "-m", "volga_operator", "--liveness", "", "-v"], env, folder)}
-    snapshots = {}
-    # Gateways listen on ports chosen up front: each agent reports its node's gateway address in EMI status.
-    gateway_ports = dict(zip(NODES, free_ports(len(NODES)), strict=True))
-    for node in NODES:
-        snapshots[node] = folder / f"snapshots-{node}"
-        daemons[node] = Daemon(node, [py, "-m", "volga_agent.app.daemons", "--kube", "--node", node, "--port", "0",
-                                      "--metrics-port", "0", "--workdir", f"/tmp/vw-{node}",
-                                      "--snapshot-dir", str(snapshots[node]),
-                                      "--gateway-address", f"127.0.0.1:{gateway_ports[node]}"], env, folder,
-                               "volga-agent")
-    gateway = str(pathlib.Path(py).with_name("volga-gateway"))  # the console script, as the image runs it
-    for node in NODES:
-        agent = f"127.0.0.1:{daemons[node].port('Agent API')}"
-        daemons[f"gateway-{node}"] = Daemon(f"gateway-{node}", [
-            gateway, "--kube", "--agent", agent, "--node", node, "--host", "127.0.0.1", "--http-port", "0",
-            "--grpc-port", str(gateway_ports[node]), "--metrics-port", "0"], env, folder, "volga-gateway")
+    daemons: dict[str, Daemon] = {}
+    try:  # a daemon that does not start must not leave the others running against the shared API server
+        daemons["operator"] = Daemon("operator", [py, "-m", "volga_operator", "--liveness", "", "-v"], env, folder)
+        snapshots = {}
+        # Gateways listen on ports chosen up front: each agent reports its node's gateway address in EMI status.
+        gateway_ports = dict(zip(NODES, free_ports(len(NODES)), strict=True))
+        for node in NODES:
+            snapshots[node] = folder / f"snapshots-{node}"
+            daemons[node] = Daemon(node, [py, "-m", "volga_agent.app.daemons", "--kube", "--node", node, "--port", "0",
+                                          "--metrics-port", "0", "--workdir", f"/tmp/vw-{node}",
+                                          "--snapshot-dir", str(snapshots[node]),
+                                          "--gateway-address", f"127.0.0.1:{gateway_ports[node]}"], env, folder,
+                                   "volga-agent")
+        gateway = str(pathlib.Path(py).with_name("volga-gateway"))  # the console script, as the image runs it
+        for node in NODES:
+            agent = f"127.0.0.1:{daemons[node].port('Agent API')}"
+            daemons[f"gateway-{node}"] = Daemon(f"gateway-{node}", [
+                gateway, "--kube", "--agent", agent, "--node", node, "--host", "127.0.0.1", "--http-port", "0",
+                "--grpc-port", str(gateway_ports[node]), "--metrics-port", "0"], env, folder, "volga-gateway")
+    except BaseException:
+        for started in daemons.values():
+            started.stop()
+        raise
     metrics_a = re.search(r"metrics :(\d+)", daemons["gateway-node-a"].line)
     assert metrics_a
     yield {"api": api, "daemons": daemons, "snapshots": snapshots, "folder": folder,
