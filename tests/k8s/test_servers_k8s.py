@@ -22,6 +22,7 @@ import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
+import k8s_fixtures
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
@@ -61,7 +62,15 @@ def _scorers(model: str = MODEL) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def cluster(control_plane: ControlPlane, crds: None, tmp_path_factory: pytest.TempPathFactory
+def control_plane(own_control_plane: ControlPlane) -> ControlPlane:
+    """A control plane of this module's own: on the session's, Nodes that earlier modules made (with no agent on
+    them) could take the server's EMI slots, and they would never be served."""
+    k8s_fixtures.install_crds(own_control_plane)
+    return own_control_plane
+
+
+@pytest.fixture(scope="module")
+def cluster(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory
             ) -> Iterator[dict[str, Any]]:
     folder = tmp_path_factory.mktemp("servers")
     api = control_plane.api_client()
