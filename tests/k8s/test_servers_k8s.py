@@ -83,7 +83,7 @@ def cluster(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactor
                                         "idle": {"hotSec": 1.0, "warmSec": 2.0, "suspendedSec": IDLE_SEC}}))
     py = sys.executable
     snapshots = folder / "snapshots"
-    metrics_port, http_port, grpc_port = free_ports(3)
+    metrics_port, http_port, grpc_port, gateway_metrics_port = free_ports(4)
     daemons = {"operator": Daemon("operator", [py, "-m", "volga_operator", "--liveness", "", "-v"], env, folder)}
     daemons["agent"] = Daemon("agent", [
         py, "-m", "volga_agent.app.daemons", "--kube", "--node", NODE, "--port", "0", "--metrics-port",
@@ -92,8 +92,8 @@ def cluster(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactor
     gateway = str(pathlib.Path(py).with_name("volga-gateway"))  # the console script, as the image runs it
     daemons["gateway"] = Daemon("gateway", [
         gateway, "--kube", "--agent", f"127.0.0.1:{daemons['agent'].port('Agent API')}", "--node", NODE,
-        "--host", "127.0.0.1", "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", "0"],
-        env, folder, "volga-gateway")
+        "--host", "127.0.0.1", "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port",
+        str(gateway_metrics_port)], env, folder, "volga-gateway")
     # Another node's gateway, on the same ports (as a cluster's gateways are), its agent gone: what it serves of the
     # servers it can only have passed on.
     daemons["gateway-b"] = Daemon("gateway-b", [
@@ -102,7 +102,9 @@ def cluster(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactor
     yield {"http": f"http://127.0.0.1:{http_port}", "grpc": f"127.0.0.1:{grpc_port}",
            "http_b": f"http://127.0.0.2:{http_port}", "grpc_b": f"127.0.0.2:{grpc_port}",
            "snapshots": snapshots, "folder": folder,
-           "agent_metrics": f"http://127.0.0.1:{metrics_port}/metrics", "kubeconfig": str(control_plane.kubeconfig)}
+           "agent_metrics": f"http://127.0.0.1:{metrics_port}/metrics",
+           "gateway_metrics": f"http://127.0.0.1:{gateway_metrics_port}/metrics",
+           "kubeconfig": str(control_plane.kubeconfig)}
     codes = {name: d.stop() for name, d in daemons.items()}
     api.close()
     assert all(code == 0 for code in codes.values()), {n: (c, daemons[n].log.read_text()[-3000:])
@@ -236,6 +238,9 @@ def test_oip_grpc_server_frozen_and_woken_by_tritonclient(control_plane: Control
     assert all(np.array_equal(a, b) for a, b in zip(woken, hot, strict=True))
     wakes = series(cluster["agent_metrics"], "volga_activations_total")
     assert wakes.get(f'{{model="{GRPC_MODEL}",tier="FROZEN"}}') == 1.0, wakes
+    counted = {labels: value for labels, value in series(cluster["gateway_metrics"], "volga_gateway_requests_total")
+               .items() if f'model="{GRPC_MODEL}"' in labels and 'protocol="grpc"' in labels}
+    assert counted == {f'{{code="OK",model="{GRPC_MODEL}",protocol="grpc"}}': 2.0}, counted
     # The model's readiness and metadata pass through too (KServe's own answer, not the gateway's).
     client = grpcclient.InferenceServerClient(cluster["grpc"])
     try:

@@ -66,7 +66,8 @@ class Gateway:
                    ("grpc.max_send_message_length", s.max_request_bytes), ("grpc.so_reuseport", int(s.reuse_port))]
         interceptors = [auth.GrpcAuth(s.tokens, grpc_service.OPEN_METHODS)] if s.tokens is not None else None
         self._grpc = grpc.aio.server(options=options, interceptors=interceptors)
-        passes = grpc_proxy.GrpcPass(self.servers, s.max_request_bytes) if self.servers is not None else None
+        passes = (grpc_proxy.GrpcPass(self.servers, s.max_request_bytes, self.dataplane.metrics)
+                  if self.servers is not None else None)
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(grpc_service.Servicer(self.dataplane, passes), self._grpc)
         address = f"{s.host}:{s.grpc_port}"
         if s.tls_cert_file:

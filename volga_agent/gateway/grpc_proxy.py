@@ -11,18 +11,21 @@ named it, and the client's metadata but for the connection's own (authorization,
 built-in models: the caller's deadline bounds the wake and the call (DEADLINE_EXCEEDED), and messages either way
 are bounded by the gateway's request limit (the gateway's server refuses a larger request; a larger answer is
 RESOURCE_EXHAUSTED). Each call opens its own channel to the server and closes it: a connection left open would be
-one more socket in the server's image.
+one more socket in the server's image. Every call passed through is counted in `volga_gateway_requests` (protocol
+grpc, code its status's name) and an OK one's time, wake included, in `volga_gateway_request_latency_ms`, as the HTTP
+path counts its requests.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 import grpc
 
-from volga_agent import errors
+from volga_agent import errors, metrics
 from volga_agent.gateway import links, proxy
 from volga_agent.rpc.inference import grpc_service_pb2_grpc as pb_grpc
 
@@ -35,11 +38,17 @@ def _passed(metadata: Any) -> tuple[tuple[str, str | bytes], ...]:
     return tuple((k, v) for k, v in (metadata or ()) if k.lower() not in _OWN and not k.lower().startswith("grpc-"))
 
 
+class _Refused(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
 class GrpcPass:
     """OIP gRPC calls to the model servers `servers` knows, passed through to the server's own gRPC port."""
 
-    def __init__(self, servers: proxy.Servers, max_message_bytes: int) -> None:
-        self.servers = servers
+    def __init__(self, servers: proxy.Servers, max_message_bytes: int, counts: metrics.GatewayMetrics) -> None:
+        self.servers, self.counts = servers, counts
         self.options = [("grpc.max_send_message_length", max_message_bytes),
                         ("grpc.max_receive_message_length", max_message_bytes)]
 
@@ -49,9 +58,21 @@ class GrpcPass:
     async def call(self, method: str, model: str, request: Any, context: grpc.aio.ServicerContext) -> Any:
         """`method` of GRPCInferenceService on the server of `model`, with `request`; its answer, or the call
         aborted with the server's status (or the wake's)."""
+        start = time.perf_counter()
+        try:
+            answer = await self._answer(method, model, request, context)
+        except _Refused as refused:
+            self.counts.requests.labels(model, "grpc", refused.code.name).inc()
+            await context.abort(refused.code, refused.details)
+            raise AssertionError("unreachable: abort raises") from None
+        self.counts.requests.labels(model, "grpc", "OK").inc()
+        self.counts.latency.labels(model, "grpc").observe((time.perf_counter() - start) * 1e3)
+        return answer
+
+    async def _answer(self, method: str, model: str, request: Any, context: grpc.aio.ServicerContext) -> Any:
         if not self.servers.speaks_grpc(model):
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{model} is a model server without gRPC (its "
-                                "protocol is not oip-grpc): send its requests over HTTP")
+            raise _Refused(grpc.StatusCode.UNIMPLEMENTED, f"{model} is a model server without gRPC (its protocol is "
+                           "not oip-grpc): send its requests over HTTP")
         remaining = context.time_remaining()
         loop = asyncio.get_running_loop()
         deadline = None if remaining is None else loop.time() + remaining
@@ -66,15 +87,14 @@ class GrpcPass:
                 async with self.servers.lease(model, remaining) as lease:
                     return await self._call(lease.grpc_address, method, request, metadata, deadline)
         except grpc.aio.AioRpcError as exc:
-            await context.abort(exc.code(), exc.details() or "")
+            raise _Refused(exc.code(), exc.details() or "") from None
         except TimeoutError:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                f"{model}: no answer within the call's deadline (waking and answering)")
+            raise _Refused(grpc.StatusCode.DEADLINE_EXCEEDED,
+                           f"{model}: no answer within the call's deadline (waking and answering)") from None
         except errors.UnknownModel as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+            raise _Refused(grpc.StatusCode.NOT_FOUND, str(exc)) from None
         except errors.ActivationFailed as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        raise AssertionError("unreachable: abort raises")
+            raise _Refused(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
 
     async def _call(self, address: str, method: str, request: Any, metadata: tuple[tuple[str, str | bytes], ...],
                     deadline: float | None) -> Any:
