@@ -125,7 +125,7 @@ def _bench_server_gpu(args: argparse.Namespace) -> int:
     except ImportError as exc:
         return _no_bench("bench server --gpu", exc)
     report = llmserver.bench(args.n, args.cold, [h for h in args.hooks.split(",") if h], args.cache_tokens,
-                             args.models, _progress(args.json))
+                             args.models, _progress(args.json), args.load_threads)
 
     def line(r: dict[str, Any]) -> str:
         ttft = r["time_to_first_token_ms"]
@@ -379,6 +379,8 @@ def add_bench(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--cold", type=int, default=3, help="with --gpu: cold starts")
     p.add_argument("--hooks", default="", help="with --gpu: comma-separated: none, level1, level2 (default: all)")
     p.add_argument("--cache-tokens", type=int, default=32768, help="with --gpu: the KV cache's length in tokens")
+    p.add_argument("--load-threads", type=int, default=0,
+                   help="with --gpu: the threads the server brings its weights in with (default: its own choice)")
     p.add_argument("--models", help="with --gpu: where the model is written (default: the temporary folder)")
     _report_args(p)
     p.set_defaults(func=cmd_bench_server)

@@ -9,15 +9,18 @@ way of sleeping:
     none      no hooks: the driver's checkpoint carries the weights and the whole KV cache into host memory, and
               CRIU's image carries them too
     level1    `POST /sleep?level=1` before, `POST /wake_up` after (vLLM's sleep mode): the KV cache released and
-              the weights offloaded to pinned host memory before the checkpoint, copied back at wake-up
+              the weights copied to host memory before the checkpoint, copied back at wake-up
     level2    `POST /sleep?level=2`: the KV cache and the weights released (read again from the model's file,
               in the page cache, at wake-up)
 
-FROZEN wakes restore eagerly (`LAZY` says why).
+FROZEN wakes restore eagerly (`LAZY` says why). The canary is a one-token completion: it is on every wake's path.
 
 Each request streams `max_tokens` tokens; the time to first token is from the request sent to the first event
 received, the answer every event. `identical` says every answer of the run equals the first cold start's. Image
-sizes are CRIU's image folder; the SUSPENDED host memory is the tree's resident memory while suspended.
+sizes are CRIU's image folder; the SUSPENDED host memory is the tree's resident memory while suspended, and
+`memory_gib` sorts the server's memory that a CRIU image carries (private anonymous and written pages) by where it
+lies, once HOT and once SUSPENDED. `server_phases_ms` are the server's own timings of its wake-up (`GET /stats`:
+the weights back, the KV cache allocated).
 """
 
 from __future__ import annotations
@@ -52,15 +55,16 @@ HOOKS = {"none": {}, "level1": {"beforeCheckpoint": [{"method": "POST", "path": 
 # context in through userfaultfd and took 3.5x longer than an eager restore (level2: 17.3 s against 2.5 s, p50).
 LAZY = {"none": False, "level1": False, "level2": False}
 PROMPT = {"prompt": "The tiers of a model instance are", "max_tokens": 32, "stream": True}
-CANARY = {"prompt": "canary", "max_tokens": 4}
+CANARY = {"prompt": "canary", "max_tokens": 1}
 
 
-def spec(model_dir: pathlib.Path, cache_tokens: int, hooks: str) -> api.ModelSpecSpec:
+def spec(model_dir: pathlib.Path, cache_tokens: int, hooks: str, load_threads: int = 0) -> api.ModelSpecSpec:
     return api.ModelSpecSpec.model_validate({
         "modelId": "llm", "framework": "server", "source": str(model_dir),
         "server": {"command": [sys.executable, "-m", "uvicorn", "volga_bench.servers.llm_app:app", "--port",
                                "{port}", "--loop", "asyncio", "--no-access-log"],
                    "env": {"LLM_MODEL_DIR": str(model_dir), "LLM_CACHE_TOKENS": str(cache_tokens),
+                           **({"LLM_LOAD_THREADS": str(load_threads)} if load_threads else {}),
                            "PYTHONPATH": os.pathsep.join(filter(None, [
                                str(pathlib.Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH")]))},
                    "workingDir": str(model_dir), "protocol": "http", "pathPrefix": "/v1",
@@ -101,6 +105,40 @@ def _rss(pid: int | None) -> int:
     return total
 
 
+def _memory(pid: int | None) -> dict[str, float]:
+    """The tree's memory a CRIU image carries (the `Anonymous` pages of each mapping: private anonymous memory and
+    written private file pages), in GiB, by where it lies: the C heap, unnamed mappings, the NVIDIA device files'
+    mappings, shared objects, other files; and the largest unnamed mapping."""
+    kinds: dict[str, float] = {}
+    largest = 0
+    for member in process.tree(pid) if pid is not None else []:
+        try:
+            text = pathlib.Path(f"/proc/{member}/smaps").read_text()
+        except OSError:
+            continue
+        kind = "unnamed"
+        for line in text.splitlines():
+            fields = line.split()
+            if fields and "-" in fields[0] and len(fields) >= 5 and not fields[0].endswith(":"):
+                path = fields[5] if len(fields) > 5 else ""
+                kind = ("unnamed" if not path else "heap" if path == "[heap]" else "stack" if path == "[stack]"
+                        else "nvidia" if "nvidia" in path else "shared objects" if ".so" in path
+                        else "other" if path.startswith("[") else "files")
+            elif fields and fields[0] == "Anonymous:":
+                size = int(fields[1]) * 1024
+                kinds[kind] = kinds.get(kind, 0) + size
+                if kind == "unnamed":
+                    largest = max(largest, size)
+    return {**{k: round(v / 2**30, 3) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+            "total": round(sum(kinds.values()) / 2**30, 3), "largest unnamed": round(largest / 2**30, 3)}
+
+
+def _server_stats(instance: server.ServerInstance) -> dict[str, float]:
+    """The server's own timings of its last sleep and wake-up (`GET /stats`), off the timed path."""
+    answer = instance.call("GET", "/stats")
+    return json.loads(answer.body) if answer.status == 200 else {}
+
+
 def _stats(values: list[float]) -> dict[str, Any]:
     ordered = sorted(values)
     return {"p50": round(statistics.median(ordered), 1),
@@ -109,9 +147,10 @@ def _stats(values: list[float]) -> dict[str, Any]:
 
 
 async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, cold: int, engine: criu.CriuEngine,
-               driver: cuda.DriverCheckpoint, work: pathlib.Path, progress: Callable[[str], None]) -> dict[str, Any]:
-    instance = server.ServerInstance(spec(model_dir, cache_tokens, hooks), work / hooks, engine, driver=driver,
-                                     lazy_restore=LAZY[hooks])
+               driver: cuda.DriverCheckpoint, work: pathlib.Path, progress: Callable[[str], None],
+               load_threads: int = 0) -> dict[str, Any]:
+    instance = server.ServerInstance(spec(model_dir, cache_tokens, hooks, load_threads), work / hooks, engine,
+                                     driver=driver, lazy_restore=LAZY[hooks])
     fleet = server.Fleet([instance])
     runner = web.AppRunner(proxy.app(fleet))
     await runner.setup()
@@ -122,6 +161,13 @@ async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, c
     images: list[int] = []
     suspended_rss: list[int] = []
     moves: dict[str, list[float]] = {"suspend": [], "freeze": []}
+    server_phases: dict[str, dict[str, list[float]]] = {"SUSPENDED": {}, "FROZEN": {}}
+    memory: dict[str, dict[str, float]] = {}
+
+    def phases_of(tier: str) -> None:
+        if hooks != "none":
+            for key, value in _server_stats(instance).items():
+                server_phases[tier].setdefault(key, []).append(value)
     try:
         for i in range(cold):
             await asyncio.to_thread(instance.close)
@@ -131,14 +177,18 @@ async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, c
             progress(f"llm ({hooks}): cold start {i + 1}/{cold}: first token {first:.0f} ms, answer {whole:.0f} ms")
         if not cold:  # started once, untimed: the cold starts belong to another way of sleeping in this run
             answers.append((await _ask(url))[2])
+        memory["HOT"] = _memory(instance.pid)
         for i in range(n):
             began = time.perf_counter()
             await asyncio.to_thread(instance.suspend)
             moves["suspend"].append((time.perf_counter() - began) * 1000)
             suspended_rss.append(_rss(instance.pid))
+            if not i:
+                memory["SUSPENDED"] = _memory(instance.pid)
             first, whole, answer = await _ask(url)
             ttft["suspended"].append(first)
             answers.append(answer)
+            phases_of("SUSPENDED")
             progress(f"llm ({hooks}): SUSPENDED wake {i + 1}/{n}: first token {first:.0f} ms")
         for i in range(n):
             began = time.perf_counter()
@@ -148,6 +198,7 @@ async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, c
             first, whole, answer = await _ask(url)
             ttft["frozen"].append(first)
             answers.append(answer)
+            phases_of("FROZEN")
             progress(f"llm ({hooks}): FROZEN wake {i + 1}/{n}: first token {first:.0f} ms, image "
                      f"{images[-1] / 2**30:.2f} GiB")
         wakes = [t for t in instance.transitions if t.target is api.Tier.HOT and t.source is not api.Tier.COLD]
@@ -162,11 +213,15 @@ async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, c
     cold_p50 = statistics.median(ttft["cold"]) if ttft["cold"] else None
     frozen_p50 = statistics.median(ttft["frozen"])
     return {"server": "llm-1b", "hooks": hooks, "lazy_restore": LAZY[hooks], "cache_tokens": cache_tokens,
+            "load_threads": load_threads or None,
             "cold_start_ms": round(cold_p50, 1) if cold_p50 else None,
             "frozen_wake_ms": round(frozen_p50, 1), "suspended_wake_ms": round(statistics.median(ttft["suspended"]), 1),
             "frozen_speedup": round(cold_p50 / frozen_p50, 1) if cold_p50 else None,
             "time_to_first_token_ms": {k: _stats(v) for k, v in ttft.items() if v},
-            "wake_phases_ms": phases, "suspend_ms": _stats(moves["suspend"]), "freeze_ms": _stats(moves["freeze"]),
+            "wake_phases_ms": phases,
+            "server_phases_ms": {tier: {k: _stats(v) for k, v in got.items()} for tier, got in server_phases.items()
+                                 if got},
+            "suspend_ms": _stats(moves["suspend"]), "freeze_ms": _stats(moves["freeze"]), "memory_gib": memory,
             "image_bytes": int(statistics.median(images)),
             "suspended_host_bytes": int(statistics.median(suspended_rss)),
             "identical": fallbacks == 0 and all(a == answers[0] for a in answers), "restore_fallbacks": fallbacks,
@@ -174,7 +229,8 @@ async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, c
 
 
 def bench(n: int = 10, cold: int = 3, hooks: list[str] | None = None, cache_tokens: int = 32768,
-          models: str | None = None, progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+          models: str | None = None, progress: Callable[[str], None] = lambda _: None,
+          load_threads: int = 0) -> dict[str, Any]:
     """Every way of sleeping in `hooks` (default: all), one after another on one GPU; the cold starts with the
     first only (the hooks play no part in a cold start)."""
     from volga_bench.servers import llm_model  # torch and transformers: the GPU machine's
@@ -193,7 +249,7 @@ def bench(n: int = 10, cold: int = 3, hooks: list[str] | None = None, cache_toke
     try:
         engine = criu.CriuEngine(engine_root / "criu", criu=criu.find_criu())
         results = [asyncio.run(_one(h, model_dir, cache_tokens, n, cold if i == 0 else 0, engine, driver, work,
-                                    progress)) for i, h in enumerate(hooks)]
+                                    progress, load_threads)) for i, h in enumerate(hooks)]
         cold_ms = results[0]["cold_start_ms"]
         for r in results[1:]:
             r["frozen_speedup"] = round(cold_ms / r["frozen_wake_ms"], 1) if cold_ms else None

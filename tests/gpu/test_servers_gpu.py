@@ -66,3 +66,48 @@ def test_llm_server_through_the_gpu_ladder(model_dir: pathlib.Path, engine: criu
         assert not s.gpu_pids and not s.slept
     finally:
         s.close()
+
+
+def test_volga_up_wakes_the_llm_server_from_its_suspended_floor(model_dir: pathlib.Path,
+                                                                 tmp_path: pathlib.Path) -> None:
+    """`volga up` runs a server ModelSpec on the GPU as a cluster node's agent does (the server pool, the node's
+    driver): brought to its SUSPENDED floor (`pool: {suspended: 1, frozen: 0}`), woken by a request through the
+    gateway with its answer streamed, HOT answering the same, and back at its floor once idle, woken again alike."""
+    import subprocess
+    import sys
+    import urllib.request
+
+    import yaml
+    from procs import series, wait_for
+
+    from volga_bench import harness
+
+    wire = llmserver.spec(model_dir, 2048, "level2").to_wire()
+    wire["pool"] = {"suspended": 1, "frozen": 0}
+    doc = {"apiVersion": api.API_VERSION, "kind": "ModelSpec", "metadata": {"name": "llm"}, "spec": wire}
+    (tmp_path / "llm.yaml").write_text(yaml.safe_dump(doc))
+    body = json.dumps({**json.loads(BODY), "stream": True}).encode()
+
+    def tiers(up: harness.UpProcess) -> list[str]:
+        out = subprocess.run([sys.executable, "-m", "volga_agent.cli", "status", "--agent", up.endpoints["agent"],
+                              "--json"], capture_output=True, text=True, timeout=60, check=True)
+        return [i["tier"] for m in json.loads(out.stdout)["models"] if m["modelId"] == "llm"
+                for i in m["instanceList"]]
+
+    def ask(up: harness.UpProcess) -> bytes:
+        request = urllib.request.Request(up.endpoints["http"] + "/v1/completions", data=body, method="POST",
+                                         headers={"x-model-id": "llm", "Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=300) as r:
+            assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+            return r.read()
+
+    with harness.volga_up(["-f", str(tmp_path / "llm.yaml"), "--model-root", str(model_dir), "--idle-sec", "3"],
+                          timeout=600) as up:
+        wait_for("the server at its SUSPENDED floor", lambda: tiers(up) == ["SUSPENDED"], timeout=600, every=1)
+        woken = ask(up)
+        assert woken.count(b"data: ") == 9 and woken == ask(up)  # 8 tokens and [DONE]; HOT answers the same
+        wait_for("the idle server back at its floor", lambda: tiers(up) == ["SUSPENDED"], timeout=120, every=1)
+        assert ask(up) == woken
+        wakes = series(up.endpoints["metrics"], "volga_activations_total")
+        assert wakes.get('{model="llm",tier="SUSPENDED"}') == 2.0, wakes
+        assert not series(up.endpoints["metrics"], "volga_snapshot_restore_failures_total"), "a wake fell back"
