@@ -188,7 +188,7 @@ async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, c
             first, whole, answer = await _ask(url)
             ttft["suspended"].append(first)
             answers.append(answer)
-            phases_of("SUSPENDED")
+            await asyncio.to_thread(phases_of, "SUSPENDED")
             progress(f"llm ({hooks}): SUSPENDED wake {i + 1}/{n}: first token {first:.0f} ms")
         for i in range(n):
             began = time.perf_counter()
@@ -198,7 +198,7 @@ async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, c
             first, whole, answer = await _ask(url)
             ttft["frozen"].append(first)
             answers.append(answer)
-            phases_of("FROZEN")
+            await asyncio.to_thread(phases_of, "FROZEN")
             progress(f"llm ({hooks}): FROZEN wake {i + 1}/{n}: first token {first:.0f} ms, image "
                      f"{images[-1] / 2**30:.2f} GiB")
         wakes = [t for t in instance.transitions if t.target is api.Tier.HOT and t.source is not api.Tier.COLD]
