@@ -10,7 +10,9 @@ scripts/build-k8s-bins.sh.
 from __future__ import annotations
 
 import contextlib
+import json
 import pathlib
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -64,11 +66,19 @@ def kube_client(control_plane: ControlPlane) -> Iterator[k8s_client.ApiClient]:
         api.close()  # type: ignore[no-untyped-call]
 
 
-def install_crds(cp: ControlPlane) -> None:
-    """Volga's CRDs (crds/), applied to a control plane and Established."""
+def install_crds(cp: ControlPlane, within_sec: float = 120.0) -> None:
+    """Volga's CRDs (crds/), applied to a control plane and Established: their conditions are read until they say
+    so, and a CRD that does not get there within `within_sec` fails naming the conditions it has."""
     cp.kubectl("apply", "-f", str(pathlib.Path(__file__).resolve().parent.parent / "crds"))
-    cp.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/modelspecs.volga.dev",
-               "crd/executablemodelinstances.volga.dev")
+    deadline = time.monotonic() + within_sec
+    for name in ("modelspecs.volga.dev", "executablemodelinstances.volga.dev"):
+        while True:
+            crd = json.loads(cp.kubectl("get", f"crd/{name}", "-o", "json").stdout)
+            conditions = {c["type"]: c["status"] for c in crd.get("status", {}).get("conditions", [])}
+            if conditions.get("Established") == "True":
+                break
+            assert time.monotonic() < deadline, f"crd/{name} not Established within {within_sec:.0f} s: {conditions}"
+            time.sleep(0.5)
 
 
 @pytest.fixture(scope="session")

