@@ -15,6 +15,7 @@ import pathlib
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from kubernetes import client as k8s_client
@@ -54,6 +55,19 @@ def own_control_plane() -> Iterator[ControlPlane]:
     resourceVersions hold only that module's writes."""
     with _started() as cp:
         yield cp
+
+
+def control_plane_of_its_own() -> Any:
+    """A module's `control_plane` fixture on a control plane of the module's own, Volga's CRDs installed; a module
+    takes it with `control_plane = k8s_fixtures.control_plane_of_its_own()` where the session's would not do (there,
+    Nodes that earlier modules made with no agent on them can take its EMIs' slots, which are then never served)."""
+
+    @pytest.fixture(scope="module", name="control_plane")
+    def plane(own_control_plane: ControlPlane) -> ControlPlane:
+        install_crds(own_control_plane)
+        return own_control_plane
+
+    return plane
 
 
 @pytest.fixture

@@ -34,12 +34,7 @@ pytestmark = pytest.mark.slow
 NODES = ("node-a", "node-b")
 
 
-@pytest.fixture(scope="module")
-def control_plane(own_control_plane: ControlPlane) -> ControlPlane:
-    """A control plane of this module's own: on the session's, Nodes that earlier modules made (with no agent on
-    them) could take the model's EMIs slots, and they would never be served."""
-    k8s_fixtures.install_crds(own_control_plane)
-    return own_control_plane
+control_plane = k8s_fixtures.control_plane_of_its_own()  # the model's EMIs must land on this module's Nodes
 
 
 @pytest.fixture(scope="module")

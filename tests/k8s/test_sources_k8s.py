@@ -55,12 +55,7 @@ def reference(seed: int = 5) -> np.ndarray:
     return session.run(["probability"], contract.sample_inputs(instance.decls(spec.inputs), batch=4, seed=seed))[0]
 
 
-@pytest.fixture(scope="module")
-def control_plane(own_control_plane: ControlPlane) -> ControlPlane:
-    """A control plane of this module's own: on the session's, Nodes that earlier modules made (with no agent on
-    them) would take the ModelSpec's slot, and the EMI would never be fetched for."""
-    k8s_fixtures.install_crds(own_control_plane)
-    return own_control_plane
+control_plane = k8s_fixtures.control_plane_of_its_own()  # the ModelSpec's EMI must land on this module's Nodes
 
 
 @pytest.fixture(scope="module")
