@@ -164,7 +164,10 @@ def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pa
                 if gpu_index is not None and tier != Tier.HOT:
                     last = inst.client().call("stats").header.get("last_wake") or {}
                     for key, name in (("copy_ms", "worker_copy_ms"), ("graphs_ms", "worker_graphs_ms"),
-                                      ("staging_alloc_ms", "staging_alloc_ms"), ("map_ms", "worker_map_ms")):
+                                      ("staging_alloc_ms", "staging_alloc_ms"), ("map_ms", "worker_map_ms"),
+                                      ("staging_read_ms_per_thread", "staging_read_ms"),
+                                      ("staging_wait_ms_per_thread", "staging_wait_ms"),
+                                      ("staging_queue_ms_per_thread", "staging_queue_ms")):
                         if key in last:
                             run.phases.setdefault(name, []).append(float(last[key]))
                     run.copy_path = str(last.get("copy", ""))
@@ -198,7 +201,8 @@ def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pa
 def copy_config(config: contract.WorkerConfig, spec: str) -> contract.WorkerConfig:
     """A worker's config with the weight copy `spec` names: "auto", "staged" or "pinned" (`WorkerConfig.wake_copy`),
     optionally followed by staging knobs: "staged-premap", "staged-chunk16", "staged-threads8", "auto-overlap"
-    (graphs captured while the copies run)."""
+    (graphs captured while the copies run), "auto-torch" or "auto-driver" (how the copies are queued),
+    "auto-fresh" or "auto-kept" (staging buffers pinned for each copy or kept between them)."""
     name, *knobs = spec.split("-")
     changes: dict[str, Any] = {"wake_copy": name}
     for knob in knobs:
@@ -210,6 +214,10 @@ def copy_config(config: contract.WorkerConfig, spec: str) -> contract.WorkerConf
             changes["staging_chunk_mib"] = int(knob.removeprefix("chunk"))
         elif knob.startswith("threads"):
             changes["staging_threads"] = int(knob.removeprefix("threads"))
+        elif knob in ("driver", "torch"):
+            changes["staging_engine"] = knob
+        elif knob in ("kept", "fresh"):
+            changes["staging_keep_buffers"] = knob == "kept"
         else:
             raise ValueError(f"unknown weight copy knob {knob!r} in {spec!r}")
     return dataclasses.replace(config, **changes)
@@ -306,7 +314,8 @@ def build_torch_mlp(path: pathlib.Path, weights_gib: float, width: int = 4096, s
 
 # A wake's phases as the tables show them (p50 ms), beside the floors they are held to.
 TABLE_PHASES = (("criu", "criu_restore_ms"), ("driver", "driver_resume_ms"), ("wake", "worker_wake_ms"),
-                ("copy", "worker_copy_ms"), ("graphs", "worker_graphs_ms"))
+                ("copy", "worker_copy_ms"), ("graphs", "worker_graphs_ms"), ("pin", "staging_alloc_ms"),
+                ("read", "staging_read_ms"), ("wait", "staging_wait_ms"), ("queue", "staging_queue_ms"))
 
 
 def format_table(report: dict[str, Any]) -> str:

@@ -461,7 +461,7 @@ def test_a_suspended_worker_hands_the_driver_little_more_than_its_context(
     assert rss[True] - rss[False] > 64 * 2**20, rss
 
 
-@pytest.mark.parametrize("wake_copy", ["staged", "pinned", "auto", "auto-overlap"])
+@pytest.mark.parametrize("wake_copy", ["staged", "pinned", "auto", "auto-overlap", "auto-torch", "staged-fresh"])
 def test_every_wake_copy_brings_the_weights_back_bit_for_bit(mlp_spec: api.ModelSpecSpec, rundir: pathlib.Path,
                                                              criu_engine: criu.CriuEngine, wake_copy: str) -> None:
     """Each way of copying weights back on a wake (`WorkerConfig.wake_copy`) answers as HOT did after SUSPENDED,

@@ -1,5 +1,6 @@
-"""worker.staging's threads, pieces and readers, with numpy standing in for torch and the GPU (the copies to a
-device are measured by bench/copy_paths.py and tests/gpu on a GPU machine)."""
+"""worker.staging's threads, pieces, readers and kept buffers, with numpy standing in for torch and the GPU through
+the torch engine (the driver engine and the copies to a device are measured by bench/stage_rate.py and tested by
+tests/gpu on a GPU machine)."""
 
 from __future__ import annotations
 
@@ -92,7 +93,7 @@ def test_file_copy_is_exact_with_uneven_pieces_and_ranges(tmp_path: pathlib.Path
     fd = os.open(path, os.O_RDONLY)
     try:
         info = staging.copy(FakeTorch, target, staging.file_reader(fd), nbytes, threads=threads, chunk=2**20,
-                            ready=iter(ready))
+                            ready=iter(ready), engine="torch")
     finally:
         os.close(fd)
     assert np.array_equal(target.array[:nbytes], source)
@@ -107,7 +108,7 @@ def test_memory_copy_with_shared_buffers() -> None:
     buffers = staging.Buffers(FakeTorch, 4, 2**20)
     try:
         staging.copy(FakeTorch, target, staging.memory_reader(int(source.ctypes.data)), nbytes, buffers=buffers,
-                     threads=16)
+                     threads=16, engine="torch")
     finally:
         buffers.close()
     assert np.array_equal(target.array, source)
@@ -120,7 +121,8 @@ def test_a_short_parked_file_fails_the_copy(tmp_path: pathlib.Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         with pytest.raises(staging.StagingError, match="ends early"):
-            staging.copy(FakeTorch, target, staging.file_reader(fd), 4 * 2**20, threads=4, chunk=2**20)
+            staging.copy(FakeTorch, target, staging.file_reader(fd), 4 * 2**20, threads=4, chunk=2**20,
+                         engine="torch")
     finally:
         os.close(fd)
 
@@ -128,3 +130,28 @@ def test_a_short_parked_file_fails_the_copy(tmp_path: pathlib.Path) -> None:
 def test_threads_follow_the_cpus_the_worker_may_use() -> None:
     assert 1 <= staging.threads_for(64) <= len(os.sched_getaffinity(0))
     assert staging.threads_for(1) == 1
+
+
+def test_kept_buffers_are_pinned_once_and_reused_until_closed() -> None:
+    nbytes = 6 * 2**20 + 99
+    source = _source(nbytes)
+    read = staging.memory_reader(int(source.ctypes.data))
+    kept = staging.Kept()
+    FakeCuda.registered.clear()
+    for _ in range(2):
+        target = FakeTensor(np.zeros(nbytes, dtype=np.uint8))
+        info = staging.copy(FakeTorch, target, read, nbytes, threads=3, chunk=2**20, engine="torch", kept=kept)
+        assert np.array_equal(target.array, source)
+    assert FakeCuda.registered == [2 * 2**20] * 3  # the second copy pinned nothing
+    assert info["staging_alloc_s"] == 0 and kept.nbytes == 6 * 2**20
+    staging.copy(FakeTorch, FakeTensor(np.zeros(nbytes, dtype=np.uint8)), read, nbytes, threads=3, chunk=2**19,
+                 engine="torch", kept=kept)  # another chunk size: the kept ones go, new ones are kept
+    assert kept.chunk == 2**19 and kept.nbytes == 3 * 2**20
+    kept.close()
+    assert kept.nbytes == 0 and not kept.sets
+
+
+def test_an_unknown_engine_is_refused() -> None:
+    target = FakeTensor(np.zeros(16, dtype=np.uint8))
+    with pytest.raises(staging.StagingError, match="unknown staging engine 'cupy'"):
+        staging.copy(FakeTorch, target, staging.memory_reader(0), 16, engine="cupy")

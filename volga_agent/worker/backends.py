@@ -163,6 +163,8 @@ class TorchBackend(Backend):
         self._host_buffer: Any = None
         self._host_registered = False  # the host copy is pinned (registered with CUDA) now
         self._parked_path = ""  # the parked file `park` wrote, which a staged `unpark` reads
+        # Staging buffers kept pinned between staged copies (`staging_keep_buffers`), freed before a CRIU dump.
+        self._kept = staging.Kept()
         self.last_wake: dict[str, Any] = {}  # how the last weights copy to the GPU went (`stats`)
         self.offloaded = False
         self._parked: mmap.mmap | None = None  # the file mapping the weights are parked in, until unpark()
@@ -317,7 +319,9 @@ class TorchBackend(Backend):
 
         def fill() -> dict[str, float]:
             return staging.copy(torch, self.arena, read, self.nbytes, threads=threads,
-                                chunk=self.config.staging_chunk_mib * 2**20, ready=ready)
+                                chunk=self.config.staging_chunk_mib * 2**20, ready=ready,
+                                engine=self.config.staging_engine,
+                                kept=self._kept if self.config.staging_keep_buffers else None)
 
         graphs: dict[str, Any] = {}
         if overlap:
@@ -335,15 +339,23 @@ class TorchBackend(Backend):
         self.last_wake = {"copy": f"staged:{source}", "threads": threads, "bytes": self.nbytes,
                           "copy_ms": round((time.perf_counter() - start) * 1e3, 2),
                           "map_ms": round((mapped - start) * 1e3, 2),
-                          "staging_alloc_ms": round(info["staging_alloc_s"] * 1e3, 2)}
+                          "staging_alloc_ms": round(info["staging_alloc_s"] * 1e3, 2),
+                          "engine": self.config.staging_engine,
+                          **{f"staging_{k[:-2]}_ms_per_thread": round(info[k] * 1e3 / threads, 2)
+                             for k in ("read_s", "wait_s", "queue_s")}}
         if "graphs_ms" in graphs:
             self.last_wake["graphs_overlapped_ms"] = graphs["graphs_ms"]
 
     def drop_host_copy(self) -> None:
-        """Free the host copy (before a CRIU dump, whose image would otherwise carry the weights twice)."""
-        if self.host is None or self.offloaded:
+        """Free the host copy (before a CRIU dump, whose image would otherwise carry the weights twice) and the
+        kept staging buffers (pinned memory held at a dump made the driver's lazy restore fail). Offloaded (WARM,
+        or asleep with the driver holding the context, where no CUDA call may be made) both stay, and the image
+        is restored eagerly (`sleep` counts them in `pinned_bytes`)."""
+        if self.offloaded:
             return
-        self._unregister_host()
+        self._kept.close()
+        if self.host is not None:
+            self._unregister_host()
 
     def offload(self) -> dict[str, Any]:
         if self.offloaded:
@@ -378,6 +390,7 @@ class TorchBackend(Backend):
         if self.device.type != "cuda" or self._parked is not None:
             return False
         torch = self.torch
+        self._kept.close()
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         self._parked_path = path
         try:
@@ -444,12 +457,20 @@ class TorchBackend(Backend):
                 self._slept_offloaded = True
             except protocol.WorkerError as exc:  # no pinned memory to be had: the driver's copy takes them
                 print(f"sleep: weights stay on the GPU for the driver's checkpoint: {exc.message}", file=sys.stderr)
-        if self._staged:
+        if not self._staged:
+            self._kept.close()  # this wake copies from the pinned host copy: they would only be pinned again
+        else:
             self._unpin_host()
+            if self.config.staging_keep_buffers and not self._kept.sets:
+                # Pinned now rather than on the wake's path; the driver's restore pins them again (a few ms).
+                chunk = self.config.staging_chunk_mib * 2**20
+                self._kept.chunk = chunk
+                for index in range(staging.threads_for(self.config.staging_threads)):
+                    self._kept.sets[index] = staging.Buffers(self.torch, staging.DEPTH, chunk)
         if not self.config.graphs_in_images:
             self._release_graphs()
         self._empty_caches()
-        out["pinned_bytes"] = self.nbytes if self._host_registered else 0
+        out["pinned_bytes"] = (self.nbytes if self._host_registered else 0) + self._kept.nbytes
         return out
 
     def awake(self) -> None:

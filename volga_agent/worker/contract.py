@@ -169,14 +169,22 @@ class WorkerConfig:
     # host copy unpinned before the driver's checkpoint (whose restore would otherwise pin it again). "pinned": the
     # host copy kept pinned across the driver's checkpoint, a parked file pinned in place chunk by chunk
     # (`worker.pinning`). "auto": parked files staged; a SUSPENDED host copy staged from `staging_min_mib` of
-    # weights, pinned below (on an H200 SUSPENDED wakes were 282 pinned vs 363 ms staged at 2 GiB, 629 vs 518 ms at
-    # 8 GiB; FROZEN lazy 465 vs 446 and 971 vs 617 ms, run 2 of bench/results/tiers/wake-copy-h200.md).
-    # `volga bench tiers --gpu --wake-copy pinned,auto` compares them in one run.
+    # weights, pinned below (on an H200, SUSPENDED at 2 GiB 271 / 301 ms p50 / p99 staged against 314 / 373
+    # pinned; run 4 of bench/results/tiers/wake-copy-h200.md). `volga bench tiers --gpu --wake-copy pinned,auto`
+    # compares them in one run.
     wake_copy: str = "auto"
-    staging_min_mib: int = 4096
-    # The staged copy's threads (fewer where the worker may run on fewer CPUs), and each one's two buffers' size.
-    staging_threads: int = 16
-    staging_chunk_mib: int = 8
+    staging_min_mib: int = 1024
+    # The staged copy's threads (fewer where the worker may run on fewer CPUs), and each one's two buffers' size:
+    # on an H200 12 threads of 4 MiB buffers reached 44-50 GB/s from memory and from a tmpfs file, 8 or 16 MiB
+    # 24-38 (bench/stage_rate.py, docs/measurements.md "Staged copies").
+    staging_threads: int = 12
+    staging_chunk_mib: int = 4
+    # How each staged piece's copy is queued: "driver" (the driver's calls straight through ctypes,
+    # `staging.Driver`) or "torch" (its copy_ and events, several round trips through the GIL a piece).
+    staging_engine: str = "driver"
+    # Keep the staging buffers pinned from one staged copy to the next (pinned again by each driver restore:
+    # a few ms for 96 MiB), freed before a CRIU dump; pinning them afresh costs about 1 ms per 4 MiB on the wake.
+    staging_keep_buffers: bool = True
     # Map the whole weight arena (VMM) before the staged copies start, instead of chunk by chunk as they go.
     staging_premap: bool = False
     # Capture the released CUDA graphs while the staged copies run (the arena mapped first; graphs replay only

@@ -30,8 +30,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-CHUNK_BYTES = 8 * 2**20
-THREADS = 16
+CHUNK_BYTES = 4 * 2**20
+THREADS = 12
 DEPTH = 2
 MADV_HUGEPAGE = 14
 MADV_POPULATE_WRITE = 23  # Linux 5.14
@@ -82,6 +82,26 @@ class Buffers:
             self.map.close()
 
 
+class Kept:
+    """Staging buffers kept from one staged copy to the next: each thread of the first copy pins its own and
+    leaves them here instead of freeing them. Pinning fresh buffers costs about 1 ms per 4 MiB on an H200
+    (bench/stage_rate.py), on the wake's path; pinned memory held at the driver's checkpoint costs its restore
+    little at this size, but must be gone before a CRIU dump (`close`)."""
+
+    def __init__(self) -> None:
+        self.sets: dict[int, Buffers] = {}
+        self.chunk = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.sets.values())
+
+    def close(self) -> None:
+        for buffers in self.sets.values():
+            buffers.close()
+        self.sets.clear()
+
+
 # A reader fills `buffer` (a memoryview) with `size` bytes of the source at `offset`.
 Reader = Callable[[memoryview, int, int, int], None]
 
@@ -114,38 +134,127 @@ def threads_for(limit: int = THREADS) -> int:
     return max(1, min(limit, cpus))
 
 
+class Driver:
+    """The CUDA driver calls a staged copy makes for each piece, through ctypes. The calls that return at once
+    (queueing a copy, recording an event) keep the GIL: with 16 threads wanting it, letting it go and taking it
+    back costs more than the call itself; the call that waits (an event's synchronize) lets it go. Torch's own
+    copy makes several Python-level calls per piece, each a round trip through the GIL."""
+
+    CU_STREAM_NON_BLOCKING = 1
+    CU_EVENT_DISABLE_TIMING = 2
+
+    def __init__(self, library: str = "libcuda.so.1") -> None:
+        waits = ctypes.CDLL(library)  # lets go of the GIL around each call
+        quick = ctypes.PyDLL(library)  # keeps it
+        handle = ctypes.c_void_p
+        for lib in (waits, quick):
+            for name, args in (("cuCtxGetCurrent", (ctypes.POINTER(handle),)), ("cuCtxSetCurrent", (handle,)),
+                               ("cuStreamCreate", (ctypes.POINTER(handle), ctypes.c_uint)),
+                               ("cuStreamDestroy_v2", (handle,)), ("cuStreamSynchronize", (handle,)),
+                               ("cuEventCreate", (ctypes.POINTER(handle), ctypes.c_uint)),
+                               ("cuEventDestroy_v2", (handle,)), ("cuEventRecord", (handle, handle)),
+                               ("cuEventSynchronize", (handle,)),
+                               ("cuMemcpyHtoDAsync_v2", (ctypes.c_uint64, handle, ctypes.c_size_t, handle))):
+                function = getattr(lib, name)
+                function.argtypes, function.restype = args, ctypes.c_int
+        self.waits, self.quick = waits, quick
+
+    def check(self, call: str, code: int) -> None:
+        if code != 0:
+            raise StagingError(f"{call} failed (CUresult {code})")
+
+    def current(self) -> int:
+        context = ctypes.c_void_p()
+        self.check("cuCtxGetCurrent", self.quick.cuCtxGetCurrent(ctypes.byref(context)))
+        if not context.value:
+            raise StagingError("no current CUDA context in the thread that starts a staged copy")
+        return context.value
+
+    def handles(self, context: int, depth: int) -> tuple[int, list[int]]:
+        """Make `context` current in this thread; a stream of its own and `depth` events."""
+        self.check("cuCtxSetCurrent", self.quick.cuCtxSetCurrent(context))
+        stream = ctypes.c_void_p()
+        self.check("cuStreamCreate", self.quick.cuStreamCreate(ctypes.byref(stream), self.CU_STREAM_NON_BLOCKING))
+        events = []
+        for _ in range(depth):
+            event = ctypes.c_void_p()
+            self.check("cuEventCreate", self.quick.cuEventCreate(ctypes.byref(event), self.CU_EVENT_DISABLE_TIMING))
+            events.append(int(event.value or 0))
+        return int(stream.value or 0), events
+
+    def close(self, stream: int, events: list[int]) -> None:
+        for event in events:
+            self.quick.cuEventDestroy_v2(event)
+        self.quick.cuStreamDestroy_v2(stream)
+
+
 def copy(torch: Any, target: Any, read: Reader, nbytes: int, buffers: Buffers | None = None,
          threads: int = THREADS, chunk: int = CHUNK_BYTES, depth: int = DEPTH,
-         ready: Iterable[tuple[int, int]] | None = None) -> dict[str, float]:
+         ready: Iterable[tuple[int, int]] | None = None, engine: str = "driver",
+         kept: Kept | None = None) -> dict[str, float]:
     """Fill `target` (a uint8 device tensor of at least `nbytes`) from `read`. `ready` yields (offset, size)
-    ranges of the target as they become writable (mapped), in order; by default all of it at once.
+    ranges of the target as they become writable (mapped), in order; by default all of it at once. `engine`
+    queues each piece's copy through torch ("torch") or the driver's calls straight ("driver", `Driver`).
 
     Staging buffers come from `buffers` (`depth` for each thread), or each thread allocates its own when it
-    starts (faulting them in runs on all threads at once) and frees them when its last copy is done. Returns
-    the longest time a thread spent allocating its buffers and the seconds until every piece was queued."""
+    starts (faulting them in runs on all threads at once) and frees them when its last copy is done, or leaves
+    them in `kept` for the next copy, which uses them instead of allocating. Returns
+    the longest time a thread spent allocating its buffers, the seconds until every piece was queued, and the
+    threads' summed seconds reading pieces (`read_s`), waiting for a buffer's copy to finish (`wait_s`) and
+    queueing copies (`queue_s`)."""
+    if engine not in ("torch", "driver"):
+        raise StagingError(f"unknown staging engine {engine!r}: torch or driver")
     start = time.perf_counter()
     if buffers is not None:
         threads = max(1, min(threads, buffers.count // depth))
         chunk = buffers.chunk
+    if kept is not None and kept.chunk != chunk:
+        kept.close()
+        kept.chunk = chunk
     work: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
     errors: list[BaseException] = []
     allocating: list[float] = []
+    spent = {"read_s": 0.0, "wait_s": 0.0, "queue_s": 0.0}
+    lock = threading.Lock()
     device = target.device
+    driver = Driver() if engine == "driver" else None
+    context = 0
+    base = int(target.data_ptr())
+    if driver is not None:
+        torch.cuda.set_device(device)  # the device's context current in this thread too (a pool's thread)
+        torch.cuda.current_stream(device).synchronize()  # what torch queued on the target comes first
+        context = driver.current()
 
     def worker(index: int) -> None:
         own = None
         finished = False
+        handles: tuple[int, list[int]] | None = None
+        torch_stream: Any = None
+        read_s = wait_s = queue_s = 0.0
+        clock = time.perf_counter
         try:
             torch.cuda.set_device(device)
-            if buffers is None:
-                began = time.perf_counter()
+            if buffers is None and kept is not None and index in kept.sets:
+                mine, views = list(range(depth)), kept.sets[index]
+            elif buffers is None:
+                began = clock()
                 own = Buffers(torch, depth, chunk)
-                allocating.append(time.perf_counter() - began)
+                allocating.append(clock() - began)
                 mine, views = list(range(depth)), own
+                if kept is not None:
+                    kept.sets[index], own = own, None
             else:
                 mine, views = list(range(index * depth, (index + 1) * depth)), buffers
-            stream = torch.cuda.Stream(device)
-            events: list[Any] = [None] * depth
+            pointers = [int(views.views[b].data_ptr()) for b in mine]
+            if driver is not None:
+                handles = driver.handles(context, depth)
+                stream, driver_events = handles
+                copy_async, record = driver.quick.cuMemcpyHtoDAsync_v2, driver.quick.cuEventRecord
+                wait = driver.waits.cuEventSynchronize
+                waiting = [False] * depth
+            else:
+                torch_stream = torch.cuda.Stream(device)
+                events: list[Any] = [None] * depth
             turn = 0
             while True:
                 item = work.get()
@@ -157,23 +266,52 @@ def copy(torch: Any, target: Any, read: Reader, nbytes: int, buffers: Buffers | 
                 offset, size = item
                 slot = turn % depth
                 turn += 1
-                if events[slot] is not None:
+                t0 = clock()
+                if driver is not None:
+                    if waiting[slot]:
+                        driver.check("cuEventSynchronize", wait(driver_events[slot]))
+                elif events[slot] is not None:
                     events[slot].synchronize()
+                t1 = clock()
                 buffer = mine[slot]
-                read(views.memoryviews[buffer], int(views.views[buffer].data_ptr()), offset, size)
-                with torch.cuda.stream(stream):
-                    target[offset:offset + size].copy_(views.views[buffer][:size], non_blocking=True)
-                    event = torch.cuda.Event()
-                    event.record(stream)
-                    events[slot] = event
-            stream.synchronize()
+                read(views.memoryviews[buffer], pointers[slot], offset, size)
+                t2 = clock()
+                if driver is not None:
+                    driver.check("cuMemcpyHtoDAsync", copy_async(base + offset, pointers[slot], size, stream))
+                    driver.check("cuEventRecord", record(driver_events[slot], stream))
+                    waiting[slot] = True
+                else:
+                    with torch.cuda.stream(torch_stream):
+                        target[offset:offset + size].copy_(views.views[buffer][:size], non_blocking=True)
+                        event = torch.cuda.Event()
+                        event.record(torch_stream)
+                        events[slot] = event
+                t3 = clock()
+                wait_s += t1 - t0
+                read_s += t2 - t1
+                queue_s += t3 - t2
+            t0 = clock()
+            if driver is not None:
+                driver.check("cuStreamSynchronize", driver.waits.cuStreamSynchronize(stream))
+            else:
+                torch_stream.synchronize()
+            wait_s += clock() - t0
         except BaseException as exc:  # handed to the caller
             errors.append(exc)
             while not finished and work.get() is not None:  # let the producer finish; the others stop too
                 pass
         finally:
+            if handles is not None and driver is not None:
+                driver.waits.cuStreamSynchronize(handles[0])  # no copy still reads a buffer that goes
+                driver.close(*handles)
+            elif torch_stream is not None:
+                torch_stream.synchronize()
             if own is not None:
                 own.close()
+            with lock:
+                spent["read_s"] += read_s
+                spent["wait_s"] += wait_s
+                spent["queue_s"] += queue_s
 
     pool = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(threads)]
     for t in pool:
@@ -191,4 +329,4 @@ def copy(torch: Any, target: Any, read: Reader, nbytes: int, buffers: Buffers | 
             t.join()
     if errors:
         raise StagingError(f"staged copy failed: {errors[0]}") from errors[0]
-    return {"staging_alloc_s": max(allocating, default=0.0), "queued_s": queued}
+    return {"staging_alloc_s": max(allocating, default=0.0), "queued_s": queued, **spent}

@@ -12,15 +12,15 @@ Asleep, it answers completions with 503 and its health with 200, as vLLM does. T
 holds a transformers `config.json` and `model.safetensors`; `llm_model.make_model` writes one with seeded random
 weights. Tokens are bytes of the prompt (ids 3-258) in and ids out: the answers are compared, not read.
 
-The weights live in one GPU buffer laid out as the file's data section, each parameter a view of it, and come in
-(at the start, and at every wake-up) as fast model loaders bring them (the Run:ai model streamer, fastsafetensors):
-`LLM_LOAD_THREADS` threads each read pieces of the file (or of the level-1 host copy) into two small pinned buffers
-of their own and queue their copies to the GPU on a stream of their own, so the reads run on several cores while
-the copies run at the pinned rate. The level-1 host copy is ordinary (pageable) memory, unlike vLLM's pinned one:
-pinned memory held at a CUDA driver checkpoint is pinned again by the driver's restore (2.2 GiB: 462 ms against 278
-ms without, on an H200), which costs more than copying back through the staging buffers. The staging buffers are
-unpinned and unmapped after each copy, and a sleep gives back cuBLAS's workspaces and the C heap's free memory, so
-that none of them lands in a checkpoint.
+The weights live in one GPU buffer laid out as the file's data section, each parameter a view of it, and come in (at
+the start, and at every wake-up) as fast model loaders bring them (the Run:ai model streamer, fastsafetensors):
+`LLM_LOAD_THREADS` threads (12) each read pieces of the file (or of the level-1 host copy) into two small pinned
+buffers of their own (4 MiB each) and queue their copies to the GPU on a stream of their own through the CUDA driver's
+calls, so the reads run on several cores while the copies run near the pinned rate. The level-1 host copy is ordinary
+(pageable) memory, unlike vLLM's pinned one: pinned memory held at a CUDA driver checkpoint is pinned again by the
+driver's restore (2.2 GiB: 462 ms against 278 ms without, on an H200), which costs more than copying back through the
+staging buffers. The staging buffers are unpinned and unmapped after each copy, and a sleep gives back cuBLAS's
+workspaces and the C heap's free memory, so that none of them lands in a checkpoint.
 
 Run: LLM_MODEL_DIR=DIR uvicorn volga_bench.servers.llm_app:app --port PORT --loop asyncio --no-access-log
 """
@@ -49,7 +49,7 @@ from transformers.models.llama.modeling_llama import LlamaConfig, LlamaForCausal
 from volga_bench.servers.llm_model import WEIGHTS
 
 DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
-CHUNK = 8 * 2**20
+CHUNK = 4 * 2**20
 MADV_HUGEPAGE = 14
 MADV_POPULATE_WRITE = 23  # Linux 5.14
 
@@ -81,15 +81,39 @@ class _Pinned:
         if code:
             self.map.close()
             raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed ({code})")
-        self.tensor = torch.frombuffer(self.map, dtype=torch.uint8)
         self.view = memoryview(self.map)
 
     def close(self) -> None:
         torch.cuda.cudart().cudaHostUnregister(self.address)
-        del self.tensor
         self.view.release()
         with contextlib.suppress(BufferError):  # a tensor still exports it: unmapped with the last one
             self.map.close()
+
+
+def _cuda(library: ctypes.CDLL) -> ctypes.CDLL:
+    handle, pointer = ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)
+    for name, args in (("cuCtxGetCurrent", (pointer,)), ("cuCtxSetCurrent", (handle,)),
+                       ("cuStreamCreate", (pointer, ctypes.c_uint)), ("cuStreamDestroy_v2", (handle,)),
+                       ("cuStreamSynchronize", (handle,)), ("cuEventCreate", (pointer, ctypes.c_uint)),
+                       ("cuEventDestroy_v2", (handle,)), ("cuEventRecord", (handle, handle)),
+                       ("cuEventSynchronize", (handle,)),
+                       ("cuMemcpyHtoDAsync_v2", (ctypes.c_uint64, handle, ctypes.c_size_t, handle))):
+        function = getattr(library, name)
+        function.argtypes, function.restype = args, ctypes.c_int
+    return library
+
+
+# The loading threads queue their copies through the CUDA driver's own calls: torch's copy_ and events make several
+# round trips through the GIL a piece, which a dozen threads wait on (on an H200, 2 GiB staged from memory: 18 GB/s
+# queued by torch, 44-46 by the driver's calls; Volga's bench/stage_rate.py). Calls that return at once keep the GIL
+# (PyDLL), the one that waits lets it go (CDLL).
+_WAITS = _cuda(ctypes.CDLL("libcuda.so.1"))
+_QUICK = _cuda(ctypes.PyDLL("libcuda.so.1"))
+
+
+def _check(call: str, code: int) -> None:
+    if code:
+        raise RuntimeError(f"{call} failed (CUresult {code})")
 
 
 def _stage(destination: torch.Tensor, read: Callable[[memoryview, int], None], threads: int) -> float:
@@ -97,33 +121,45 @@ def _stage(destination: torch.Tensor, read: Callable[[memoryview, int], None], t
     pinned buffers in turn and copies each to the GPU on its own stream, a buffer reused once its copy is done.
     Returns the longest time a thread took to pin its buffers, in ms."""
     size = destination.numel()
+    base = destination.data_ptr()
     errors: list[BaseException] = []
     pinning: list[float] = []
+    torch.cuda.current_stream().synchronize()
+    context = ctypes.c_void_p()
+    _check("cuCtxGetCurrent", _QUICK.cuCtxGetCurrent(ctypes.byref(context)))
 
     def run(first: int) -> None:
         pinned = None
+        stream, events = ctypes.c_void_p(), [ctypes.c_void_p(), ctypes.c_void_p()]
         try:
+            _check("cuCtxSetCurrent", _QUICK.cuCtxSetCurrent(context))
             began = time.perf_counter()
             pinned = _Pinned(2 * CHUNK)
             pinning.append((time.perf_counter() - began) * 1000)
-            stream = torch.cuda.Stream()
-            done: list[torch.cuda.Event | None] = [None, None]
+            _check("cuStreamCreate", _QUICK.cuStreamCreate(ctypes.byref(stream), 1))  # non-blocking
+            for event in events:
+                _check("cuEventCreate", _QUICK.cuEventCreate(ctypes.byref(event), 2))  # no timing
+            pending = [False, False]
             for i, offset in enumerate(range(first * CHUNK, size, threads * CHUNK)):
                 slot, n = i % 2, min(CHUNK, size - offset)
-                previous = done[slot]
-                if previous is not None:
-                    previous.synchronize()
+                if pending[slot]:
+                    _check("cuEventSynchronize", _WAITS.cuEventSynchronize(events[slot]))
                 read(pinned.view[slot * CHUNK:slot * CHUNK + n], offset)
-                event = torch.cuda.Event()
-                with torch.cuda.stream(stream):
-                    destination[offset:offset + n].copy_(pinned.tensor[slot * CHUNK:slot * CHUNK + n],
-                                                         non_blocking=True)
-                    event.record(stream)
-                done[slot] = event
-            stream.synchronize()
+                _check("cuMemcpyHtoDAsync",
+                       _QUICK.cuMemcpyHtoDAsync_v2(base + offset, pinned.address + slot * CHUNK, n, stream))
+                _check("cuEventRecord", _QUICK.cuEventRecord(events[slot], stream))
+                pending[slot] = True
+            _check("cuStreamSynchronize", _WAITS.cuStreamSynchronize(stream))
         except BaseException as exc:  # raised in the calling thread below
             errors.append(exc)
         finally:
+            if stream.value:
+                _WAITS.cuStreamSynchronize(stream)  # no copy still reads a buffer that goes
+            for event in events:
+                if event.value:
+                    _QUICK.cuEventDestroy_v2(event)
+            if stream.value:
+                _QUICK.cuStreamDestroy_v2(stream)
             if pinned is not None:
                 pinned.close()
 
@@ -263,7 +299,7 @@ class Engine:
 
 
 engine = Engine(pathlib.Path(os.environ["LLM_MODEL_DIR"]), int(os.environ.get("LLM_CACHE_TOKENS", "32768")),
-                int(os.environ.get("LLM_LOAD_THREADS", str(min(16, os.cpu_count() or 1)))))
+                int(os.environ.get("LLM_LOAD_THREADS", str(min(12, os.cpu_count() or 1)))))
 app = FastAPI()
 
 
