@@ -201,15 +201,16 @@ def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pa
 def copy_config(config: contract.WorkerConfig, spec: str) -> contract.WorkerConfig:
     """A worker's config with the weight copy `spec` names: "auto", "staged" or "pinned" (`WorkerConfig.wake_copy`),
     optionally followed by staging knobs: "staged-premap", "staged-chunk16", "staged-threads8", "auto-overlap"
-    (graphs captured while the copies run), "auto-torch" or "auto-driver" (how the copies are queued),
-    "auto-fresh" or "auto-kept" (staging buffers pinned for each copy or kept between them)."""
+    or "auto-serial" (graphs captured while the copies run, or after them), "auto-torch" or "auto-driver" (how
+    the copies are queued), "auto-fresh" or "auto-kept" (staging buffers pinned for each copy or kept between
+    them)."""
     name, *knobs = spec.split("-")
     changes: dict[str, Any] = {"wake_copy": name}
     for knob in knobs:
         if knob in ("premap", "progressive"):
             changes["staging_premap"] = knob == "premap"
-        elif knob == "overlap":
-            changes["staging_overlap_graphs"] = True
+        elif knob in ("overlap", "serial"):
+            changes["staging_overlap_graphs"] = knob == "overlap"
         elif knob.startswith("chunk"):
             changes["staging_chunk_mib"] = int(knob.removeprefix("chunk"))
         elif knob.startswith("threads"):

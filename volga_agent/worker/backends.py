@@ -218,10 +218,20 @@ class TorchBackend(Backend):
                 self.module(*static)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: other threads (a staged copy's) may go on calling CUDA while this one captures.
-        mode = "thread_local" if thread_local else "global"
-        with torch.no_grad(), torch.cuda.graph(graph, capture_error_mode=mode):
-            out = self.module(*static)
+        if thread_local:
+            # Beside a staged copy (`staging_overlap_graphs`): captured on the side stream without the device-wide
+            # synchronize torch.cuda.graph begins with, which would wait for the copies queued so far; other
+            # threads go on calling CUDA meanwhile (thread_local). Replays come after the copies are done.
+            with torch.no_grad(), torch.cuda.stream(side):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    out = self.module(*static)
+                finally:
+                    graph.capture_end()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+        else:
+            with torch.no_grad(), torch.cuda.graph(graph, capture_error_mode="global"):
+                out = self.module(*static)
         self.graphs[batch] = (graph, static, out)
 
     def _input_dtype(self, decl: contract.TensorDecl) -> Any:
