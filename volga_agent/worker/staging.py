@@ -6,16 +6,17 @@ driver's pinning rate (about 16-20 GB/s from several threads: the driver seriali
 costs a third of that (2 GiB: 44 ms, 8 GiB: 166-185 ms). Here each of `threads` threads owns `depth` pinned buffers
 of `chunk` bytes and a CUDA stream: it reads the next piece of the source into a free buffer (`pread` from a file,
 or a memory copy), and queues the copy of that buffer to the device on its stream; a buffer is reused once its
-copy has finished (an event). The reads run on the CPU's cores at once (ctypes and os.preadv release the GIL).
+copy has finished (an event). The reads run on the CPU's cores at once (ctypes and os.preadv release the GIL), and
+the copies are queued through the driver's own calls (`Driver`): torch's calls cost each thread a round trip through
+the GIL per call, which the other threads wait on.
 
-On the H200 (`bench/copy_paths.py`, bench/results/copy-paths/): 16 threads with buffers already pinned bring
-2 GiB from memory in 52-54 ms and 8 GiB in 179-199 ms (the pinned copy limit: 39 and 165 ms); from a tmpfs file
-in about 78 and 244 ms, the kernel's copies out of the page cache being the limit. Pinning fresh buffers costs
-their first touch (a few tens of ms for 256-512 MiB), so each thread pins its own as it starts.
-
-The staging buffers are the only pinned memory, and they are freed after the copy: pinned host memory a process
-holds at the driver's checkpoint is pinned again by the driver's restore (2 GiB of huge pages +36 ms, 8 GiB +213
-ms; 4 KiB pages twice that), and a FROZEN image's lazy restore failed in the driver whenever the process held some.
+On the H200 (`bench/stage_rate.py`, bench/results/stage-rate/): 12 threads of two 4 MiB buffers, pinned beforehand,
+bring 2 GiB in 49-50 ms and 8 GiB in 170-171 ms from memory or from a tmpfs file (the pinned copy limit: 39 and 156
+ms); larger buffers or more threads read slower, the host's memory bandwidth being shared with the copy engine.
+Pinning fresh buffers costs about 1 ms per 4 MiB, so a worker keeps its buffers from one staged copy to the next
+(`Kept`). Pinned host memory a process holds at the driver's checkpoint is pinned again by the driver's restore
+(2 GiB of huge pages +36 ms, 8 GiB +213 ms; 4 KiB pages twice that; the 96 MiB of buffers a few ms), and a FROZEN
+image's lazy restore failed in the driver whenever the process held some: kept buffers go before a CRIU dump.
 """
 
 from __future__ import annotations
@@ -136,8 +137,8 @@ def threads_for(limit: int = THREADS) -> int:
 
 class Driver:
     """The CUDA driver calls a staged copy makes for each piece, through ctypes. The calls that return at once
-    (queueing a copy, recording an event) keep the GIL: with 16 threads wanting it, letting it go and taking it
-    back costs more than the call itself; the call that waits (an event's synchronize) lets it go. Torch's own
+    (queueing a copy, recording an event) keep the GIL: with a dozen threads wanting it, letting it go and taking
+    it back costs more than the call itself; the call that waits (an event's synchronize) lets it go. Torch's own
     copy makes several Python-level calls per piece, each a round trip through the GIL."""
 
     CU_STREAM_NON_BLOCKING = 1
