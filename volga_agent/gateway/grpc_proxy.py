@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -86,7 +86,7 @@ class GrpcPass:
         return answer
 
     async def stream(self, model: str, first: Any, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext,
-                     refusal: Callable[[Any], str]) -> AsyncIterator[Any]:
+                     refusal: Callable[[Any], str]) -> AsyncGenerator[Any, None]:
         """A ModelStreamInfer stream bound to the server of `model`, passed through to it: `first` and then the rest
         of `requests` sent on as they come (a request `refusal` names a reason for is answered here with that
         reason as its `error_message` and not sent on), the server's answers streamed back as they come (any
@@ -98,11 +98,13 @@ class GrpcPass:
         code = grpc.StatusCode.CANCELLED  # unless it ends: the client went away
         answered = False
         try:
-            async for response in self._stream(model, first, requests, context, refusal):
-                if not answered:
-                    answered = True
-                    self.counts.latency.labels(model, STREAM_PROTOCOL).observe((time.perf_counter() - start) * 1e3)
-                yield response
+            async with contextlib.aclosing(self._stream(model, first, requests, context, refusal)) as answers:
+                async for response in answers:
+                    if not answered:
+                        answered = True
+                        self.counts.latency.labels(model, STREAM_PROTOCOL).observe(
+                            (time.perf_counter() - start) * 1e3)
+                    yield response
             code = grpc.StatusCode.OK
         except _Refused as refused:
             code = refused.code
@@ -111,7 +113,7 @@ class GrpcPass:
             self.counts.requests.labels(model, STREAM_PROTOCOL, code.name).inc()
 
     async def _stream(self, model: str, first: Any, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext,
-                      refusal: Callable[[Any], str]) -> AsyncIterator[Any]:
+                      refusal: Callable[[Any], str]) -> AsyncGenerator[Any, None]:
         if not self.servers.speaks_grpc(model):
             why = (f"UNIMPLEMENTED: {model} is a model server without gRPC (its protocol is not oip-grpc): send its "
                    "requests over HTTP")
@@ -137,8 +139,9 @@ class GrpcPass:
                 channel = await held.enter_async_context(grpc.aio.insecure_channel(address, options=self.options))
                 timeout = None if deadline is None else max(0.001, deadline - loop.time())
                 call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(metadata=metadata, timeout=timeout)
-                async for response in _relay(call, first, requests, refusal):
-                    yield response
+                async with contextlib.aclosing(_relay(call, first, requests, refusal)) as answers:
+                    async for response in answers:
+                        yield response
         except grpc.aio.AioRpcError as exc:
             raise _Refused(exc.code(), exc.details() or "") from None
         except TimeoutError:
@@ -185,7 +188,7 @@ class GrpcPass:
 
 
 async def _relay(call: Any, first: Any, requests: AsyncIterator[Any],
-                 refusal: Callable[[Any], str]) -> AsyncIterator[Any]:
+                 refusal: Callable[[Any], str]) -> AsyncGenerator[Any, None]:
     """The answers of the server's stream `call` as they come, while the client's requests are sent on to it (those
     `refusal` refuses answered here instead, among the server's answers)."""
     out: asyncio.Queue[Any] = asyncio.Queue(_AHEAD)
@@ -210,6 +213,7 @@ async def _relay(call: Any, first: Any, requests: AsyncIterator[Any],
             raise _Refused(code, await call.details() or "")
 
     sender, receiver = asyncio.create_task(send()), asyncio.create_task(receive())
+    getting: asyncio.Future[Any] | None = None
     try:
         while True:
             getting = asyncio.ensure_future(out.get())
@@ -223,5 +227,6 @@ async def _relay(call: Any, first: Any, requests: AsyncIterator[Any],
             receiver.result()  # its error, if it ended with one
             return
     finally:
-        for task in (sender, receiver):
-            task.cancel()
+        for task in (sender, receiver, getting):
+            if task is not None:
+                task.cancel()

@@ -11,8 +11,9 @@ to it (`grpc_proxy`) before anything here decodes them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
@@ -148,7 +149,7 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
                                         oip.select_outputs(outputs, requested))
 
     async def ModelStreamInfer(self, request_iterator: AsyncIterator[Any],
-                               context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                               context: grpc.aio.ServicerContext) -> AsyncGenerator[Any, None]:
         """A stream of ModelInfer requests. The stream is bound by `x-model-id`, or else by its first request: when
         that names a model server, the whole stream is passed through to it (`grpc_proxy.GrpcPass.stream`);
         otherwise each request is answered as ModelInfer answers it, in order, a failed one with an
@@ -160,15 +161,16 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
             return
         bound = headers.get("x-model-id") or first.model_name
         if self.servers is not None and self.servers.serves(bound):
-            async for passed in self.servers.stream(bound, first, requests, context,
-                                                    lambda request: _bound_refusal(headers, bound, request)):
-                yield passed
-            return
-        async for answer in self._stream(headers, first, requests, context):
-            yield answer
+            answers = self.servers.stream(bound, first, requests, context,
+                                          lambda request: _bound_refusal(headers, bound, request))
+        else:
+            answers = self._stream(headers, first, requests, context)
+        async with contextlib.aclosing(answers):
+            async for answer in answers:
+                yield answer
 
     async def _stream(self, headers: dict[str, str], first: Any, requests: AsyncIterator[Any],
-                      context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                      context: grpc.aio.ServicerContext) -> AsyncGenerator[Any, None]:
         """The answers to a stream's requests for the gateway's own models, in the order of the requests. Up to
         STREAM_WINDOW requests are answered at once (a batching model batches them); reading further requests
         waits for the earliest answer to be sent."""
