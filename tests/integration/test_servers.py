@@ -1,6 +1,7 @@
 """Model servers that know nothing of Volga (`framework: server`), frozen by CRIU and woken by a request through
 the gateway's proxy: KServe's ModelServer with custom pre/post-processing, a FastAPI app streaming its answer,
-a server using the checkpoint handshake, and one CRIU cannot dump (refused, named)."""
+a server using the checkpoint handshake, an OIP gRPC server streaming several answers per request (through the
+gateway's ModelStreamInfer), and one CRIU cannot dump (refused, named)."""
 
 from __future__ import annotations
 
@@ -433,23 +434,26 @@ def _grpc_gateway(fleet: server.Fleet) -> Iterator[app.Gateway]:
         bg.close()
 
 
-def _decoupled(address: str, requests: list[tuple[str, str, int]], between: Any = None) -> list[tuple[Any, ...]]:
-    """What an unmodified tritonclient's stream callback got for `requests` (id, model, N responses asked for), each
-    sent once the answers of the one before are in (so their order is the requests'): (id, y, step, final) for an
-    answer, ("error", message) for an error. `between()` runs after the first request's answers, the stream open."""
+def _decoupled(address: str, requests: list[tuple[str, str, int]], between: Any = None,
+               headers: dict[str, str] | None = None) -> list[tuple[Any, ...]]:
+    """What an unmodified tritonclient's stream callback got for `requests` (id, model, N responses asked for; 0:
+    the request asks the server to end the stream), each sent once the answers of the one before are in (so their
+    order is the requests'): (id, y, step, final) for an answer, ("error", message) for an error. `between()` runs
+    after the first request's answers, the stream open."""
     import tritonclient.grpc as grpcclient
 
     got: queue.Queue[tuple[Any, Any]] = queue.Queue()
     answers: list[tuple[Any, ...]] = []
     client = grpcclient.InferenceServerClient(address)
     try:
-        client.start_stream(lambda result, error: got.put((result, error)), stream_timeout=240)
+        client.start_stream(lambda result, error: got.put((result, error)), stream_timeout=240, headers=headers)
         for n, (request_id, model, count) in enumerate(requests):
             x = np.linspace(-2.0, 2.0, 12, dtype=np.float32).reshape(3, 4) * (n + 1)
             item = grpcclient.InferInput("x", list(x.shape), "FP32")
             item.set_data_from_numpy(x)
-            client.async_stream_infer(model, [item], request_id=request_id, parameters={"responses": count})
-            for _ in range(count):
+            parameters: dict[str, Any] = {"responses": count} if count else {"end_stream": True}
+            client.async_stream_infer(model, [item], request_id=request_id, parameters=parameters)
+            for _ in range(max(count, 1)):
                 result, error = got.get(timeout=240)  # a bound on a hang, not a measurement
                 if error is not None:
                     answers.append(("error", str(error)))
@@ -470,8 +474,9 @@ def test_oip_grpc_stream_frozen_server_woken_by_tritonclient_stream(engine: criu
                                                                     workdir: pathlib.Path) -> None:
     """A decoupled OIP gRPC server (several answers per request) behind the gateway's ModelStreamInfer: HOT, then
     FROZEN by CRIU and woken by a tritonclient stream, every answer the same and in order; held HOT while its stream
-    is open; a request for another model answered with an error while the stream goes on; a stream for an
-    HTTP-only server refused request by request, without waking it."""
+    is open; a request for another model answered with an error while the stream goes on; a stream bound by
+    x-model-id, and one the server ends with its status; a stream for an HTTP-only server refused request by
+    request, without waking it."""
     import tritonclient.grpc as grpcclient
 
     counter = server.ServerInstance(spec("counter", OIP_STREAM, protocol="oip-grpc",
@@ -500,10 +505,12 @@ def test_oip_grpc_stream_frozen_server_woken_by_tritonclient_stream(engine: criu
                 unary = client.infer("counter", [item]).as_numpy("y")
             finally:
                 client.close()
+            # Bound by x-model-id: a request naming no model is for it; the server's status ends the stream.
+            named = _decoupled(address, [("d", "", 2), ("e", "counter", 0)], headers={"x-model-id": "counter"})
             refused = _decoupled(address, [("p", "plain", 1), ("q", "plain", 1)])
-            counted = {model: gw.metrics.registry.get_sample_value(
-                "volga_gateway_requests_total", {"model": model, "protocol": "grpc-stream", "code": "OK"})
-                for model in ("counter", "plain")}
+            counted = {(model, code): gw.metrics.registry.get_sample_value(
+                "volga_gateway_requests_total", {"model": model, "protocol": "grpc-stream", "code": code})
+                for model, code in (("counter", "OK"), ("counter", "ABORTED"), ("plain", "OK"))}
     finally:
         fleet.close()
 
@@ -522,4 +529,7 @@ def test_oip_grpc_stream_frozen_server_woken_by_tritonclient_stream(engine: criu
     assert [a[0] for a in refused] == ["error", "error"]
     assert "UNIMPLEMENTED: plain is a model server without gRPC" in refused[0][1]
     assert plain.tier is api.Tier.COLD and plain.pid is None
-    assert counted == {"counter": 2.0, "plain": 1.0}  # a stream counts once
+    assert [a[0] for a in named] == ["d", "d", "error"] and named[1][2:] == (1, True)
+    assert "[StatusCode.ABORTED] request 'e' asked to end the stream" in named[2][1]
+    # A stream counts once, with its status.
+    assert counted == {("counter", "OK"): 2.0, ("counter", "ABORTED"): 1.0, ("plain", "OK"): 1.0}

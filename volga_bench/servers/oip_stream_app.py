@@ -8,7 +8,8 @@ parameter `responses` (an integer, 1 to 1000; 1 when not given) is N. Response k
 request's id, `y` = tanh(x * w[k]) + k (FP32, x's shape) and `step` = [k] (INT32 [1]); the last one has the parameter
 `triton_final_response` true (Triton's mark of a decoupled model's last response). `ModelInfer` answers response 0 of
 1. A request the model refuses is answered, in a stream, with `error_message` (the stream goes on) and, by
-`ModelInfer`, with INVALID_ARGUMENT or NOT_FOUND.
+`ModelInfer`, with INVALID_ARGUMENT or NOT_FOUND. A stream request with the parameter `end_stream` true ends the
+stream with the status ABORTED (as a server ends a stream that cannot go on).
 
 Run: python -m volga_bench.servers.oip_stream_app --http-port PORT --grpc-port PORT2"""
 
@@ -88,6 +89,8 @@ class Counter(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]  # ge
     async def ModelStreamInfer(self, request_iterator: AsyncIterator[Any],
                                context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         async for request in request_iterator:
+            if request.parameters["end_stream"].bool_param if "end_stream" in request.parameters else False:
+                await context.abort(grpc.StatusCode.ABORTED, f"request {request.id!r} asked to end the stream")
             try:
                 x, count = _inputs(request)
             except Refused as refused:
