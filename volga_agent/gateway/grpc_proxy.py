@@ -14,6 +14,15 @@ RESOURCE_EXHAUSTED). Each call opens its own channel to the server and closes it
 one more socket in the server's image. Every call passed through is counted in `volga_gateway_requests` (protocol
 grpc, code its status's name) and an OK one's time, wake included, in `volga_gateway_request_latency_ms`, as the HTTP
 path counts its requests.
+
+A `ModelStreamInfer` stream bound to a server (by `x-model-id` or its first request: `grpc_service`) is passed
+through as a stream on a channel of its own: the server woken for the first request and kept from being frozen until
+the stream ends, requests sent on as they come, the server's answers streamed back as they come (a decoupled server's
+several per request). A request that names another model is answered here with `error_message` and not sent on; a
+server without gRPC gets every request answered with an error, unwoken. The wake's failure, or the server's stream
+ending with an error status, ends the client's stream with that status. The stream's deadline bounds the wake and
+the whole stream. A stream counts once, under protocol `grpc-stream` with its status's name, and the time to its
+first answer, wake included, in the latency (the gateway cannot tell which answer ends which request).
 """
 
 from __future__ import annotations

@@ -6,6 +6,15 @@ fallback would be UNKNOWN with a traceback). Nothing here decides anything (`doc
 
 Calls that name a model server speaking OIP over gRPC (`framework: server`, `protocol: oip-grpc`) are passed through
 to it (`grpc_proxy`) before anything here decodes them.
+
+`ModelStreamInfer` (Triton's bidirectional stream: tritonclient's `start_stream` / `async_stream_infer`) is bound
+by `x-model-id`, or else by the model its first request names. Bound to a model server, the whole stream is passed
+through to it (`grpc_proxy.GrpcPass.stream`). Otherwise each request is answered as `ModelInfer` answers it (its
+model: its `model_name` or `x-model-id`, both given and different its error; the same decoding, wake and bounds, the
+stream's deadline bounding each wake), and the answers go back in the order of the requests, up to STREAM_WINDOW of
+them answered at once. A request that fails is answered with `error_message` ("CODE: why") and its id, and the stream
+goes on, as Triton does. Each request counts in `volga_gateway_requests` and its latency as a ModelInfer does, under
+protocol `grpc-stream`.
 """
 
 from __future__ import annotations
