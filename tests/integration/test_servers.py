@@ -28,6 +28,8 @@ from aiohttp import web
 if not all(importlib.util.find_spec(name) for name in ("kserve", "fastapi", "uvicorn")):
     pytest.skip("KServe, FastAPI and uvicorn come with the peers extra (make setup)", allow_module_level=True)
 
+from procs import wait_for
+
 from volga_agent.gateway import app, catalog, links, proxy
 from volga_agent.node import server
 from volga_agent.snapshot import criu
@@ -474,7 +476,8 @@ def test_oip_grpc_stream_frozen_server_woken_by_tritonclient_stream(engine: criu
                                                                     workdir: pathlib.Path) -> None:
     """A decoupled OIP gRPC server (several answers per request) behind the gateway's ModelStreamInfer: HOT, then
     FROZEN by CRIU and woken by a tritonclient stream, every answer the same and in order; held HOT while its stream
-    is open; a request for another model answered with an error while the stream goes on; a stream bound by
+    is open and given back when its client goes away; a request for another model answered with an error while the
+    stream goes on; a stream bound by
     x-model-id, and one the server ends with its status; a stream for an HTTP-only server refused request by
     request, without waking it."""
     import tritonclient.grpc as grpcclient
@@ -497,20 +500,32 @@ def test_oip_grpc_stream_frozen_server_woken_by_tritonclient_stream(engine: criu
             assert counter.tier is api.Tier.HOT
             assert counter.transitions[-1].source is api.Tier.FROZEN and not counter.transitions[-1].fallback
 
+            x = np.linspace(-2.0, 2.0, 12, dtype=np.float32).reshape(3, 4) * 2
+            item = grpcclient.InferInput("x", list(x.shape), "FP32")
+            item.set_data_from_numpy(x)
             client = grpcclient.InferenceServerClient(address)
             try:
-                x = np.linspace(-2.0, 2.0, 12, dtype=np.float32).reshape(3, 4) * 2
-                item = grpcclient.InferInput("x", list(x.shape), "FP32")
-                item.set_data_from_numpy(x)
                 unary = client.infer("counter", [item]).as_numpy("y")
+                # A client that goes away with its stream open gives the server back: idle, it freezes again.
+                got: queue.Queue[tuple[Any, Any]] = queue.Queue()
+                client.start_stream(lambda result, error: got.put((result, error)))
+                client.async_stream_infer("counter", [item], request_id="z", parameters={"responses": 2})
+                assert [got.get(timeout=240)[1] for _ in range(2)] == [None, None]
+                held.append(fleet.demote_idle(0.0))
+                client.stop_stream(cancel_requests=True)
             finally:
                 client.close()
-            # Bound by x-model-id: a request naming no model is for it; the server's status ends the stream.
+            assert held == [[], []]  # the open stream held it
+            wait_for("the server of the cancelled stream to freeze", lambda: fleet.demote_idle(0.0) == ["counter"])
+            assert counter.tier is api.Tier.FROZEN
+            # Bound by x-model-id (and woken again): a request naming no model is for it; the server's status ends
+            # the stream.
             named = _decoupled(address, [("d", "", 2), ("e", "counter", 0)], headers={"x-model-id": "counter"})
             refused = _decoupled(address, [("p", "plain", 1), ("q", "plain", 1)])
             counted = {(model, code): gw.metrics.registry.get_sample_value(
                 "volga_gateway_requests_total", {"model": model, "protocol": "grpc-stream", "code": code})
-                for model, code in (("counter", "OK"), ("counter", "ABORTED"), ("plain", "OK"))}
+                for model, code in (("counter", "OK"), ("counter", "ABORTED"), ("counter", "CANCELLED"),
+                                    ("plain", "OK"))}
     finally:
         fleet.close()
 
@@ -532,4 +547,5 @@ def test_oip_grpc_stream_frozen_server_woken_by_tritonclient_stream(engine: criu
     assert [a[0] for a in named] == ["d", "d", "error"] and named[1][2:] == (1, True)
     assert "[StatusCode.ABORTED] request 'e' asked to end the stream" in named[2][1]
     # A stream counts once, with its status.
-    assert counted == {("counter", "OK"): 2.0, ("counter", "ABORTED"): 1.0, ("plain", "OK"): 1.0}
+    assert counted == {("counter", "OK"): 2.0, ("counter", "ABORTED"): 1.0, ("counter", "CANCELLED"): 1.0,
+                       ("plain", "OK"): 1.0}
