@@ -118,6 +118,10 @@ class GrpcPass:
         except _Refused as refused:
             code = refused.code
             await context.abort(refused.code, refused.details)
+        except Exception as exc:
+            code = grpc.StatusCode.INTERNAL
+            log.exception("%s: the stream passed through failed unexpectedly", model)
+            await context.abort(code, f"internal error: {type(exc).__name__}: {str(exc)[:200]}")
         finally:
             self.counts.requests.labels(model, STREAM_PROTOCOL, code.name).inc()
 
