@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import queue
 import signal
 import threading
 import time
@@ -130,6 +131,31 @@ def test_frozen_model_wakes_once_for_200_concurrent_requests(up: volga_up.Embedd
     assert gateway_activations(up) - before_router == 1
     want = reference(up, A, x)
     assert len(outs) == 200 and all(np.array_equal(o, want) for o in outs)
+
+
+def test_a_stream_wakes_a_frozen_model_once_and_answers_in_order(up: volga_up.Embedded) -> None:
+    """ModelStreamInfer: three requests in flight on one tritonclient stream to a FROZEN model wake it once; each
+    answer is the worker's, with its request's id, in the order sent."""
+    up.pool.move_to(name_of(up, A), Tier.FROZEN)
+    xs = [arrays(up, batch=batch) for batch in (1, 3, 2)]
+    before_pool, before_router = up.pool.activations, gateway_activations(up)
+    got: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    client = grpcclient.InferenceServerClient(up.endpoints()["grpc"])
+    try:
+        client.start_stream(lambda result, error: got.put((result, error)), stream_timeout=240)
+        for i, x in enumerate(xs):
+            client.async_stream_infer(A, infer_inputs(x), request_id=f"q{i}")
+        client.stop_stream()  # waits for every answer
+    finally:
+        client.close()
+    answers = [got.get_nowait() for _ in xs]
+    assert got.empty()
+    assert up.pool.activations - before_pool == 1
+    assert gateway_activations(up) - before_router == 1
+    for i, ((result, error), x) in enumerate(zip(answers, xs, strict=True)):
+        assert error is None, error
+        assert result.get_response().id == f"q{i}"
+        assert np.array_equal(result.as_numpy("probability"), reference(up, A, x))
 
 
 def test_freezing_under_steady_traffic_costs_no_request(up: volga_up.Embedded) -> None:

@@ -12,6 +12,7 @@ import http.client
 import json
 import logging
 import pathlib
+import queue
 import socket
 import threading
 import time
@@ -27,7 +28,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from volga_agent.app import up as volga_up
-from volga_agent.gateway import app, catalog, links, oip
+from volga_agent.gateway import app, catalog, dataplane, links, oip
 from volga_bench import harness
 from volga_core import api
 
@@ -157,6 +158,64 @@ def test_model_config_grpc_and_http(g: grpcclient.InferenceServerClient, h: http
     with pytest.raises(InferenceServerException, match="unknown model 'nope'") as err:
         h.get_model_config("nope")
     assert str(err.value.status()) == "404"
+
+
+# --- ModelStreamInfer ------------------------------------------------------------------------------------------
+
+
+def streamed(up: volga_up.Embedded, send: Any, headers: dict[str, str] | None = None) -> list[tuple[Any, Any]]:
+    """What an unmodified tritonclient's stream callback got, in order, for the requests `send(client)` made."""
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    client = grpcclient.InferenceServerClient(up.endpoints()["grpc"])
+    try:
+        client.start_stream(lambda result, error: answers.put((result, error)), stream_timeout=120, headers=headers)
+        send(client)
+        client.stop_stream()  # waits for the answers of every request sent
+    finally:
+        client.close()
+    return [answers.get_nowait() for _ in range(answers.qsize())]
+
+
+def test_a_stream_answers_each_request_as_model_infer_does_and_goes_on_past_a_bad_one(
+        up: volga_up.Embedded, g: grpcclient.InferenceServerClient) -> None:
+    xs = [np.array([[float(i) - 1.5, 0.0, 4.0 + i], [1.0, 2.0 * i, 0.25]], np.float32) for i in range(4)]
+    unary = [g.infer(NAN, infer_input(grpcclient, x)) for x in xs]
+    ok, unknown = requests_counted(up, "OK", "grpc-stream"), requests_counted(up, "NOT_FOUND", "grpc-stream",
+                                                                              dataplane.UNKNOWN_MODEL_LABEL)
+
+    def send(client: grpcclient.InferenceServerClient) -> None:
+        for i, x in enumerate(xs[:2]):
+            client.async_stream_infer(NAN, infer_input(grpcclient, x), request_id=f"r{i}")
+        client.async_stream_infer("nope", infer_input(grpcclient, xs[0]), request_id="bad")
+        for i, x in enumerate(xs[2:], 2):
+            client.async_stream_infer(NAN, infer_input(grpcclient, x), request_id=f"r{i}")
+
+    answers = streamed(up, send)
+    assert len(answers) == 5
+    result, error = answers[2]
+    assert result is None and "NOT_FOUND: unknown model 'nope'" in str(error)
+    for (result, error), want, i in zip(answers[:2] + answers[3:], unary, range(4), strict=True):
+        assert error is None, error
+        response = result.get_response()
+        assert (response.id, response.model_name) == (f"r{i}", NAN)
+        for name in ("root", "log", "inv"):
+            np.testing.assert_array_equal(result.as_numpy(name), want.as_numpy(name))
+    assert requests_counted(up, "OK", "grpc-stream") - ok == 4
+    assert requests_counted(up, "NOT_FOUND", "grpc-stream", dataplane.UNKNOWN_MODEL_LABEL) - unknown == 1
+
+
+def test_a_stream_named_by_x_model_id_refuses_a_request_for_another_model(
+        up: volga_up.Embedded, g: grpcclient.InferenceServerClient) -> None:
+    def send(client: grpcclient.InferenceServerClient) -> None:
+        client.async_stream_infer("", infer_input(grpcclient), request_id="a")
+        client.async_stream_infer(BROKEN, infer_input(grpcclient), request_id="b")
+        client.async_stream_infer(NAN, infer_input(grpcclient), request_id="c")
+
+    answers = streamed(up, send, headers={"x-model-id": NAN})
+    assert [(r.get_response().id if r is not None else None) for r, _ in answers] == ["a", None, "c"]
+    assert answers[1][0] is None and "INVALID_ARGUMENT: x-model-id 'nan' and the request's model name 'broken' " \
+        "name different models" in str(answers[1][1])
+    np.testing.assert_array_equal(answers[2][0].as_numpy("inv"), g.infer(NAN, infer_input(grpcclient)).as_numpy("inv"))
 
 
 # --- readiness -------------------------------------------------------------------------------------------------

@@ -1,14 +1,17 @@
 """Model servers that know nothing of Volga (`framework: server`), frozen by CRIU and woken by a request through
 the gateway's proxy: KServe's ModelServer with custom pre/post-processing, a FastAPI app streaming its answer,
-a server using the checkpoint handshake, and one CRIU cannot dump (refused, named)."""
+a server using the checkpoint handshake, an OIP gRPC server streaming several answers per request (through the
+gateway's ModelStreamInfer), and one CRIU cannot dump (refused, named)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import json
 import os
 import pathlib
+import queue
 import shutil
 import sys
 import tempfile
@@ -17,6 +20,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import aiohttp
+import numpy as np
 import pytest
 from aiohttp import web
 
@@ -24,7 +28,9 @@ from aiohttp import web
 if not all(importlib.util.find_spec(name) for name in ("kserve", "fastapi", "uvicorn")):
     pytest.skip("KServe, FastAPI and uvicorn come with the peers extra (make setup)", allow_module_level=True)
 
-from volga_agent.gateway import proxy
+from procs import wait_for
+
+from volga_agent.gateway import app, catalog, links, proxy
 from volga_agent.node import server
 from volga_agent.snapshot import criu
 from volga_core import api
@@ -397,3 +403,149 @@ def test_a_floor_the_ladder_lacks_rests_below_it(engine: criu.CriuEngine, workdi
         assert s.demote_if_idle(0.0, gpu_idle=(0.0, 0.0), floor=api.Tier.SUSPENDED) and s.tier is api.Tier.FROZEN
     finally:
         s.close()
+
+
+OIP_STREAM = ["-m", "volga_bench.servers.oip_stream_app", "--http-port", "{port}", "--grpc-port", "{grpc_port}"]
+
+
+@contextlib.contextmanager
+def _grpc_gateway(fleet: server.Fleet) -> Iterator[app.Gateway]:
+    """The gateway's gRPC port (and HTTP) in front of `fleet`, on a loop of its own: tritonclient calls it from this
+    thread."""
+    from volga_agent import errors
+    from volga_bench import harness
+
+    def no_workers(model_id: str, device_hint: str) -> links.Route:
+        raise errors.UnknownModel(f"{model_id}: only model servers here")
+
+    async def make() -> app.Gateway:
+        specs = {model_id: i.spec for model_id, i in fleet.instances.items()}
+        gw = app.Gateway(catalog.Catalog(specs), links.LocalAgentLink(no_workers),
+                         app.Settings(http_port=0, grpc_port=0, metrics_port=0), servers=fleet)
+        await gw.start()
+        return gw
+
+    bg = harness.Background()
+    try:
+        gw = bg.call(make())
+        try:
+            yield gw
+        finally:
+            bg.call(gw.stop())
+    finally:
+        bg.close()
+
+
+def _decoupled(address: str, requests: list[tuple[str, str, int]], between: Any = None,
+               headers: dict[str, str] | None = None) -> list[tuple[Any, ...]]:
+    """What an unmodified tritonclient's stream callback got for `requests` (id, model, N responses asked for; 0:
+    the request asks the server to end the stream), each sent once the answers of the one before are in (so their
+    order is the requests'): (id, y, step, final) for an answer, ("error", message) for an error. `between()` runs
+    after the first request's answers, the stream open."""
+    import tritonclient.grpc as grpcclient
+
+    got: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    answers: list[tuple[Any, ...]] = []
+    client = grpcclient.InferenceServerClient(address)
+    try:
+        client.start_stream(lambda result, error: got.put((result, error)), stream_timeout=240, headers=headers)
+        for n, (request_id, model, count) in enumerate(requests):
+            x = np.linspace(-2.0, 2.0, 12, dtype=np.float32).reshape(3, 4) * (n + 1)
+            item = grpcclient.InferInput("x", list(x.shape), "FP32")
+            item.set_data_from_numpy(x)
+            parameters: dict[str, Any] = {"responses": count} if count else {"end_stream": True}
+            client.async_stream_infer(model, [item], request_id=request_id, parameters=parameters)
+            for _ in range(max(count, 1)):
+                result, error = got.get(timeout=240)  # a bound on a hang, not a measurement
+                if error is not None:
+                    answers.append(("error", str(error)))
+                    break
+                response = result.get_response()
+                answers.append((response.id, result.as_numpy("y"), int(result.as_numpy("step")[0]),
+                                response.parameters["triton_final_response"].bool_param))
+            if n == 0 and between is not None:
+                between()
+        client.stop_stream()
+    finally:
+        client.close()
+    assert got.empty()
+    return answers
+
+
+def test_oip_grpc_stream_frozen_server_woken_by_tritonclient_stream(engine: criu.CriuEngine,
+                                                                    workdir: pathlib.Path) -> None:
+    """A decoupled OIP gRPC server (several answers per request) behind the gateway's ModelStreamInfer: HOT, then
+    FROZEN by CRIU and woken by a tritonclient stream, every answer the same and in order; held HOT while its stream
+    is open and given back when its client goes away; a request for another model answered with an error while the
+    stream goes on; a stream bound by
+    x-model-id, and one the server ends with its status; a stream for an HTTP-only server refused request by
+    request, without waking it."""
+    import tritonclient.grpc as grpcclient
+
+    counter = server.ServerInstance(spec("counter", OIP_STREAM, protocol="oip-grpc",
+                                         readiness={"path": "/v2/health/ready"}), workdir, engine)
+    plain = server.ServerInstance(spec("plain", [*STREAM, "--port", "{port}"], readiness={"path": "/health"}),
+                                  workdir, engine)
+    fleet = server.Fleet([counter, plain])
+    requests = [("a", "counter", 3), ("b", "counter", 1), ("bad", "other", 1), ("c", "counter", 4)]
+    held: list[list[str]] = []
+    try:
+        with _grpc_gateway(fleet) as gw:
+            address = f"127.0.0.1:{gw.ports['grpc']}"
+            hot = _decoupled(address, requests, between=lambda: held.append(fleet.demote_idle(0.0)))
+            assert held == [[]] and counter.tier is api.Tier.HOT  # its stream was open: not frozen
+            assert fleet.demote_idle(0.0) == ["counter"]  # closed: idle
+            assert counter.tier is api.Tier.FROZEN and counter.pid is None and counter.image is not None
+            woken = _decoupled(address, requests)
+            assert counter.tier is api.Tier.HOT
+            assert counter.transitions[-1].source is api.Tier.FROZEN and not counter.transitions[-1].fallback
+
+            x = np.linspace(-2.0, 2.0, 12, dtype=np.float32).reshape(3, 4) * 2
+            item = grpcclient.InferInput("x", list(x.shape), "FP32")
+            item.set_data_from_numpy(x)
+            client = grpcclient.InferenceServerClient(address)
+            try:
+                unary = client.infer("counter", [item]).as_numpy("y")
+                # A client that goes away with its stream open gives the server back: idle, it freezes again.
+                got: queue.Queue[tuple[Any, Any]] = queue.Queue()
+                client.start_stream(lambda result, error: got.put((result, error)))
+                client.async_stream_infer("counter", [item], request_id="z", parameters={"responses": 2})
+                assert [got.get(timeout=240)[1] for _ in range(2)] == [None, None]
+                held.append(fleet.demote_idle(0.0))
+                client.stop_stream(cancel_requests=True)
+            finally:
+                client.close()
+            assert held == [[], []]  # the open stream held it
+            wait_for("the server of the cancelled stream to freeze", lambda: fleet.demote_idle(0.0) == ["counter"])
+            assert counter.tier is api.Tier.FROZEN
+            # Bound by x-model-id (and woken again): a request naming no model is for it; the server's status ends
+            # the stream.
+            named = _decoupled(address, [("d", "", 2), ("e", "counter", 0)], headers={"x-model-id": "counter"})
+            refused = _decoupled(address, [("p", "plain", 1), ("q", "plain", 1)])
+            counted = {(model, code): gw.metrics.registry.get_sample_value(
+                "volga_gateway_requests_total", {"model": model, "protocol": "grpc-stream", "code": code})
+                for model, code in (("counter", "OK"), ("counter", "ABORTED"), ("counter", "CANCELLED"),
+                                    ("plain", "OK"))}
+    finally:
+        fleet.close()
+
+    # a0 a1 a2, b0, the refusal of "bad", c0 .. c3: each request's answers in order, the last marked final.
+    assert [a[0] for a in hot] == ["a", "a", "a", "b", "error", "c", "c", "c", "c"]
+    assert [a[2:] for a in hot if a[0] != "error"] == [(0, False), (1, False), (2, True), (0, True),
+                                                       (0, False), (1, False), (2, False), (3, True)]
+    assert "this stream is passed through to model server 'counter'" in hot[4][1] and "'other'" in hot[4][1]
+    assert len(woken) == len(hot)
+    for before, after in zip(hot, woken, strict=True):
+        assert before[0] == after[0]
+        if before[0] != "error":
+            np.testing.assert_array_equal(before[1], after[1])
+            assert before[2:] == after[2:]
+    np.testing.assert_array_equal(unary, hot[3][1])  # ModelInfer answers as the stream's single answer does
+    assert [a[0] for a in refused] == ["error", "error"]
+    assert "UNIMPLEMENTED: plain is a model server without gRPC" in refused[0][1]
+    assert plain.tier is api.Tier.COLD and plain.pid is None
+    assert [a[0] for a in named] == ["d", "d", "error"] and named[1][2:] == (1, True)
+    assert "[StatusCode.ABORTED] request 'e' asked to end the stream" in named[2][1]
+    # A stream counts once, with its status.
+    assert counted == {("counter", "OK"): 2.0, ("counter", "ABORTED"): 1.0, ("counter", "CANCELLED"): 1.0,
+                       ("plain", "OK"): 1.0}

@@ -108,8 +108,8 @@ def test_service_methods_match_triton() -> None:
     assert ours.full_name == theirs.full_name == "inference.GRPCInferenceService"
     names = [m.name for m in ours.methods]
     assert names == [
-        "ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer", "RepositoryIndex",
-        "ModelConfig",
+        "ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer",
+        "ModelStreamInfer", "RepositoryIndex", "ModelConfig",
     ]
     for method in ours.methods:
         a, b = descriptor_pb2.MethodDescriptorProto(), descriptor_pb2.MethodDescriptorProto()

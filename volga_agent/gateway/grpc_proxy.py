@@ -14,28 +14,53 @@ RESOURCE_EXHAUSTED). Each call opens its own channel to the server and closes it
 one more socket in the server's image. Every call passed through is counted in `volga_gateway_requests` (protocol
 grpc, code its status's name) and an OK one's time, wake included, in `volga_gateway_request_latency_ms`, as the HTTP
 path counts its requests.
+
+A `ModelStreamInfer` stream bound to a server (by `x-model-id` or its first request: `grpc_service`) is passed
+through as a stream on a channel of its own: the server woken for the first request and kept from being frozen until
+the stream ends, requests sent on as they come, the server's answers streamed back as they come (a decoupled server's
+several per request). A request that names another model is answered here with `error_message` and not sent on; a
+server without gRPC gets every request answered with an error, unwoken. The wake's failure, or the server's stream
+ending with an error status, ends the client's stream with that status. The stream's deadline bounds the wake and
+the whole stream. A stream counts once, under protocol `grpc-stream` with its status's name, and the time to its
+first answer, wake included, in the latency (the gateway cannot tell which answer ends which request).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 import grpc
 
 from volga_agent import errors, metrics
 from volga_agent.gateway import links, proxy
+from volga_agent.rpc.inference import grpc_service_pb2 as pb
 from volga_agent.rpc.inference import grpc_service_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 # Metadata that belongs to the client's connection or call and is not passed on.
 _OWN = frozenset({"authorization", "content-type", "te", "user-agent", "host", ":authority"})
+# The protocol label of a ModelStreamInfer stream (or request) in `volga_gateway_requests` and its latency.
+STREAM_PROTOCOL = "grpc-stream"
+# Answers of a passed-through stream read from its server ahead of the client.
+_AHEAD = 64
 
 
 def _passed(metadata: Any) -> tuple[tuple[str, str | bytes], ...]:
     return tuple((k, v) for k, v in (metadata or ()) if k.lower() not in _OWN and not k.lower().startswith("grpc-"))
+
+
+def stream_error(request: Any, message: str) -> Any:
+    """A stream's answer to a request that failed: `error_message` (Triton's way: the stream goes on), and the
+    request's id and model in `infer_response`, so a client can tell which request it answers."""
+    return pb.ModelStreamInferResponse(
+        error_message=message,
+        infer_response=pb.ModelInferResponse(model_name=request.model_name, model_version=request.model_version,
+                                             id=request.id))
 
 
 class _Refused(Exception):
@@ -68,6 +93,77 @@ class GrpcPass:
         self.counts.requests.labels(model, "grpc", "OK").inc()
         self.counts.latency.labels(model, "grpc").observe((time.perf_counter() - start) * 1e3)
         return answer
+
+    async def stream(self, model: str, first: Any, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext,
+                     refusal: Callable[[Any], str]) -> AsyncGenerator[Any, None]:
+        """A ModelStreamInfer stream bound to the server of `model`, passed through to it: `first` and then the rest
+        of `requests` sent on as they come (a request `refusal` names a reason for is answered here with that
+        reason as its `error_message` and not sent on), the server's answers streamed back as they come (any
+        number per request). The server is woken for the first request and kept HOT until the stream ends; a wake
+        that fails, or the server's stream ending with an error, ends the stream with that status. The stream
+        counts once in `volga_gateway_requests` (protocol grpc-stream, code its status's name), and the time to
+        its first answer, wake included, in the latency."""
+        start = time.perf_counter()
+        code = grpc.StatusCode.CANCELLED  # unless it ends: the client went away
+        answered = False
+        try:
+            async with contextlib.aclosing(self._stream(model, first, requests, context, refusal)) as answers:
+                async for response in answers:
+                    if not answered:
+                        answered = True
+                        self.counts.latency.labels(model, STREAM_PROTOCOL).observe(
+                            (time.perf_counter() - start) * 1e3)
+                    yield response
+            code = grpc.StatusCode.OK
+        except _Refused as refused:
+            code = refused.code
+            await context.abort(refused.code, refused.details)
+        except Exception as exc:
+            code = grpc.StatusCode.INTERNAL
+            log.exception("%s: the stream passed through failed unexpectedly", model)
+            await context.abort(code, f"internal error: {type(exc).__name__}: {str(exc)[:200]}")
+        finally:
+            self.counts.requests.labels(model, STREAM_PROTOCOL, code.name).inc()
+
+    async def _stream(self, model: str, first: Any, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext,
+                      refusal: Callable[[Any], str]) -> AsyncGenerator[Any, None]:
+        if not self.servers.speaks_grpc(model):
+            why = (f"UNIMPLEMENTED: {model} is a model server without gRPC (its protocol is not oip-grpc): send its "
+                   "requests over HTTP")
+            request = first
+            while request is not None:
+                yield stream_error(request, why)
+                request = await anext(requests, None)
+            return
+        remaining = context.time_remaining()
+        loop = asyncio.get_running_loop()
+        deadline = None if remaining is None else loop.time() + remaining
+        metadata = _passed(context.invocation_metadata())
+        forwarded = any(k.lower() == links.FORWARDED for k, _ in metadata)
+        remote = None if forwarded else self.servers.elsewhere(model)
+        try:
+            async with contextlib.AsyncExitStack() as held:
+                if remote is not None:
+                    address, metadata = remote.grpc_address, (*metadata, (links.FORWARDED, "1"))
+                else:
+                    async with asyncio.timeout_at(deadline):
+                        lease = await held.enter_async_context(self.servers.lease(model, remaining))
+                    address = lease.grpc_address
+                channel = await held.enter_async_context(grpc.aio.insecure_channel(address, options=self.options))
+                timeout = None if deadline is None else max(0.001, deadline - loop.time())
+                call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(metadata=metadata, timeout=timeout)
+                async with contextlib.aclosing(_relay(call, first, requests, refusal)) as answers:
+                    async for response in answers:
+                        yield response
+        except grpc.aio.AioRpcError as exc:
+            raise _Refused(exc.code(), exc.details() or "") from None
+        except TimeoutError:
+            raise _Refused(grpc.StatusCode.DEADLINE_EXCEEDED,
+                           f"{model}: not woken within the stream's deadline") from None
+        except errors.UnknownModel as exc:
+            raise _Refused(grpc.StatusCode.NOT_FOUND, str(exc)) from None
+        except errors.ActivationFailed as exc:
+            raise _Refused(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
 
     async def _answer(self, method: str, model: str, request: Any, context: grpc.aio.ServicerContext) -> Any:
         if not self.servers.speaks_grpc(model):
@@ -102,3 +198,48 @@ class GrpcPass:
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
             timeout = None if deadline is None else max(0.001, deadline - asyncio.get_running_loop().time())
             return await getattr(stub, method)(request, timeout=timeout, metadata=metadata)
+
+
+async def _relay(call: Any, first: Any, requests: AsyncIterator[Any],
+                 refusal: Callable[[Any], str]) -> AsyncGenerator[Any, None]:
+    """The answers of the server's stream `call` as they come, while the client's requests are sent on to it (those
+    `refusal` refuses answered here instead, among the server's answers)."""
+    out: asyncio.Queue[Any] = asyncio.Queue(_AHEAD)
+
+    async def send() -> None:
+        request = first
+        try:
+            while request is not None:
+                if why := refusal(request):
+                    await out.put(stream_error(request, why))
+                else:
+                    await call.write(request)
+                request = await anext(requests, None)
+            await call.done_writing()
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            pass  # the server ended the stream: its status is what `receive` reads
+
+    async def receive() -> None:
+        while (response := await call.read()) is not grpc.aio.EOF:
+            await out.put(response)
+        if (code := await call.code()) is not grpc.StatusCode.OK:
+            raise _Refused(code, await call.details() or "")
+
+    sender, receiver = asyncio.create_task(send()), asyncio.create_task(receive())
+    getting: asyncio.Future[Any] | None = None
+    try:
+        while True:
+            getting = asyncio.ensure_future(out.get())
+            await asyncio.wait({getting, receiver}, return_when=asyncio.FIRST_COMPLETED)
+            if getting.done():
+                yield getting.result()
+                continue
+            getting.cancel()
+            while not out.empty():  # what was queued before the server's stream ended
+                yield out.get_nowait()
+            receiver.result()  # its error, if it ended with one
+            return
+    finally:
+        for task in (sender, receiver, getting):
+            if task is not None:
+                task.cancel()

@@ -64,6 +64,11 @@ class GRPCInferenceServiceStub:
                 request_serializer=inference_dot_grpc__service__pb2.ModelInferRequest.SerializeToString,
                 response_deserializer=inference_dot_grpc__service__pb2.ModelInferResponse.FromString,
                 _registered_method=True)
+        self.ModelStreamInfer = channel.stream_stream(
+                '/inference.GRPCInferenceService/ModelStreamInfer',
+                request_serializer=inference_dot_grpc__service__pb2.ModelInferRequest.SerializeToString,
+                response_deserializer=inference_dot_grpc__service__pb2.ModelStreamInferResponse.FromString,
+                _registered_method=True)
         self.RepositoryIndex = channel.unary_unary(
                 '/inference.GRPCInferenceService/RepositoryIndex',
                 request_serializer=inference_dot_grpc__service__pb2.RepositoryIndexRequest.SerializeToString,
@@ -121,6 +126,14 @@ class GRPCInferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ModelStreamInfer(self, request_iterator, context):
+        """Inferences over one bidirectional stream: any number of answers per request (a decoupled model's), a failed
+        request answered with its error_message while the stream goes on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def RepositoryIndex(self, request, context):
         """Triton's model repository extension: the models the server knows and their state.
         """
@@ -167,6 +180,11 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
                     servicer.ModelInfer,
                     request_deserializer=inference_dot_grpc__service__pb2.ModelInferRequest.FromString,
                     response_serializer=inference_dot_grpc__service__pb2.ModelInferResponse.SerializeToString,
+            ),
+            'ModelStreamInfer': grpc.stream_stream_rpc_method_handler(
+                    servicer.ModelStreamInfer,
+                    request_deserializer=inference_dot_grpc__service__pb2.ModelInferRequest.FromString,
+                    response_serializer=inference_dot_grpc__service__pb2.ModelStreamInferResponse.SerializeToString,
             ),
             'RepositoryIndex': grpc.unary_unary_rpc_method_handler(
                     servicer.RepositoryIndex,
@@ -341,6 +359,33 @@ class GRPCInferenceService:
             '/inference.GRPCInferenceService/ModelInfer',
             inference_dot_grpc__service__pb2.ModelInferRequest.SerializeToString,
             inference_dot_grpc__service__pb2.ModelInferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ModelStreamInfer(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/inference.GRPCInferenceService/ModelStreamInfer',
+            inference_dot_grpc__service__pb2.ModelInferRequest.SerializeToString,
+            inference_dot_grpc__service__pb2.ModelStreamInferResponse.FromString,
             options,
             channel_credentials,
             insecure,
