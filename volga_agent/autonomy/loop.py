@@ -11,6 +11,12 @@ stopped, and continues every worker when the loop stops. Batch caps and
 shedding go to the gateway, which the loop knows only as the `Gateway` protocol: the gateway's data plane
 provides those four methods, and the autonomy package imports nothing of the gateway (docs/architecture.md).
 
+Model servers (`framework: server`, the pool's `ServerPool`) are models like the others in the decider's views, their
+load counted by the gateway's proxies: a preload wakes one (`Pool.wake`, no activation held) and a demotion takes it
+down its own ladder (`Pool.move_to`). What does not apply to a server is skipped, logged at debug level: batch caps
+(a server batches itself), shedding (the proxies pass its requests on), CPU priority and throttling (its process tree
+is left as it runs).
+
 For the cluster tier the loop keeps its `Standing` (state, since when, the node's memory) for the agent's heartbeat
 to publish, and holds the cluster's watermarks the operator published (`cluster`), which its debug lines show.
 """
@@ -133,7 +139,7 @@ class PoolActuator:
 
     def _wake(self, model: str) -> None:
         try:
-            self.pool.activate(model)
+            self.pool.wake(model)
         except errors.UnknownModel:
             return
 
@@ -145,19 +151,28 @@ class PoolActuator:
 
         self._once(model, move)
 
+    def _not_applied(self, model: str, what: str) -> bool:
+        """Whether the model is a model server, to which `what` does not apply (logged at debug level)."""
+        if not self.pool.servers.serves(model):
+            return False
+        log.debug("autonomy: %s is a model server: %s not applied", model, what)
+        return True
+
     def set_batch_cap(self, model: str, cap: int | None) -> None:
-        if self.gateway is not None:
+        if self.gateway is not None and not self._not_applied(model, "batch cap (a server batches itself)"):
             self.gateway.set_batch_cap(model, cap)
 
     def shed(self, model: str, retry_after_ms: int) -> None:
-        if self.gateway is not None:
+        if self.gateway is not None and not self._not_applied(model, "shedding (the proxies pass its requests on)"):
             self.gateway.shed(model, retry_after_ms)
 
     def unshed(self, model: str) -> None:
-        if self.gateway is not None:
+        if self.gateway is not None and not self._not_applied(model, "unshedding"):
             self.gateway.unshed(model)
 
     def lower_priority(self, model: str, nice: int) -> None:
+        if self._not_applied(model, "CPU priority (its process tree keeps its own)"):
+            return
         self._yielding[model] = nice
         self._lower(model, nice)
 
@@ -181,6 +196,8 @@ class PoolActuator:
                      ", its session's group too" if applied.group else "")
 
     def restore_priority(self, model: str) -> None:
+        if self._not_applied(model, "CPU priority restored"):
+            return
         self._yielding.pop(model, None)
         for pid, (owner, started) in list(self._lowered.items()):
             if owner == model:
@@ -200,6 +217,8 @@ class PoolActuator:
         log.info("autonomy: %s: worker %d back at normal priority", model, pid)
 
     def throttle(self, model: str, share: float) -> None:
+        if self._not_applied(model, "throttling (its process tree is never stopped)"):
+            return
         self._throttled[model] = share
         self._throttled_slots.pop(model, None)
         self._cover(model, share)
@@ -218,6 +237,8 @@ class PoolActuator:
                                for slot in slots])
 
     def unthrottle(self, model: str) -> None:
+        if self._not_applied(model, "unthrottling"):
+            return
         self._throttled.pop(model, None)
         self._throttled_slots.pop(model, None)
         self.cycle.drop(model)
@@ -335,6 +356,16 @@ class Views:
             devices.setdefault(model, inst.device)
             awake[model] = awake.get(model, False) or inst.tier == api.Tier.HOT
             gpu[model] = gpu.get(model, False) or inst.gpu
+        # Model servers: on a node with the driver's checkpoint API, a GPU server's demotion goes to WARM, which its
+        # own ladder turns into the next tier it has (`ServerPool.move_to`); on the others it freezes.
+        on_gpu = self.pool.servers.driver is not None
+        for server_slot in list(self.pool.servers.slots.values()):
+            served = server_slot.inst
+            model = served.spec.model_id
+            specs[model] = served.spec
+            devices.setdefault(model, "cpu")
+            awake[model] = awake.get(model, False) or served.tier == api.Tier.HOT
+            gpu[model] = on_gpu
         measured = self.measured() if self.measured is not None else NONE_MEASURED
         key = (measured, tuple((model, id(spec), awake[model], gpu[model]) for model, spec in specs.items()))
         if key[0] is self._key[0] and key[1] == self._key[1]:
