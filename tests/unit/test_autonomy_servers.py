@@ -171,6 +171,29 @@ def test_the_loop_preloads_a_server_whose_arrivals_accelerate(rundir: pathlib.Pa
         p.close()
 
 
+def test_a_violation_lowers_a_built_in_models_batch_cap_never_a_servers(rundir: pathlib.Path,
+                                                                         default_spec: api.ModelSpecSpec) -> None:
+    p, _ = server_pool(rundir, default_spec, tolerance=300.0)
+    slo = default_spec.slo.model_copy(update={"interference_tolerance_pct": 100})
+    mid = default_spec.model_copy(update={"model_id": "mid", "slo": slo})
+    p.slots["mid"] = pool.Slot(instance.Instance("mid", mid, rundir / "mid", None, None, "cpu"), Tier.COLD)
+    p.slots["mid"].inst.tier = Tier.HOT
+    gateway = RecordingGateway()
+    autonomy = loop.Loop(p, gateway, settings=Settings(autonomy_hysteresis_windows=1), probe=NoProbe())
+    try:
+        assert autonomy.views()["srv"].max_batch == 1
+        for k in range(3):  # `strict` past its limit; `srv` is the most tolerant, `mid` the one a cap reaches
+            autonomy.step(window.Window(k * 0.1, (k + 1) * 0.1, 50.0, 50.0, False,
+                                        {"strict": window.ModelWindow(10, 10, 0, 0, 5.0),
+                                         "srv": window.ModelWindow(10, 10, 0, 0, 1.0),
+                                         "mid": window.ModelWindow(10, 10, 0, 0, 1.0)}))
+    finally:
+        autonomy.stop()
+        p.close()
+    assert [c for c in gateway.calls if c[0] == "set_batch_cap"][:1] == [("set_batch_cap", "mid", 128)]
+    assert all(c[1] != "srv" for c in gateway.calls)
+
+
 def test_what_does_not_apply_to_a_server_is_skipped(rundir: pathlib.Path, default_spec: api.ModelSpecSpec,
                                                 caplog: pytest.LogCaptureFixture) -> None:
     p, _ = server_pool(rundir, default_spec)

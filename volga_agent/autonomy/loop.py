@@ -14,8 +14,8 @@ provides those four methods, and the autonomy package imports nothing of the gat
 Model servers (`framework: server`, the pool's `ServerPool`) are models like the others in the decider's views, their
 load counted by the gateway's proxies: a preload wakes one (`Pool.wake`, no activation held) and a demotion takes it
 down its own ladder (`Pool.move_to`). What does not apply to a server is skipped, logged at debug level: batch caps
-(a server batches itself), shedding (the proxies pass its requests on), CPU priority and throttling (its process tree
-is left as it runs).
+(a server batches itself; its view's batch limit is 1, so the decider never picks it to lower one), shedding (the
+proxies pass its requests on), CPU priority and throttling (its process tree is left as it runs).
 
 For the cluster tier the loop keeps its `Standing` (state, since when, the node's memory) for the agent's heartbeat
 to publish, and holds the cluster's watermarks the operator published (`cluster`), which its debug lines show.
@@ -377,8 +377,10 @@ class Views:
             if cached is None or cached[0] is not spec or cached[1] is not entries:
                 cached = self._cache[model] = (spec, entries, self._view(spec, devices[model], entries))
             base = cached[2]
+            # A server's requests reach the gateway whole and it batches them itself: no batch cap reaches it, so
+            # it is never a co-runner whose cap is lowered, and its limit is its batch-1 baseline (the smallest).
             views[model] = decider.ModelView(model, base.slo, base.baselines, awake[model], gpu[model],
-                                             base.max_batch)
+                                             1 if spec.framework is api.Framework.SERVER else base.max_batch)
         ensembles = {spec.ensemble: self._ensemble(spec.ensemble, spec, specs) for spec in specs.values()
                      if spec.ensemble is not None and spec.chain}
         views.update(ensembles)
