@@ -171,6 +171,23 @@ def test_the_loop_preloads_a_server_whose_arrivals_accelerate(rundir: pathlib.Pa
         p.close()
 
 
+def test_the_loop_leaves_a_server_answering_a_request_hot(rundir: pathlib.Path, default_spec: api.ModelSpecSpec,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    p, inst = server_pool(rundir, default_spec)
+    actuator = loop.PoolActuator(p)
+    caplog.set_level(logging.INFO, logger=loop.__name__)
+    try:
+        p.activate("srv")  # a request that came after the window that found the server idle
+        actuator.demote("srv", Tier.FROZEN)
+        wait_for("the demotion tried", lambda: any("not demoted" in r.getMessage() for r in caplog.records),
+                 timeout=30, every=0.01)
+        assert inst.tier is Tier.HOT and inst.in_flight == 1
+    finally:
+        actuator.close()
+        p.close()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
 def test_a_violation_lowers_a_built_in_models_batch_cap_never_a_servers(rundir: pathlib.Path,
                                                                          default_spec: api.ModelSpecSpec) -> None:
     p, _ = server_pool(rundir, default_spec, tolerance=300.0)

@@ -39,7 +39,7 @@ from volga_agent import errors, metrics
 from volga_agent.autonomy import decider, sampler
 from volga_agent.autonomy import window as windows
 from volga_agent.host import gpus, priority, process, throttle
-from volga_agent.node import pool
+from volga_agent.node import pool, server
 from volga_agent.node.settings import Settings
 from volga_core import api, nodes
 
@@ -147,7 +147,10 @@ class PoolActuator:
         def move() -> None:
             for info in self.pool.instances(model):
                 if info.tier == api.Tier.HOT:
-                    self.pool.move_to(info.name, tier)
+                    try:
+                        self.pool.move_to(info.name, tier)
+                    except server.Busy as exc:  # a model server answering a request that came after the window
+                        log.info("autonomy: %s not demoted: %s", info.name, exc)
 
         self._once(model, move)
 
