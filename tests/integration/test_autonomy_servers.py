@@ -1,14 +1,16 @@
 """The autonomy loop's decisions applied to real model servers (`framework: server`: the FastAPI app of
 volga_bench/servers/stream_app.py under uvicorn) in a real pool, frozen and restored by real CRIU: a Preload wakes a
 FROZEN server whose arrivals accelerate, a Demote freezes it again once it is idle beside a busy, less tolerant
-server. The loop is stepped window by window (`Loop.step`), so the decisions do not depend on timing; the decisions
-on stubbed server moves are in tests/unit/test_autonomy_servers.py."""
+server, and a server that yields the CPU has every thread of its tree lowered (and a wake from an image taken while it
+yielded sets them back). The loop is stepped window by window (`Loop.step`), so the decisions do not depend on
+timing; the decisions on stubbed server moves are in tests/unit/test_autonomy_server_steps.py."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import logging
+import os
 import pathlib
 import sys
 from collections.abc import Iterator
@@ -18,6 +20,7 @@ from autonomy_stubs import NoProbe, RecordingGateway
 from procs import wait_for
 
 from volga_agent.autonomy import decider, loop, window
+from volga_agent.host import priority, process
 from volga_agent.node import pool
 from volga_agent.node.settings import Settings
 from volga_agent.snapshot import criu
@@ -97,3 +100,37 @@ def test_the_loop_wakes_a_frozen_server_and_freezes_it_again_when_idle(servers: 
     # What the loop froze, a request wakes again.
     assert servers.activate("loose").woke_from is Tier.FROZEN
     servers.release("loose-0")
+
+
+def test_a_yielding_server_lowers_its_whole_tree_and_a_wake_from_its_image_gives_it_back(servers: pool.Pool) -> None:
+    strict = servers.servers.slots["strict-0"].inst
+    actuator = loop.PoolActuator(servers)
+    normal = priority.normal()
+
+    def nices() -> set[int]:
+        assert strict.pid is not None
+        return {n for pid in process.tree(strict.pid) for n in priority.nice_of(pid)}
+
+    try:
+        assert nices() == {normal}
+        own_group = priority.group_nice_of(os.getpid())
+        loop.apply(decider.LowerPriority("strict", 19), actuator)
+        assert nices() == {19}
+        # The server's tree is a session of its own (nsinit): its scheduling group is lowered, this process's is not.
+        assert priority.group_nice_of(os.getpid()) == own_group
+        loop.apply(decider.RestorePriority("strict"), actuator)
+        assert nices() == {normal}
+        # Frozen while it yields: its image keeps each thread's nice, and the wake from it sets them back to normal.
+        loop.apply(decider.LowerPriority("strict", 19), actuator)
+        assert nices() == {19}
+        servers.move_to("strict-0", Tier.FROZEN)
+        assert strict.pid is None and strict.image is not None
+        actuator.refresh()  # the lowered processes are gone: forgotten
+        servers.move_to("strict-0", Tier.HOT)
+        assert strict.transitions[-1].source is Tier.FROZEN and not strict.transitions[-1].fallback
+        assert nices() == {normal}
+        actuator.refresh()  # still yielding: the woken tree is lowered again at the next window
+        assert nices() == {19}
+    finally:
+        actuator.close()
+    assert nices() == {normal}  # the loop's end gives every lowered process its priority back

@@ -13,9 +13,12 @@ provides those four methods, and the autonomy package imports nothing of the gat
 
 Model servers (`framework: server`, the pool's `ServerPool`) are models like the others in the decider's views, their
 load counted by the gateway's proxies: a preload wakes one (`Pool.wake`, no activation held) and a demotion takes it
-down its own ladder (`Pool.move_to`). What does not apply to a server is skipped, logged at debug level: batch caps
-(a server batches itself; its view's batch limit is 1, so the decider never picks it to lower one), shedding (the
-proxies pass its requests on), CPU priority and throttling (its process tree is left as it runs).
+down its own ladder (`Pool.move_to`), and a lowered CPU priority reaches every thread of every process of its tree
+(a server restored from an image taken while it yielded is set back to normal by its instance). What does not apply
+to a server is skipped, logged at debug level: batch caps (a server batches itself; its view's batch limit is 1, so
+the decider never picks it to lower one), shedding (the proxies pass its requests on) and throttling (a server's tree
+is never stopped: a tree CRIU dumped stopped would be restored stopped, and nothing holds a server's moves off
+while it is).
 
 For the cluster tier the loop keeps its `Standing` (state, since when, the node's memory) for the agent's heartbeat
 to publish, and holds the cluster's watermarks the operator published (`cluster`), which its debug lines show.
@@ -174,16 +177,26 @@ class PoolActuator:
             self.gateway.unshed(model)
 
     def lower_priority(self, model: str, nice: int) -> None:
-        if self._not_applied(model, "CPU priority (its process tree keeps its own)"):
-            return
         self._yielding[model] = nice
         self._lower(model, nice)
 
-    def _lower(self, model: str, nice: int) -> None:
+    def _hot(self, model: str) -> list[int]:
+        """The processes of the model's HOT instances: each worker, and every process of each server's tree."""
+        pids = []
         for slot in list(self.pool.slots.values()):
             inst = slot.inst
-            pid = inst.pid
-            if inst.spec.model_id != model or pid is None or inst.tier != api.Tier.HOT or pid in self._lowered:
+            if inst.spec.model_id == model and inst.pid is not None and inst.tier == api.Tier.HOT:
+                pids.append(inst.pid)
+        for server_slot in list(self.pool.servers.slots.values()):
+            served = server_slot.inst
+            pid = served.pid
+            if served.spec.model_id == model and pid is not None and served.tier == api.Tier.HOT:
+                pids += process.tree(pid)
+        return pids
+
+    def _lower(self, model: str, nice: int) -> None:
+        for pid in self._hot(model):
+            if pid in self._lowered:
                 continue
             started = process.start_time(pid)
             try:
@@ -199,8 +212,6 @@ class PoolActuator:
                      ", its session's group too" if applied.group else "")
 
     def restore_priority(self, model: str) -> None:
-        if self._not_applied(model, "CPU priority restored"):
-            return
         self._yielding.pop(model, None)
         for pid, (owner, started) in list(self._lowered.items()):
             if owner == model:
@@ -249,6 +260,10 @@ class PoolActuator:
 
     def refresh(self) -> None:
         live = {slot.inst.pid for slot in list(self.pool.slots.values())}
+        if self._lowered:
+            for server_slot in list(self.pool.servers.slots.values()):
+                if (pid := server_slot.inst.pid) is not None:
+                    live.update(process.tree(pid))
         for pid in [pid for pid in self._lowered if pid not in live]:
             del self._lowered[pid]  # frozen or gone: a restored worker starts at normal priority
         for model, nice in self._yielding.items():

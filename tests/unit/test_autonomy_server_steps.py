@@ -2,7 +2,7 @@
 whose moves record themselves instead of running a process and CRIU (the real ones are in
 tests/integration/test_autonomy_servers.py). A Demote takes it down its ladder (`Pool.move_to` handing it to
 `ServerPool.move_to`), a Preload wakes it and holds no activation (`Pool.wake`), the decider's views count it, and
-what does not apply to a server (batch caps, shedding, CPU priority, throttling) is skipped."""
+what does not apply to a server (batch caps, shedding, throttling) is skipped."""
 
 from __future__ import annotations
 
@@ -219,8 +219,7 @@ def test_what_does_not_apply_to_a_server_is_skipped(rundir: pathlib.Path, defaul
     caplog.set_level(logging.DEBUG, logger=loop.__name__)
     try:
         for action in (decider.LowerBatchCap("srv", 4), decider.RestoreBatchCap("srv"), decider.Shed("srv", 100),
-                       decider.Unshed("srv"), decider.LowerPriority("srv", 19), decider.RestorePriority("srv"),
-                       decider.Throttle("srv", 0.5), decider.Unthrottle("srv")):
+                       decider.Unshed("srv"), decider.Throttle("srv", 0.5), decider.Unthrottle("srv")):
             loop.apply(action, actuator)
         loop.apply(decider.Shed("strict", 100), actuator)  # a built-in model's still reaches the gateway
     finally:
@@ -228,4 +227,4 @@ def test_what_does_not_apply_to_a_server_is_skipped(rundir: pathlib.Path, defaul
         p.close()
     assert gateway.calls == [("shed", "strict", 100)]
     skipped = [r.getMessage() for r in caplog.records if "is a model server" in r.getMessage()]
-    assert len(skipped) == 8 and any("batch cap" in m for m in skipped) and any("throttling" in m for m in skipped)
+    assert len(skipped) == 6 and any("batch cap" in m for m in skipped) and any("throttling" in m for m in skipped)
