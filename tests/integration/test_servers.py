@@ -273,6 +273,11 @@ def test_volga_up_serves_a_frozen_server_through_its_gateway(engine: criu.CriuEn
         assert s.tier is api.Tier.HOT and s.transitions[-1].source is api.Tier.FROZEN
         assert not s.transitions[-1].fallback
         assert other == 400  # not a server: the OIP handler answers (a model it does not have is not ready)
+        # The request counts in the load the node's autonomy loop reads, as a built-in model's: from its wake to the
+        # last event streamed.
+        load = up.gateway.dataplane.drain_load()["stream"]
+        assert (load.arrivals, load.completed, load.queue_depth, len(load.latencies_ms)) == (1, 1, 0, 1)
+        assert load.latencies_ms[0] >= 5 * 30  # six events 30 ms apart, after the wake
         with urllib.request.urlopen(up.endpoints()["metrics"]) as r:
             scraped = r.read().decode()
         assert 'volga_tier_transition_latency_ms_count{model="stream",source="FROZEN",target="HOT"} 1.0' in scraped

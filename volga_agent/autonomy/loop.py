@@ -11,6 +11,15 @@ stopped, and continues every worker when the loop stops. Batch caps and
 shedding go to the gateway, which the loop knows only as the `Gateway` protocol: the gateway's data plane
 provides those four methods, and the autonomy package imports nothing of the gateway (docs/architecture.md).
 
+Model servers (`framework: server`, the pool's `ServerPool`) are models like the others in the decider's views, their
+load counted by the gateway's proxies: a preload wakes one (`Pool.wake`, no activation held) and a demotion takes it
+down its own ladder (`Pool.move_to`), and a lowered CPU priority reaches every thread of every process of its tree
+(a server restored from an image taken while it yielded is set back to normal by its instance). What does not apply
+to a server is skipped, logged at debug level: batch caps (a server batches itself; its view's batch limit is 1, so
+the decider never picks it to lower one), shedding (the proxies pass its requests on) and throttling (a server's tree
+is never stopped: a tree CRIU dumped stopped would be restored stopped, and nothing holds a server's moves off
+while it is).
+
 For the cluster tier the loop keeps its `Standing` (state, since when, the node's memory) for the agent's heartbeat
 to publish, and holds the cluster's watermarks the operator published (`cluster`), which its debug lines show.
 """
@@ -33,7 +42,7 @@ from volga_agent import errors, metrics
 from volga_agent.autonomy import decider, sampler
 from volga_agent.autonomy import window as windows
 from volga_agent.host import gpus, priority, process, throttle
-from volga_agent.node import pool
+from volga_agent.node import pool, server
 from volga_agent.node.settings import Settings
 from volga_core import api, nodes
 
@@ -133,7 +142,7 @@ class PoolActuator:
 
     def _wake(self, model: str) -> None:
         try:
-            self.pool.activate(model)
+            self.pool.wake(model)
         except errors.UnknownModel:
             return
 
@@ -141,31 +150,53 @@ class PoolActuator:
         def move() -> None:
             for info in self.pool.instances(model):
                 if info.tier == api.Tier.HOT:
-                    self.pool.move_to(info.name, tier)
+                    try:
+                        self.pool.move_to(info.name, tier)
+                    except server.Busy as exc:  # a model server answering a request that came after the window
+                        log.info("autonomy: %s not demoted: %s", info.name, exc)
 
         self._once(model, move)
 
+    def _not_applied(self, model: str, what: str) -> bool:
+        """Whether the model is a model server, to which `what` does not apply (logged at debug level)."""
+        if not self.pool.servers.serves(model):
+            return False
+        log.debug("autonomy: %s is a model server: %s not applied", model, what)
+        return True
+
     def set_batch_cap(self, model: str, cap: int | None) -> None:
-        if self.gateway is not None:
+        if self.gateway is not None and not self._not_applied(model, "batch cap (a server batches itself)"):
             self.gateway.set_batch_cap(model, cap)
 
     def shed(self, model: str, retry_after_ms: int) -> None:
-        if self.gateway is not None:
+        if self.gateway is not None and not self._not_applied(model, "shedding (the proxies pass its requests on)"):
             self.gateway.shed(model, retry_after_ms)
 
     def unshed(self, model: str) -> None:
-        if self.gateway is not None:
+        if self.gateway is not None and not self._not_applied(model, "unshedding"):
             self.gateway.unshed(model)
 
     def lower_priority(self, model: str, nice: int) -> None:
         self._yielding[model] = nice
         self._lower(model, nice)
 
-    def _lower(self, model: str, nice: int) -> None:
+    def _hot(self, model: str) -> list[int]:
+        """The processes of the model's HOT instances: each worker, and every process of each server's tree."""
+        pids = []
         for slot in list(self.pool.slots.values()):
             inst = slot.inst
-            pid = inst.pid
-            if inst.spec.model_id != model or pid is None or inst.tier != api.Tier.HOT or pid in self._lowered:
+            if inst.spec.model_id == model and inst.pid is not None and inst.tier == api.Tier.HOT:
+                pids.append(inst.pid)
+        for server_slot in list(self.pool.servers.slots.values()):
+            served = server_slot.inst
+            pid = served.pid
+            if served.spec.model_id == model and pid is not None and served.tier == api.Tier.HOT:
+                pids += process.tree(pid)
+        return pids
+
+    def _lower(self, model: str, nice: int) -> None:
+        for pid in self._hot(model):
+            if pid in self._lowered:
                 continue
             started = process.start_time(pid)
             try:
@@ -200,6 +231,8 @@ class PoolActuator:
         log.info("autonomy: %s: worker %d back at normal priority", model, pid)
 
     def throttle(self, model: str, share: float) -> None:
+        if self._not_applied(model, "throttling (its process tree is never stopped)"):
+            return
         self._throttled[model] = share
         self._throttled_slots.pop(model, None)
         self._cover(model, share)
@@ -218,6 +251,8 @@ class PoolActuator:
                                for slot in slots])
 
     def unthrottle(self, model: str) -> None:
+        if self._not_applied(model, "unthrottling"):
+            return
         self._throttled.pop(model, None)
         self._throttled_slots.pop(model, None)
         self.cycle.drop(model)
@@ -225,6 +260,10 @@ class PoolActuator:
 
     def refresh(self) -> None:
         live = {slot.inst.pid for slot in list(self.pool.slots.values())}
+        if self._lowered:
+            for server_slot in list(self.pool.servers.slots.values()):
+                if (pid := server_slot.inst.pid) is not None:
+                    live.update(process.tree(pid))
         for pid in [pid for pid in self._lowered if pid not in live]:
             del self._lowered[pid]  # frozen or gone: a restored worker starts at normal priority
         for model, nice in self._yielding.items():
@@ -335,6 +374,16 @@ class Views:
             devices.setdefault(model, inst.device)
             awake[model] = awake.get(model, False) or inst.tier == api.Tier.HOT
             gpu[model] = gpu.get(model, False) or inst.gpu
+        # Model servers: on a node with the driver's checkpoint API, a GPU server's demotion goes to WARM, which its
+        # own ladder turns into the next tier it has (`ServerPool.move_to`); on the others it freezes.
+        on_gpu = self.pool.servers.driver is not None
+        for server_slot in list(self.pool.servers.slots.values()):
+            served = server_slot.inst
+            model = served.spec.model_id
+            specs[model] = served.spec
+            devices.setdefault(model, "cpu")
+            awake[model] = awake.get(model, False) or served.tier == api.Tier.HOT
+            gpu[model] = on_gpu
         measured = self.measured() if self.measured is not None else NONE_MEASURED
         key = (measured, tuple((model, id(spec), awake[model], gpu[model]) for model, spec in specs.items()))
         if key[0] is self._key[0] and key[1] == self._key[1]:
@@ -346,8 +395,10 @@ class Views:
             if cached is None or cached[0] is not spec or cached[1] is not entries:
                 cached = self._cache[model] = (spec, entries, self._view(spec, devices[model], entries))
             base = cached[2]
+            # A server's requests reach the gateway whole and it batches them itself: no batch cap reaches it, so
+            # it is never a co-runner whose cap is lowered, and its limit is its batch-1 baseline (the smallest).
             views[model] = decider.ModelView(model, base.slo, base.baselines, awake[model], gpu[model],
-                                             base.max_batch)
+                                             1 if spec.framework is api.Framework.SERVER else base.max_batch)
         ensembles = {spec.ensemble: self._ensemble(spec.ensemble, spec, specs) for spec in specs.values()
                      if spec.ensemble is not None and spec.chain}
         views.update(ensembles)

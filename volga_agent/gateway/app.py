@@ -50,9 +50,10 @@ class Gateway:
                  extra_metrics: list[prom.CollectorRegistry] | None = None,
                  servers: proxy.Servers | None = None) -> None:
         self.settings = s = settings or Settings()
-        self.servers = servers  # model servers, proxied over REST
         self.dataplane = dataplane.Dataplane(models, link, s.node, s.cache_ttl_sec, s.max_request_bytes, s.shm_bytes,
                                              gateway_metrics)
+        # Model servers, passed through over REST and gRPC; their requests count in the dataplane's load.
+        self.servers = proxy.Counted(servers, self.dataplane.served) if servers is not None else None
         self.catalog = models
         self.metrics = self.dataplane.metrics
         self.extra_metrics = extra_metrics or []

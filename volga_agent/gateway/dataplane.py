@@ -28,7 +28,8 @@ rows a batch of a model takes), `shed` / `unshed` (refuse a model's requests at 
 with a retry hint) and `drain_load` (each model's arrivals, completions, latencies and queue since the last
 call, as `ModelLoad`s); `set_neighbours` gives it the node's state and its neighbours' levels. An ensemble's
 request counts under its own id, and each of its steps as a request of that step's model; an ensemble that needs
-a shed model is refused as a whole, before its first step.
+a shed model is refused as a whole, before its first step. A model server's requests, which the proxies pass
+through past `observe`, count in its load all the same (`served`); the loop's caps and sheds do not reach them.
 
 The metadata answers (model state from what the agent reports, platform, tensor specs, a Triton-style model
 configuration) are built here too, so both adapters give the same ones; an output whose answers contradict its
@@ -287,9 +288,11 @@ class Dataplane:
         return counts
 
     @contextlib.contextmanager
-    def _step(self, model: str) -> Iterator[None]:
-        """One step of an ensemble, counted as a request of its model: the steps go to `_dispatch`, past `observe`,
-        so nothing else counts them."""
+    def served(self, model: str) -> Iterator[None]:
+        """One request of the model served past `observe`, counted in the model's load as `observe` counts one
+        (an arrival, in the model's queue while it runs, a completion and its latency when it ends, whatever its
+        outcome): an ensemble's steps (they go to `_dispatch` directly) and a model server's requests (the proxies
+        pass them through, `proxy.Counted`). Safe from any thread."""
         with self._lock:
             self._arrived(model)
         start = time.perf_counter()
@@ -428,7 +431,7 @@ class Dataplane:
             step_headers = {k: v for k, v in request_headers.items() if k != "x-input-hash"}
 
             async def step(member: str, step_inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-                with self._step(member):
+                with self.served(member):
                     return (await self._dispatch(self.catalog.get(member), step_headers, step_inputs, deadline))[1]
 
             return found, await ensemble.run(found, inputs, step)

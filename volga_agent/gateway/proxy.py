@@ -17,7 +17,8 @@ cluster.
 
 Bounds as for every model: the body is read up to the gateway's request limit (413 above it), and `x-timeout-ms`
 bounds the wake and the whole exchange (504 when it passes). Each exchange opens its own connection to the server
-and closes it: a connection left open would be one more socket in the server's image.
+and closes it: a connection left open would be one more socket in the server's image. The gateway counts each
+request served here in its model's load for the node's autonomy loop (`Counted`), over both protocols.
 """
 
 from __future__ import annotations
@@ -132,6 +133,34 @@ class PoolLink:
             await asyncio.to_thread(self._release, instance)
         except errors.UnknownModel as exc:
             raise ConnectionError(str(exc)) from None
+
+
+class Counted:
+    """`servers` whose every lease counts as one request of its model in the gateway's per-model load (`served`:
+    `Dataplane.served`), the load the node's autonomy loop reads, as a built-in model's requests count: both
+    proxies (HTTP here, gRPC in `grpc_proxy`) hold a lease from before a request's wake until its answer's last
+    byte is passed on, so its arrival, its time in the model's queue, its completion and its latency (the wake
+    included) are the request's. A request passed on to another node's gateway takes no lease here: that node
+    counts it."""
+
+    def __init__(self, servers: Servers, served: Callable[[str], contextlib.AbstractContextManager[None]]) -> None:
+        self.servers = servers
+        self._served = served
+
+    def serves(self, model_id: str) -> bool:
+        return self.servers.serves(model_id)
+
+    def speaks_grpc(self, model_id: str) -> bool:
+        return self.servers.speaks_grpc(model_id)
+
+    def elsewhere(self, model_id: str) -> Remote | None:
+        return self.servers.elsewhere(model_id)
+
+    @contextlib.asynccontextmanager
+    async def lease(self, model_id: str, timeout_sec: float | None) -> AsyncIterator[Lease]:
+        with self._served(model_id):
+            async with self.servers.lease(model_id, timeout_sec) as lease:
+                yield lease
 
 
 class AgentServers:

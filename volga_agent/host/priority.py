@@ -5,7 +5,8 @@ Linux keeps a nice value per thread, so every thread of the worker (/proc/PID/ta
 processes by session for scheduling (autogroup: on unless the processes live in a CPU cgroup of their own), every
 worker is a session leader (worker/nsinit.py) and so a group of its own, whose weight against the other workers
 only the group's nice sets (/proc/PID/autogroup): both are set. CRIU dumps and restores each thread's nice with
-it, so the instance gives a restored worker its normal priority back (`restore`).
+it, so the instance gives a restored worker (a model server's instance: each process of its restored tree) its
+normal priority back (`normalise`).
 
 A nice value alone still lets a busy low-priority thread run out its time slice when a normal thread wakes (a few
 ms, on every wake-up of the protected model's request path); `idle` also puts the threads under SCHED_IDLE, which

@@ -513,6 +513,14 @@ class Pool:
         except Exception as exc:  # the request for it, when it comes, wakes it again and reports the failure
             log.warning("%s: waking it with its chain failed: %s", model_id, exc)
 
+    def wake(self, model_id: str) -> Activation:
+        """`activate` for a caller that sends no request (the autonomy loop's preload): a model server's activation
+        is given back at once, so that it counts as idle from its wake on and goes back to its floor once idle."""
+        activated = self.activate(model_id)
+        if self.servers.owns(activated.instance.name):
+            self.servers.release(activated.instance.name)
+        return activated
+
     def release(self, name: str) -> None:
         """The caller is done with it: it counts as idle from now on, and the policy demotes it next tick. A model
         server counts as idle from now on once no other activation holds it."""
@@ -526,7 +534,10 @@ class Pool:
         slot.inst.last_used = float("-inf")
 
     def move_to(self, name: str, target: Tier) -> instance.Transition | None:
-        """Move one instance now (operators' tools, demos, benchmarks); None when it is already there."""
+        """Move one instance now (the node's autonomy loop, operators' tools, demos, benchmarks); None when it is
+        already there. A model server's goes to `ServerPool.move_to` (down its own ladder)."""
+        if self.servers.owns(name):
+            return self.servers.move_to(name, target)
         slot = self.slots.get(name)
         if slot is None:
             raise errors.UnknownModel(f"no instance {name!r} on node {self.node}")

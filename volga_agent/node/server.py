@@ -52,7 +52,7 @@ import time
 from collections.abc import AsyncIterator, Iterable, Iterator
 
 from volga_agent import metrics
-from volga_agent.host import process
+from volga_agent.host import priority, process
 from volga_agent.node import instance
 from volga_agent.snapshot import criu, cuda
 from volga_agent.worker import handshake, nsinit
@@ -501,6 +501,8 @@ class ServerInstance:
                 lazy = self.lazy_restore and self.image.lazy_restorable
                 restored = self.engine.restore(self.image, lazy=lazy)
                 self.pid, self._restored = restored.pid, restored
+                for pid in process.tree(restored.pid):  # its image kept each thread's nice: it may have yielded
+                    priority.normalise(pid)
                 phases["restore"] = restored.seconds
                 if self.handshake_image:
                     self.gpu_pids = self._handshake_gpu_pids

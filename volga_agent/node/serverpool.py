@@ -253,6 +253,37 @@ class ServerPool:
         slot.inst.release()
         slot.last_used_unix = time.time()
 
+    def move_to(self, name: str, target: Tier) -> instance.Transition | None:
+        """Move one server now (the node's autonomy loop, operators' tools): HOT wakes it (no activation held: it
+        counts as idle from then on); a tier below its own takes it down its ladder to `target`, or where its ladder
+        lacks `target` (WARM without sleep hooks, SUSPENDED without a CUDA context, both on a node without the
+        driver's checkpoint API) to the next tier below it; COLD stops it. The last move; None when it did not move
+        (already there or below; CRIU cannot dump it: FreezeRefused, which leaves it HOT as the idle demotion does)
+        or was stopped. `server.Busy` while a request runs: a server is never moved down mid-answer."""
+        slot = self.slots.get(name)
+        if slot is None or slot.removed:
+            raise errors.UnknownModel(f"no instance {name!r} on node {self.node}")
+        inst = slot.inst
+        moves = len(inst.transitions)
+        if target is Tier.HOT:
+            inst.ensure_hot()
+            _share_socket(inst)
+            inst.last_used = time.monotonic()
+        elif target is Tier.COLD:
+            if inst.in_flight:
+                raise server.Busy(f"{name}: {inst.in_flight} request(s) in flight")
+            inst.close()
+        elif slot.refused and inst.tier is Tier.HOT:
+            return None
+        else:
+            try:
+                inst.settle(self.resting(target))
+            except server.FreezeRefused as exc:
+                slot.refused, slot.reason = True, f"FreezeRefused: {exc}"
+                log.warning("%s stays HOT: %s", inst.name, exc)
+                return None
+        return inst.transitions[-1] if len(inst.transitions) > moves else None
+
     # -- the local control loop ----------------------------------------------------------------------------------
     def tick(self) -> None:
         """Servers that died while HOT started again (and brought to their floors), idle ones back down to their
