@@ -1,8 +1,9 @@
 """The autonomy loop's decisions on model servers (`framework: server`), through the pool's seams: a server instance
 whose moves record themselves instead of running a process and CRIU (the real ones are in
 tests/integration/test_autonomy_servers.py). A Demote takes it down its ladder (`Pool.move_to` handing it to
-`ServerPool.move_to`), a Preload wakes it and holds no activation (`Pool.wake`), the decider's views count it, and
-what does not apply to a server (batch caps, shedding, throttling) is skipped."""
+`ServerPool.move_to`), a Preload wakes it and holds no activation (`Pool.wake`), the decider's views count it,
+Shed and Unshed reach the gateway as a built-in model's do, and what does not apply to a server (batch caps,
+throttling) is skipped."""
 
 from __future__ import annotations
 
@@ -218,13 +219,33 @@ def test_what_does_not_apply_to_a_server_is_skipped(rundir: pathlib.Path, defaul
     actuator = loop.PoolActuator(p, gateway)
     caplog.set_level(logging.DEBUG, logger=loop.__name__)
     try:
-        for action in (decider.LowerBatchCap("srv", 4), decider.RestoreBatchCap("srv"), decider.Shed("srv", 100),
-                       decider.Unshed("srv"), decider.Throttle("srv", 0.5), decider.Unthrottle("srv")):
+        for action in (decider.LowerBatchCap("srv", 4), decider.RestoreBatchCap("srv"), decider.Throttle("srv", 0.5),
+                       decider.Unthrottle("srv")):
             loop.apply(action, actuator)
-        loop.apply(decider.Shed("strict", 100), actuator)  # a built-in model's still reaches the gateway
+        loop.apply(decider.LowerBatchCap("strict", 4), actuator)  # a built-in model's still reaches the gateway
     finally:
         actuator.close()
         p.close()
-    assert gateway.calls == [("shed", "strict", 100)]
+    assert gateway.calls == [("set_batch_cap", "strict", 4)]
     skipped = [r.getMessage() for r in caplog.records if "is a model server" in r.getMessage()]
-    assert len(skipped) == 6 and any("batch cap" in m for m in skipped) and any("throttling" in m for m in skipped)
+    assert len(skipped) == 4 and any("batch cap" in m for m in skipped) and any("throttling" in m for m in skipped)
+
+
+def test_the_loop_sheds_a_server_through_the_gateway_and_unsheds_it(rundir: pathlib.Path,
+                                                                     default_spec: api.ModelSpecSpec) -> None:
+    settings = Settings(autonomy_hysteresis_windows=1, autonomy_shed_retry_after_ms=1500)
+    p, _ = server_pool(rundir, default_spec, settings)
+    gateway = RecordingGateway()
+    autonomy = loop.Loop(p, gateway, probe=NoProbe())
+    traffic = {"strict": window.ModelWindow(5, 5, 0, 0, 0.5), "srv": window.ModelWindow(5, 5, 0, 0, 1.0)}
+    try:
+        for k in range(3):  # memory past the emergency watermark: the most tolerant model with traffic is shed
+            autonomy.step(window.Window(k * 0.1, (k + 1) * 0.1, 95.0, 10.0, False, traffic))
+        assert any(decider.Shed("srv", 1500) in d.actions for d in autonomy.decisions)
+        for k in range(3, 40):  # calm again: unshed once the loop leaves EMERGENCY
+            autonomy.step(window.Window(k * 0.1, (k + 1) * 0.1, 20.0, 10.0, False, traffic))
+    finally:
+        autonomy.stop()
+        p.close()
+    shedding = [c for c in gateway.calls if c[0] in ("shed", "unshed")]
+    assert shedding == [("shed", "srv", 1500), ("unshed", "srv")]  # `strict`, the least tolerant, never

@@ -1,6 +1,7 @@
 """A model server's requests in the gateway's per-model load (the load the node's autonomy loop reads): every lease
 the proxies take counts as one request (`proxy.Counted`, `Dataplane.served`), over HTTP and gRPC passed through, as
-a built-in model's requests count. The servers here are in-process upstreams (an aiohttp app, a gRPC servicer)."""
+a built-in model's requests count; while the server is shed they are refused before any wake and counted as
+shed. The servers here are in-process upstreams (an aiohttp app, a gRPC servicer)."""
 
 from __future__ import annotations
 
@@ -140,3 +141,94 @@ def test_the_gateway_counts_a_servers_requests_over_http_and_grpc_in_its_load() 
     load = asyncio.run(main())
     assert (load.arrivals, load.completed, load.queue_depth, load.shed) == (3, 3, 0, 0)
     assert len(load.latencies_ms) == 3 and all(ms > 0.0 for ms in load.latencies_ms)
+
+
+class _CountingUpstream(_Upstream):
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def ModelInfer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        self.calls += 1
+        return await super().ModelInfer(request, context)
+
+    async def ModelStreamInfer(self, requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        async for request in requests:
+            self.calls += 1
+            yield pb.ModelStreamInferResponse(infer_response=pb.ModelInferResponse(model_name=request.model_name,
+                                                                                   id=request.id))
+
+
+def test_a_shed_servers_requests_are_refused_before_any_wake_and_counted_as_shed() -> None:
+    upstream = _CountingUpstream()
+    http_calls: list[str] = []
+
+    async def main() -> tuple[dataplane.ModelLoad, dataplane.ModelLoad, str]:
+        async def infer(request: web.Request) -> web.Response:
+            http_calls.append(request.path)
+            return web.json_response({"model_name": request.match_info["model"], "outputs": []})
+
+        http_app = web.Application()
+        http_app.router.add_post("/v2/models/{model}/infer", infer)
+        runner = web.AppRunner(http_app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        grpc_server = grpc.aio.server()
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(upstream, grpc_server)
+        grpc_port = grpc_server.add_insecure_port("127.0.0.1:0")
+        await grpc_server.start()
+        servers = _Servers(f"http://127.0.0.1:{runner.addresses[0][1]}", f"127.0.0.1:{grpc_port}")
+        gateway = app.Gateway(catalog.Catalog({"srv": server_spec()}),
+                              links.LocalAgentLink(lambda m, h: links.Route("", "")),
+                              app.Settings(http_port=0, grpc_port=0, metrics_port=0), servers=servers)
+        await gateway.start()
+        url = f"http://127.0.0.1:{gateway.ports['http']}/v2/models/srv/infer"
+        try:
+            gateway.dataplane.shed("srv", 1500)
+            async with aiohttp.ClientSession() as session, \
+                    grpc.aio.insecure_channel(f"127.0.0.1:{gateway.ports['grpc']}") as channel:
+                async with session.post(url, json={"inputs": []}) as r:
+                    assert r.status == 429 and r.headers["Retry-After"] == "2"  # 1.5 s, rounded up
+                    assert r.content_type == "application/json"
+                    assert "srv" in (await r.json())["error"] and "shedding" in (await r.json())["error"]
+                stub = pb_grpc.GRPCInferenceServiceStub(channel)
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub.ModelInfer(pb.ModelInferRequest(model_name="srv", id="r1"), timeout=10)
+                assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert ("retry-after-ms", "1500") in tuple(refused.value.trailing_metadata() or ())
+                stream = stub.ModelStreamInfer(timeout=10)
+                await stream.write(pb.ModelInferRequest(model_name="srv", id="s1"))
+                await stream.done_writing()
+                with pytest.raises(grpc.aio.AioRpcError) as ended:  # refused as a whole, as a failed wake ends it
+                    assert [answer async for answer in stream] == []
+                assert ended.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert ("retry-after-ms", "1500") in tuple(await stream.trailing_metadata() or ())
+                assert not servers.inside.is_set() and http_calls == [] and upstream.calls == 0  # never woken
+                shed = gateway.dataplane.drain_load()["srv"]
+
+                gateway.dataplane.unshed("srv")
+                async with session.post(url, json={"inputs": []}) as r:
+                    assert r.status == 200 and (await r.json())["model_name"] == "srv"
+                assert (await stub.ModelInfer(pb.ModelInferRequest(model_name="srv", id="r2"), timeout=10)).id == "r2"
+                stream = stub.ModelStreamInfer(timeout=10)
+                await stream.write(pb.ModelInferRequest(model_name="srv", id="s2"))
+                await stream.done_writing()
+                assert [answer.infer_response.id async for answer in stream] == ["s2"]
+                assert http_calls == ["/v2/models/srv/infer"] and upstream.calls == 2
+            served = gateway.dataplane.drain_load()["srv"]
+            async with aiohttp.ClientSession() as session, \
+                    session.get(f"http://127.0.0.1:{gateway.ports['metrics']}/metrics") as r:
+                return shed, served, await r.text()
+        finally:
+            await gateway.stop(0)
+            await grpc_server.stop(0)
+            await runner.cleanup()
+
+    shed, served, scraped = asyncio.run(main())
+    # As `observe` counts a shed request: arrived and shed, never in the queue, no completion.
+    assert (shed.arrivals, shed.completed, shed.queue_depth, shed.shed, shed.latencies_ms) == (3, 0, 0, 3, ())
+    assert (served.arrivals, served.completed, served.queue_depth, served.shed) == (3, 3, 0, 0)
+    for line in ('volga_gateway_requests_total{code="RESOURCE_EXHAUSTED",model="srv",protocol="http"} 1.0',
+                 'volga_gateway_requests_total{code="RESOURCE_EXHAUSTED",model="srv",protocol="grpc"} 1.0',
+                 'volga_gateway_requests_total{code="RESOURCE_EXHAUSTED",model="srv",protocol="grpc-stream"} 1.0',
+                 'volga_gateway_shed_requests_total{model="srv"} 3.0'):
+        assert line in scraped, [s for s in scraped.splitlines() if "srv" in s]

@@ -14,11 +14,11 @@ provides those four methods, and the autonomy package imports nothing of the gat
 Model servers (`framework: server`, the pool's `ServerPool`) are models like the others in the decider's views, their
 load counted by the gateway's proxies: a preload wakes one (`Pool.wake`, no activation held) and a demotion takes it
 down its own ladder (`Pool.move_to`), and a lowered CPU priority reaches every thread of every process of its tree
-(a server restored from an image taken while it yielded is set back to normal by its instance). What does not apply
-to a server is skipped, logged at debug level: batch caps (a server batches itself; its view's batch limit is 1, so
-the decider never picks it to lower one), shedding (the proxies pass its requests on) and throttling (a server's tree
-is never stopped: a tree CRIU dumped stopped would be restored stopped, and nothing holds a server's moves off
-while it is).
+(a server restored from an image taken while it yielded is set back to normal by its instance), and shedding goes to
+the gateway as a built-in model's does (its proxies refuse a shed server's requests before any wake, with the same
+retry hint). What does not apply to a server is skipped, logged at debug level: batch caps (a server batches itself;
+its view's batch limit is 1, so the decider never picks it to lower one) and throttling (a server's tree is never
+stopped: a tree CRIU dumped stopped would be restored stopped, and nothing holds a server's moves off while it is).
 
 For the cluster tier the loop keeps its `Standing` (state, since when, the node's memory) for the agent's heartbeat
 to publish, and holds the cluster's watermarks the operator published (`cluster`), which its debug lines show.
@@ -169,11 +169,11 @@ class PoolActuator:
             self.gateway.set_batch_cap(model, cap)
 
     def shed(self, model: str, retry_after_ms: int) -> None:
-        if self.gateway is not None and not self._not_applied(model, "shedding (the proxies pass its requests on)"):
+        if self.gateway is not None:  # a model server's too: its proxies refuse its requests as `observe` does
             self.gateway.shed(model, retry_after_ms)
 
     def unshed(self, model: str) -> None:
-        if self.gateway is not None and not self._not_applied(model, "unshedding"):
+        if self.gateway is not None:
             self.gateway.unshed(model)
 
     def lower_priority(self, model: str, nice: int) -> None:

@@ -29,7 +29,8 @@ with a retry hint) and `drain_load` (each model's arrivals, completions, latenci
 call, as `ModelLoad`s); `set_neighbours` gives it the node's state and its neighbours' levels. An ensemble's
 request counts under its own id, and each of its steps as a request of that step's model; an ensemble that needs
 a shed model is refused as a whole, before its first step. A model server's requests, which the proxies pass
-through past `observe`, count in its load all the same (`served`); the loop's caps and sheds do not reach them.
+through past `observe`, count in its load all the same (`served`), and a shed server's are refused there, before
+any wake, as a shed model's are in `observe` (a server batches itself: the loop's caps do not reach it).
 
 The metadata answers (model state from what the agent reports, platform, tensor specs, a Triton-style model
 configuration) are built here too, so both adapters give the same ones; an output whose answers contradict its
@@ -288,13 +289,23 @@ class Dataplane:
         return counts
 
     @contextlib.contextmanager
-    def served(self, model: str) -> Iterator[None]:
+    def served(self, model: str, sheddable: bool = False) -> Iterator[None]:
         """One request of the model served past `observe`, counted in the model's load as `observe` counts one
         (an arrival, in the model's queue while it runs, a completion and its latency when it ends, whatever its
         outcome): an ensemble's steps (they go to `_dispatch` directly) and a model server's requests (the proxies
-        pass them through, `proxy.Counted`). Safe from any thread."""
+        pass them through, `proxy.Counted`). A `sheddable` request of a shed model (a server's: an ensemble's steps
+        were refused as a whole, before the first) is refused at once, as `observe` refuses one: `batcher.Overloaded`
+        with the model's retry hint, counted as an arrival shed (not in the queue, no completion: this node does
+        not serve it) and in `volga_gateway_shed_requests`. Safe from any thread."""
         with self._lock:
-            self._arrived(model)
+            retry_after_ms = self._shed.get(model) if sheddable else None
+            counts = self._arrived(model, queued=retry_after_ms is None)
+            if retry_after_ms is not None:
+                counts.shed += 1
+        if retry_after_ms is not None:
+            self.metrics.shed.labels(model).inc()
+            raise batcher.Overloaded(f"model {model!r} is shedding load; retry after {retry_after_ms} ms",
+                                     retry_after_ms)
         start = time.perf_counter()
         try:
             yield

@@ -13,16 +13,20 @@ are bounded by the gateway's request limit (the gateway's server refuses a large
 RESOURCE_EXHAUSTED). Each call opens its own channel to the server and closes it: a connection left open would be
 one more socket in the server's image. Every call passed through is counted in `volga_gateway_requests` (protocol
 grpc, code its status's name) and an OK one's time, wake included, in `volga_gateway_request_latency_ms`, as the HTTP
-path counts its requests.
+path counts its requests. While the node's autonomy loop sheds the server, a call is refused before any wake
+(`proxy.Counted`): RESOURCE_EXHAUSTED with trailing metadata `retry-after-ms`, as a shed model's call is.
 
 A `ModelStreamInfer` stream bound to a server (by `x-model-id` or its first request: `grpc_service`) is passed
 through as a stream on a channel of its own: the server woken for the first request and kept from being frozen until
 the stream ends, requests sent on as they come, the server's answers streamed back as they come (a decoupled server's
 several per request). A request that names another model is answered here with `error_message` and not sent on; a
 server without gRPC gets every request answered with an error, unwoken. The wake's failure, or the server's stream
-ending with an error status, ends the client's stream with that status. The stream's deadline bounds the wake and
-the whole stream. A stream counts once, under protocol `grpc-stream` with its status's name, and the time to its
-first answer, wake included, in the latency (the gateway cannot tell which answer ends which request).
+ending with an error status, ends the client's stream with that status; so does a shed server's refusal, which
+comes where the wake would (the stream holds one lease for all its requests): a stream opened while the server is
+shed ends at once, RESOURCE_EXHAUSTED with trailer `retry-after-ms`, and a stream already open goes on. The
+stream's deadline bounds the wake and the whole stream. A stream counts once, under protocol `grpc-stream` with its
+status's name, and the time to its first answer, wake included, in the latency (the gateway cannot tell which answer
+ends which request).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from typing import Any
 import grpc
 
 from volga_agent import errors, metrics
-from volga_agent.gateway import links, proxy
+from volga_agent.gateway import links, oip, proxy
 from volga_agent.rpc.inference import grpc_service_pb2 as pb
 from volga_agent.rpc.inference import grpc_service_pb2_grpc as pb_grpc
 
@@ -64,9 +68,14 @@ def stream_error(request: Any, message: str) -> Any:
 
 
 class _Refused(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str, trailer: tuple[tuple[str, str], ...] = ()) -> None:
         super().__init__(details)
-        self.code, self.details = code, details
+        self.code, self.details, self.trailer = code, details, trailer
+
+    @classmethod
+    def of(cls, exc: oip.OipError) -> _Refused:
+        """A refusal before the wake (a shed server: `proxy.Counted`), with its retry hint as trailer."""
+        return cls(grpc.StatusCode[exc.code], exc.message, oip.retry_after_trailer(exc))
 
 
 class GrpcPass:
@@ -88,7 +97,7 @@ class GrpcPass:
             answer = await self._answer(method, model, request, context)
         except _Refused as refused:
             self.counts.requests.labels(model, "grpc", refused.code.name).inc()
-            await context.abort(refused.code, refused.details)
+            await context.abort(refused.code, refused.details, trailing_metadata=refused.trailer)
             raise AssertionError("unreachable: abort raises") from None
         self.counts.requests.labels(model, "grpc", "OK").inc()
         self.counts.latency.labels(model, "grpc").observe((time.perf_counter() - start) * 1e3)
@@ -117,7 +126,7 @@ class GrpcPass:
             code = grpc.StatusCode.OK
         except _Refused as refused:
             code = refused.code
-            await context.abort(refused.code, refused.details)
+            await context.abort(refused.code, refused.details, trailing_metadata=refused.trailer)
         except Exception as exc:
             code = grpc.StatusCode.INTERNAL
             log.exception("%s: the stream passed through failed unexpectedly", model)
@@ -164,6 +173,8 @@ class GrpcPass:
             raise _Refused(grpc.StatusCode.NOT_FOUND, str(exc)) from None
         except errors.ActivationFailed as exc:
             raise _Refused(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+        except oip.OipError as exc:
+            raise _Refused.of(exc) from None
 
     async def _answer(self, method: str, model: str, request: Any, context: grpc.aio.ServicerContext) -> Any:
         if not self.servers.speaks_grpc(model):
@@ -191,6 +202,8 @@ class GrpcPass:
             raise _Refused(grpc.StatusCode.NOT_FOUND, str(exc)) from None
         except errors.ActivationFailed as exc:
             raise _Refused(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+        except oip.OipError as exc:
+            raise _Refused.of(exc) from None
 
     async def _call(self, address: str, method: str, request: Any, metadata: tuple[tuple[str, str | bytes], ...],
                     deadline: float | None) -> Any:

@@ -146,7 +146,7 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
         try:
             return await self.plane.observe(model, "grpc", lambda: self._infer(model, headers, request, context))
         except oip.OipError as exc:
-            await context.abort(grpc.StatusCode[exc.code], exc.message, trailing_metadata=_retry_hint(exc))
+            await context.abort(grpc.StatusCode[exc.code], exc.message, trailing_metadata=oip.retry_after_trailer(exc))
 
     async def _infer(self, model: str, headers: dict[str, str], request: Any,
                      context: grpc.aio.ServicerContext) -> Any:
@@ -240,9 +240,3 @@ def _bound_refusal(headers: dict[str, str], bound: str, request: Any) -> str:
                 f"its first request), and this request names {model!r}: send it in a stream of its own")
     request.model_name = bound
     return ""
-
-
-def _retry_hint(exc: oip.OipError) -> tuple[tuple[str, str], ...]:
-    """The trailer `retry-after-ms` of a refusal that says when to retry (a shed model)."""
-    retry_after_ms = getattr(exc, "retry_after_ms", None)
-    return () if retry_after_ms is None else (("retry-after-ms", str(retry_after_ms)),)

@@ -113,6 +113,19 @@ def rest_error_body(err: OipError) -> bytes:
     return json.dumps({"error": err.message}).encode()
 
 
+def retry_after_header(err: OipError) -> dict[str, str]:
+    """The REST headers of a refusal that says when to retry (a shed model: `retry_after_ms`): Retry-After, in whole
+    seconds rounded up; none for any other error."""
+    retry_after_ms = getattr(err, "retry_after_ms", None)
+    return {} if retry_after_ms is None else {"Retry-After": str(math.ceil(retry_after_ms / 1000))}
+
+
+def retry_after_trailer(err: OipError) -> tuple[tuple[str, str], ...]:
+    """The gRPC trailing metadata of a refusal that says when to retry (a shed model): `retry-after-ms`."""
+    retry_after_ms = getattr(err, "retry_after_ms", None)
+    return () if retry_after_ms is None else (("retry-after-ms", str(retry_after_ms)),)
+
+
 class RestRequest(NamedTuple):
     """A decoded REST inference request."""
 

@@ -18,7 +18,9 @@ cluster.
 Bounds as for every model: the body is read up to the gateway's request limit (413 above it), and `x-timeout-ms`
 bounds the wake and the whole exchange (504 when it passes). Each exchange opens its own connection to the server
 and closes it: a connection left open would be one more socket in the server's image. The gateway counts each
-request served here in its model's load for the node's autonomy loop (`Counted`), over both protocols.
+request served here in its model's load for the node's autonomy loop (`Counted`), over both protocols; while the
+loop sheds the server, its requests are refused at once, before any wake, as a shed model's are: 429 with the JSON
+error body of the REST path and Retry-After (whole seconds, rounded up).
 """
 
 from __future__ import annotations
@@ -141,7 +143,9 @@ class Counted:
     proxies (HTTP here, gRPC in `grpc_proxy`) hold a lease from before a request's wake until its answer's last
     byte is passed on, so its arrival, its time in the model's queue, its completion and its latency (the wake
     included) are the request's. A request passed on to another node's gateway takes no lease here: that node
-    counts it."""
+    counts it. `served` may refuse the request instead, before the wake (a shed server: `Dataplane.served` with
+    `sheddable`): the lease raises its `oip.OipError` (`batcher.Overloaded`, with the retry hint), which the proxies
+    answer with its status (HTTP 429 with Retry-After; RESOURCE_EXHAUSTED with trailer retry-after-ms)."""
 
     def __init__(self, servers: Servers, served: Callable[[str], contextlib.AbstractContextManager[None]]) -> None:
         self.servers = servers
@@ -243,6 +247,9 @@ async def forward(request: web.Request, servers: Servers, model: str, max_reques
         return _error(404, str(exc))
     except errors.ActivationFailed as exc:
         return _error(503, str(exc))
+    except oip.OipError as exc:  # refused before its wake (a shed server: `Counted`)
+        return web.Response(status=exc.http_status, body=oip.rest_error_body(exc), content_type="application/json",
+                            headers=oip.retry_after_header(exc))
 
 
 def _loop_time(deadline: float) -> float:

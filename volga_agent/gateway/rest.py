@@ -13,7 +13,6 @@ handler answers anything unexpected with a short 500, and a client that goes awa
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -34,10 +33,8 @@ OPEN_PREFIXES = ("/v2/health/",)
 def _error(exc: oip.OipError) -> web.Response:
     """The error's status and JSON body; a refusal that says when to retry (a shed model) adds Retry-After, in
     whole seconds rounded up."""
-    retry_after_ms = getattr(exc, "retry_after_ms", None)
-    extra = {} if retry_after_ms is None else {"Retry-After": str(math.ceil(retry_after_ms / 1000))}
     return web.Response(status=exc.http_status, body=oip.rest_error_body(exc), content_type="application/json",
-                        headers=extra)
+                        headers=oip.retry_after_header(exc))
 
 
 def _model(request: web.Request, headers: dict[str, str] | None = None) -> str:
@@ -83,8 +80,10 @@ async def _body(request: web.Request, plane: dataplane.Dataplane, headers: dict[
     return await dataplane.off_loop(len(body), oip.decode_content, body, encoding, plane.max_request_bytes)
 
 
-# A server's HTTP status -> the gRPC status name its count is labelled with (502 from an upstream that did not answer).
-_STATUS_NAMES = {**{status: name for name, status in reversed(oip.HTTP_STATUS.items())}, 502: "UNAVAILABLE"}
+# A server's HTTP status -> the gRPC status name its count is labelled with (502 from an upstream that did not answer;
+# 429 from a shed server's refusal, or from the server's own).
+_STATUS_NAMES = {**{status: name for name, status in reversed(oip.HTTP_STATUS.items())}, 502: "UNAVAILABLE",
+                 429: "RESOURCE_EXHAUSTED"}
 
 
 def _to_servers(servers: proxy.Servers, plane: dataplane.Dataplane) -> Any:
