@@ -30,6 +30,7 @@ if not all(importlib.util.find_spec(name) for name in ("kserve", "fastapi", "uvi
 
 from procs import wait_for
 
+from volga_agent.autonomy import decider, loop
 from volga_agent.gateway import app, catalog, links, proxy
 from volga_agent.node import server
 from volga_agent.snapshot import criu
@@ -249,8 +250,9 @@ def test_unknown_model_and_body_bound(engine: criu.CriuEngine, workdir: pathlib.
 
 
 def test_volga_up_serves_a_frozen_server_through_its_gateway(engine: criu.CriuEngine) -> None:
-    """`volga up` with a server ModelSpec: frozen at start-up (its pool floor), woken by the first request to the
-    gateway's HTTP port, the answer streamed; the OIP routes still answer for other models."""
+    """`volga up` with a server ModelSpec: frozen at start-up (its pool floor), its requests refused unwoken while the
+    autonomy loop's actuator sheds it, woken by the first request to the gateway's HTTP port once unshed, the answer
+    streamed; the OIP routes still answer for other models."""
     from volga_bench import harness
 
     doc = {"apiVersion": api.API_VERSION, "kind": "ModelSpec", "metadata": {"name": "stream"},
@@ -261,6 +263,26 @@ def test_volga_up_serves_a_frozen_server_through_its_gateway(engine: criu.CriuEn
         bg.call(up.wait_converged(), timeout=120)
         s = up.pool.servers.slots["stream-0"].inst  # the pool's server instance, as a cluster node's agent runs it
         assert s.tier is api.Tier.FROZEN
+
+        # Shed by the autonomy loop's actuator: refused by the gateway before any wake, with the retry hint.
+        actuator = loop.PoolActuator(up.pool, up.gateway.dataplane)
+        try:
+            loop.apply(decider.Shed("stream", 1500), actuator)
+
+            async def refused() -> tuple[int, str, dict[str, Any]]:
+                async with aiohttp.ClientSession() as session, \
+                        session.post(f"{up.endpoints()['http']}/v1/stream", json={"prompt": "volga"},
+                                     headers={"x-model-id": "stream"}) as r:
+                    return r.status, r.headers.get("Retry-After", ""), await r.json()
+
+            status, retry_after, body = asyncio.run(refused())
+            assert (status, retry_after) == (429, "2") and "shedding load" in body["error"]
+            assert s.tier is api.Tier.FROZEN and s.transitions[-1].target is api.Tier.FROZEN  # not woken
+            shed = up.gateway.dataplane.drain_load()["stream"]
+            assert (shed.arrivals, shed.completed, shed.queue_depth, shed.shed) == (1, 0, 0, 1)
+            loop.apply(decider.Unshed("stream"), actuator)
+        finally:
+            actuator.close()
 
         async def ask() -> tuple[int, list[bytes], int]:
             async with aiohttp.ClientSession() as session:
