@@ -232,3 +232,62 @@ def test_a_shed_servers_requests_are_refused_before_any_wake_and_counted_as_shed
                  'volga_gateway_requests_total{code="RESOURCE_EXHAUSTED",model="srv",protocol="grpc-stream"} 1.0',
                  'volga_gateway_shed_requests_total{model="srv"} 3.0'):
         assert line in scraped, [s for s in scraped.splitlines() if "srv" in s]
+
+
+class _Elsewhere(_Servers):
+    """No instance here: every request goes on to the gateway at `remote`."""
+
+    def __init__(self, remote: proxy.Remote) -> None:
+        super().__init__()
+        self.remote = remote
+
+    def elsewhere(self, model_id: str) -> proxy.Remote | None:
+        return self.remote
+
+
+def test_a_neighbours_shed_reaches_the_client_with_its_retry_hint() -> None:
+    """A request passed on to the gateway of the node that runs the server, which sheds it: its refusal comes back
+    through this gateway as it was given, the retry hint included (HTTP Retry-After, gRPC trailer retry-after-ms)."""
+    upstream = _CountingUpstream()
+
+    async def main() -> None:
+        grpc_server = grpc.aio.server()
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(upstream, grpc_server)
+        grpc_port = grpc_server.add_insecure_port("127.0.0.1:0")
+        await grpc_server.start()
+        settings = app.Settings(http_port=0, grpc_port=0, metrics_port=0)
+        no_workers = links.LocalAgentLink(lambda m, h: links.Route("", ""))
+        there = app.Gateway(catalog.Catalog({"srv": server_spec()}), no_workers, settings,
+                            servers=_Servers("http://127.0.0.1:1", f"127.0.0.1:{grpc_port}"))
+        await there.start()
+        remote = proxy.Remote(f"http://127.0.0.1:{there.ports['http']}", f"127.0.0.1:{there.ports['grpc']}")
+        here = app.Gateway(catalog.Catalog({"srv": server_spec()}), no_workers, settings,
+                           servers=_Elsewhere(remote))
+        await here.start()
+        try:
+            there.dataplane.shed("srv", 2500)
+            async with aiohttp.ClientSession() as session, \
+                    session.post(f"http://127.0.0.1:{here.ports['http']}/v2/models/srv/infer",
+                                 json={"inputs": []}) as r:
+                assert r.status == 429 and r.headers["Retry-After"] == "3"
+                assert "shedding" in (await r.json())["error"]
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{here.ports['grpc']}") as channel:
+                stub = pb_grpc.GRPCInferenceServiceStub(channel)
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub.ModelInfer(pb.ModelInferRequest(model_name="srv", id="r1"), timeout=10)
+                assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert ("retry-after-ms", "2500") in tuple(refused.value.trailing_metadata() or ())
+                stream = stub.ModelStreamInfer(timeout=10)
+                await stream.write(pb.ModelInferRequest(model_name="srv", id="s1"))
+                await stream.done_writing()
+                with pytest.raises(grpc.aio.AioRpcError) as ended:
+                    assert [answer async for answer in stream] == []
+                assert ended.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert ("retry-after-ms", "2500") in tuple(ended.value.trailing_metadata() or ())
+            assert upstream.calls == 0 and there.dataplane.drain_load()["srv"].shed == 3
+        finally:
+            await here.stop(0)
+            await there.stop(0)
+            await grpc_server.stop(0)
+
+    asyncio.run(main())

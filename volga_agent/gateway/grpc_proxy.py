@@ -14,7 +14,8 @@ RESOURCE_EXHAUSTED). Each call opens its own channel to the server and closes it
 one more socket in the server's image. Every call passed through is counted in `volga_gateway_requests` (protocol
 grpc, code its status's name) and an OK one's time, wake included, in `volga_gateway_request_latency_ms`, as the HTTP
 path counts its requests. While the node's autonomy loop sheds the server, a call is refused before any wake
-(`proxy.Counted`): RESOURCE_EXHAUSTED with trailing metadata `retry-after-ms`, as a shed model's call is.
+(`proxy.Counted`): RESOURCE_EXHAUSTED with trailing metadata `retry-after-ms`, as a shed model's call is. A refusal
+that comes back with `retry-after-ms` (a neighbour's gateway shedding the server, or the server's own hint) keeps it.
 
 A `ModelStreamInfer` stream bound to a server (by `x-model-id` or its first request: `grpc_service`) is passed
 through as a stream on a channel of its own: the server woken for the first request and kept from being frozen until
@@ -65,6 +66,12 @@ def stream_error(request: Any, message: str) -> Any:
         error_message=message,
         infer_response=pb.ModelInferResponse(model_name=request.model_name, model_version=request.model_version,
                                              id=request.id))
+
+
+def _retry_hint(trailer: Any) -> tuple[tuple[str, str], ...]:
+    """The `retry-after-ms` of an answer's trailing metadata (a neighbour gateway's shed server, or the server's own
+    hint), passed on to the client; the rest of it is not."""
+    return tuple((k, v) for k, v in (trailer or ()) if k.lower() == "retry-after-ms" and isinstance(v, str))
 
 
 class _Refused(Exception):
@@ -165,7 +172,7 @@ class GrpcPass:
                     async for response in answers:
                         yield response
         except grpc.aio.AioRpcError as exc:
-            raise _Refused(exc.code(), exc.details() or "") from None
+            raise _Refused(exc.code(), exc.details() or "", _retry_hint(exc.trailing_metadata())) from None
         except TimeoutError:
             raise _Refused(grpc.StatusCode.DEADLINE_EXCEEDED,
                            f"{model}: not woken within the stream's deadline") from None
@@ -194,7 +201,7 @@ class GrpcPass:
                 async with self.servers.lease(model, remaining) as lease:
                     return await self._call(lease.grpc_address, method, request, metadata, deadline)
         except grpc.aio.AioRpcError as exc:
-            raise _Refused(exc.code(), exc.details() or "") from None
+            raise _Refused(exc.code(), exc.details() or "", _retry_hint(exc.trailing_metadata())) from None
         except TimeoutError:
             raise _Refused(grpc.StatusCode.DEADLINE_EXCEEDED,
                            f"{model}: no answer within the call's deadline (waking and answering)") from None
@@ -236,7 +243,7 @@ async def _relay(call: Any, first: Any, requests: AsyncIterator[Any],
         while (response := await call.read()) is not grpc.aio.EOF:
             await out.put(response)
         if (code := await call.code()) is not grpc.StatusCode.OK:
-            raise _Refused(code, await call.details() or "")
+            raise _Refused(code, await call.details() or "", _retry_hint(await call.trailing_metadata()))
 
     sender, receiver = asyncio.create_task(send()), asyncio.create_task(receive())
     getting: asyncio.Future[Any] | None = None
