@@ -36,7 +36,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from typing import Any
 
 import grpc
@@ -83,6 +83,24 @@ class _Refused(Exception):
     def of(cls, exc: oip.OipError) -> _Refused:
         """A refusal before the wake (a shed server: `proxy.Counted`), with its retry hint as trailer."""
         return cls(grpc.StatusCode[exc.code], exc.message, oip.retry_after_trailer(exc))
+
+
+@contextlib.contextmanager
+def _as_status(late: str) -> Iterator[None]:
+    """What a passed-through call's or stream's wake and exchange raise, as the status its client gets (`_Refused`);
+    `late` says what the deadline's passing stopped."""
+    try:
+        yield
+    except grpc.aio.AioRpcError as exc:
+        raise _Refused(exc.code(), exc.details() or "", _retry_hint(exc.trailing_metadata())) from None
+    except TimeoutError:
+        raise _Refused(grpc.StatusCode.DEADLINE_EXCEEDED, late) from None
+    except errors.UnknownModel as exc:
+        raise _Refused(grpc.StatusCode.NOT_FOUND, str(exc)) from None
+    except errors.ActivationFailed as exc:
+        raise _Refused(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+    except oip.OipError as exc:
+        raise _Refused.of(exc) from None
 
 
 class GrpcPass:
@@ -157,7 +175,7 @@ class GrpcPass:
         metadata = _passed(context.invocation_metadata())
         forwarded = any(k.lower() == links.FORWARDED for k, _ in metadata)
         remote = None if forwarded else self.servers.elsewhere(model)
-        try:
+        with _as_status(f"{model}: not woken within the stream's deadline"):
             async with contextlib.AsyncExitStack() as held:
                 if remote is not None:
                     address, metadata = remote.grpc_address, (*metadata, (links.FORWARDED, "1"))
@@ -171,17 +189,6 @@ class GrpcPass:
                 async with contextlib.aclosing(_relay(call, first, requests, refusal)) as answers:
                     async for response in answers:
                         yield response
-        except grpc.aio.AioRpcError as exc:
-            raise _Refused(exc.code(), exc.details() or "", _retry_hint(exc.trailing_metadata())) from None
-        except TimeoutError:
-            raise _Refused(grpc.StatusCode.DEADLINE_EXCEEDED,
-                           f"{model}: not woken within the stream's deadline") from None
-        except errors.UnknownModel as exc:
-            raise _Refused(grpc.StatusCode.NOT_FOUND, str(exc)) from None
-        except errors.ActivationFailed as exc:
-            raise _Refused(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
-        except oip.OipError as exc:
-            raise _Refused.of(exc) from None
 
     async def _answer(self, method: str, model: str, request: Any, context: grpc.aio.ServicerContext) -> Any:
         if not self.servers.speaks_grpc(model):
@@ -193,24 +200,13 @@ class GrpcPass:
         metadata = _passed(context.invocation_metadata())
         forwarded = any(k.lower() == links.FORWARDED for k, _ in metadata)
         remote = None if forwarded else self.servers.elsewhere(model)
-        try:
+        with _as_status(f"{model}: no answer within the call's deadline (waking and answering)"):
             async with asyncio.timeout_at(deadline):
                 if remote is not None:
                     return await self._call(remote.grpc_address, method, request, (*metadata, (links.FORWARDED, "1")),
                                             deadline)
                 async with self.servers.lease(model, remaining) as lease:
                     return await self._call(lease.grpc_address, method, request, metadata, deadline)
-        except grpc.aio.AioRpcError as exc:
-            raise _Refused(exc.code(), exc.details() or "", _retry_hint(exc.trailing_metadata())) from None
-        except TimeoutError:
-            raise _Refused(grpc.StatusCode.DEADLINE_EXCEEDED,
-                           f"{model}: no answer within the call's deadline (waking and answering)") from None
-        except errors.UnknownModel as exc:
-            raise _Refused(grpc.StatusCode.NOT_FOUND, str(exc)) from None
-        except errors.ActivationFailed as exc:
-            raise _Refused(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
-        except oip.OipError as exc:
-            raise _Refused.of(exc) from None
 
     async def _call(self, address: str, method: str, request: Any, metadata: tuple[tuple[str, str | bytes], ...],
                     deadline: float | None) -> Any:
