@@ -29,8 +29,9 @@ import torch
 from volga_agent.worker import staging
 
 MADV_HUGEPAGE = 14
-WAYS = [("torch", 16, 8), ("driver", 16, 8), ("driver", 8, 8), ("driver", 8, 16), ("driver", 16, 16),
-        ("driver", 4, 32)]
+Way = tuple[str, int, int]  # engine, threads, MiB per buffer
+WAYS: list[Way] = [("torch", 16, 8), ("driver", 16, 8), ("driver", 8, 8), ("driver", 8, 16), ("driver", 16, 16),
+                   ("driver", 4, 32)]
 SOURCES = ("memory", "file")
 KEPT = (False, True)
 MADV_POPULATE_READ = 22
@@ -53,10 +54,10 @@ def populated_reader(source: int) -> staging.Reader:
     return read
 
 
-def alloc_costs(repeat: int) -> dict[str, float]:
+def alloc_costs(ways: list[Way], repeat: int) -> dict[str, float]:
     """Pinning and freeing a way's staging buffers (threads x 2 x chunk), ms, median."""
     out = {}
-    for _, threads, mib in WAYS:
+    for _, threads, mib in ways:
         runs = []
         for _ in range(repeat):
             t0 = time.perf_counter()
@@ -66,7 +67,8 @@ def alloc_costs(repeat: int) -> dict[str, float]:
     return out
 
 
-def measure(gib: float, folder: pathlib.Path, repeat: int) -> dict[str, object]:
+def measure(gib: float, folder: pathlib.Path, repeat: int, ways: list[Way], sources: tuple[str, ...],
+            kept_ways: tuple[bool, ...]) -> dict[str, object]:
     nbytes = int(gib * 2**30) // 2**21 * 2**21
     ref = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     ref.random_(0, 255)
@@ -96,9 +98,9 @@ def measure(gib: float, folder: pathlib.Path, repeat: int) -> dict[str, object]:
     with open(path, "wb") as f:
         f.write(host)
 
-    for source in SOURCES:
-        for engine, threads, mib in WAYS:
-            for kept in KEPT:
+    for source in sources:
+        for engine, threads, mib in ways:
+            for kept in kept_ways:
                 name = f"{source}_{engine}_{threads}x{mib}m" + ("_kept" if kept else "")
                 for _ in range(repeat):
                     buffers = staging.Buffers(torch, threads * staging.DEPTH, mib * 2**20) if kept else None
@@ -135,7 +137,6 @@ def measure(gib: float, folder: pathlib.Path, repeat: int) -> dict[str, object]:
 
 
 def main() -> int:
-    global WAYS, SOURCES, KEPT
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gib", default="2,8")
     parser.add_argument("--repeat", type=int, default=3)
@@ -145,16 +146,16 @@ def main() -> int:
     parser.add_argument("--kept-only", action="store_true", help="only buffers kept from before")
     parser.add_argument("--out")
     args = parser.parse_args()
-    if args.ways:
-        WAYS = [(e, int(t), int(m)) for e, t, m in (w.split(":") for w in args.ways.split(","))]
-    SOURCES = tuple(args.sources.split(","))
-    KEPT = (True,) if args.kept_only else (False, True)
+    ways = ([(e, int(t), int(m)) for e, t, m in (w.split(":") for w in args.ways.split(","))] if args.ways
+            else WAYS)
+    sources = tuple(args.sources.split(","))
+    kept_ways = (True,) if args.kept_only else KEPT
     report: dict[str, object] = {"cpus": len(os.sched_getaffinity(0)), "torch": torch.__version__,
                                  "gpu": torch.cuda.get_device_name()}
-    report["alloc_close_ms"] = alloc_costs(args.repeat)
+    report["alloc_close_ms"] = alloc_costs(ways, args.repeat)
     with tempfile.TemporaryDirectory(dir="/dev/shm") as tmp:
         for gib in (float(g) for g in args.gib.split(",")):
-            report[f"{gib:g}"] = measure(gib, pathlib.Path(tmp), args.repeat)
+            report[f"{gib:g}"] = measure(gib, pathlib.Path(tmp), args.repeat, ways, sources, kept_ways)
     benchio.emit(report, args.out)
     return 0
 
