@@ -85,6 +85,10 @@ class _Refused(Exception):
         return cls(grpc.StatusCode[exc.code], exc.message, oip.retry_after_trailer(exc))
 
 
+def _without_grpc(model: str) -> str:
+    return f"{model} is a model server without gRPC (its protocol is not oip-grpc): send its requests over HTTP"
+
+
 @contextlib.contextmanager
 def _as_status(late: str) -> Iterator[None]:
     """What a passed-through call's or stream's wake and exchange raise, as the status its client gets (`_Refused`);
@@ -159,22 +163,28 @@ class GrpcPass:
         finally:
             self.counts.requests.labels(model, STREAM_PROTOCOL, code.name).inc()
 
+    def _route(self, model: str, context: grpc.aio.ServicerContext
+               ) -> tuple[float | None, float | None, tuple[tuple[str, str | bytes], ...], proxy.Remote | None]:
+        """A passed-through call's or stream's seconds left, its deadline on the loop's clock, the metadata passed
+        on, and the other node's gateway that serves `model` (None: this node serves it, or the call came from
+        another node's gateway, which is not passed on again)."""
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
+        metadata = _passed(context.invocation_metadata())
+        forwarded = any(k.lower() == links.FORWARDED for k, _ in metadata)
+        return remaining, deadline, metadata, None if forwarded else self.servers.elsewhere(model)
+
     async def _stream(self, model: str, first: Any, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext,
                       refusal: Callable[[Any], str]) -> AsyncGenerator[Any, None]:
         if not self.servers.speaks_grpc(model):
-            why = (f"UNIMPLEMENTED: {model} is a model server without gRPC (its protocol is not oip-grpc): send its "
-                   "requests over HTTP")
+            why = f"UNIMPLEMENTED: {_without_grpc(model)}"
             request = first
             while request is not None:
                 yield stream_error(request, why)
                 request = await anext(requests, None)
             return
-        remaining = context.time_remaining()
+        remaining, deadline, metadata, remote = self._route(model, context)
         loop = asyncio.get_running_loop()
-        deadline = None if remaining is None else loop.time() + remaining
-        metadata = _passed(context.invocation_metadata())
-        forwarded = any(k.lower() == links.FORWARDED for k, _ in metadata)
-        remote = None if forwarded else self.servers.elsewhere(model)
         with _as_status(f"{model}: not woken within the stream's deadline"):
             async with contextlib.AsyncExitStack() as held:
                 if remote is not None:
@@ -192,14 +202,8 @@ class GrpcPass:
 
     async def _answer(self, method: str, model: str, request: Any, context: grpc.aio.ServicerContext) -> Any:
         if not self.servers.speaks_grpc(model):
-            raise _Refused(grpc.StatusCode.UNIMPLEMENTED, f"{model} is a model server without gRPC (its protocol is "
-                           "not oip-grpc): send its requests over HTTP")
-        remaining = context.time_remaining()
-        loop = asyncio.get_running_loop()
-        deadline = None if remaining is None else loop.time() + remaining
-        metadata = _passed(context.invocation_metadata())
-        forwarded = any(k.lower() == links.FORWARDED for k, _ in metadata)
-        remote = None if forwarded else self.servers.elsewhere(model)
+            raise _Refused(grpc.StatusCode.UNIMPLEMENTED, _without_grpc(model))
+        remaining, deadline, metadata, remote = self._route(model, context)
         with _as_status(f"{model}: no answer within the call's deadline (waking and answering)"):
             async with asyncio.timeout_at(deadline):
                 if remote is not None:
