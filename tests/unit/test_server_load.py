@@ -158,6 +158,23 @@ class _CountingUpstream(_Upstream):
                                                                                    id=request.id))
 
 
+async def _refused_over_grpc(channel: grpc.aio.Channel, retry_after_ms: str) -> None:
+    """A ModelInfer for the shed server "srv", and a stream bound to it, each refused RESOURCE_EXHAUSTED with the
+    retry hint `retry_after_ms` in its trailer (the stream refused as a whole, as a failed wake ends it)."""
+    stub = pb_grpc.GRPCInferenceServiceStub(channel)
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await stub.ModelInfer(pb.ModelInferRequest(model_name="srv", id="r1"), timeout=10)
+    assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert ("retry-after-ms", retry_after_ms) in tuple(refused.value.trailing_metadata() or ())
+    stream = stub.ModelStreamInfer(timeout=10)
+    await stream.write(pb.ModelInferRequest(model_name="srv", id="s1"))
+    await stream.done_writing()
+    with pytest.raises(grpc.aio.AioRpcError) as ended:
+        assert [answer async for answer in stream] == []
+    assert ended.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert ("retry-after-ms", retry_after_ms) in tuple(await stream.trailing_metadata() or ())
+
+
 def test_a_shed_servers_requests_are_refused_before_any_wake_and_counted_as_shed() -> None:
     upstream = _CountingUpstream()
     http_calls: list[str] = []
@@ -190,18 +207,8 @@ def test_a_shed_servers_requests_are_refused_before_any_wake_and_counted_as_shed
                     assert r.status == 429 and r.headers["Retry-After"] == "2"  # 1.5 s, rounded up
                     assert r.content_type == "application/json"
                     assert "srv" in (await r.json())["error"] and "shedding" in (await r.json())["error"]
+                await _refused_over_grpc(channel, "1500")
                 stub = pb_grpc.GRPCInferenceServiceStub(channel)
-                with pytest.raises(grpc.aio.AioRpcError) as refused:
-                    await stub.ModelInfer(pb.ModelInferRequest(model_name="srv", id="r1"), timeout=10)
-                assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
-                assert ("retry-after-ms", "1500") in tuple(refused.value.trailing_metadata() or ())
-                stream = stub.ModelStreamInfer(timeout=10)
-                await stream.write(pb.ModelInferRequest(model_name="srv", id="s1"))
-                await stream.done_writing()
-                with pytest.raises(grpc.aio.AioRpcError) as ended:  # refused as a whole, as a failed wake ends it
-                    assert [answer async for answer in stream] == []
-                assert ended.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
-                assert ("retry-after-ms", "1500") in tuple(await stream.trailing_metadata() or ())
                 assert not servers.inside.is_set() and http_calls == [] and upstream.calls == 0  # never woken
                 shed = gateway.dataplane.drain_load()["srv"]
 
@@ -272,18 +279,7 @@ def test_a_neighbours_shed_reaches_the_client_with_its_retry_hint() -> None:
                 assert r.status == 429 and r.headers["Retry-After"] == "3"
                 assert "shedding" in (await r.json())["error"]
             async with grpc.aio.insecure_channel(f"127.0.0.1:{here.ports['grpc']}") as channel:
-                stub = pb_grpc.GRPCInferenceServiceStub(channel)
-                with pytest.raises(grpc.aio.AioRpcError) as refused:
-                    await stub.ModelInfer(pb.ModelInferRequest(model_name="srv", id="r1"), timeout=10)
-                assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
-                assert ("retry-after-ms", "2500") in tuple(refused.value.trailing_metadata() or ())
-                stream = stub.ModelStreamInfer(timeout=10)
-                await stream.write(pb.ModelInferRequest(model_name="srv", id="s1"))
-                await stream.done_writing()
-                with pytest.raises(grpc.aio.AioRpcError) as ended:
-                    assert [answer async for answer in stream] == []
-                assert ended.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
-                assert ("retry-after-ms", "2500") in tuple(ended.value.trailing_metadata() or ())
+                await _refused_over_grpc(channel, "2500")
             assert upstream.calls == 0 and there.dataplane.drain_load()["srv"].shed == 3
         finally:
             await here.stop(0)
