@@ -1,5 +1,5 @@
 """Test doubles for the autonomy loop's tests: a gateway that records what the loop asks of it, a probe the loop
-never reads (for a loop stepped window by window), and a decider fed windows by hand."""
+never reads (for a loop stepped window by window), windows for such a loop, and a decider fed windows by hand."""
 
 from __future__ import annotations
 
@@ -44,6 +44,20 @@ class NoProbe:
 
     def close(self) -> None:
         pass
+
+
+class Windows:
+    """Windows of STEP seconds one after another, each given to `autonomy.step` (a stepped `loop.Loop`) with the
+    node's memory as the call says and its CPU at `cpu` percent."""
+
+    def __init__(self, autonomy: Any, cpu: float) -> None:
+        self.autonomy, self.cpu, self.t = autonomy, cpu, 0.0
+
+    def __call__(self, memory: float, **loads: window.ModelWindow) -> decider.Decision:
+        self.t += STEP
+        decision: decider.Decision = self.autonomy.step(
+            window.Window(self.t - STEP, self.t, memory, self.cpu, False, loads))
+        return decision
 
 
 class Run:

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Iterator
 
 import pytest
-from autonomy_stubs import NoProbe, RecordingGateway
+from autonomy_stubs import NoProbe, RecordingGateway, Windows
 from procs import wait_for
 
 from volga_agent.autonomy import decider, loop, window
@@ -68,12 +68,7 @@ def test_the_loop_wakes_a_frozen_server_and_freezes_it_again_when_idle(servers: 
     caplog.set_level(logging.WARNING)
     loose = servers.servers.slots["loose-0"].inst
     autonomy = loop.Loop(servers, RecordingGateway(), probe=NoProbe())
-    t = 0.0
-
-    def step(memory: float, **loads: window.ModelWindow) -> decider.Decision:
-        nonlocal t
-        t += 0.1
-        return autonomy.step(window.Window(t - 0.1, t, memory, 10.0, False, loads))
+    step = Windows(autonomy, cpu=10.0)
 
     try:
         # Memory low (PRELOAD), `loose`'s arrivals rising faster and faster: the loop wakes it (a CRIU restore).

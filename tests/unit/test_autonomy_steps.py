@@ -7,10 +7,10 @@ from __future__ import annotations
 import pathlib
 
 import pytest
-from autonomy_stubs import NoProbe, RecordingGateway
+from autonomy_stubs import NoProbe, RecordingGateway, Windows
 from procs import wait_for
 
-from volga_agent.autonomy import decider, loop, sampler, window
+from volga_agent.autonomy import loop, sampler, window
 from volga_agent.node import instance, pool
 from volga_agent.node.settings import Settings
 from volga_core import api
@@ -33,12 +33,7 @@ def test_gateway_actions_reach_the_gateway(default_spec: api.ModelSpecSpec, rund
     p = two_models(default_spec, rundir)
     gateway = RecordingGateway()
     autonomy = loop.Loop(p, gateway, probe=NoProbe())
-    t = 0.0
-
-    def step(memory: float, **loads: window.ModelWindow) -> decider.Decision:
-        nonlocal t
-        t += 0.1
-        return autonomy.step(window.Window(t - 0.1, t, memory, 50.0, False, loads))
+    step = Windows(autonomy, cpu=50.0)
 
     try:
         violating = {"strict": window.ModelWindow(10, 10, 0, 0, 5.0), "loose": window.ModelWindow(10, 10, 0, 0, 1.0)}
