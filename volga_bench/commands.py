@@ -88,7 +88,8 @@ def cmd_bench_tiers(args: argparse.Namespace) -> int:
             report = tiers.gpu_suite(models, pathlib.Path(run), snapshots, [float(x) for x in args.sizes.split(",")],
                                      [Tier(t.upper()) for t in args.tiers.split(",")], args.n, cold_n=args.cold_n,
                                      lazy=args.lazy or args.lazy_only, burst_n=args.burst, progress=show,
-                                     eager=not args.lazy_only, wake_copies=[c for c in args.wake_copy.split(",") if c])
+                                     eager=not args.lazy_only, wake_copies=[c for c in args.wake_copy.split(",") if c],
+                                     fresh_images=args.fresh_images)
     def text() -> str:
         lines = []
         for label, part in ([("", report)] if "tiers" in report else report["sizes"].items()):
@@ -359,6 +360,9 @@ def add_bench(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--wake-copy", default="", help="the workers' weight copy on a wake, comma-separated to compare "
                    "them in one run: auto, staged, pinned, with knobs such as staged-chunk16 or auto-overlap "
                    "(volga_bench.tiers.copy_config; with --gpu; default: the worker's)")
+    p.add_argument("--fresh-images", action="store_true",
+                   help="freeze afresh before every FROZEN wake, its weights parked again (default: one image, "
+                        "restored n times) (with --gpu)")
     p.add_argument("--models", help="where models are built")
     p.add_argument("-n", type=int, default=10, help="wakes per tier (and cold starts)")
     _report_args(p)

@@ -58,7 +58,9 @@ class TierRun:
             out["image_bytes"] = self.image_bytes
         if self.parked_bytes:
             out["parked_bytes"] = self.parked_bytes
+        out["wakes_ms"] = [round(s * 1e3, 2) for s in self.wake_s]  # in order: where the spread comes from
         if self.phases:
+            out["phases_ms"] = {k: [round(x, 2) for x in v] for k, v in sorted(self.phases.items())}
             out["phases_p50_ms"] = {k: round(float(np.median(v)), 3) for k, v in sorted(self.phases.items())}
             out["phases_p99_ms"] = {k: round(float(np.percentile(v, 99)), 3) for k, v in sorted(self.phases.items())}
         if self.copy_path:
@@ -71,6 +73,8 @@ class TierRun:
 # on an H200, mapping and refilling 8 GiB took 168.6 ms at once and 157.6-158.5 ms after 50 ms to 1 s (2 GiB: 42.4
 # and 39.8-41.2 ms), bench/results/tiers/warm-settle-h200.txt.
 GPU_SETTLE_S = 0.5
+# How long the bench waits, after a lazily restored wake's answer, for its lazy-pages daemon to finish.
+LAZY_PAGES_WAIT_S = 30.0
 
 
 def _worker_gpu_mib(gpu_index: int, pid: int | None) -> float | None:
@@ -83,12 +87,14 @@ def _worker_gpu_mib(gpu_index: int, pid: int | None) -> float | None:
 def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pathlib.Path,
                 tiers: Sequence[Tier], n: int, device: str = "cpu", batch: int = 8, cold_n: int | None = None,
                 lazy: bool = False, progress: Callable[[str], None] = lambda _: None,
-                settle_s: float = 0.0, eager: bool = True, wake_copy: str = "") -> dict[str, Any]:
+                settle_s: float = 0.0, eager: bool = True, wake_copy: str = "",
+                fresh_images: bool = False) -> dict[str, Any]:
     """Cold starts, then `n` wakes from each tier, every answer compared with the first cold start's; each
     tier is left alone for `settle_s` before its wake (GPU_SETTLE_S says why).
 
     FROZEN is dumped once and then restored `n` times from that image (the worker does not change between
-    wakes, so the image stays a faithful snapshot: what the pool does within `snapshot_interval_sec`). Without
+    wakes, so the image stays a faithful snapshot: what the pool does within `snapshot_interval_sec`), or, with
+    `fresh_images`, dumped again (its weights parked again) before every wake. Without
     `eager`, FROZEN is woken with lazy pages only (`lazy`). `wake_copy` sets the worker's weight copy on a wake
     (`contract.WorkerConfig.wake_copy`); a GPU worker's own account of its last copy (`last_wake`) is read after
     each wake's answer, outside the timing, into the phases as `worker_copy_ms`, `worker_graphs_ms` and
@@ -97,7 +103,7 @@ def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pa
     driver = cuda.DriverCheckpoint() if device.startswith("cuda") else None
     engine = criu.CriuEngine(snapshot_dir) if Tier.FROZEN in tiers else None
     inst = instance.Instance(f"bench-{spec.model_id}", spec, workdir, engine, driver, device,
-                             reuse_image_sec=float("inf"))
+                             reuse_image_sec=0.0 if fresh_images else float("inf"))
     if wake_copy:
         inst.config = copy_config(inst.config, wake_copy)
     inputs = contract.sample_inputs(inst.config.inputs, batch=batch, seed=1)
@@ -165,12 +171,18 @@ def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pa
                     last = inst.client().call("stats").header.get("last_wake") or {}
                     for key, name in (("copy_ms", "worker_copy_ms"), ("graphs_ms", "worker_graphs_ms"),
                                       ("staging_alloc_ms", "staging_alloc_ms"), ("map_ms", "worker_map_ms"),
+                                      ("staging_populate_ms", "staging_populate_ms"),
+                                      ("staging_register_ms", "staging_register_ms"),
                                       ("staging_read_ms_per_thread", "staging_read_ms"),
                                       ("staging_wait_ms_per_thread", "staging_wait_ms"),
                                       ("staging_queue_ms_per_thread", "staging_queue_ms")):
                         if key in last:
                             run.phases.setdefault(name, []).append(float(last[key]))
                     run.copy_path = str(last.get("copy", ""))
+                restored = inst.restored
+                pages = restored.pages_seconds(LAZY_PAGES_WAIT_S) if restored is not None else None
+                if restored is not None and pages is not None:  # every lazy page delivered, from the wake's start
+                    run.phases.setdefault("lazy_pages_done_ms", []).append((restored.started + pages - start) * 1e3)
                 if driver is not None and tier == Tier.SUSPENDED and pid in driver.timings:
                     for phase, ms in driver.timings.pop(pid).items():
                         run.phases.setdefault(phase, []).append(ms)
@@ -203,7 +215,8 @@ def copy_config(config: contract.WorkerConfig, spec: str) -> contract.WorkerConf
     optionally followed by staging knobs: "staged-premap", "staged-chunk16", "staged-threads8", "auto-overlap"
     or "auto-serial" (graphs captured while the copies run, or after them), "auto-torch" or "auto-driver" (how
     the copies are queued), "auto-fresh" or "auto-kept" (staging buffers pinned for each copy or kept between
-    them)."""
+    them), "auto-readyread", "auto-readypopulate" or "auto-readynone" (how a parked file is readied for its
+    first read, `WorkerConfig.park_ready`)."""
     name, *knobs = spec.split("-")
     changes: dict[str, Any] = {"wake_copy": name}
     for knob in knobs:
@@ -219,6 +232,8 @@ def copy_config(config: contract.WorkerConfig, spec: str) -> contract.WorkerConf
             changes["staging_engine"] = knob
         elif knob in ("kept", "fresh"):
             changes["staging_keep_buffers"] = knob == "kept"
+        elif knob.startswith("ready"):
+            changes["park_ready"] = knob.removeprefix("ready")
         else:
             raise ValueError(f"unknown weight copy knob {knob!r} in {spec!r}")
     return dataclasses.replace(config, **changes)
@@ -414,7 +429,7 @@ def floors(weights_bytes: int, limits: dict[str, Any]) -> dict[str, float]:
 def gpu_suite(models: pathlib.Path, run: pathlib.Path, snapshots: pathlib.Path, sizes: Sequence[float],
               tiers: Sequence[Tier], n: int, cold_n: int | None = None, lazy: bool = False, burst_n: int = 0,
               progress: Callable[[str], None] = lambda _: None, eager: bool = True,
-              wake_copies: Sequence[str] = ()) -> dict[str, Any]:
+              wake_copies: Sequence[str] = (), fresh_images: bool = False) -> dict[str, Any]:
     """Copy limits and the driver's floor, every size through every tier (with several `wake_copies`, each size
     once per way of copying, one after the other, keyed `SIZE-COPY`), and the burst of SUSPENDED wakes, in one
     run."""
@@ -436,7 +451,8 @@ def gpu_suite(models: pathlib.Path, run: pathlib.Path, snapshots: pathlib.Path, 
         for copy in copies:
             key = f"{gib:g}-{copy}" if len(copies) > 1 else f"{gib:g}"
             part = bench_tiers(spec, run / f"w{gib:g}{copy}", snapshots, tiers, n, "cuda:0", cold_n=cold_n,
-                               lazy=lazy, progress=progress, settle_s=GPU_SETTLE_S, eager=eager, wake_copy=copy)
+                               lazy=lazy, progress=progress, settle_s=GPU_SETTLE_S, eager=eager, wake_copy=copy,
+                               fresh_images=fresh_images)
             part["floors_ms"] = floors(int(part["model"]["weights_bytes"] or 0), report["copy_limits"])
             report["sizes"][key] = part
     if len(copies) > 1:

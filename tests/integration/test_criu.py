@@ -186,6 +186,10 @@ def test_lazy_restore_answers_the_same(default_spec: api.ModelSpecSpec, rundir: 
             assert not woke.fallback, woke.detail
             assert np.array_equal(inst.infer(x)["probability"], reference)
             assert (inst.image.path / "lazy-pages.log").exists()
+            # The daemon delivers every page and exits; how long after criu started that was is known.
+            assert inst.restored is not None
+            delivered = inst.restored.pages_seconds(30.0)
+            assert delivered is not None and delivered >= inst.restored.seconds > 0
     finally:
         inst.close()
 

@@ -234,6 +234,11 @@ class Instance:
             process.kill(self.pid)
             self.pid = None
 
+    @property
+    def restored(self) -> criu.Restored | None:
+        """The CRIU restore the running worker came from, until its lazy pages have all arrived."""
+        return self._restored
+
     def client(self) -> protocol.WorkerClient:
         if self._client is None:
             self._client = protocol.WorkerClient(self.config.socket)

@@ -119,6 +119,7 @@ class LazyPages:
         self.done = threading.Event()
         self.exit_code: int | None = None
         self.stopped = False  # killed by us: the process it served is gone
+        self.finished: float | None = None  # time.perf_counter() when it exited
 
     def wait(self, pid: int, timeout: float) -> None:
         if not self.done.wait(timeout):
@@ -140,6 +141,14 @@ class Restored:
     pid: int
     seconds: float
     lazy_pages: LazyPages | None = None
+    started: float = 0.0  # time.perf_counter() when criu was started
+
+    def pages_seconds(self, timeout: float) -> float | None:
+        """Seconds from the restore's start until the lazy-pages daemon had delivered every page, waiting up to
+        `timeout` for it; None for an eager restore or a daemon still running."""
+        if self.lazy_pages is None or not self.lazy_pages.done.wait(timeout) or self.lazy_pages.finished is None:
+            return None
+        return self.lazy_pages.finished - self.started
 
     def wait_for_pages(self, timeout: float) -> None:
         """Return once the restored process holds all of its memory (at once for eager restores)."""
@@ -459,10 +468,11 @@ class CriuEngine:
                 pages.stop()
             raise CriuError(f"criu restore of {image.path} failed (exit {out.returncode}):\n"
                             f"{_log_tail(image.path / 'restore.log')}")
-        return Restored(int(pidfile.read_text().strip()), seconds, pages)
+        return Restored(int(pidfile.read_text().strip()), seconds, pages, start)
 
     def _reap_lazy_pages(self, pages: LazyPages, image: Image) -> None:
         code = pages.daemon.wait()
+        pages.finished = time.perf_counter()
         with self._lock:
             self._calls.discard(pages.daemon)
             self._daemons.discard(pages)

@@ -349,7 +349,8 @@ class TorchBackend(Backend):
         self.last_wake = {"copy": f"staged:{source}", "threads": threads, "bytes": self.nbytes,
                           "copy_ms": round((time.perf_counter() - start) * 1e3, 2),
                           "map_ms": round((mapped - start) * 1e3, 2),
-                          "staging_alloc_ms": round(info["staging_alloc_s"] * 1e3, 2),
+                          **{f"staging_{k}_ms": round(info[f"staging_{k}_s"] * 1e3, 2)
+                             for k in ("alloc", "populate", "register")},
                           "engine": self.config.staging_engine,
                           **{f"staging_{k[:-2]}_ms_per_thread": round(info[k] * 1e3 / threads, 2)
                              for k in ("read_s", "wait_s", "queue_s")}}
@@ -410,6 +411,12 @@ class TorchBackend(Backend):
             os.close(fd)
         parked = torch.frombuffer(mapping, dtype=torch.uint8)
         parked.copy_(self.host if self.offloaded else self.arena)
+        if self._stages_parked:  # its wake reads the file: the first read of what a mapping wrote runs at half rate
+            try:
+                staging.ready_file(path, self.nbytes, self.config.park_ready,
+                                   staging.threads_for(self.config.staging_threads))
+            except (OSError, staging.StagingError) as exc:
+                print(f"parked weights: not readied for the wake's read: {exc}", file=sys.stderr)
         if not self.offloaded:
             self._release_device()
         self._unregister_host()

@@ -191,6 +191,9 @@ class WorkerConfig:
     # after the copies are done): on an H200 a SUSPENDED worker's wake took 52 instead of 57 ms at 2 GiB and 180
     # instead of 200 ms at 8 GiB (run 6 of bench/results/tiers/wake-copy-h200.md).
     staging_overlap_graphs: bool = True
+    # How a parked weights file is readied at the freeze for its first staged read (`staging.ready_file`: "read",
+    # "populate" or "none"): pages written through the park's mapping read at half the rate the first time.
+    park_ready: str = "read"
     # The user and group the worker drops to once started (`serve.drop_privileges`); 0 and 0: it stays the agent's.
     uid: int = 0
     gid: int = 0

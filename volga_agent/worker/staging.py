@@ -21,6 +21,7 @@ image's lazy restore failed in the driver whenever the process held some: kept b
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ctypes
 import mmap
@@ -60,9 +61,13 @@ class Buffers:
         self.map = mmap.mmap(-1, self.nbytes, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
         libc = _libc()
+        began = time.perf_counter()
         libc.madvise(self.address, self.nbytes, MADV_HUGEPAGE)
         libc.madvise(self.address, self.nbytes, MADV_POPULATE_WRITE)  # fault in before pinning: cheaper
+        populated = time.perf_counter()
         code = int(torch.cuda.cudart().cudaHostRegister(self.address, self.nbytes, 0))
+        # Where the time of pinning them went: faulting the memory in, and the driver's registration.
+        self.populate_s, self.register_s = populated - began, time.perf_counter() - populated
         if code != 0:
             self.map.close()
             raise StagingError(f"cudaHostRegister of {self.nbytes} bytes of staging buffers failed ({code})")
@@ -101,6 +106,49 @@ class Kept:
         for buffers in self.sets.values():
             buffers.close()
         self.sets.clear()
+
+
+# The ways of readying a freshly written parked file's pages before its first staged read (`ready_file`).
+READY_WAYS = ("none", "read", "populate")
+MADV_POPULATE_READ = 22  # Linux 5.14
+
+
+def ready_file(path: str, nbytes: int, way: str, threads: int = THREADS) -> None:
+    """Ready the pages of a tmpfs file just written through a shared mapping (a parked weights file) for the staged
+    reads of a later wake, from `threads` threads: "read" reads it once, "populate" faults it into a fresh
+    read-only mapping (MADV_POPULATE_READ), "none" leaves it. The first read of pages written through a mapping
+    ran at half the rate of every later one on an H200 (bench/parked_read.py, docs/measurements.md "The first read
+    of a parked file"); readying them moves that cost to the freeze."""
+    if way not in READY_WAYS:
+        raise StagingError(f"unknown way of readying a parked file {way!r}: {', '.join(READY_WAYS)}")
+    if way == "none" or nbytes <= 0:
+        return
+    threads = max(1, threads)
+    step = -(-nbytes // threads // CHUNK_BYTES) * CHUNK_BYTES
+    fd = os.open(path, os.O_RDWR if way == "populate" else os.O_RDONLY)
+    try:
+        mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED) if way == "populate" else None  # only read
+        address = ctypes.addressof(ctypes.c_char.from_buffer(mapping)) if mapping is not None else 0
+        libc = _libc()
+
+        def part(start: int) -> None:
+            end = min(nbytes, start + step)
+            if mapping is not None:
+                if libc.madvise(address + start, end - start, MADV_POPULATE_READ) != 0:
+                    raise StagingError(f"readying {path}: madvise failed ({os.strerror(ctypes.get_errno())})")
+                return
+            buffer = memoryview(bytearray(CHUNK_BYTES))
+            for offset in range(start, end, CHUNK_BYTES):
+                os.preadv(fd, [buffer[:min(CHUNK_BYTES, end - offset)]], offset)
+
+        try:
+            with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="ready") as pool:
+                list(pool.map(part, range(0, nbytes, step)))
+        finally:
+            if mapping is not None:
+                mapping.close()
+    finally:
+        os.close(fd)
 
 
 # A reader fills `buffer` (a memoryview) with `size` bytes of the source at `offset`.
@@ -200,9 +248,10 @@ def copy(torch: Any, target: Any, read: Reader, nbytes: int, buffers: Buffers | 
     Staging buffers come from `buffers` (`depth` for each thread), or each thread allocates its own when it
     starts (faulting them in runs on all threads at once) and frees them when its last copy is done, or leaves
     them in `kept` for the next copy, which uses them instead of allocating. Returns
-    the longest time a thread spent allocating its buffers, the seconds until every piece was queued, and the
-    threads' summed seconds reading pieces (`read_s`), waiting for a buffer's copy to finish (`wait_s`) and
-    queueing copies (`queue_s`)."""
+    the longest time a thread spent allocating its buffers (`staging_alloc_s`; of that thread's, faulting them in,
+    `staging_populate_s`, and the driver's registration, `staging_register_s`), the seconds until every piece
+    was queued, and the threads' summed seconds reading pieces (`read_s`), waiting for a buffer's copy to finish
+    (`wait_s`) and queueing copies (`queue_s`)."""
     if engine not in ("torch", "driver"):
         raise StagingError(f"unknown staging engine {engine!r}: torch or driver")
     start = time.perf_counter()
@@ -214,7 +263,7 @@ def copy(torch: Any, target: Any, read: Reader, nbytes: int, buffers: Buffers | 
         kept.chunk = chunk
     work: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
     errors: list[BaseException] = []
-    allocating: list[float] = []
+    allocating: list[tuple[float, float, float]] = []  # each thread's whole, faulting in, registering
     spent = {"read_s": 0.0, "wait_s": 0.0, "queue_s": 0.0}
     lock = threading.Lock()
     device = target.device
@@ -240,7 +289,7 @@ def copy(torch: Any, target: Any, read: Reader, nbytes: int, buffers: Buffers | 
             elif buffers is None:
                 began = clock()
                 own = Buffers(torch, depth, chunk)
-                allocating.append(clock() - began)
+                allocating.append((clock() - began, own.populate_s, own.register_s))
                 mine, views = list(range(depth)), own
                 if kept is not None:
                     kept.sets[index], own = own, None
@@ -330,4 +379,6 @@ def copy(torch: Any, target: Any, read: Reader, nbytes: int, buffers: Buffers | 
             t.join()
     if errors:
         raise StagingError(f"staged copy failed: {errors[0]}") from errors[0]
-    return {"staging_alloc_s": max(allocating, default=0.0), "queued_s": queued, **spent}
+    whole, populate, register = max(allocating, default=(0.0, 0.0, 0.0))
+    return {"staging_alloc_s": whole, "staging_populate_s": populate, "staging_register_s": register,
+            "queued_s": queued, **spent}
