@@ -1,13 +1,15 @@
 """A model server's requests in the gateway's per-model load (the load the node's autonomy loop reads): every lease
 the proxies take counts as one request (`proxy.Counted`, `Dataplane.served`), over HTTP and gRPC passed through, as
 a built-in model's requests count; while the server is shed they are refused before any wake and counted as
-shed. The servers here are in-process upstreams (an aiohttp app, a gRPC servicer)."""
+shed, unless a neighbour's gateway takes them. The servers here are in-process upstreams (an aiohttp app, a gRPC
+servicer), the gateways real ones in this process."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import dataclasses
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,6 +18,7 @@ import grpc
 import pytest
 from aiohttp import web
 
+from volga_agent import neighbours
 from volga_agent.gateway import app, catalog, dataplane, links, proxy
 from volga_agent.rpc.inference import grpc_service_pb2 as pb
 from volga_agent.rpc.inference import grpc_service_pb2_grpc as pb_grpc
@@ -44,6 +47,7 @@ class _Servers:
         self.inside = asyncio.Event()
         self.go_on = asyncio.Event()
         self.go_on.set()
+        self.gateways: dict[str, proxy.Remote] = {}  # other nodes' gateways by gRPC address
 
     def serves(self, model_id: str) -> bool:
         return model_id == "srv"
@@ -53,6 +57,9 @@ class _Servers:
 
     def elsewhere(self, model_id: str) -> proxy.Remote | None:
         return None
+
+    def remote(self, gateway: str) -> proxy.Remote | None:
+        return self.gateways.get(gateway)
 
     @contextlib.asynccontextmanager
     async def lease(self, model_id: str, timeout_sec: float | None) -> AsyncIterator[_Lease]:
@@ -69,7 +76,7 @@ def _plane() -> dataplane.Dataplane:
 def test_a_lease_counts_one_request_from_its_wake_to_its_answer() -> None:
     plane = _plane()
     servers = _Servers("http://127.0.0.1:1")
-    counted = proxy.Counted(servers, plane.served)
+    counted = proxy.Counted(servers, plane)
 
     async def main() -> None:
         servers.go_on.clear()  # a wake that takes a while: the request is in the model's queue meanwhile
@@ -287,3 +294,92 @@ def test_a_neighbours_shed_reaches_the_client_with_its_retry_hint() -> None:
             await grpc_server.stop(0)
 
     asyncio.run(main())
+
+
+def test_an_overloaded_nodes_server_requests_go_to_a_neighbour_that_takes_them() -> None:
+    """Node a sheds its server; node b, its neighbour, has it and takes a's requests (over HTTP and gRPC, marked
+    forwarded), which count as shed in a's load and as passed on to b. Once b sheds it too, a's requests are
+    refused with a's retry hint, never woken on a. A node that is only overloaded (not shedding the server) serves
+    the request itself when its neighbour cannot be reached."""
+    upstream_a, upstream_b = _CountingUpstream(), _CountingUpstream()
+    http_calls: list[str] = []
+
+    async def main() -> tuple[dataplane.ModelLoad, str]:
+        async def infer(request: web.Request) -> web.Response:
+            http_calls.append(request.headers.get(links.FORWARDED, ""))
+            return web.json_response({"model_name": request.match_info["model"], "outputs": []})
+
+        http_app = web.Application()
+        http_app.router.add_post("/v2/models/{model}/infer", infer)
+        runner = web.AppRunner(http_app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        servers_a = []
+        gateways = []
+        settings = app.Settings(http_port=0, grpc_port=0, metrics_port=0)
+        no_workers = links.LocalAgentLink(lambda m, h: links.Route("", ""))
+        grpc_servers = []
+        for upstream in (upstream_a, upstream_b):
+            grpc_server = grpc.aio.server()
+            pb_grpc.add_GRPCInferenceServiceServicer_to_server(upstream, grpc_server)
+            port = grpc_server.add_insecure_port("127.0.0.1:0")
+            await grpc_server.start()
+            grpc_servers.append(grpc_server)
+            servers_a.append(_Servers(f"http://127.0.0.1:{runner.addresses[0][1]}", f"127.0.0.1:{port}"))
+        for node, servers in zip("ab", servers_a, strict=True):
+            gateway = app.Gateway(catalog.Catalog({"srv": server_spec()}), no_workers,
+                                  dataclasses.replace(settings, node=node), servers=servers)
+            await gateway.start()
+            gateways.append(gateway)
+        a, b = gateways
+        b_address = f"127.0.0.1:{b.ports['grpc']}"
+        servers_a[0].gateways[b_address] = proxy.Remote(f"http://127.0.0.1:{b.ports['http']}", b_address)
+        level_b = neighbours.Level("b", "ACCEPT", models=(neighbours.ModelLevel("srv", hot=True),), gateway=b_address)
+
+        def heard(state: str = "ACCEPT") -> None:  # fresh before each request: levels go stale after a second
+            a.dataplane.set_neighbours(state, (neighbours.Heard(level_b, time.monotonic()),))
+
+        try:
+            a.dataplane.shed("srv", 900)
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{a.ports['grpc']}") as channel, \
+                    aiohttp.ClientSession() as session:
+                stub = pb_grpc.GRPCInferenceServiceStub(channel)
+                heard()
+                assert (await stub.ModelInfer(pb.ModelInferRequest(model_name="srv", id="r1"), timeout=10)).id == "r1"
+                heard()
+                async with session.post(f"http://127.0.0.1:{a.ports['http']}/v2/models/srv/infer",
+                                        json={"inputs": []}) as r:
+                    assert r.status == 200 and (await r.json())["model_name"] == "srv"
+                # b's server answered both, the HTTP request marked forwarded; a's never woke
+                assert upstream_a.calls == 0 and upstream_b.calls == 1 and http_calls == ["1"]
+                assert not servers_a[0].inside.is_set()
+                passed = a.dataplane.drain_load()["srv"]
+
+                b.dataplane.shed("srv", 4000)  # b declines: a refuses with its own hint
+                heard()
+                await _refused_over_grpc(channel, "900")
+                assert upstream_a.calls == 0 and upstream_b.calls == 1
+
+                a.dataplane.unshed("srv")  # a only overloaded, b out of reach: a serves the call itself
+                b_gone = f"127.0.0.1:{b.ports['grpc']}"
+                await b.stop(0)
+                gateways.remove(b)
+                servers_a[0].gateways[b_gone] = proxy.Remote("http://127.0.0.1:1", b_gone)
+                heard(neighbours.OVERLOADED)
+                assert (await stub.ModelInfer(pb.ModelInferRequest(model_name="srv", id="r3"), timeout=10)).id == "r3"
+                assert upstream_a.calls == 1
+            async with aiohttp.ClientSession() as session, \
+                    session.get(f"http://127.0.0.1:{a.ports['metrics']}/metrics") as r:
+                return passed, await r.text()
+        finally:
+            for gateway in gateways:
+                await gateway.stop(0)
+            for grpc_server in grpc_servers:
+                await grpc_server.stop(0)
+            await runner.cleanup()
+
+    passed, scraped = asyncio.run(main())
+    # Both requests passed on: arrived and shed here, never in a's queue, no completion here.
+    assert (passed.arrivals, passed.completed, passed.queue_depth, passed.shed) == (2, 0, 0, 2)
+    assert 'volga_gateway_neighbour_forwards_total{model="srv",target="b"} 2.0' in scraped, \
+        [s for s in scraped.splitlines() if "neighbour" in s]

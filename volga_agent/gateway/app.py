@@ -8,7 +8,6 @@ on one asyncio loop: grpc.aio for gRPC, aiohttp for REST and /metrics (`docs/arc
 from __future__ import annotations
 
 import dataclasses
-import functools
 import pathlib
 from typing import Any
 
@@ -53,10 +52,9 @@ class Gateway:
         self.settings = s = settings or Settings()
         self.dataplane = dataplane.Dataplane(models, link, s.node, s.cache_ttl_sec, s.max_request_bytes, s.shm_bytes,
                                              gateway_metrics)
-        # Model servers, passed through over REST and gRPC; their requests count in the dataplane's load, and a
-        # shed server's are refused there.
-        self.servers = (proxy.Counted(servers, functools.partial(self.dataplane.served, sheddable=True))
-                        if servers is not None else None)
+        # Model servers, passed through over REST and gRPC; their requests count in the dataplane's load, an
+        # overloaded node's go to a neighbour that takes them, and a shed server's are refused otherwise.
+        self.servers = proxy.Counted(servers, self.dataplane) if servers is not None else None
         self.catalog = models
         self.metrics = self.dataplane.metrics
         self.extra_metrics = extra_metrics or []

@@ -30,7 +30,8 @@ call, as `ModelLoad`s); `set_neighbours` gives it the node's state and its neigh
 request counts under its own id, and each of its steps as a request of that step's model; an ensemble that needs
 a shed model is refused as a whole, before its first step. A model server's requests, which the proxies pass
 through past `observe`, count in its load all the same (`served`), and a shed server's are refused there, before
-any wake, as a shed model's are in `observe` (a server batches itself: the loop's caps do not reach it).
+any wake, as a shed model's are in `observe` (a server batches itself: the loop's caps do not reach it), unless
+a neighbour takes them (`neighbour_for`, `passed_on`), as it takes a shed model's.
 
 The metadata answers (model state from what the agent reports, platform, tensor specs, a Triton-style model
 configuration) are built here too, so both adapters give the same ones; an output whose answers contradict its
@@ -252,6 +253,19 @@ class Dataplane:
         if model not in self._shed and self._state != neighbours.OVERLOADED:
             return None
         return neighbours.choose(self._neighbours, model, self.node, time.monotonic())
+
+    def neighbour_for(self, model: str) -> neighbours.Level | None:
+        """Where a request of this overloaded node for `model` goes (a model server's: the proxies pass it on), as
+        a shed built-in model's goes (`_pass_on`); None when the node serves it itself. Safe from any thread."""
+        with self._lock:
+            return self._neighbour_for(model)
+
+    def passed_on(self, model: str, node: str) -> None:
+        """A model server's request that the neighbour `node` took (`neighbour_for`): counted as a passed-on built-in
+        request is, shed in this node's load (it does not serve it) and in `volga_gateway_neighbour_forwards`."""
+        with self._lock:
+            self._arrived(model, queued=False).shed += 1
+        self.metrics.neighbour_forwards.labels(model, node).inc()
 
     def drain_load(self) -> dict[str, ModelLoad]:
         """Each known model's load since the previous call (and its queue now); the counts start again."""

@@ -85,6 +85,10 @@ class _Refused(Exception):
         return cls(grpc.StatusCode[exc.code], exc.message, oip.retry_after_trailer(exc))
 
 
+# What a neighbour's gateway answers when it does not take a call offered to it: shed there too, or unavailable.
+_DECLINED = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE})
+
+
 def _without_grpc(model: str) -> str:
     return f"{model} is a model server without gRPC (its protocol is not oip-grpc): send its requests over HTTP"
 
@@ -164,15 +168,15 @@ class GrpcPass:
             self.counts.requests.labels(model, STREAM_PROTOCOL, code.name).inc()
 
     def _route(self, model: str, context: grpc.aio.ServicerContext
-               ) -> tuple[float | None, float | None, tuple[tuple[str, str | bytes], ...], proxy.Remote | None]:
+               ) -> tuple[float | None, float | None, tuple[tuple[str, str | bytes], ...], proxy.Remote | None, bool]:
         """A passed-through call's or stream's seconds left, its deadline on the loop's clock, the metadata passed
-        on, and the other node's gateway that serves `model` (None: this node serves it, or the call came from
-        another node's gateway, which is not passed on again)."""
+        on, the other node's gateway that serves `model` (None: this node serves it, or the call came from
+        another node's gateway, which is not passed on again), and whether it came from another gateway."""
         remaining = context.time_remaining()
         deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
         metadata = _passed(context.invocation_metadata())
         forwarded = any(k.lower() == links.FORWARDED for k, _ in metadata)
-        return remaining, deadline, metadata, None if forwarded else self.servers.elsewhere(model)
+        return remaining, deadline, metadata, None if forwarded else self.servers.elsewhere(model), forwarded
 
     async def _stream(self, model: str, first: Any, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext,
                       refusal: Callable[[Any], str]) -> AsyncGenerator[Any, None]:
@@ -183,7 +187,7 @@ class GrpcPass:
                 yield stream_error(request, why)
                 request = await anext(requests, None)
             return
-        remaining, deadline, metadata, remote = self._route(model, context)
+        remaining, deadline, metadata, remote, _ = self._route(model, context)
         loop = asyncio.get_running_loop()
         with _as_status(f"{model}: not woken within the stream's deadline"):
             async with contextlib.AsyncExitStack() as held:
@@ -203,12 +207,26 @@ class GrpcPass:
     async def _answer(self, method: str, model: str, request: Any, context: grpc.aio.ServicerContext) -> Any:
         if not self.servers.speaks_grpc(model):
             raise _Refused(grpc.StatusCode.UNIMPLEMENTED, _without_grpc(model))
-        remaining, deadline, metadata, remote = self._route(model, context)
+        remaining, deadline, metadata, remote, forwarded = self._route(model, context)
+        counted = self.servers if isinstance(self.servers, proxy.Counted) else None
+        neighbour = counted.neighbour(model) if counted is not None and not forwarded and not remote else None
         with _as_status(f"{model}: no answer within the call's deadline (waking and answering)"):
             async with asyncio.timeout_at(deadline):
                 if remote is not None:
                     return await self._call(remote.grpc_address, method, request, (*metadata, (links.FORWARDED, "1")),
                                             deadline)
+                if neighbour is not None and counted is not None:
+                    try:
+                        answer = await self._call(neighbour[0].grpc_address, method, request,
+                                                  (*metadata, (links.FORWARDED, "1")), deadline)
+                    except grpc.aio.AioRpcError as exc:
+                        if exc.code() not in _DECLINED:
+                            raise
+                        log.info("%s: neighbour %s did not take the call (%s): served here", model, neighbour[1],
+                                 exc.code().name)
+                    else:
+                        counted.passed_on(model, neighbour[1])
+                        return answer
                 async with self.servers.lease(model, remaining) as lease:
                     return await self._call(lease.grpc_address, method, request, metadata, deadline)
 

@@ -74,6 +74,8 @@ class Servers(Protocol):
 
     def elsewhere(self, model_id: str) -> Remote | None: ...  # another node's gateway, when this node has none
 
+    def remote(self, gateway: str) -> Remote | None: ...  # another node's gateway named by its gRPC host:port
+
     def lease(self, model_id: str, timeout_sec: float | None) -> contextlib.AbstractAsyncContextManager[Lease]: ...
 
 
@@ -138,18 +140,23 @@ class PoolLink:
 
 
 class Counted:
-    """`servers` whose every lease counts as one request of its model in the gateway's per-model load (`served`:
-    `Dataplane.served`), the load the node's autonomy loop reads, as a built-in model's requests count: both
+    """`servers` whose every lease counts as one request of its model in the gateway's per-model load
+    (`Dataplane.served`), the load the node's autonomy loop reads, as a built-in model's requests count: both
     proxies (HTTP here, gRPC in `grpc_proxy`) hold a lease from before a request's wake until its answer's last
     byte is passed on, so its arrival, its time in the model's queue, its completion and its latency (the wake
     included) are the request's. A request passed on to another node's gateway takes no lease here: that node
-    counts it. `served` may refuse the request instead, before the wake (a shed server: `Dataplane.served` with
-    `sheddable`): the lease raises its `oip.OipError` (`batcher.Overloaded`, with the retry hint), which the proxies
-    answer with its status (HTTP 429 with Retry-After; RESOURCE_EXHAUSTED with trailer retry-after-ms)."""
+    counts it. The lease may refuse the request instead, before the wake (a shed server: `Dataplane.served` with
+    `sheddable`): it raises its `oip.OipError` (`batcher.Overloaded`, with the retry hint), which the proxies
+    answer with its status (HTTP 429 with Retry-After; RESOURCE_EXHAUSTED with trailer retry-after-ms).
 
-    def __init__(self, servers: Servers, served: Callable[[str], contextlib.AbstractContextManager[None]]) -> None:
+    Before that, a request of an overloaded node (its server shed, or the node OVERLOADED) goes to the neighbour
+    that takes a shed built-in model's request (`neighbour`: `Dataplane.neighbour_for`), marked forwarded; once
+    that neighbour has taken it, it counts as passed on (`passed_on`). One that does not take it (it refuses,
+    is unavailable or cannot be reached) leaves the request to this node: served, or refused if shed."""
+
+    def __init__(self, servers: Servers, plane: dataplane.Dataplane) -> None:
         self.servers = servers
-        self._served = served
+        self.plane = plane
 
     def serves(self, model_id: str) -> bool:
         return self.servers.serves(model_id)
@@ -160,9 +167,22 @@ class Counted:
     def elsewhere(self, model_id: str) -> Remote | None:
         return self.servers.elsewhere(model_id)
 
+    def remote(self, gateway: str) -> Remote | None:
+        return self.servers.remote(gateway)
+
+    def neighbour(self, model_id: str) -> tuple[Remote, str] | None:
+        """The gateway of the neighbour (and its node's name) that takes a request of this overloaded node for
+        `model_id`; None: this node serves the request, or refuses it if the server is shed."""
+        level = self.plane.neighbour_for(model_id)
+        remote = None if level is None else self.servers.remote(level.gateway)
+        return None if remote is None or level is None else (remote, level.node)
+
+    def passed_on(self, model_id: str, node: str) -> None:
+        self.plane.passed_on(model_id, node)
+
     @contextlib.asynccontextmanager
     async def lease(self, model_id: str, timeout_sec: float | None) -> AsyncIterator[Lease]:
-        with self._served(model_id):
+        with self.plane.served(model_id, sheddable=True):
             async with self.servers.lease(model_id, timeout_sec) as lease:
                 yield lease
 
@@ -180,10 +200,13 @@ class AgentServers:
     def elsewhere(self, model_id: str) -> Remote | None:
         here = self.models.local(model_id, self.node)
         others = self.models.remote_gateways(model_id, self.node) if here == () else []
-        if not others or not self.http_port:
-            return None  # served here (or nowhere: the agent says so)
-        host = others[0].rpartition(":")[0]
-        return Remote(f"http://{host}:{self.http_port}", others[0])
+        return self.remote(others[0]) if others else None  # None: served here (or nowhere: the agent says so)
+
+    def remote(self, gateway: str) -> Remote | None:
+        """The gateway at `gateway` (gRPC host:port) over both protocols: a cluster's gateways share their ports."""
+        if not self.http_port:
+            return None
+        return Remote(f"http://{gateway.rpartition(':')[0]}:{self.http_port}", gateway)
 
     def serves(self, model_id: str) -> bool:
         return self.models.known(model_id) and self.models.get(model_id).framework is api.Framework.SERVER
@@ -232,11 +255,19 @@ async def forward(request: web.Request, servers: Servers, model: str, max_reques
         body = await request.read()
     except web.HTTPRequestEntityTooLarge:
         return _error(413, f"request body over {max_request_bytes} bytes")
-    remote = None if request.headers.get(links.FORWARDED) else servers.elsewhere(model)
+    forwarded = bool(request.headers.get(links.FORWARDED))
+    remote = None if forwarded else servers.elsewhere(model)
+    neighbour = servers.neighbour(model) if isinstance(servers, Counted) and not forwarded and not remote else None
     try:
         async with asyncio.timeout_at(None if deadline is None else _loop_time(deadline)):
             if remote is not None:
                 return await _exchange(request, remote, body, {links.FORWARDED: "1"})
+            if neighbour is not None and isinstance(servers, Counted):
+                taken = await _relay(request, neighbour[0], body, {links.FORWARDED: "1"}, offered=True)
+                if taken is not None:
+                    servers.passed_on(model, neighbour[1])
+                    return taken
+                log.info("%s: neighbour %s did not take the request: served here", model, neighbour[1])
             async with servers.lease(model, None if deadline is None else deadline - time.monotonic()) as lease:
                 if not lease.oip and not request.path.startswith(lease.path_prefix):
                     return _error(404, f"{model} serves paths under {lease.path_prefix}, not {request.path}")
@@ -258,18 +289,35 @@ def _loop_time(deadline: float) -> float:
 
 async def _exchange(request: web.Request, lease: Lease, body: bytes,
                     extra_headers: dict[str, str] | None = None) -> web.StreamResponse:
+    response = await _relay(request, lease, body, extra_headers)
+    assert response is not None  # only an offer is declined
+    return response
+
+
+# What a neighbour answers when it does not take a request offered to it: shed there too, or unavailable.
+_DECLINED = frozenset({429, 502, 503})
+
+
+async def _relay(request: web.Request, lease: Lease, body: bytes, extra_headers: dict[str, str] | None = None,
+                 offered: bool = False) -> web.StreamResponse | None:
+    """Send `request` on to `lease` and stream its answer back. With `offered` (a neighbour's gateway offered the
+    request of an overloaded node), None when it declines before answering: it cannot be reached, or answers with
+    a status of `_DECLINED`."""
     if lease.base_url.startswith("unix:"):
         connector: aiohttp.BaseConnector = aiohttp.UnixConnector(path=lease.base_url[len("unix:"):],
                                                                  force_close=True)
         base = "http://localhost"
     else:
         connector, base = aiohttp.TCPConnector(force_close=True), lease.base_url
+    started = False  # the answer's head is on its way to the client
     async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
         try:
             upstream_cm = session.request(request.method, base + request.path_qs, data=body or None,
                                           headers={**_forwarded(request.headers.items()), **(extra_headers or {})},
                                           allow_redirects=False)
             async with upstream_cm as upstream:
+                if offered and upstream.status in _DECLINED:
+                    return None
                 response = web.StreamResponse(status=upstream.status, reason=upstream.reason,
                                               headers=_forwarded(upstream.headers.items()))
                 if upstream.headers.get("content-length") is None:
@@ -277,11 +325,14 @@ async def _exchange(request: web.Request, lease: Lease, body: bytes,
                 else:
                     response.content_length = int(upstream.headers["content-length"])
                 await response.prepare(request)
+                started = True
                 async for chunk in _chunks(upstream):
                     await response.write(chunk)
                 await response.write_eof()
                 return response
         except aiohttp.ClientError as exc:
+            if offered and not started:
+                return None
             return _error(502, f"the server did not answer: {exc}")
 
 

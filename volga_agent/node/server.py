@@ -785,6 +785,10 @@ class Fleet:
         """One node: every server of the fleet is here."""
         return None
 
+    def remote(self, gateway: str) -> None:
+        """One node: there is no other gateway."""
+        return None
+
     @contextlib.asynccontextmanager
     async def lease(self, model_id: str, timeout_sec: float | None) -> AsyncIterator[ServerInstance]:
         """The server HOT (woken in a thread: concurrent leases share one wake) until the block ends. The caller's
