@@ -78,10 +78,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=staging.THREADS)
     parser.add_argument("--ways", default=",".join(staging.READY_WAYS),
                         help="ways of readying, in this order (a way may come again)")
+    parser.add_argument("--folder", default="/dev/shm", help="where the parked files are written (a tmpfs mount)")
     parser.add_argument("--out")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(dir="/dev/shm") as tmp:
-        report = {"device": torch.cuda.get_device_name(), "threads": args.threads,
+    with tempfile.TemporaryDirectory(dir=args.folder) as tmp:
+        report = {"device": torch.cuda.get_device_name(), "threads": args.threads, "folder": args.folder,
                   "sizes": {g: measure(float(g), pathlib.Path(tmp), args.repeat, args.threads,
                                             args.ways.split(","))
                             for g in args.gib.split(",")}}
