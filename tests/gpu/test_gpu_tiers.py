@@ -461,7 +461,8 @@ def test_a_suspended_worker_hands_the_driver_little_more_than_its_context(
     assert rss[True] - rss[False] > 64 * 2**20, rss
 
 
-@pytest.mark.parametrize("wake_copy", ["staged", "pinned", "auto", "auto-serial", "auto-torch", "staged-fresh"])
+@pytest.mark.parametrize("wake_copy", ["staged", "pinned", "auto", "auto-serial", "auto-torch", "staged-fresh",
+                                       "auto-readynone", "auto-readypopulate"])
 def test_every_wake_copy_brings_the_weights_back_bit_for_bit(mlp_spec: api.ModelSpecSpec, rundir: pathlib.Path,
                                                              criu_engine: criu.CriuEngine, wake_copy: str) -> None:
     """Each way of copying weights back on a wake (`WorkerConfig.wake_copy`) answers as HOT did after SUSPENDED,
@@ -469,7 +470,8 @@ def test_every_wake_copy_brings_the_weights_back_bit_for_bit(mlp_spec: api.Model
     pinned memory at the driver's checkpoint. "auto" stages parked files and, below `staging_min_mib`, keeps a
     SUSPENDED copy pinned; the graphs are captured while the copies run (with "-serial" after them), the copies
     queued through the driver's calls (with "-torch" through torch's) from buffers kept between wakes (with
-    "-fresh" pinned for each)."""
+    "-fresh" pinned for each), the parked file read once at the freeze (with "-readynone" not readied, with
+    "-readypopulate" faulted into a mapping instead)."""
     inst = on_gpu(f"mlp-copy-{wake_copy}", mlp_spec, rundir, criu_engine)
     inst.config = tiers.copy_config(inst.config, wake_copy)
     name = wake_copy.partition("-")[0]
