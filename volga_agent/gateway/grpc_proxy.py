@@ -13,9 +13,12 @@ are bounded by the gateway's request limit (the gateway's server refuses a large
 RESOURCE_EXHAUSTED). Each call opens its own channel to the server and closes it: a connection left open would be
 one more socket in the server's image. Every call passed through is counted in `volga_gateway_requests` (protocol
 grpc, code its status's name) and an OK one's time, wake included, in `volga_gateway_request_latency_ms`, as the HTTP
-path counts its requests. While the node's autonomy loop sheds the server, a call is refused before any wake
-(`proxy.Counted`): RESOURCE_EXHAUSTED with trailing metadata `retry-after-ms`, as a shed model's call is. A refusal
-that comes back with `retry-after-ms` (a neighbour's gateway shedding the server, or the server's own hint) keeps it.
+path counts its requests. A call of an overloaded node goes first to the neighbour that takes a shed model's
+(`proxy.Counted.neighbour`; one answering RESOURCE_EXHAUSTED or UNAVAILABLE, or out of reach, leaves it here). While
+the node's autonomy loop sheds the server, a call no neighbour took is refused before any wake (`proxy.Counted`):
+RESOURCE_EXHAUSTED with trailing metadata `retry-after-ms`, as a shed model's call is. A refusal that comes back with
+`retry-after-ms` (a neighbour's gateway shedding the server, or the server's own hint) keeps it. Streams are not
+offered to a neighbour.
 
 A `ModelStreamInfer` stream bound to a server (by `x-model-id` or its first request: `grpc_service`) is passed
 through as a stream on a channel of its own: the server woken for the first request and kept from being frozen until

@@ -18,9 +18,11 @@ cluster.
 Bounds as for every model: the body is read up to the gateway's request limit (413 above it), and `x-timeout-ms`
 bounds the wake and the whole exchange (504 when it passes). Each exchange opens its own connection to the server
 and closes it: a connection left open would be one more socket in the server's image. The gateway counts each
-request served here in its model's load for the node's autonomy loop (`Counted`), over both protocols; while the
-loop sheds the server, its requests are refused at once, before any wake, as a shed model's are: 429 with the JSON
-error body of the REST path and Retry-After (whole seconds, rounded up).
+request served here in its model's load for the node's autonomy loop (`Counted`), over both protocols. A request of
+an overloaded node (the loop sheds the server, or the node is in EMERGENCY) goes first to the neighbour that takes a
+shed model's (`Counted.neighbour`), marked forwarded; while the loop sheds the server and no neighbour takes them,
+its requests are refused at once, before any wake, as a shed model's are: 429 with the JSON error body of the REST
+path and Retry-After (whole seconds, rounded up).
 """
 
 from __future__ import annotations

@@ -116,7 +116,7 @@ MADV_POPULATE_READ = 22  # Linux 5.14
 def ready_file(path: str, nbytes: int, way: str, threads: int = THREADS) -> None:
     """Ready the pages of a tmpfs file just written through a shared mapping (a parked weights file) for the staged
     reads of a later wake, from `threads` threads: "read" reads it once, "populate" faults it into a fresh
-    read-only mapping (MADV_POPULATE_READ), "none" leaves it. The first read of pages written through a mapping
+    mapping that is only read (MADV_POPULATE_READ), "none" leaves it. The first read of pages written through a mapping
     ran at half the rate of every later one on an H200 (bench/parked_read.py, docs/measurements.md "The first read
     of a parked file"); readying them moves that cost to the freeze."""
     if way not in READY_WAYS:
