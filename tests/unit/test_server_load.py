@@ -104,21 +104,29 @@ class _Upstream(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         return pb.ModelInferResponse(model_name=request.model_name, id=request.id)
 
 
-async def _upstreams() -> tuple[web.AppRunner, grpc.aio.Server, str, str]:
+async def _http_upstream(seen: list[web.Request] | None = None) -> tuple[web.AppRunner, str]:
+    """An OIP HTTP server that answers /v2/models/{model}/infer (each request it gets appended to `seen`), and its
+    base URL."""
     async def infer(request: web.Request) -> web.Response:
+        if seen is not None:
+            seen.append(request)
         return web.json_response({"model_name": request.match_info["model"], "outputs": []})
 
     http_app = web.Application()
     http_app.router.add_post("/v2/models/{model}/infer", infer)
     runner = web.AppRunner(http_app)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+
+async def _upstreams() -> tuple[web.AppRunner, grpc.aio.Server, str, str]:
+    runner, base_url = await _http_upstream()
     grpc_server = grpc.aio.server()
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(_Upstream(), grpc_server)
     grpc_port = grpc_server.add_insecure_port("127.0.0.1:0")
     await grpc_server.start()
-    return runner, grpc_server, f"http://127.0.0.1:{runner.addresses[0][1]}", f"127.0.0.1:{grpc_port}"
+    return runner, grpc_server, base_url, f"127.0.0.1:{grpc_port}"
 
 
 def test_the_gateway_counts_a_servers_requests_over_http_and_grpc_in_its_load() -> None:
@@ -184,23 +192,15 @@ async def _refused_over_grpc(channel: grpc.aio.Channel, retry_after_ms: str) -> 
 
 def test_a_shed_servers_requests_are_refused_before_any_wake_and_counted_as_shed() -> None:
     upstream = _CountingUpstream()
-    http_calls: list[str] = []
+    http_calls: list[web.Request] = []
 
     async def main() -> tuple[dataplane.ModelLoad, dataplane.ModelLoad, str]:
-        async def infer(request: web.Request) -> web.Response:
-            http_calls.append(request.path)
-            return web.json_response({"model_name": request.match_info["model"], "outputs": []})
-
-        http_app = web.Application()
-        http_app.router.add_post("/v2/models/{model}/infer", infer)
-        runner = web.AppRunner(http_app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        runner, base_url = await _http_upstream(http_calls)
         grpc_server = grpc.aio.server()
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(upstream, grpc_server)
         grpc_port = grpc_server.add_insecure_port("127.0.0.1:0")
         await grpc_server.start()
-        servers = _Servers(f"http://127.0.0.1:{runner.addresses[0][1]}", f"127.0.0.1:{grpc_port}")
+        servers = _Servers(base_url, f"127.0.0.1:{grpc_port}")
         gateway = app.Gateway(catalog.Catalog({"srv": server_spec()}),
                               links.LocalAgentLink(lambda m, h: links.Route("", "")),
                               app.Settings(http_port=0, grpc_port=0, metrics_port=0), servers=servers)
@@ -227,7 +227,7 @@ def test_a_shed_servers_requests_are_refused_before_any_wake_and_counted_as_shed
                 await stream.write(pb.ModelInferRequest(model_name="srv", id="s2"))
                 await stream.done_writing()
                 assert [answer.infer_response.id async for answer in stream] == ["s2"]
-                assert http_calls == ["/v2/models/srv/infer"] and upstream.calls == 2
+                assert [r.path for r in http_calls] == ["/v2/models/srv/infer"] and upstream.calls == 2
             served = gateway.dataplane.drain_load()["srv"]
             async with aiohttp.ClientSession() as session, \
                     session.get(f"http://127.0.0.1:{gateway.ports['metrics']}/metrics") as r:
@@ -302,18 +302,10 @@ def test_an_overloaded_nodes_server_requests_go_to_a_neighbour_that_takes_them()
     refused with a's retry hint, never woken on a. A node that is only overloaded (not shedding the server) serves
     the request itself when its neighbour cannot be reached."""
     upstream_a, upstream_b = _CountingUpstream(), _CountingUpstream()
-    http_calls: list[str] = []
+    http_calls: list[web.Request] = []
 
     async def main() -> tuple[dataplane.ModelLoad, str]:
-        async def infer(request: web.Request) -> web.Response:
-            http_calls.append(request.headers.get(links.FORWARDED, ""))
-            return web.json_response({"model_name": request.match_info["model"], "outputs": []})
-
-        http_app = web.Application()
-        http_app.router.add_post("/v2/models/{model}/infer", infer)
-        runner = web.AppRunner(http_app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        runner, base_url = await _http_upstream(http_calls)
         servers_a = []
         gateways = []
         settings = app.Settings(http_port=0, grpc_port=0, metrics_port=0)
@@ -325,7 +317,7 @@ def test_an_overloaded_nodes_server_requests_go_to_a_neighbour_that_takes_them()
             port = grpc_server.add_insecure_port("127.0.0.1:0")
             await grpc_server.start()
             grpc_servers.append(grpc_server)
-            servers_a.append(_Servers(f"http://127.0.0.1:{runner.addresses[0][1]}", f"127.0.0.1:{port}"))
+            servers_a.append(_Servers(base_url, f"127.0.0.1:{port}"))
         for node, servers in zip("ab", servers_a, strict=True):
             gateway = app.Gateway(catalog.Catalog({"srv": server_spec()}), no_workers,
                                   dataclasses.replace(settings, node=node), servers=servers)
@@ -351,7 +343,8 @@ def test_an_overloaded_nodes_server_requests_go_to_a_neighbour_that_takes_them()
                                         json={"inputs": []}) as r:
                     assert r.status == 200 and (await r.json())["model_name"] == "srv"
                 # b's server answered both, the HTTP request marked forwarded; a's never woke
-                assert upstream_a.calls == 0 and upstream_b.calls == 1 and http_calls == ["1"]
+                assert upstream_a.calls == 0 and upstream_b.calls == 1
+                assert [r.headers.get(links.FORWARDED) for r in http_calls] == ["1"]
                 assert not servers_a[0].inside.is_set()
                 passed = a.dataplane.drain_load()["srv"]
 
