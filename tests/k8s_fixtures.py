@@ -88,7 +88,8 @@ def install_crds(cp: ControlPlane, within_sec: float = 120.0) -> None:
     for name in ("modelspecs.volga.dev", "executablemodelinstances.volga.dev"):
         while True:
             crd = json.loads(cp.kubectl("get", f"crd/{name}", "-o", "json").stdout)
-            conditions = {c["type"]: c["status"] for c in crd.get("status", {}).get("conditions", [])}
+            # A CRD just created has `status.conditions: null` until its controller has looked at it.
+            conditions = {c["type"]: c["status"] for c in (crd.get("status") or {}).get("conditions") or []}
             if conditions.get("Established") == "True":
                 break
             assert time.monotonic() < deadline, f"crd/{name} not Established within {within_sec:.0f} s: {conditions}"
