@@ -297,10 +297,11 @@ def test_a_neighbours_shed_reaches_the_client_with_its_retry_hint() -> None:
 
 
 def test_an_overloaded_nodes_server_requests_go_to_a_neighbour_that_takes_them() -> None:
-    """Node a sheds its server; node b, its neighbour, has it and takes a's requests (over HTTP and gRPC, marked
-    forwarded), which count as shed in a's load and as passed on to b. Once b sheds it too, a's requests are
-    refused with a's retry hint, never woken on a. A node that is only overloaded (not shedding the server) serves
-    the request itself when its neighbour cannot be reached."""
+    """Node a sheds its server; node b, its neighbour, has it and takes a's requests (over HTTP, gRPC and a stream,
+    marked forwarded), which count as shed in a's load and as passed on to b. Once b sheds it too, a call b declines
+    (a's view of b not yet fresh) is refused with a's retry hint, and with b's level saying so nothing is offered to
+    it: a refuses calls and streams itself, never waking its server. A node that is only overloaded (not shedding
+    the server) serves the request itself when its neighbour cannot be reached."""
     upstream_a, upstream_b = _CountingUpstream(), _CountingUpstream()
     http_calls: list[web.Request] = []
 
@@ -326,9 +327,10 @@ def test_an_overloaded_nodes_server_requests_go_to_a_neighbour_that_takes_them()
         a, b = gateways
         b_address = f"127.0.0.1:{b.ports['grpc']}"
         servers_a[0].gateways[b_address] = proxy.Remote(f"http://127.0.0.1:{b.ports['http']}", b_address)
-        level_b = neighbours.Level("b", "ACCEPT", models=(neighbours.ModelLevel("srv", hot=True),), gateway=b_address)
 
-        def heard(state: str = "ACCEPT") -> None:  # fresh before each request: levels go stale after a second
+        def heard(state: str = "ACCEPT", b_sheds: bool = False) -> None:  # fresh before each request (stale after 1 s)
+            level_b = neighbours.Level("b", "ACCEPT", models=(neighbours.ModelLevel("srv", hot=True, shed=b_sheds),),
+                                       gateway=b_address)
             a.dataplane.set_neighbours(state, (neighbours.Heard(level_b, time.monotonic()),))
 
         try:
@@ -342,16 +344,27 @@ def test_an_overloaded_nodes_server_requests_go_to_a_neighbour_that_takes_them()
                 async with session.post(f"http://127.0.0.1:{a.ports['http']}/v2/models/srv/infer",
                                         json={"inputs": []}) as r:
                     assert r.status == 200 and (await r.json())["model_name"] == "srv"
-                # b's server answered both, the HTTP request marked forwarded; a's never woke
-                assert upstream_a.calls == 0 and upstream_b.calls == 1
+                heard()
+                stream = stub.ModelStreamInfer(timeout=10)
+                for request_id in ("s1", "s2"):
+                    await stream.write(pb.ModelInferRequest(model_name="srv", id=request_id))
+                await stream.done_writing()
+                assert [answer.infer_response.id async for answer in stream] == ["s1", "s2"]
+                # b's server answered all three, the HTTP request marked forwarded; a's never woke
+                assert upstream_a.calls == 0 and upstream_b.calls == 3
                 assert [r.headers.get(links.FORWARDED) for r in http_calls] == ["1"]
                 assert not servers_a[0].inside.is_set()
                 passed = a.dataplane.drain_load()["srv"]
 
-                b.dataplane.shed("srv", 4000)  # b declines: a refuses with its own hint
+                b.dataplane.shed("srv", 4000)  # b declines the call: a refuses it with its own hint
                 heard()
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub.ModelInfer(pb.ModelInferRequest(model_name="srv", id="r2"), timeout=10)
+                assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert ("retry-after-ms", "900") in tuple(refused.value.trailing_metadata() or ())
+                heard(b_sheds=True)  # b says it sheds it: nothing goes there, a refuses calls and streams itself
                 await _refused_over_grpc(channel, "900")
-                assert upstream_a.calls == 0 and upstream_b.calls == 1
+                assert upstream_a.calls == 0 and upstream_b.calls == 3 and not servers_a[0].inside.is_set()
 
                 a.dataplane.unshed("srv")  # a only overloaded, b out of reach: a serves the call itself
                 b_gone = f"127.0.0.1:{b.ports['grpc']}"
@@ -372,7 +385,7 @@ def test_an_overloaded_nodes_server_requests_go_to_a_neighbour_that_takes_them()
             await runner.cleanup()
 
     passed, scraped = asyncio.run(main())
-    # Both requests passed on: arrived and shed here, never in a's queue, no completion here.
-    assert (passed.arrivals, passed.completed, passed.queue_depth, passed.shed) == (2, 0, 0, 2)
-    assert 'volga_gateway_neighbour_forwards_total{model="srv",target="b"} 2.0' in scraped, \
+    # The call, the HTTP request and the stream passed on: arrived and shed here, never in a's queue, no completion.
+    assert (passed.arrivals, passed.completed, passed.queue_depth, passed.shed) == (3, 0, 0, 3)
+    assert 'volga_gateway_neighbour_forwards_total{model="srv",target="b"} 3.0' in scraped, \
         [s for s in scraped.splitlines() if "neighbour" in s]

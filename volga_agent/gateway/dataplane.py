@@ -242,6 +242,11 @@ class Dataplane:
         with self._lock:
             self._shed.pop(model, None)
 
+    def sheds(self, model: str) -> bool:
+        """Whether the model's requests are refused now (`shed`). Safe from any thread."""
+        with self._lock:
+            return model in self._shed
+
     def set_neighbours(self, state: str, heard: tuple[neighbours.Heard, ...]) -> None:
         """The node's autonomy state and its neighbours' levels (the agent's word, every ExchangeLoad)."""
         with self._lock:

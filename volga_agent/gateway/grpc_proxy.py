@@ -17,8 +17,9 @@ path counts its requests. A call of an overloaded node goes first to the neighbo
 (`proxy.Counted.neighbour`; one answering RESOURCE_EXHAUSTED or UNAVAILABLE, or out of reach, leaves it here). While
 the node's autonomy loop sheds the server, a call no neighbour took is refused before any wake (`proxy.Counted`):
 RESOURCE_EXHAUSTED with trailing metadata `retry-after-ms`, as a shed model's call is. A refusal that comes back with
-`retry-after-ms` (a neighbour's gateway shedding the server, or the server's own hint) keeps it. Streams are not
-offered to a neighbour.
+`retry-after-ms` (a neighbour's gateway shedding the server, or the server's own hint) keeps it. A stream, which
+cannot come back once its requests went out, goes to that neighbour only while this node sheds the server (it would
+be refused here): whatever that gateway answers, its refusal included, is the stream's.
 
 A `ModelStreamInfer` stream bound to a server (by `x-model-id` or its first request: `grpc_service`) is passed
 through as a stream on a channel of its own: the server woken for the first request and kept from being frozen until
@@ -27,7 +28,8 @@ several per request). A request that names another model is answered here with `
 server without gRPC gets every request answered with an error, unwoken. The wake's failure, or the server's stream
 ending with an error status, ends the client's stream with that status; so does a shed server's refusal, which
 comes where the wake would (the stream holds one lease for all its requests): a stream opened while the server is
-shed ends at once, RESOURCE_EXHAUSTED with trailer `retry-after-ms`, and a stream already open goes on. The
+shed (and no neighbour takes it, above) ends at once, RESOURCE_EXHAUSTED with trailer `retry-after-ms`, and a stream
+already open goes on. The
 stream's deadline bounds the wake and the whole stream. A stream counts once, under protocol `grpc-stream` with its
 status's name, and the time to its first answer, wake included, in the latency (the gateway cannot tell which answer
 ends which request).
@@ -190,12 +192,19 @@ class GrpcPass:
                 yield stream_error(request, why)
                 request = await anext(requests, None)
             return
-        remaining, deadline, metadata, remote, _ = self._route(model, context)
+        remaining, deadline, metadata, remote, forwarded = self._route(model, context)
+        counted = self.servers if isinstance(self.servers, proxy.Counted) else None
+        # A stream cannot come back once its requests went out: only one this node would refuse is offered.
+        neighbour = (counted.neighbour(model, shed_only=True) if counted is not None and not forwarded and not remote
+                     else None)
         loop = asyncio.get_running_loop()
         with _as_status(f"{model}: not woken within the stream's deadline"):
             async with contextlib.AsyncExitStack() as held:
                 if remote is not None:
                     address, metadata = remote.grpc_address, (*metadata, (links.FORWARDED, "1"))
+                elif neighbour is not None and counted is not None:
+                    address, metadata = neighbour[0].grpc_address, (*metadata, (links.FORWARDED, "1"))
+                    counted.passed_on(model, neighbour[1])
                 else:
                     async with asyncio.timeout_at(deadline):
                         lease = await held.enter_async_context(self.servers.lease(model, remaining))

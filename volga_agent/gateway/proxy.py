@@ -154,7 +154,8 @@ class Counted:
     Before that, a request of an overloaded node (its server shed, or the node OVERLOADED) goes to the neighbour
     that takes a shed built-in model's request (`neighbour`: `Dataplane.neighbour_for`), marked forwarded; once
     that neighbour has taken it, it counts as passed on (`passed_on`). One that does not take it (it refuses,
-    is unavailable or cannot be reached) leaves the request to this node: served, or refused if shed."""
+    is unavailable or cannot be reached) leaves the request to this node: served, or refused if shed. A stream
+    is offered only while the server is shed here (`shed_only`): it cannot come back once its requests went out."""
 
     def __init__(self, servers: Servers, plane: dataplane.Dataplane) -> None:
         self.servers = servers
@@ -172,9 +173,12 @@ class Counted:
     def remote(self, gateway: str) -> Remote | None:
         return self.servers.remote(gateway)
 
-    def neighbour(self, model_id: str) -> tuple[Remote, str] | None:
+    def neighbour(self, model_id: str, shed_only: bool = False) -> tuple[Remote, str] | None:
         """The gateway of the neighbour (and its node's name) that takes a request of this overloaded node for
-        `model_id`; None: this node serves the request, or refuses it if the server is shed."""
+        `model_id` (with `shed_only`, only while this node sheds the server: a request this node would refuse
+        anyway); None: this node serves the request, or refuses it if the server is shed."""
+        if shed_only and not self.plane.sheds(model_id):
+            return None
         level = self.plane.neighbour_for(model_id)
         remote = None if level is None else self.servers.remote(level.gateway)
         return None if remote is None or level is None else (remote, level.node)
