@@ -172,16 +172,26 @@ class GrpcPass:
         finally:
             self.counts.requests.labels(model, STREAM_PROTOCOL, code.name).inc()
 
-    def _route(self, model: str, context: grpc.aio.ServicerContext
-               ) -> tuple[float | None, float | None, tuple[tuple[str, str | bytes], ...], proxy.Remote | None, bool]:
+    def _route(self, model: str, context: grpc.aio.ServicerContext, shed_only: bool = False
+               ) -> tuple[float | None, float | None, tuple[tuple[str, str | bytes], ...], proxy.Remote | None,
+                          tuple[proxy.Remote, str] | None]:
         """A passed-through call's or stream's seconds left, its deadline on the loop's clock, the metadata passed
         on, the other node's gateway that serves `model` (None: this node serves it, or the call came from
-        another node's gateway, which is not passed on again), and whether it came from another gateway."""
+        another node's gateway, which is not passed on again), and the neighbour's gateway (and node) to offer it
+        to first, this node being overloaded (`proxy.Counted.neighbour`, with `shed_only`)."""
         remaining = context.time_remaining()
         deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
         metadata = _passed(context.invocation_metadata())
-        forwarded = any(k.lower() == links.FORWARDED for k, _ in metadata)
-        return remaining, deadline, metadata, None if forwarded else self.servers.elsewhere(model), forwarded
+        if any(k.lower() == links.FORWARDED for k, _ in metadata):
+            return remaining, deadline, metadata, None, None
+        remote = self.servers.elsewhere(model)
+        counted = self.servers if isinstance(self.servers, proxy.Counted) else None
+        neighbour = counted.neighbour(model, shed_only) if counted is not None and remote is None else None
+        return remaining, deadline, metadata, remote, neighbour
+
+    def _passed_on(self, model: str, node: str) -> None:
+        if isinstance(self.servers, proxy.Counted):
+            self.servers.passed_on(model, node)
 
     async def _stream(self, model: str, first: Any, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext,
                       refusal: Callable[[Any], str]) -> AsyncGenerator[Any, None]:
@@ -192,19 +202,16 @@ class GrpcPass:
                 yield stream_error(request, why)
                 request = await anext(requests, None)
             return
-        remaining, deadline, metadata, remote, forwarded = self._route(model, context)
-        counted = self.servers if isinstance(self.servers, proxy.Counted) else None
         # A stream cannot come back once its requests went out: only one this node would refuse is offered.
-        neighbour = (counted.neighbour(model, shed_only=True) if counted is not None and not forwarded and not remote
-                     else None)
+        remaining, deadline, metadata, remote, neighbour = self._route(model, context, shed_only=True)
         loop = asyncio.get_running_loop()
         with _as_status(f"{model}: not woken within the stream's deadline"):
             async with contextlib.AsyncExitStack() as held:
                 if remote is not None:
                     address, metadata = remote.grpc_address, (*metadata, (links.FORWARDED, "1"))
-                elif neighbour is not None and counted is not None:
+                elif neighbour is not None:
                     address, metadata = neighbour[0].grpc_address, (*metadata, (links.FORWARDED, "1"))
-                    counted.passed_on(model, neighbour[1])
+                    self._passed_on(model, neighbour[1])
                 else:
                     async with asyncio.timeout_at(deadline):
                         lease = await held.enter_async_context(self.servers.lease(model, remaining))
@@ -219,15 +226,13 @@ class GrpcPass:
     async def _answer(self, method: str, model: str, request: Any, context: grpc.aio.ServicerContext) -> Any:
         if not self.servers.speaks_grpc(model):
             raise _Refused(grpc.StatusCode.UNIMPLEMENTED, _without_grpc(model))
-        remaining, deadline, metadata, remote, forwarded = self._route(model, context)
-        counted = self.servers if isinstance(self.servers, proxy.Counted) else None
-        neighbour = counted.neighbour(model) if counted is not None and not forwarded and not remote else None
+        remaining, deadline, metadata, remote, neighbour = self._route(model, context)
         with _as_status(f"{model}: no answer within the call's deadline (waking and answering)"):
             async with asyncio.timeout_at(deadline):
                 if remote is not None:
                     return await self._call(remote.grpc_address, method, request, (*metadata, (links.FORWARDED, "1")),
                                             deadline)
-                if neighbour is not None and counted is not None:
+                if neighbour is not None:
                     try:
                         answer = await self._call(neighbour[0].grpc_address, method, request,
                                                   (*metadata, (links.FORWARDED, "1")), deadline)
@@ -237,7 +242,7 @@ class GrpcPass:
                         log.info("%s: neighbour %s did not take the call (%s): served here", model, neighbour[1],
                                  exc.code().name)
                     else:
-                        counted.passed_on(model, neighbour[1])
+                        self._passed_on(model, neighbour[1])
                         return answer
                 async with self.servers.lease(model, remaining) as lease:
                     return await self._call(lease.grpc_address, method, request, metadata, deadline)

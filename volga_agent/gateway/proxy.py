@@ -263,15 +263,16 @@ async def forward(request: web.Request, servers: Servers, model: str, max_reques
         return _error(413, f"request body over {max_request_bytes} bytes")
     forwarded = bool(request.headers.get(links.FORWARDED))
     remote = None if forwarded else servers.elsewhere(model)
-    neighbour = servers.neighbour(model) if isinstance(servers, Counted) and not forwarded and not remote else None
+    counted = servers if isinstance(servers, Counted) and not forwarded and remote is None else None
+    neighbour = counted.neighbour(model) if counted is not None else None
     try:
         async with asyncio.timeout_at(None if deadline is None else _loop_time(deadline)):
             if remote is not None:
                 return await _exchange(request, remote, body, {links.FORWARDED: "1"})
-            if neighbour is not None and isinstance(servers, Counted):
+            if neighbour is not None and counted is not None:
                 taken = await _relay(request, neighbour[0], body, {links.FORWARDED: "1"}, offered=True)
                 if taken is not None:
-                    servers.passed_on(model, neighbour[1])
+                    counted.passed_on(model, neighbour[1])
                     return taken
                 log.info("%s: neighbour %s did not take the request: served here", model, neighbour[1])
             async with servers.lease(model, None if deadline is None else deadline - time.monotonic()) as lease:
