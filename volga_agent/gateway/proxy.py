@@ -180,8 +180,10 @@ class Counted:
         if shed_only and not self.plane.sheds(model_id):
             return None
         level = self.plane.neighbour_for(model_id)
-        remote = None if level is None else self.servers.remote(level.gateway)
-        return None if remote is None or level is None else (remote, level.node)
+        if level is None:
+            return None
+        remote = self.servers.remote(level.gateway)
+        return None if remote is None else (remote, level.node)
 
     def passed_on(self, model_id: str, node: str) -> None:
         self.plane.passed_on(model_id, node)
