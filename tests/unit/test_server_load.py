@@ -389,3 +389,41 @@ def test_an_overloaded_nodes_server_requests_go_to_a_neighbour_that_takes_them()
     assert (passed.arrivals, passed.completed, passed.queue_depth, passed.shed) == (3, 0, 0, 3)
     assert 'volga_gateway_neighbour_forwards_total{model="srv",target="b"} 3.0' in scraped, \
         [s for s in scraped.splitlines() if "neighbour" in s]
+
+
+def test_a_servers_answer_that_breaks_off_reaches_the_client_broken() -> None:
+    """A server that sends the head and part of an answer and then drops its connection: the gateway cuts the
+    client's connection too, so the client sees an answer that ended early (as it would from the server itself),
+    not a complete one or one that never ends."""
+    async def main() -> None:
+        async def infer(request: web.Request) -> web.StreamResponse:
+            answer = web.StreamResponse()
+            answer.enable_chunked_encoding()
+            await answer.prepare(request)
+            await answer.write(b"part")
+            await asyncio.sleep(0.05)
+            assert request.transport is not None
+            request.transport.close()
+            return answer
+
+        http_app = web.Application()
+        http_app.router.add_post("/v2/models/{model}/infer", infer)
+        runner = web.AppRunner(http_app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        gateway = app.Gateway(catalog.Catalog({"srv": server_spec()}),
+                              links.LocalAgentLink(lambda m, h: links.Route("", "")),
+                              app.Settings(http_port=0, grpc_port=0, metrics_port=0),
+                              servers=_Servers(f"http://127.0.0.1:{runner.addresses[0][1]}", "127.0.0.1:1"))
+        await gateway.start()
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session, \
+                    session.post(f"http://127.0.0.1:{gateway.ports['http']}/v2/models/srv/infer", json={}) as r:
+                assert r.status == 200
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    await r.read()
+        finally:
+            await gateway.stop(0)
+            await runner.cleanup()
+
+    asyncio.run(main())

@@ -340,7 +340,12 @@ async def _relay(request: web.Request, lease: Lease, body: bytes, extra_headers:
                 await response.write_eof()
                 return response
         except aiohttp.ClientError as exc:
-            if offered and not started:
+            if started:  # its head and part of it went out: the client's connection is cut, so it sees the break
+                log.warning("%s %s: the server's answer broke off: %s", request.method, request.path, exc)
+                if request.transport is not None:
+                    request.transport.close()
+                return response
+            if offered:
                 return None
             return _error(502, f"the server did not answer: {exc}")
 
