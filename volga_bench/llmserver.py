@@ -13,7 +13,10 @@ way of sleeping:
     level2    `POST /sleep?level=2`: the KV cache and the weights released (read again from the model's file,
               in the page cache, at wake-up)
 
-FROZEN wakes restore eagerly (`LAZY` says why). The canary is a one-token completion: it is on every wake's path.
+A way may add `-parked`: the server runs through `python -m volga_agent.worker.handshake`, which parks the driver's
+copy beside the image at each freeze (the image leaves it out), and its FROZEN wakes restore lazily; `-eager` after it
+restores them eagerly. Without it, FROZEN wakes restore eagerly (`LAZY` says why). The canary is a one-token
+completion: it is on every wake's path.
 
 Each request streams `max_tokens` tokens; the time to first token is from the request sent to the first event
 received, the answer every event. `identical` says every answer of the run equals the first cold start's. Image
@@ -53,15 +56,29 @@ HOOKS = {"none": {}, "level1": {"beforeCheckpoint": [{"method": "POST", "path": 
          "level2": {"beforeCheckpoint": [{"method": "POST", "path": "/sleep?level=2"}], **SLEEP}}
 # FROZEN wakes restore eagerly: lazily (CRIU lazy pages), the driver's restore faults the whole checkpointed
 # context in through userfaultfd and took 3.5x longer than an eager restore (level2: 17.3 s against 2.5 s, p50).
-LAZY = {"none": False, "level1": False, "level2": False}
+# With the driver's copy parked it is mapped from a file instead: lazily then (None: as the instance decides).
+LAZY = {"": False, "-parked": None, "-parked-eager": False}
 PROMPT = {"prompt": "The tiers of a model instance are", "max_tokens": 32, "stream": True}
 CANARY = {"prompt": "canary", "max_tokens": 1}
 
 
+def way(name: str) -> tuple[str, str]:
+    """A way of sleeping's hooks and its restore (`LAZY`'s key): "level2-parked" is ("level2", "-parked")."""
+    for hooks in HOOKS:
+        for restore in LAZY:
+            if name == hooks + restore:
+                return hooks, restore
+    raise ValueError(f"--hooks: {name}: choose from {', '.join(HOOKS)}, each with {' or '.join(filter(None, LAZY))} "
+                     "or without")
+
+
 def spec(model_dir: pathlib.Path, cache_tokens: int, hooks: str, load_threads: int = 0) -> api.ModelSpecSpec:
+    """The server's ModelSpec for a way of sleeping (`way`)."""
+    way_hooks, restore = way(hooks)
+    parks = ["-m", "volga_agent.worker.handshake"] if restore else []
     return api.ModelSpecSpec.model_validate({
         "modelId": "llm", "framework": "server", "source": str(model_dir),
-        "server": {"command": [sys.executable, "-m", "uvicorn", "volga_bench.servers.llm_app:app", "--port",
+        "server": {"command": [sys.executable, *parks, "-m", "uvicorn", "volga_bench.servers.llm_app:app", "--port",
                                "{port}", "--loop", "asyncio", "--no-access-log"],
                    "env": {"LLM_MODEL_DIR": str(model_dir), "LLM_CACHE_TOKENS": str(cache_tokens),
                            **({"LLM_LOAD_THREADS": str(load_threads)} if load_threads else {}),
@@ -69,7 +86,7 @@ def spec(model_dir: pathlib.Path, cache_tokens: int, hooks: str, load_threads: i
                                str(pathlib.Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH")]))},
                    "workingDir": str(model_dir), "protocol": "http", "pathPrefix": "/v1",
                    "readiness": {"path": "/health", "timeoutSec": 600, "intervalMs": 20},
-                   "hooks": HOOKS[hooks],
+                   "hooks": HOOKS[way_hooks],
                    "canary": {"path": "/v1/completions", "body": json.dumps(CANARY)}}})
 
 
@@ -150,7 +167,7 @@ async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, c
                driver: cuda.DriverCheckpoint, work: pathlib.Path, progress: Callable[[str], None],
                load_threads: int = 0) -> dict[str, Any]:
     instance = server.ServerInstance(spec(model_dir, cache_tokens, hooks, load_threads), work / hooks, engine,
-                                     driver=driver, lazy_restore=LAZY[hooks])
+                                     driver=driver, lazy_restore=LAZY[way(hooks)[1]])
     fleet = server.Fleet([instance])
     runner = web.AppRunner(proxy.app(fleet))
     await runner.setup()
@@ -159,13 +176,16 @@ async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, c
     ttft: dict[str, list[float]] = {"cold": [], "suspended": [], "frozen": []}
     answers: list[bytes] = []
     images: list[int] = []
+    parked: list[int] = []  # the parked file's bytes at each freeze
+    park_ms: list[float] = []  # the server's moving of the driver's copy into it
+    lazy: list[bool] = []
     suspended_rss: list[int] = []
     moves: dict[str, list[float]] = {"suspend": [], "freeze": []}
     server_phases: dict[str, dict[str, list[float]]] = {"SUSPENDED": {}, "FROZEN": {}}
     memory: dict[str, dict[str, float]] = {}
 
     def phases_of(tier: str) -> None:
-        if hooks != "none":
+        if way(hooks)[0] != "none":
             for key, value in _server_stats(instance).items():
                 server_phases[tier].setdefault(key, []).append(value)
     try:
@@ -195,7 +215,10 @@ async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, c
             await asyncio.to_thread(instance.freeze)
             moves["freeze"].append((time.perf_counter() - began) * 1000)
             images.append(instance.image.size_bytes if instance.image is not None else 0)
+            parked.append(instance.parking.size)
+            park_ms += [float(str(r["seconds"])) * 1000 for r in instance.driver_copies.values() if "seconds" in r]
             first, whole, answer = await _ask(url)
+            lazy.append(instance.last_wake_lazy)
             ttft["frozen"].append(first)
             answers.append(answer)
             await asyncio.to_thread(phases_of, "FROZEN")
@@ -212,7 +235,7 @@ async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, c
         await runner.cleanup()
     cold_p50 = statistics.median(ttft["cold"]) if ttft["cold"] else None
     frozen_p50 = statistics.median(ttft["frozen"])
-    return {"server": "llm-1b", "hooks": hooks, "lazy_restore": LAZY[hooks], "cache_tokens": cache_tokens,
+    return {"server": "llm-1b", "hooks": hooks, "lazy_restore": all(lazy), "cache_tokens": cache_tokens,
             "load_threads": load_threads or None,
             "cold_start_ms": round(cold_p50, 1) if cold_p50 else None,
             "frozen_wake_ms": round(frozen_p50, 1), "suspended_wake_ms": round(statistics.median(ttft["suspended"]), 1),
@@ -223,6 +246,7 @@ async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, c
                                  if got},
             "suspend_ms": _stats(moves["suspend"]), "freeze_ms": _stats(moves["freeze"]), "memory_gib": memory,
             "image_bytes": int(statistics.median(images)),
+            "parked_bytes": int(statistics.median(parked)), "park_ms": _stats(park_ms) if park_ms else None,
             "suspended_host_bytes": int(statistics.median(suspended_rss)),
             "identical": fallbacks == 0 and all(a == answers[0] for a in answers), "restore_fallbacks": fallbacks,
             "answer": answers[0].decode()[:400]}
@@ -236,9 +260,8 @@ def bench(n: int = 10, cold: int = 3, hooks: list[str] | None = None, cache_toke
     from volga_bench.servers import llm_model  # torch and transformers: the GPU machine's
 
     hooks = hooks or list(HOOKS)
-    unknown = [h for h in hooks if h not in HOOKS]
-    if unknown:
-        raise ValueError(f"--hooks: {', '.join(unknown)}: choose from {', '.join(HOOKS)}")
+    for name in hooks:
+        way(name)  # ValueError naming it
     model_dir = pathlib.Path(models or tempfile.gettempdir()) / "volga-llm-1b"
     began = time.perf_counter()
     llm_model.make_model(model_dir)

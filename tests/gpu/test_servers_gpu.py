@@ -41,10 +41,18 @@ def engine() -> Iterator[criu.CriuEngine]:
     shutil.rmtree(folder, ignore_errors=True)
 
 
-@pytest.mark.parametrize("hooks", ["level1", "none"])
+@pytest.mark.parametrize("hooks", ["level1", "none", "level2-parked"])
 def test_llm_server_through_the_gpu_ladder(model_dir: pathlib.Path, engine: criu.CriuEngine, tmp_path: pathlib.Path,
                                            hooks: str) -> None:
+    """With "-parked" the server runs through `python -m volga_agent.worker.handshake`: each freeze parks the driver's
+    copy beside the image, and each FROZEN wake restores the tree lazily."""
     s = server.ServerInstance(llmserver.spec(model_dir, 2048, hooks), tmp_path, engine, driver=cuda.DriverCheckpoint())
+    parks = hooks.endswith("-parked")
+
+    def parked_as_told() -> None:
+        assert s.copies_parked is parks, s.driver_copies
+        assert (s.parking.size > 0) is parks
+
     try:
         s.start()
         before = s.call("POST", "/v1/completions", BODY)
@@ -53,17 +61,21 @@ def test_llm_server_through_the_gpu_ladder(model_dir: pathlib.Path, engine: criu
         for step in steps:
             step()
             assert s.tier is not Tier.HOT
+            if s.tier is Tier.FROZEN:
+                parked_as_told()
             with s.serving():
                 assert s.call("POST", "/v1/completions", BODY) == before
             assert not s.transitions[-1].fallback, s.transitions[-1].detail
+        assert s.last_wake_lazy is parks
         s.suspend()
         assert s.gpu_pids and s.tier is Tier.SUSPENDED
         s.freeze()  # from SUSPENDED: the image holds the checkpointed context
+        parked_as_told()
         with s.serving():
             assert s.call("POST", "/v1/completions", BODY) == before
         wake = s.transitions[-1]
         assert (wake.source, wake.fallback) == (Tier.FROZEN, False) and {"restore", "driver"} <= set(wake.phases)
-        assert not s.gpu_pids and not s.slept
+        assert not s.gpu_pids and not s.slept and s.last_wake_lazy is parks
     finally:
         s.close()
 

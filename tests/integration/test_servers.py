@@ -29,11 +29,13 @@ if not all(importlib.util.find_spec(name) for name in ("kserve", "fastapi", "uvi
     pytest.skip("KServe, FastAPI and uvicorn come with the peers extra (make setup)", allow_module_level=True)
 
 from procs import wait_for
+from servers import device_copy_server
 
 from volga_agent.autonomy import decider, loop
 from volga_agent.gateway import app, catalog, links, proxy
+from volga_agent.host import process
 from volga_agent.node import server
-from volga_agent.snapshot import criu
+from volga_agent.snapshot import criu, cuda
 from volga_core import api
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -414,6 +416,72 @@ def test_gpu_ladder_warm_is_the_hooks_tier(engine: criu.CriuEngine, workdir: pat
         assert s.demote_if_idle(0.0, gpu_idle=(0.0, 0.0)) and s.tier is api.Tier.FROZEN  # SUSPENDED passed over
     finally:
         s.close()
+
+
+class _StandInDriver:
+    """The CUDA driver's checkpoint API as the stand-in server (`tests/servers/device_copy_server.py`) plays it: its
+    copy of the device memory made in host memory at the checkpoint, checked against what it was and given back at
+    the restore (a copy that differs fails the restore)."""
+
+    def __init__(self) -> None:
+        self.server: server.ServerInstance | None = None
+
+    def _ask(self, pid: int, path: str) -> None:
+        assert self.server is not None
+        answer = self.server.call("POST", path)
+        if answer.status != 200:
+            raise cuda.DriverCheckpointError(path, pid, answer.status, answer.body.decode())
+
+    def suspend(self, pid: int) -> None:
+        self._ask(pid, "/checkpoint")
+
+    def resume(self, pid: int) -> float:
+        self._ask(pid, "/restore")
+        return 0.0
+
+
+@pytest.mark.parametrize("parks", [True, False], ids=["through-the-handshake-module", "as-it-is"])
+def test_a_gpu_servers_driver_copy_parked_beside_its_image(engine: criu.CriuEngine, workdir: pathlib.Path,
+                                                            monkeypatch: pytest.MonkeyPatch, parks: bool) -> None:
+    """A server run through `python -m volga_agent.worker.handshake` parks the driver's copy: at each freeze its
+    thread moves the pages the checkpoint filled into a file beside the images and maps it over them, the image
+    leaves them out, and the wake restores the tree lazily with the copy intact (the stand-in driver checks it);
+    the next freeze's file replaces the last one, and closing removes it. Run as it is, the same server's copy is in
+    its image and its restore is eager. The stand-in plays its own driver (it holds no CUDA context)."""
+    def stand_ins(root: int) -> list[int]:
+        return [pid for pid in process.tree(root)
+                if b"device_copy_server" in pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()]
+
+    monkeypatch.setattr(server, "cuda_processes", stand_ins)
+    copy = device_copy_server.COPY_MIB * 2**20
+    driver = _StandInDriver()
+    command = [*(["-m", "volga_agent.worker.handshake"] if parks else []), "tests/servers/device_copy_server.py"]
+    s = server.ServerInstance(spec("copy", command, readiness={"path": "/health"},
+                                   canary={"method": "GET", "path": "/answer"}), workdir, engine,
+                              driver=driver)  # type: ignore[arg-type]
+    driver.server = s
+    try:
+        s.start()
+        for _ in range(2):
+            s.freeze()
+            assert s.tier is api.Tier.FROZEN and s.image is not None
+            reports = list(s.driver_copies.values())
+            if parks:
+                assert len(reports) == 1 and "error" not in reports[0], reports
+                assert int(reports[0]["copied_bytes"]) >= copy and s.copies_parked  # type: ignore[call-overload]
+                assert s.parking.current is not None and s.parking.current.stat().st_size >= copy
+                assert s.parking.folder is not None and list(s.parking.folder.iterdir()) == [s.parking.current]
+                assert s.image.size_bytes < copy
+            else:
+                assert not reports and not s.copies_parked and s.image.size_bytes > copy
+            with s.serving():
+                assert s.call("GET", "/answer").body == device_copy_server.ANSWER
+            wake = s.transitions[-1]
+            assert (wake.source, wake.fallback) == (api.Tier.FROZEN, False), wake.detail
+            assert s.last_wake_lazy is parks and {"restore", "driver"} <= set(wake.phases)
+    finally:
+        s.close()
+    assert s.parking.folder is not None and not s.parking.folder.exists()
 
 
 def test_a_floor_the_ladder_lacks_rests_below_it(engine: criu.CriuEngine, workdir: pathlib.Path) -> None:

@@ -40,6 +40,7 @@ import asyncio
 import contextlib
 import dataclasses
 import http.client
+import json
 import logging
 import os
 import pathlib
@@ -53,9 +54,9 @@ from collections.abc import AsyncIterator, Iterable, Iterator
 
 from volga_agent import metrics
 from volga_agent.host import priority, process
-from volga_agent.node import instance
+from volga_agent.node import gpu_freeze, instance
 from volga_agent.snapshot import criu, cuda
-from volga_agent.worker import handshake, nsinit
+from volga_agent.worker import contract, handshake, nsinit, regions
 from volga_core import api
 
 Tier = api.Tier
@@ -70,6 +71,8 @@ UNDUMPABLE = {
 }
 # What CRIU 4.1 logs when a kernel >= 6.16 refuses getsockopt(SO_PASSSEC) on an INET socket it dumps.
 INET_REFUSED = re.compile(r"Can't get 1:(16|34) opt: Operation not supported")
+# How long a process may take to park the driver's copy (copying it into a file at several GB/s).
+PARK_TIMEOUT_SEC = 60.0
 
 
 class ServerError(RuntimeError):
@@ -172,7 +175,7 @@ class ServerInstance:
 
     def __init__(self, spec: api.ModelSpecSpec, workdir: str | pathlib.Path, engine: criu.CriuEngine,
                  name: str | None = None, agent_metrics: metrics.AgentMetrics | None = None,
-                 driver: cuda.DriverCheckpoint | None = None, lazy_restore: bool = False) -> None:
+                 driver: cuda.DriverCheckpoint | None = None, lazy_restore: bool | None = None) -> None:
         if spec.server is None:
             raise ValueError(f"{spec.model_id}: not a server ModelSpec (framework: server)")
         self.spec = spec
@@ -198,10 +201,21 @@ class ServerInstance:
         self.slept = False  # the beforeCheckpoint hooks ran and their afterRestore counterparts have not
         self.gpu_pids: tuple[int, ...] = ()  # the processes the driver has checkpointed (the same after a restore)
         self._handshake_gpu_pids: tuple[int, ...] = ()  # those the handshake image holds checkpointed
-        # FROZEN wakes with CRIU lazy pages: the tree runs before its memory is read. Not for a server that holds
-        # pinned host memory at the driver's checkpoint (the driver's restore fails after a lazy restore of it): a
-        # lazy wake whose driver restore fails turns them off for this instance, and falls back to a cold start.
+        # FROZEN wakes with CRIU lazy pages: the tree runs before its memory is read. None: where every CUDA process
+        # parked the driver's copy (lazily, the driver's restore would fault an unparked copy in through
+        # userfaultfd, many times slower). Not for a server that holds pinned host memory at the driver's
+        # checkpoint (the driver's restore fails after a lazy restore of it): a lazy wake whose driver restore fails
+        # turns them off for this instance, and falls back to a cold start.
         self.lazy_restore = lazy_restore
+        # The driver's copies parked beside the images (`handshake.park_driver_copy_when_asked`): the folder and
+        # the file the current image maps; each process's pages before the driver's checkpoint (by its PID in the
+        # server's namespace), for the processes that park; what each reported at the last freeze.
+        self.parking = gpu_freeze.Parking(engine.root / instance.PARKED / f"server-{self.workdir.name}"
+                                          if driver is not None else None)
+        self._before_checkpoint: dict[int, regions.Presence] = {}
+        self.driver_copies: dict[int, dict[str, object]] = {}
+        self.copies_parked = False  # the current image maps every CUDA process's copy from the parked file
+        self.last_wake_lazy = False  # the last FROZEN wake restored the tree with CRIU's lazy pages
         self._restored: criu.Restored | None = None
         self.transitions: list[instance.Transition] = []
         self.restore_failures = 0
@@ -348,9 +362,12 @@ class ServerInstance:
         assert self.pid is not None
         if self.driver is None or self.gpu_pids:
             return
+        self._all_pages_in()
         done: list[int] = []
+        self._before_checkpoint = {}
         try:
             for pid in cuda_processes(self.pid):
+                self._note_pages(pid)
                 self.driver.suspend(pid)
                 done.append(pid)
         except cuda.DriverCheckpointError:
@@ -372,7 +389,92 @@ class ServerInstance:
                               "server's namespace)")
         for inner in self.gpu_pids:
             self.driver.resume(hosts[inner])
-        self.gpu_pids = ()
+        self.gpu_pids, self._before_checkpoint = (), {}
+
+    def _note_pages(self, pid: int) -> None:
+        """A process that parks the driver's copy (it announced itself in the signal folder): its pages before the
+        driver's checkpoint, to tell that copy by afterwards."""
+        inner = ns_pid(pid)
+        if self.parking.folder is None or not (self.signals / f"{handshake.PARKS}.{inner}").exists():
+            return
+        try:
+            self._before_checkpoint[inner] = regions.presence(pid)
+        except OSError as exc:
+            log.warning("%s: the driver's copy of process %d stays in the image: %s", self.name, pid, exc)
+
+    def _park_driver_copies(self) -> pathlib.Path | None:
+        """Each checkpointed process that parks maps the pages the driver's checkpoint filled (and what an earlier
+        restore left mapped from parked files that are going) from one new file beside the images, so that the image
+        leaves them out: that file, or None where nothing was moved. A process that cannot move them leaves them in
+        the image and says why (`driver_copies`); one that does not answer in time fails the freeze."""
+        asking, self.driver_copies = self._before_checkpoint, {}
+        folder = self.parking.folder
+        if not asking or folder is None or self.pid is None:
+            return None
+        folder.mkdir(parents=True, exist_ok=True)
+        parked = folder / f"driver-copy-{os.urandom(4).hex()}.bin"
+        parked.touch()
+        hosts = {ns_pid(pid): pid for pid in process.tree(self.pid)}
+        for inner, before in asking.items():
+            if inner in hosts and inner in self.gpu_pids:
+                self.driver_copies[inner] = self._park_one(hosts[inner], inner, before, parked)
+        if not any(report.get("copied_bytes") for report in self.driver_copies.values()):
+            parked.unlink()
+            return None
+        return parked
+
+    def _parked_files_mapped(self) -> set[pathlib.Path]:
+        """The parked files the tree maps: those its image will name."""
+        folder = self.parking.folder
+        if folder is None or not folder.is_dir() or self.pid is None:
+            return set()
+        prefix = str(folder.resolve()) + os.sep
+        found: set[pathlib.Path] = set()
+        for pid in process.tree(self.pid):
+            with contextlib.suppress(OSError):  # a process that just exited maps nothing
+                found |= {pathlib.Path(m.path) for m in regions.mappings(pid) if m.path.startswith(prefix)}
+        return found
+
+    def _keep_parked(self, mapped: set[pathlib.Path], parked: pathlib.Path | None) -> None:
+        """Keep the parked files the new image maps (`parked`, and any the tree still mapped), drop the others."""
+        folder = self.parking.folder
+        self.parking.current = parked
+        if folder is None or not folder.is_dir():
+            return
+        keep = {path.resolve() for path in mapped} | ({parked.resolve()} if parked is not None else set())
+        for path in folder.iterdir():
+            if path.resolve() not in keep:
+                path.unlink(missing_ok=True)
+
+    def _park_one(self, pid: int, inner: int, before: regions.Presence, parked: pathlib.Path) -> dict[str, object]:
+        asked, answer = self.signals / f"{handshake.PARK}.{inner}", self.signals / f"{handshake.PARKED}.{inner}"
+        answer.unlink(missing_ok=True)
+        try:
+            stale = regions.stale(pid, parked.parent.resolve(), parked.resolve())
+            moving = regions.filled(pid, before) + stale
+        except OSError as exc:
+            return {"error": f"its pages could not be read: {exc}"}
+        contract.publish(self.signals, asked.name, json.dumps({"regions": [r.to_json() for r in moving],
+                                                               "file": str(parked)}))
+        deadline = time.perf_counter() + PARK_TIMEOUT_SEC
+        while not answer.exists():
+            self._alive_or_raise("parking the driver's copy")
+            if time.perf_counter() > deadline:
+                asked.unlink(missing_ok=True)
+                raise ServerError(f"{self.name}: process {pid} did not park the driver's copy within "
+                                  f"{PARK_TIMEOUT_SEC:g} s")
+            time.sleep(0.002)
+        try:
+            report = json.loads(contract.read_signal(answer))
+        except ValueError as exc:
+            report = f"{exc}"
+        answer.unlink(missing_ok=True)
+        # The server's own code wrote it: read as data, never trusted to be well formed.
+        if not isinstance(report, dict):
+            report = {"error": f"unreadable report: {report!r:.200}"}
+        if "error" in report:
+            log.warning("%s: the driver's copy of process %d stays in the image: %s", self.name, pid, report["error"])
+        return {**report, "stale_bytes": sum(r.end - r.start for r in stale)}
 
     def _dump_at_handshake(self, pid: int) -> criu.Image:
         """The handshake's image, the server left running: on a GPU its CUDA processes checkpointed by the driver
@@ -446,10 +548,15 @@ class ServerInstance:
                     self._back_to(source)
                     raise
                 old = self.image
+                parked = None
                 try:
                     self._all_pages_in()
+                    parked = self._park_driver_copies()
+                    mapped = self._parked_files_mapped()
                     self.image = self.engine.dump(self.pid, self.name)
-                except criu.CriuError as exc:
+                except (criu.CriuError, ServerError) as exc:
+                    if parked is not None:
+                        parked.unlink(missing_ok=True)  # no image maps it; the tree's mappings outlive the name
                     self._back_to(source)
                     if INET_REFUSED.search(str(exc)):
                         raise FreezeRefused(f"{self.name}: it holds TCP or UDP sockets, which this CRIU "
@@ -459,6 +566,10 @@ class ServerInstance:
                     raise
                 process.reap(self.pid, timeout=10.0)
                 self.pid = None
+                self._keep_parked(mapped, parked)
+                self.copies_parked = parked is not None and all(
+                    "error" not in report for report in self.driver_copies.values()) and set(
+                    self.driver_copies) == set(self.gpu_pids)
                 if old is not None:
                     self.engine.remove(old)
             self.tier = Tier.FROZEN
@@ -498,8 +609,10 @@ class ServerInstance:
                 (self.signals / handshake.RESTORED).unlink(missing_ok=True)
                 if self.unix:
                     self.socket_path.unlink(missing_ok=True)
-                lazy = self.lazy_restore and self.image.lazy_restorable
+                lazy = (self.copies_parked if self.lazy_restore is None else self.lazy_restore) and \
+                    self.image.lazy_restorable
                 restored = self.engine.restore(self.image, lazy=lazy)
+                self.last_wake_lazy = lazy
                 self.pid, self._restored = restored.pid, restored
                 for pid in process.tree(restored.pid):  # its image kept each thread's nice: it may have yielded
                     priority.normalise(pid)
@@ -560,8 +673,7 @@ class ServerInstance:
             self.engine.keep_failure(self.image, self.name, (self.logfile,))
         if self.image is not None:
             self.engine.remove(self.image)
-        self.image, self.handshake_image = None, False
-        self.slept, self.gpu_pids = False, ()
+        self._drop_image()
         self.tier = Tier.COLD
         self.start()
         self.transitions[-1] = dataclasses.replace(self.transitions[-1], source=source, fallback=True,
@@ -626,9 +738,15 @@ class ServerInstance:
             self._kill()
             if self.image is not None:
                 self.engine.remove(self.image)
-            self.image, self.handshake_image = None, False
-            self.slept, self.gpu_pids = False, ()
+            self._drop_image()
             self.tier = Tier.COLD
+
+    def _drop_image(self) -> None:
+        """Forget the image (removed by the caller), its parked copies and what the tree was."""
+        self.image, self.handshake_image = None, False
+        self.parking.drop()
+        self.copies_parked = False
+        self.slept, self.gpu_pids, self._before_checkpoint = False, (), {}
 
     def stats(self) -> dict[str, object]:
         """What metrics and status report: tier, moves, failed restores, the image's size."""
@@ -636,6 +754,7 @@ class ServerInstance:
                 "restore_failures": self.restore_failures,
                 "image_bytes": self.image.size_bytes if self.image is not None else 0,
                 "gpu_processes": len(self.gpu_pids), "slept": self.slept,
+                "driver_copies_parked": self.copies_parked,
                 "last_wake_ms": next((t.seconds * 1000 for t in reversed(self.transitions)
                                       if t.target is Tier.HOT and t.source in (Tier.FROZEN, Tier.SUSPENDED, Tier.WARM)),
                                      None)}

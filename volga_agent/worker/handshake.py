@@ -1,4 +1,6 @@
-"""The checkpoint handshake for model servers Volga runs (`ServerSpec.hooks.signalFiles`), in two lines:
+"""What a model server Volga runs can do for its freezes (`ServerSpec.hooks`), in two lines each.
+
+The checkpoint handshake (`hooks.signalFiles`):
 
     from volga_agent.worker import handshake
     handshake.checkpoint_here()   # once the engine is loaded, before the server opens its sockets
@@ -6,18 +8,45 @@
 Under Volga ($VOLGA_SIGNAL_DIR set) this writes `ready-for-checkpoint` into that folder and waits until
 `restore-complete` appears: Volga takes the server's image meanwhile, and every wake restores it and writes the
 file, so the call returns in each restored copy (and once in the process that was started). Elsewhere it returns
-at once. Only the standard library: the server's process imports it, and it is what gets frozen.
+at once.
+
+The driver's copy kept out of the image, for a GPU server's FROZEN tier:
+
+    handshake.park_driver_copy_when_asked()   # at start, in each process that holds a CUDA context
+
+or, for a server left as it is, its command run through this module (`python -m volga_agent.worker.handshake -m
+uvicorn app:app ...`, or a script's path in place of `-m module`). The CUDA driver's checkpoint copies a process's
+device memory into its host memory, which a CRIU image would carry page by page and an eager restore would read
+back at the page-fault rate. A thread of the process waits for Volga to name the pages the checkpoint filled, copies
+them into a file beside the images and maps that file over them (`worker.regions.move`, as Volga's own worker does),
+so that the image records them by path: smaller, and restorable lazily (docs/servers.md, "The driver's copy
+parked"). The pages are named once the driver has checkpointed the process, while the server idles (Volga freezes a
+server with no request in flight); a process that allocated and wrote fresh memory meanwhile could lose such a write
+while it is moved, which the canary after the wake would tell.
+
+Only the standard library at import: the server's process imports it, and it is what gets frozen.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
+import runpy
+import sys
+import threading
 import time
+import types
 
 SIGNAL_DIR_ENV = "VOLGA_SIGNAL_DIR"
 READY = "ready-for-checkpoint"
 RESTORED = "restore-complete"
+# Per process (the suffix is its PID as the process sees it): it parks the driver's copy when asked; the request
+# (JSON {"regions": [[start, end, prot], ...], "file": path}); the answer (JSON {"regions": n, "copied_bytes": n,
+# "seconds": s}, or {"error": why}).
+PARKS = "parks"
+PARK = "park-driver-copy"
+PARKED = "driver-copy-parked"
 
 
 def checkpoint_here(poll_sec: float = 0.001) -> bool:
@@ -27,10 +56,69 @@ def checkpoint_here(poll_sec: float = 0.001) -> bool:
         return False
     signals = pathlib.Path(folder)
     (signals / RESTORED).unlink(missing_ok=True)
-    ready = signals / READY
-    ready.with_suffix(".tmp").write_text(str(os.getpid()))
-    ready.with_suffix(".tmp").rename(ready)  # complete when it appears
+    _publish(signals / READY, str(os.getpid()))
     done = signals / RESTORED
     while not done.exists():
         time.sleep(poll_sec)
     return True
+
+
+def park_driver_copy_when_asked(poll_sec: float = 0.005) -> bool:
+    """Start the thread that moves the driver's copy of this process when Volga asks; False when not run by Volga."""
+    folder = os.environ.get(SIGNAL_DIR_ENV)
+    if not folder:
+        return False
+    from volga_agent.worker import regions  # numpy: loaded now, not while a freeze waits
+
+    signals, pid = pathlib.Path(folder), os.getpid()
+    threading.Thread(target=_park_when_asked, args=(signals, pid, poll_sec, regions), name="volga-park",
+                     daemon=True).start()
+    _publish(signals / f"{PARKS}.{pid}", "")
+    return True
+
+
+def _park_when_asked(signals: pathlib.Path, pid: int, poll_sec: float, regions: types.ModuleType) -> None:
+    asked = signals / f"{PARK}.{pid}"
+    while True:
+        if asked.exists():
+            began = time.perf_counter()
+            try:
+                request = json.loads(asked.read_text())
+                moving = [regions.Region.from_json(r) for r in request["regions"]]
+                moved = regions.move(moving, request["file"])
+                report: dict[str, object] = {"regions": moved.regions, "copied_bytes": moved.copied_bytes,
+                                             "seconds": round(time.perf_counter() - began, 4)}
+            except Exception as exc:  # told to Volga, which leaves the copy in the image
+                report = {"error": f"{type(exc).__name__}: {exc}"}
+            asked.unlink(missing_ok=True)
+            _publish(signals / f"{PARKED}.{pid}", json.dumps(report))
+        time.sleep(poll_sec)
+
+
+def _publish(path: pathlib.Path, text: str) -> None:
+    """Write a signal file whole: a temporary file, then a rename."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.rename(path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m volga_agent.worker.handshake [-m module | script] [args...]`: run a Python server as `python`
+    would, its driver's copy parked when Volga asks."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or (args[0] == "-m" and len(args) < 2):
+        sys.exit("usage: python -m volga_agent.worker.handshake (-m module | script.py) [arguments...]")
+    park_driver_copy_when_asked()
+    if args[0] == "-m":
+        sys.argv = [args[1], *args[2:]]
+        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = args
+        sys.path.insert(0, str(pathlib.Path(args[0]).resolve().parent))
+        runpy.run_path(args[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    from volga_agent.worker import handshake  # the thread runs in the module of that name, not in __main__
+
+    handshake.main()
