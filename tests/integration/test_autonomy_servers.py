@@ -20,7 +20,7 @@ from autonomy_stubs import NoProbe, RecordingGateway, Windows
 from procs import wait_for
 
 from volga_agent.autonomy import decider, loop, window
-from volga_agent.host import priority, process
+from volga_agent.host import priority, process, throttle
 from volga_agent.node import pool
 from volga_agent.node.settings import Settings
 from volga_agent.snapshot import criu
@@ -129,3 +129,34 @@ def test_a_yielding_server_lowers_its_whole_tree_and_a_wake_from_its_image_gives
     finally:
         actuator.close()
     assert nices() == {normal}  # the loop's end gives every lowered process its priority back
+
+
+def test_a_throttled_servers_tree_is_stopped_and_never_moved_or_dumped_stopped(servers: pool.Pool) -> None:
+    """Throttled, a HOT server's whole tree (a process group) is stopped for its share of every period; a freeze
+    waits for the tree to be continued and no stop comes while it runs, so the image restores a running tree, which
+    the cycle stops again; unthrottled, the tree runs and stays running."""
+    strict = servers.servers.slots["strict-0"].inst
+    actuator = loop.PoolActuator(servers)
+    actuator.cycle = throttle.DutyCycle(0.05)  # 50 ms periods: stops a test sees quickly
+
+    def stopped_once() -> bool:
+        return strict.pid is not None and all(throttle.stopped(pid) for pid in process.tree(strict.pid))
+
+    try:
+        loop.apply(decider.Throttle("strict", 0.8), actuator)
+        wait_for("the throttled tree stopped", stopped_once, timeout=30, every=0.002)
+        stops = actuator.cycle.stops
+        servers.move_to("strict-0", Tier.FROZEN)
+        assert strict.pid is None and strict.image is not None
+        servers.move_to("strict-0", Tier.HOT)
+        woke = strict.transitions[-1]
+        assert (woke.source, woke.fallback) == (Tier.FROZEN, False), woke.detail
+        actuator.refresh()
+        wait_for("the woken tree stopped again", stopped_once, timeout=30, every=0.002)
+        assert actuator.cycle.stops > stops
+        loop.apply(decider.Unthrottle("strict"), actuator)
+        assert strict.pid is not None and not any(throttle.stopped(pid) for pid in process.tree(strict.pid))
+        with strict.serving():
+            assert strict.call("GET", "/health").status == 200
+    finally:
+        actuator.close()

@@ -16,9 +16,11 @@ load counted by the gateway's proxies: a preload wakes one (`Pool.wake`, no acti
 down its own ladder (`Pool.move_to`), and a lowered CPU priority reaches every thread of every process of its tree
 (a server restored from an image taken while it yielded is set back to normal by its instance), and shedding goes to
 the gateway as a built-in model's does (its proxies refuse a shed server's requests before any wake, with the same
-retry hint). What does not apply to a server is skipped, logged at debug level: batch caps (a server batches itself;
-its view's batch limit is 1, so the decider never picks it to lower one) and throttling (a server's tree is never
-stopped: a tree CRIU dumped stopped would be restored stopped, and nothing holds a server's moves off while it is).
+retry hint). A throttled server's HOT tree is stopped and continued whole, as a process group (the server is a
+session of its own), by the same duty cycle, which holds the instance's stop gate while it is stopped: a move waits
+for the tree to be continued, and no tree is stopped while a move is under way (`ServerInstance.stoppable`), so no
+image records a stopped tree. What does not apply to a server is skipped, logged at debug level: batch caps (a server
+batches itself; its view's batch limit is 1, so the decider never picks it to lower one).
 
 For the cluster tier the loop keeps its `Standing` (state, since when, the node's memory) for the agent's heartbeat
 to publish, and holds the cluster's watermarks the operator published (`cluster`), which its debug lines show.
@@ -231,28 +233,27 @@ class PoolActuator:
         log.info("autonomy: %s: worker %d back at normal priority", model, pid)
 
     def throttle(self, model: str, share: float) -> None:
-        if self._not_applied(model, "throttling (its process tree is never stopped)"):
-            return
         self._throttled[model] = share
         self._throttled_slots.pop(model, None)
         self._cover(model, share)
-        log.info("autonomy: %s is throttled: its HOT workers stopped %.0f%% of every %g ms", model, share * 100,
-                 self.cycle.period * 1e3)
+        log.info("autonomy: %s is throttled: its HOT workers and server trees stopped %.0f%% of every %g ms", model,
+                 share * 100, self.cycle.period * 1e3)
 
     def _cover(self, model: str, share: float) -> None:
         """The model's instances in its duty cycle; a worker that wakes, or is restored, is covered as it is (the
         cycle reads the PID under the instance's lock), so only instances that came or went change it."""
         slots = [slot for slot in list(self.pool.slots.values()) if slot.inst.spec.model_id == model]
-        ids = tuple(id(slot) for slot in slots)
+        servers = [slot for slot in list(self.pool.servers.slots.values())
+                   if slot.inst.spec.model_id == model and not slot.removed]
+        ids = tuple(id(slot) for slot in [*slots, *servers])
         if self._throttled_slots.get(model) == ids:
             return
         self._throttled_slots[model] = ids
         self.cycle.set(model, [throttle.Target(slot.lock, functools.partial(_running, slot), share)
-                               for slot in slots])
+                               for slot in slots]
+                       + [throttle.Target(slot.inst.stop_gate, slot.inst.stoppable, share) for slot in servers])
 
     def unthrottle(self, model: str) -> None:
-        if self._not_applied(model, "unthrottling"):
-            return
         self._throttled.pop(model, None)
         self._throttled_slots.pop(model, None)
         self.cycle.drop(model)

@@ -1,5 +1,6 @@
-"""A CPU duty cycle for workers: how the autonomy loop stops a tolerant co-runner's CPU use outright while a less
-tolerant model needs protection (docs/architecture.md, "The SLO contract and the autonomy loop").
+"""A CPU duty cycle for workers (and model servers' trees): how the autonomy loop stops a tolerant co-runner's CPU
+use outright while a less tolerant model needs protection (docs/architecture.md, "The SLO contract and the autonomy
+loop"). A target's PID may be a process group's, negated as kill(2) takes it: a model server's tree, stopped whole.
 
 A lowered priority (`priority`) does nothing while a core is free for the co-runner, and two workers on two cores
 still share caches and memory bandwidth. So each period the cycle stops every target's process (SIGSTOP: all its

@@ -221,6 +221,10 @@ class ServerInstance:
         self.restore_failures = 0
         self.last_used = time.monotonic()
         self._lock = threading.RLock()  # one move at a time: concurrent wakes share the first one's
+        # Held by the autonomy loop's duty cycle while it keeps the tree stopped (`stoppable`): a move waits for the
+        # tree to be continued, and no tree is stopped while a move is under way (`_moves`).
+        self.stop_gate = threading.Lock()
+        self._moves = 0
         self._active = 0
         self._active_lock = threading.Lock()
 
@@ -258,6 +262,27 @@ class ServerInstance:
             conn.close()
 
     # -- moves -------------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _move(self) -> Iterator[None]:
+        """A move under the instance's lock, with the tree running: a duty cycle that stopped it (holding
+        `stop_gate`) continues it first, and stops none while the move is under way."""
+        with self._lock:
+            self._moves += 1
+            try:
+                with self.stop_gate:
+                    pass
+                yield
+            finally:
+                self._moves -= 1
+
+    def stoppable(self) -> int | None:
+        """What a duty cycle may stop now, called with `stop_gate` held: the HOT tree's process group (negative,
+        as kill(2) takes it: the server is a session of its own, `worker.nsinit`), or None while a move is under way
+        or the tree does not run."""
+        if self._moves or self.tier is not Tier.HOT or self.pid is None:
+            return None
+        return -self.pid
+
     def ensure_hot(self) -> None:
         """HOT when this returns: a cold start or a wake, whichever the tier needs; concurrent callers share one."""
         with self._lock:
@@ -310,7 +335,7 @@ class ServerInstance:
 
     def start(self) -> None:
         """COLD -> HOT: start the server, take the handshake image if it offers one, wait until it is ready."""
-        with self._lock:
+        with self._move():
             began = time.perf_counter()
             source = self.tier
             self._kill()
@@ -489,7 +514,7 @@ class ServerInstance:
 
     def warm(self) -> None:
         """HOT -> WARM on a GPU: the beforeCheckpoint hooks (vLLM's sleep); the process keeps its context."""
-        with self._lock:
+        with self._move():
             if self.tier is not Tier.HOT or self.pid is None or not self.can_warm:
                 raise instance.IllegalTransition(f"{self.name}: WARM from {self.tier.value}"
                                                  + ("" if self.can_warm else " (needs a GPU and beforeCheckpoint "
@@ -503,7 +528,7 @@ class ServerInstance:
     def suspend(self) -> None:
         """HOT or WARM -> SUSPENDED on a GPU: the hooks, then the driver checkpoints each CUDA process. A driver that
         cannot leaves the server as it was (its hooks undone)."""
-        with self._lock:
+        with self._move():
             if self.tier not in (Tier.HOT, Tier.WARM) or self.pid is None or self.driver is None:
                 raise instance.IllegalTransition(f"{self.name}: SUSPENDED from {self.tier.value}"
                                                  + ("" if self.driver is not None else " (no GPU driver)"))
@@ -527,7 +552,7 @@ class ServerInstance:
     def freeze(self) -> None:
         """HOT, WARM or SUSPENDED -> FROZEN (see the module docstring); FreezeRefused leaves it as it was, Busy
         when a request runs."""
-        with self._lock:
+        with self._move():
             if self.tier not in (Tier.HOT, Tier.WARM, Tier.SUSPENDED) or self.pid is None:
                 raise instance.IllegalTransition(f"{self.name}: freeze from {self.tier.value}")
             source = self.tier
@@ -600,7 +625,7 @@ class ServerInstance:
     def wake(self) -> None:
         """FROZEN -> HOT through a restore (then the driver's restore and the hooks, where the freeze took them);
         a failed one falls back to a cold start."""
-        with self._lock:
+        with self._move():
             if self.tier is not Tier.FROZEN or self.image is None:
                 raise instance.IllegalTransition(f"{self.name}: wake from {self.tier.value}")
             began = time.perf_counter()
@@ -635,7 +660,7 @@ class ServerInstance:
     def wake_in_place(self) -> None:
         """WARM or SUSPENDED -> HOT: the driver's restore of each CUDA process, the afterRestore hooks, the canary;
         a failed one falls back to a cold start."""
-        with self._lock:
+        with self._move():
             source = self.tier
             if source not in (Tier.WARM, Tier.SUSPENDED) or self.pid is None:
                 raise instance.IllegalTransition(f"{self.name}: wake in place from {source.value}")
@@ -734,7 +759,7 @@ class ServerInstance:
 
     def close(self) -> None:
         """Stop the server and drop its image: COLD."""
-        with self._lock:
+        with self._move():
             self._kill()
             if self.image is not None:
                 self.engine.remove(self.image)
