@@ -89,7 +89,8 @@ def cmd_bench_tiers(args: argparse.Namespace) -> int:
                                      [Tier(t.upper()) for t in args.tiers.split(",")], args.n, cold_n=args.cold_n,
                                      lazy=args.lazy or args.lazy_only, burst_n=args.burst, progress=show,
                                      eager=not args.lazy_only, wake_copies=[c for c in args.wake_copy.split(",") if c],
-                                     fresh_images=args.fresh_images)
+                                     fresh_images=args.fresh_images,
+                                     **({"settle_s": args.settle_ms / 1e3} if args.settle_ms is not None else {}))
     def text() -> str:
         lines = []
         for label, part in ([("", report)] if "tiers" in report else report["sizes"].items()):
@@ -363,6 +364,8 @@ def add_bench(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--fresh-images", action="store_true",
                    help="freeze afresh before every FROZEN wake, its weights parked again (default: one image, "
                         "restored n times) (with --gpu)")
+    p.add_argument("--settle-ms", type=float,
+                   help="how long a tier is left alone before its wake (with --gpu; default: 500)")
     p.add_argument("--models", help="where models are built")
     p.add_argument("-n", type=int, default=10, help="wakes per tier (and cold starts)")
     _report_args(p)

@@ -179,6 +179,7 @@ async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, c
     parked: list[int] = []  # the parked file's bytes at each freeze
     park_ms: list[float] = []  # the server's moving of the driver's copy into it
     lazy: list[bool] = []
+    pages_done: list[float] = []  # a lazy wake's last page delivered, in ms from its request
     suspended_rss: list[int] = []
     moves: dict[str, list[float]] = {"suspend": [], "freeze": []}
     server_phases: dict[str, dict[str, list[float]]] = {"SUSPENDED": {}, "FROZEN": {}}
@@ -217,8 +218,13 @@ async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, c
             images.append(instance.image.size_bytes if instance.image is not None else 0)
             parked.append(instance.parking.size)
             park_ms += [float(str(r["seconds"])) * 1000 for r in instance.driver_copies.values() if "seconds" in r]
+            asked = time.perf_counter()
             first, whole, answer = await _ask(url)
             lazy.append(instance.last_wake_lazy)
+            restored = instance.restored
+            pages = await asyncio.to_thread(restored.pages_seconds, 30.0) if restored is not None else None
+            if restored is not None and pages is not None:  # every lazy page delivered, from the request's start
+                pages_done.append((restored.started + pages - asked) * 1000)
             ttft["frozen"].append(first)
             answers.append(answer)
             await asyncio.to_thread(phases_of, "FROZEN")
@@ -247,6 +253,7 @@ async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, c
             "suspend_ms": _stats(moves["suspend"]), "freeze_ms": _stats(moves["freeze"]), "memory_gib": memory,
             "image_bytes": int(statistics.median(images)),
             "parked_bytes": int(statistics.median(parked)), "park_ms": _stats(park_ms) if park_ms else None,
+            "lazy_pages_done_ms": _stats(pages_done) if pages_done else None,
             "suspended_host_bytes": int(statistics.median(suspended_rss)),
             "identical": fallbacks == 0 and all(a == answers[0] for a in answers), "restore_fallbacks": fallbacks,
             "answer": answers[0].decode()[:400]}

@@ -429,10 +429,11 @@ def floors(weights_bytes: int, limits: dict[str, Any]) -> dict[str, float]:
 def gpu_suite(models: pathlib.Path, run: pathlib.Path, snapshots: pathlib.Path, sizes: Sequence[float],
               tiers: Sequence[Tier], n: int, cold_n: int | None = None, lazy: bool = False, burst_n: int = 0,
               progress: Callable[[str], None] = lambda _: None, eager: bool = True,
-              wake_copies: Sequence[str] = (), fresh_images: bool = False) -> dict[str, Any]:
+              wake_copies: Sequence[str] = (), fresh_images: bool = False,
+              settle_s: float = GPU_SETTLE_S) -> dict[str, Any]:
     """Copy limits and the driver's floor, every size through every tier (with several `wake_copies`, each size
     once per way of copying, one after the other, keyed `SIZE-COPY`), and the burst of SUSPENDED wakes, in one
-    run."""
+    run; each tier left alone for `settle_s` before its wake."""
     import onnxruntime
 
     report: dict[str, Any] = {"device": reporting.device_description("cuda:0")}
@@ -451,7 +452,7 @@ def gpu_suite(models: pathlib.Path, run: pathlib.Path, snapshots: pathlib.Path, 
         for copy in copies:
             key = f"{gib:g}-{copy}" if len(copies) > 1 else f"{gib:g}"
             part = bench_tiers(spec, run / f"w{gib:g}{copy}", snapshots, tiers, n, "cuda:0", cold_n=cold_n,
-                               lazy=lazy, progress=progress, settle_s=GPU_SETTLE_S, eager=eager, wake_copy=copy,
+                               lazy=lazy, progress=progress, settle_s=settle_s, eager=eager, wake_copy=copy,
                                fresh_images=fresh_images)
             part["floors_ms"] = floors(int(part["model"]["weights_bytes"] or 0), report["copy_limits"])
             report["sizes"][key] = part

@@ -228,6 +228,11 @@ class ServerInstance:
         self._active = 0
         self._active_lock = threading.Lock()
 
+    @property
+    def restored(self) -> criu.Restored | None:
+        """The CRIU restore the running tree came from, until its lazy pages have all arrived."""
+        return self._restored
+
     # -- where it listens --------------------------------------------------------------------------------------
     @property
     def unix(self) -> bool:
