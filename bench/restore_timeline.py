@@ -1,0 +1,108 @@
+"""Where each FROZEN wake's CRIU restore spends its time, wake by wake.
+
+`volga bench tiers --gpu` times a FROZEN wake's restore as one phase (`criu_restore_ms`: from starting criu, or its
+lazy-pages daemon first, to criu's exit). On an H200 that phase alternated from wake to wake at 2 GiB, about 50 and
+80 ms (runs 9 and 10). This runs the same bench with criu's restore logging at -v4 (every line timestamped from
+criu's start) and keeps each restore's log, then sets side by side, per wake: the phase as the bench took it, the
+time criu's own log spans, what lies outside it (starting the daemon and criu, waiting for their exit), and the
+largest gaps between consecutive lines of the log, with the line each gap ends at.
+
+On the GPU machine: python3 bench/restore_timeline.py --sizes 2 -n 12 --out FILE.json [--logs FILE.tar.gz]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import pathlib
+import re
+import shutil
+import tarfile
+import tempfile
+import time
+from typing import Any
+
+import benchio  # bench/, beside this script
+
+from volga_agent.snapshot import criu
+from volga_bench import tiers
+from volga_core import api
+
+STAMP = re.compile(r"^\((\d+)\.(\d+)\) (.*)$")
+
+
+def _timeline(log: pathlib.Path, gaps: int) -> dict[str, Any]:
+    """How long a -v4 criu log spans, and its `gaps` largest steps between consecutive lines (ms, the line after)."""
+    stamps: list[tuple[float, str]] = []
+    for line in log.read_text(errors="replace").splitlines():
+        m = STAMP.match(line)
+        if m:
+            stamps.append((int(m.group(1)) + int(m.group(2)) / 1e6, m.group(3)[:160]))
+    steps = sorted(((b[0] - a[0], b[1]) for a, b in itertools.pairwise(stamps)), reverse=True)[:gaps]
+    return {"lines": len(stamps), "span_ms": round((stamps[-1][0] - stamps[0][0]) * 1e3, 2) if stamps else None,
+            "largest_gaps": [[round(ms * 1e3, 2), text] for ms, text in steps]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="2", help="model sizes in GiB, comma-separated")
+    parser.add_argument("-n", type=int, default=12, help="FROZEN wakes per size")
+    parser.add_argument("--gaps", type=int, default=6, help="the largest gaps kept per restore")
+    parser.add_argument("--settle-ms", type=float, default=tiers.GPU_SETTLE_S * 1e3,
+                        help="how long FROZEN is left alone before each wake (default: %(default)g)")
+    parser.add_argument("--logs", help="also keep every restore's log in this .tar.gz")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+
+    kept = pathlib.Path(tempfile.mkdtemp(prefix="restore-logs-"))
+    restores: list[dict[str, Any]] = []
+    run = criu.CriuEngine._run
+
+    def logged(self: criu.CriuEngine, argv: list[str], *rest: Any, **named: Any) -> Any:
+        if argv[:1] != ["restore"]:
+            return run(self, argv, *rest, **named)
+        began = time.perf_counter()
+        try:
+            return run(self, [a if a != "-v2" else "-v4" for a in argv], *rest, **named)
+        finally:
+            ran_ms = (time.perf_counter() - began) * 1e3
+            log = pathlib.Path(argv[argv.index("-D") + 1]) / "restore.log"
+            copy = kept / f"restore-{len(restores):03d}.log"
+            if log.exists():
+                shutil.copyfile(log, copy)
+            restores.append({"log": copy.name, "criu_run_ms": round(ran_ms, 2),
+                             **(_timeline(copy, args.gaps) if copy.exists() else {})})
+
+    criu.CriuEngine._run = logged  # type: ignore[method-assign]
+    root = pathlib.Path(tempfile.mkdtemp(prefix="restore-timeline-", dir="/dev/shm"))
+    try:
+        report = tiers.gpu_suite(root / "models", root / "run", root / "snapshots",
+                                 [float(s) for s in args.sizes.split(",")], [api.Tier.FROZEN], args.n, cold_n=1,
+                                 lazy=True, eager=False, progress=lambda line: print("..", line, flush=True),
+                                 settle_s=args.settle_ms / 1e3)
+    finally:
+        criu.CriuEngine._run = run  # type: ignore[method-assign]
+        shutil.rmtree(root, ignore_errors=True)
+    wakes = []
+    for size, part in report["sizes"].items():
+        phases = part["tiers"]["frozen_lazy"]["phases_ms"]
+        wakes += [{"size": size, "wake_ms": w, "criu_restore_ms": c, "driver_resume_ms": d}
+                  for w, c, d in zip(part["tiers"]["frozen_lazy"]["wakes_ms"], phases["criu_restore_ms"],
+                                     phases["driver_resume_ms"], strict=True)]
+    # The bench's first restore of each size may be a cold start's; the last n are the FROZEN wakes, in order.
+    timed = restores[-len(wakes):] if wakes else []
+    for wake, restore in zip(wakes, timed, strict=True):
+        wake.update(restore)
+        span = restore.get("span_ms")
+        wake["outside_criu_log_ms"] = round(wake["criu_restore_ms"] - span, 2) if span is not None else None
+    if args.logs:
+        with tarfile.open(args.logs, "w:gz") as tar:
+            tar.add(kept, arcname="restore-logs")
+    shutil.rmtree(kept, ignore_errors=True)
+    benchio.emit({"bench": "restore-timeline", "device": report["device"], "criu": report["sizes"][
+        next(iter(report["sizes"]))]["criu"], "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "settle_ms": args.settle_ms, "restores": len(restores), "wakes": wakes}, args.out)
+
+
+if __name__ == "__main__":
+    main()
