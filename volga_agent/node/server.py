@@ -635,6 +635,7 @@ class ServerInstance:
                 raise instance.IllegalTransition(f"{self.name}: wake from {self.tier.value}")
             began = time.perf_counter()
             phases: dict[str, float] = {}
+            lazy = False
             try:
                 (self.signals / handshake.RESTORED).unlink(missing_ok=True)
                 if self.unix:
