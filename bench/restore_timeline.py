@@ -2,10 +2,12 @@
 
 `volga bench tiers --gpu` times a FROZEN wake's restore as one phase (`criu_restore_ms`: from starting criu, or its
 lazy-pages daemon first, to criu's exit). On an H200 that phase alternated from wake to wake at 2 GiB, about 50 and
-80 ms (runs 9 and 10). This runs the same bench with criu's restore logging at -v4 (every line timestamped from
-criu's start) and keeps each restore's log, then sets side by side, per wake: the phase as the bench took it, the
-time criu's own log spans, what lies outside it (starting the daemon and criu, waiting for their exit), and the
-largest gaps between consecutive lines of the log, with the line each gap ends at.
+80 ms (runs 9 and 10). This runs the same bench with criu's restore and its lazy-pages daemon logging at -v4
+(every line timestamped from each one's start) and keeps their logs, then sets side by side, per wake: the phase as
+the bench took it, the time criu's own log spans, what lies outside it (starting the daemon and criu, waiting for
+their exit), and the largest gaps between consecutive lines of each log, with the line each gap ends at; and the
+CPU time the machine's cgroup was throttled meanwhile (cpu.stat), where it has a CPU limit. With `--tiers
+suspended,frozen` SUSPENDED is woken first, as the tiers bench does.
 
 On the GPU machine: python3 bench/restore_timeline.py --sizes 2 -n 12 --out FILE.json [--logs FILE.tar.gz]
 """
@@ -43,6 +45,15 @@ def _timeline(log: pathlib.Path, gaps: int) -> dict[str, Any]:
             "largest_gaps": [[round(ms * 1e3, 2), text] for ms, text in steps]}
 
 
+def _cpu_stat() -> dict[str, int]:
+    """This cgroup's CPU accounting (cgroup v2), where it is readable."""
+    try:
+        text = pathlib.Path("/sys/fs/cgroup/cpu.stat").read_text()
+    except OSError:
+        return {}
+    return {key: int(value) for key, value in (line.split() for line in text.splitlines() if line.count(" ") == 1)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="2", help="model sizes in GiB, comma-separated")
@@ -51,12 +62,28 @@ def main() -> None:
     parser.add_argument("--settle-ms", type=float, default=tiers.GPU_SETTLE_S * 1e3,
                         help="how long FROZEN is left alone before each wake (default: %(default)g)")
     parser.add_argument("--logs", help="also keep every restore's log in this .tar.gz")
+    parser.add_argument("--tiers", default="frozen", help="frozen, or suspended,frozen")
     parser.add_argument("--out")
     args = parser.parse_args()
 
     kept = pathlib.Path(tempfile.mkdtemp(prefix="restore-logs-"))
     restores: list[dict[str, Any]] = []
-    run = criu.CriuEngine._run
+    run, lazy_pages = criu.CriuEngine._run, criu.CriuEngine._lazy_pages
+    daemons: list[pathlib.Path] = []  # the image folder of each lazy restore, whose daemon log is kept
+
+    def keep_daemon_log() -> None:
+        if daemons and (daemons[-1] / "lazy-pages.log").exists():
+            shutil.copyfile(daemons[-1] / "lazy-pages.log", kept / f"lazy-pages-{len(daemons) - 1:03d}.log")
+
+    def started(self: criu.CriuEngine, image: criu.Image) -> Any:
+        keep_daemon_log()  # the last one is done: its wake waited for every page
+        daemons.append(image.path)
+        popen = self._popen
+        self._popen = lambda argv, **named: popen([a if a != "-v2" else "-v4" for a in argv], **named)  # type: ignore[method-assign]
+        try:
+            return lazy_pages(self, image)
+        finally:
+            del self._popen
 
     def logged(self: criu.CriuEngine, argv: list[str], *rest: Any, **named: Any) -> Any:
         if argv[:1] != ["restore"]:
@@ -74,15 +101,21 @@ def main() -> None:
                              **(_timeline(copy, args.gaps) if copy.exists() else {})})
 
     criu.CriuEngine._run = logged  # type: ignore[method-assign]
+    criu.CriuEngine._lazy_pages = started  # type: ignore[method-assign]
     root = pathlib.Path(tempfile.mkdtemp(prefix="restore-timeline-", dir="/dev/shm"))
+    cpu_before = _cpu_stat()
     try:
         report = tiers.gpu_suite(root / "models", root / "run", root / "snapshots",
-                                 [float(s) for s in args.sizes.split(",")], [api.Tier.FROZEN], args.n, cold_n=1,
+                                 [float(s) for s in args.sizes.split(",")],
+                                 [api.Tier(t.upper()) for t in args.tiers.split(",")], args.n, cold_n=1,
                                  lazy=True, eager=False, progress=lambda line: print("..", line, flush=True),
                                  settle_s=args.settle_ms / 1e3)
+        keep_daemon_log()
     finally:
         criu.CriuEngine._run = run  # type: ignore[method-assign]
+        criu.CriuEngine._lazy_pages = lazy_pages  # type: ignore[method-assign]
         shutil.rmtree(root, ignore_errors=True)
+    cpu_after = _cpu_stat()
     wakes = []
     for size, part in report["sizes"].items():
         phases = part["tiers"]["frozen_lazy"]["phases_ms"]
@@ -91,8 +124,11 @@ def main() -> None:
                                      phases["driver_resume_ms"], strict=True)]
     # The bench's first restore of each size may be a cold start's; the last n are the FROZEN wakes, in order.
     timed = restores[-len(wakes):] if wakes else []
-    for wake, restore in zip(wakes, timed, strict=True):
+    for i, (wake, restore) in enumerate(zip(wakes, timed, strict=True)):
         wake.update(restore)
+        daemon_log = kept / f"lazy-pages-{len(daemons) - len(wakes) + i:03d}.log"
+        if daemon_log.exists():
+            wake["lazy_pages_log"] = {"log": daemon_log.name, **_timeline(daemon_log, args.gaps)}
         span = restore.get("span_ms")
         wake["outside_criu_log_ms"] = round(wake["criu_restore_ms"] - span, 2) if span is not None else None
     if args.logs:
@@ -101,7 +137,10 @@ def main() -> None:
     shutil.rmtree(kept, ignore_errors=True)
     benchio.emit({"bench": "restore-timeline", "device": report["device"], "criu": report["sizes"][
         next(iter(report["sizes"]))]["criu"], "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "settle_ms": args.settle_ms, "restores": len(restores), "wakes": wakes}, args.out)
+        "settle_ms": args.settle_ms, "restores": len(restores),
+        "tiers": {size: {tier: {k: v for k, v in run.items() if k in ("p50_ms", "p99_ms", "mismatches", "fallbacks", "phases_p50_ms")}
+                         for tier, run in part["tiers"].items()} for size, part in report["sizes"].items()},
+        "cgroup_cpu": {key: cpu_after[key] - cpu_before.get(key, 0) for key in cpu_after}, "wakes": wakes}, args.out)
 
 
 if __name__ == "__main__":
