@@ -6,8 +6,9 @@ lazy-pages daemon first, to criu's exit). On an H200 that phase alternated from 
 (every line timestamped from each one's start) and keeps their logs, then sets side by side, per wake: the phase as
 the bench took it, the time criu's own log spans, what lies outside it (starting the daemon and criu, waiting for
 their exit), and the largest gaps between consecutive lines of each log, with the line each gap ends at; and the
-CPU time the machine's cgroup was throttled meanwhile (cpu.stat), where it has a CPU limit. With `--tiers
-suspended,frozen` SUSPENDED is woken first, as the tiers bench does.
+CPU time the machine's cgroup was throttled meanwhile (cpu.stat), where it has a CPU limit; and the bench process's
+own garbage collections that overlapped each restore. With `--tiers suspended,frozen` SUSPENDED is woken first, as
+the tiers bench does; `--no-gc-freeze` leaves out the bench's `gc.freeze` once it serves (`process.settled`).
 
 On the GPU machine: python3 bench/restore_timeline.py --sizes 2 -n 12 --out FILE.json [--logs FILE.tar.gz]
 """
@@ -15,6 +16,7 @@ On the GPU machine: python3 bench/restore_timeline.py --sizes 2 -n 12 --out FILE
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import pathlib
 import re
@@ -26,11 +28,13 @@ from typing import Any
 
 import benchio  # bench/, beside this script
 
+from volga_agent.host import process
 from volga_agent.snapshot import criu
 from volga_bench import tiers
 from volga_core import api
 
 STAMP = re.compile(r"^\((\d+)\.(\d+)\) (.*)$")
+SUMMARY = ("p50_ms", "p99_ms", "mismatches", "fallbacks", "phases_p50_ms")  # of each tier, as the tiers bench has it
 
 
 def _timeline(log: pathlib.Path, gaps: int) -> dict[str, Any]:
@@ -63,12 +67,26 @@ def main() -> None:
                         help="how long FROZEN is left alone before each wake (default: %(default)g)")
     parser.add_argument("--logs", help="also keep every restore's log in this .tar.gz")
     parser.add_argument("--tiers", default="frozen", help="frozen, or suspended,frozen")
+    parser.add_argument("--no-gc-freeze", action="store_true", help="the bench process's heap left in the collector's "
+                        "view, as before `process.settled`")
     parser.add_argument("--out")
     args = parser.parse_args()
 
     kept = pathlib.Path(tempfile.mkdtemp(prefix="restore-logs-"))
     restores: list[dict[str, Any]] = []
     run, lazy_pages = criu.CriuEngine._run, criu.CriuEngine._lazy_pages
+    collections: list[tuple[float, float, int]] = []  # (start, end, generation) of each of this process's
+    collecting: list[float] = []
+
+    def timed(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            collecting[:] = [time.perf_counter()]
+        elif collecting:
+            collections.append((collecting[0], time.perf_counter(), int(info["generation"])))
+
+    gc.callbacks.append(timed)
+    if args.no_gc_freeze:
+        process.settled = lambda: None  # type: ignore[assignment]
     daemons: list[pathlib.Path] = []  # the image folder of each lazy restore, whose daemon log is kept
 
     def keep_daemon_log() -> None:
@@ -92,12 +110,15 @@ def main() -> None:
         try:
             return run(self, [a if a != "-v2" else "-v4" for a in argv], *rest, **named)
         finally:
-            ran_ms = (time.perf_counter() - began) * 1e3
+            ended = time.perf_counter()
+            ran_ms = (ended - began) * 1e3
+            overlapping = [(a, b, g) for a, b, g in collections if a < ended and b > began - 0.1]
             log = pathlib.Path(argv[argv.index("-D") + 1]) / "restore.log"
             copy = kept / f"restore-{len(restores):03d}.log"
             if log.exists():
                 shutil.copyfile(log, copy)
             restores.append({"log": copy.name, "criu_run_ms": round(ran_ms, 2),
+                             "gc_near_ms": [[g, round((b - a) * 1e3, 2)] for a, b, g in overlapping],
                              **(_timeline(copy, args.gaps) if copy.exists() else {})})
 
     criu.CriuEngine._run = logged  # type: ignore[method-assign]
@@ -138,9 +159,12 @@ def main() -> None:
     benchio.emit({"bench": "restore-timeline", "device": report["device"], "criu": report["sizes"][
         next(iter(report["sizes"]))]["criu"], "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "settle_ms": args.settle_ms, "restores": len(restores),
-        "tiers": {size: {tier: {k: v for k, v in run.items() if k in ("p50_ms", "p99_ms", "mismatches", "fallbacks", "phases_p50_ms")}
-                         for tier, run in part["tiers"].items()} for size, part in report["sizes"].items()},
-        "cgroup_cpu": {key: cpu_after[key] - cpu_before.get(key, 0) for key in cpu_after}, "wakes": wakes}, args.out)
+        "tiers": {size: {tier: {k: v for k, v in got.items() if k in SUMMARY} for tier, got in part["tiers"].items()}
+                  for size, part in report["sizes"].items()},
+        "cgroup_cpu": {key: cpu_after[key] - cpu_before.get(key, 0) for key in cpu_after},
+        "gc_freeze": not args.no_gc_freeze,
+        "gc_full_collections_ms": [round((b - a) * 1e3, 2) for a, b, g in collections if g == 2],
+        "wakes": wakes}, args.out)
 
 
 if __name__ == "__main__":

@@ -199,6 +199,7 @@ async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, c
         if not cold:  # started once, untimed: the cold starts belong to another way of sleeping in this run
             answers.append((await _ask(url))[2])
         memory["HOT"] = _memory(instance.pid)
+        process.settled()  # as the agent does once it serves
         for i in range(n):
             began = time.perf_counter()
             await asyncio.to_thread(instance.suspend)

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from volga_agent.host import gpus
+from volga_agent.host import gpus, process
 from volga_agent.node import instance
 from volga_agent.snapshot import criu, cuda
 from volga_agent.worker import contract
@@ -136,6 +136,7 @@ def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pa
             answer(runs[Tier.COLD])
             runs[Tier.COLD].wake_s.append(time.perf_counter() - start)
         stats = inst.client().call("stats").header
+        process.settled()  # as the agent does once it serves
         progress(f"{spec.model_id}: hot, {n * 5} requests")
         hot = runs[Tier.HOT] = TierRun()
         if gpu_index is not None:

@@ -33,7 +33,7 @@ from volga_agent import auth, metrics, neighbours, ports
 from volga_agent.app import defaultmodel, server
 from volga_agent.autonomy import exchange, loop
 from volga_agent.gateway import app, catalog, links, proxy, siblings
-from volga_agent.host import gpus
+from volga_agent.host import gpus, process
 from volga_agent.node import admission, pool, signature
 from volga_agent.node.settings import Settings
 from volga_core import api, http, planner
@@ -62,6 +62,7 @@ async def _until_signalled(stop: Callable[[], Awaitable[None]]) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, event.set)
+    process.settled()
     try:
         await event.wait()
     finally:

@@ -253,6 +253,7 @@ async def run(specs: Sequence[api.ModelSpec], options: Options, announce: Callab
             announce(f"  refused  {', '.join(sorted(embedded.refused))} (not served: requests for them answer "
                      "UNAVAILABLE with the reason)")
         announce("Ctrl-C stops everything and removes the snapshots.")
+        process.settled()
         await stop.wait()
     finally:
         announce("stopping: workers, snapshots ...")
