@@ -126,8 +126,8 @@ def settled() -> None:
     """Called once a long-running process has started (imported, set up, serving): what it holds so far leaves the
     garbage collector's view (`gc.freeze`), so that a full collection later scans only what came since instead of
     every module's objects. Such a collection holds the interpreter's lock on whatever thread it falls, a wake's
-    included: in a bench process on an H200 machine (torch imported), one in every ten or so FROZEN wakes took 100-135
-    ms longer, the restore's own time unchanged (bench/restore_timeline.py)."""
+    included: 14-21 ms for the agent's modules on a 2-vCPU machine, 70-99 ms in a bench process with torch imported
+    on an H200 machine (bench/restore_timeline.py)."""
     gc.collect()
     gc.freeze()
 
