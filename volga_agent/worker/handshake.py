@@ -63,14 +63,23 @@ def checkpoint_here(poll_sec: float = 0.001) -> bool:
     return True
 
 
+_parking: set[int] = set()  # the processes (by PID: a forked child has none) whose thread runs
+_parking_lock = threading.Lock()
+
+
 def park_driver_copy_when_asked(poll_sec: float = 0.005) -> bool:
-    """Start the thread that moves the driver's copy of this process when Volga asks; False when not run by Volga."""
+    """Start the thread that moves the driver's copy of this process when Volga asks (once: a second call finds it
+    running); False when not run by Volga."""
     folder = os.environ.get(SIGNAL_DIR_ENV)
     if not folder:
         return False
     from volga_agent.worker import regions  # numpy: loaded now, not while a freeze waits
 
     signals, pid = pathlib.Path(folder), os.getpid()
+    with _parking_lock:
+        if pid in _parking:
+            return True
+        _parking.add(pid)
     threading.Thread(target=_park_when_asked, args=(signals, pid, poll_sec, regions), name="volga-park",
                      daemon=True).start()
     _publish(signals / f"{PARKS}.{pid}", "")
