@@ -47,7 +47,7 @@ import json
 import logging
 import os
 import pathlib
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Protocol
 
 from volga_agent.host import process
@@ -73,16 +73,18 @@ class Parking:
         process.hand_over(self.folder, config)  # the worker writes its weights there
         return self.folder / f"weights-{generation}-{os.urandom(4).hex()}.bin"
 
-    def drop(self, keep: pathlib.Path | None = None) -> None:
-        """Remove parked weights that no image maps any more (all of them with no `keep`)."""
+    def drop(self, keep: pathlib.Path | None = None, mapped: Collection[pathlib.Path] = ()) -> None:
+        """Remove parked files that no image maps any more: all but `keep` (the current image's) and `mapped`
+        (others its process still mapped when it was dumped); the folder too when none is left."""
         self.current = keep
         folder = self.folder
         if folder is None or not folder.is_dir():
             return
+        kept = {path.resolve() for path in mapped} | ({keep.resolve()} if keep is not None else set())
         for path in folder.iterdir():
-            if path != keep:
+            if path.resolve() not in kept:
                 path.unlink(missing_ok=True)
-        if keep is None:
+        if not kept:
             folder.rmdir()
 
     @property

@@ -465,17 +465,6 @@ class ServerInstance:
                 found |= {pathlib.Path(m.path) for m in regions.mappings(pid) if m.path.startswith(prefix)}
         return found
 
-    def _keep_parked(self, mapped: set[pathlib.Path], parked: pathlib.Path | None) -> None:
-        """Keep the parked files the new image maps (`parked`, and any the tree still mapped), drop the others."""
-        folder = self.parking.folder
-        self.parking.current = parked
-        if folder is None or not folder.is_dir():
-            return
-        keep = {path.resolve() for path in mapped} | ({parked.resolve()} if parked is not None else set())
-        for path in folder.iterdir():
-            if path.resolve() not in keep:
-                path.unlink(missing_ok=True)
-
     def _park_one(self, pid: int, inner: int, before: regions.Presence, parked: pathlib.Path) -> dict[str, object]:
         asked, answer = self.signals / f"{handshake.PARK}.{inner}", self.signals / f"{handshake.PARKED}.{inner}"
         answer.unlink(missing_ok=True)
@@ -596,7 +585,7 @@ class ServerInstance:
                     raise
                 process.reap(self.pid, timeout=10.0)
                 self.pid = None
-                self._keep_parked(mapped, parked)
+                self.parking.drop(keep=parked, mapped=mapped)  # the files the new image maps stay
                 self.copies_parked = parked is not None and all(
                     "error" not in report for report in self.driver_copies.values()) and set(
                     self.driver_copies) == set(self.gpu_pids)
