@@ -226,7 +226,7 @@ def test_a_violation_throttles_the_tolerant_worker_to_its_share_and_never_leaves
     assert registry.get_sample_value("volga_autonomy_decisions_total", {"action": "Unthrottle"}) == 1
     lines = [r.getMessage() for r in caplog.records]
     assert any("autonomy decision" in m and "Throttle(model='loose', share=0.75)" in m for m in lines)
-    assert any("loose is throttled: its HOT workers stopped 75% of every 20 ms" in m for m in lines)
+    assert any("loose is throttled: its HOT workers and server trees stopped 75% of every 20 ms" in m for m in lines)
 
 
 class GuardingGateway(RecordingGateway):
