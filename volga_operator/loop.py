@@ -62,6 +62,7 @@ KEYS_PER_PASS = 100  # ModelSpecs planned between two looks at the watches (a ne
 # the bucket keeps only a sliver back: at 200/s it starts 197 a second, not 191.
 JITTER_SHARE = 0.01
 RETRY_SEC = 2.0  # a failed write (after its own retries) is planned again this much later
+WRITERS_STOP_SEC = 10.0  # how long a stopping operator waits for the writes in flight
 FIRST_PASS_DONE = "first pass done"
 TIER_CHECK_SEC = 1.0  # how often nodes in EMERGENCY are looked at for chains to move
 WATERMARKS_SEC = 5.0  # how often the cluster's watermarks are worked out (and written when they changed)
@@ -254,8 +255,20 @@ class Loop:
             await self._plan()
         finally:
             tier.cancel()
-            for _ in threads:
-                self._queue.put(None)
+            self._stop_writers(threads)
+
+    def _stop_writers(self, threads: list[threading.Thread]) -> None:
+        """The writers end once their write in flight is done; writes still queued are dropped (the next operator
+        plans them again). Waited for, within WRITERS_STOP_SEC: a writer still in a request while the interpreter
+        shuts down can take the process down with SIGABRT instead of a clean exit."""
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self._queue.get_nowait()
+        for _ in threads:
+            self._queue.put(None)
+        deadline = time.monotonic() + WRITERS_STOP_SEC
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     async def _plan(self) -> None:
         resync_sec, debounce_sec = self.settings.resync_sec, self.settings.debounce_sec
