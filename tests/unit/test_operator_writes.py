@@ -221,3 +221,38 @@ def test_writers_waiting_for_the_completion_window_take_slots_in_order() -> None
     for waiter in waiters:
         waiter.join(10)
     assert order == [0, 1, 2]
+
+
+def test_a_stopping_operator_waits_for_its_writes_in_flight_and_drops_the_queued_ones() -> None:
+    """Cancelled (the operator stopping), the loop's run ends only once no writer thread is left: the writes in
+    flight finish, those still queued are dropped (the next operator plans them again). A writer still in a request
+    while the interpreter shuts down can take the process down with SIGABRT."""
+    import asyncio
+    import contextlib
+
+    loop = reconcile_loop.Loop(threads=2)
+    loop.state = cluster(4)
+    started = threading.Semaphore(0)
+    release = threading.Event()
+    sent: list[reconcile.Action] = []
+
+    def slow(action: reconcile.Action) -> Any:
+        started.release()
+        release.wait(10)
+        sent.append(action)
+        raise RuntimeError("the API server is gone")  # taken back and planned again, as a failed write is
+
+    loop._do = slow  # type: ignore[method-assign]
+
+    async def main() -> None:
+        task = asyncio.create_task(loop.run())
+        for _ in range(2):  # the planner's first pass queues the four ModelSpecs' writes; both writers take one
+            await asyncio.to_thread(started.acquire, True, 10)
+        task.cancel()
+        threading.Timer(0.2, release.set).start()  # the requests in flight answer after the stop began
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert not [t for t in threading.enumerate() if t.name.startswith("volga-write-")]
+    assert len(sent) == 2
