@@ -66,3 +66,28 @@ def test_a_region_is_whole_pages() -> None:
     for bad in ([4096, 4096, RW], [4095, 8192, RW], [4096, 8192], "4096-8192", [4096, 8192.0, RW]):
         with pytest.raises(ValueError, match="region"):
             regions.Region.from_json(bad)
+
+
+def test_a_request_to_park_moves_what_it_names_or_says_why_not(tmp_path: pathlib.Path) -> None:
+    """The moving process's side of a park request (the worker's and a server's alike): the regions it names moved,
+    their bytes told; a request that is not one, or names no whole pages, answered with the reason and nothing
+    moved."""
+    import json
+
+    region = mmap.mmap(-1, 2 * MIB, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    view = np.frombuffer(region, dtype=np.uint8)
+    try:
+        view[:] = 7
+        start = view.ctypes.data
+        park = tmp_path / "parked.bin"
+        park.touch()
+        report = regions.move_as_named(json.dumps({"regions": [[start, start + 2 * MIB, RW]]}), park)
+        assert (report["bytes"], report["regions"]) == (2 * MIB, 1) and "error" not in report
+        assert park.stat().st_size == 2 * MIB and bytes(region[:4]) == b"\x07" * 4
+        for bad, why in (("not json", "JSONDecodeError"), ('{"regions": [[1, 2, 3]]}', "ValueError"),
+                         ("{}", "KeyError")):
+            assert regions.move_as_named(bad, park)["error"].startswith(why)  # type: ignore[union-attr]
+        assert park.stat().st_size == 2 * MIB
+    finally:
+        del view
+        region.close()

@@ -93,6 +93,27 @@ class Parking:
         return self.current.stat().st_size if self.current is not None and self.current.exists() else 0
 
 
+def to_park(pid: int, before: regions.Presence, parked: pathlib.Path) -> tuple[list[regions.Region], int]:
+    """What a process checkpointed by the driver is to map from the file `parked`: the pages the checkpoint filled
+    (`before` it, `regions.filled`) and what an earlier restore left mapped from the folder's other files, which are
+    going (`regions.stale`); and the bytes of the latter. OSError where /proc does not show its pages."""
+    stale = regions.stale(pid, parked.parent.resolve(), parked.resolve())
+    return regions.filled(pid, before) + stale, sum(r.end - r.start for r in stale)
+
+
+def parked_report(path: pathlib.Path, stale_bytes: int) -> dict[str, object]:
+    """A process's answer to a request to park (`regions.move_as_named`), read as data and never trusted to be well
+    formed (the process runs model code), with the stale bytes it was asked to move too; the file goes."""
+    try:
+        report = json.loads(contract.read_signal(path))
+    except ValueError as exc:
+        report = f"{exc}"
+    path.unlink(missing_ok=True)
+    if not isinstance(report, dict):
+        report = {"error": f"unreadable report: {report!r:.200}"}
+    return {**report, "stale_bytes": stale_bytes}
+
+
 class Frozen(Protocol):
     """What a freeze needs of the instance whose worker it freezes (`instance.Instance`): the worker and its
     parked weights, and the instance's own steps around a dump, which a freeze on a CPU uses alone."""
@@ -212,8 +233,7 @@ class Freeze:
         report_file = inst.signals / contract.DRIVER_COPY_PARKED
         report_file.unlink(missing_ok=True)
         try:
-            stale = regions.stale(inst.pid, inst.parking.folder.resolve(), parked.resolve())
-            moving = regions.filled(inst.pid, before) + stale
+            moving, stale_bytes = to_park(inst.pid, before, parked)
         except OSError as exc:
             log.warning("%s: the driver's copy stays in the image: %s", inst.name, exc)
             return
@@ -228,14 +248,7 @@ class Freeze:
             raise
         finally:
             (inst.signals / contract.DRIVER_CHECKPOINTED).unlink(missing_ok=True)
-        try:
-            report = json.loads(contract.read_signal(report_file))
-        except ValueError as exc:
-            report = f"{exc}"
-        # The worker runs model code: what it reports is read as data, never trusted to be well formed.
-        inst.driver_copy = report if isinstance(report, dict) else {"error": f"unreadable report: {report!r:.200}"}
-        inst.driver_copy["stale_bytes"] = sum(r.end - r.start for r in stale)
-        report_file.unlink(missing_ok=True)
+        inst.driver_copy = parked_report(report_file, stale_bytes)
         if "error" in inst.driver_copy:
             log.warning("%s: the driver's copy stays in the image: %s", inst.name, inst.driver_copy["error"])
 

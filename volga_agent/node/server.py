@@ -448,7 +448,7 @@ class ServerInstance:
         for inner, before in asking.items():
             if inner in hosts and inner in self.gpu_pids:
                 self.driver_copies[inner] = self._park_one(hosts[inner], inner, before, parked)
-        if not any(report.get("copied_bytes") for report in self.driver_copies.values()):
+        if not any(report.get("bytes") for report in self.driver_copies.values()):
             parked.unlink()
             return None
         return parked
@@ -469,8 +469,7 @@ class ServerInstance:
         asked, answer = self.signals / f"{handshake.PARK}.{inner}", self.signals / f"{handshake.PARKED}.{inner}"
         answer.unlink(missing_ok=True)
         try:
-            stale = regions.stale(pid, parked.parent.resolve(), parked.resolve())
-            moving = regions.filled(pid, before) + stale
+            moving, stale_bytes = gpu_freeze.to_park(pid, before, parked)
         except OSError as exc:
             return {"error": f"its pages could not be read: {exc}"}
         contract.publish(self.signals, asked.name, json.dumps({"regions": [r.to_json() for r in moving],
@@ -483,17 +482,10 @@ class ServerInstance:
                 raise ServerError(f"{self.name}: process {pid} did not park the driver's copy within "
                                   f"{PARK_TIMEOUT_SEC:g} s")
             time.sleep(0.002)
-        try:
-            report = json.loads(contract.read_signal(answer))
-        except ValueError as exc:
-            report = f"{exc}"
-        answer.unlink(missing_ok=True)
-        # The server's own code wrote it: read as data, never trusted to be well formed.
-        if not isinstance(report, dict):
-            report = {"error": f"unreadable report: {report!r:.200}"}
+        report = gpu_freeze.parked_report(answer, stale_bytes)
         if "error" in report:
             log.warning("%s: the driver's copy of process %d stays in the image: %s", self.name, pid, report["error"])
-        return {**report, "stale_bytes": sum(r.end - r.start for r in stale)}
+        return report
 
     def _dump_at_handshake(self, pid: int) -> criu.Image:
         """The handshake's image, the server left running: on a GPU its CUDA processes checkpointed by the driver

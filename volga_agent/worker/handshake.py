@@ -42,8 +42,8 @@ SIGNAL_DIR_ENV = "VOLGA_SIGNAL_DIR"
 READY = "ready-for-checkpoint"
 RESTORED = "restore-complete"
 # Per process (the suffix is its PID as the process sees it): it parks the driver's copy when asked; the request
-# (JSON {"regions": [[start, end, prot], ...], "file": path}); the answer (JSON {"regions": n, "copied_bytes": n,
-# "seconds": s}, or {"error": why}).
+# (JSON {"regions": [[start, end, prot], ...], "file": path}); the answer (`regions.move_as_named`'s: JSON
+# {"bytes": n, "regions": n, "seconds": s}, or {"error": why}).
 PARKS = "parks"
 PARK = "park-driver-copy"
 PARKED = "driver-copy-parked"
@@ -90,14 +90,10 @@ def _park_when_asked(signals: pathlib.Path, pid: int, poll_sec: float, regions: 
     asked = signals / f"{PARK}.{pid}"
     while True:
         if asked.exists():
-            began = time.perf_counter()
             try:
-                request = json.loads(asked.read_text())
-                moving = [regions.Region.from_json(r) for r in request["regions"]]
-                moved = regions.move(moving, request["file"])
-                report: dict[str, object] = {"regions": moved.regions, "copied_bytes": moved.copied_bytes,
-                                             "seconds": round(time.perf_counter() - began, 4)}
-            except Exception as exc:  # told to Volga, which leaves the copy in the image
+                request = asked.read_text()
+                report = regions.move_as_named(request, json.loads(request)["file"])
+            except (OSError, ValueError, KeyError, TypeError) as exc:  # told to Volga: the copy stays in the image
                 report = {"error": f"{type(exc).__name__}: {exc}"}
             asked.unlink(missing_ok=True)
             _publish(signals / f"{PARKED}.{pid}", json.dumps(report))

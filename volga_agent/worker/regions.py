@@ -24,9 +24,11 @@ import concurrent.futures
 import ctypes
 import dataclasses
 import errno
+import json
 import mmap
 import os
 import pathlib
+import time
 
 import numpy as np
 
@@ -231,3 +233,16 @@ def move(regions: list[Region], path: str | pathlib.Path, threads: int = 8) -> M
         return Moved(len(regions), total, offset)
     finally:
         os.close(fd)
+
+
+def move_as_named(request: str, path: str | pathlib.Path) -> dict[str, object]:
+    """The moving process's side of a request to park the driver's copy (JSON {"regions": [[start, end, prot],
+    ...]}): move them into `path` and say how much ({"bytes", "regions", "seconds"}), or why not ({"error"}: the
+    pages stay where they are, and in the image)."""
+    began = time.perf_counter()
+    try:
+        moving = [Region.from_json(r) for r in json.loads(request)["regions"]]
+        moved = move(moving, path)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"bytes": moved.copied_bytes, "regions": moved.regions, "seconds": round(time.perf_counter() - began, 4)}

@@ -404,14 +404,11 @@ class Worker:
         """The driver has checkpointed us: map the regions the agent named in `named` (what the checkpoint filled,
         and what an earlier restore left mapped from parked files that are going) from the parked file `park`,
         so that the image leaves them out (`regions`); then say how much, or why not (they stay in the image)."""
-        start = time.perf_counter()
         try:
-            moving = [regions.Region.from_json(r) for r in json.loads(contract.read_signal(named))["regions"]]
-            moved = regions.move(moving, park)
-            report: dict[str, Any] = {"bytes": moved.copied_bytes, "regions": moved.regions,
-                                      "seconds": round(time.perf_counter() - start, 4)}
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+            report = regions.move_as_named(contract.read_signal(named), park)
+        except OSError as exc:
             report = {"error": f"{type(exc).__name__}: {exc}"}
+        if "error" in report:
             print(f"the driver's copy stays in the image: {report['error']}", file=sys.stderr, flush=True)
         contract.publish(self.signal_dir, contract.DRIVER_COPY_PARKED, json.dumps(report))
 
