@@ -221,7 +221,7 @@ async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, c
             park_ms += [float(str(r["seconds"])) * 1000 for r in instance.driver_copies.values() if "seconds" in r]
             asked = time.perf_counter()
             first, whole, answer = await _ask(url)
-            lazy.append(instance.last_wake_lazy)
+            lazy.append(instance.restored_lazily)
             restored = instance.restored
             pages = await asyncio.to_thread(restored.pages_seconds, 30.0) if restored is not None else None
             if restored is not None and pages is not None:  # every lazy page delivered, from the request's start

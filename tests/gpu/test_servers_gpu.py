@@ -66,7 +66,7 @@ def test_llm_server_through_the_gpu_ladder(model_dir: pathlib.Path, engine: criu
             with s.serving():
                 assert s.call("POST", "/v1/completions", BODY) == before
             assert not s.transitions[-1].fallback, s.transitions[-1].detail
-        assert s.last_wake_lazy is parks
+        assert s.restored_lazily is parks
         s.suspend()
         assert s.gpu_pids and s.tier is Tier.SUSPENDED
         s.freeze()  # from SUSPENDED: the image holds the checkpointed context
@@ -75,7 +75,7 @@ def test_llm_server_through_the_gpu_ladder(model_dir: pathlib.Path, engine: criu
             assert s.call("POST", "/v1/completions", BODY) == before
         wake = s.transitions[-1]
         assert (wake.source, wake.fallback) == (Tier.FROZEN, False) and {"restore", "driver"} <= set(wake.phases)
-        assert not s.gpu_pids and not s.slept and s.last_wake_lazy is parks
+        assert not s.gpu_pids and not s.slept and s.restored_lazily is parks
     finally:
         s.close()
 

@@ -478,7 +478,7 @@ def test_a_gpu_servers_driver_copy_parked_beside_its_image(engine: criu.CriuEngi
                 assert s.call("GET", "/answer").body == device_copy_server.ANSWER
             wake = s.transitions[-1]
             assert (wake.source, wake.fallback) == (api.Tier.FROZEN, False), wake.detail
-            assert s.last_wake_lazy is parks and {"restore", "driver"} <= set(wake.phases)
+            assert s.restored_lazily is parks and {"restore", "driver"} <= set(wake.phases)
     finally:
         s.close()
     assert s.parking.folder is not None and not s.parking.folder.exists()

@@ -215,7 +215,6 @@ class ServerInstance:
         self._before_checkpoint: dict[int, regions.Presence] = {}
         self.driver_copies: dict[int, dict[str, object]] = {}
         self.copies_parked = False  # the current image maps every CUDA process's copy from the parked file
-        self.last_wake_lazy = False  # the last FROZEN wake restored the tree with CRIU's lazy pages
         self._restored: criu.Restored | None = None
         self.transitions: list[instance.Transition] = []
         self.restore_failures = 0
@@ -230,8 +229,13 @@ class ServerInstance:
 
     @property
     def restored(self) -> criu.Restored | None:
-        """The CRIU restore the running tree came from, until its lazy pages have all arrived."""
+        """The CRIU restore the running tree came from, until the driver checkpoints it or it is frozen again."""
         return self._restored
+
+    @property
+    def restored_lazily(self) -> bool:
+        """Whether the running tree came from a restore with CRIU's lazy pages."""
+        return self._restored is not None and self._restored.lazy_pages is not None
 
     # -- where it listens --------------------------------------------------------------------------------------
     @property
@@ -624,7 +628,6 @@ class ServerInstance:
                 lazy = (self.copies_parked if self.lazy_restore is None else self.lazy_restore) and \
                     self.image.lazy_restorable
                 restored = self.engine.restore(self.image, lazy=lazy)
-                self.last_wake_lazy = lazy
                 self.pid, self._restored = restored.pid, restored
                 for pid in process.tree(restored.pid):  # its image kept each thread's nice: it may have yielded
                     priority.normalise(pid)
