@@ -449,8 +449,8 @@ class ServerInstance:
         parked = folder / f"driver-copy-{os.urandom(4).hex()}.bin"
         parked.touch()
         hosts = {ns_pid(pid): pid for pid in process.tree(self.pid)}
-        for inner, before in asking.items():
-            if inner in hosts and inner in self.gpu_pids:
+        for inner, before in asking.items():  # each checkpointed by the driver (`_checkpoint_gpu` noted it)
+            if inner in hosts:
                 self.driver_copies[inner] = self._park_one(hosts[inner], inner, before, parked)
         if not any(report.get("bytes") for report in self.driver_copies.values()):
             parked.unlink()
@@ -582,9 +582,8 @@ class ServerInstance:
                 process.reap(self.pid, timeout=10.0)
                 self.pid = None
                 self.parking.drop(keep=parked, mapped=mapped)  # the files the new image maps stay
-                self.copies_parked = parked is not None and all(
-                    "error" not in report for report in self.driver_copies.values()) and set(
-                    self.driver_copies) == set(self.gpu_pids)
+                moved = [report for report in self.driver_copies.values() if "error" not in report]
+                self.copies_parked = parked is not None and len(moved) == len(self.gpu_pids)
                 if old is not None:
                     self.engine.remove(old)
             self.tier = Tier.FROZEN
