@@ -180,6 +180,8 @@ async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, c
     park_ms: list[float] = []  # the server's moving of the driver's copy into it
     lazy: list[bool] = []
     pages_done: list[float] = []  # a lazy wake's last page delivered, in ms from its request
+    lazy_faults: list[float] = []  # with Volga's lazy-pages server: the faults it answered, the bytes it copied
+    lazy_copied: list[int] = []
     suspended_rss: list[int] = []
     moves: dict[str, list[float]] = {"suspend": [], "freeze": []}
     server_phases: dict[str, dict[str, list[float]]] = {"SUSPENDED": {}, "FROZEN": {}}
@@ -226,6 +228,10 @@ async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, c
             pages = await asyncio.to_thread(restored.pages_seconds, 30.0) if restored is not None else None
             if restored is not None and pages is not None:  # every lazy page delivered, from the request's start
                 pages_done.append((restored.started + pages - asked) * 1000)
+            served = restored.lazy_pages.server if restored is not None and restored.lazy_pages else None
+            if served is not None:
+                lazy_faults.append(served.faults)
+                lazy_copied.append(served.copied)
             ttft["frozen"].append(first)
             answers.append(answer)
             await asyncio.to_thread(phases_of, "FROZEN")
@@ -255,6 +261,9 @@ async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, c
             "image_bytes": int(statistics.median(images)),
             "parked_bytes": int(statistics.median(parked)), "park_ms": _stats(park_ms) if park_ms else None,
             "lazy_pages_done_ms": _stats(pages_done) if pages_done else None,
+            "lazy_pages_server": engine.lazy_pages_server if any(lazy) else None,
+            "lazy_pages_faults": _stats(lazy_faults) if lazy_faults else None,
+            "lazy_pages_copied_bytes": int(statistics.median(lazy_copied)) if lazy_copied else None,
             "suspended_host_bytes": int(statistics.median(suspended_rss)),
             "identical": fallbacks == 0 and all(a == answers[0] for a in answers), "restore_fallbacks": fallbacks,
             "answer": answers[0].decode()[:400]}

@@ -7,13 +7,14 @@ import os
 import pathlib
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 from volga_agent.node import instance
-from volga_agent.snapshot import criu, kdat
+from volga_agent.snapshot import criu, kdat, lazypages
 from volga_agent.worker import contract
 from volga_core import api
 
@@ -173,9 +174,12 @@ def test_fresh_image_is_reused_until_the_worker_changes(default_spec: api.ModelS
         inst.close()
 
 
+@pytest.mark.parametrize("server", ["volga", "criu"])
 def test_lazy_restore_answers_the_same(default_spec: api.ModelSpecSpec, rundir: pathlib.Path,
-                                       criu_engine: criu.CriuEngine) -> None:
-    """CRIU lazy pages (userfaultfd): the restored worker pulls its pages on demand and answers the same."""
+                                       criu_engine: criu.CriuEngine, server: str) -> None:
+    """CRIU lazy pages (userfaultfd): the restored worker pulls its pages on demand and answers the same, its
+    pages served by Volga's server or by criu's daemon."""
+    criu_engine.lazy_pages_server = server
     inst = instance.Instance("lazy", default_spec, rundir, criu_engine, lazy_restore=True)
     try:
         x, reference = hot_reference(inst, batch=16, seed=3)
@@ -185,11 +189,21 @@ def test_lazy_restore_answers_the_same(default_spec: api.ModelSpecSpec, rundir: 
             woke = inst.wake()
             assert not woke.fallback, woke.detail
             assert np.array_equal(inst.infer(x)["probability"], reference)
-            assert (inst.image.path / "lazy-pages.log").exists()
-            # The daemon delivers every page and exits; how long after criu started that was is known.
-            assert inst.restored is not None
+            # The server delivers every page and stops; how long after criu started that was is known.
+            assert inst.restored is not None and inst.restored.lazy_pages is not None
             delivered = inst.restored.pages_seconds(30.0)
             assert delivered is not None and delivered >= inst.restored.seconds > 0
+            served = inst.restored.lazy_pages.server
+            if server == "criu":
+                assert served is None and (inst.image.path / "lazy-pages.log").exists()
+                continue
+            # Every lazy page of the image went in once: copied, or dropped because the worker let it go first.
+            assert served is not None and served.faults > 0
+            lazy = sum(end - start for _, segs in [lazypages.lazy_segments(inst.image.path, s.pid)
+                                                   for s in served.spaces] for start, end, _ in segs)
+            assert served.copied > lazy // 2
+            assert served.copied + served.dropped + served.skipped == lazy, (served.copied, served.dropped,
+                                                                             served.skipped, lazy)
     finally:
         inst.close()
 
@@ -360,26 +374,39 @@ def test_many_wakes_under_load_never_fall_back(default_spec: api.ModelSpecSpec, 
 
 @pytest.mark.slow
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs: one for the worker, one starved")
+@pytest.mark.parametrize("server", ["volga", "criu"])
 def test_a_lazily_restored_worker_is_frozen_only_with_all_its_pages(default_spec: api.ModelSpecSpec,
                                                                      rundir: pathlib.Path,
                                                                      criu_engine: criu.CriuEngine,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """The lazy-pages daemon streams a restored worker's memory in the background. A freeze that dumped the
+                                                                     monkeypatch: pytest.MonkeyPatch,
+                                                                     server: str) -> None:
+    """The lazy-pages server streams a restored worker's memory in the background. A freeze that dumped the
     worker before it had every page made an image without them, whose restore then crashed in CPython's
-    allocator. Here the page server is starved (SCHED_IDLE on a CPU that a busy process holds, the worker on
-    another), so the freeze right after the lazy wake comes while pages are still pending."""
+    allocator. Here the background fill is held back (Volga's server: its fillers wait; criu's daemon: starved,
+    SCHED_IDLE on a CPU that a busy process holds, the worker on another), so the freeze right after the lazy
+    wake comes while pages are still pending."""
+    criu_engine.lazy_pages_server = server
     starved, worker_cpu = sorted(os.sched_getaffinity(0))[:2]
-    started: list[subprocess.Popen[bytes]] = []
+    started: list[criu.LazyPages] = []
     lazy_pages = criu_engine._lazy_pages
+    release = threading.Event()
 
-    def starved_lazy_pages(image: criu.Image) -> subprocess.Popen[bytes]:
-        daemon = lazy_pages(image)
-        os.sched_setaffinity(daemon.pid, {starved})
-        os.sched_setscheduler(daemon.pid, os.SCHED_IDLE, os.sched_param(0))
-        started.append(daemon)
-        return daemon
+    def held_lazy_pages(image: criu.Image) -> criu.LazyPages:
+        pages = lazy_pages(image)
+        if pages.daemon is not None:
+            os.sched_setaffinity(pages.daemon.pid, {starved})
+            os.sched_setscheduler(pages.daemon.pid, os.SCHED_IDLE, os.sched_param(0))
+        started.append(pages)
+        return pages
 
-    monkeypatch.setattr(criu_engine, "_lazy_pages", starved_lazy_pages)
+    fill = lazypages.Server._fill
+
+    def held_fill(self: lazypages.Server) -> None:
+        release.wait()
+        fill(self)
+
+    monkeypatch.setattr(criu_engine, "_lazy_pages", held_lazy_pages)
+    monkeypatch.setattr(lazypages.Server, "_fill", held_fill)
     inst = instance.Instance("pending", default_spec, rundir, criu_engine, lazy_restore=True, cpus=(worker_cpu,))
     busy = f"import os; os.sched_setaffinity(0, {{{starved}}})\nwhile True: pass"
     hog = subprocess.Popen([sys.executable, "-c", busy])
@@ -388,23 +415,25 @@ def test_a_lazily_restored_worker_is_frozen_only_with_all_its_pages(default_spec
         for _ in range(5):
             inst.to(Tier.FROZEN)
             assert not inst.wake().fallback
-            if started and started[-1].poll() is None:
+            if started and not started[-1].done.is_set():
                 break  # pages still pending: the freeze below comes while the page server streams
             # Its first answer touches most of the worker's pages, so a page server that gets any CPU at all (a
             # busy machine may schedule even an idle-class one) can be done already: freeze and wake again.
         else:
-            pytest.fail("the starved page server had delivered every page by the end of each of 5 wakes")
+            pytest.fail("the held page server had delivered every page by the end of each of 5 wakes")
         await_pages = inst._await_pages
 
-        def unstarved_await_pages() -> None:
-            # Once the freeze waits for the pages, the page server may run again: a machine busy with other
-            # work would otherwise leave an idle-class daemon no time at all.
-            os.sched_setscheduler(started[-1].pid, os.SCHED_OTHER, os.sched_param(0))
+        def unheld_await_pages() -> None:
+            # Once the freeze waits for the pages, the page server may go on: a machine busy with other work
+            # would otherwise leave an idle-class daemon no time at all.
+            release.set()
+            if started[-1].daemon is not None:
+                os.sched_setscheduler(started[-1].daemon.pid, os.SCHED_OTHER, os.sched_param(0))
             await_pages()
 
-        monkeypatch.setattr(inst, "_await_pages", unstarved_await_pages)
+        monkeypatch.setattr(inst, "_await_pages", unheld_await_pages)
         inst.to(Tier.FROZEN)  # waits for the remaining pages
-        assert started[-1].poll() == 0
+        assert started[-1].done.is_set() and started[-1].exit_code == 0
         hog.kill()
         inst.lazy_restore = False
         woke = inst.wake()

@@ -53,7 +53,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from volga_agent.host import process
-from volga_agent.snapshot import kdat
+from volga_agent.snapshot import kdat, lazypages
 from volga_agent.worker import contract, nsinit
 
 # Where scripts/install-criu.sh installs, under the home folder (read only when looking for CRIU: a process
@@ -110,30 +110,54 @@ class Image:
 
 
 class LazyPages:
-    """The lazy-pages daemon of one restore. Until it has delivered every page and exited, part of the process's
-    memory exists only in the image: a dump taken then would miss those pages (the kernel reports them as never
-    touched) and the next restore would bring them back as zeros."""
+    """The page server of one lazy restore: Volga's own (`lazypages.Server`, the default) or a `criu lazy-pages`
+    daemon. Until it has delivered every page and stopped, part of the process's memory exists only in the
+    image: a dump taken then would miss those pages (the kernel reports them as never touched) and the next
+    restore would bring them back as zeros."""
 
-    def __init__(self, daemon: subprocess.Popen[Any]) -> None:
+    def __init__(self, daemon: subprocess.Popen[Any] | None = None, server: lazypages.Server | None = None) -> None:
         self.daemon = daemon
-        self.done = threading.Event()
-        self.exit_code: int | None = None
-        self.stopped = False  # killed by us: the process it served is gone
-        self.finished: float | None = None  # time.perf_counter() when it exited
+        self.server = server
+        self.done = server.done if server is not None else threading.Event()
+        self._exit_code: int | None = None
+        self._stopped = False  # killed by us: the process it served is gone
+        self._finished: float | None = None  # time.perf_counter() when it exited
+
+    @property
+    def exit_code(self) -> int | None:
+        return self.server.exit_code if self.server is not None else self._exit_code
+
+    @property
+    def stopped(self) -> bool:
+        return self.server.stopped if self.server is not None else self._stopped
+
+    @property
+    def finished(self) -> float | None:
+        return self.server.finished if self.server is not None else self._finished
+
+    def exited(self, code: int) -> None:
+        """The daemon's reaper: it exited with `code`."""
+        self._finished = time.perf_counter()
+        self._exit_code = code
+        self.done.set()
 
     def wait(self, pid: int, timeout: float) -> None:
         if not self.done.wait(timeout):
             self.stop()
-            raise CriuTimeout(f"pid {pid}: the lazy-pages daemon has not delivered every page after {timeout:g} s")
+            raise CriuTimeout(f"pid {pid}: the lazy-pages server has not delivered every page after {timeout:g} s")
         if self.exit_code != 0:
-            raise CriuError(f"pid {pid}: the lazy-pages daemon failed (exit {self.exit_code}): pages may be missing")
+            why = f": {self.server.error}" if self.server is not None and self.server.error else ""
+            raise CriuError(f"pid {pid}: the lazy-pages server failed (exit {self.exit_code}{why}): pages may be "
+                            f"missing")
 
     def stop(self) -> None:
-        """Kill the daemon if it still runs (its reaper thread collects it)."""
-        if not self.done.is_set():
-            self.stopped = True
+        """Stop serving if it still does (a daemon is killed; its reaper thread collects it)."""
+        if self.server is not None:
+            self.server.stop()
+        elif not self.done.is_set():
+            self._stopped = True
             with contextlib.suppress(ProcessLookupError):
-                self.daemon.kill()
+                self.daemon.kill()  # type: ignore[union-attr]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,8 +308,15 @@ class CriuEngine:
         self.keep_failed = keep_failed
         self.deadlines = deadlines or Deadlines()
         self.checksums = checksums
-        # Lazy-pages daemons that exited with an error: the process they served may have missed pages.
+        # Lazy-pages servers that failed: the process they served may have missed pages.
         self.lazy_daemon_failures = 0
+        # Who serves a lazy restore's pages: "volga" (`lazypages.Server`, in this process, `lazy_pages_threads`
+        # filling in the background) or "criu" (a `criu lazy-pages` daemon); the environment may say.
+        self.lazy_pages_server = os.environ.get("VOLGA_LAZY_PAGES_SERVER", "volga")
+        if self.lazy_pages_server not in ("volga", "criu"):
+            raise ValueError(f"VOLGA_LAZY_PAGES_SERVER={self.lazy_pages_server!r}: it is 'volga' or 'criu'")
+        self.lazy_pages_threads = int(os.environ.get("VOLGA_LAZY_PAGES_THREADS", lazypages.THREADS))
+        self.lazy_pages_fill_bytes = int(os.environ.get("VOLGA_LAZY_PAGES_FILL_KIB", lazypages.FILL_BYTES // 1024)) * 1024
         self.timeouts = 0  # calls killed at their deadline
         self._lock = threading.Lock()
         self._failures_lock = threading.Lock()  # keep_failure's copy and prune, one instance at a time
@@ -446,7 +477,7 @@ class CriuEngine:
         start = time.perf_counter()
         pages = None
         if lazy:
-            pages = LazyPages(self._lazy_pages(image))
+            pages = self._lazy_pages(image)
             with self._lock:
                 self._daemons.add(pages)
             threading.Thread(target=self._reap_lazy_pages, args=(pages, image), name="lazy-pages-reaper",
@@ -471,22 +502,37 @@ class CriuEngine:
         return Restored(int(pidfile.read_text().strip()), seconds, pages, start)
 
     def _reap_lazy_pages(self, pages: LazyPages, image: Image) -> None:
-        code = pages.daemon.wait()
-        pages.finished = time.perf_counter()
+        if pages.daemon is not None:
+            pages.exited(pages.daemon.wait())
+        else:
+            pages.done.wait()
         with self._lock:
-            self._calls.discard(pages.daemon)
+            if pages.daemon is not None:
+                self._calls.discard(pages.daemon)
             self._daemons.discard(pages)
-        pages.exit_code = code
-        pages.done.set()
-        if code != 0 and not pages.stopped:
+        if pages.exit_code != 0 and not pages.stopped:
             self.lazy_daemon_failures += 1
-            log.warning("criu lazy-pages for %s exited with %d:\n%s", image.path, code,
-                        _log_tail(image.path / "lazy-pages.log"))
+            if pages.server is not None:
+                log.warning("serving the lazy pages of %s failed: %s", image.path, pages.server.error)
+            else:
+                log.warning("criu lazy-pages for %s exited with %d:\n%s", image.path, pages.exit_code,
+                            _log_tail(image.path / "lazy-pages.log"))
 
-    def _lazy_pages(self, image: Image) -> subprocess.Popen[Any]:
-        """Start the page server of a lazy restore and wait (within the image's deadline) until it listens
-        (its --status-fd says so)."""
+    def _lazy_pages(self, image: Image) -> LazyPages:
+        """Start the page server of a lazy restore (`lazy_pages_server`) and return once it listens."""
         timeout = self.deadlines.for_bytes(image.size_bytes)
+        if self.lazy_pages_server == "volga":
+            with self._lock:
+                if self._closed:
+                    raise CriuCancelled("lazy pages: the snapshot engine is closed")
+            try:
+                server = lazypages.Server(image.path, threads=self.lazy_pages_threads,
+                                          fill_bytes=self.lazy_pages_fill_bytes)
+                server.listen()
+            except (OSError, lazypages.LazyPagesError) as exc:
+                raise CriuError(f"cannot serve the lazy pages of {image.path}: {exc}") from exc
+            server.start(timeout)
+            return LazyPages(server=server)
         (image.path / "lazy-pages.socket").unlink(missing_ok=True)
         ready, status = os.pipe()
         try:
@@ -507,7 +553,7 @@ class CriuEngine:
                 raise (CriuError if listening else CriuTimeout)(
                     f"criu lazy-pages for {image.path} did not start{late}:\n"
                     f"{_log_tail(image.path / 'lazy-pages.log')}")
-            return daemon
+            return LazyPages(daemon=daemon)
         finally:
             os.close(ready)
             if status >= 0:

@@ -1,0 +1,714 @@
+"""The pages of a lazy restore, served from the image by the agent itself: many pages a fault, on several threads.
+
+`criu restore --lazy-pages` leaves a process's private anonymous memory out of the restore and registers it with
+userfaultfd; a page server fills it in as the process touches it, and in the background. CRIU's own server
+(`criu lazy-pages`) answers every fault with one 4 KiB page and fills the rest from one thread, reading each
+page into a buffer before copying it in: a model server whose first request touches a thousand scattered pages
+of its heap waits for a thousand round trips, and a GiB of memory takes about as long to arrive lazily as an
+eager restore takes to read it (docs/servers.md, An LLM server on the H200). This server speaks the same
+protocol to `criu restore` and does three things differently:
+
+- a fault brings in the `FAULT_BYTES` around it (what a heap touches next is mostly close by);
+- the background fill runs on `threads` threads at once, each copying `FILL_BYTES` at a time;
+- the pages are copied straight from the image file's page cache (mapped read-only), not read into a buffer.
+
+The protocol, as `criu restore --lazy-pages` speaks it (CRIU 4.x, criu/uffd.c): it connects to
+`lazy-pages.socket` in the image folder; for each process of the tree it sends the process's PID (an int) and
+then its userfaultfd (SCM_RIGHTS, one byte of data), or only the negated PID for a zombie; when the whole tree
+is restored, the int `RESTORE_FINISHED`. Which pages are lazy comes from the images: each process's pagemap
+entries flagged lazy (`PE_LAZY`), cut at its mappings' ends (one copy cannot span two mappings), their bytes in
+the pages file in pagemap order. The kernel reports the process's own changes to that memory as events, which
+move the pages still to come: `UNMAP` and `REMOVE` (munmap, MADV_DONTNEED) drop them, `REMAP` (mremap) moves
+them, `FORK` gives a child its own copy of them and its own userfaultfd.
+
+Correctness rests on one kernel rule: while such an event is not yet read, every copy into that process fails
+with EAGAIN (`mmap_changing`). A copy issued after the event was read but before the pages to come were moved
+would use the old addresses; so each process has a gate (`_Gate`) that copies pass through together and that
+the event thread takes alone while it reads messages and applies them. A copy refused with EAGAIN goes back
+to the front of the queue with its addresses as they are then.
+
+Every page is delivered before `done` is set (or the process is gone); until then a dump of the process would
+miss the pages not yet there, as with CRIU's server (`criu.LazyPages`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import ctypes
+import errno
+import logging
+import mmap
+import os
+import pathlib
+import select
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator
+
+from google.protobuf import descriptor_pb2, descriptor_pool, message, message_factory
+
+log = logging.getLogger(__name__)
+
+PAGE = mmap.PAGESIZE
+SOCKET_NAME = "lazy-pages.socket"
+RESTORE_FINISHED = 0x52535446  # "RSTF", criu/uffd.c's LAZY_PAGES_RESTORE_FINISHED
+FAULT_BYTES = 64 * 1024
+FILL_BYTES = 512 * 1024
+THREADS = 4
+
+# CRIU's image files: a common magic, the file's own magic, then (u32 size, protobuf message) entries.
+_MAGIC_COMMON = 0x54564319
+_PE_PARENT, _PE_LAZY, _PE_PRESENT = 1, 2, 4
+
+# linux/userfaultfd.h
+_EVENT_PAGEFAULT, _EVENT_FORK, _EVENT_REMAP, _EVENT_REMOVE, _EVENT_UNMAP = 0x12, 0x13, 0x14, 0x15, 0x16
+_MSG = struct.Struct("=BBHI24s")  # event, reserved, reserved, reserved, arg
+_MSG_PAGEFAULT = struct.Struct("=QQ8x")  # flags, address
+_MSG_FORK = struct.Struct("=I20x")  # the child's userfaultfd, installed in this process by the read
+_MSG_REMAP = struct.Struct("=QQQ")  # from, to, len
+_MSG_RANGE = struct.Struct("=QQ8x")  # start, end
+
+
+def _iowr(nr: int, size: int, write: bool = True) -> int:
+    return ((3 if write else 2) << 30) | (size << 16) | (0xAA << 8) | nr
+
+
+class _Copy(ctypes.Structure):
+    _fields_ = [("dst", ctypes.c_uint64), ("src", ctypes.c_uint64), ("len", ctypes.c_uint64),
+                ("mode", ctypes.c_uint64), ("copy", ctypes.c_int64)]
+
+
+class _Zero(ctypes.Structure):
+    _fields_ = [("start", ctypes.c_uint64), ("len", ctypes.c_uint64), ("mode", ctypes.c_uint64),
+                ("zeropage", ctypes.c_int64)]
+
+
+class _Range(ctypes.Structure):
+    _fields_ = [("start", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+_UNREGISTER = _iowr(0x01, ctypes.sizeof(_Range), write=False)
+_WAKE = _iowr(0x02, ctypes.sizeof(_Range), write=False)
+_COPY = _iowr(0x03, ctypes.sizeof(_Copy))
+_ZEROPAGE = _iowr(0x04, ctypes.sizeof(_Zero))
+
+
+class LazyPagesError(Exception):
+    """The images cannot be served lazily by this server, or the restore broke the protocol."""
+
+
+def _messages() -> tuple[type[message.Message], ...]:
+    """CRIU's pstree_entry, pagemap_head, pagemap_entry and mm_entry (only the fields read here), as protobuf
+    classes built from their field numbers (images/*.proto in CRIU's source)."""
+    fields = {
+        "pstree_entry": [("pid", 1, "uint32")],
+        "pagemap_head": [("pages_id", 1, "uint32")],
+        "pagemap_entry": [("vaddr", 1, "uint64"), ("compat_nr_pages", 2, "uint32"), ("in_parent", 3, "bool"),
+                          ("flags", 4, "uint32"), ("nr_pages", 5, "uint64")],
+        "vma_entry": [("start", 1, "uint64"), ("end", 2, "uint64")],
+    }
+    kinds = {"uint32": descriptor_pb2.FieldDescriptorProto.TYPE_UINT32,
+             "uint64": descriptor_pb2.FieldDescriptorProto.TYPE_UINT64,
+             "bool": descriptor_pb2.FieldDescriptorProto.TYPE_BOOL}
+    proto = descriptor_pb2.FileDescriptorProto(name="volga_criu_images.proto", package="volga_criu_images",
+                                               syntax="proto2")
+    for name, its in fields.items():
+        msg = proto.message_type.add(name=name)
+        for field, number, kind in its:
+            msg.field.add(name=field, number=number, type=kinds[kind],
+                          label=descriptor_pb2.FieldDescriptorProto.LABEL_OPTIONAL)
+    mm = proto.message_type.add(name="mm_entry")
+    mm.field.add(name="vmas", number=14, type=descriptor_pb2.FieldDescriptorProto.TYPE_MESSAGE,
+                 type_name=".volga_criu_images.vma_entry", label=descriptor_pb2.FieldDescriptorProto.LABEL_REPEATED)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(proto)
+    return tuple(message_factory.GetMessageClass(pool.FindMessageTypeByName(f"volga_criu_images.{name}"))
+                 for name in ("pstree_entry", "pagemap_head", "pagemap_entry", "mm_entry"))
+
+
+_PSTREE, _PAGEMAP_HEAD, _PAGEMAP_ENTRY, _MM = _messages()
+
+
+def _entries(path: pathlib.Path) -> Iterator[bytes]:
+    data = path.read_bytes()
+    if len(data) < 8 or struct.unpack_from("=I", data)[0] != _MAGIC_COMMON:
+        raise LazyPagesError(f"{path} is not a CRIU image")
+    at = 8
+    while at < len(data):
+        (size,) = struct.unpack_from("=I", data, at)
+        at += 4
+        if at + size > len(data):
+            raise LazyPagesError(f"{path} ends inside an entry")
+        yield data[at:at + size]
+        at += size
+
+
+def processes(folder: pathlib.Path) -> int:
+    """How many processes the image's tree holds (each gets one PID, and most one userfaultfd)."""
+    return sum(1 for _ in _entries(folder / "pstree.img"))
+
+
+def lazy_segments(folder: pathlib.Path, pid: int) -> tuple[str, list[list[int]]]:
+    """The pages file of process `pid` and its lazy pages: [start, end, offset in the pages file], sorted, each
+    within one mapping of the image."""
+    entries = _entries(folder / f"pagemap-{pid}.img")
+    head = _PAGEMAP_HEAD.FromString(next(entries))
+    vmas = [(v.start, v.end) for v in _MM.FromString(next(_entries(folder / f"mm-{pid}.img"))).vmas]
+    ends = [end for _, end in vmas]
+    out: list[list[int]] = []
+    offset = 0
+    for raw in entries:
+        pe = _PAGEMAP_ENTRY.FromString(raw)
+        flags = pe.flags if pe.HasField("flags") else (_PE_PARENT if pe.in_parent else _PE_PRESENT)
+        size = (pe.nr_pages if pe.HasField("nr_pages") else pe.compat_nr_pages) * PAGE
+        if flags & _PE_PARENT:
+            raise LazyPagesError(f"pagemap-{pid}.img has pages in a parent image, which this server does not read")
+        if flags & _PE_LAZY:
+            if not flags & _PE_PRESENT:
+                raise LazyPagesError(f"pagemap-{pid}.img has lazy pages that are not in its pages file")
+            start, end, at = pe.vaddr, pe.vaddr + size, offset
+            i = bisect.bisect_right(ends, start)
+            while start < end:  # cut at the ends of the mappings the entry spans
+                cut = min(end, ends[i]) if i < len(ends) else end
+                out.append([start, cut, at])
+                at += cut - start
+                start = cut
+                i += 1
+        if flags & _PE_PRESENT:
+            offset += size
+    return f"pages-{head.pages_id}.img", sorted(out)
+
+
+class _Gate:
+    """Copies into one process pass together; applying its events to the pages to come waits for the copies in
+    flight and holds new ones back (module docstring)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._copies = 0
+        self._changing = False
+
+    @contextlib.contextmanager
+    def copying(self) -> Iterator[None]:
+        with self._cond:
+            while self._changing:
+                self._cond.wait()
+            self._copies += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._copies -= 1
+                if not self._copies:
+                    self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def changing(self) -> Iterator[None]:
+        with self._cond:
+            self._changing = True
+            while self._copies:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._changing = False
+                self._cond.notify_all()
+
+
+class _Libc:
+    def __init__(self) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        self.ioctl = libc.ioctl
+        self.ioctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p]
+        self.ioctl.restype = ctypes.c_int
+        self.mmap = libc.mmap
+        self.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_long]
+        self.mmap.restype = ctypes.c_void_p
+        self.munmap = libc.munmap
+        self.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+
+_libc = _Libc()
+
+
+class _Source:
+    """A pages file mapped read-only: the copies' source, shared by a process and the children it forks."""
+
+    def __init__(self, path: pathlib.Path) -> None:
+        self.size = path.stat().st_size
+        self.address = 0
+        if self.size:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                got = _libc.mmap(None, self.size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            finally:
+                os.close(fd)
+            if got in (None, ctypes.c_void_p(-1).value):
+                code = ctypes.get_errno()
+                raise OSError(code, f"mapping {path}: {os.strerror(code)}")
+            self.address = got
+        self.users = 1
+
+    def close(self) -> None:
+        self.users -= 1
+        if not self.users and self.address:
+            _libc.munmap(self.address, self.size)
+            self.address = 0
+
+
+class _Space:
+    """One restored process: its userfaultfd, its pages still to come, the copies in flight."""
+
+    def __init__(self, pid: int, uffd: int, source: _Source, pending: list[list[int]]) -> None:
+        self.pid = pid
+        self.uffd = uffd
+        self.source = source
+        self.pending = pending  # [start, end, offset], sorted by start, disjoint
+        self.urgent: list[list[int]] = []  # refused copies, tried again first
+        self.inflight: list[tuple[int, int]] = []
+        self.waiting: list[int] = []  # faults whose copy was refused: answered again after the events
+        self.gate = _Gate()
+        self.lock = threading.Lock()
+        self.gone = False
+        self.copied = 0
+        self.faults = 0
+
+    # --- the pages to come, under self.lock ---
+
+    def _find(self, address: int) -> int:
+        i = bisect.bisect_right(self.pending, [address, float("inf")]) - 1
+        return i if i >= 0 and self.pending[i][0] <= address < self.pending[i][1] else -1
+
+    def take_around(self, address: int, size: int) -> list[int] | None:
+        """The pages to come in the `size`-aligned window around `address`, within its segment."""
+        for k, seg in enumerate(self.urgent):
+            if seg[0] <= address < seg[1]:
+                return self.urgent.pop(k)
+        i = self._find(address)
+        if i < 0:
+            return None
+        start, end, offset = self.pending[i]
+        lo = max(start, address - address % size)
+        hi = min(end, lo + size)
+        parts = []
+        if start < lo:
+            parts.append([start, lo, offset])
+        if hi < end:
+            parts.append([hi, end, offset + hi - start])
+        self.pending[i:i + 1] = parts
+        return [lo, hi, offset + lo - start]
+
+    def take_next(self, size: int) -> list[int] | None:
+        if self.urgent:
+            return self.urgent.pop(0)
+        if not self.pending:
+            return None
+        start, end, offset = self.pending[0]
+        if end - start <= size:
+            return self.pending.pop(0)
+        self.pending[0] = [start + size, end, offset + size]
+        return [start, start + size, offset]
+
+    def give_back(self, seg: list[int]) -> None:
+        self.urgent.append(seg)
+
+    def queued(self, address: int) -> bool:
+        return any(lo <= address < hi for lo, hi in self.inflight)
+
+    def left(self) -> bool:
+        return bool(self.pending or self.urgent or self.inflight)
+
+    # --- events, under the gate taken alone and self.lock ---
+
+    def drop(self, lo: int, hi: int) -> int:
+        """Forget the pages to come in [lo, hi); how many bytes those were."""
+        before = _size(self.pending) + _size(self.urgent)
+        self.pending = _cut(self.pending, lo, hi)
+        self.urgent = _cut(self.urgent, lo, hi)
+        return before - _size(self.pending) - _size(self.urgent)
+
+    def move(self, frm: int, to: int, length: int) -> None:
+        def moved(segs: list[list[int]]) -> list[list[int]]:
+            out = _cut(segs, frm, frm + length)
+            inside = [[max(s, frm), min(e, frm + length), o + max(s, frm) - s] for s, e, o in segs
+                      if s < frm + length and e > frm]
+            return sorted(out + [[s - frm + to, e - frm + to, o] for s, e, o in inside])
+        self.pending = moved(self.pending)
+        self.urgent = moved(self.urgent)
+
+    def child(self, uffd: int) -> _Space:
+        self.source.users += 1
+        kid = _Space(self.pid, uffd, self.source, sorted([list(s) for s in self.pending + self.urgent]))
+        return kid
+
+
+def _size(segs: list[list[int]]) -> int:
+    return sum(end - start for start, end, _ in segs)
+
+
+def _cut(segs: list[list[int]], lo: int, hi: int) -> list[list[int]]:
+    """`segs` without what lies in [lo, hi)."""
+    out = []
+    for start, end, offset in segs:
+        if end <= lo or start >= hi:
+            out.append([start, end, offset])
+            continue
+        if start < lo:
+            out.append([start, lo, offset])
+        if hi < end:
+            out.append([hi, end, offset + hi - start])
+    return out
+
+
+class Server:
+    """Serves one lazy restore of the image in `folder`: call `listen` before starting `criu restore
+    --lazy-pages -D folder`, then `start`. `done` is set once every process has all its pages (or is gone), or
+    the server failed (`exit_code` 1, `error`) or was stopped."""
+
+    def __init__(self, folder: str | pathlib.Path, threads: int = THREADS, fault_bytes: int = FAULT_BYTES,
+                 fill_bytes: int = FILL_BYTES) -> None:
+        self.folder = pathlib.Path(folder)
+        self.threads = threads
+        self.fault_bytes = fault_bytes
+        self.fill_bytes = fill_bytes
+        self.done = threading.Event()
+        self.exit_code: int | None = None
+        self.error = ""
+        self.stopped = False
+        self.finished: float | None = None
+        self.spaces: list[_Space] = []
+        # Bytes copied in, dropped (the process unmapped or discarded them first), or found there already or
+        # unmapped (`skipped`); faults answered.
+        self.copied = 0
+        self.dropped = 0
+        self.skipped = 0
+        self.faults = 0
+        self._restore_finished = threading.Event()
+        # stop() and a failing filler write to it; a filler that finds nothing left writes "w" (the event thread
+        # then sees whether the restore is complete)
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._failure = ""
+        self._listener: socket.socket | None = None
+        self._work = threading.Condition()
+        self._until = 0.0
+        self._processes = processes(self.folder)
+
+    def listen(self) -> None:
+        path = self.folder / SOCKET_NAME
+        path.unlink(missing_ok=True)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        # A long image path does not fit a socket address; the folder's descriptor through /proc always does.
+        folder_fd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            listener.bind(f"/proc/self/fd/{folder_fd}/{SOCKET_NAME}")
+        finally:
+            os.close(folder_fd)
+        listener.listen(1)
+        self._listener = listener
+
+    def start(self, deadline: float) -> None:
+        """Serve in the background; `deadline` (seconds) bounds the wait for criu's connection and its
+        processes' userfaultfds."""
+        threading.Thread(target=self._serve, args=(deadline,), name=f"lazy-pages-{self.folder.name}",
+                         daemon=True).start()
+
+    def stop(self) -> None:
+        """Give up serving (the restored process is gone, or the agent stops); `done` follows."""
+        if not self.done.is_set():
+            self.stopped = True
+            self._poke(b"s")
+            with self._work:
+                self._work.notify_all()
+
+    def _poke(self, what: bytes) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, what)
+
+    def _fail(self, why: str) -> None:
+        self._failure = self._failure or why
+        self._poke(b"f")
+
+    # --- the event thread ---
+
+    def _serve(self, deadline: float) -> None:
+        fillers: list[threading.Thread] = []
+        try:
+            client = self._accept(deadline)
+            with client:
+                self._receive(client, deadline)
+                fillers = [threading.Thread(target=self._fill, name=f"lazy-fill-{self.folder.name}-{n}",
+                                            daemon=True) for n in range(self.threads)]
+                for thread in fillers:
+                    thread.start()
+                self._events(client)
+            self.exit_code = 0
+        except Exception as exc:
+            self.error = f"{type(exc).__name__}: {exc}"
+            self.exit_code = 0 if self.stopped else 1
+            if not self.stopped:
+                log.warning("lazy pages of %s: %s", self.folder, self.error)
+        finally:
+            self.stopped = self.stopped or self.exit_code != 0
+            with self._work:
+                self._restore_finished.set()
+                self._work.notify_all()
+            for thread in fillers:
+                thread.join()
+            for space in self.spaces:
+                with contextlib.suppress(OSError):
+                    os.close(space.uffd)
+                space.source.close()
+            if self._listener is not None:
+                self._listener.close()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            with contextlib.suppress(OSError):
+                (self.folder / SOCKET_NAME).unlink()
+            self.finished = time.perf_counter()
+            self.done.set()
+
+    def _wait_readable(self, fd: int, until: float) -> None:
+        left = until - time.monotonic()
+        ready, _, _ = select.select([fd, self._wake_r], [], [], max(0.0, left))
+        if self._wake_r in ready:
+            raise LazyPagesError("stopped")
+        if not ready:
+            raise LazyPagesError("criu restore did not hand over its processes in time")
+
+    def _accept(self, deadline: float) -> socket.socket:
+        assert self._listener is not None, "listen() first"
+        until = time.monotonic() + deadline
+        self._wait_readable(self._listener.fileno(), until)
+        client, _ = self._listener.accept()
+        self._listener.close()
+        self._listener = None
+        client.setblocking(True)
+        self._until = until
+        return client
+
+    def _receive(self, client: socket.socket, deadline: float) -> None:
+        sources: dict[str, _Source] = {}
+        for _ in range(self._processes):
+            self._wait_readable(client.fileno(), self._until)
+            raw = client.recv(4, socket.MSG_WAITALL)
+            if len(raw) != 4:
+                raise LazyPagesError("criu restore closed the connection before handing over every process")
+            (pid,) = struct.unpack("=i", raw)
+            if pid < 0:
+                continue  # a zombie: no memory
+            self._wait_readable(client.fileno(), self._until)
+            _, fds, _, _ = socket.recv_fds(client, 1, 1)
+            if len(fds) != 1:
+                raise LazyPagesError(f"criu restore sent no userfaultfd for process {pid}")
+            name, segments = lazy_segments(self.folder, pid)
+            if name not in sources:
+                sources[name] = _Source(self.folder / name)
+            else:
+                sources[name].users += 1
+            self.spaces.append(_Space(pid, fds[0], sources[name], segments))
+
+    def _events(self, client: socket.socket) -> None:
+        poller = select.epoll()
+        try:
+            poller.register(self._wake_r, select.EPOLLIN)
+            poller.register(client.fileno(), select.EPOLLIN)
+            by_fd = {}
+            for space in self.spaces:
+                poller.register(space.uffd, select.EPOLLIN)
+                by_fd[space.uffd] = space
+            while True:
+                if self._restore_finished.is_set() and not any(s.left() for s in self.spaces if not s.gone):
+                    return
+                for fd, _ in poller.poll(0.05 if any(s.waiting for s in self.spaces) else 1.0):
+                    if fd == self._wake_r:
+                        with contextlib.suppress(BlockingIOError):
+                            os.read(self._wake_r, 64)
+                        if self._failure:
+                            raise LazyPagesError(self._failure)
+                        if self.stopped:
+                            raise LazyPagesError("stopped")
+                        continue
+                    if fd == client.fileno():
+                        self._control(client, poller)
+                        continue
+                    owner = by_fd.get(fd)
+                    if owner is not None:
+                        for kid in self._read(owner):
+                            poller.register(kid.uffd, select.EPOLLIN)
+                            by_fd[kid.uffd] = kid
+                for space in self.spaces:
+                    if space.waiting and not space.gone:
+                        waiting, space.waiting = space.waiting, []
+                        for address in waiting:
+                            self._fault(space, address)
+        finally:
+            poller.close()
+
+    def _control(self, client: socket.socket, poller: select.epoll) -> None:
+        raw = client.recv(4)
+        if not raw:  # criu hung up: after RESTORE_FINISHED as it should, or having failed
+            poller.unregister(client.fileno())
+            if not self._restore_finished.is_set():
+                raise LazyPagesError("criu restore hung up before the restore finished")
+            return
+        if len(raw) < 4:
+            raw += client.recv(4 - len(raw), socket.MSG_WAITALL)
+        if struct.unpack("=I", raw)[0] != RESTORE_FINISHED:
+            raise LazyPagesError(f"unexpected message from criu restore: {raw.hex()}")
+        with self._work:
+            self._restore_finished.set()
+            self._work.notify_all()
+
+    def _read(self, space: _Space) -> list[_Space]:
+        """Read the process's messages with its gate taken alone, apply its events, answer its faults."""
+        faults, kids = [], []
+        with space.gate.changing():
+            try:
+                data = os.read(space.uffd, _MSG.size * 64)
+            except BlockingIOError:
+                return []
+            for at in range(0, len(data) - _MSG.size + 1, _MSG.size):
+                event, _, _, _, arg = _MSG.unpack_from(data, at)
+                if event == _EVENT_PAGEFAULT:
+                    faults.append(_MSG_PAGEFAULT.unpack(arg)[1])
+                    continue
+                with space.lock:
+                    if event == _EVENT_FORK:
+                        kid = space.child(_MSG_FORK.unpack(arg)[0])
+                        self.spaces.append(kid)
+                        kids.append(kid)
+                    elif event == _EVENT_REMAP:
+                        frm, to, length = _MSG_REMAP.unpack(arg)
+                        space.move(frm, to, length)
+                    elif event in (_EVENT_REMOVE, _EVENT_UNMAP):
+                        lo, hi = _MSG_RANGE.unpack(arg)
+                        self.dropped += space.drop(lo, hi)
+                        if event == _EVENT_REMOVE:  # later faults there are the kernel's zero pages
+                            self._ioctl(space, _UNREGISTER, _Range(lo, hi - lo))
+                    else:
+                        raise LazyPagesError(f"unexpected userfaultfd event {event:#x} from process {space.pid}")
+        for address in faults:
+            space.faults += 1
+            self.faults += 1
+            self._fault(space, address - address % PAGE)
+        if kids:
+            with self._work:
+                self._work.notify_all()
+        return kids
+
+    def _fault(self, space: _Space, address: int) -> None:
+        with space.gate.copying():
+            with space.lock:
+                if space.gone or space.queued(address):
+                    return  # a filler copies it now and wakes the thread
+                seg = space.take_around(address, self.fault_bytes)
+                if seg is not None:
+                    space.inflight.append((seg[0], seg[1]))
+            if seg is None:  # not among the pages to come: a hole of the image, or already in
+                self._zero(space, address)
+                return
+            if not self._copy(space, seg):
+                with space.lock:
+                    space.waiting.append(address)
+
+    # --- copies ---
+
+    def _ioctl(self, space: _Space, request: int, arg: ctypes.Structure) -> int:
+        if _libc.ioctl(space.uffd, request, ctypes.byref(arg)) == 0:
+            return 0
+        return ctypes.get_errno()
+
+    def _copy(self, space: _Space, seg: list[int]) -> bool:
+        """Copy `seg` in (taken from the pages to come and marked in flight, under the gate); what the kernel
+        refuses for now goes back. False when some of it went back."""
+        start, end, offset = seg
+        try:
+            while start < end:
+                arg = _Copy(start, space.source.address + offset, end - start, 0, 0)
+                code = self._ioctl(space, _COPY, arg)
+                done = arg.copy if arg.copy > 0 else 0
+                space.copied += done
+                self.copied += done
+                start, offset = start + done, offset + done
+                if code == 0 or start >= end:
+                    return True
+                if code == errno.EAGAIN and done:
+                    continue  # part copied: go on with the rest
+                if code == errno.EEXIST or -arg.copy == errno.EEXIST:
+                    start, offset = start + PAGE, offset + PAGE  # that page is in already
+                    self.skipped += PAGE
+                    continue
+                if code == errno.EAGAIN:
+                    with space.lock:  # the mapping changes: again once its event is read
+                        space.give_back([start, end, offset])
+                    return False
+                if code in (errno.ESRCH, errno.ENOSPC):
+                    with space.lock:
+                        space.gone = True  # the process exited
+                    return True
+                if code == errno.ENOENT:
+                    if end - start > PAGE:  # a mapping split since the dump: page by page from here
+                        if not self._copy(space, [start, start + PAGE, offset]):
+                            with space.lock:
+                                space.give_back([start + PAGE, end, offset + PAGE])
+                            return False
+                        start, offset = start + PAGE, offset + PAGE
+                        continue
+                    self.skipped += end - start
+                    return True  # no registered mapping there any more: nothing to fill
+                raise OSError(code, f"copying {end - start} bytes into process {space.pid} at {start:#x}: "
+                                    f"{os.strerror(code)}")
+            return True
+        finally:
+            with space.lock, contextlib.suppress(ValueError):
+                space.inflight.remove((seg[0], seg[1]))
+
+    def _zero(self, space: _Space, address: int) -> None:
+        code = self._ioctl(space, _ZEROPAGE, _Zero(address, PAGE, 0, 0))
+        if code == errno.EEXIST:
+            self._ioctl(space, _WAKE, _Range(address, PAGE))
+        elif code == errno.EAGAIN:
+            with space.lock:
+                space.waiting.append(address)
+        elif code in (errno.ESRCH, errno.ENOSPC):
+            space.gone = True
+        elif code == errno.ENOENT:  # the mapping went while a thread waited on it: let it see that
+            self._ioctl(space, _WAKE, _Range(address, PAGE))
+        elif code != 0:
+            raise OSError(code, f"zero page into process {space.pid} at {address:#x}: {os.strerror(code)}")
+
+    def _fill(self) -> None:
+        """A background filler: copies the pages to come, `fill_bytes` at a time, once criu has finished."""
+        with self._work:
+            while not self._restore_finished.is_set():
+                self._work.wait()
+        turn = 0
+        while not self.stopped and not self._failure:
+            spaces = [s for s in self.spaces if not s.gone]
+            copied = False
+            for k in range(len(spaces)):
+                space = spaces[(turn + k) % len(spaces)]
+                with space.gate.copying():
+                    with space.lock:
+                        seg = None if space.gone else space.take_next(self.fill_bytes)
+                        if seg is not None:
+                            space.inflight.append((seg[0], seg[1]))
+                    if seg is None:
+                        continue
+                    try:
+                        copied = self._copy(space, seg)
+                    except OSError as exc:
+                        self._fail(str(exc))
+                        return
+                break
+            turn += 1
+            if not copied:
+                if not any(s.left() for s in spaces):
+                    self._poke(b"w")
+                    return
+                time.sleep(0.0005)  # what is left is in flight, or refused until an event is read
