@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gc
 import itertools
+import os
 import pathlib
 import re
 import shutil
@@ -71,6 +72,7 @@ def main() -> None:
                         "view, as before `process.settled`")
     parser.add_argument("--out")
     args = parser.parse_args()
+    os.environ["VOLGA_LAZY_PAGES_SERVER"] = "criu"  # its -v4 log is the timeline read here
 
     kept = pathlib.Path(tempfile.mkdtemp(prefix="restore-logs-"))
     restores: list[dict[str, Any]] = []

@@ -311,12 +311,15 @@ class CriuEngine:
         # Lazy-pages servers that failed: the process they served may have missed pages.
         self.lazy_daemon_failures = 0
         # Who serves a lazy restore's pages: "volga" (`lazypages.Server`, in this process, `lazy_pages_threads`
-        # filling in the background) or "criu" (a `criu lazy-pages` daemon); the environment may say.
+        # filling in the background) or "criu" (a `criu lazy-pages` daemon); the environment may say
+        # (docs/snapshots.md, Lazy pages).
         self.lazy_pages_server = os.environ.get("VOLGA_LAZY_PAGES_SERVER", "volga")
         if self.lazy_pages_server not in ("volga", "criu"):
             raise ValueError(f"VOLGA_LAZY_PAGES_SERVER={self.lazy_pages_server!r}: it is 'volga' or 'criu'")
-        self.lazy_pages_threads = int(os.environ.get("VOLGA_LAZY_PAGES_THREADS", lazypages.THREADS))
-        self.lazy_pages_fill_bytes = int(os.environ.get("VOLGA_LAZY_PAGES_FILL_KIB", lazypages.FILL_BYTES // 1024)) * 1024
+        threads = os.environ.get("VOLGA_LAZY_PAGES_THREADS", "")
+        self.lazy_pages_threads = int(threads) if threads else None  # None: by the image's size
+        self.lazy_pages_fill_bytes = 1024 * int(os.environ.get("VOLGA_LAZY_PAGES_FILL_KIB",
+                                                               lazypages.FILL_BYTES // 1024))
         self.timeouts = 0  # calls killed at their deadline
         self._lock = threading.Lock()
         self._failures_lock = threading.Lock()  # keep_failure's copy and prune, one instance at a time

@@ -57,7 +57,10 @@ SOCKET_NAME = "lazy-pages.socket"
 RESTORE_FINISHED = 0x52535446  # "RSTF", criu/uffd.c's LAZY_PAGES_RESTORE_FINISHED
 FAULT_BYTES = 64 * 1024
 FILL_BYTES = 512 * 1024
+# Fillers: one per BYTES_PER_THREAD of lazy pages, at most THREADS. More threads bring a large heap in sooner but
+# slow what runs beside them in the same process (a GPU process's driver restore: docs/snapshots.md, Lazy pages).
 THREADS = 4
+BYTES_PER_THREAD = 256 * 2**20
 
 # CRIU's image files: a common magic, the file's own magic, then (u32 size, protobuf message) entries.
 _MAGIC_COMMON = 0x54564319
@@ -370,7 +373,7 @@ class Server:
     --lazy-pages -D folder`, then `start`. `done` is set once every process has all its pages (or is gone), or
     the server failed (`exit_code` 1, `error`) or was stopped."""
 
-    def __init__(self, folder: str | pathlib.Path, threads: int = THREADS, fault_bytes: int = FAULT_BYTES,
+    def __init__(self, folder: str | pathlib.Path, threads: int | None = None, fault_bytes: int = FAULT_BYTES,
                  fill_bytes: int = FILL_BYTES) -> None:
         self.folder = pathlib.Path(folder)
         self.threads = threads
@@ -441,6 +444,9 @@ class Server:
             client = self._accept(deadline)
             with client:
                 self._receive(client, deadline)
+                if self.threads is None:
+                    lazy = sum(_size(space.pending) for space in self.spaces)
+                    self.threads = min(THREADS, max(1, -(-lazy // BYTES_PER_THREAD)))
                 fillers = [threading.Thread(target=self._fill, name=f"lazy-fill-{self.folder.name}-{n}",
                                             daemon=True) for n in range(self.threads)]
                 for thread in fillers:

@@ -1,0 +1,162 @@
+"""Volga's lazy-pages server (`snapshot.lazypages`) against the real CRIU: a restored process that moves, unmaps,
+discards and forks memory whose pages have not arrived yet sees exactly what it would have seen after an eager
+restore.
+
+The child fills four 16 MiB anonymous regions with known bytes and is frozen; restored lazily, it then:
+moves region a elsewhere (mremap: the REMAP event), unmaps the second half of b (UNMAP), discards a quarter of c
+(MADV_DONTNEED: REMOVE, after which those pages must read as zeros), and forks a child that reads d (FORK: the
+child's own userfaultfd). Held, the background fill waits until the child has done all of it, so every page it
+reads comes through a fault and every event moves pages still to come; not held, the fill races the child.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from volga_agent.host import process
+from volga_agent.snapshot import criu, lazypages
+
+MIB = 2**20
+CHILD = r"""
+import ctypes, hashlib, json, mmap, os, pathlib, sys, time
+folder = pathlib.Path(sys.argv[1])
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+libc.mremap.restype = ctypes.c_void_p
+libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+MIB = 1 << 20
+RW, ANON = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+MREMAP_MAYMOVE, MREMAP_FIXED, MADV_DONTNEED = 1, 2, 4
+
+def put(name, value):
+    (folder / (name + ".tmp")).write_text(json.dumps(value))
+    (folder / (name + ".tmp")).rename(folder / name)
+
+def wait(name):
+    while not (folder / name).exists():
+        time.sleep(0.005)
+
+def digest(at, size):
+    return hashlib.sha256(ctypes.string_at(at, size)).hexdigest()
+
+regions = {}
+for name in "abcd":
+    regions[name] = libc.mmap(None, 16 * MIB, RW, ANON, -1, 0)
+    ctypes.memmove(regions[name], hashlib.shake_256(name.encode()).digest(16 * MIB), 16 * MIB)
+a, b, c, d = (regions[n] for n in "abcd")
+put("ready", {"a": digest(a, 16 * MIB), "b": digest(b, 8 * MIB), "c": [digest(c, 4 * MIB), digest(c + 8 * MIB, 8 * MIB)],
+              "d": digest(d, 16 * MIB)})
+wait("go")
+target = libc.mmap(None, 16 * MIB, 0, ANON, -1, 0)  # PROT_NONE: a place to move to
+moved = libc.mremap(a, 16 * MIB, 16 * MIB, MREMAP_MAYMOVE | MREMAP_FIXED, target)
+assert moved == target, ctypes.get_errno()
+libc.munmap(b + 8 * MIB, 8 * MIB)
+libc.madvise(c + 4 * MIB, 4 * MIB, MADV_DONTNEED)
+r, w = os.pipe()
+kid = os.fork()
+if kid == 0:
+    os.write(w, digest(d, 16 * MIB).encode())
+    os._exit(0)
+os.waitpid(kid, 0)
+put("done", {"a": digest(moved, 16 * MIB), "b": digest(b, 8 * MIB),
+             "c": [digest(c, 4 * MIB), digest(c + 8 * MIB, 8 * MIB)],
+             "c_discarded_zero": ctypes.string_at(c + 4 * MIB, 4 * MIB) == bytes(4 * MIB),
+             "d_child": os.read(r, 64).decode(), "d": digest(d, 16 * MIB)})
+time.sleep(60)
+"""
+
+
+def _wait(path: pathlib.Path, log: pathlib.Path, timeout: float = 30.0) -> dict[str, object]:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path.name} never came; the child said:\n{log.read_text()}"
+        time.sleep(0.01)
+    return dict(json.loads(path.read_text()))
+
+
+@pytest.mark.parametrize("fill", ["held", "racing"])
+def test_pages_still_to_come_follow_the_process_through_its_events(fill: str, tmp_path: pathlib.Path,
+                                                                    criu_engine: criu.CriuEngine,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    criu_engine.lazy_pages_server = "volga"
+    release = threading.Event()
+    if fill == "held":
+        original = lazypages.Server._fill
+
+        def held(self: lazypages.Server) -> None:
+            release.wait(60)
+            original(self)
+
+        monkeypatch.setattr(lazypages.Server, "_fill", held)
+    folder = pathlib.Path(os.path.realpath(tmp_path))
+    log = tmp_path / "child.log"
+    with log.open("w") as output:
+        child = subprocess.Popen([sys.executable, "-c", CHILD, str(folder)], start_new_session=True,
+                                 stdin=subprocess.DEVNULL, stdout=output, stderr=output)
+    restored = None
+    try:
+        before = _wait(folder / "ready", log)
+        image = criu_engine.dump(child.pid, f"events-{fill}")
+        child.wait(timeout=30)
+        restored = criu_engine.restore(image, lazy=True)
+        pages = restored.lazy_pages
+        assert pages is not None and pages.server is not None
+        (folder / "go").write_text("")
+        after = _wait(folder / "done", log)
+        if fill == "held":  # nothing came but through faults, and the fill is still to come
+            assert not pages.done.is_set() and pages.server.faults > 0
+        release.set()
+        restored.wait_for_pages(30.0)
+        assert pages.exit_code == 0, pages.server.error
+        assert after["a"] == before["a"]  # moved before its pages came: they followed it
+        assert after["b"] == before["b"]
+        assert after["c"] == before["c"] and after["c_discarded_zero"] is True
+        assert after["d"] == before["d"] and after["d_child"] == before["d"]  # the fork's child had its own
+        assert len(pages.server.spaces) == 2
+        if fill == "held":
+            # the unmapped half of b and the discarded quarter of c never came; b's and c's bytes were in the image
+            assert pages.server.dropped >= 12 * MIB
+    finally:
+        release.set()
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        if restored is not None:
+            process.kill(restored.pid)
+            restored.stop()
+
+
+def test_a_restore_that_fails_stops_its_server(tmp_path: pathlib.Path, criu_engine: criu.CriuEngine) -> None:
+    """criu restore fails before it hands over its processes (a damaged image): the server does not wait out its
+    deadline, and no socket is left in the image folder."""
+    criu_engine.lazy_pages_server = "volga"
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        time.sleep(0.3)
+        image = criu_engine.dump(child.pid, "fails")
+        child.wait(timeout=30)
+        (image.path / "core-{}.img".format(child.pid)).write_bytes(b"garbage")
+        began = time.monotonic()
+        with pytest.raises(criu.CriuError):
+            criu_engine.restore(image, lazy=True)
+        assert time.monotonic() - began < 20
+        deadline = time.monotonic() + 5
+        while (image.path / lazypages.SOCKET_NAME).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not (image.path / lazypages.SOCKET_NAME).exists()
+        assert criu_engine.lazy_daemon_failures == 0  # stopped on purpose, not failed
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
