@@ -55,8 +55,8 @@ for name in "abcd":
     regions[name] = libc.mmap(None, 16 * MIB, RW, ANON, -1, 0)
     ctypes.memmove(regions[name], hashlib.shake_256(name.encode()).digest(16 * MIB), 16 * MIB)
 a, b, c, d = (regions[n] for n in "abcd")
-put("ready", {"a": digest(a, 16 * MIB), "b": digest(b, 8 * MIB), "c": [digest(c, 4 * MIB), digest(c + 8 * MIB, 8 * MIB)],
-              "d": digest(d, 16 * MIB)})
+put("ready", {"a": digest(a, 16 * MIB), "b": digest(b, 8 * MIB),
+              "c": [digest(c, 4 * MIB), digest(c + 8 * MIB, 8 * MIB)], "d": digest(d, 16 * MIB)})
 wait("go")
 target = libc.mmap(None, 16 * MIB, 0, ANON, -1, 0)  # PROT_NONE: a place to move to
 moved = libc.mremap(a, 16 * MIB, 16 * MIB, MREMAP_MAYMOVE | MREMAP_FIXED, target)
@@ -146,7 +146,7 @@ def test_a_restore_that_fails_stops_its_server(tmp_path: pathlib.Path, criu_engi
         time.sleep(0.3)
         image = criu_engine.dump(child.pid, "fails")
         child.wait(timeout=30)
-        (image.path / "core-{}.img".format(child.pid)).write_bytes(b"garbage")
+        (image.path / f"core-{child.pid}.img").write_bytes(b"garbage")
         began = time.monotonic()
         with pytest.raises(criu.CriuError):
             criu_engine.restore(image, lazy=True)
@@ -160,3 +160,42 @@ def test_a_restore_that_fails_stops_its_server(tmp_path: pathlib.Path, criu_engi
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+def test_a_server_that_fails_takes_the_restored_process_with_it(tmp_path: pathlib.Path, criu_engine: criu.CriuEngine,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pages the server cannot deliver would read as zeros once it has let go of the userfaultfd: the restored
+    process must not run on. Here the images cannot be read (a stand-in for any failure of the server's): the
+    restore fails, or the process is killed as soon as the failure is known, and the failure is counted."""
+    criu_engine.lazy_pages_server = "volga"
+
+    def unreadable(folder: pathlib.Path, pid: int) -> tuple[str, list[list[int]]]:
+        raise lazypages.LazyPagesError(f"pagemap-{pid}.img cannot be read")
+
+    monkeypatch.setattr(lazypages, "lazy_segments", unreadable)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    restored = None
+    try:
+        time.sleep(0.3)
+        image = criu_engine.dump(child.pid, "unserved")
+        child.wait(timeout=30)
+        try:
+            restored = criu_engine.restore(image, lazy=True)
+        except criu.CriuError as exc:
+            assert "could not be served" in str(exc)
+        else:
+            deadline = time.monotonic() + 10
+            while process.alive(restored.pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not process.alive(restored.pid)
+        deadline = time.monotonic() + 10
+        while criu_engine.lazy_daemon_failures == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert criu_engine.lazy_daemon_failures == 1
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        if restored is not None:
+            process.kill(restored.pid)
+            restored.stop()

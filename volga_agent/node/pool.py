@@ -145,7 +145,9 @@ class Pool:
                 self.criu = criu.CriuEngine(snapshot_root, keep_failed=self.settings.keep_failed_restores,
                                             deadlines=criu.Deadlines(self.settings.criu.timeout_floor_sec,
                                                                      self.settings.criu.timeout_sec_per_gib),
-                                            checksums=self.settings.verify_image_checksums)
+                                            checksums=self.settings.verify_image_checksums,
+                                            lazy_pages_server=self.settings.criu.lazy_pages_server,
+                                            lazy_pages_threads=self.settings.criu.lazy_pages_threads or None)
             except criu.CriuError as exc:
                 log.warning("FROZEN tier unavailable: %s", exc)
         self.shared: shared.Context | None = None

@@ -121,13 +121,18 @@ class BreakerSettings(Group):
 
 class CriuSettings(Group):
     """Every CRIU call (dump, restore, lazy-pages start, check) is killed with its whole process tree after
-    timeout_floor_sec plus timeout_sec_per_gib per GiB it moves; a restore killed so is a failed one. Flat:
-    criu_timeout_floor_sec, criu_timeout_sec_per_gib."""
+    timeout_floor_sec plus timeout_sec_per_gib per GiB it moves; a restore killed so is a failed one. A lazy
+    restore's pages are served by lazy_pages_server: "volga" (the agent's own, `snapshot.lazypages`, with
+    lazy_pages_threads filling in the background, 0: one per 256 MiB of lazy pages, at most 4) or "criu" (a `criu
+    lazy-pages` daemon). Flat: criu_timeout_floor_sec, criu_timeout_sec_per_gib, criu_lazy_pages_server,
+    criu_lazy_pages_threads."""
 
     PREFIX: ClassVar[str] = "criu_"
 
     timeout_floor_sec: Annotated[float, pydantic.Field(gt=0)] = 10.0
     timeout_sec_per_gib: NonNegative = 10.0
+    lazy_pages_server: Literal["volga", "criu"] = "volga"
+    lazy_pages_threads: Annotated[int, pydantic.Field(ge=0, le=64)] = 0
 
 
 class SharedSnapshotSettings(Group):

@@ -120,6 +120,8 @@ class LazyPages:
         self.server = server
         self.done = server.done if server is not None else threading.Event()
         self._exit_code: int | None = None
+        self.pid: int | None = None  # the restored tree's root, once criu has restored it
+        self.abort: concurrent.futures.Future[str] | None = None  # stops the criu restore it serves
         self._stopped = False  # killed by us: the process it served is gone
         self._finished: float | None = None  # time.perf_counter() when it exited
 
@@ -141,14 +143,19 @@ class LazyPages:
         self._exit_code = code
         self.done.set()
 
+    @property
+    def error(self) -> str:
+        """Why serving failed, as far as it is known."""
+        if self.server is not None:
+            return self.server.error
+        return f"criu lazy-pages exited with {self.exit_code}" if self.exit_code else ""
+
     def wait(self, pid: int, timeout: float) -> None:
         if not self.done.wait(timeout):
             self.stop()
             raise CriuTimeout(f"pid {pid}: the lazy-pages server has not delivered every page after {timeout:g} s")
         if self.exit_code != 0:
-            why = f": {self.server.error}" if self.server is not None and self.server.error else ""
-            raise CriuError(f"pid {pid}: the lazy-pages server failed (exit {self.exit_code}{why}): pages may be "
-                            f"missing")
+            raise CriuError(f"pid {pid}: the lazy-pages server failed ({self.error}): pages may be missing")
 
     def stop(self) -> None:
         """Stop serving if it still does (a daemon is killed; its reaper thread collects it)."""
@@ -288,6 +295,13 @@ def _settle(future: concurrent.futures.Future[Any], compute: Callable[[], Any]) 
         future.set_exception(exc)
 
 
+def _offer(future: concurrent.futures.Future[str], reason: str) -> None:
+    """Give `future` its first non-empty reason."""
+    if reason:
+        with contextlib.suppress(concurrent.futures.InvalidStateError):
+            future.set_result(reason)
+
+
 def _log_tail(log: pathlib.Path, lines: int = 15) -> str:
     try:
         text = log.read_text(errors="replace").splitlines()
@@ -301,7 +315,8 @@ class CriuEngine:
     """Dumps and restores process trees under one snapshot root folder."""
 
     def __init__(self, root: str | pathlib.Path, criu: str | None = None, keep_failed: int = 3,
-                 deadlines: Deadlines | None = None, checksums: bool = False) -> None:
+                 deadlines: Deadlines | None = None, checksums: bool = False, lazy_pages_server: str | None = None,
+                 lazy_pages_threads: int | None = None) -> None:
         self.root = pathlib.Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.criu = criu or find_criu()
@@ -311,13 +326,13 @@ class CriuEngine:
         # Lazy-pages servers that failed: the process they served may have missed pages.
         self.lazy_daemon_failures = 0
         # Who serves a lazy restore's pages: "volga" (`lazypages.Server`, in this process, `lazy_pages_threads`
-        # filling in the background) or "criu" (a `criu lazy-pages` daemon); the environment may say
-        # (docs/snapshots.md, Lazy pages).
-        self.lazy_pages_server = os.environ.get("VOLGA_LAZY_PAGES_SERVER", "volga")
+        # filling in the background; None: by the image's size) or "criu" (a `criu lazy-pages` daemon). Where the
+        # caller does not say, the environment may (the benches: VOLGA_LAZY_PAGES_SERVER, _THREADS, _FILL_KIB).
+        self.lazy_pages_server = lazy_pages_server or os.environ.get("VOLGA_LAZY_PAGES_SERVER", "volga")
         if self.lazy_pages_server not in ("volga", "criu"):
-            raise ValueError(f"VOLGA_LAZY_PAGES_SERVER={self.lazy_pages_server!r}: it is 'volga' or 'criu'")
+            raise ValueError(f"lazy pages server {self.lazy_pages_server!r}: it is 'volga' or 'criu'")
         threads = os.environ.get("VOLGA_LAZY_PAGES_THREADS", "")
-        self.lazy_pages_threads = int(threads) if threads else None  # None: by the image's size
+        self.lazy_pages_threads = lazy_pages_threads or (int(threads) if threads else None)
         self.lazy_pages_fill_bytes = 1024 * int(os.environ.get("VOLGA_LAZY_PAGES_FILL_KIB",
                                                                lazypages.FILL_BYTES // 1024))
         self.timeouts = 0  # calls killed at their deadline
@@ -458,18 +473,21 @@ class CriuEngine:
     def restore(self, image: Image, lazy: bool = False) -> Restored:
         """Restore an image detached; the restored root is re-parented to our child subreaper.
 
-        With `lazy`, a `criu lazy-pages` daemon serves the memory pages through userfaultfd: the process runs
-        as soon as its tree is rebuilt, pages arrive when first touched (and in the background), and the
-        daemon exits once every page is delivered.
+        With `lazy`, a page server (`lazy_pages_server`) serves the memory pages through userfaultfd: the process
+        runs as soon as its tree is rebuilt, pages arrive when first touched (and in the background), and the
+        server stops once every page is delivered. A server that fails stops criu (CriuError), or, once the
+        restore is done, kills the restored tree: its memory would read as zeros where pages did not come.
 
         CriuTimeout when criu has not finished within the deadline for the image's size: criu, the tree it was
-        restoring and the lazy-pages daemon are killed. CriuError, before criu runs, when a file the image maps
+        restoring and the lazy-pages server are killed. CriuError, before criu runs, when a file the image maps
         changed since the dump (`Image.mapped`).
         """
         for path, then in image.mapped:
             if identity(path) != then:
                 raise CriuError(f"{path}, which the image maps, changed since the snapshot")
         check = concurrent.futures.Future[str]()
+        abort = concurrent.futures.Future[str]()  # a reason to stop criu: damage found, or pages not served
+        check.add_done_callback(lambda done: _offer(abort, "" if done.exception() else done.result()))
         threading.Thread(target=_settle, args=(check, lambda: self.damage(image)), name="image-check",
                          daemon=True).start()
         pidfile = image.path / "restore.pid"
@@ -481,13 +499,14 @@ class CriuEngine:
         pages = None
         if lazy:
             pages = self._lazy_pages(image)
+            pages.abort = abort
             with self._lock:
                 self._daemons.add(pages)
             threading.Thread(target=self._reap_lazy_pages, args=(pages, image), name="lazy-pages-reaper",
                              daemon=True).start()
             args.append("--lazy-pages")
         try:
-            out = self._run(args, max(0.0, timeout - (time.perf_counter() - start)), abort=check)
+            out = self._run(args, max(0.0, timeout - (time.perf_counter() - start)), abort=abort)
             damaged = check.result() if out.returncode == 0 else ""
             if damaged:  # restored from a damaged image: it goes before it serves
                 process.kill_tree(int(pidfile.read_text().strip()))
@@ -502,7 +521,13 @@ class CriuEngine:
                 pages.stop()
             raise CriuError(f"criu restore of {image.path} failed (exit {out.returncode}):\n"
                             f"{_log_tail(image.path / 'restore.log')}")
-        return Restored(int(pidfile.read_text().strip()), seconds, pages, start)
+        pid = int(pidfile.read_text().strip())
+        if pages is not None:
+            pages.pid = pid
+            if pages.done.is_set() and pages.exit_code != 0 and not pages.stopped:
+                process.kill_tree(pid)  # it runs with pages missing (zeros where its memory was)
+                raise CriuError(f"the lazy pages of {image.path} could not be served: {pages.error}")
+        return Restored(pid, seconds, pages, start)
 
     def _reap_lazy_pages(self, pages: LazyPages, image: Image) -> None:
         if pages.daemon is not None:
@@ -515,11 +540,14 @@ class CriuEngine:
             self._daemons.discard(pages)
         if pages.exit_code != 0 and not pages.stopped:
             self.lazy_daemon_failures += 1
-            if pages.server is not None:
-                log.warning("serving the lazy pages of %s failed: %s", image.path, pages.server.error)
-            else:
-                log.warning("criu lazy-pages for %s exited with %d:\n%s", image.path, pages.exit_code,
-                            _log_tail(image.path / "lazy-pages.log"))
+            why = pages.error if pages.server is not None else \
+                f"{pages.error}:\n{_log_tail(image.path / 'lazy-pages.log')}"
+            log.warning("the lazy pages of %s could not all be served: %s", image.path, why)
+            if pages.abort is not None:
+                _offer(pages.abort, f"its lazy pages could not be served: {pages.error}")
+            if pages.pid is not None:  # restored already: it runs with pages missing, and goes
+                log.warning("killing pid %d: its memory is incomplete", pages.pid)
+                process.kill_tree(pages.pid)
 
     def _lazy_pages(self, image: Image) -> LazyPages:
         """Start the page server of a lazy restore (`lazy_pages_server`) and return once it listens."""

@@ -395,7 +395,8 @@ class Server:
         # stop() and a failing filler write to it; a filler that finds nothing left writes "w" (the event thread
         # then sees whether the restore is complete)
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-        self._failure = ""
+        self._failure = ""  # a filler's error, for the event thread to raise
+        self._ending = False  # the event thread is done: fillers leave
         self._listener: socket.socket | None = None
         self._work = threading.Condition()
         self._until = 0.0
@@ -459,7 +460,7 @@ class Server:
             if not self.stopped:
                 log.warning("lazy pages of %s: %s", self.folder, self.error)
         finally:
-            self.stopped = self.stopped or self.exit_code != 0
+            self._ending = True
             with self._work:
                 self._restore_finished.set()
                 self._work.notify_all()
@@ -694,7 +695,7 @@ class Server:
             while not self._restore_finished.is_set():
                 self._work.wait()
         turn = 0
-        while not self.stopped and not self._failure:
+        while not (self.stopped or self._failure or self._ending):
             spaces = [s for s in self.spaces if not s.gone]
             copied = False
             for k in range(len(spaces)):
