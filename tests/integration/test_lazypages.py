@@ -179,10 +179,11 @@ def test_a_server_that_fails_takes_the_restored_process_with_it(tmp_path: pathli
         time.sleep(0.3)
         image = criu_engine.dump(child.pid, "unserved")
         child.wait(timeout=30)
-        try:
+        began = time.monotonic()
+        try:  # criu stopped for it, or failing itself on the connection the server let go of
             restored = criu_engine.restore(image, lazy=True)
-        except criu.CriuError as exc:
-            assert "could not be served" in str(exc)
+        except criu.CriuError:
+            pass
         else:
             deadline = time.monotonic() + 10
             while process.alive(restored.pid) and time.monotonic() < deadline:
@@ -192,6 +193,7 @@ def test_a_server_that_fails_takes_the_restored_process_with_it(tmp_path: pathli
         while criu_engine.lazy_daemon_failures == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert criu_engine.lazy_daemon_failures == 1
+        assert criu_engine.timeouts == 0 and time.monotonic() - began < criu_engine.deadlines.floor_sec
     finally:
         if child.poll() is None:
             child.kill()

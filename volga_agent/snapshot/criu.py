@@ -559,8 +559,12 @@ class CriuEngine:
             try:
                 server = lazypages.Server(image.path, threads=self.lazy_pages_threads,
                                           fill_bytes=self.lazy_pages_fill_bytes)
-                server.listen()
             except (OSError, lazypages.LazyPagesError) as exc:
+                raise CriuError(f"cannot serve the lazy pages of {image.path}: {exc}") from exc
+            try:
+                server.listen()
+            except OSError as exc:
+                server.close()
                 raise CriuError(f"cannot serve the lazy pages of {image.path}: {exc}") from exc
             server.start(timeout)
             return LazyPages(server=server)

@@ -376,7 +376,8 @@ class Server:
     def __init__(self, folder: str | pathlib.Path, threads: int | None = None, fault_bytes: int = FAULT_BYTES,
                  fill_bytes: int = FILL_BYTES) -> None:
         self.folder = pathlib.Path(folder)
-        self.threads = threads
+        self._processes = processes(self.folder)
+        self.threads = threads if threads and threads > 0 else None
         self.fault_bytes = fault_bytes
         self.fill_bytes = fill_bytes
         self.done = threading.Event()
@@ -400,7 +401,6 @@ class Server:
         self._listener: socket.socket | None = None
         self._work = threading.Condition()
         self._until = 0.0
-        self._processes = processes(self.folder)
 
     def listen(self) -> None:
         path = self.folder / SOCKET_NAME
@@ -430,8 +430,21 @@ class Server:
                 self._work.notify_all()
 
     def _poke(self, what: bytes) -> None:
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, what)
+        with self._work:  # never to a descriptor closed (and perhaps reused) since
+            if self._wake_w >= 0:
+                with contextlib.suppress(OSError):
+                    os.write(self._wake_w, what)
+
+    def close(self) -> None:
+        """Let go of what a server that never started holds (`_serve` does it for one that did)."""
+        with self._work:
+            for fd in (self._wake_r, self._wake_w):
+                if fd >= 0:
+                    os.close(fd)
+            self._wake_r = self._wake_w = -1
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
 
     def _fail(self, why: str) -> None:
         self._failure = self._failure or why
@@ -470,10 +483,7 @@ class Server:
                 with contextlib.suppress(OSError):
                     os.close(space.uffd)
                 space.source.close()
-            if self._listener is not None:
-                self._listener.close()
-            os.close(self._wake_r)
-            os.close(self._wake_w)
+            self.close()
             with contextlib.suppress(OSError):
                 (self.folder / SOCKET_NAME).unlink()
             self.finished = time.perf_counter()
@@ -511,12 +521,18 @@ class Server:
             self._wait_readable(client.fileno(), self._until)
             _, fds, _, _ = socket.recv_fds(client, 1, 1)
             if len(fds) != 1:
+                for fd in fds:
+                    os.close(fd)
                 raise LazyPagesError(f"criu restore sent no userfaultfd for process {pid}")
-            name, segments = lazy_segments(self.folder, pid)
-            if name not in sources:
-                sources[name] = _Source(self.folder / name)
-            else:
-                sources[name].users += 1
+            try:
+                name, segments = lazy_segments(self.folder, pid)
+                if name not in sources:
+                    sources[name] = _Source(self.folder / name)
+                else:
+                    sources[name].users += 1
+            except BaseException:
+                os.close(fds[0])
+                raise
             self.spaces.append(_Space(pid, fds[0], sources[name], segments))
 
     def _events(self, client: socket.socket) -> None:
