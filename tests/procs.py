@@ -15,6 +15,9 @@ from typing import Any
 
 from prometheus_client import parser as prometheus_parser
 
+from volga_agent.host import process
+from volga_agent.snapshot import criu
+
 
 def wait_for(what: str, check: Callable[[], Any], timeout: float = 120.0, every: float = 0.25,
              proc: subprocess.Popen[Any] | None = None) -> Any:
@@ -94,3 +97,13 @@ def series(url: str, name: str) -> dict[str, float]:
         if found:
             out[found.group(1) or ""] = float(found.group(2))
     return out
+
+
+def end_restored(child: subprocess.Popen[Any], restored: criu.Restored | None) -> None:
+    """Kill a test's child process and the tree restored from its image (whose lazy-pages server then stops)."""
+    if child.poll() is None:
+        child.kill()
+        child.wait()
+    if restored is not None:
+        process.kill(restored.pid)
+        restored.stop()

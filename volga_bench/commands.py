@@ -113,10 +113,12 @@ def cmd_bench_server(args: argparse.Namespace) -> int:
     except ImportError as exc:
         return _no_bench("bench server", exc)
     report = server.bench(args.n, [s for s in args.servers.split(",") if s], args.listen_variants, args.compare_criu,
-                          _progress(args.json))
+                          _progress(args.json), args.lazy)
     _emit(args, report, lambda: "\n".join(
         f"{r['server']} ({r['listen']}, criu {r['criu']}): cold start p50 {r['cold_start_ms']} ms, "
-        + (f"FROZEN wake p50 {r['frozen_wake_ms']} ms ({r['speedup']}x), identical: {r['identical']}"
+        + (f"FROZEN wake p50 {r['frozen_wake_ms']} ms ({r['speedup']}x)"
+           + (f", restored lazily {r['frozen_lazy_wake_ms']} ms ({r['lazy_speedup']}x)" if "lazy_speedup" in r else "")
+           + f", identical: {r['identical']}"
            if "dump_error" not in r else "CRIU cannot freeze it") for r in report["results"]))
     return 0 if all(r["identical"] for r in report["results"] if "dump_error" not in r) else 1
 
@@ -380,6 +382,9 @@ def add_bench(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--compare-criu", default="", metavar="PATH",
                    help="with --listen-variants: also freeze the FastAPI server, on a port and on a Unix socket, with "
                         "this other criu binary (such as 4.1.1)")
+    p.add_argument("--lazy", action="store_true",
+                   help="also FROZEN wakes restored lazily (pages served by VOLGA_LAZY_PAGES_SERVER, default the "
+                        "agent's), each after an eager one")
     p.add_argument("--gpu", action="store_true",
                    help="an LLM server (1.17B parameters, KV cache, streaming) on the GPU instead: time to first token "
                         "from a cold start, SUSPENDED and FROZEN, with and without the hooks that release its memory")

@@ -90,14 +90,17 @@ def _p50(values: list[float]) -> float:
 
 
 async def _one(name: str, spec: api.ModelSpecSpec, path: str, body: bytes, n: int, engine: criu.CriuEngine,
-               work: pathlib.Path, progress: Callable[[str], None]) -> dict[str, Any]:
+               work: pathlib.Path, progress: Callable[[str], None], lazy: bool = False) -> dict[str, Any]:
     instance = server.ServerInstance(spec, work / name, engine)
     fleet = server.Fleet([instance])
     runner = web.AppRunner(proxy.app(fleet))
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    cold, wakes, answers = [], [], []
+    cold: list[float] = []
+    wakes: list[float] = []
+    answers: list[bytes] = []
+    lazy_wakes: list[float] = []  # with `lazy`: the same wakes restored lazily, alternating with the eager ones
     listen = spec.server.listen.value if spec.server is not None else ""
     try:
         for i in range(n):
@@ -106,7 +109,8 @@ async def _one(name: str, spec: api.ModelSpecSpec, path: str, body: bytes, n: in
             cold.append(ms)
             answers.append(answer)
             progress(f"{name}: cold start {i + 1}/{n}: {ms:.0f} ms")
-        for i in range(n):
+        for i in range(n * (2 if lazy else 1)):
+            instance.lazy_restore = lazy and i % 2 == 1
             try:
                 await asyncio.to_thread(instance.freeze)
             except (criu.CriuError, server.FreezeRefused) as exc:
@@ -115,11 +119,14 @@ async def _one(name: str, spec: api.ModelSpecSpec, path: str, body: bytes, n: in
                         "cold_start_ms": _p50(cold), "frozen_wake_ms": None, "identical": False,
                         "dump_error": str(exc)[-600:]}
             ms, answer = await _ask(url, spec.model_id, path, body)
-            wakes.append(ms)
+            (lazy_wakes if instance.lazy_restore else wakes).append(ms)
             answers.append(answer)
-            progress(f"{name}: FROZEN wake {i + 1}/{n}: {ms:.0f} ms")
+            progress(f"{name}: FROZEN wake {i + 1}/{n * (2 if lazy else 1)}"
+                     f"{' (lazy)' if instance.lazy_restore else ''}: {ms:.0f} ms")
         fallbacks = sum(t.fallback for t in instance.transitions)
         restores = [t.phases.get("restore", 0.0) * 1000 for t in instance.transitions if t.source is api.Tier.FROZEN]
+        if lazy:  # the eager wakes' restores only, as without `lazy`
+            restores = restores[::2]
         image = instance.image.size_bytes if instance.image is not None else 0
     finally:
         await asyncio.to_thread(fleet.close)
@@ -130,11 +137,14 @@ async def _one(name: str, spec: api.ModelSpecSpec, path: str, body: bytes, n: in
             "speedup": round(_p50(cold) / _p50(wakes), 1), "cold_start_ms_all": [round(v, 1) for v in cold],
             "frozen_wake_ms_all": [round(v, 1) for v in wakes],
             "criu_restore_ms_all": [round(v, 1) for v in restores], "image_bytes": image,
-            "restore_fallbacks": fallbacks}
+            "restore_fallbacks": fallbacks,
+            **({"frozen_lazy_wake_ms": _p50(lazy_wakes), "lazy_speedup": round(_p50(cold) / _p50(lazy_wakes), 1),
+                "frozen_lazy_wake_ms_all": [round(v, 1) for v in lazy_wakes],
+                "lazy_pages_server": engine.lazy_pages_server} if lazy else {})}
 
 
 def bench(n: int = 5, only: list[str] | None = None, listen_variants: bool = False, compare_criu: str = "",
-          progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+          progress: Callable[[str], None] = lambda _: None, lazy: bool = False) -> dict[str, Any]:
     engine_root = pathlib.Path(tempfile.mkdtemp(prefix="volga-bench-server-", dir="/dev/shm"))
     work = pathlib.Path(tempfile.mkdtemp(prefix="vbs-"))
     load_before = os.getloadavg()
@@ -146,7 +156,7 @@ def bench(n: int = 5, only: list[str] | None = None, listen_variants: bool = Fal
         if compare_criu:
             engines["@other"] = criu.CriuEngine(engine_root / "other", criu=compare_criu)
         results = [asyncio.run(_one(name, spec, path, body, n, engines["@other" if "@other" in name else ""],
-                                    work, progress)) for name, (spec, path, body) in runs.items()]
+                                    work, progress, lazy)) for name, (spec, path, body) in runs.items()]
         return {"bench": "server", "n": n, "device": reporting.device_description("cpu"),
                 "kernel": platform.release(), "load_average_before": [round(x, 2) for x in load_before],
                 "load_average_after": [round(x, 2) for x in os.getloadavg()],

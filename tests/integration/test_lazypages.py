@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 
+import procs
 import pytest
 
 from volga_agent.host import process
@@ -129,12 +130,7 @@ def test_pages_still_to_come_follow_the_process_through_its_events(fill: str, tm
             assert pages.server.dropped >= 12 * MIB
     finally:
         release.set()
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-        if restored is not None:
-            process.kill(restored.pid)
-            restored.stop()
+        procs.end_restored(child, restored)
 
 
 def test_a_restore_that_fails_stops_its_server(tmp_path: pathlib.Path, criu_engine: criu.CriuEngine) -> None:
@@ -195,9 +191,4 @@ def test_a_server_that_fails_takes_the_restored_process_with_it(tmp_path: pathli
         assert criu_engine.lazy_daemon_failures == 1
         assert criu_engine.timeouts == 0 and time.monotonic() - began < criu_engine.deadlines.floor_sec
     finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-        if restored is not None:
-            process.kill(restored.pid)
-            restored.stop()
+        procs.end_restored(child, restored)

@@ -18,9 +18,9 @@ import subprocess
 import sys
 import time
 
+import procs
 import pytest
 
-from volga_agent.host import process
 from volga_agent.snapshot import criu
 from volga_agent.worker import regions
 
@@ -117,12 +117,7 @@ def test_criu_leaves_a_filled_region_out_of_the_image_and_restores_it(lazy: bool
             f.seek(int(moved["offset"]))  # type: ignore[call-overload]
             assert hashlib.sha256(f.read(40 * MIB) + bytes(8 * MIB)).hexdigest() == filled["digest"]
     finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-        if restored is not None:
-            process.kill(restored.pid)
-            restored.stop()
+        procs.end_restored(child, restored)
 
 
 def test_a_file_that_cannot_grow_leaves_the_region_as_it_was(tmp_path: pathlib.Path) -> None:

@@ -103,6 +103,10 @@ class LazyPagesError(Exception):
     """The images cannot be served lazily by this server, or the restore broke the protocol."""
 
 
+class _RestoreGone(LazyPagesError):
+    """criu restore let go of the connection before the restore finished: it failed, and says so itself."""
+
+
 def _messages() -> tuple[type[message.Message], ...]:
     """CRIU's pstree_entry, pagemap_head, pagemap_entry and mm_entry (only the fields read here), as protobuf
     classes built from their field numbers (images/*.proto in CRIU's source)."""
@@ -469,6 +473,8 @@ class Server:
             self.exit_code = 0
         except Exception as exc:
             self.error = f"{type(exc).__name__}: {exc}"
+            # Stopped, or criu gone: the restore's failure is criu's to report (its owner stops us then anyway).
+            self.stopped = self.stopped or isinstance(exc, _RestoreGone)
             self.exit_code = 0 if self.stopped else 1
             if not self.stopped:
                 log.warning("lazy pages of %s: %s", self.folder, self.error)
@@ -514,12 +520,14 @@ class Server:
             self._wait_readable(client.fileno(), self._until)
             raw = client.recv(4, socket.MSG_WAITALL)
             if len(raw) != 4:
-                raise LazyPagesError("criu restore closed the connection before handing over every process")
+                raise _RestoreGone("criu restore closed the connection before handing over every process")
             (pid,) = struct.unpack("=i", raw)
             if pid < 0:
                 continue  # a zombie: no memory
             self._wait_readable(client.fileno(), self._until)
-            _, fds, _, _ = socket.recv_fds(client, 1, 1)
+            data, fds, _, _ = socket.recv_fds(client, 1, 1)
+            if not data and not fds:
+                raise _RestoreGone(f"criu restore closed the connection before handing over process {pid}")
             if len(fds) != 1:
                 for fd in fds:
                     os.close(fd)
@@ -577,7 +585,7 @@ class Server:
         if not raw:  # criu hung up: after RESTORE_FINISHED as it should, or having failed
             poller.unregister(client.fileno())
             if not self._restore_finished.is_set():
-                raise LazyPagesError("criu restore hung up before the restore finished")
+                raise _RestoreGone("criu restore hung up before the restore finished")
             return
         if len(raw) < 4:
             raw += client.recv(4 - len(raw), socket.MSG_WAITALL)
