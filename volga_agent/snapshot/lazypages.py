@@ -427,11 +427,12 @@ class Server:
 
     def stop(self) -> None:
         """Give up serving (the restored process is gone, or the agent stops); `done` follows."""
-        if not self.done.is_set():
+        with self._work:
+            if self.exit_code is not None:
+                return  # finished, or failed: a failure stays one
             self.stopped = True
-            self._poke(b"s")
-            with self._work:
-                self._work.notify_all()
+            self._work.notify_all()
+        self._poke(b"s")
 
     def _poke(self, what: bytes) -> None:
         with self._work:  # never to a descriptor closed (and perhaps reused) since
@@ -470,12 +471,14 @@ class Server:
                 for thread in fillers:
                     thread.start()
                 self._events(client)
-            self.exit_code = 0
+            with self._work:
+                self.exit_code = 0
         except Exception as exc:
-            self.error = f"{type(exc).__name__}: {exc}"
-            # Stopped, or criu gone: the restore's failure is criu's to report (its owner stops us then anyway).
-            self.stopped = self.stopped or isinstance(exc, _RestoreGone)
-            self.exit_code = 0 if self.stopped else 1
+            with self._work:
+                self.error = f"{type(exc).__name__}: {exc}"
+                # Stopped, or criu gone: the restore's failure is criu's to report (its owner stops us anyway).
+                self.stopped = self.stopped or isinstance(exc, _RestoreGone)
+                self.exit_code = 0 if self.stopped else 1
             if not self.stopped:
                 log.warning("lazy pages of %s: %s", self.folder, self.error)
         finally:
