@@ -120,7 +120,8 @@ class LazyPages:
         self.server = server
         self.done = server.done if server is not None else threading.Event()
         self._exit_code: int | None = None
-        self.pid: int | None = None  # the restored tree's root, once criu has restored it
+        self.pid: int | None = None  # the restored tree's root, once criu has restored it, and its start time
+        self.pid_started: int | None = None
         self.abort: concurrent.futures.Future[str] | None = None  # stops the criu restore it serves
         self._stopped = False  # killed by us: the process it served is gone
         self._finished: float | None = None  # time.perf_counter() when it exited
@@ -523,7 +524,7 @@ class CriuEngine:
                             f"{_log_tail(image.path / 'restore.log')}")
         pid = int(pidfile.read_text().strip())
         if pages is not None:
-            pages.pid = pid
+            pages.pid, pages.pid_started = pid, process.start_time(pid)
             if pages.done.is_set() and pages.exit_code != 0 and not pages.stopped:
                 process.kill_tree(pid)  # it runs with pages missing (zeros where its memory was)
                 raise CriuError(f"the lazy pages of {image.path} could not be served: {pages.error}")
@@ -545,7 +546,8 @@ class CriuEngine:
             log.warning("the lazy pages of %s could not all be served: %s", image.path, why)
             if pages.abort is not None:
                 _offer(pages.abort, f"its lazy pages could not be served: {pages.error}")
-            if pages.pid is not None:  # restored already: it runs with pages missing, and goes
+            # Restored already: it runs with pages missing, and goes (if that PID is still it).
+            if pages.pid is not None and process.start_time(pages.pid) == pages.pid_started:
                 log.warning("killing pid %d: its memory is incomplete", pages.pid)
                 process.kill_tree(pages.pid)
 
