@@ -78,6 +78,14 @@ time.sleep(60)
 """
 
 
+def _sleeper() -> subprocess.Popen[bytes]:
+    """A process to freeze that holds no file of this test run: output captured by pytest goes to files it has
+    already deleted, which CRIU would carry as ghost files, and a second restore of one while the first's is still
+    there fails ("Can't create ghost regfile: File exists")."""
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def _wait(path: pathlib.Path, log: pathlib.Path, timeout: float = 30.0) -> dict[str, object]:
     deadline = time.monotonic() + timeout
     while not path.exists():
@@ -137,7 +145,7 @@ def test_a_restore_that_fails_stops_its_server(tmp_path: pathlib.Path, criu_engi
     """criu restore fails before it hands over its processes (a damaged image): the server does not wait out its
     deadline, and no socket is left in the image folder."""
     criu_engine.lazy_pages_server = "volga"
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    child = _sleeper()
     try:
         time.sleep(0.3)
         image = criu_engine.dump(child.pid, "fails")
@@ -169,7 +177,7 @@ def test_a_server_that_fails_takes_the_restored_process_with_it(tmp_path: pathli
         raise lazypages.LazyPagesError(f"pagemap-{pid}.img cannot be read")
 
     monkeypatch.setattr(lazypages, "lazy_segments", unreadable)
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    child = _sleeper()
     restored = None
     try:
         time.sleep(0.3)
