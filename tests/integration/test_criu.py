@@ -189,10 +189,11 @@ def test_lazy_restore_answers_the_same(default_spec: api.ModelSpecSpec, rundir: 
             woke = inst.wake()
             assert not woke.fallback, woke.detail
             assert np.array_equal(inst.infer(x)["probability"], reference)
-            # The server delivers every page and stops; how long after criu started that was is known.
+            # The server delivers every page and stops; how long after criu started that was is known (it can be
+            # before criu's own exit is seen: the last pages may go in while criu ends).
             assert inst.restored is not None and inst.restored.lazy_pages is not None
             delivered = inst.restored.pages_seconds(30.0)
-            assert delivered is not None and delivered >= inst.restored.seconds > 0
+            assert delivered is not None and delivered > 0 and inst.restored.seconds > 0
             served = inst.restored.lazy_pages.server
             if server == "criu":
                 assert served is None and (inst.image.path / "lazy-pages.log").exists()
