@@ -282,7 +282,11 @@ class _Space:
         self.gate = _Gate()
         self.lock = threading.Lock()
         self.gone = False
+        # Bytes copied in, dropped (the process unmapped or discarded them first), or found there already or
+        # unmapped (`skipped`); faults answered. Under self.lock: fillers count at once.
         self.copied = 0
+        self.dropped = 0
+        self.skipped = 0
         self.faults = 0
 
     # --- the pages to come, under self.lock ---
@@ -390,12 +394,6 @@ class Server:
         self.stopped = False
         self.finished: float | None = None
         self.spaces: list[_Space] = []
-        # Bytes copied in, dropped (the process unmapped or discarded them first), or found there already or
-        # unmapped (`skipped`); faults answered.
-        self.copied = 0
-        self.dropped = 0
-        self.skipped = 0
-        self.faults = 0
         self._restore_finished = threading.Event()
         # stop() and a failing filler write to it; a filler that finds nothing left writes "w" (the event thread
         # then sees whether the restore is complete)
@@ -405,6 +403,12 @@ class Server:
         self._listener: socket.socket | None = None
         self._work = threading.Condition()
         self._until = 0.0
+
+    # What the spaces counted, summed (`_Space`): for the benches and tests.
+    copied = property(lambda self: sum(space.copied for space in self.spaces))
+    dropped = property(lambda self: sum(space.dropped for space in self.spaces))
+    skipped = property(lambda self: sum(space.skipped for space in self.spaces))
+    faults = property(lambda self: sum(space.faults for space in self.spaces))
 
     def listen(self) -> None:
         path = self.folder / SOCKET_NAME
@@ -621,14 +625,14 @@ class Server:
                         space.move(frm, to, length)
                     elif event in (_EVENT_REMOVE, _EVENT_UNMAP):
                         lo, hi = _MSG_RANGE.unpack(arg)
-                        self.dropped += space.drop(lo, hi)
+                        space.dropped += space.drop(lo, hi)
                         if event == _EVENT_REMOVE:  # later faults there are the kernel's zero pages
                             self._ioctl(space, _UNREGISTER, _Range(lo, hi - lo))
                     else:
                         raise LazyPagesError(f"unexpected userfaultfd event {event:#x} from process {space.pid}")
+        with space.lock:
+            space.faults += len(faults)
         for address in faults:
-            space.faults += 1
-            self.faults += 1
             self._fault(space, address - address % PAGE)
         if kids:
             with self._work:
@@ -666,8 +670,8 @@ class Server:
                 arg = _Copy(start, space.source.address + offset, end - start, 0, 0)
                 code = self._ioctl(space, _COPY, arg)
                 done = arg.copy if arg.copy > 0 else 0
-                space.copied += done
-                self.copied += done
+                with space.lock:
+                    space.copied += done
                 start, offset = start + done, offset + done
                 if code == 0 or start >= end:
                     return True
@@ -675,7 +679,8 @@ class Server:
                     continue  # part copied: go on with the rest
                 if code == errno.EEXIST or -arg.copy == errno.EEXIST:
                     start, offset = start + PAGE, offset + PAGE  # that page is in already
-                    self.skipped += PAGE
+                    with space.lock:
+                        space.skipped += PAGE
                     continue
                 if code == errno.EAGAIN:
                     with space.lock:  # the mapping changes: again once its event is read
@@ -693,7 +698,8 @@ class Server:
                             return False
                         start, offset = start + PAGE, offset + PAGE
                         continue
-                    self.skipped += end - start
+                    with space.lock:
+                        space.skipped += end - start
                     return True  # no registered mapping there any more: nothing to fill
                 raise OSError(code, f"copying {end - start} bytes into process {space.pid} at {start:#x}: "
                                     f"{os.strerror(code)}")
