@@ -110,7 +110,8 @@ async def _one(name: str, spec: api.ModelSpecSpec, path: str, body: bytes, n: in
             answers.append(answer)
             progress(f"{name}: cold start {i + 1}/{n}: {ms:.0f} ms")
         for i in range(n * (2 if lazy else 1)):
-            instance.lazy_restore = lazy and i % 2 == 1
+            if lazy:  # eager, lazy, eager, ...
+                instance.lazy_restore = i % 2 == 1
             try:
                 await asyncio.to_thread(instance.freeze)
             except (criu.CriuError, server.FreezeRefused) as exc:
@@ -119,10 +120,10 @@ async def _one(name: str, spec: api.ModelSpecSpec, path: str, body: bytes, n: in
                         "cold_start_ms": _p50(cold), "frozen_wake_ms": None, "identical": False,
                         "dump_error": str(exc)[-600:]}
             ms, answer = await _ask(url, spec.model_id, path, body)
-            (lazy_wakes if instance.lazy_restore else wakes).append(ms)
+            (lazy_wakes if lazy and instance.lazy_restore else wakes).append(ms)
             answers.append(answer)
             progress(f"{name}: FROZEN wake {i + 1}/{n * (2 if lazy else 1)}"
-                     f"{' (lazy)' if instance.lazy_restore else ''}: {ms:.0f} ms")
+                     f"{' (lazy)' if lazy and instance.lazy_restore else ''}: {ms:.0f} ms")
         fallbacks = sum(t.fallback for t in instance.transitions)
         restores = [t.phases.get("restore", 0.0) * 1000 for t in instance.transitions if t.source is api.Tier.FROZEN]
         if lazy:  # the eager wakes' restores only, as without `lazy`

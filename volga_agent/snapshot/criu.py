@@ -145,6 +145,17 @@ class LazyPages:
         self.done.set()
 
     @property
+    def failed(self) -> bool:
+        """It ended without delivering every page, and not because it was told to stop."""
+        return self.exit_code not in (None, 0) and not self.stopped
+
+    def kill_restored(self) -> None:
+        """Kill the tree it served, if restored and still that tree: it runs with pages missing (zeros)."""
+        if self.pid is not None and process.start_time(self.pid) == self.pid_started:
+            log.warning("killing pid %d: its memory is incomplete", self.pid)
+            process.kill_tree(self.pid)
+
+    @property
     def error(self) -> str:
         """Why serving failed, as far as it is known."""
         if self.server is not None:
@@ -525,8 +536,8 @@ class CriuEngine:
         pid = int(pidfile.read_text().strip())
         if pages is not None:
             pages.pid, pages.pid_started = pid, process.start_time(pid)
-            if pages.done.is_set() and pages.exit_code != 0 and not pages.stopped:
-                process.kill_tree(pid)  # it runs with pages missing (zeros where its memory was)
+            if pages.failed:  # before we knew the tree: its reaper could not kill it
+                pages.kill_restored()
                 raise CriuError(f"the lazy pages of {image.path} could not be served: {pages.error}")
         return Restored(pid, seconds, pages, start)
 
@@ -539,17 +550,14 @@ class CriuEngine:
             if pages.daemon is not None:
                 self._calls.discard(pages.daemon)
             self._daemons.discard(pages)
-        if pages.exit_code != 0 and not pages.stopped:
+        if pages.failed:
             self.lazy_daemon_failures += 1
             why = pages.error if pages.server is not None else \
                 f"{pages.error}:\n{_log_tail(image.path / 'lazy-pages.log')}"
             log.warning("the lazy pages of %s could not all be served: %s", image.path, why)
             if pages.abort is not None:
                 _offer(pages.abort, f"its lazy pages could not be served: {pages.error}")
-            # Restored already: it runs with pages missing, and goes (if that PID is still it).
-            if pages.pid is not None and process.start_time(pages.pid) == pages.pid_started:
-                log.warning("killing pid %d: its memory is incomplete", pages.pid)
-                process.kill_tree(pages.pid)
+            pages.kill_restored()
 
     def _lazy_pages(self, image: Image) -> LazyPages:
         """Start the page server of a lazy restore (`lazy_pages_server`) and return once it listens."""

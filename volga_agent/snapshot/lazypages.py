@@ -402,7 +402,6 @@ class Server:
         self._ending = False  # the event thread is done: fillers leave
         self._listener: socket.socket | None = None
         self._work = threading.Condition()
-        self._until = 0.0
 
     # What the spaces counted, summed (`_Space`): for the benches and tests.
     copied = property(lambda self: sum(space.copied for space in self.spaces))
@@ -435,7 +434,6 @@ class Server:
             if self.exit_code is not None:
                 return  # finished, or failed: a failure stays one
             self.stopped = True
-            self._work.notify_all()
         self._poke(b"s")
 
     def _poke(self, what: bytes) -> None:
@@ -464,9 +462,10 @@ class Server:
     def _serve(self, deadline: float) -> None:
         fillers: list[threading.Thread] = []
         try:
-            client = self._accept(deadline)
+            until = time.monotonic() + deadline
+            client = self._accept(until)
             with client:
-                self._receive(client, deadline)
+                self._receive(client, until)
                 if self.threads is None:
                     lazy = sum(_size(space.pending) for space in self.spaces)
                     self.threads = min(THREADS, max(1, -(-lazy // BYTES_PER_THREAD)))
@@ -510,28 +509,26 @@ class Server:
         if not ready:
             raise LazyPagesError("criu restore did not hand over its processes in time")
 
-    def _accept(self, deadline: float) -> socket.socket:
+    def _accept(self, until: float) -> socket.socket:
         assert self._listener is not None, "listen() first"
-        until = time.monotonic() + deadline
         self._wait_readable(self._listener.fileno(), until)
         client, _ = self._listener.accept()
         self._listener.close()
         self._listener = None
         client.setblocking(True)
-        self._until = until
         return client
 
-    def _receive(self, client: socket.socket, deadline: float) -> None:
+    def _receive(self, client: socket.socket, until: float) -> None:
         sources: dict[str, _Source] = {}
         for _ in range(self._processes):
-            self._wait_readable(client.fileno(), self._until)
+            self._wait_readable(client.fileno(), until)
             raw = client.recv(4, socket.MSG_WAITALL)
             if len(raw) != 4:
                 raise _RestoreGone("criu restore closed the connection before handing over every process")
             (pid,) = struct.unpack("=i", raw)
             if pid < 0:
                 continue  # a zombie: no memory
-            self._wait_readable(client.fileno(), self._until)
+            self._wait_readable(client.fileno(), until)
             data, fds, _, _ = socket.recv_fds(client, 1, 1)
             if not data and not fds:
                 raise _RestoreGone(f"criu restore closed the connection before handing over process {pid}")
@@ -634,9 +631,6 @@ class Server:
             space.faults += len(faults)
         for address in faults:
             self._fault(space, address - address % PAGE)
-        if kids:
-            with self._work:
-                self._work.notify_all()
         return kids
 
     def _fault(self, space: _Space, address: int) -> None:
