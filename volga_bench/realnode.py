@@ -290,7 +290,16 @@ class RealNode:
                 archive = pathlib.Path(work) / "image.tar"
                 subprocess.run(["buildah", "push", "--quiet", image, f"docker-archive:{archive}:{image}"],
                                check=True, capture_output=True)
-                self.ctr("images", "import", str(archive))
+                try:
+                    self.ctr("images", "import", str(archive))
+                except NodeError as exc:
+                    # The store outlives the node: replacing an image's tag lets containerd's garbage collector take
+                    # the old image's unpacked layers, the new one's shared parent among them, while the import
+                    # is unpacking on top of it ("parent snapshot ... does not exist"). Imported again, the parent
+                    # is unpacked anew.
+                    if "parent snapshot" not in str(exc):
+                        raise
+                    self.ctr("images", "import", str(archive))
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.touch()
             took[image] = time.monotonic() - start
