@@ -181,6 +181,11 @@ async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, c
     lazy: list[bool] = []
     pages_done: list[float] = []  # a lazy wake's last page delivered, in ms from its request
     lazy_faults: list[float] = []  # with Volga's lazy-pages server: the faults it answered, the bytes it copied
+    lazy_first: list[float] = []  # and the MiB it fetched first, from the record of the wake before
+    lazy_first_done: list[float] = []  # those in, in ms from the request; the faults by then and in the wake
+    lazy_faults_first: list[float] = []
+    lazy_faults_wake: list[float] = []
+    lazy_fault_times: list[list[float]] = []
     lazy_copied: list[int] = []
     suspended_rss: list[int] = []
     moves: dict[str, list[float]] = {"suspend": [], "freeze": []}
@@ -232,6 +237,14 @@ async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, c
             if served is not None:
                 lazy_faults.append(served.faults)
                 lazy_copied.append(served.copied)
+                lazy_first.append(sum(hi - lo for _, lo, hi in served.order) / 2**20)
+                if served.fetched_first_at is not None:
+                    lazy_first_done.append((served.fetched_first_at - asked) * 1000)
+                    lazy_faults_first.append(served.faults_first)
+                if served.hold:
+                    lazy_faults_wake.append(served.faults_held)
+                if served.fault_times:  # when the faults came, from the request
+                    lazy_fault_times.append([round((t - asked) * 1000, 1) for t in served.fault_times])
             ttft["frozen"].append(first)
             answers.append(answer)
             await asyncio.to_thread(phases_of, "FROZEN")
@@ -263,6 +276,12 @@ async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, c
             "lazy_pages_done_ms": _stats(pages_done) if pages_done else None,
             "lazy_pages_server": engine.lazy_pages_server if any(lazy) else None,
             "lazy_pages_faults": _stats(lazy_faults) if lazy_faults else None,
+            "lazy_pages_fill": engine.lazy_pages_fill if any(lazy) else None,
+            "lazy_pages_first_mib": _stats(lazy_first) if lazy_first else None,
+            "lazy_pages_first_done_ms": _stats(lazy_first_done) if lazy_first_done else None,
+            "lazy_pages_faults_before_first_done": _stats(lazy_faults_first) if lazy_faults_first else None,
+            "lazy_pages_faults_in_wake": _stats(lazy_faults_wake) if lazy_faults_wake else None,
+            "lazy_pages_fault_ms": lazy_fault_times or None,
             "lazy_pages_copied_bytes": int(statistics.median(lazy_copied)) if lazy_copied else None,
             "suspended_host_bytes": int(statistics.median(suspended_rss)),
             "identical": fallbacks == 0 and all(a == answers[0] for a in answers), "restore_fallbacks": fallbacks,

@@ -184,6 +184,22 @@ def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pa
                 pages = restored.pages_seconds(LAZY_PAGES_WAIT_S) if restored is not None else None
                 if restored is not None and pages is not None:  # every lazy page delivered, from the wake's start
                     run.phases.setdefault("lazy_pages_done_ms", []).append((restored.started + pages - start) * 1e3)
+                served = restored.lazy_pages.server if restored is not None and restored.lazy_pages else None
+                if served is not None:  # the agent's page server: the wake's faults, the pages it fetched first
+                    run.phases.setdefault("lazy_pages_faults", []).append(served.faults)
+                    run.phases.setdefault("lazy_pages_first_mib", []).append(
+                        sum(hi - lo for _, lo, hi in served.order) / 2**20)
+                    if served.fetched_first_at is not None:  # those in, from the wake's start; the faults by then
+                        run.phases.setdefault("lazy_pages_first_done_ms", []).append(
+                            (served.fetched_first_at - start) * 1e3)
+                        run.phases.setdefault("lazy_pages_faults_before_first_done", []).append(served.faults_first)
+                    if served.hold:
+                        run.phases.setdefault("lazy_pages_faults_in_wake", []).append(served.faults_held)
+                    if served.fault_times:  # when the faults came, from the wake's start
+                        times = [(t - start) * 1e3 for t in served.fault_times]
+                        for q in (10, 50, 90):
+                            run.phases.setdefault(f"lazy_pages_fault_p{q}_ms", []).append(
+                                float(np.percentile(times, q)))
                 if driver is not None and tier == Tier.SUSPENDED and pid in driver.timings:
                     for phase, ms in driver.timings.pop(pid).items():
                         run.phases.setdefault(phase, []).append(ms)
@@ -204,6 +220,7 @@ def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pa
         "outputs_match": all(r.mismatches == 0 for r in runs.values()),
         "restore_fallbacks": sum(r.fallbacks for r in runs.values()),
         "criu": engine.version() if engine else None,
+        "lazy_pages": {"server": engine.lazy_pages_server, "fill": engine.lazy_pages_fill} if engine else None,
         "wake_copy": wake_copy or inst.config.wake_copy if device.startswith("cuda") else None,
         "settle_ms": settle_s * 1e3,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -200,3 +200,111 @@ def test_a_server_that_fails_takes_the_restored_process_with_it(tmp_path: pathli
         assert criu_engine.timeouts == 0 and time.monotonic() - began < criu_engine.deadlines.floor_sec
     finally:
         procs.end_restored(child, restored)
+
+
+WAKER = r"""
+import ctypes, hashlib, json, mmap, pathlib, sys, time
+folder = pathlib.Path(sys.argv[1])
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+MIB = 1 << 20
+RW, ANON = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+
+def put(name, value):
+    (folder / (name + ".tmp")).write_text(json.dumps(value))
+    (folder / (name + ".tmp")).rename(folder / name)
+
+def wait(name):
+    while not (folder / name).exists():
+        time.sleep(0.005)
+    (folder / name).unlink()
+
+def digest(at, size):
+    return hashlib.sha256(ctypes.string_at(at, size)).hexdigest()
+
+w = libc.mmap(None, 8 * MIB, RW, ANON, -1, 0)  # what every wake reads
+z = libc.mmap(None, 32 * MIB, RW, ANON, -1, 0)  # what no wake reads
+ctypes.memmove(w, hashlib.shake_256(b"w").digest(8 * MIB), 8 * MIB)
+ctypes.memmove(z, hashlib.shake_256(b"z").digest(32 * MIB), 32 * MIB)
+put("ready", {"w": [w, w + 8 * MIB], "w_digest": digest(w, 8 * MIB), "z_digest": digest(z, 32 * MIB)})
+n = 0
+while True:
+    wait("go")
+    n += 1
+    put(f"woke-{n}", {"w": digest(w, 8 * MIB)})
+    wait("check")
+    put(f"checked-{n}", {"z": digest(z, 32 * MIB)})
+"""
+
+
+def test_a_wake_gets_first_what_the_last_wake_faulted_on(tmp_path: pathlib.Path, criu_engine: criu.CriuEngine,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restore for a wake holds back the pages the wake does not touch until it is released, and records the
+    ones it faulted on; the next wake's restore of the same instance (a new image of the restored process) brings
+    those in before the process asks, and they fault no more."""
+    criu_engine.lazy_pages_server, criu_engine.lazy_pages_fill = "volga", "after-wake"
+    monkeypatch.setattr(criu, "LAZY_HOLD_SEC", 60.0)
+    folder = pathlib.Path(os.path.realpath(tmp_path))
+    log = tmp_path / "child.log"
+    with log.open("w") as output:
+        child = subprocess.Popen([sys.executable, "-c", WAKER, str(folder)], start_new_session=True,
+                                 stdin=subprocess.DEVNULL, stdout=output, stderr=output)
+    restored = None
+    try:
+        ready = _wait(folder / "ready", log)
+        w_lo, w_hi = ready["w"]  # type: ignore[misc]
+
+        def in_w(ranges: list[lazypages.Range]) -> int:
+            return sum(min(hi, w_hi) - max(lo, w_lo) for _, lo, hi in ranges if lo < w_hi and hi > w_lo)
+
+        for n in (1, 2):
+            image = criu_engine.dump(child.pid if n == 1 else restored.pid, "waker")  # type: ignore[union-attr]
+            if n == 1:
+                child.wait(timeout=30)
+            else:
+                process.reap(restored.pid)  # type: ignore[union-attr]
+            restored = criu_engine.restore(image, lazy=True, wake=True)
+            pages = restored.lazy_pages
+            assert pages is not None and pages.server is not None
+            server = pages.server
+            assert server.fetched_first.wait(30)
+            if n == 1:  # nothing known of this instance yet
+                assert server.order == []
+            else:  # all of w comes first, before the process is told to go on
+                assert in_w(server.order) == w_hi - w_lo
+            (folder / "go").write_text("")
+            assert _wait(folder / f"woke-{n}", log)["w"] == ready["w_digest"]
+            assert not pages.done.is_set()  # z is held back until the wake is done
+            if n == 1:
+                assert in_w(server.faulted) == w_hi - w_lo  # every page of w came through a fault
+            else:
+                assert in_w(server.faulted) == 0
+            restored.release()
+            restored.wait_for_pages(30.0)
+            assert pages.exit_code == 0, server.error
+            (folder / "check").write_text("")
+            assert _wait(folder / f"checked-{n}", log)["z"] == ready["z_digest"]
+            assert server.record is not None and in_w(server.record) == w_hi - w_lo
+    finally:
+        procs.end_restored(child, restored)
+
+
+def test_pages_held_for_a_wake_come_after_the_hold_when_nobody_releases_them(
+        criu_engine: criu.CriuEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    criu_engine.lazy_pages_server, criu_engine.lazy_pages_fill = "volga", "after-wake"
+    monkeypatch.setattr(criu, "LAZY_HOLD_SEC", 0.5)
+    child = _sleeper()
+    restored = None
+    try:
+        time.sleep(0.3)
+        image = criu_engine.dump(child.pid, "held")
+        child.wait(timeout=30)
+        restored = criu_engine.restore(image, lazy=True, wake=True)
+        restored.wait_for_pages(30.0)
+        pages = restored.lazy_pages
+        assert pages is not None and pages.server is not None and pages.exit_code == 0
+        assert not pages.server.released and pages.server.copied > 0
+        assert pages.finished is not None and pages.finished - restored.started >= 0.5
+    finally:
+        procs.end_restored(child, restored)

@@ -667,7 +667,7 @@ class Instance:
         gpu_freeze.Freeze(self, generation).from_suspended()
         return None
 
-    def _restore(self, lazy: bool | None) -> int:
+    def _restore(self, lazy: bool | None, wake: bool = False) -> int:
         if self.image is None or self.criu is None:
             raise criu.CriuError(f"{self.name}: no image to restore")
         pathlib.Path(self.config.socket).unlink(missing_ok=True)
@@ -675,7 +675,7 @@ class Instance:
         self._announce()
         with self._phase("restore"):
             lazy = (self.lazy_restore if lazy is None else lazy) and self.image.lazy_restorable
-            restored = self.criu.restore(self.image, lazy=lazy)
+            restored = self.criu.restore(self.image, lazy=lazy, wake=wake)
         self.pid, self._restored = restored.pid, restored
         priority.normalise(restored.pid)  # the image kept its threads' nice: it may have been taken while yielding
         throttle.resume(restored.pid)  # an image of a stopped worker would restore it stopped
@@ -686,13 +686,15 @@ class Instance:
         self._paused = True
 
     def _frozen_to_hot(self, lazy: bool | None = None) -> None:
-        pid = self._restore(lazy)
+        pid = self._restore(lazy, wake=True)
         if self.gpu:
             assert self.driver is not None
             with self._phase("driver"):
                 self.driver.resume(pid)
         self._resume_worker(pid)
         self._wake_worker()  # an image taken in SUSPENDED holds a worker that was told to sleep
+        if self._restored is not None:  # awake: the lazy pages the wake did not ask for come now
+            self._restored.release()
 
     def close(self) -> None:
         """Stop the worker and remove every image this instance owns."""

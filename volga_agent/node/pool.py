@@ -147,7 +147,8 @@ class Pool:
                                                                      self.settings.criu.timeout_sec_per_gib),
                                             checksums=self.settings.verify_image_checksums,
                                             lazy_pages_server=self.settings.criu.lazy_pages_server,
-                                            lazy_pages_threads=self.settings.criu.lazy_pages_threads or None)
+                                            lazy_pages_threads=self.settings.criu.lazy_pages_threads or None,
+                                            lazy_pages_fill=self.settings.criu.lazy_pages_fill)
             except criu.CriuError as exc:
                 log.warning("FROZEN tier unavailable: %s", exc)
         self.shared: shared.Context | None = None

@@ -626,7 +626,7 @@ class ServerInstance:
                     self.socket_path.unlink(missing_ok=True)
                 lazy = (self.copies_parked if self.lazy_restore is None else self.lazy_restore) and \
                     self.image.lazy_restorable
-                restored = self.engine.restore(self.image, lazy=lazy)
+                restored = self.engine.restore(self.image, lazy=lazy, wake=True)
                 self.pid, self._restored = restored.pid, restored
                 for pid in process.tree(restored.pid):  # its image kept each thread's nice: it may have yielded
                     priority.normalise(pid)
@@ -634,6 +634,7 @@ class ServerInstance:
                 if self.handshake_image:
                     self.gpu_pids = self._handshake_gpu_pids
                 self._back_up(began, phases)
+                restored.release()  # awake: the lazy pages the wake did not ask for come now
             except (criu.CriuError, ServerError, instance.CanaryMismatch, OSError,
                     cuda.DriverCheckpointError) as exc:
                 if lazy and isinstance(exc, cuda.DriverCheckpointError):

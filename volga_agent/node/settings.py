@@ -124,8 +124,10 @@ class CriuSettings(Group):
     timeout_floor_sec plus timeout_sec_per_gib per GiB it moves; a restore killed so is a failed one. A lazy
     restore's pages are served by lazy_pages_server: "volga" (the agent's own, `snapshot.lazypages`, with
     lazy_pages_threads filling in the background, 0: one per 256 MiB of lazy pages, at most 4) or "criu" (a `criu
-    lazy-pages` daemon). Flat: criu_timeout_floor_sec, criu_timeout_sec_per_gib, criu_lazy_pages_server,
-    criu_lazy_pages_threads."""
+    lazy-pages` daemon). lazy_pages_fill: "after-wake" (the agent's server brings first the pages the instance's
+    last wake faulted on, the rest once the wake has answered) or "at-once" (everything from the start). Flat:
+    criu_timeout_floor_sec, criu_timeout_sec_per_gib, criu_lazy_pages_server, criu_lazy_pages_threads,
+    criu_lazy_pages_fill."""
 
     PREFIX: ClassVar[str] = "criu_"
 
@@ -133,6 +135,7 @@ class CriuSettings(Group):
     timeout_sec_per_gib: NonNegative = 10.0
     lazy_pages_server: Literal["volga", "criu"] = "volga"
     lazy_pages_threads: Annotated[int, pydantic.Field(ge=0, le=64)] = 0
+    lazy_pages_fill: Literal["after-wake", "at-once"] = "after-wake"
 
 
 class SharedSnapshotSettings(Group):

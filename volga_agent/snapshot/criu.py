@@ -38,6 +38,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import logging
 import mmap
 import os
@@ -60,6 +61,9 @@ from volga_agent.worker import contract, nsinit
 # whose user has no home, such as a gateway running under a bare UID, imports this module too).
 DEFAULT_PREFIX = pathlib.Path("~/.cache/volga/criu")
 FAILED = "failed"
+# The longest a lazy restore for a wake holds back the pages the wake did not ask for, when nobody says the wake
+# is done (`Restored.release`).
+LAZY_HOLD_SEC = 5.0
 log = logging.getLogger(__name__)
 
 
@@ -115,9 +119,11 @@ class LazyPages:
     image: a dump taken then would miss those pages (the kernel reports them as never touched) and the next
     restore would bring them back as zeros."""
 
-    def __init__(self, daemon: subprocess.Popen[Any] | None = None, server: lazypages.Server | None = None) -> None:
+    def __init__(self, daemon: subprocess.Popen[Any] | None = None, server: lazypages.Server | None = None,
+                 keep: Callable[[list[lazypages.Range]], None] | None = None) -> None:
         self.daemon = daemon
         self.server = server
+        self._keep = keep  # takes the record of the wake it served (`release`)
         self.done = server.done if server is not None else threading.Event()
         self._exit_code: int | None = None
         self.pid: int | None = None  # the restored tree's root, once criu has restored it, and its start time
@@ -169,6 +175,14 @@ class LazyPages:
         if self.exit_code != 0:
             raise CriuError(f"pid {pid}: the lazy-pages server failed ({self.error}): pages may be missing")
 
+    def release(self) -> None:
+        """The wake it served is done: the pages held back until then come now (`lazypages.Server.release`), and
+        the ranges this wake faulted on are kept for the next restore of the same process."""
+        if self.server is not None:
+            record = self.server.release()
+            if record is not None and self._keep is not None:
+                self._keep(record)
+
     def stop(self) -> None:
         """Stop serving if it still does (a daemon is killed; its reaper thread collects it)."""
         if self.server is not None:
@@ -197,6 +211,11 @@ class Restored:
         """Return once the restored process holds all of its memory (at once for eager restores)."""
         if self.lazy_pages is not None:
             self.lazy_pages.wait(self.pid, timeout)
+
+    def release(self) -> None:
+        """The restored process has woken: its lazy pages held back for the wake come now."""
+        if self.lazy_pages is not None:
+            self.lazy_pages.release()
 
     def stop(self) -> None:
         """The restored process is gone: a lazy-pages daemon still serving it goes too."""
@@ -328,7 +347,7 @@ class CriuEngine:
 
     def __init__(self, root: str | pathlib.Path, criu: str | None = None, keep_failed: int = 3,
                  deadlines: Deadlines | None = None, checksums: bool = False, lazy_pages_server: str | None = None,
-                 lazy_pages_threads: int | None = None) -> None:
+                 lazy_pages_threads: int | None = None, lazy_pages_fill: str | None = None) -> None:
         self.root = pathlib.Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.criu = criu or find_criu()
@@ -339,7 +358,8 @@ class CriuEngine:
         self.lazy_daemon_failures = 0
         # Who serves a lazy restore's pages: "volga" (`lazypages.Server`, in this process, `lazy_pages_threads`
         # filling in the background; None: by the image's size) or "criu" (a `criu lazy-pages` daemon). Where the
-        # caller does not say, the environment may (the benches: VOLGA_LAZY_PAGES_SERVER, _THREADS, _FILL_KIB).
+        # caller does not say, the environment may (the benches: VOLGA_LAZY_PAGES_SERVER, _THREADS, _FILL_KIB,
+        # _FAULT_KIB, _FILL).
         self.lazy_pages_server = lazy_pages_server or os.environ.get("VOLGA_LAZY_PAGES_SERVER", "volga")
         if self.lazy_pages_server not in ("volga", "criu"):
             raise ValueError(f"lazy pages server {self.lazy_pages_server!r}: it is 'volga' or 'criu'")
@@ -347,6 +367,16 @@ class CriuEngine:
         self.lazy_pages_threads = lazy_pages_threads or (int(threads) if threads else None)
         self.lazy_pages_fill_bytes = 1024 * int(os.environ.get("VOLGA_LAZY_PAGES_FILL_KIB",
                                                                lazypages.FILL_BYTES // 1024))
+        self.lazy_pages_fault_bytes = 1024 * int(os.environ.get("VOLGA_LAZY_PAGES_FAULT_KIB",
+                                                                lazypages.FAULT_BYTES // 1024))
+        # When the agent's server fills the pages a wake did not ask for: "after-wake" (the pages the last wake of
+        # the same process faulted on first, the rest once the wake is done: `lazypages`) or "at-once".
+        self.lazy_pages_fill = lazy_pages_fill or os.environ.get("VOLGA_LAZY_PAGES_FILL", "after-wake")
+        if self.lazy_pages_fill not in ("after-wake", "at-once"):
+            raise ValueError(f"lazy pages fill {self.lazy_pages_fill!r}: it is 'after-wake' or 'at-once'")
+        # Per folder of an instance's images: the ranges its last lazy wake faulted on (`lazypages.Server.record`).
+        # A restored process keeps its addresses, so they hold from one image of it to the next.
+        self._records: dict[pathlib.Path, list[lazypages.Range]] = {}
         self.timeouts = 0  # calls killed at their deadline
         self._lock = threading.Lock()
         self._failures_lock = threading.Lock()  # keep_failure's copy and prune, one instance at a time
@@ -482,13 +512,16 @@ class CriuEngine:
             return f"image {image.path} is damaged: cannot read its pages files: {exc}"
         return f"image {image.path} is damaged: its pages files do not match the checksums taken at its dump"
 
-    def restore(self, image: Image, lazy: bool = False) -> Restored:
+    def restore(self, image: Image, lazy: bool = False, wake: bool = False) -> Restored:
         """Restore an image detached; the restored root is re-parented to our child subreaper.
 
         With `lazy`, a page server (`lazy_pages_server`) serves the memory pages through userfaultfd: the process
         runs as soon as its tree is rebuilt, pages arrive when first touched (and in the background), and the
-        server stops once every page is delivered. A server that fails stops criu (CriuError), or, once the
-        restore is done, kills the restored tree: its memory would read as zeros where pages did not come.
+        server stops once every page is delivered. With `wake` too (the restored process is to serve at once),
+        the agent's server fills first the pages the last wake of this instance faulted on and holds the rest
+        back until `Restored.release()` (at most `LAZY_HOLD_SEC`; `lazy_pages_fill` "after-wake"). A server
+        that fails stops criu (CriuError), or, once the restore is done, kills the restored tree: its memory
+        would read as zeros where pages did not come.
 
         CriuTimeout when criu has not finished within the deadline for the image's size: criu, the tree it was
         restoring and the lazy-pages server are killed. CriuError, before criu runs, when a file the image maps
@@ -510,7 +543,7 @@ class CriuEngine:
         start = time.perf_counter()
         pages = None
         if lazy:
-            pages = self._lazy_pages(image)
+            pages = self._lazy_pages(image, wake)
             pages.abort = abort
             with self._lock:
                 self._daemons.add(pages)
@@ -559,16 +592,20 @@ class CriuEngine:
                 _offer(pages.abort, f"its lazy pages could not be served: {pages.error}")
             pages.kill_restored()
 
-    def _lazy_pages(self, image: Image) -> LazyPages:
+    def _lazy_pages(self, image: Image, wake: bool) -> LazyPages:
         """Start the page server of a lazy restore (`lazy_pages_server`) and return once it listens."""
         timeout = self.deadlines.for_bytes(image.size_bytes)
         if self.lazy_pages_server == "volga":
             with self._lock:
                 if self._closed:
                     raise CriuCancelled("lazy pages: the snapshot engine is closed")
+                held = wake and self.lazy_pages_fill == "after-wake"
+                order = self._records.get(image.path.parent, []) if held else []
             try:
                 server = lazypages.Server(image.path, threads=self.lazy_pages_threads,
-                                          fill_bytes=self.lazy_pages_fill_bytes)
+                                          fill_bytes=self.lazy_pages_fill_bytes,
+                                          fault_bytes=self.lazy_pages_fault_bytes, order=order,
+                                          hold=LAZY_HOLD_SEC if held else 0.0)
             except (OSError, lazypages.LazyPagesError) as exc:
                 raise CriuError(f"cannot serve the lazy pages of {image.path}: {exc}") from exc
             try:
@@ -577,7 +614,7 @@ class CriuEngine:
                 server.close()
                 raise CriuError(f"cannot serve the lazy pages of {image.path}: {exc}") from exc
             server.start(timeout)
-            return LazyPages(server=server)
+            return LazyPages(server=server, keep=functools.partial(self._keep_record, image.path.parent))
         (image.path / "lazy-pages.socket").unlink(missing_ok=True)
         ready, status = os.pipe()
         try:
@@ -603,6 +640,11 @@ class CriuEngine:
             os.close(ready)
             if status >= 0:
                 os.close(status)
+
+    def _keep_record(self, folder: pathlib.Path, record: list[lazypages.Range]) -> None:
+        with self._lock:
+            if folder.is_dir():  # not for an instance whose images are gone (remove_all)
+                self._records[folder] = record
 
     def keep_failure(self, image: Image, name: str, extra: tuple[pathlib.Path, ...] = ()) -> pathlib.Path | None:
         """Keep what a failed restore of `image` leaves, as hard links under failed/ (so removing the image
@@ -639,4 +681,6 @@ class CriuEngine:
         shutil.rmtree(image.path, ignore_errors=True)
 
     def remove_all(self, name: str) -> None:
+        with self._lock:
+            self._records.pop(self.root / name, None)
         shutil.rmtree(self.root / name, ignore_errors=True)

@@ -27,6 +27,14 @@ would use the old addresses; so each process has a gate (`_Gate`) that copies pa
 the event thread takes alone while it reads messages and applies them. A copy refused with EAGAIN goes back
 to the front of the queue with its addresses as they are then.
 
+A wake touches few of a process's lazy pages, and mostly the same ones from one restore of it to the next (the
+driver's restore reads the CUDA library's state, the first request the server's code and objects). Faults are
+round trips, and a fill beside the wake competes with it: a GPU process's driver restore ran 60-170 ms longer
+beside the fill (docs/snapshots.md, Lazy pages). So a restore for a wake may be given `order`, the ranges that
+faulted in an earlier wake of the same process (`record`), and `hold`: the fillers bring the ordered ranges in
+first, as soon as criu has finished, and the rest only once `release()` says the wake is done (or after `hold`
+seconds); the faults until then, the ranges in `order` first, are the next `record`.
+
 Every page is delivered before `done` is set (or the process is gone); until then a dump of the process would
 miss the pages not yet there, as with CRIU's server (`criu.LazyPages`).
 """
@@ -46,7 +54,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message, message_factory
 
@@ -61,6 +69,14 @@ FILL_BYTES = 512 * 1024
 # slow what runs beside them in the same process (a GPU process's driver restore: docs/snapshots.md, Lazy pages).
 THREADS = 4
 BYTES_PER_THREAD = 256 * 2**20
+# The most a record of a wake's faults keeps (its ranges in fault order): a wake that touches more than this is
+# no longer a few pages, and the fill brings the rest.
+RECORD_BYTES = 512 * 2**20
+FAULT_TIMES = 4096
+PREFETCH_BYTES = 2 * 2**20
+
+# A range of one process's memory: (its PID in the image, start, end).
+Range = tuple[int, int, int]
 
 # CRIU's image files: a common magic, the file's own magic, then (u32 size, protobuf message) entries.
 _MAGIC_COMMON = 0x54564319
@@ -189,6 +205,19 @@ def lazy_segments(folder: pathlib.Path, pid: int) -> tuple[str, list[list[int]]]
     return f"pages-{head.pages_id}.img", sorted(out)
 
 
+def coalesce(ranges: Sequence[Range]) -> list[Range]:
+    """`ranges` (in the order they were wanted) with those that touch or overlap merged, each merged range at the
+    place of the earliest of its parts: one copy where a wake faulted on neighbouring windows one by one."""
+    runs: list[list[int]] = []  # [earliest index, pid, start, end]
+    for at, (pid, lo, hi) in sorted(enumerate(ranges), key=lambda e: e[1]):
+        if runs and runs[-1][1] == pid and runs[-1][3] >= lo:
+            runs[-1][0] = min(runs[-1][0], at)
+            runs[-1][3] = max(runs[-1][3], hi)
+        else:
+            runs.append([at, pid, lo, hi])
+    return [(pid, lo, hi) for _, pid, lo, hi in sorted(runs)]
+
+
 class _Gate:
     """Copies into one process pass together; applying its events to the pages to come waits for the copies in
     flight and holds new ones back (module docstring)."""
@@ -282,6 +311,7 @@ class _Space:
         self.gate = _Gate()
         self.lock = threading.Lock()
         self.gone = False
+        self.forked = False  # a child forked after the restore: no process of the image, not in a record
         # Bytes copied in, dropped (the process unmapped or discarded them first), or found there already or
         # unmapped (`skipped`); faults answered. Under self.lock: fillers count at once.
         self.copied = 0
@@ -313,6 +343,31 @@ class _Space:
             parts.append([hi, end, offset + hi - start])
         self.pending[i:i + 1] = parts
         return [lo, hi, offset + lo - start]
+
+    def take_within(self, lo: int, hi: int, size: int) -> list[int] | None:
+        """At most `size` bytes of the pages to come in [lo, hi), from the first segment there."""
+        i = bisect.bisect_right(self.pending, [lo, float("inf")]) - 1
+        if i < 0 or self.pending[i][1] <= lo:
+            i += 1
+        if i >= len(self.pending) or self.pending[i][0] >= hi:
+            return None
+        start, end, offset = self.pending[i]
+        a = max(start, lo)
+        b = min(end, hi, a + size)
+        parts = []
+        if start < a:
+            parts.append([start, a, offset])
+        if b < end:
+            parts.append([b, end, offset + b - start])
+        self.pending[i:i + 1] = parts
+        return [a, b, offset + a - start]
+
+    def overlaps(self, lo: int, hi: int) -> bool:
+        """Whether any page to come lies in [lo, hi)."""
+        i = bisect.bisect_right(self.pending, [lo, float("inf")]) - 1
+        if i >= 0 and self.pending[i][1] > lo:
+            return True
+        return i + 1 < len(self.pending) and self.pending[i + 1][0] < hi
 
     def take_next(self, size: int) -> list[int] | None:
         if self.urgent:
@@ -355,6 +410,7 @@ class _Space:
     def child(self, uffd: int) -> _Space:
         self.source.users += 1
         kid = _Space(self.pid, uffd, self.source, sorted([list(s) for s in self.pending + self.urgent]))
+        kid.forked = True
         return kid
 
 
@@ -379,11 +435,26 @@ def _cut(segs: list[list[int]], lo: int, hi: int) -> list[list[int]]:
 class Server:
     """Serves one lazy restore of the image in `folder`: call `listen` before starting `criu restore
     --lazy-pages -D folder`, then `start`. `done` is set once every process has all its pages (or is gone), or
-    the server failed (`exit_code` 1, `error`) or was stopped."""
+    the server failed (`exit_code` 1, `error`) or was stopped. With `order` and `hold` (module docstring), the
+    ranges of `order` come first and the rest after `release()`."""
 
     def __init__(self, folder: str | pathlib.Path, threads: int | None = None, fault_bytes: int = FAULT_BYTES,
-                 fill_bytes: int = FILL_BYTES) -> None:
+                 fill_bytes: int = FILL_BYTES, order: Sequence[Range] = (), hold: float = 0.0) -> None:
         self.folder = pathlib.Path(folder)
+        self.order = list(order)
+        self.hold = hold
+        self.released = hold <= 0  # the fill of what `order` does not hold may go on
+        self.record: list[Range] | None = None  # the ranges a wake wanted first, once released
+        self.faulted: list[Range] = []  # the fault windows of the processes of the image, in order, until released
+        self.fetched_first = threading.Event()  # every range of `order` is in (or the server ends)
+        # When that was (time.perf_counter()) and how many faults had come by then; the faults until released.
+        self.fetched_first_at: float | None = None
+        self.faults_first = 0
+        self.faults_held = 0
+        self.fault_times: list[float] = []  # when faults were read (time.perf_counter()), the first FAULT_TIMES
+        self._pieces: list[Range] = []  # `order` cut to PREFETCH_BYTES, shared out among the fillers
+        self._order_at = 0  # the next of them a filler takes
+        self._prefetching = 0  # fillers still copying ranges of `order`
         self._processes = processes(self.folder)
         self.threads = threads if threads and threads > 0 else None
         self.fault_bytes = fault_bytes
@@ -428,6 +499,25 @@ class Server:
         threading.Thread(target=self._serve, args=(deadline,), name=f"lazy-pages-{self.folder.name}",
                          daemon=True).start()
 
+    def release(self) -> list[Range] | None:
+        """The wake is done: fill the rest. Returns the record of this wake (the ranges of `order` that were lazy
+        in this image, then the windows that faulted and were not among them, at most `RECORD_BYTES`), or None
+        when it was released already or held nothing."""
+        with self._work:
+            if self.released:
+                return None
+            self.released = True
+            self.faults_held = self.faults
+            self._work.notify_all()
+        record, size = [], 0
+        for pid, lo, hi in coalesce(self.order + list(self.faulted)):
+            if size + hi - lo > RECORD_BYTES:
+                break
+            record.append((pid, lo, hi))
+            size += hi - lo
+        self.record = record
+        return record
+
     def stop(self) -> None:
         """Give up serving (the restored process is gone, or the agent stops); `done` follows."""
         with self._work:
@@ -466,9 +556,16 @@ class Server:
             client = self._accept(until)
             with client:
                 self._receive(client, until)
+                ours = {space.pid: space for space in self.spaces}
+                self.order = [(pid, lo, hi) for pid, lo, hi in self.order
+                              if pid in ours and ours[pid].overlaps(lo, hi)]
+                # the fillers share the ranges out one at a time: none longer than PREFETCH_BYTES
+                self._pieces = [(pid, at, min(hi, at + PREFETCH_BYTES)) for pid, lo, hi in self.order
+                                for at in range(lo, hi, PREFETCH_BYTES)]
                 if self.threads is None:
                     lazy = sum(_size(space.pending) for space in self.spaces)
                     self.threads = min(THREADS, max(1, -(-lazy // BYTES_PER_THREAD)))
+                self._prefetching = self.threads
                 fillers = [threading.Thread(target=self._fill, name=f"lazy-fill-{self.folder.name}-{n}",
                                             daemon=True) for n in range(self.threads)]
                 for thread in fillers:
@@ -491,6 +588,7 @@ class Server:
                 self._work.notify_all()
             for thread in fillers:
                 thread.join()
+            self.fetched_first.set()
             for space in self.spaces:
                 with contextlib.suppress(OSError):
                     os.close(space.uffd)
@@ -629,6 +727,8 @@ class Server:
                         raise LazyPagesError(f"unexpected userfaultfd event {event:#x} from process {space.pid}")
         with space.lock:
             space.faults += len(faults)
+        if faults and len(self.fault_times) < FAULT_TIMES:
+            self.fault_times.append(time.perf_counter())
         for address in faults:
             self._fault(space, address - address % PAGE)
         return kids
@@ -641,6 +741,8 @@ class Server:
                 seg = space.take_around(address, self.fault_bytes)
                 if seg is not None:
                     space.inflight.append((seg[0], seg[1]))
+                    if not self.released and not space.forked:
+                        self.faulted.append((space.pid, seg[0], seg[1]))
             if seg is None:  # not among the pages to come: a hole of the image, or already in
                 self._zero(space, address)
                 return
@@ -717,10 +819,22 @@ class Server:
             raise OSError(code, f"zero page into process {space.pid} at {address:#x}: {os.strerror(code)}")
 
     def _fill(self) -> None:
-        """A background filler: copies the pages to come, `fill_bytes` at a time, once criu has finished."""
+        """A background filler: once criu has finished, copies the ranges of `order`, then (released, or after
+        `hold` seconds) the rest of the pages to come, `fill_bytes` at a time."""
         with self._work:
             while not self._restore_finished.is_set():
                 self._work.wait()
+        fetched = self._prefetch()
+        with self._work:
+            self._prefetching -= 1
+            if not self._prefetching:
+                self.fetched_first_at, self.faults_first = time.perf_counter(), self.faults
+                self.fetched_first.set()
+        if not fetched:
+            return
+        with self._work:  # the rest once the wake is done
+            self._work.wait_for(lambda: self.released or self.stopped or self._failure or self._ending,
+                                timeout=self.hold)
         turn = 0
         while not (self.stopped or self._failure or self._ending):
             spaces = [s for s in self.spaces if not s.gone]
@@ -746,3 +860,30 @@ class Server:
                     self._poke(b"w")
                     return
                 time.sleep(0.0005)  # what is left is in flight, or refused until an event is read
+
+    def _prefetch(self) -> bool:
+        """Copy the ranges of `order` in, shared out among the fillers one range at a time; False when the
+        server failed or stops."""
+        ours = {space.pid: space for space in self.spaces if not space.forked}
+        while not (self.stopped or self._failure or self._ending):
+            with self._work:
+                if self._order_at >= len(self._pieces):
+                    return True
+                pid, lo, hi = self._pieces[self._order_at]
+                self._order_at += 1
+            space = ours[pid]
+            while True:
+                with space.gate.copying():
+                    with space.lock:
+                        seg = None if space.gone else space.take_within(lo, hi, self.fill_bytes)
+                        if seg is not None:
+                            space.inflight.append((seg[0], seg[1]))
+                    if seg is None:
+                        break
+                    try:
+                        if not self._copy(space, seg):
+                            break  # refused until an event is read: the rest fill takes it from there
+                    except OSError as exc:
+                        self._fail(str(exc))
+                        return False
+        return False
