@@ -241,8 +241,7 @@ async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, c
                 if served.fetched_first_at is not None:
                     lazy_first_done.append((served.fetched_first_at - asked) * 1000)
                     lazy_faults_first.append(served.faults_first)
-                if served.hold:
-                    lazy_faults_wake.append(served.faults_held)
+                lazy_faults_wake.append(served.faults_held)
                 if served.fault_times:  # when the faults came, from the request
                     lazy_fault_times.append([round((t - asked) * 1000, 1) for t in served.fault_times])
             ttft["frozen"].append(first)
@@ -276,7 +275,7 @@ async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, c
             "lazy_pages_done_ms": _stats(pages_done) if pages_done else None,
             "lazy_pages_server": engine.lazy_pages_server if any(lazy) else None,
             "lazy_pages_faults": _stats(lazy_faults) if lazy_faults else None,
-            "lazy_pages_fill": engine.lazy_pages_fill if any(lazy) else None,
+            "lazy_pages_fill": engine.fill_for(True) if any(lazy) else None,
             "lazy_pages_first_mib": _stats(lazy_first) if lazy_first else None,
             "lazy_pages_first_done_ms": _stats(lazy_first_done) if lazy_first_done else None,
             "lazy_pages_faults_before_first_done": _stats(lazy_faults_first) if lazy_faults_first else None,

@@ -193,8 +193,7 @@ def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pa
                         run.phases.setdefault("lazy_pages_first_done_ms", []).append(
                             (served.fetched_first_at - start) * 1e3)
                         run.phases.setdefault("lazy_pages_faults_before_first_done", []).append(served.faults_first)
-                    if served.hold:
-                        run.phases.setdefault("lazy_pages_faults_in_wake", []).append(served.faults_held)
+                    run.phases.setdefault("lazy_pages_faults_in_wake", []).append(served.faults_held)
                     if served.fault_times:  # when the faults came, from the wake's start
                         times = [(t - start) * 1e3 for t in served.fault_times]
                         for q in (10, 50, 90):
@@ -220,7 +219,8 @@ def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pa
         "outputs_match": all(r.mismatches == 0 for r in runs.values()),
         "restore_fallbacks": sum(r.fallbacks for r in runs.values()),
         "criu": engine.version() if engine else None,
-        "lazy_pages": {"server": engine.lazy_pages_server, "fill": engine.lazy_pages_fill} if engine else None,
+        "lazy_pages": {"server": engine.lazy_pages_server,
+                       "fill": engine.fill_for(device.startswith("cuda"))} if engine else None,
         "wake_copy": wake_copy or inst.config.wake_copy if device.startswith("cuda") else None,
         "settle_ms": settle_s * 1e3,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -335,7 +335,7 @@ def test_a_failed_lazy_restore_is_retried_eagerly(default_spec: api.ModelSpecSpe
         x, reference = hot_reference(inst, batch=2, seed=4)
         inst.to(Tier.FROZEN)
 
-        def no_daemon(image: criu.Image, wake: bool) -> None:
+        def no_daemon(image: criu.Image, wake: bool, gpu: bool) -> None:
             raise criu.CriuError("criu lazy-pages did not start")
         monkeypatch.setattr(criu_engine, "_lazy_pages", no_daemon)
         woke = inst.wake()
@@ -392,8 +392,8 @@ def test_a_lazily_restored_worker_is_frozen_only_with_all_its_pages(default_spec
     lazy_pages = criu_engine._lazy_pages
     release = threading.Event()
 
-    def held_lazy_pages(image: criu.Image, wake: bool) -> criu.LazyPages:
-        pages = lazy_pages(image, wake)
+    def held_lazy_pages(image: criu.Image, wake: bool, gpu: bool) -> criu.LazyPages:
+        pages = lazy_pages(image, wake, gpu)
         if pages.daemon is not None:
             os.sched_setaffinity(pages.daemon.pid, {starved})
             os.sched_setscheduler(pages.daemon.pid, os.SCHED_IDLE, os.sched_param(0))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from volga_agent.snapshot import lazypages
+from volga_agent.snapshot import criu, lazypages
 
 K = 1024
 
@@ -23,3 +23,9 @@ def test_pages_are_taken_within_a_range_and_the_rest_stays_to_come() -> None:
     assert space.take_within(50 * K, 250 * K, 1024 * K) == [216 * K, 250 * K, 116 * K]
     assert space.take_within(50 * K, 250 * K, 1024 * K) is None
     assert space.pending == [[0, 50 * K, 0], [250 * K, 300 * K, 150 * K]]
+
+
+def test_auto_holds_the_fill_for_a_wake_on_the_cpu_only() -> None:
+    for fill, cpu, gpu in (("auto", "after-wake", "at-once"), ("after-wake", "after-wake", "after-wake"),
+                           ("at-once", "at-once", "at-once")):
+        assert (criu.resolve_fill(fill, False), criu.resolve_fill(fill, True)) == (cpu, gpu)

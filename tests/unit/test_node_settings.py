@@ -28,7 +28,7 @@ FLAT_DEFAULTS: dict[str, object] = {
     "autonomy_throttle_share": 0.0, "autonomy_throttle_period_ms": 20.0, "autonomy_throttle_guard": False,
     "model_roots": (), "allow_model_code": False, "max_instances": 0, "host_memory_fraction": 0.8,
     "criu_timeout_floor_sec": 10.0, "criu_timeout_sec_per_gib": 10.0, "criu_lazy_pages_server": "volga",
-    "criu_lazy_pages_threads": 0, "criu_lazy_pages_fill": "after-wake", "verify_image_checksums": True,
+    "criu_lazy_pages_threads": 0, "criu_lazy_pages_fill": "auto", "verify_image_checksums": True,
     "shared_snapshots": "", "shared_snapshot_budget_bytes": 0, "shared_snapshot_grace_sec": 600.0,
     "shared_snapshots_node_local": False,
     "neighbours_enabled": False, "neighbours_period_ms": 200.0, "autonomy_heartbeat_sec": 5.0,

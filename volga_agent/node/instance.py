@@ -675,7 +675,7 @@ class Instance:
         self._announce()
         with self._phase("restore"):
             lazy = (self.lazy_restore if lazy is None else lazy) and self.image.lazy_restorable
-            restored = self.criu.restore(self.image, lazy=lazy, wake=wake)
+            restored = self.criu.restore(self.image, lazy=lazy, wake=wake, gpu=self.gpu)
         self.pid, self._restored = restored.pid, restored
         priority.normalise(restored.pid)  # the image kept its threads' nice: it may have been taken while yielding
         throttle.resume(restored.pid)  # an image of a stopped worker would restore it stopped

@@ -626,7 +626,8 @@ class ServerInstance:
                     self.socket_path.unlink(missing_ok=True)
                 lazy = (self.copies_parked if self.lazy_restore is None else self.lazy_restore) and \
                     self.image.lazy_restorable
-                restored = self.engine.restore(self.image, lazy=lazy, wake=True)
+                gpu = bool(self._handshake_gpu_pids if self.handshake_image else self.gpu_pids)
+                restored = self.engine.restore(self.image, lazy=lazy, wake=True, gpu=gpu)
                 self.pid, self._restored = restored.pid, restored
                 for pid in process.tree(restored.pid):  # its image kept each thread's nice: it may have yielded
                     priority.normalise(pid)

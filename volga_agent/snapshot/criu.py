@@ -64,6 +64,7 @@ FAILED = "failed"
 # The longest a lazy restore for a wake holds back the pages the wake did not ask for, when nobody says the wake
 # is done (`Restored.release`).
 LAZY_HOLD_SEC = 5.0
+LAZY_PAGES_FILLS = ("auto", "after-wake", "at-once")
 log = logging.getLogger(__name__)
 
 
@@ -342,6 +343,14 @@ def _log_tail(log: pathlib.Path, lines: int = 15) -> str:
     return "\n".join((errors or text)[-lines:])
 
 
+def resolve_fill(fill: str, gpu: bool) -> str:
+    """`fill` ("auto", "after-wake", "at-once") for a process that holds a CUDA context (`gpu`) or not: "auto" holds
+    the fill until after the wake on the CPU only (docs/snapshots.md, Lazy pages)."""
+    if fill != "auto":
+        return fill
+    return "at-once" if gpu else "after-wake"
+
+
 class CriuEngine:
     """Dumps and restores process trees under one snapshot root folder."""
 
@@ -369,11 +378,13 @@ class CriuEngine:
                                                                lazypages.FILL_BYTES // 1024))
         self.lazy_pages_fault_bytes = 1024 * int(os.environ.get("VOLGA_LAZY_PAGES_FAULT_KIB",
                                                                 lazypages.FAULT_BYTES // 1024))
-        # When the agent's server fills the pages a wake did not ask for: "after-wake" (the pages the last wake of
-        # the same process faulted on first, the rest once the wake is done: `lazypages`) or "at-once".
-        self.lazy_pages_fill = lazy_pages_fill or os.environ.get("VOLGA_LAZY_PAGES_FILL", "after-wake")
-        if self.lazy_pages_fill not in ("after-wake", "at-once"):
-            raise ValueError(f"lazy pages fill {self.lazy_pages_fill!r}: it is 'after-wake' or 'at-once'")
+        # When the agent's server fills, for a wake, the pages the last wake of the same process did not fault on
+        # (those it did come first either way: `lazypages`): "after-wake" (once the wake is done), "at-once", or
+        # "auto": after the wake on the CPU, at once for a process holding a CUDA context (docs/snapshots.md).
+        self.lazy_pages_fill = lazy_pages_fill or os.environ.get("VOLGA_LAZY_PAGES_FILL", "auto")
+        if self.lazy_pages_fill not in LAZY_PAGES_FILLS:
+            raise ValueError(f"lazy pages fill {self.lazy_pages_fill!r}: it is one of {', '.join(LAZY_PAGES_FILLS)}")
+        self.lazy_pages_record = os.environ.get("VOLGA_LAZY_PAGES_RECORD", "1") != "0"  # 0: no record (benches)
         # Per folder of an instance's images: the ranges its last lazy wake faulted on (`lazypages.Server.record`).
         # A restored process keeps its addresses, so they hold from one image of it to the next.
         self._records: dict[pathlib.Path, list[lazypages.Range]] = {}
@@ -512,16 +523,17 @@ class CriuEngine:
             return f"image {image.path} is damaged: cannot read its pages files: {exc}"
         return f"image {image.path} is damaged: its pages files do not match the checksums taken at its dump"
 
-    def restore(self, image: Image, lazy: bool = False, wake: bool = False) -> Restored:
+    def restore(self, image: Image, lazy: bool = False, wake: bool = False, gpu: bool = False) -> Restored:
         """Restore an image detached; the restored root is re-parented to our child subreaper.
 
         With `lazy`, a page server (`lazy_pages_server`) serves the memory pages through userfaultfd: the process
         runs as soon as its tree is rebuilt, pages arrive when first touched (and in the background), and the
         server stops once every page is delivered. With `wake` too (the restored process is to serve at once),
-        the agent's server fills first the pages the last wake of this instance faulted on and holds the rest
-        back until `Restored.release()` (at most `LAZY_HOLD_SEC`; `lazy_pages_fill` "after-wake"). A server
-        that fails stops criu (CriuError), or, once the restore is done, kills the restored tree: its memory
-        would read as zeros where pages did not come.
+        the agent's server fills first the pages the last wake of this instance faulted on, and where
+        `lazy_pages_fill` says so for it (`gpu`: it holds a CUDA context) holds the rest back until
+        `Restored.release()` (at most `LAZY_HOLD_SEC`); the release records this wake's faults for the next. A
+        server that fails stops criu (CriuError), or, once the restore is done, kills the restored tree: its
+        memory would read as zeros where pages did not come.
 
         CriuTimeout when criu has not finished within the deadline for the image's size: criu, the tree it was
         restoring and the lazy-pages server are killed. CriuError, before criu runs, when a file the image maps
@@ -543,7 +555,7 @@ class CriuEngine:
         start = time.perf_counter()
         pages = None
         if lazy:
-            pages = self._lazy_pages(image, wake)
+            pages = self._lazy_pages(image, wake, gpu)
             pages.abort = abort
             with self._lock:
                 self._daemons.add(pages)
@@ -592,15 +604,15 @@ class CriuEngine:
                 _offer(pages.abort, f"its lazy pages could not be served: {pages.error}")
             pages.kill_restored()
 
-    def _lazy_pages(self, image: Image, wake: bool) -> LazyPages:
+    def _lazy_pages(self, image: Image, wake: bool, gpu: bool) -> LazyPages:
         """Start the page server of a lazy restore (`lazy_pages_server`) and return once it listens."""
         timeout = self.deadlines.for_bytes(image.size_bytes)
         if self.lazy_pages_server == "volga":
             with self._lock:
                 if self._closed:
                     raise CriuCancelled("lazy pages: the snapshot engine is closed")
-                held = wake and self.lazy_pages_fill == "after-wake"
-                order = self._records.get(image.path.parent, []) if held else []
+                order = self._records.get(image.path.parent, []) if wake and self.lazy_pages_record else []
+                held = wake and self.fill_for(gpu) == "after-wake"
             try:
                 server = lazypages.Server(image.path, threads=self.lazy_pages_threads,
                                           fill_bytes=self.lazy_pages_fill_bytes,
@@ -640,6 +652,10 @@ class CriuEngine:
             os.close(ready)
             if status >= 0:
                 os.close(status)
+
+    def fill_for(self, gpu: bool) -> str:
+        """When a wake's lazy pages that its record does not hold come (`lazy_pages_fill` with "auto" resolved)."""
+        return resolve_fill(self.lazy_pages_fill, gpu)
 
     def _keep_record(self, folder: pathlib.Path, record: list[lazypages.Range]) -> None:
         with self._lock:

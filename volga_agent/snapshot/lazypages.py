@@ -27,13 +27,14 @@ would use the old addresses; so each process has a gate (`_Gate`) that copies pa
 the event thread takes alone while it reads messages and applies them. A copy refused with EAGAIN goes back
 to the front of the queue with its addresses as they are then.
 
-A wake touches few of a process's lazy pages, and mostly the same ones from one restore of it to the next (the
-driver's restore reads the CUDA library's state, the first request the server's code and objects). Faults are
-round trips, and a fill beside the wake competes with it: a GPU process's driver restore ran 60-170 ms longer
-beside the fill (docs/snapshots.md, Lazy pages). So a restore for a wake may be given `order`, the ranges that
-faulted in an earlier wake of the same process (`record`), and `hold`: the fillers bring the ordered ranges in
-first, as soon as criu has finished, and the rest only once `release()` says the wake is done (or after `hold`
-seconds); the faults until then, the ranges in `order` first, are the next `record`.
+A wake touches few of a process's lazy pages, and many of them are the same from one restore of the process to
+the next (its code's objects, the libraries' state), at the same addresses, since a restored process keeps its
+layout. Faults are round trips, so a restore for a wake may be given `order`, the ranges that faulted in the last
+wake of the same process (its `record`, merged where they touch): the fillers bring those in first, as soon as
+criu has finished. With `hold`, the rest waits until `release()` says the wake is done (at most `hold` seconds),
+so the fill does not compete with the wake; it pays where what the wake touches is mostly in the record (a CPU
+worker), not where the wake writes memory its allocator hands out afresh each time, which faults one window at a
+time while held (GPU processes: docs/snapshots.md, Lazy pages).
 
 Every page is delivered before `done` is set (or the process is gone); until then a dump of the process would
 miss the pages not yet there, as with CRIU's server (`criu.LazyPages`).
@@ -443,7 +444,7 @@ class Server:
         self.folder = pathlib.Path(folder)
         self.order = list(order)
         self.hold = hold
-        self.released = hold <= 0  # the fill of what `order` does not hold may go on
+        self.released = False  # the wake is done (`release`): its faults are recorded until then
         self.record: list[Range] | None = None  # the ranges a wake wanted first, once released
         self.faulted: list[Range] = []  # the fault windows of the processes of the image, in order, until released
         self.fetched_first = threading.Event()  # every range of `order` is in (or the server ends)
@@ -500,9 +501,9 @@ class Server:
                          daemon=True).start()
 
     def release(self) -> list[Range] | None:
-        """The wake is done: fill the rest. Returns the record of this wake (the ranges of `order` that were lazy
-        in this image, then the windows that faulted and were not among them, at most `RECORD_BYTES`), or None
-        when it was released already or held nothing."""
+        """The wake is done: fill the rest, if held. Returns the record of this wake (the ranges of `order` that
+        were lazy in this image and the windows that faulted, merged where they touch, in the order of first need,
+        at most `RECORD_BYTES`), or None when it was released already."""
         with self._work:
             if self.released:
                 return None
@@ -833,8 +834,8 @@ class Server:
         if not fetched:
             return
         with self._work:  # the rest once the wake is done
-            self._work.wait_for(lambda: self.released or self.stopped or self._failure or self._ending,
-                                timeout=self.hold)
+            self._work.wait_for(lambda: self.released or self.hold <= 0 or self.stopped or self._failure or
+                                self._ending, timeout=self.hold)
         turn = 0
         while not (self.stopped or self._failure or self._ending):
             spaces = [s for s in self.spaces if not s.gone]
