@@ -124,9 +124,9 @@ class CriuSettings(Group):
     timeout_floor_sec plus timeout_sec_per_gib per GiB it moves; a restore killed so is a failed one. A lazy
     restore's pages are served by lazy_pages_server: "volga" (the agent's own, `snapshot.lazypages`, with
     lazy_pages_threads filling in the background, 0: one per 256 MiB of lazy pages, at most 4) or "criu" (a `criu
-    lazy-pages` daemon). For a wake the agent's server brings first the pages the instance's last wake faulted on;
-    lazy_pages_fill says when the rest come: "after-wake" (once the wake has answered), "at-once", or "auto" (after
-    the wake on the CPU, at once for GPU processes). Flat:
+    lazy-pages` daemon). lazy_pages_fill: "after-wake" (for a wake, the agent's server brings first the pages the
+    instance's last wake faulted on, the rest once the wake has answered), "at-once" (every page from the start),
+    or "auto" (after the wake on the CPU, at once for GPU processes). Flat:
     criu_timeout_floor_sec, criu_timeout_sec_per_gib, criu_lazy_pages_server, criu_lazy_pages_threads,
     criu_lazy_pages_fill."""
 

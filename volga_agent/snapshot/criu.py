@@ -378,13 +378,13 @@ class CriuEngine:
                                                                lazypages.FILL_BYTES // 1024))
         self.lazy_pages_fault_bytes = 1024 * int(os.environ.get("VOLGA_LAZY_PAGES_FAULT_KIB",
                                                                 lazypages.FAULT_BYTES // 1024))
-        # When the agent's server fills, for a wake, the pages the last wake of the same process did not fault on
-        # (those it did come first either way: `lazypages`): "after-wake" (once the wake is done), "at-once", or
-        # "auto": after the wake on the CPU, at once for a process holding a CUDA context (docs/snapshots.md).
+        # How the agent's server fills a wake's pages: "after-wake" (first those the last wake of the same process
+        # faulted on, the rest once the wake is done: `lazypages`), "at-once" (all from the start, in address
+        # order), or "auto": after the wake on the CPU, at once for a process holding a CUDA context
+        # (docs/snapshots.md, Lazy pages).
         self.lazy_pages_fill = lazy_pages_fill or os.environ.get("VOLGA_LAZY_PAGES_FILL", "auto")
         if self.lazy_pages_fill not in LAZY_PAGES_FILLS:
             raise ValueError(f"lazy pages fill {self.lazy_pages_fill!r}: it is one of {', '.join(LAZY_PAGES_FILLS)}")
-        self.lazy_pages_record = os.environ.get("VOLGA_LAZY_PAGES_RECORD", "1") != "0"  # 0: no record (benches)
         # Per folder of an instance's images: the ranges its last lazy wake faulted on (`lazypages.Server.record`).
         # A restored process keeps its addresses, so they hold from one image of it to the next.
         self._records: dict[pathlib.Path, list[lazypages.Range]] = {}
@@ -529,11 +529,11 @@ class CriuEngine:
         With `lazy`, a page server (`lazy_pages_server`) serves the memory pages through userfaultfd: the process
         runs as soon as its tree is rebuilt, pages arrive when first touched (and in the background), and the
         server stops once every page is delivered. With `wake` too (the restored process is to serve at once),
-        the agent's server fills first the pages the last wake of this instance faulted on, and where
-        `lazy_pages_fill` says so for it (`gpu`: it holds a CUDA context) holds the rest back until
-        `Restored.release()` (at most `LAZY_HOLD_SEC`); the release records this wake's faults for the next. A
-        server that fails stops criu (CriuError), or, once the restore is done, kills the restored tree: its
-        memory would read as zeros where pages did not come.
+        where `lazy_pages_fill` says so for it (`gpu`: it holds a CUDA context), the agent's server fills first
+        the pages the last wake of this instance faulted on and holds the rest back until `Restored.release()`
+        (at most `LAZY_HOLD_SEC`), which records this wake's faults for the next. A server that fails stops criu
+        (CriuError), or, once the restore is done, kills the restored tree: its memory would read as zeros where
+        pages did not come.
 
         CriuTimeout when criu has not finished within the deadline for the image's size: criu, the tree it was
         restoring and the lazy-pages server are killed. CriuError, before criu runs, when a file the image maps
@@ -611,8 +611,8 @@ class CriuEngine:
             with self._lock:
                 if self._closed:
                     raise CriuCancelled("lazy pages: the snapshot engine is closed")
-                order = self._records.get(image.path.parent, []) if wake and self.lazy_pages_record else []
                 held = wake and self.fill_for(gpu) == "after-wake"
+                order = self._records.get(image.path.parent, []) if held else []
             try:
                 server = lazypages.Server(image.path, threads=self.lazy_pages_threads,
                                           fill_bytes=self.lazy_pages_fill_bytes,

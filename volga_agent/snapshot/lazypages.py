@@ -29,12 +29,13 @@ to the front of the queue with its addresses as they are then.
 
 A wake touches few of a process's lazy pages, and many of them are the same from one restore of the process to
 the next (its code's objects, the libraries' state), at the same addresses, since a restored process keeps its
-layout. Faults are round trips, so a restore for a wake may be given `order`, the ranges that faulted in the last
-wake of the same process (its `record`, merged where they touch): the fillers bring those in first, as soon as
-criu has finished. With `hold`, the rest waits until `release()` says the wake is done (at most `hold` seconds),
-so the fill does not compete with the wake; it pays where what the wake touches is mostly in the record (a CPU
-worker), not where the wake writes memory its allocator hands out afresh each time, which faults one window at a
-time while held (GPU processes: docs/snapshots.md, Lazy pages).
+layout. Faults are round trips, and a fill beside the wake competes with it. So a restore for a wake may be given
+`order`, the ranges that faulted in the last wake of the same process (its `record`, merged where they touch), and
+`hold`: the fillers bring the ranges of `order` in first, as soon as criu has finished, and the rest once
+`release()` says the wake is done (at most `hold` seconds); the faults until then are the next record. It pays
+where what a wake touches is mostly in its record (CPU workers and servers), not where the wake writes memory its
+allocator hands out afresh each time, which then faults one window at a time (GPU processes: docs/snapshots.md,
+Lazy pages).
 
 Every page is delivered before `done` is set (or the process is gone); until then a dump of the process would
 miss the pages not yet there, as with CRIU's server (`criu.LazyPages`).
