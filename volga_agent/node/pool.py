@@ -226,7 +226,7 @@ class Pool:
                     inst = instance.Instance(name, spec, self._free_folder(spec), self.criu,
                                              self.driver if device != "cpu" else None, device,
                                              reuse_image_sec=self.settings.snapshot_interval_sec,
-                                             lazy_restore=self.settings.lazy_restore_on(device),
+                                             lazy_restore=self.settings.lazy_restores,
                                              cpus=self._cpus(spec, want.gpu_index),
                                              warmup_cache_ratio=self.settings.warmup_cache_ratio,
                                              reset_rng_on_restore=self.settings.reset_rng_on_restore,

@@ -258,10 +258,10 @@ class Settings(pydantic.BaseModel):
     reset_rng_on_restore: bool = True
     numa_affinity: bool = False
     api_writes_per_sec: Annotated[float, pydantic.Field(gt=0)] = 200.0
-    # Restore FROZEN images with CRIU lazy pages (userfaultfd): the process runs before its memory is read.
-    # None (the default): lazily on GPU workers, whose images are large and whose first request touches little
-    # of them (0.13 GiB MLP on an H200: 334 / 365 ms p50 / p99 against 492 / 545 eager); eagerly on the CPU,
-    # where the first request touches most pages and lazy pages do not pay.
+    # Restore FROZEN images with CRIU lazy pages (userfaultfd): the process runs before its memory is read. None
+    # (the default): lazily. A wake touches little of an image (0.13 GiB MLP on an H200: 334 / 365 ms p50 / p99
+    # against 492 / 545 eager); on the CPU lazy pages pay with the last wake's pages brought first and the rest
+    # after the wake (criu.lazy_pages_fill; the default model: 31 ms against 53 eager, docs/snapshots.md).
     lazy_restore: bool | None = None
     # Before a restored instance answers, it answers a fixed canary input, compared with the answer recorded
     # before its snapshot: an image damaged where that answer depends on it costs a cold start, not wrong answers.
@@ -317,9 +317,10 @@ class Settings(pydantic.BaseModel):
     def worker_ids(self) -> tuple[int, int]:
         return worker_ids(self.worker_user)
 
-    def lazy_restore_on(self, device: str) -> bool:
-        """Whether FROZEN images of instances on `device` ("cpu", "cuda:N") are restored with lazy pages."""
-        return device != "cpu" if self.lazy_restore is None else self.lazy_restore
+    @property
+    def lazy_restores(self) -> bool:
+        """Whether FROZEN images of workers are restored with lazy pages."""
+        return self.lazy_restore is not False
 
     @pydantic.model_validator(mode="before")
     @classmethod
