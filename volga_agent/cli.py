@@ -204,7 +204,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
     idle = args.idle_sec
     overrides = {k: v for k, v in {"hot_idle_sec": idle, "warm_idle_sec": idle, "suspended_idle_sec": idle,
                                    "scheduler_eviction_policy": args.eviction_policy,
-                                   "lazy_restore": args.lazy_restore or None,
+                                   "lazy_restore": False if args.eager_restore else args.lazy_restore or None,
                                    "allow_model_code": args.allow_model_code or None,
                                    "worker_user": getattr(args, "worker_user", None),
                                    "max_instances": args.max_instances,
@@ -454,7 +454,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--snapshot-dir", help="where CRIU images go (default: a folder on /dev/shm)")
     p.add_argument("--idle-sec", type=float,
                    help="idle seconds before an instance goes down a tier (on a CPU node: HOT -> FROZEN)")
-    p.add_argument("--lazy-restore", action="store_true", help="restore FROZEN images with CRIU lazy pages")
+    lazy = p.add_mutually_exclusive_group()
+    lazy.add_argument("--lazy-restore", action="store_true",
+                      help="restore FROZEN images with CRIU lazy pages (the default)")
+    lazy.add_argument("--eager-restore", action="store_true", help="restore FROZEN images with every page read first")
     p.add_argument("--eviction-policy", choices=["lru", "hybrid"])
     p.add_argument("--model-root", action="append",
                    help="folder model sources must lie in (repeatable; default: the ModelSpec files' folders and "
