@@ -695,6 +695,9 @@ class CriuEngine:
 
     def remove(self, image: Image) -> None:
         shutil.rmtree(image.path, ignore_errors=True)
+        with self._lock, contextlib.suppress(OSError):
+            if not any(image.path.parent.iterdir()):  # its instance's last image: its last wake's record goes too
+                self._records.pop(image.path.parent, None)
 
     def remove_all(self, name: str) -> None:
         with self._lock:

@@ -71,11 +71,11 @@ FILL_BYTES = 512 * 1024
 # slow what runs beside them in the same process (a GPU process's driver restore: docs/snapshots.md, Lazy pages).
 THREADS = 4
 BYTES_PER_THREAD = 256 * 2**20
-# The most a record of a wake's faults keeps (its ranges in fault order): a wake that touches more than this is
-# no longer a few pages, and the fill brings the rest.
+# The most a record of a wake's faults keeps (its merged ranges, in the order of first need): a wake that touches
+# more than this is no longer a few pages, and the fill brings the rest.
 RECORD_BYTES = 512 * 2**20
-FAULT_TIMES = 4096
-PREFETCH_BYTES = 2 * 2**20
+FAULT_TIMES = 4096  # how many times of reading faults a server keeps (for the benches)
+PREFETCH_BYTES = 2 * 2**20  # the longest piece of a record one filler takes at a time
 
 # A range of one process's memory: (its PID in the image, start, end).
 Range = tuple[int, int, int]
