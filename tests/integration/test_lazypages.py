@@ -26,19 +26,16 @@ from volga_agent.host import process
 from volga_agent.snapshot import criu, lazypages
 
 MIB = 2**20
-CHILD = r"""
+# What the test's child programs share: the folder the test and the child leave each other files in, anonymous
+# memory, and digests of it.
+PRELUDE = r"""
 import ctypes, hashlib, json, mmap, os, pathlib, sys, time
 folder = pathlib.Path(sys.argv[1])
 libc = ctypes.CDLL(None, use_errno=True)
 libc.mmap.restype = ctypes.c_void_p
 libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-libc.mremap.restype = ctypes.c_void_p
-libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 MIB = 1 << 20
 RW, ANON = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-MREMAP_MAYMOVE, MREMAP_FIXED, MADV_DONTNEED = 1, 2, 4
 
 def put(name, value):
     (folder / (name + ".tmp")).write_text(json.dumps(value))
@@ -50,6 +47,13 @@ def wait(name):
 
 def digest(at, size):
     return hashlib.sha256(ctypes.string_at(at, size)).hexdigest()
+"""
+CHILD = PRELUDE + r"""
+libc.mremap.restype = ctypes.c_void_p
+libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+MREMAP_MAYMOVE, MREMAP_FIXED, MADV_DONTNEED = 1, 2, 4
 
 regions = {}
 for name in "abcd":
@@ -86,6 +90,16 @@ def _sleeper() -> subprocess.Popen[bytes]:
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def _run(program: str, tmp_path: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path, subprocess.Popen[bytes]]:
+    """Start `program` on the test's folder (where it and the test leave each other files), its output logged."""
+    folder = pathlib.Path(os.path.realpath(tmp_path))
+    log = tmp_path / "child.log"
+    with log.open("w") as output:
+        child = subprocess.Popen([sys.executable, "-c", program, str(folder)], start_new_session=True,
+                                 stdin=subprocess.DEVNULL, stdout=output, stderr=output)
+    return folder, log, child
+
+
 def _wait(path: pathlib.Path, log: pathlib.Path, timeout: float = 30.0) -> dict[str, object]:
     deadline = time.monotonic() + timeout
     while not path.exists():
@@ -108,11 +122,7 @@ def test_pages_still_to_come_follow_the_process_through_its_events(fill: str, tm
             original(self)
 
         monkeypatch.setattr(lazypages.Server, "_fill", held)
-    folder = pathlib.Path(os.path.realpath(tmp_path))
-    log = tmp_path / "child.log"
-    with log.open("w") as output:
-        child = subprocess.Popen([sys.executable, "-c", CHILD, str(folder)], start_new_session=True,
-                                 stdin=subprocess.DEVNULL, stdout=output, stderr=output)
+    folder, log, child = _run(CHILD, tmp_path)
     restored = None
     try:
         before = _wait(folder / "ready", log)
@@ -202,26 +212,10 @@ def test_a_server_that_fails_takes_the_restored_process_with_it(tmp_path: pathli
         procs.end_restored(child, restored)
 
 
-WAKER = r"""
-import ctypes, hashlib, json, mmap, pathlib, sys, time
-folder = pathlib.Path(sys.argv[1])
-libc = ctypes.CDLL(None, use_errno=True)
-libc.mmap.restype = ctypes.c_void_p
-libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-MIB = 1 << 20
-RW, ANON = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-
-def put(name, value):
-    (folder / (name + ".tmp")).write_text(json.dumps(value))
-    (folder / (name + ".tmp")).rename(folder / name)
-
-def wait(name):
-    while not (folder / name).exists():
-        time.sleep(0.005)
+WAKER = PRELUDE + r"""
+def take(name):
+    wait(name)
     (folder / name).unlink()
-
-def digest(at, size):
-    return hashlib.sha256(ctypes.string_at(at, size)).hexdigest()
 
 w = libc.mmap(None, 8 * MIB, RW, ANON, -1, 0)  # what every wake reads
 z = libc.mmap(None, 32 * MIB, RW, ANON, -1, 0)  # what no wake reads
@@ -230,10 +224,10 @@ ctypes.memmove(z, hashlib.shake_256(b"z").digest(32 * MIB), 32 * MIB)
 put("ready", {"w": [w, w + 8 * MIB], "w_digest": digest(w, 8 * MIB), "z_digest": digest(z, 32 * MIB)})
 n = 0
 while True:
-    wait("go")
+    take("go")
     n += 1
     put(f"woke-{n}", {"w": digest(w, 8 * MIB)})
-    wait("check")
+    take("check")
     put(f"checked-{n}", {"z": digest(z, 32 * MIB)})
 """
 
@@ -245,11 +239,7 @@ def test_a_wake_gets_first_what_the_last_wake_faulted_on(tmp_path: pathlib.Path,
     those in before the process asks, and they fault no more."""
     criu_engine.lazy_pages_server, criu_engine.lazy_pages_fill = "volga", "after-wake"
     monkeypatch.setattr(criu, "LAZY_HOLD_SEC", 60.0)
-    folder = pathlib.Path(os.path.realpath(tmp_path))
-    log = tmp_path / "child.log"
-    with log.open("w") as output:
-        child = subprocess.Popen([sys.executable, "-c", WAKER, str(folder)], start_new_session=True,
-                                 stdin=subprocess.DEVNULL, stdout=output, stderr=output)
+    folder, log, child = _run(WAKER, tmp_path)
     restored = None
     try:
         ready = _wait(folder / "ready", log)

@@ -335,9 +335,13 @@ class _Space:
         i = self._find(address)
         if i < 0:
             return None
-        start, end, offset = self.pending[i]
+        start, end, _ = self.pending[i]
         lo = max(start, address - address % size)
-        hi = min(end, lo + size)
+        return self._split(i, lo, min(end, lo + size))
+
+    def _split(self, i: int, lo: int, hi: int) -> list[int]:
+        """Take [lo, hi), which lies within segment i, out of the pages to come."""
+        start, end, offset = self.pending[i]
         parts = []
         if start < lo:
             parts.append([start, lo, offset])
@@ -353,16 +357,9 @@ class _Space:
             i += 1
         if i >= len(self.pending) or self.pending[i][0] >= hi:
             return None
-        start, end, offset = self.pending[i]
-        a = max(start, lo)
-        b = min(end, hi, a + size)
-        parts = []
-        if start < a:
-            parts.append([start, a, offset])
-        if b < end:
-            parts.append([b, end, offset + b - start])
-        self.pending[i:i + 1] = parts
-        return [a, b, offset + a - start]
+        start, end, _ = self.pending[i]
+        first = max(start, lo)
+        return self._split(i, first, min(end, hi, first + size))
 
     def overlaps(self, lo: int, hi: int) -> bool:
         """Whether any page to come lies in [lo, hi)."""
