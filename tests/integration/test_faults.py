@@ -161,7 +161,9 @@ def test_workers_die_with_a_killed_up(spec_file: pathlib.Path, how: str) -> None
         if how == "restored":
             up.wait_tier("FROZEN")
         _infer(up.grpc_address)
-        found = _workers(up.pid)
+        # A lazily restored worker's command line is in pages that may still be on their way (/proc reads it
+        # from the process's memory, and reads nothing there until they came).
+        found = wait_for("the worker", lambda: _workers(up.pid), timeout=10, every=0.02)
         assert found
         if how == "restored":
             assert up.instance().last_wake_ms > 0

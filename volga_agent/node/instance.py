@@ -305,7 +305,10 @@ class Instance:
             if not move.wake:
                 raise
             self._keep_failure()
-            if source == Tier.FROZEN and self.lazy_restore and self.image is not None and self.image.lazy_restorable:
+            # A lazy restore that failed is tried once eagerly, unless it ran out its deadline: criu spinning on a
+            # damaged image would spin again for a whole deadline before the cold start.
+            if source == Tier.FROZEN and self.lazy_restore and self.image is not None and \
+                    self.image.lazy_restorable and not isinstance(exc, criu.CriuTimeout):
                 eager = self._eager_retry(target, exc)
                 if eager is not None:
                     return self._record(source, target, start, detail=eager)
