@@ -625,7 +625,9 @@ class CriuEngine:
             except OSError as exc:
                 server.close()
                 raise CriuError(f"cannot serve the lazy pages of {image.path}: {exc}") from exc
-            server.start(timeout)
+            # criu's own deadline decides a restore that hangs (CriuTimeout: no eager retry); the server's wait for
+            # criu's connection only guards against one that never comes, so it is given longer.
+            server.start(2 * timeout)
             return LazyPages(server=server, keep=functools.partial(self._keep_record, image.path.parent))
         (image.path / "lazy-pages.socket").unlink(missing_ok=True)
         ready, status = os.pipe()
