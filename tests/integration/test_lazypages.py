@@ -90,6 +90,14 @@ def _sleeper() -> subprocess.Popen[bytes]:
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def _frozen(engine: criu.CriuEngine, child: subprocess.Popen[bytes], name: str) -> criu.Image:
+    """`child` (a `_sleeper`, given a moment to settle) dumped into an image of `name`; the child ends with it."""
+    time.sleep(0.3)
+    image = engine.dump(child.pid, name)
+    child.wait(timeout=30)
+    return image
+
+
 def _run(program: str, tmp_path: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path, subprocess.Popen[bytes]]:
     """Start `program` on the test's folder (where it and the test leave each other files), its output logged."""
     folder = pathlib.Path(os.path.realpath(tmp_path))
@@ -157,9 +165,7 @@ def test_a_restore_that_fails_stops_its_server(tmp_path: pathlib.Path, criu_engi
     criu_engine.lazy_pages_server = "volga"
     child = _sleeper()
     try:
-        time.sleep(0.3)
-        image = criu_engine.dump(child.pid, "fails")
-        child.wait(timeout=30)
+        image = _frozen(criu_engine, child, "fails")
         (image.path / f"core-{child.pid}.img").write_bytes(b"garbage")
         began = time.monotonic()
         with pytest.raises(criu.CriuError):
@@ -190,9 +196,7 @@ def test_a_server_that_fails_takes_the_restored_process_with_it(tmp_path: pathli
     child = _sleeper()
     restored = None
     try:
-        time.sleep(0.3)
-        image = criu_engine.dump(child.pid, "unserved")
-        child.wait(timeout=30)
+        image = _frozen(criu_engine, child, "unserved")
         began = time.monotonic()
         try:  # criu stopped for it, or failing itself on the connection the server let go of
             restored = criu_engine.restore(image, lazy=True)
@@ -287,9 +291,7 @@ def test_pages_held_for_a_wake_come_after_the_hold_when_nobody_releases_them(
     child = _sleeper()
     restored = None
     try:
-        time.sleep(0.3)
-        image = criu_engine.dump(child.pid, "held")
-        child.wait(timeout=30)
+        image = _frozen(criu_engine, child, "held")
         restored = criu_engine.restore(image, lazy=True, wake=True)
         restored.wait_for_pages(30.0)
         pages = restored.lazy_pages

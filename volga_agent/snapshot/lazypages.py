@@ -444,7 +444,8 @@ class Server:
         self.hold = hold
         self.released = False  # the wake is done (`release`): its faults are recorded until then
         self.record: list[Range] | None = None  # the ranges a wake wanted first, once released
-        self.faulted: list[Range] = []  # the fault windows of the processes of the image, in order, until released
+        # the fault windows of the processes of the image, in order, until released (when held)
+        self.faulted: list[Range] = []
         self.fetched_first = threading.Event()  # every range of `order` is in (or the server ends)
         # When that was (time.perf_counter()) and how many faults had come by then; the faults until released.
         self.fetched_first_at: float | None = None
@@ -501,13 +502,15 @@ class Server:
     def release(self) -> list[Range] | None:
         """The wake is done: fill the rest, if held. Returns the record of this wake (the ranges of `order` that
         were lazy in this image and the windows that faulted, merged where they touch, in the order of first need,
-        at most `RECORD_BYTES`), or None when it was released already."""
+        at most `RECORD_BYTES`), or None when it was released already or held nothing back."""
         with self._work:
             if self.released:
                 return None
             self.released = True
             self.faults_held = self.faults
             self._work.notify_all()
+        if self.hold <= 0:
+            return None  # filled at once: its faults say little of what the wake wanted (nothing was recorded)
         record, size = [], 0
         for pid, lo, hi in coalesce(self.order + list(self.faulted)):
             if size + hi - lo > RECORD_BYTES:
@@ -740,7 +743,7 @@ class Server:
                 seg = space.take_around(address, self.fault_bytes)
                 if seg is not None:
                     space.inflight.append((seg[0], seg[1]))
-                    if not self.released and not space.forked:
+                    if self.hold > 0 and not self.released and not space.forked:
                         self.faulted.append((space.pid, seg[0], seg[1]))
             if seg is None:  # not among the pages to come: a hole of the image, or already in
                 self._zero(space, address)
