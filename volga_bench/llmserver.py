@@ -185,17 +185,24 @@ async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, c
     lazy_first_done: list[float] = []  # those in, in ms from the request; the faults by then and in the wake
     lazy_faults_first: list[float] = []
     lazy_faults_wake: list[float] = []
+    premap_ms: list[float] = []  # how long faulting the parked copies in took, FROZEN wakes
     lazy_fault_times: list[list[float]] = []
     lazy_copied: list[int] = []
     suspended_rss: list[int] = []
     moves: dict[str, list[float]] = {"suspend": [], "freeze": []}
     server_phases: dict[str, dict[str, list[float]]] = {"SUSPENDED": {}, "FROZEN": {}}
+    restore_faults: dict[str, list[float]] = {"SUSPENDED": [], "FROZEN": []}
     memory: dict[str, dict[str, float]] = {}
 
     def phases_of(tier: str) -> None:
         if way(hooks)[0] != "none":
             for key, value in _server_stats(instance).items():
                 server_phases[tier].setdefault(key, []).append(value)
+        # the page faults of the server's processes during the driver's restore of them
+        pids = process.tree(instance.pid) if instance.pid is not None else []
+        faults = [driver.timings.get(pid, {}).get("restore_minflt") for pid in pids]
+        if any(f is not None for f in faults):
+            restore_faults[tier].append(sum(f for f in faults if f is not None))
     try:
         for i in range(cold):
             await asyncio.to_thread(instance.close)
@@ -244,6 +251,9 @@ async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, c
                 lazy_faults_wake.append(served.faults_held)
                 if served.fault_times:  # when the faults came, from the request
                     lazy_fault_times.append([round((t - asked) * 1000, 1) for t in served.fault_times])
+            for premapped in instance.parking.premapped:  # the parked copies faulted in beside the driver's restore
+                if await asyncio.to_thread(premapped.wait, 30.0) and premapped.seconds is not None:
+                    premap_ms.append(premapped.seconds * 1000)
             ttft["frozen"].append(first)
             answers.append(answer)
             await asyncio.to_thread(phases_of, "FROZEN")
@@ -281,6 +291,8 @@ async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, c
             "lazy_pages_faults_before_first_done": _stats(lazy_faults_first) if lazy_faults_first else None,
             "lazy_pages_faults_in_wake": _stats(lazy_faults_wake) if lazy_faults_wake else None,
             "lazy_pages_fault_ms": lazy_fault_times or None,
+            "premap_ms": _stats(premap_ms) if premap_ms else None,
+            "driver_restore_minflt": {tier: _stats(got) for tier, got in restore_faults.items() if got},
             "lazy_pages_copied_bytes": int(statistics.median(lazy_copied)) if lazy_copied else None,
             "suspended_host_bytes": int(statistics.median(suspended_rss)),
             "identical": fallbacks == 0 and all(a == answers[0] for a in answers), "restore_fallbacks": fallbacks,

@@ -199,6 +199,14 @@ def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pa
                         for q in (10, 50, 90):
                             run.phases.setdefault(f"lazy_pages_fault_p{q}_ms", []).append(
                                 float(np.percentile(times, q)))
+                # FROZEN: the parked copies faulted in beside the driver's restore
+                for premapped in inst.parking.premapped if tier == Tier.FROZEN else ():
+                    if premapped.wait(LAZY_PAGES_WAIT_S) and premapped.seconds is not None:
+                        run.phases.setdefault("premap_ms", []).append(premapped.seconds * 1e3)
+                        run.phases.setdefault("premap_mib", []).append(premapped.bytes / 2**20)
+                restore_minflt = driver.timings.get(inst.pid or 0, {}).get("restore_minflt") if driver else None
+                if tier == Tier.FROZEN and restore_minflt is not None:  # SUSPENDED: with the phases below
+                    run.phases.setdefault("restore_minflt", []).append(restore_minflt)
                 if driver is not None and tier == Tier.SUSPENDED and pid in driver.timings:
                     for phase, ms in driver.timings.pop(pid).items():
                         run.phases.setdefault(phase, []).append(ms)

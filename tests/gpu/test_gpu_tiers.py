@@ -272,6 +272,9 @@ def test_the_drivers_copy_waits_outside_the_image_too(mlp_spec: api.ModelSpecSpe
                 inst.lazy_restore = lazy
                 woke = inst.wake()
                 assert not woke.fallback, woke.detail
+                # the parked copy was faulted into the restored worker's page tables beside the driver's restore
+                read = sum(p.read for p in inst.parking.premapped if p.wait(10))
+                assert read >= 0.9 * copied if moved else not inst.parking.premapped, (read, copied)
                 assert np.array_equal(inst.infer(x)["y"], reference)
         finally:
             inst.close()

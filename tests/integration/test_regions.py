@@ -14,6 +14,7 @@ import json
 import mmap
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -69,6 +70,14 @@ def _put(path: pathlib.Path, text: str) -> None:
     aside.rename(path)
 
 
+def _smaps_of(pid: int, start: int) -> str:
+    """The lines /proc/PID/smaps holds for the mapping that starts at `start`."""
+    text = pathlib.Path(f"/proc/{pid}/smaps").read_text()
+    at = text.index(f"{start:x}-")
+    following = text.find("VmFlags:", at)
+    return text[at:following]
+
+
 def _wait(path: pathlib.Path, log: pathlib.Path, timeout: float = 30.0) -> dict[str, object]:
     deadline = time.monotonic() + timeout
     while not path.exists():
@@ -109,6 +118,16 @@ def test_criu_leaves_a_filled_region_out_of_the_image_and_restores_it(lazy: bool
         # The child's interpreter and its 40 MiB region: without the move the image would hold the region's pages.
         assert image.size_bytes < 40 * MIB, image.size_bytes
         restored = criu_engine.restore(image, lazy=lazy)
+        # The restore maps the region from the file afresh: none of it in the child's page tables until something
+        # reads it. `premap` reads it from here, and the child's page tables hold all of it, still the file's pages.
+        assert regions.mapped_from(restored.pid, folder) == [region]
+        assert not regions.resident(restored.pid, region.start, region.end).any()
+        premapped = regions.premap(restored.pid, [region], threads=3)
+        assert premapped is not None and premapped.wait(30) and premapped.read == 48 * MIB
+        assert regions.resident(restored.pid, region.start, region.end).all()
+        mapping = next(m for m in regions.mappings(restored.pid) if m.start == region.start)
+        assert (mapping.path, mapping.rss) == (str(folder / "parked.bin"), 48 * MIB)
+        assert re.search(r"^Anonymous:\s+0 kB$", _smaps_of(restored.pid, region.start), re.M)  # no copy of a page
         _put(folder / "go", "")
         after = _wait(folder / "restored.json", log)
         assert after["digest"] == filled["digest"]

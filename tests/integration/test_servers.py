@@ -425,6 +425,7 @@ class _StandInDriver:
 
     def __init__(self) -> None:
         self.server: server.ServerInstance | None = None
+        self.premapped: list[int] = []  # at each restore: the parked bytes faulted in for it (`Parking.premap`)
 
     def _ask(self, pid: int, path: str) -> None:
         assert self.server is not None
@@ -436,6 +437,10 @@ class _StandInDriver:
         self._ask(pid, "/checkpoint")
 
     def resume(self, pid: int) -> float:
+        assert self.server is not None
+        premapped = self.server.parking.premapped
+        assert all(started.wait(30) for started in premapped)
+        self.premapped.append(sum(started.read for started in premapped))
         self._ask(pid, "/restore")
         return 0.0
 
@@ -479,6 +484,8 @@ def test_a_gpu_servers_driver_copy_parked_beside_its_image(engine: criu.CriuEngi
             wake = s.transitions[-1]
             assert (wake.source, wake.fallback) == (api.Tier.FROZEN, False), wake.detail
             assert s.restored_lazily is parks and {"restore", "driver"} <= set(wake.phases)
+            # parked, the copy was in the stand-in's page tables before its driver's restore read it
+            assert (driver.premapped[-1] >= copy) if parks else driver.premapped[-1] == 0, driver.premapped
     finally:
         s.close()
     assert s.parking.folder is not None and not s.parking.folder.exists()

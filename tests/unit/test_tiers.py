@@ -56,6 +56,20 @@ def test_driver_checkpoint_unsupported_is_clear() -> None:
         cuda.DriverCheckpoint("libcuda-none.so")
 
 
+def test_the_faults_of_a_driver_restore_are_counted_from_proc() -> None:
+    """`DriverCheckpoint.resume` records the process's minor faults during the restore; they are read from
+    /proc/PID/stat, which counts the pages this test touches, and a process that is gone reads -1."""
+    import mmap
+    import os
+
+    before = cuda._minor_faults(os.getpid())
+    with mmap.mmap(-1, 64 * mmap.PAGESIZE) as m:
+        for page in range(64):
+            m[page * mmap.PAGESIZE] = 1
+    assert cuda._minor_faults(os.getpid()) - before >= 64
+    assert cuda._minor_faults(2**22 + 1) == -1  # above the kernel's largest pid
+
+
 def test_driver_structs_match_the_header() -> None:
     import ctypes
 

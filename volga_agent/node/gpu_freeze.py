@@ -65,6 +65,7 @@ class Parking:
     def __init__(self, folder: pathlib.Path | None) -> None:
         self.folder = folder
         self.current: pathlib.Path | None = None
+        self.premapped: list[regions.Premap] = []  # the last restore's (`premap`)
 
     def new_file(self, generation: int, config: contract.WorkerConfig) -> pathlib.Path:
         """A fresh path in the folder for the weights of the worker of `config`, which may write there."""
@@ -86,6 +87,24 @@ class Parking:
                 path.unlink(missing_ok=True)
         if not kept:
             folder.rmdir()
+
+    def premap(self, pids: Collection[int]) -> list[regions.Premap]:
+        """Start faulting the parked copies that processes `pids`, just restored, map from this folder into their
+        page tables, beside the driver's restore that reads them (`regions.Premap`); kept in `premapped` until the
+        next restore. A process /proc no longer shows is left out."""
+        self.premapped = []
+        if self.folder is None:
+            return self.premapped
+        folder = self.folder.resolve()
+        for pid in pids:
+            try:
+                ranges = regions.mapped_from(pid, folder)
+            except OSError:
+                continue
+            started = regions.premap(pid, ranges)
+            if started is not None:
+                self.premapped.append(started)
+        return self.premapped
 
     @property
     def size(self) -> int:

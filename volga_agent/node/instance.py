@@ -685,13 +685,16 @@ class Instance:
         return restored.pid
 
     def _frozen_to_suspended(self, lazy: bool | None = None) -> None:
-        self._restore(lazy)
+        pid = self._restore(lazy)
         self._paused = True
+        if self.gpu:  # ready for the driver's restore at the wake
+            self.parking.premap([pid])
 
     def _frozen_to_hot(self, lazy: bool | None = None) -> None:
         pid = self._restore(lazy, wake=True)
         if self.gpu:
             assert self.driver is not None
+            self.parking.premap([pid])  # the driver's copy mapped from the parked file: its page tables filled
             with self._phase("driver"):
                 self.driver.resume(pid)
         self._resume_worker(pid)

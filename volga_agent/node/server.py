@@ -634,6 +634,8 @@ class ServerInstance:
                 phases["restore"] = restored.seconds
                 if self.handshake_image:
                     self.gpu_pids = self._handshake_gpu_pids
+                if gpu:  # the driver's copies mapped from the parked file: their page tables filled beside its restore
+                    self.parking.premap(process.tree(restored.pid))
                 self._back_up(began, phases)
                 restored.release()  # awake: the lazy pages the wake did not ask for come now
             except (criu.CriuError, ServerError, instance.CanaryMismatch, OSError,
