@@ -226,8 +226,9 @@ class Premap:
     """Another process's file mappings faulted into its page tables by threads of this one (`premap`).
 
     A restored process maps the driver's parked copy afresh, and the driver's restore then reads it one fault at a
-    time from a single thread: a fault maps 16 pages of the page cache, and 0.8 GiB took 13,000 faults and about a
-    third of the LLM server's driver restore (docs/snapshots.md, Freezing a GPU worker). Reading the same pages
+    time from a single thread: a fault maps 16 pages of the page cache, 0.8 GiB takes 13,000 faults, and a sampled
+    restore spent a quarter to a third of that thread's time in them (docs/snapshots.md, Freezing a GPU worker;
+    docs/measurements.md, The parked copy mapped before the driver's restore). Reading the same pages
     through process_vm_readv faults them in the process's page tables the same way (read-only: a private mapping's
     pages stay the file's), from several threads at once, while the driver's restore starts. It only reads: a
     process that exits or unmaps a range meanwhile ends or skips that part, and nothing else changes."""
