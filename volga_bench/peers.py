@@ -293,12 +293,19 @@ def _server(pid: int) -> Watched:
     return Watched({"server": (pid, *descendants(pid))})
 
 
-def _volga(pid: int) -> Watched:
-    """`volga up` (agent and gateway, one process) with its other gateway processes, and its HOT workers apart."""
-    below = descendants(pid)
-    gateways = tuple(p for p in below if _runs(p, b"gateway_main"))
-    workers = tuple(p for p in below if _runs(p, b"volga_agent.worker.serve"))
-    return Watched({"gateway": (pid, *gateways), "worker": workers})
+def _volga(pid: int, timeout: float = 10.0) -> Watched:
+    """`volga up` (agent and gateway, one process) with its other gateway processes, and its HOT workers apart.
+
+    A worker just restored with lazy pages shows an empty command line until the page holding it is in (the kernel
+    reads it without waiting on the page server), so the workers are looked for until one shows."""
+    deadline = time.monotonic() + timeout
+    while True:
+        below = descendants(pid)
+        gateways = tuple(p for p in below if _runs(p, b"gateway_main"))
+        workers = tuple(p for p in below if _runs(p, b"volga_agent.worker.serve"))
+        if workers or time.monotonic() > deadline:
+            return Watched({"gateway": (pid, *gateways), "worker": workers})
+        time.sleep(0.05)
 
 
 def _runs(pid: int, what: bytes) -> bool:
