@@ -194,6 +194,10 @@ def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pa
                             (served.fetched_first_at - start) * 1e3)
                         run.phases.setdefault("lazy_pages_faults_before_first_done", []).append(served.faults_first)
                     run.phases.setdefault("lazy_pages_faults_in_wake", []).append(served.faults_held)
+                    for i, name in enumerate(("lazy_pages_gate_wait", "lazy_pages_answer")):
+                        took = [1e3 * answer[i] for answer in served.fault_answers]  # a read of faults: its waits
+                        for q in (50, 90) if took else ():
+                            run.phases.setdefault(f"{name}_p{q}_ms", []).append(float(np.percentile(took, q)))
                     if served.fault_times:  # when the faults came, from the wake's start
                         times = [(t - start) * 1e3 for t in served.fault_times]
                         for q in (10, 50, 90):

@@ -143,6 +143,9 @@ def test_pages_still_to_come_follow_the_process_through_its_events(fill: str, tm
         after = _wait(folder / "done", log)
         if fill == "held":  # nothing came but through faults, and the fill is still to come
             assert not pages.done.is_set() and pages.server.faults > 0
+            # each read of faults timed: the wait for copies in flight (none yet) within the time to answer them
+            answers = pages.server.fault_answers
+            assert answers and all(0 <= waited <= answered for waited, answered in answers), answers
         release.set()
         restored.wait_for_pages(30.0)
         assert pages.exit_code == 0, pages.server.error

@@ -452,6 +452,9 @@ class Server:
         self.faults_first = 0
         self.faults_held = 0
         self.fault_times: list[float] = []  # when faults were read (time.perf_counter()), the first FAULT_TIMES
+        # For each read that held faults (the first FAULT_TIMES): seconds waiting for the copies in flight before
+        # reading (the gate), and seconds until its faults were answered, from the read's start.
+        self.fault_answers: list[tuple[float, float]] = []
         self._pieces: list[Range] = []  # `order` cut to PREFETCH_BYTES, shared out among the fillers
         self._order_at = 0  # the next of them a filler takes
         self._prefetching = 0  # fillers still copying ranges of `order`
@@ -702,7 +705,9 @@ class Server:
     def _read(self, space: _Space) -> list[_Space]:
         """Read the process's messages with its gate taken alone, apply its events, answer its faults."""
         faults, kids = [], []
+        began = time.perf_counter()
         with space.gate.changing():
+            gated = time.perf_counter()
             try:
                 data = os.read(space.uffd, _MSG.size * 64)
             except BlockingIOError:
@@ -733,6 +738,8 @@ class Server:
             self.fault_times.append(time.perf_counter())
         for address in faults:
             self._fault(space, address - address % PAGE)
+        if faults and len(self.fault_answers) < FAULT_TIMES:
+            self.fault_answers.append((gated - began, time.perf_counter() - began))
         return kids
 
     def _fault(self, space: _Space, address: int) -> None:
