@@ -167,3 +167,23 @@ print(mapped == [""], hashlib.sha256(region).hexdigest() == before, park.stat().
     refused, kept = out.stdout.splitlines()
     assert refused == f"refused {errno.EFBIG}"
     assert kept == "True True 1"
+
+
+def test_premap_skips_what_it_cannot_read_and_stops_where_the_process_is_gone() -> None:
+    """Pages no longer mapped are skipped (the process may unmap meanwhile), and a process that has gone ends the
+    threads at once with the reason, not a walk of the whole range page by page."""
+    sleeper = subprocess.Popen([sys.executable, "-c", "import ctypes, mmap, time; m = mmap.mmap(-1, 2 << 20); "
+                                "m.write(b'y' * (2 << 20)); "
+                                "print(ctypes.addressof(ctypes.c_char.from_buffer(m)), flush=True); time.sleep(60)"],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        start = int(sleeper.stdout.readline()) if sleeper.stdout else 0
+        # 2 MiB mapped, read; 1 MiB at the bottom of the address space, below the lowest address a process may map
+        unmapped = regions.Region(2 * mmap.PAGESIZE, 2 * mmap.PAGESIZE + MIB, RW)
+        live = regions.premap(sleeper.pid, [regions.Region(start, start + 2 * MIB, RW), unmapped], threads=2)
+        assert live is not None and live.wait(30) and live.read == 2 * MIB and not live.error
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    gone = regions.premap(sleeper.pid, [regions.Region(start, start + 64 * MIB, RW)], threads=2)
+    assert gone is not None and gone.wait(30) and gone.read == 0 and gone.error == os.strerror(errno.ESRCH)

@@ -238,6 +238,7 @@ class Premap:
         self.bytes = sum(r.end - r.start for r in ranges)
         self.read = 0  # bytes read (mapped) so far, under self._lock
         self.seconds: float | None = None  # how long it took, once done
+        self.error = ""  # why it stopped early, where it did (the process gone, or not readable by this one)
         # first to last, as the driver's restore reads them: the threads stay ahead of it
         self._jobs = collections.deque((c, min(chunk, r.end - c)) for r in ranges for c in range(r.start, r.end, chunk))
         self._lock = threading.Lock()
@@ -270,9 +271,10 @@ class Premap:
                     remote = _IoVec(start, size)
                     local.len = size
                     got = libc.process_vm_readv(self.pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
-                    if got < 0 and ctypes.get_errno() == errno.ESRCH:
-                        with self._lock:
-                            self._jobs.clear()  # the process is gone
+                    if got < 0 and ctypes.get_errno() != errno.EFAULT:
+                        with self._lock:  # the process is gone (ESRCH), or not ours to read (EPERM): no more
+                            self.error = self.error or os.strerror(ctypes.get_errno())
+                            self._jobs.clear()
                         return
                     step = got if got > 0 else PAGE  # a page that cannot be read (unmapped since): the next one
                     start, size = start + step, size - step
