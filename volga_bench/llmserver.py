@@ -163,14 +163,6 @@ def _stats(values: list[float]) -> dict[str, Any]:
             "all": [round(v, 1) for v in values]}
 
 
-def _quantiles(values: list[float]) -> dict[str, float] | None:
-    """p50, p90 and p99 of many small values, to the microsecond (None: none)."""
-    if len(values) < 2:
-        return {f"p{q}": round(values[0], 3) for q in (50, 90, 99)} if values else None
-    cuts = statistics.quantiles(values, n=100, method="inclusive")
-    return {f"p{q}": round(cuts[q - 1], 3) for q in (50, 90, 99)}
-
-
 async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, cold: int, engine: criu.CriuEngine,
                driver: cuda.DriverCheckpoint, work: pathlib.Path, progress: Callable[[str], None],
                load_threads: int = 0) -> dict[str, Any]:
@@ -195,8 +187,7 @@ async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, c
     lazy_faults_wake: list[float] = []
     premap_ms: list[float] = []  # how long faulting the parked copies in took, FROZEN wakes
     lazy_fault_times: list[list[float]] = []
-    gate_waits: list[float] = []  # per read of faults: ms waiting for the fill's copies in flight, ms until answered
-    answers_ms: list[float] = []
+    fault_answers: list[tuple[float, float]] = []  # per read of faults (`lazypages.Server.fault_answers`)
     lazy_copied: list[int] = []
     suspended_rss: list[int] = []
     moves: dict[str, list[float]] = {"suspend": [], "freeze": []}
@@ -259,8 +250,7 @@ async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, c
                     lazy_first_done.append((served.fetched_first_at - asked) * 1000)
                     lazy_faults_first.append(served.faults_first)
                 lazy_faults_wake.append(served.faults_held)
-                gate_waits += [round(1e3 * waited, 3) for waited, _ in served.fault_answers]
-                answers_ms += [round(1e3 * answered, 3) for _, answered in served.fault_answers]
+                fault_answers += served.fault_answers
                 if served.fault_times:  # when the faults came, from the request
                     lazy_fault_times.append([round((t - asked) * 1000, 1) for t in served.fault_times])
             for premapped in instance.parking.premapped:  # the parked copies faulted in beside the driver's restore
@@ -303,8 +293,8 @@ async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, c
             "lazy_pages_faults_before_first_done": _stats(lazy_faults_first) if lazy_faults_first else None,
             "lazy_pages_faults_in_wake": _stats(lazy_faults_wake) if lazy_faults_wake else None,
             "lazy_pages_fault_ms": lazy_fault_times or None,
-            "lazy_pages_gate_wait_ms": _quantiles(gate_waits),
-            "lazy_pages_answer_ms": _quantiles(answers_ms),
+            "lazy_pages_gate_wait": reporting.summarize([w for w, _ in fault_answers]) if fault_answers else None,
+            "lazy_pages_answer": reporting.summarize([a for _, a in fault_answers]) if fault_answers else None,
             "premap_ms": _stats(premap_ms) if premap_ms else None,
             "driver_restore_minflt": {tier: _stats(got) for tier, got in restore_faults.items() if got},
             "lazy_pages_copied_bytes": int(statistics.median(lazy_copied)) if lazy_copied else None,

@@ -208,9 +208,11 @@ def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pa
                     if premapped.wait(LAZY_PAGES_WAIT_S) and premapped.seconds is not None:
                         run.phases.setdefault("premap_ms", []).append(premapped.seconds * 1e3)
                         run.phases.setdefault("premap_mib", []).append(premapped.bytes / 2**20)
-                restore_minflt = driver.timings.get(inst.pid or 0, {}).get("restore_minflt") if driver else None
-                if tier == Tier.FROZEN and restore_minflt is not None:  # SUSPENDED: with the phases below
-                    run.phases.setdefault("restore_minflt", []).append(restore_minflt)
+                restored_pid = inst.pid
+                if tier == Tier.FROZEN and driver is not None and restored_pid in driver.timings:
+                    faults = driver.timings[restored_pid].get("restore_minflt")  # SUSPENDED: with the phases below
+                    if faults is not None:
+                        run.phases.setdefault("restore_minflt", []).append(faults)
                 if driver is not None and tier == Tier.SUSPENDED and pid in driver.timings:
                     for phase, ms in driver.timings.pop(pid).items():
                         run.phases.setdefault(phase, []).append(ms)

@@ -109,6 +109,12 @@ def cpu_ticks(pid: int) -> int:
     return int(fields[11]) + int(fields[12]) if fields else 0
 
 
+def minor_faults(pid: int) -> int | None:
+    """The minor page faults of process `pid`'s threads so far (None when it does not exist)."""
+    fields = _stat(pid)
+    return int(fields[7]) if fields else None
+
+
 def cpu_seconds(pid: int) -> float:
     """`cpu_ticks` in seconds."""
     return cpu_ticks(pid) / os.sysconf("SC_CLK_TCK")

@@ -88,13 +88,13 @@ class Parking:
         if not kept:
             folder.rmdir()
 
-    def premap(self, pids: Collection[int]) -> list[regions.Premap]:
+    def premap(self, pids: Collection[int]) -> None:
         """Start faulting the parked copies that processes `pids`, just restored, map from this folder into their
         page tables, beside the driver's restore that reads them (`regions.Premap`); kept in `premapped` until the
         next restore. A process /proc no longer shows is left out."""
         self.premapped = []
         if self.folder is None:
-            return self.premapped
+            return
         folder = self.folder.resolve()
         for pid in pids:
             try:
@@ -104,7 +104,6 @@ class Parking:
             started = regions.premap(pid, ranges)
             if started is not None:
                 self.premapped.append(started)
-        return self.premapped
 
     @property
     def size(self) -> int:

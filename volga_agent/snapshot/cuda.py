@@ -22,11 +22,12 @@ import collections
 import ctypes
 import dataclasses
 import enum
-import pathlib
 import threading
 import time
 import uuid as uuidlib
 from collections.abc import Sequence
+
+from volga_agent.host import process
 
 KEEP_TIMINGS = 64  # processes whose last driver phases `DriverCheckpoint.timings` keeps
 
@@ -129,15 +130,6 @@ class RestoreGate:
             self._cond.notify_all()
 
 
-def _minor_faults(pid: int) -> int:
-    """The minor page faults of process `pid`'s threads so far (/proc/PID/stat; -1 where it is gone)."""
-    try:
-        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return -1
-    return int(stat.rsplit(")", 1)[1].split()[7])
-
-
 class DriverCheckpoint:
     def __init__(self, library: str = "libcuda.so.1", restores_at_once: int = 0, lead: bool = False) -> None:
         self.gate = RestoreGate(restores_at_once, lead)
@@ -213,14 +205,14 @@ class DriverCheckpoint:
         """Restore + unlock; the restore waits its turn at the gate (`restores_at_once`), counted in restore_ms."""
         start = time.perf_counter()
         with self.gate:
-            before = _minor_faults(pid)
+            before = process.minor_faults(pid)
             self.restore(pid, gpu_pairs)
-            after = _minor_faults(pid)
+            after = process.minor_faults(pid)
         restored = time.perf_counter()
         self.unlock(pid)
         end = time.perf_counter()
         timings = self.timings.setdefault(pid, {})
         timings.update(restore_ms=(restored - start) * 1e3, unlock_ms=(end - restored) * 1e3)
-        if min(before, after) >= 0:  # the process's page faults meanwhile: the restore reading host memory it maps
+        if before is not None and after is not None:  # its page faults meanwhile: the restore reading host memory
             timings["restore_minflt"] = after - before
         return end - start

@@ -244,13 +244,11 @@ class Premap:
         self._lock = threading.Lock()
         self._chunk = chunk
         self._began = time.perf_counter()
-        self._threads = [threading.Thread(target=self._read, name=f"premap-{pid}", daemon=True)
-                         for _ in range(min(threads, len(self._jobs)))]
-        self._left = len(self._threads)
+        self._left = min(threads, len(self._jobs))  # threads still reading, under self._lock
         self.done = threading.Event()
-        for thread in self._threads:
-            thread.start()
-        if not self._threads:
+        for _ in range(self._left):
+            threading.Thread(target=self._read, name=f"premap-{pid}", daemon=True).start()
+        if not self._left:
             self._finish()
 
     def _finish(self) -> None:
