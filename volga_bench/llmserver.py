@@ -29,6 +29,7 @@ the weights back, the KV cache allocated).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import pathlib
@@ -47,7 +48,7 @@ from aiohttp import web
 from volga_agent.gateway import proxy
 from volga_agent.host import process
 from volga_agent.node import server
-from volga_agent.snapshot import criu, cuda
+from volga_agent.snapshot import criu, cuda, lazypages
 from volga_bench import reporting
 from volga_core import api
 
@@ -122,6 +123,19 @@ def _rss(pid: int | None) -> int:
     return total
 
 
+def _mappings_of(pids: list[int], addresses: list[int]) -> list[str]:
+    """The lines of the processes' /proc/PID/maps that hold any of `addresses`, each with the PID and how many."""
+    out = []
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for line in pathlib.Path(f"/proc/{pid}/maps").read_text().splitlines():
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                hits = sum(lo <= a < hi for a in addresses)
+                if hits:
+                    out.append(f"{pid} {hits} {line}")
+    return out
+
+
 def _memory(pid: int | None) -> dict[str, float]:
     """The tree's memory a CRIU image carries (the `Anonymous` pages of each mapping: private anonymous memory and
     written private file pages), in GiB, by where it lies: the C heap, unnamed mappings, the NVIDIA device files'
@@ -186,8 +200,14 @@ async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, c
     lazy_faults_first: list[float] = []
     lazy_faults_wake: list[float] = []
     premap_ms: list[float] = []  # how long faulting the parked copies in took, FROZEN wakes
-    lazy_fault_times: list[list[float]] = []
-    fault_answers: list[tuple[float, float]] = []  # per read of faults (`lazypages.Server.fault_answers`)
+    # Each read of the server's messages (`lazypages.Read`): [ms from the request, gate wait ms, answered ms,
+    # faults, events, first address], per wake; those of every wake; those within each wake's driver restore.
+    lazy_reads: list[list[list[float]]] = []
+    reads: list[lazypages.Read] = []
+    driver_reads: dict[str, list[float]] = {"reads": [], "faults": [], "events": [], "answered_ms": []}
+    lazy_events: list[float] = []
+    let_go_mib: list[float] = []  # the mappings with no pages to come it unregistered
+    fault_mappings: list[str] = []  # the lines of /proc/PID/maps the faults' addresses fell in, the first lazy wake
     lazy_copied: list[int] = []
     suspended_rss: list[int] = []
     moves: dict[str, list[float]] = {"suspend": [], "freeze": []}
@@ -250,9 +270,23 @@ async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, c
                     lazy_first_done.append((served.fetched_first_at - asked) * 1000)
                     lazy_faults_first.append(served.faults_first)
                 lazy_faults_wake.append(served.faults_held)
-                fault_answers += served.fault_answers
-                if served.fault_times:  # when the faults came, from the request
-                    lazy_fault_times.append([round((t - asked) * 1000, 1) for t in served.fault_times])
+                lazy_events.append(served.events)
+                let_go_mib.append(served.let_go_bytes / 2**20)
+                reads += served.reads
+                lazy_reads.append([[round((r.at - asked) * 1000, 1), round(r.gate_wait * 1000, 3),
+                                    round(r.answered * 1000, 3), r.faults, r.events, r.address] for r in served.reads])
+                # the reads while the driver restored the server (the wake's phases, from the request)
+                woke = instance.transitions[-1].phases
+                lo = asked + woke.get("restore", 0.0)
+                hi = lo + woke.get("driver", 0.0)
+                during = [r for r in served.reads if lo <= r.at < hi]
+                driver_reads["reads"].append(len(during))
+                driver_reads["faults"].append(sum(r.faults for r in during))
+                driver_reads["events"].append(sum(r.events for r in during))
+                driver_reads["answered_ms"].append(round(sum(r.answered for r in during) * 1000, 1))
+                if not fault_mappings and instance.pid is not None:  # the mappings the faults were in, once
+                    fault_mappings.extend(_mappings_of(process.tree(instance.pid),
+                                                       [r.address for r in served.reads if r.faults]))
             for premapped in instance.parking.premapped:  # the parked copies faulted in beside the driver's restore
                 if await asyncio.to_thread(premapped.wait, 30.0) and premapped.seconds is not None:
                     premap_ms.append(premapped.seconds * 1000)
@@ -292,9 +326,13 @@ async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, c
             "lazy_pages_first_done_ms": _stats(lazy_first_done) if lazy_first_done else None,
             "lazy_pages_faults_before_first_done": _stats(lazy_faults_first) if lazy_faults_first else None,
             "lazy_pages_faults_in_wake": _stats(lazy_faults_wake) if lazy_faults_wake else None,
-            "lazy_pages_fault_ms": lazy_fault_times or None,
-            "lazy_pages_gate_wait": reporting.summarize([w for w, _ in fault_answers]) if fault_answers else None,
-            "lazy_pages_answer": reporting.summarize([a for _, a in fault_answers]) if fault_answers else None,
+            "lazy_pages_events": _stats(lazy_events) if lazy_events else None,
+            "lazy_pages_let_go_mib": _stats(let_go_mib) if let_go_mib else None,
+            "lazy_pages_reads": lazy_reads or None,
+            "lazy_pages_fault_mappings": fault_mappings or None,
+            "lazy_pages_gate_wait": reporting.summarize([r.gate_wait for r in reads]) if reads else None,
+            "lazy_pages_answer": reporting.summarize([r.answered for r in reads]) if reads else None,
+            "lazy_pages_in_driver_restore": {k: _stats(v) for k, v in driver_reads.items()} if lazy_reads else None,
             "premap_ms": _stats(premap_ms) if premap_ms else None,
             "driver_restore_minflt": {tier: _stats(got) for tier, got in restore_faults.items() if got},
             "lazy_pages_copied_bytes": int(statistics.median(lazy_copied)) if lazy_copied else None,

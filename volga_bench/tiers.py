@@ -194,12 +194,16 @@ def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pa
                             (served.fetched_first_at - start) * 1e3)
                         run.phases.setdefault("lazy_pages_faults_before_first_done", []).append(served.faults_first)
                     run.phases.setdefault("lazy_pages_faults_in_wake", []).append(served.faults_held)
-                    for i, name in enumerate(("lazy_pages_gate_wait", "lazy_pages_answer")):
-                        took = [1e3 * answer[i] for answer in served.fault_answers]  # a read of faults: its waits
+                    run.phases.setdefault("lazy_pages_events", []).append(served.events)
+                    run.phases.setdefault("lazy_pages_let_go_mib", []).append(served.let_go_bytes / 2**20)
+                    reads = [read for read in served.reads if read.faults]
+                    for name, field in (("gate_wait", "gate_wait"), ("answer", "answered")):
+                        took = [1e3 * getattr(read, field) for read in reads]  # a read of faults: its waits
                         for q in (50, 90) if took else ():
-                            run.phases.setdefault(f"{name}_p{q}_ms", []).append(float(np.percentile(took, q)))
-                    if served.fault_times:  # when the faults came, from the wake's start
-                        times = [(t - start) * 1e3 for t in served.fault_times]
+                            run.phases.setdefault(f"lazy_pages_{name}_p{q}_ms", []).append(
+                                float(np.percentile(took, q)))
+                    if reads:  # when the faults came, from the wake's start
+                        times = [(read.at - start) * 1e3 for read in reads]
                         for q in (10, 50, 90):
                             run.phases.setdefault(f"lazy_pages_fault_p{q}_ms", []).append(
                                 float(np.percentile(times, q)))

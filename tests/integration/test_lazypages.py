@@ -144,8 +144,8 @@ def test_pages_still_to_come_follow_the_process_through_its_events(fill: str, tm
         if fill == "held":  # nothing came but through faults, and the fill is still to come
             assert not pages.done.is_set() and pages.server.faults > 0
             # each read of faults timed: the wait for copies in flight (none yet) within the time to answer them
-            answers = pages.server.fault_answers
-            assert answers and all(0 <= waited <= answered for waited, answered in answers), answers
+            reads = [read for read in pages.server.reads if read.faults]
+            assert reads and all(0 <= read.gate_wait <= read.answered and read.address for read in reads), reads
         release.set()
         restored.wait_for_pages(30.0)
         assert pages.exit_code == 0, pages.server.error
@@ -157,6 +157,79 @@ def test_pages_still_to_come_follow_the_process_through_its_events(fill: str, tm
         if fill == "held":
             # the unmapped half of b and the discarded quarter of c never came; b's and c's bytes were in the image
             assert pages.server.dropped >= 12 * MIB
+    finally:
+        release.set()
+        procs.end_restored(child, restored)
+
+
+RESERVER = PRELUDE + r"""
+libc.mremap.restype = ctypes.c_void_p
+libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+MREMAP_MAYMOVE, MREMAP_FIXED, MAP_FIXED = 1, 2, 0x10
+reserved = libc.mmap(None, 32 * MIB, 0, ANON, -1, 0)  # PROT_NONE, no pages: as a CUDA driver reserves addresses
+a = libc.mmap(None, 16 * MIB, RW, ANON, -1, 0)
+ctypes.memmove(a, hashlib.shake_256(b"a").digest(16 * MIB), 16 * MIB)
+put("ready", {"reserved": reserved, "a": a, "a_digest": digest(a, 16 * MIB)})
+wait("go")
+mapped = libc.mmap(reserved, 8 * MIB, RW, ANON | MAP_FIXED, -1, 0)  # mapped over part of it
+zeros = ctypes.string_at(mapped, 8 * MIB) == bytes(8 * MIB)
+moved = libc.mremap(a, 16 * MIB, 16 * MIB, MREMAP_MAYMOVE | MREMAP_FIXED, reserved + 16 * MIB)  # pages to come in
+assert moved == reserved + 16 * MIB, ctypes.get_errno()
+put("done", {"zeros": zeros, "a": digest(moved, 16 * MIB)})
+time.sleep(60)
+"""
+
+
+def _uffd_registered(pid: int, address: int) -> bool:
+    """Whether the mapping of `pid` at `address` faults to a userfaultfd (VmFlags "um" in smaps)."""
+    lines = pathlib.Path(f"/proc/{pid}/smaps").read_text().splitlines()
+    for i, line in enumerate(lines):
+        if "-" in line.split(" ", 1)[0] and not line.startswith("VmFlags"):
+            lo, hi = (int(x, 16) for x in line.split(" ", 1)[0].split("-"))
+            if lo <= address < hi:
+                flags = next(x for x in lines[i + 1:] if x.startswith("VmFlags:"))
+                return "um" in flags.split()
+    raise AssertionError(f"no mapping at {address:#x} in process {pid}")
+
+
+def test_mappings_with_no_pages_to_come_are_let_go_and_pages_moved_into_them_still_come(
+        tmp_path: pathlib.Path, criu_engine: criu.CriuEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the restore finishes, the server unregisters the mappings that have no pages to come (a reservation of
+    addresses): mapping over them no longer waits on the server, and a fault there is the kernel's zero page. A
+    mapping with pages to come stays registered, and when the process moves such pages into a range let go
+    (mremap), the moved mapping keeps faulting to the server: they arrive where they went."""
+    criu_engine.lazy_pages_server = "volga"
+    release = threading.Event()
+    original = lazypages.Server._fill
+
+    def held(self: lazypages.Server) -> None:  # every page of a comes through a fault
+        release.wait(60)
+        original(self)
+
+    monkeypatch.setattr(lazypages.Server, "_fill", held)
+    folder, log, child = _run(RESERVER, tmp_path)
+    restored = None
+    try:
+        ready = _wait(folder / "ready", log)
+        reserved, a = int(ready["reserved"]), int(ready["a"])  # type: ignore[call-overload]
+        image = criu_engine.dump(child.pid, "reserver")
+        child.wait(timeout=30)
+        restored = criu_engine.restore(image, lazy=True)
+        pages = restored.lazy_pages
+        assert pages is not None and pages.server is not None
+        deadline = time.monotonic() + 10
+        while not any(lo <= reserved < hi for space in pages.server.spaces for lo, hi in space.let_go):
+            assert time.monotonic() < deadline, "the reservation was not let go"
+            time.sleep(0.01)
+        assert not _uffd_registered(restored.pid, reserved)
+        assert _uffd_registered(restored.pid, a)
+        (folder / "go").write_text("")
+        done = _wait(folder / "done", log)
+        assert done["zeros"] is True
+        assert done["a"] == ready["a_digest"]  # moved into the range let go before its pages came: they followed
+        release.set()
+        restored.wait_for_pages(30.0)
+        assert pages.exit_code == 0, pages.server.error
     finally:
         release.set()
         procs.end_restored(child, restored)
@@ -228,7 +301,8 @@ w = libc.mmap(None, 8 * MIB, RW, ANON, -1, 0)  # what every wake reads
 z = libc.mmap(None, 32 * MIB, RW, ANON, -1, 0)  # what no wake reads
 ctypes.memmove(w, hashlib.shake_256(b"w").digest(8 * MIB), 8 * MIB)
 ctypes.memmove(z, hashlib.shake_256(b"z").digest(32 * MIB), 32 * MIB)
-put("ready", {"w": [w, w + 8 * MIB], "w_digest": digest(w, 8 * MIB), "z_digest": digest(z, 32 * MIB)})
+put("ready", {"w": [w, w + 8 * MIB], "z": [z, z + 32 * MIB], "w_digest": digest(w, 8 * MIB),
+              "z_digest": digest(z, 32 * MIB)})
 n = 0
 while True:
     take("go")
@@ -283,6 +357,60 @@ def test_a_wake_gets_first_what_the_last_wake_faulted_on(tmp_path: pathlib.Path,
             (folder / "check").write_text("")
             assert _wait(folder / f"checked-{n}", log)["z"] == ready["z_digest"]
             assert server.record is not None and in_w(server.record) == w_hi - w_lo
+    finally:
+        procs.end_restored(child, restored)
+
+
+def test_only_what_faulted_before_end_record_comes_first_and_record_first_fills_at_once(
+        tmp_path: pathlib.Path, criu_engine: criu.CriuEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wake records its faults only until `end_record` (a GPU process's driver restore): what it touches later
+    is not brought first next time. A "record-first" restore (GPU processes) brings the record first and the rest
+    at once, without waiting for the wake to be released."""
+    criu_engine.lazy_pages_server, criu_engine.lazy_pages_fill = "volga", "after-wake"
+    monkeypatch.setattr(criu, "LAZY_HOLD_SEC", 60.0)  # the first wake's pages come only through its faults
+    folder, log, child = _run(WAKER, tmp_path)
+    restored = None
+    try:
+        ready = _wait(folder / "ready", log)
+        w_lo, w_hi = ready["w"]  # type: ignore[misc]
+        z_lo, z_hi = ready["z"]  # type: ignore[misc]
+
+        def within(ranges: list[lazypages.Range], lo: int, hi: int) -> int:
+            return sum(min(b, hi) - max(a, lo) for _, a, b in ranges if a < hi and b > lo)
+
+        image = criu_engine.dump(child.pid, "waker")
+        child.wait(timeout=30)
+        restored = criu_engine.restore(image, lazy=True, wake=True)
+        pages = restored.lazy_pages
+        assert pages is not None and pages.server is not None
+        (folder / "go").write_text("")
+        assert _wait(folder / "woke-1", log)["w"] == ready["w_digest"]
+        restored.end_record()
+        faults = pages.server.faults
+        (folder / "check").write_text("")  # z, still held back, comes through faults that are not recorded
+        assert _wait(folder / "checked-1", log)["z"] == ready["z_digest"]
+        assert pages.server.faults > faults
+        restored.release()
+        record = pages.server.record
+        assert record is not None and within(record, w_lo, w_hi) == w_hi - w_lo
+        assert within(pages.server.faulted, z_lo, z_hi) == 0 and within(record, z_lo, z_hi) == 0
+        restored.wait_for_pages(30.0)
+
+        criu_engine.lazy_pages_fill = "record-first"
+        image = criu_engine.dump(restored.pid, "waker")
+        process.reap(restored.pid)
+        restored = criu_engine.restore(image, lazy=True, wake=True, gpu=True)
+        pages = restored.lazy_pages
+        assert pages is not None and pages.server is not None
+        server = pages.server
+        assert server.hold == 0 and server.recording and server.record_bytes == lazypages.RECORD_FIRST_BYTES
+        assert server.order == record  # the record first
+        restored.wait_for_pages(30.0)  # and the rest without a release
+        assert pages.exit_code == 0 and not server.released, server.error
+        (folder / "go").write_text("")
+        assert _wait(folder / "woke-2", log)["w"] == ready["w_digest"]
+        (folder / "check").write_text("")
+        assert _wait(folder / "checked-2", log)["z"] == ready["z_digest"]
     finally:
         procs.end_restored(child, restored)
 

@@ -25,7 +25,7 @@ def test_pages_are_taken_within_a_range_and_the_rest_stays_to_come() -> None:
     assert space.pending == [[0, 50 * K, 0], [250 * K, 300 * K, 150 * K]]
 
 
-def test_auto_holds_the_fill_for_a_wake_on_the_cpu_only() -> None:
-    for fill, cpu, gpu in (("auto", "after-wake", "at-once"), ("after-wake", "after-wake", "after-wake"),
-                           ("at-once", "at-once", "at-once")):
+def test_auto_holds_the_fill_for_a_wake_on_the_cpu_only_and_fills_a_gpu_process_record_first() -> None:
+    for fill, cpu, gpu in (("auto", "after-wake", "record-first"), ("after-wake", "after-wake", "after-wake"),
+                           ("record-first", "record-first", "record-first"), ("at-once", "at-once", "at-once")):
         assert (criu.resolve_fill(fill, False), criu.resolve_fill(fill, True)) == (cpu, gpu)

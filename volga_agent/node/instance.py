@@ -697,6 +697,8 @@ class Instance:
             self.parking.premap([pid])  # the driver's copy mapped from the parked file: its page tables filled
             with self._phase("driver"):
                 self.driver.resume(pid)
+            if self._restored is not None:  # what faulted until here is wanted first at the next wake
+                self._restored.end_record()
         self._resume_worker(pid)
         self._wake_worker()  # an image taken in SUSPENDED holds a worker that was told to sleep
         if self._restored is not None:  # awake: the lazy pages the wake did not ask for come now

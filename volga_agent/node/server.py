@@ -636,7 +636,7 @@ class ServerInstance:
                     self.gpu_pids = self._handshake_gpu_pids
                 if gpu:  # the driver's copies mapped from the parked file: their page tables filled beside its restore
                     self.parking.premap(process.tree(restored.pid))
-                self._back_up(began, phases)
+                self._back_up(began, phases, restored)
                 restored.release()  # awake: the lazy pages the wake did not ask for come now
             except (criu.CriuError, ServerError, instance.CanaryMismatch, OSError,
                     cuda.DriverCheckpointError) as exc:
@@ -668,12 +668,14 @@ class ServerInstance:
             self.last_used = time.monotonic()
             self._record(source, Tier.HOT, began, phases=phases)
 
-    def _back_up(self, began: float, phases: dict[str, float]) -> None:
-        """The wake's steps after the restore (where there was one), each timed into `phases`."""
+    def _back_up(self, began: float, phases: dict[str, float], restored: criu.Restored | None = None) -> None:
+        """The wake's steps after the `restored` (where there was one), each timed into `phases`."""
         mark = time.perf_counter()
         if self.gpu_pids:
             self._resume_gpu()
             phases["driver"] = time.perf_counter() - mark
+            if restored is not None:  # what faulted until here is wanted first at the next wake
+                restored.end_record()
             mark = time.perf_counter()
         if self.handshake_image and self.tier is Tier.FROZEN:
             self._go_on()

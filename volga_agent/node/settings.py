@@ -125,8 +125,9 @@ class CriuSettings(Group):
     restore's pages are served by lazy_pages_server: "volga" (the agent's own, `snapshot.lazypages`, with
     lazy_pages_threads filling in the background, 0: one per 256 MiB of lazy pages, at most 4) or "criu" (a `criu
     lazy-pages` daemon). lazy_pages_fill: "after-wake" (for a wake, the agent's server brings first the pages the
-    instance's last wake faulted on, the rest once the wake has answered), "at-once" (every page from the start),
-    or "auto" (after the wake on the CPU, at once for GPU processes). Flat:
+    instance's last wake faulted on, the rest once the wake has answered), "record-first" (first the pages the
+    last wake faulted on during the driver's restore, the rest at once beside them), "at-once" (every page from the
+    start, in address order), or "auto" (after the wake on the CPU, record first for GPU processes). Flat:
     criu_timeout_floor_sec, criu_timeout_sec_per_gib, criu_lazy_pages_server, criu_lazy_pages_threads,
     criu_lazy_pages_fill."""
 
@@ -136,7 +137,7 @@ class CriuSettings(Group):
     timeout_sec_per_gib: NonNegative = 10.0
     lazy_pages_server: Literal["volga", "criu"] = "volga"
     lazy_pages_threads: Annotated[int, pydantic.Field(ge=0, le=64)] = 0
-    lazy_pages_fill: Literal["auto", "after-wake", "at-once"] = "auto"
+    lazy_pages_fill: Literal["auto", "after-wake", "record-first", "at-once"] = "auto"
 
 
 class SharedSnapshotSettings(Group):

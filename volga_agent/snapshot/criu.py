@@ -64,7 +64,7 @@ FAILED = "failed"
 # The longest a lazy restore for a wake holds back the pages the wake did not ask for, when nobody says the wake
 # is done (`Restored.release`).
 LAZY_HOLD_SEC = 5.0
-LAZY_PAGES_FILLS = ("auto", "after-wake", "at-once")
+LAZY_PAGES_FILLS = ("auto", "after-wake", "record-first", "at-once")
 log = logging.getLogger(__name__)
 
 
@@ -176,6 +176,11 @@ class LazyPages:
         if self.exit_code != 0:
             raise CriuError(f"pid {pid}: the lazy-pages server failed ({self.error}): pages may be missing")
 
+    def end_record(self) -> None:
+        """Faults from now on are not kept for the next restore (`lazypages.Server.end_record`)."""
+        if self.server is not None:
+            self.server.end_record()
+
     def release(self) -> None:
         """The wake it served is done: the pages held back until then come now (`lazypages.Server.release`), and
         the ranges this wake faulted on are kept for the next restore of the same process."""
@@ -212,6 +217,12 @@ class Restored:
         """Return once the restored process holds all of its memory (at once for eager restores)."""
         if self.lazy_pages is not None:
             self.lazy_pages.wait(self.pid, timeout)
+
+    def end_record(self) -> None:
+        """The part of the wake the next restore should have ready is over (a GPU process's driver restore): what
+        faults from now on is not brought first next time."""
+        if self.lazy_pages is not None:
+            self.lazy_pages.end_record()
 
     def release(self) -> None:
         """The restored process has woken: its lazy pages held back for the wake come now."""
@@ -344,11 +355,12 @@ def _log_tail(log: pathlib.Path, lines: int = 15) -> str:
 
 
 def resolve_fill(fill: str, gpu: bool) -> str:
-    """`fill` ("auto", "after-wake", "at-once") for a process that holds a CUDA context (`gpu`) or not: "auto" holds
-    the fill until after the wake on the CPU only (docs/snapshots.md, Lazy pages)."""
+    """`fill` (`LAZY_PAGES_FILLS`) for a process that holds a CUDA context (`gpu`) or not: "auto" holds the fill
+    until after the wake on the CPU only, and fills a GPU process at once with its record first (docs/snapshots.md,
+    Lazy pages)."""
     if fill != "auto":
         return fill
-    return "at-once" if gpu else "after-wake"
+    return "record-first" if gpu else "after-wake"
 
 
 class CriuEngine:
@@ -368,7 +380,7 @@ class CriuEngine:
         # Who serves a lazy restore's pages: "volga" (`lazypages.Server`, in this process, `lazy_pages_threads`
         # filling in the background; None: by the image's size) or "criu" (a `criu lazy-pages` daemon). Where the
         # caller does not say, the environment may (the benches: VOLGA_LAZY_PAGES_SERVER, _THREADS, _FILL_KIB,
-        # _FAULT_KIB, _FILL).
+        # _FAULT_KIB, _FILL, _LET_GO).
         self.lazy_pages_server = lazy_pages_server or os.environ.get("VOLGA_LAZY_PAGES_SERVER", "volga")
         if self.lazy_pages_server not in ("volga", "criu"):
             raise ValueError(f"lazy pages server {self.lazy_pages_server!r}: it is 'volga' or 'criu'")
@@ -378,10 +390,13 @@ class CriuEngine:
                                                                lazypages.FILL_BYTES // 1024))
         self.lazy_pages_fault_bytes = 1024 * int(os.environ.get("VOLGA_LAZY_PAGES_FAULT_KIB",
                                                                 lazypages.FAULT_BYTES // 1024))
+        # Whether the mappings with no pages to come are unregistered as the restore finishes (`lazypages`).
+        self.lazy_pages_let_go = os.environ.get("VOLGA_LAZY_PAGES_LET_GO", "1") != "0"
         # How the agent's server fills a wake's pages: "after-wake" (first those the last wake of the same process
-        # faulted on, the rest once the wake is done: `lazypages`), "at-once" (all from the start, in address
-        # order), or "auto": after the wake on the CPU, at once for a process holding a CUDA context
-        # (docs/snapshots.md, Lazy pages).
+        # faulted on, the rest once the wake is done: `lazypages`), "record-first" (first those the last wake
+        # faulted on before `Restored.end_record`, the rest at once beside them), "at-once" (all from the start,
+        # in address order, nothing recorded), or "auto": after the wake on the CPU, record first for a process
+        # holding a CUDA context (docs/snapshots.md, Lazy pages).
         self.lazy_pages_fill = lazy_pages_fill or os.environ.get("VOLGA_LAZY_PAGES_FILL", "auto")
         if self.lazy_pages_fill not in LAZY_PAGES_FILLS:
             raise ValueError(f"lazy pages fill {self.lazy_pages_fill!r}: it is one of {', '.join(LAZY_PAGES_FILLS)}")
@@ -530,8 +545,9 @@ class CriuEngine:
         runs as soon as its tree is rebuilt, pages arrive when first touched (and in the background), and the
         server stops once every page is delivered. With `wake` too (the restored process is to serve at once),
         where `lazy_pages_fill` says so for it (`gpu`: it holds a CUDA context), the agent's server fills first
-        the pages the last wake of this instance faulted on and holds the rest back until `Restored.release()`
-        (at most `LAZY_HOLD_SEC`), which records this wake's faults for the next. A server that fails stops criu
+        the pages the last wake of this instance faulted on and ("after-wake") holds the rest back until
+        `Restored.release()` (at most `LAZY_HOLD_SEC`), which records this wake's faults for the next (those
+        until `Restored.end_record()`, where that is called). A server that fails stops criu
         (CriuError), or, once the restore is done, kills the restored tree: its memory would read as zeros where
         pages did not come.
 
@@ -611,13 +627,16 @@ class CriuEngine:
             with self._lock:
                 if self._closed:
                     raise CriuCancelled("lazy pages: the snapshot engine is closed")
-                held = wake and self.fill_for(gpu) == "after-wake"
-                order = self._records.get(image.path.parent, []) if held else []
+                fill = self.fill_for(gpu) if wake else "at-once"
+                recorded = fill in ("after-wake", "record-first")
+                order = self._records.get(image.path.parent, []) if recorded else []
             try:
-                server = lazypages.Server(image.path, threads=self.lazy_pages_threads,
-                                          fill_bytes=self.lazy_pages_fill_bytes,
-                                          fault_bytes=self.lazy_pages_fault_bytes, order=order,
-                                          hold=LAZY_HOLD_SEC if held else 0.0)
+                server = lazypages.Server(
+                    image.path, threads=self.lazy_pages_threads, fill_bytes=self.lazy_pages_fill_bytes,
+                    fault_bytes=self.lazy_pages_fault_bytes, order=order,
+                    hold=LAZY_HOLD_SEC if fill == "after-wake" else 0.0, record=recorded,
+                    record_bytes=lazypages.RECORD_BYTES if fill == "after-wake" else lazypages.RECORD_FIRST_BYTES,
+                    let_go_empty=self.lazy_pages_let_go)
             except (OSError, lazypages.LazyPagesError) as exc:
                 raise CriuError(f"cannot serve the lazy pages of {image.path}: {exc}") from exc
             try:

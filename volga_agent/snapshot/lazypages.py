@@ -32,10 +32,12 @@ the next (its code's objects, the libraries' state), at the same addresses, sinc
 layout. Faults are round trips, and a fill beside the wake competes with it. So a restore for a wake may be given
 `order`, the ranges that faulted in the last wake of the same process (its `record`, merged where they touch), and
 `hold`: the fillers bring the ranges of `order` in first, as soon as criu has finished, and the rest once
-`release()` says the wake is done (at most `hold` seconds); the faults until then are the next record. It pays
-where what a wake touches is mostly in its record (CPU workers and servers), not where the wake writes memory its
-allocator hands out afresh each time, which then faults one window at a time (GPU processes: docs/snapshots.md,
-Lazy pages).
+`release()` says the wake is done (at most `hold` seconds); the faults until then are the next record (`record`).
+Holding pays where what a wake touches is mostly in its record (CPU workers and servers), not where the wake writes
+memory its allocator hands out afresh each time, which then faults one window at a time (GPU processes). Those are
+filled at once, their record first; what they record is only what faulted before `end_record()`, the driver's
+restore of their CUDA context, which touches the same host memory at the same addresses each time
+(docs/snapshots.md, Lazy pages).
 
 Every page is delivered before `done` is set (or the process is gone); until then a dump of the process would
 miss the pages not yet there, as with CRIU's server (`criu.LazyPages`).
@@ -56,6 +58,7 @@ import socket
 import struct
 import threading
 import time
+import typing
 from collections.abc import Iterator, Sequence
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message, message_factory
@@ -74,15 +77,31 @@ BYTES_PER_THREAD = 256 * 2**20
 # The most a record of a wake's faults keeps (its merged ranges, in the order of first need): a wake that touches
 # more than this is no longer a few pages, and the fill brings the rest.
 RECORD_BYTES = 512 * 2**20
-FAULT_TIMES = 4096  # how many times of reading faults a server keeps (for the benches)
+# The most a record keeps where the rest is filled at once beside it: every byte of it comes before the rest.
+RECORD_FIRST_BYTES = 64 * 2**20
+READS_KEPT = 4096  # how many reads of a process's messages a server keeps the times of (`Read`, for the benches)
 PREFETCH_BYTES = 2 * 2**20  # the longest piece of a record one filler takes at a time
 
 # A range of one process's memory: (its PID in the image, start, end).
 Range = tuple[int, int, int]
 
+
+class Read(typing.NamedTuple):
+    """One read of a process's messages that held faults or events: when it began (time.perf_counter()), the
+    seconds it waited for the copies in flight (the gate) and until its faults were answered (from its start), how
+    many faults and events it held, and the first address its faults wanted (0: none)."""
+
+    at: float
+    gate_wait: float
+    answered: float
+    faults: int
+    events: int
+    address: int
+
 # CRIU's image files: a common magic, the file's own magic, then (u32 size, protobuf message) entries.
 _MAGIC_COMMON = 0x54564319
 _PE_PARENT, _PE_LAZY, _PE_PRESENT = 1, 2, 4
+_MAP_PRIVATE, _MAP_ANONYMOUS, _MAP_LOCKED = 0x02, 0x20, 0x2000
 
 # linux/userfaultfd.h
 _EVENT_PAGEFAULT, _EVENT_FORK, _EVENT_REMAP, _EVENT_REMOVE, _EVENT_UNMAP = 0x12, 0x13, 0x14, 0x15, 0x16
@@ -111,6 +130,12 @@ class _Range(ctypes.Structure):
     _fields_ = [("start", ctypes.c_uint64), ("len", ctypes.c_uint64)]
 
 
+class _Register(ctypes.Structure):
+    _fields_ = [("range", _Range), ("mode", ctypes.c_uint64), ("ioctls", ctypes.c_uint64)]
+
+
+_MODE_MISSING = 1
+_REGISTER = _iowr(0x00, ctypes.sizeof(_Register))
 _UNREGISTER = _iowr(0x01, ctypes.sizeof(_Range), write=False)
 _WAKE = _iowr(0x02, ctypes.sizeof(_Range), write=False)
 _COPY = _iowr(0x03, ctypes.sizeof(_Copy))
@@ -133,7 +158,7 @@ def _messages() -> tuple[type[message.Message], ...]:
         "pagemap_head": [("pages_id", 1, "uint32")],
         "pagemap_entry": [("vaddr", 1, "uint64"), ("compat_nr_pages", 2, "uint32"), ("in_parent", 3, "bool"),
                           ("flags", 4, "uint32"), ("nr_pages", 5, "uint64")],
-        "vma_entry": [("start", 1, "uint64"), ("end", 2, "uint64")],
+        "vma_entry": [("start", 1, "uint64"), ("end", 2, "uint64"), ("flags", 6, "uint32")],
     }
     kinds = {"uint32": descriptor_pb2.FieldDescriptorProto.TYPE_UINT32,
              "uint64": descriptor_pb2.FieldDescriptorProto.TYPE_UINT64,
@@ -174,6 +199,14 @@ def _entries(path: pathlib.Path) -> Iterator[bytes]:
 def processes(folder: pathlib.Path) -> int:
     """How many processes the image's tree holds (each gets one PID, and most one userfaultfd)."""
     return sum(1 for _ in _entries(folder / "pstree.img"))
+
+
+def registered(folder: pathlib.Path, pid: int) -> list[tuple[int, int]]:
+    """The mappings of process `pid` that `criu restore --lazy-pages` registers with its userfaultfd (private
+    anonymous, not locked: criu's vma_entry_can_be_lazy): [start, end), sorted."""
+    vmas = _MM.FromString(next(_entries(folder / f"mm-{pid}.img"))).vmas
+    return sorted((vma.start, vma.end) for vma in vmas
+                  if vma.flags & _MAP_ANONYMOUS and vma.flags & _MAP_PRIVATE and not vma.flags & _MAP_LOCKED)
 
 
 def lazy_segments(folder: pathlib.Path, pid: int) -> tuple[str, list[list[int]]]:
@@ -310,16 +343,18 @@ class _Space:
         self.urgent: list[list[int]] = []  # refused copies, tried again first
         self.inflight: list[tuple[int, int]] = []
         self.waiting: list[int] = []  # faults whose copy was refused: answered again after the events
+        self.let_go: list[tuple[int, int]] = []  # mappings with no pages to come, unregistered (`Server`)
         self.gate = _Gate()
         self.lock = threading.Lock()
         self.gone = False
         self.forked = False  # a child forked after the restore: no process of the image, not in a record
         # Bytes copied in, dropped (the process unmapped or discarded them first), or found there already or
-        # unmapped (`skipped`); faults answered. Under self.lock: fillers count at once.
+        # unmapped (`skipped`); faults answered, events read. Under self.lock: fillers count at once.
         self.copied = 0
         self.dropped = 0
         self.skipped = 0
         self.faults = 0
+        self.events = 0
 
     # --- the pages to come, under self.lock ---
 
@@ -434,27 +469,32 @@ def _cut(segs: list[list[int]], lo: int, hi: int) -> list[list[int]]:
 class Server:
     """Serves one lazy restore of the image in `folder`: call `listen` before starting `criu restore
     --lazy-pages -D folder`, then `start`. `done` is set once every process has all its pages (or is gone), or
-    the server failed (`exit_code` 1, `error`) or was stopped. With `order` and `hold` (module docstring), the
-    ranges of `order` come first and the rest after `release()`."""
+    the server failed (`exit_code` 1, `error`) or was stopped. With `order` (module docstring), the ranges of
+    `order` come first, and with `hold` the rest after `release()`; with `record`, the faults until `release()` or
+    `end_record()` are the next order (`release` returns it)."""
 
     def __init__(self, folder: str | pathlib.Path, threads: int | None = None, fault_bytes: int = FAULT_BYTES,
-                 fill_bytes: int = FILL_BYTES, order: Sequence[Range] = (), hold: float = 0.0) -> None:
+                 fill_bytes: int = FILL_BYTES, order: Sequence[Range] = (), hold: float = 0.0,
+                 record: bool | None = None, record_bytes: int = RECORD_BYTES, let_go_empty: bool = True) -> None:
         self.folder = pathlib.Path(folder)
         self.order = list(order)
         self.hold = hold
+        # Whether this wake's faults are recorded for the next (by default where the fill is held), and the most
+        # a record keeps.
+        self.recording = hold > 0 if record is None else record
+        self.record_bytes = record_bytes
+        self.let_go_empty = let_go_empty  # unregister the mappings with no pages to come (`_let_go`)
         self.released = False  # the wake is done (`release`): its faults are recorded until then
+        self.record_ended = False  # or until `end_record`, where that came first
         self.record: list[Range] | None = None  # the ranges a wake wanted first, once released
-        # the fault windows of the processes of the image, in order, until released (when held)
+        # the fault windows of the processes of the image, in order, while recording
         self.faulted: list[Range] = []
         self.fetched_first = threading.Event()  # every range of `order` is in (or the server ends)
         # When that was (time.perf_counter()) and how many faults had come by then; the faults until released.
         self.fetched_first_at: float | None = None
         self.faults_first = 0
         self.faults_held = 0
-        self.fault_times: list[float] = []  # when faults were read (time.perf_counter()), the first FAULT_TIMES
-        # For each read that held faults (the first FAULT_TIMES): seconds waiting for the copies in flight before
-        # reading (the gate), and seconds until its faults were answered, from the read's start.
-        self.fault_answers: list[tuple[float, float]] = []
+        self.reads: list[Read] = []  # the first READS_KEPT reads that held faults or events
         self._pieces: list[Range] = []  # `order` cut to PREFETCH_BYTES, shared out among the fillers
         self._order_at = 0  # the next of them a filler takes
         self._prefetching = 0  # fillers still copying ranges of `order`
@@ -482,6 +522,8 @@ class Server:
     dropped = property(lambda self: sum(space.dropped for space in self.spaces))
     skipped = property(lambda self: sum(space.skipped for space in self.spaces))
     faults = property(lambda self: sum(space.faults for space in self.spaces))
+    events = property(lambda self: sum(space.events for space in self.spaces))
+    let_go_bytes = property(lambda self: sum(hi - lo for space in self.spaces for lo, hi in space.let_go))
 
     def listen(self) -> None:
         path = self.folder / SOCKET_NAME
@@ -502,21 +544,26 @@ class Server:
         threading.Thread(target=self._serve, args=(deadline,), name=f"lazy-pages-{self.folder.name}",
                          daemon=True).start()
 
+    def end_record(self) -> None:
+        """What faults from now on is not kept in the record (the wake's own allocations after the driver's
+        restore, at other addresses each time)."""
+        self.record_ended = True
+
     def release(self) -> list[Range] | None:
         """The wake is done: fill the rest, if held. Returns the record of this wake (the ranges of `order` that
         were lazy in this image and the windows that faulted, merged where they touch, in the order of first need,
-        at most `RECORD_BYTES`), or None when it was released already or held nothing back."""
+        at most `record_bytes`), or None when it was released already or recorded nothing."""
         with self._work:
             if self.released:
                 return None
             self.released = True
             self.faults_held = self.faults
             self._work.notify_all()
-        if self.hold <= 0:
-            return None  # filled at once: its faults say little of what the wake wanted (nothing was recorded)
+        if not self.recording:
+            return None
         record, size = [], 0
         for pid, lo, hi in coalesce(self.order + list(self.faulted)):
-            if size + hi - lo > RECORD_BYTES:
+            if size + hi - lo > self.record_bytes:
                 break
             record.append((pid, lo, hi))
             size += hi - lo
@@ -698,9 +745,44 @@ class Server:
             raw += client.recv(4 - len(raw), socket.MSG_WAITALL)
         if struct.unpack("=I", raw)[0] != RESTORE_FINISHED:
             raise LazyPagesError(f"unexpected message from criu restore: {raw.hex()}")
+        if self.let_go_empty:
+            for space in list(self.spaces):
+                self._let_go(space)
         with self._work:
             self._restore_finished.set()
             self._work.notify_all()
+
+    def _let_go(self, space: _Space) -> None:
+        """Unregister the process's mappings that have no pages to come: a fault there is the kernel's zero page
+        as it would be ours, and the process's mmap, munmap and madvise there no longer wait for this thread to
+        read their events (a CUDA driver's restore maps its device memory over such reservations, hundreds of
+        times). Called as criu reports the restore finished, which it does before it lets the tree go on: a mapping
+        the tree unmapped meanwhile is no longer there to unregister (its event, read later, drops nothing); a
+        mapping it moved (mremap) keeps its registration, and should it have moved pages still to come into a
+        range unregistered after the move, `_read` registers that range again as it reads the move."""
+        try:
+            mappings = registered(self.folder, space.pid)
+        except (OSError, LazyPagesError, message.DecodeError) as exc:
+            log.warning("lazy pages of %s: mappings of process %d not read, all stay registered: %s",
+                        self.folder, space.pid, exc)
+            return
+        with space.gate.changing(), space.lock:
+            busy = sorted([(lo, hi) for lo, hi, _ in space.urgent] + space.inflight)
+            empty = [(lo, hi) for lo, hi in mappings if not space.overlaps(lo, hi) and
+                     not any(a < hi and b > lo for a, b in busy)]
+            runs: list[list[int]] = []  # neighbours in one call
+            for lo, hi in empty:
+                if runs and runs[-1][1] == lo:
+                    runs[-1][1] = hi
+                else:
+                    runs.append([lo, hi])
+            for lo, hi in runs:
+                if self._ioctl(space, _UNREGISTER, _Range(lo, hi - lo)) == 0:
+                    space.let_go.append((lo, hi))
+                    continue
+                for a, b in empty:  # one of them is no longer what the image had: each alone
+                    if lo <= a < hi and self._ioctl(space, _UNREGISTER, _Range(a, b - a)) == 0:
+                        space.let_go.append((a, b))
 
     def _read(self, space: _Space) -> list[_Space]:
         """Read the process's messages with its gate taken alone, apply its events, answer its faults."""
@@ -725,6 +807,10 @@ class Server:
                     elif event == _EVENT_REMAP:
                         frm, to, length = _MSG_REMAP.unpack(arg)
                         space.move(frm, to, length)
+                        if space.overlaps(to, to + length) and \
+                                any(lo < to + length and hi > to for lo, hi in space.let_go):
+                            # pages to come moved into a range let go: it must fault to us again
+                            self._ioctl(space, _REGISTER, _Register(_Range(to, length), _MODE_MISSING, 0))
                     elif event in (_EVENT_REMOVE, _EVENT_UNMAP):
                         lo, hi = _MSG_RANGE.unpack(arg)
                         space.dropped += space.drop(lo, hi)
@@ -732,14 +818,15 @@ class Server:
                             self._ioctl(space, _UNREGISTER, _Range(lo, hi - lo))
                     else:
                         raise LazyPagesError(f"unexpected userfaultfd event {event:#x} from process {space.pid}")
+        events = len(data) // _MSG.size - len(faults)
         with space.lock:
             space.faults += len(faults)
-        if faults and len(self.fault_times) < FAULT_TIMES:
-            self.fault_times.append(time.perf_counter())
+            space.events += events
         for address in faults:
             self._fault(space, address - address % PAGE)
-        if faults and len(self.fault_answers) < FAULT_TIMES:
-            self.fault_answers.append((gated - began, time.perf_counter() - began))
+        if len(self.reads) < READS_KEPT:
+            self.reads.append(Read(began, gated - began, time.perf_counter() - began, len(faults), events,
+                                   faults[0] if faults else 0))
         return kids
 
     def _fault(self, space: _Space, address: int) -> None:
@@ -750,7 +837,7 @@ class Server:
                 seg = space.take_around(address, self.fault_bytes)
                 if seg is not None:
                     space.inflight.append((seg[0], seg[1]))
-                    if self.hold > 0 and not self.released and not space.forked:
+                    if self.recording and not (self.released or self.record_ended or space.forked):
                         self.faulted.append((space.pid, seg[0], seg[1]))
             if seg is None:  # not among the pages to come: a hole of the image, or already in
                 self._zero(space, address)
