@@ -669,7 +669,7 @@ class ServerInstance:
             self._record(source, Tier.HOT, began, phases=phases)
 
     def _back_up(self, began: float, phases: dict[str, float], restored: criu.Restored | None = None) -> None:
-        """The wake's steps after the `restored` (where there was one), each timed into `phases`."""
+        """The wake's steps after the restore (`restored`, where there was one), each timed into `phases`."""
         mark = time.perf_counter()
         if self.gpu_pids:
             self._resume_gpu()

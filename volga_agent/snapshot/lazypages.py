@@ -98,6 +98,7 @@ class Read(typing.NamedTuple):
     events: int
     address: int
 
+
 # CRIU's image files: a common magic, the file's own magic, then (u32 size, protobuf message) entries.
 _MAGIC_COMMON = 0x54564319
 _PE_PARENT, _PE_LAZY, _PE_PRESENT = 1, 2, 4
@@ -755,11 +756,12 @@ class Server:
     def _let_go(self, space: _Space) -> None:
         """Unregister the process's mappings that have no pages to come: a fault there is the kernel's zero page
         as it would be ours, and the process's mmap, munmap and madvise there no longer wait for this thread to
-        read their events (a CUDA driver's restore maps its device memory over such reservations, hundreds of
-        times). Called as criu reports the restore finished, which it does before it lets the tree go on: a mapping
-        the tree unmapped meanwhile is no longer there to unregister (its event, read later, drops nothing); a
-        mapping it moved (mremap) keeps its registration, and should it have moved pages still to come into a
-        range unregistered after the move, `_read` registers that range again as it reads the move."""
+        read their events (a CUDA driver's restore maps its device memory over such reservations: 30 times in each
+        restore of an LLM server, docs/snapshots.md). Called as criu reports the restore finished, which it does
+        before it lets the tree go on: a mapping the tree unmapped meanwhile is no longer there to unregister (its
+        event, read later, drops nothing); a mapping it moved (mremap) keeps its registration, and should it have
+        moved pages still to come into a range unregistered after the move, `_read` registers that range again as
+        it reads the move."""
         try:
             mappings = registered(self.folder, space.pid)
         except (OSError, LazyPagesError, message.DecodeError) as exc:
@@ -807,10 +809,15 @@ class Server:
                     elif event == _EVENT_REMAP:
                         frm, to, length = _MSG_REMAP.unpack(arg)
                         space.move(frm, to, length)
-                        if space.overlaps(to, to + length) and \
-                                any(lo < to + length and hi > to for lo, hi in space.let_go):
+                        moved = space.overlaps(to, to + length) or \
+                            any(lo < to + length and hi > to for lo, hi, _ in space.urgent)
+                        if moved and any(lo < to + length and hi > to for lo, hi in space.let_go):
                             # pages to come moved into a range let go: it must fault to us again
-                            self._ioctl(space, _REGISTER, _Register(_Range(to, length), _MODE_MISSING, 0))
+                            code = self._ioctl(space, _REGISTER, _Register(_Range(to, length), _MODE_MISSING, 0))
+                            if code:
+                                log.warning("lazy pages of %s: process %d moved pages still to come to %#x, which "
+                                            "could not be registered again: %s", self.folder, space.pid, to,
+                                            os.strerror(code))
                     elif event in (_EVENT_REMOVE, _EVENT_UNMAP):
                         lo, hi = _MSG_RANGE.unpack(arg)
                         space.dropped += space.drop(lo, hi)
