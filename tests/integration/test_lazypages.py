@@ -82,6 +82,20 @@ time.sleep(60)
 """
 
 
+def _hold_fill(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Hold every server's background fill until the returned event is set: until then each page comes through a
+    fault."""
+    release = threading.Event()
+    original = lazypages.Server._fill
+
+    def held(self: lazypages.Server) -> None:
+        release.wait(60)
+        original(self)
+
+    monkeypatch.setattr(lazypages.Server, "_fill", held)
+    return release
+
+
 def _sleeper() -> subprocess.Popen[bytes]:
     """A process to freeze that holds no file of this test run: output captured by pytest goes to files it has
     already deleted, which CRIU would carry as ghost files, and a second restore of one while the first's is still
@@ -121,15 +135,7 @@ def test_pages_still_to_come_follow_the_process_through_its_events(fill: str, tm
                                                                     criu_engine: criu.CriuEngine,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     criu_engine.lazy_pages_server = "volga"
-    release = threading.Event()
-    if fill == "held":
-        original = lazypages.Server._fill
-
-        def held(self: lazypages.Server) -> None:
-            release.wait(60)
-            original(self)
-
-        monkeypatch.setattr(lazypages.Server, "_fill", held)
+    release = _hold_fill(monkeypatch) if fill == "held" else threading.Event()
     folder, log, child = _run(CHILD, tmp_path)
     restored = None
     try:
@@ -199,14 +205,7 @@ def test_mappings_with_no_pages_to_come_are_let_go_and_pages_moved_into_them_sti
     mapping with pages to come stays registered, and when the process moves such pages into a range let go
     (mremap), the moved mapping keeps faulting to the server: they arrive where they went."""
     criu_engine.lazy_pages_server = "volga"
-    release = threading.Event()
-    original = lazypages.Server._fill
-
-    def held(self: lazypages.Server) -> None:  # every page of a comes through a fault
-        release.wait(60)
-        original(self)
-
-    monkeypatch.setattr(lazypages.Server, "_fill", held)
+    release = _hold_fill(monkeypatch)  # every page of a comes through a fault
     folder, log, child = _run(RESERVER, tmp_path)
     restored = None
     try:
