@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import re
@@ -45,8 +46,11 @@ class Daemon:
     def __init__(self, name: str, args: list[str], env: dict[str, str], folder: pathlib.Path,
                  announce: str | None = None) -> None:
         self.log = folder / f"{name}.log"
+        # faulthandler: a daemon that does not stop in time is sent SIGABRT first, which writes every thread's
+        # stack into its log
         self.proc = subprocess.Popen(args, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **env}, start_new_session=True)
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **env},
+                                     start_new_session=True)
         self.line = ""
         if announce:
             self.line = wait_for(f"{name} to start", lambda: self._announced(announce), timeout=60)
@@ -62,14 +66,24 @@ class Daemon:
         return int(match.group(1))
 
     def stop(self) -> int:
+        """SIGTERM, and its exit code; one still running after 60 s gets SIGABRT (its threads' stacks go to the
+        log: a hang to read, not to retry), then its whole session SIGKILL."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.send_signal(signal.SIGABRT)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(timeout=10)
+                with contextlib.suppress(ProcessLookupError):  # the session may be gone with it
+                    os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         return self.proc.returncode
+
+    def tail(self) -> str:
+        """The end of its log: the thread stacks of a daemon that did not stop in time are there."""
+        return self.log.read_text()[-12000:]
 
 
 def scrape(port: int, token: str | None = None) -> tuple[int, dict[str, str], str]:

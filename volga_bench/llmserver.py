@@ -206,7 +206,8 @@ async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, c
     reads: list[lazypages.Read] = []
     driver_reads: dict[str, list[float]] = {"reads": [], "faults": [], "events": [], "answered_ms": []}
     lazy_events: list[float] = []
-    let_go_mib: list[float] = []  # the mappings with no pages to come it unregistered
+    let_go_mib: list[float] = []  # the mappings with no pages to come it unregistered, and how long that took
+    let_go_ms: list[float] = []
     fault_mappings: list[str] = []  # the lines of /proc/PID/maps the faults' addresses fell in, the first lazy wake
     lazy_copied: list[int] = []
     suspended_rss: list[int] = []
@@ -272,6 +273,7 @@ async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, c
                 lazy_faults_wake.append(served.faults_held)
                 lazy_events.append(served.events)
                 let_go_mib.append(served.let_go_bytes / 2**20)
+                let_go_ms.append(served.let_go_seconds * 1000)
                 reads += served.reads
                 lazy_reads.append([[round((r.at - asked) * 1000, 1), round(r.gate_wait * 1000, 3),
                                     round(r.answered * 1000, 3), r.faults, r.events, r.address] for r in served.reads])
@@ -328,6 +330,7 @@ async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, c
             "lazy_pages_faults_in_wake": _stats(lazy_faults_wake) if lazy_faults_wake else None,
             "lazy_pages_events": _stats(lazy_events) if lazy_events else None,
             "lazy_pages_let_go_mib": _stats(let_go_mib) if let_go_mib else None,
+            "lazy_pages_let_go_ms": _stats(let_go_ms) if let_go_ms else None,
             "lazy_pages_reads": lazy_reads or None,
             "lazy_pages_fault_mappings": fault_mappings or None,
             "lazy_pages_gate_wait": reporting.summarize([r.gate_wait for r in reads]) if reads else None,

@@ -196,6 +196,7 @@ def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pa
                     run.phases.setdefault("lazy_pages_faults_in_wake", []).append(served.faults_held)
                     run.phases.setdefault("lazy_pages_events", []).append(served.events)
                     run.phases.setdefault("lazy_pages_let_go_mib", []).append(served.let_go_bytes / 2**20)
+                    run.phases.setdefault("lazy_pages_let_go_ms", []).append(served.let_go_seconds * 1e3)
                     reads = [read for read in served.reads if read.faults]
                     for name, field in (("gate_wait", "gate_wait"), ("answer", "answered")):
                         took = [1e3 * getattr(read, field) for read in reads]  # a read of faults: its waits

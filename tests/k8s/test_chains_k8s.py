@@ -45,7 +45,7 @@ def operator(control_plane: ControlPlane, crds: None, tmp_path_factory: pytest.T
     for node in NODES:
         core.delete_node(node)
     client.close()
-    assert code == 0, daemon.log.read_text()[-2000:]
+    assert code == 0, daemon.tail()
 
 
 def modelspec(name: str, **spec: Any) -> dict[str, Any]:

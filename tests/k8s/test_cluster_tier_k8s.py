@@ -106,7 +106,7 @@ def cluster(control_plane: ControlPlane, crds: None, tmp_path_factory: pytest.Te
         core.delete_node(node)
     core.api_client.close()
     c.api.close()
-    assert all(code == 0 for code in codes.values()), {n: (code, c.daemons[n].log.read_text()[-2000:])
+    assert all(code == 0 for code in codes.values()), {n: (code, c.daemons[n].tail())
                                                        for n, code in codes.items() if code}
 
 

@@ -78,7 +78,7 @@ def cluster(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactor
            "metrics": f"http://127.0.0.1:{metrics_a.group(1)}/metrics"}
     codes = {name: d.stop() for name, d in daemons.items()}
     api.close()
-    assert all(code == 0 for code in codes.values()), {n: (c, daemons[n].log.read_text()[-2000:])
+    assert all(code == 0 for code in codes.values()), {n: (c, daemons[n].tail())
                                                        for n, c in codes.items() if c}
 
 

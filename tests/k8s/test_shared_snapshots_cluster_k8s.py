@@ -112,7 +112,7 @@ def cluster(control_plane: ControlPlane, crds: None) -> Iterator[dict[str, Any]]
         core.delete_node(node)
     api.close()  # type: ignore[no-untyped-call]
     shutil.rmtree(base, ignore_errors=True)
-    assert all(code == 0 for code in codes.values()), {n: (c, daemons[n].log.read_text()[-2000:])
+    assert all(code == 0 for code in codes.values()), {n: (c, daemons[n].tail())
                                                        for n, c in codes.items() if c}
 
 

@@ -88,7 +88,7 @@ def setup(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory)
     codes = {name: d.stop() for name, d in daemons.items()}
     s3.stop()
     api.close()
-    assert all(code == 0 for code in codes.values()), {n: (c, daemons[n].log.read_text()[-2000:])
+    assert all(code == 0 for code in codes.values()), {n: (c, daemons[n].tail())
                                                        for n, c in codes.items() if c}
 
 

@@ -485,6 +485,7 @@ class Server:
         self.recording = hold > 0 if record is None else record
         self.record_bytes = record_bytes
         self.let_go_empty = let_go_empty  # unregister the mappings with no pages to come (`_let_go`)
+        self.let_go_seconds = 0.0  # what that took, before the fill began
         self.released = False  # the wake is done (`release`): its faults are recorded until then
         self.record_ended = False  # or until `end_record`, where that came first
         self.record: list[Range] | None = None  # the ranges a wake wanted first, once released
@@ -747,8 +748,10 @@ class Server:
         if struct.unpack("=I", raw)[0] != RESTORE_FINISHED:
             raise LazyPagesError(f"unexpected message from criu restore: {raw.hex()}")
         if self.let_go_empty:
+            began = time.perf_counter()
             for space in list(self.spaces):
                 self._let_go(space)
+            self.let_go_seconds = time.perf_counter() - began
         with self._work:
             self._restore_finished.set()
             self._work.notify_all()
