@@ -264,7 +264,7 @@ def test_a_server_that_fails_takes_the_restored_process_with_it(tmp_path: pathli
     restore fails, or the process is killed as soon as the failure is known, and the failure is counted."""
     criu_engine.lazy_pages_server = "volga"
 
-    def unreadable(folder: pathlib.Path, pid: int) -> tuple[str, list[list[int]]]:
+    def unreadable(folder: pathlib.Path, pid: int, mappings: object = None) -> tuple[str, list[list[int]]]:
         raise lazypages.LazyPagesError(f"pagemap-{pid}.img cannot be read")
 
     monkeypatch.setattr(lazypages, "lazy_segments", unreadable)

@@ -202,21 +202,28 @@ def processes(folder: pathlib.Path) -> int:
     return sum(1 for _ in _entries(folder / "pstree.img"))
 
 
-def registered(folder: pathlib.Path, pid: int) -> list[tuple[int, int]]:
+def _mappings(folder: pathlib.Path, pid: int) -> Sequence[typing.Any]:
+    """The mappings (vma_entry) of process `pid` in the image."""
+    return _MM.FromString(next(_entries(folder / f"mm-{pid}.img"))).vmas  # type: ignore[no-any-return]
+
+
+def registered(folder: pathlib.Path, pid: int, mappings: Sequence[typing.Any] | None = None) -> list[tuple[int, int]]:
     """The mappings of process `pid` that `criu restore --lazy-pages` registers with its userfaultfd (private
-    anonymous, not locked: criu's vma_entry_can_be_lazy): [start, end), sorted."""
-    vmas = _MM.FromString(next(_entries(folder / f"mm-{pid}.img"))).vmas
+    anonymous, not locked: criu's vma_entry_can_be_lazy): [start, end), sorted. `mappings`: the image's, when read
+    already."""
+    vmas = _mappings(folder, pid) if mappings is None else mappings
     return sorted((vma.start, vma.end) for vma in vmas
                   if vma.flags & _MAP_ANONYMOUS and vma.flags & _MAP_PRIVATE and not vma.flags & _MAP_LOCKED)
 
 
-def lazy_segments(folder: pathlib.Path, pid: int) -> tuple[str, list[list[int]]]:
+def lazy_segments(folder: pathlib.Path, pid: int,
+                  mappings: Sequence[typing.Any] | None = None) -> tuple[str, list[list[int]]]:
     """The pages file of process `pid` and its lazy pages: [start, end, offset in the pages file], sorted, each
-    within one mapping of the image."""
+    within one mapping of the image. `mappings`: the image's, when read already."""
     entries = _entries(folder / f"pagemap-{pid}.img")
     head = _PAGEMAP_HEAD.FromString(next(entries))
-    vmas = [(v.start, v.end) for v in _MM.FromString(next(_entries(folder / f"mm-{pid}.img"))).vmas]
-    ends = [end for _, end in vmas]
+    vmas = _mappings(folder, pid) if mappings is None else mappings
+    ends = [vma.end for vma in vmas]
     out: list[list[int]] = []
     offset = 0
     for raw in entries:
@@ -344,7 +351,8 @@ class _Space:
         self.urgent: list[list[int]] = []  # refused copies, tried again first
         self.inflight: list[tuple[int, int]] = []
         self.waiting: list[int] = []  # faults whose copy was refused: answered again after the events
-        self.let_go: list[tuple[int, int]] = []  # mappings with no pages to come, unregistered (`Server`)
+        self.registered: list[tuple[int, int]] = []  # the image's mappings criu registers, for `Server._let_go`
+        self.let_go: list[tuple[int, int]] = []  # those with no pages to come, unregistered
         self.gate = _Gate()
         self.lock = threading.Lock()
         self.gone = False
@@ -689,7 +697,9 @@ class Server:
                     os.close(fd)
                 raise LazyPagesError(f"criu restore sent no userfaultfd for process {pid}")
             try:
-                name, segments = lazy_segments(self.folder, pid)
+                mappings = _mappings(self.folder, pid)
+                name, segments = lazy_segments(self.folder, pid, mappings)
+                empty = registered(self.folder, pid, mappings) if self.let_go_empty else []
                 if name not in sources:
                     sources[name] = _Source(self.folder / name)
                 else:
@@ -698,6 +708,7 @@ class Server:
                 os.close(fds[0])
                 raise
             self.spaces.append(_Space(pid, fds[0], sources[name], segments))
+            self.spaces[-1].registered = empty
 
     def _events(self, client: socket.socket) -> None:
         poller = select.epoll()
@@ -765,15 +776,9 @@ class Server:
         event, read later, drops nothing); a mapping it moved (mremap) keeps its registration, and should it have
         moved pages still to come into a range unregistered after the move, `_read` registers that range again as
         it reads the move."""
-        try:
-            mappings = registered(self.folder, space.pid)
-        except (OSError, LazyPagesError, message.DecodeError) as exc:
-            log.warning("lazy pages of %s: mappings of process %d not read, all stay registered: %s",
-                        self.folder, space.pid, exc)
-            return
         with space.gate.changing(), space.lock:
-            busy = sorted([(lo, hi) for lo, hi, _ in space.urgent] + space.inflight)
-            empty = [(lo, hi) for lo, hi in mappings if not space.overlaps(lo, hi) and
+            busy = [(lo, hi) for lo, hi, _ in space.urgent] + space.inflight
+            empty = [(lo, hi) for lo, hi in space.registered if not space.overlaps(lo, hi) and
                      not any(a < hi and b > lo for a, b in busy)]
             runs: list[list[int]] = []  # neighbours in one call
             for lo, hi in empty:
