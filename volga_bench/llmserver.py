@@ -49,6 +49,7 @@ from volga_agent.gateway import proxy
 from volga_agent.host import process
 from volga_agent.node import server
 from volga_agent.snapshot import criu, cuda, lazypages
+from volga_agent.worker import regions
 from volga_bench import reporting
 from volga_core import api
 
@@ -124,15 +125,14 @@ def _rss(pid: int | None) -> int:
 
 
 def _mappings_of(pids: list[int], addresses: list[int]) -> list[str]:
-    """The lines of the processes' /proc/PID/maps that hold any of `addresses`, each with the PID and how many."""
+    """The processes' mappings that hold any of `addresses`: PID, how many, range, permissions, path."""
     out = []
     for pid in pids:
         with contextlib.suppress(OSError):
-            for line in pathlib.Path(f"/proc/{pid}/maps").read_text().splitlines():
-                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-                hits = sum(lo <= a < hi for a in addresses)
+            for m in regions.mappings(pid):
+                hits = sum(m.start <= a < m.end for a in addresses)
                 if hits:
-                    out.append(f"{pid} {hits} {line}")
+                    out.append(f"{pid} {hits} {m.start:x}-{m.end:x} {m.perms} {m.path}")
     return out
 
 

@@ -24,6 +24,7 @@ import pytest
 
 from volga_agent.host import process
 from volga_agent.snapshot import criu, lazypages
+from volga_agent.worker import regions
 
 MIB = 2**20
 # What the test's child programs share: the folder the test and the child leave each other files in, anonymous
@@ -188,14 +189,9 @@ time.sleep(60)
 
 def _uffd_registered(pid: int, address: int) -> bool:
     """Whether the mapping of `pid` at `address` faults to a userfaultfd (VmFlags "um" in smaps)."""
-    lines = pathlib.Path(f"/proc/{pid}/smaps").read_text().splitlines()
-    for i, line in enumerate(lines):
-        if "-" in line.split(" ", 1)[0] and not line.startswith("VmFlags"):
-            lo, hi = (int(x, 16) for x in line.split(" ", 1)[0].split("-"))
-            if lo <= address < hi:
-                flags = next(x for x in lines[i + 1:] if x.startswith("VmFlags:"))
-                return "um" in flags.split()
-    raise AssertionError(f"no mapping at {address:#x} in process {pid}")
+    mapping = next((m for m in regions.mappings(pid) if m.start <= address < m.end), None)
+    assert mapping is not None, f"no mapping at {address:#x} in process {pid}"
+    return "um" in mapping.flags.split()
 
 
 def test_mappings_with_no_pages_to_come_are_let_go_and_pages_moved_into_them_still_come(

@@ -484,13 +484,12 @@ class Server:
 
     def __init__(self, folder: str | pathlib.Path, threads: int | None = None, fault_bytes: int = FAULT_BYTES,
                  fill_bytes: int = FILL_BYTES, order: Sequence[Range] = (), hold: float = 0.0,
-                 record: bool | None = None, record_bytes: int = RECORD_BYTES, let_go_empty: bool = True) -> None:
+                 record: bool = False, record_bytes: int = RECORD_BYTES, let_go_empty: bool = True) -> None:
         self.folder = pathlib.Path(folder)
         self.order = list(order)
         self.hold = hold
-        # Whether this wake's faults are recorded for the next (by default where the fill is held), and the most
-        # a record keeps.
-        self.recording = hold > 0 if record is None else record
+        # Whether this wake's faults are recorded for the next, and the most a record keeps.
+        self.recording = record
         self.record_bytes = record_bytes
         self.let_go_empty = let_go_empty  # unregister the mappings with no pages to come (`_let_go`)
         self.let_go_seconds = 0.0  # what that took, before the fill began
