@@ -129,16 +129,19 @@ def _bench_server_gpu(args: argparse.Namespace) -> int:
     except ImportError as exc:
         return _no_bench("bench server --gpu", exc)
     report = llmserver.bench(args.n, args.cold, [h for h in args.hooks.split(",") if h], args.cache_tokens,
-                             args.models, _progress(args.json), args.load_threads)
+                             args.models, _progress(args.json), args.load_threads,
+                             [int(b) for b in args.stack_bytes.split(",") if b] or None)
 
     def line(r: dict[str, Any]) -> str:
         ttft = r["time_to_first_token_ms"]
-        return (f"{r['server']} (hooks: {r['hooks']}): first token p50 / p99 ms: SUSPENDED "
+        return (f"{r['server']} (hooks: {r['hooks']}, CUDA stack {r['cuda_stack_bytes'] or 'as it is'}): first "
+                f"token p50 / p99 ms: SUSPENDED "
                 f"{ttft['suspended']['p50']} / {ttft['suspended']['p99']}, FROZEN {ttft['frozen']['p50']} / "
                 f"{ttft['frozen']['p99']}"
                 + (f", cold start {ttft['cold']['p50']}" if "cold" in ttft else "")
                 + f"; FROZEN {r['frozen_speedup']}x faster than a cold start; image "
-                f"{r['image_bytes'] / 2**30:.2f} GiB; identical: {r['identical']}")
+                f"{r['image_bytes'] / 2**30:.2f} GiB + {r['parked_bytes'] / 2**30:.2f} parked; identical: "
+                f"{r['identical']}")
     _emit(args, report, lambda: "\n".join(line(r) for r in report["results"]))
     return 0 if all(r["identical"] for r in report["results"]) else 1
 
@@ -394,6 +397,10 @@ def add_bench(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-tokens", type=int, default=32768, help="with --gpu: the KV cache's length in tokens")
     p.add_argument("--load-threads", type=int, default=0,
                    help="with --gpu: the threads the server brings its weights in with (default: its own choice)")
+    p.add_argument("--stack-bytes", default="",
+                   help="with --gpu: comma-separated CUDA stacks (bytes per thread) the server's contexts are lowered "
+                        "to before each driver checkpoint with -parked hooks, each a way of its own (0: left as the "
+                        "server has it; default: the agent's gpu_stack_bytes default)")
     p.add_argument("--models", help="with --gpu: where the model is written (default: the temporary folder)")
     _report_args(p)
     p.set_defaults(func=cmd_bench_server)

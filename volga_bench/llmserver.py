@@ -49,7 +49,7 @@ from volga_agent.gateway import proxy
 from volga_agent.host import process
 from volga_agent.node import server
 from volga_agent.snapshot import criu, cuda, lazypages
-from volga_agent.worker import regions
+from volga_agent.worker import contract, regions
 from volga_bench import reporting
 from volga_core import api
 
@@ -179,9 +179,10 @@ def _stats(values: list[float]) -> dict[str, Any]:
 
 async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, cold: int, engine: criu.CriuEngine,
                driver: cuda.DriverCheckpoint, work: pathlib.Path, progress: Callable[[str], None],
-               load_threads: int = 0) -> dict[str, Any]:
-    instance = server.ServerInstance(spec(model_dir, cache_tokens, hooks, load_threads), work / hooks, engine,
-                                     driver=driver, lazy_restore=LAZY[way(hooks)[1]])
+               load_threads: int = 0, stack_bytes: int = contract.DEFAULT_CUDA_STACK_BYTES) -> dict[str, Any]:
+    instance = server.ServerInstance(spec(model_dir, cache_tokens, hooks, load_threads),
+                                     work / f"{hooks}-{stack_bytes}", engine, driver=driver,
+                                     lazy_restore=LAZY[way(hooks)[1]], cuda_stack_bytes=stack_bytes)
     fleet = server.Fleet([instance])
     runner = web.AppRunner(proxy.app(fleet))
     await runner.setup()
@@ -309,7 +310,8 @@ async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, c
     cold_p50 = statistics.median(ttft["cold"]) if ttft["cold"] else None
     frozen_p50 = statistics.median(ttft["frozen"])
     return {"server": "llm-1b", "hooks": hooks, "lazy_restore": all(lazy), "cache_tokens": cache_tokens,
-            "load_threads": load_threads or None,
+            "load_threads": load_threads or None, "cuda_stack_bytes": stack_bytes,
+            "stack_trims": {str(pid): report for pid, report in instance.stack_trims.items()},
             "cold_start_ms": round(cold_p50, 1) if cold_p50 else None,
             "frozen_wake_ms": round(frozen_p50, 1), "suspended_wake_ms": round(statistics.median(ttft["suspended"]), 1),
             "frozen_speedup": round(cold_p50 / frozen_p50, 1) if cold_p50 else None,
@@ -346,9 +348,11 @@ async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, c
 
 def bench(n: int = 10, cold: int = 3, hooks: list[str] | None = None, cache_tokens: int = 32768,
           models: str | None = None, progress: Callable[[str], None] = lambda _: None,
-          load_threads: int = 0) -> dict[str, Any]:
-    """Every way of sleeping in `hooks` (default: all), one after another on one GPU; the cold starts with the
-    first only (the hooks play no part in a cold start)."""
+          load_threads: int = 0, stack_bytes: list[int] | None = None) -> dict[str, Any]:
+    """Every way of sleeping in `hooks` (default: all) with each CUDA stack in `stack_bytes` (the per-thread stack the
+    server's contexts are lowered to before each driver checkpoint where it runs through the handshake; 0: its own;
+    default: the agent's), one after another on one GPU; the cold starts with the first only (neither plays a part
+    in a cold start)."""
     from volga_bench.servers import llm_model  # torch and transformers: the GPU machine's
 
     hooks = hooks or list(HOOKS)
@@ -363,8 +367,9 @@ def bench(n: int = 10, cold: int = 3, hooks: list[str] | None = None, cache_toke
     driver = cuda.DriverCheckpoint()
     try:
         engine = criu.CriuEngine(engine_root / "criu", criu=criu.find_criu())
+        ways = [(h, b) for h in hooks for b in (stack_bytes or [contract.DEFAULT_CUDA_STACK_BYTES])]
         results = [asyncio.run(_one(h, model_dir, cache_tokens, n, cold if i == 0 else 0, engine, driver, work,
-                                    progress, load_threads)) for i, h in enumerate(hooks)]
+                                    progress, load_threads, b)) for i, (h, b) in enumerate(ways)]
         cold_ms = results[0]["cold_start_ms"]
         for r in results[1:]:
             r["frozen_speedup"] = round(cold_ms / r["frozen_wake_ms"], 1) if cold_ms else None

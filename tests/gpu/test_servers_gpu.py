@@ -61,6 +61,9 @@ def test_llm_server_through_the_gpu_ladder(model_dir: pathlib.Path, engine: criu
         for step in steps:
             step()
             assert s.tier is not Tier.HOT
+            if s.gpu_pids or s.tier is Tier.FROZEN:  # its one context's stack lowered before the driver's checkpoint
+                trims = list(s.stack_trims.values())
+                assert [t.get("contexts") for t in trims] == ([1] if parks else []), trims
             if s.tier is Tier.FROZEN:
                 parked_as_told()
             with s.serving():

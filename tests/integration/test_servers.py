@@ -479,6 +479,14 @@ def test_a_gpu_servers_driver_copy_parked_beside_its_image(engine: criu.CriuEngi
                 assert s.image.size_bytes < copy
             else:
                 assert not reports and not s.copies_parked and s.image.size_bytes > copy
+            # asked to lower its CUDA stack before the driver's checkpoint, it answered: no context to lower (or no
+            # driver to ask, here), and the freeze went on
+            trims = list(s.stack_trims.values())
+            if parks:
+                assert len(trims) == 1 and (trims[0].get("contexts") == 0 or "CUDA driver" in str(trims[0]["error"]))
+            else:
+                assert not trims
+            assert not [f.name for f in s.signals.iterdir() if "cuda-stack" in f.name]
             with s.serving():
                 assert s.call("GET", "/answer").body == device_copy_server.ANSWER
             wake = s.transitions[-1]

@@ -73,6 +73,8 @@ UNDUMPABLE = {
 INET_REFUSED = re.compile(r"Can't get 1:(16|34) opt: Operation not supported")
 # How long a process may take to park the driver's copy (copying it into a file at several GB/s).
 PARK_TIMEOUT_SEC = 60.0
+# How long a process may take to lower its CUDA contexts' stack (a few driver calls); past it the checkpoint goes on.
+TRIM_TIMEOUT_SEC = 10.0
 
 
 class ServerError(RuntimeError):
@@ -175,7 +177,8 @@ class ServerInstance:
 
     def __init__(self, spec: api.ModelSpecSpec, workdir: str | pathlib.Path, engine: criu.CriuEngine,
                  name: str | None = None, agent_metrics: metrics.AgentMetrics | None = None,
-                 driver: cuda.DriverCheckpoint | None = None, lazy_restore: bool | None = None) -> None:
+                 driver: cuda.DriverCheckpoint | None = None, lazy_restore: bool | None = None,
+                 cuda_stack_bytes: int = contract.DEFAULT_CUDA_STACK_BYTES) -> None:
         if spec.server is None:
             raise ValueError(f"{spec.model_id}: not a server ModelSpec (framework: server)")
         self.spec = spec
@@ -214,6 +217,10 @@ class ServerInstance:
                                           if driver is not None else None)
         self._before_checkpoint: dict[int, regions.Presence] = {}
         self.driver_copies: dict[int, dict[str, object]] = {}
+        # The per-thread stack the CUDA contexts of the processes that park are lowered to before each driver
+        # checkpoint (0: left as the server has it), and what each reported the last time, by PID in its namespace.
+        self.cuda_stack_bytes = cuda_stack_bytes
+        self.stack_trims: dict[int, dict[str, object]] = {}
         self.copies_parked = False  # the current image maps every CUDA process's copy from the parked file
         self._restored: criu.Restored | None = None
         self.transitions: list[instance.Transition] = []
@@ -401,6 +408,7 @@ class ServerInstance:
         self._before_checkpoint = {}
         try:
             for pid in cuda_processes(self.pid):
+                self._trim_stack(pid)
                 self._note_pages(pid)
                 self.driver.suspend(pid)
                 done.append(pid)
@@ -424,6 +432,35 @@ class ServerInstance:
         for inner in self.gpu_pids:
             self.driver.resume(hosts[inner])
         self.gpu_pids, self._before_checkpoint = (), {}
+
+    def _trim_stack(self, pid: int) -> None:
+        """A process whose handshake thread runs (it announced itself in the signal folder) lowers its CUDA contexts'
+        per-thread stack to `cuda_stack_bytes` before the driver's checkpoint, which then copies that much less
+        (`handshake.trim_cuda_stack`). One that cannot, or does not answer in time, is checkpointed as it is."""
+        inner = ns_pid(pid)
+        if not self.cuda_stack_bytes or not (self.signals / f"{handshake.PARKS}.{inner}").exists():
+            return
+        asked, answer = self.signals / f"{handshake.TRIM}.{inner}", self.signals / f"{handshake.TRIMMED}.{inner}"
+        answer.unlink(missing_ok=True)
+        contract.publish(self.signals, asked.name, json.dumps({"bytes": self.cuda_stack_bytes}))
+        deadline = time.perf_counter() + TRIM_TIMEOUT_SEC
+        while not answer.exists():
+            self._alive_or_raise("lowering its CUDA stack")
+            if time.perf_counter() > deadline:
+                asked.unlink(missing_ok=True)
+                self.stack_trims[inner] = {"error": f"no answer within {TRIM_TIMEOUT_SEC:g} s"}
+                log.warning("%s: process %d did not lower its CUDA stack within %g s: checkpointed as it is",
+                            self.name, pid, TRIM_TIMEOUT_SEC)
+                return
+            time.sleep(0.001)
+        try:
+            report = json.loads(answer.read_text())
+        except (OSError, ValueError) as exc:
+            report = {"error": f"its answer could not be read: {exc}"}
+        answer.unlink(missing_ok=True)
+        self.stack_trims[inner] = report
+        if "error" in report:
+            log.warning("%s: process %d keeps its CUDA stack: %s", self.name, pid, report["error"])
 
     def _note_pages(self, pid: int) -> None:
         """A process that parks the driver's copy (it announced itself in the signal folder): its pages before the

@@ -267,8 +267,9 @@ class Settings(pydantic.BaseModel):
     # Before a restored instance answers, it answers a fixed canary input, compared with the answer recorded
     # before its snapshot: an image damaged where that answer depends on it costs a cold start, not wrong answers.
     verify_restores: bool = True
-    # The per-thread stack each GPU worker's CUDA context reserves (0: the driver's 1 KiB); see
-    # worker/contract.py DEFAULT_CUDA_STACK_BYTES for why it is small.
+    # The per-thread stack each GPU worker's CUDA context reserves (0: the driver's 1 KiB), and what the contexts of a
+    # server's processes run through worker/handshake.py are lowered to before each driver checkpoint (0: left as they
+    # are); see worker/contract.py DEFAULT_CUDA_STACK_BYTES for why it is small.
     gpu_stack_bytes: Annotated[int, pydantic.Field(ge=0)] = contract.DEFAULT_CUDA_STACK_BYTES
     # Keep GPU workers' captured CUDA graphs in their snapshots (FROZEN images, SUSPENDED driver checkpoints). Off:
     # they are dropped before the checkpoint and captured again after the restore, which keeps their memory (graph

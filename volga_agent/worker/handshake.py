@@ -24,6 +24,10 @@ parked"). The pages are named once the driver has checkpointed the process, whil
 server with no request in flight); a process that allocated and wrote fresh memory meanwhile could lose such a write
 while it is moved, which the canary after the wake would tell.
 
+The same thread lowers the per-thread stack its CUDA contexts reserve when Volga asks, before each driver
+checkpoint (`trim_cuda_stack`): a context keeps that much local memory for every thread the GPU can run at once
+(about 264 MiB per KiB on an H200), and the driver's checkpoint copies it out and its restore copies it back.
+
 Only the standard library at import: the server's process imports it, and it is what gets frozen.
 """
 
@@ -47,6 +51,11 @@ RESTORED = "restore-complete"
 PARKS = "parks"
 PARK = "park-driver-copy"
 PARKED = "driver-copy-parked"
+# Per process as well: lower its CUDA contexts' per-thread stack (JSON {"bytes": n}); the answer
+# (`trim_cuda_stack`'s: JSON {"contexts": n, "before": [bytes, ...]}, or {"error": why}).
+TRIM = "trim-cuda-stack"
+TRIMMED = "cuda-stack-trimmed"
+CU_LIMIT_STACK_SIZE = 0
 
 
 def checkpoint_here(poll_sec: float = 0.001) -> bool:
@@ -87,8 +96,15 @@ def park_driver_copy_when_asked(poll_sec: float = 0.005) -> bool:
 
 
 def _park_when_asked(signals: pathlib.Path, pid: int, poll_sec: float, regions: types.ModuleType) -> None:
-    asked = signals / f"{PARK}.{pid}"
+    asked, trim = signals / f"{PARK}.{pid}", signals / f"{TRIM}.{pid}"
     while True:
+        if trim.exists():
+            try:
+                report = trim_cuda_stack(int(json.loads(trim.read_text())["bytes"]))
+            except (OSError, ValueError, KeyError, TypeError) as exc:  # told to Volga: the stack stays as it is
+                report = {"error": f"{type(exc).__name__}: {exc}"}
+            trim.unlink(missing_ok=True)
+            _publish(signals / f"{TRIMMED}.{pid}", json.dumps(report))
         if asked.exists():
             try:
                 request = asked.read_text()
@@ -98,6 +114,49 @@ def _park_when_asked(signals: pathlib.Path, pid: int, poll_sec: float, regions: 
             asked.unlink(missing_ok=True)
             _publish(signals / f"{PARKED}.{pid}", json.dumps(report))
         time.sleep(poll_sec)
+
+
+def trim_cuda_stack(nbytes: int) -> dict[str, object]:
+    """Set CU_LIMIT_STACK_SIZE of every primary CUDA context this process holds (those a framework's runtime uses)
+    to `nbytes`; no context is made where there is none. The driver grows the stack again for any kernel that needs
+    more when it is launched. Returns {"contexts": how many, "before": each one's stack size before}; OSError where
+    the driver cannot be loaded or a call fails (the call and its CUresult named)."""
+    import ctypes
+
+    if nbytes <= 0:
+        raise ValueError(f"a CUDA stack of {nbytes} bytes")
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError as exc:
+        raise OSError(f"the CUDA driver cannot be loaded: {exc}") from exc
+
+    def call(name: str, *args: object) -> None:
+        code = getattr(cuda, name)(*args)
+        if code != 0:
+            raise OSError(f"{name} failed (CUresult {code})")
+
+    count, before = ctypes.c_int(), []
+    call("cuInit", 0)  # done already where a context exists
+    call("cuDeviceGetCount", ctypes.byref(count))
+    for ordinal in range(count.value):
+        device, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
+        call("cuDeviceGet", ctypes.byref(device), ordinal)
+        call("cuDevicePrimaryCtxGetState", device, ctypes.byref(flags), ctypes.byref(active))
+        if not active.value:
+            continue
+        context, size = ctypes.c_void_p(), ctypes.c_size_t()
+        call("cuDevicePrimaryCtxRetain", ctypes.byref(context), device)
+        try:
+            call("cuCtxPushCurrent_v2", context)
+            try:
+                call("cuCtxGetLimit", ctypes.byref(size), CU_LIMIT_STACK_SIZE)
+                call("cuCtxSetLimit", CU_LIMIT_STACK_SIZE, ctypes.c_size_t(nbytes))
+            finally:
+                cuda.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+        finally:
+            cuda.cuDevicePrimaryCtxRelease_v2(device)
+        before.append(size.value)
+    return {"contexts": len(before), "before": before}
 
 
 def _publish(path: pathlib.Path, text: str) -> None:
