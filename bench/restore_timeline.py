@@ -95,13 +95,13 @@ def main() -> None:
         if daemons and (daemons[-1] / "lazy-pages.log").exists():
             shutil.copyfile(daemons[-1] / "lazy-pages.log", kept / f"lazy-pages-{len(daemons) - 1:03d}.log")
 
-    def started(self: criu.CriuEngine, image: criu.Image) -> Any:
+    def started(self: criu.CriuEngine, image: criu.Image, *how: Any) -> Any:
         keep_daemon_log()  # the last one is done: its wake waited for every page
         daemons.append(image.path)
         popen = self._popen
         self._popen = lambda argv, **named: popen([a if a != "-v2" else "-v4" for a in argv], **named)  # type: ignore[method-assign]
         try:
-            return lazy_pages(self, image)
+            return lazy_pages(self, image, *how)
         finally:
             del self._popen
 
