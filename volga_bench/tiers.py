@@ -253,8 +253,7 @@ def copy_config(config: contract.WorkerConfig, spec: str) -> contract.WorkerConf
     or "auto-serial" (graphs captured while the copies run, or after them), "auto-torch" or "auto-driver" (how
     the copies are queued), "auto-fresh" or "auto-kept" (staging buffers pinned for each copy or kept between
     them), "auto-readyread", "auto-readypopulate" or "auto-readynone" (how a parked file is readied for its
-    first read, `WorkerConfig.park_ready`), "auto-pread" or "auto-mapped" (where a FROZEN wake reads the parked
-    weights from, `WorkerConfig.parked_read`)."""
+    first read, `WorkerConfig.park_ready`)."""
     name, *knobs = spec.split("-")
     changes: dict[str, Any] = {"wake_copy": name}
     for knob in knobs:
@@ -270,8 +269,6 @@ def copy_config(config: contract.WorkerConfig, spec: str) -> contract.WorkerConf
             changes["staging_engine"] = knob
         elif knob in ("kept", "fresh"):
             changes["staging_keep_buffers"] = knob == "kept"
-        elif knob in ("pread", "mapped"):
-            changes["parked_read"] = "file" if knob == "pread" else "mapping"
         elif knob.startswith("ready"):
             changes["park_ready"] = knob.removeprefix("ready")
         else:

@@ -465,7 +465,7 @@ def test_a_suspended_worker_hands_the_driver_little_more_than_its_context(
 
 
 @pytest.mark.parametrize("wake_copy", ["staged", "pinned", "auto", "auto-serial", "auto-torch", "staged-fresh",
-                                       "auto-readynone", "auto-readypopulate", "auto-mapped"])
+                                       "auto-readynone", "auto-readypopulate"])
 def test_every_wake_copy_brings_the_weights_back_bit_for_bit(mlp_spec: api.ModelSpecSpec, rundir: pathlib.Path,
                                                              criu_engine: criu.CriuEngine, wake_copy: str) -> None:
     """Each way of copying weights back on a wake (`WorkerConfig.wake_copy`) answers as HOT did after SUSPENDED,
@@ -474,13 +474,12 @@ def test_every_wake_copy_brings_the_weights_back_bit_for_bit(mlp_spec: api.Model
     SUSPENDED copy pinned; the graphs are captured while the copies run (with "-serial" after them), the copies
     queued through the driver's calls (with "-torch" through torch's) from buffers kept between wakes (with
     "-fresh" pinned for each), the parked file read once at the freeze (with "-readynone" not readied, with
-    "-readypopulate" faulted into a mapping instead), a FROZEN wake's parked weights read from the file (with
-    "-mapped" through the worker's mapping of it, its page tables filled by the agent beside the driver's restore)."""
+    "-readypopulate" faulted into a mapping instead)."""
     inst = on_gpu(f"mlp-copy-{wake_copy}", mlp_spec, rundir, criu_engine)
     inst.config = tiers.copy_config(inst.config, wake_copy)
     name = wake_copy.partition("-")[0]
     suspended = "staged:memory" if name == "staged" else "pinned:memory"
-    parked = "pinned:file" if name == "pinned" else "staged:mapping" if wake_copy.endswith("-mapped") else "staged:file"
+    parked = "pinned:file" if name == "pinned" else "staged:file"
     try:
         x, reference, _ = hot_with_reference(inst, seed=13)
         inst.lazy_restore = True

@@ -91,26 +91,3 @@ def test_a_request_to_park_moves_what_it_names_or_says_why_not(tmp_path: pathlib
     finally:
         del view
         region.close()
-
-
-def test_mapped_from_names_the_private_mappings_of_a_folder_and_with_shared_the_shared_ones_after(
-        tmp_path: pathlib.Path) -> None:
-    """The driver's parked copies (private file mappings) come first; a worker's parked weights (a shared mapping of
-    the same folder) only where asked for, after them; files elsewhere never."""
-    folder = (tmp_path / "parked").resolve()
-    folder.mkdir()
-    (folder / "weights.bin").write_bytes(bytes(4 * mmap.PAGESIZE))
-    (tmp_path / "other.bin").write_bytes(bytes(mmap.PAGESIZE))
-    with (folder / "weights.bin").open("r+b") as w, (tmp_path / "other.bin").open("r+b") as o:
-        weights = mmap.mmap(w.fileno(), 2 * mmap.PAGESIZE, mmap.MAP_SHARED)
-        copy = mmap.mmap(w.fileno(), 2 * mmap.PAGESIZE, mmap.MAP_PRIVATE, offset=2 * mmap.PAGESIZE)
-        other = mmap.mmap(o.fileno(), mmap.PAGESIZE, mmap.MAP_PRIVATE)
-    try:
-        private = regions.mapped_from("self", folder)
-        both = regions.mapped_from("self", folder, shared=True)
-        assert [r.end - r.start for r in private] == [2 * mmap.PAGESIZE]
-        assert both[:1] == private and len(both) == 2 and both[1].end - both[1].start == 2 * mmap.PAGESIZE
-        assert both[1] != private[0]
-    finally:
-        for m in (weights, copy, other):
-            m.close()

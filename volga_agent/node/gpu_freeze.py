@@ -88,10 +88,9 @@ class Parking:
         if not kept:
             folder.rmdir()
 
-    def premap(self, pids: Collection[int], weights: bool = False) -> None:
+    def premap(self, pids: Collection[int]) -> None:
         """Start faulting the parked copies that processes `pids`, just restored, map from this folder into their
-        page tables, beside the driver's restore that reads them (`regions.Premap`), and with `weights` the parked
-        weights after them (a worker whose wake reads them through its mapping); kept in `premapped` until the
+        page tables, beside the driver's restore that reads them (`regions.Premap`); kept in `premapped` until the
         next restore. A process /proc no longer shows is left out."""
         self.premapped = []
         if self.folder is None:
@@ -99,7 +98,7 @@ class Parking:
         folder = self.folder.resolve()
         for pid in pids:
             try:
-                ranges = regions.mapped_from(pid, folder, shared=weights)
+                ranges = regions.mapped_from(pid, folder)
             except OSError:
                 continue
             started = regions.premap(pid, ranges)

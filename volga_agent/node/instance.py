@@ -694,9 +694,7 @@ class Instance:
         pid = self._restore(lazy, wake=True)
         if self.gpu:
             assert self.driver is not None
-            # the driver's copy mapped from the parked file: its page tables filled beside its restore (and the
-            # weights' after it, where the worker's wake reads them through its mapping)
-            self.parking.premap([pid], weights=self.config.parked_read == "mapping")
+            self.parking.premap([pid])  # the driver's copy mapped from the parked file: its page tables filled
             with self._phase("driver"):
                 self.driver.resume(pid)
             if self._restored is not None:  # what faulted until here is wanted first at the next wake

@@ -501,13 +501,7 @@ class TorchBackend(Backend):
             return
         mapping, self._parked = self._parked, None
         staged = False
-        if self._stages_parked and self.config.parked_read == "mapping" and self.host is not None:
-            try:
-                self._fill_arena(staging.memory_reader(int(self.host.data_ptr())), "mapping")
-                staged = True
-            except staging.StagingError as exc:  # the mapping still holds them: pin it instead
-                print(f"parked weights: {exc}; pinning the mapping instead", file=sys.stderr)
-        elif self._stages_parked and self._parked_path:
+        if self._stages_parked and self._parked_path:
             try:
                 fd = os.open(self._parked_path, os.O_RDONLY)
             except OSError as exc:  # the mapping still holds the weights: copy from it instead

@@ -194,10 +194,6 @@ class WorkerConfig:
     # How a parked weights file is readied at the freeze for its first staged read (`staging.ready_file`: "read",
     # "populate" or "none"): pages written through the park's mapping read at half the rate the first time.
     park_ready: str = "read"
-    # Where a FROZEN wake's staged copy reads the parked weights from: "file" (pread from the parked file) or
-    # "mapping" (the worker's own shared mapping of it, whose page tables the agent fills beside the driver's
-    # restore, `gpu_freeze.Parking.premap`; pages not yet there are faulted in by the copy).
-    parked_read: str = "file"
     # The user and group the worker drops to once started (`serve.drop_privileges`); 0 and 0: it stays the agent's.
     uid: int = 0
     gid: int = 0

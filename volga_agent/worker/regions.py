@@ -193,20 +193,18 @@ def stale(pid: int | str, folder: str | pathlib.Path, keep: str | pathlib.Path |
             if m.private and m.path.startswith(prefix) and (m.deleted or m.path != kept)]
 
 
-def mapped_from(pid: int | str, folder: str | pathlib.Path, shared: bool = False) -> list[Region]:
+def mapped_from(pid: int | str, folder: str | pathlib.Path) -> list[Region]:
     """The private mappings of files in `folder`: in a restored process, the driver's copies `move` parked there,
-    mapped again by the restore and not yet read; with `shared`, after them the shared ones too (the weights a
-    worker parks, which its wake reads through that mapping with `parked_read` "mapping")."""
+    mapped again by the restore and not yet read (the weights a worker parks are a shared mapping, read by the wake
+    with pread)."""
     prefix = str(pathlib.Path(folder)) + os.sep
-    private: list[Region] = []
-    public: list[Region] = []
+    out = []
     for line in pathlib.Path(f"/proc/{pid}/maps").read_text().splitlines():  # maps, not smaps: no page walk
         fields = line.split(maxsplit=5)
-        if len(fields) == 6 and fields[5].startswith(prefix) and (fields[1].endswith("p") or shared):
+        if len(fields) == 6 and fields[1].endswith("p") and fields[5].startswith(prefix):
             start, end = (int(x, 16) for x in fields[0].split("-"))
-            (private if fields[1].endswith("p") else public).append(
-                Region(start, end, Mapping(start, end, fields[1], fields[5]).prot))
-    return private + public
+            out.append(Region(start, end, Mapping(start, end, fields[1], fields[5]).prot))
+    return out
 
 
 class _IoVec(ctypes.Structure):
