@@ -134,8 +134,8 @@ def _bench_server_gpu(args: argparse.Namespace) -> int:
 
     def line(r: dict[str, Any]) -> str:
         ttft = r["time_to_first_token_ms"]
-        return (f"{r['server']} (hooks: {r['hooks']}, CUDA stack {r['cuda_stack_bytes'] or 'as it is'}): first "
-                f"token p50 / p99 ms: SUSPENDED "
+        stack = f"{r['cuda_stack_bytes']} B" if r["cuda_stack_bytes"] else "as it is"
+        return (f"{r['server']} (hooks: {r['hooks']}, CUDA stack {stack}): first token p50 / p99 ms: SUSPENDED "
                 f"{ttft['suspended']['p50']} / {ttft['suspended']['p99']}, FROZEN {ttft['frozen']['p50']} / "
                 f"{ttft['frozen']['p99']}"
                 + (f", cold start {ttft['cold']['p50']}" if "cold" in ttft else "")
