@@ -440,27 +440,36 @@ class ServerInstance:
         inner = ns_pid(pid)
         if not self.cuda_stack_bytes or not (self.signals / f"{handshake.PARKS}.{inner}").exists():
             return
-        asked, answer = self.signals / f"{handshake.TRIM}.{inner}", self.signals / f"{handshake.TRIMMED}.{inner}"
-        answer.unlink(missing_ok=True)
-        contract.publish(self.signals, asked.name, json.dumps({"bytes": self.cuda_stack_bytes}))
-        deadline = time.perf_counter() + TRIM_TIMEOUT_SEC
-        while not answer.exists():
-            self._alive_or_raise("lowering its CUDA stack")
-            if time.perf_counter() > deadline:
-                asked.unlink(missing_ok=True)
-                self.stack_trims[inner] = {"error": f"no answer within {TRIM_TIMEOUT_SEC:g} s"}
-                log.warning("%s: process %d did not lower its CUDA stack within %g s: checkpointed as it is",
-                            self.name, pid, TRIM_TIMEOUT_SEC)
-                return
-            time.sleep(0.001)
-        try:
-            report = json.loads(answer.read_text())
-        except (OSError, ValueError) as exc:
-            report = {"error": f"its answer could not be read: {exc}"}
-        answer.unlink(missing_ok=True)
+        answer = self._ask(inner, handshake.TRIM, handshake.TRIMMED, json.dumps({"bytes": self.cuda_stack_bytes}),
+                           TRIM_TIMEOUT_SEC, "lowering its CUDA stack")
+        if answer is None:
+            report: dict[str, object] = {"error": f"no answer within {TRIM_TIMEOUT_SEC:g} s"}
+        else:
+            try:
+                report = json.loads(answer.read_text())
+            except (OSError, ValueError) as exc:
+                report = {"error": f"its answer could not be read: {exc}"}
+            answer.unlink(missing_ok=True)
         self.stack_trims[inner] = report
         if "error" in report:
             log.warning("%s: process %d keeps its CUDA stack: %s", self.name, pid, report["error"])
+
+    def _ask(self, inner: int, request: str, response: str, body: str, timeout: float,
+             doing: str) -> pathlib.Path | None:
+        """Ask the handshake thread of the server's process `inner` (its PID in the server's namespace) to do
+        something (`request`.PID holding `body`) and wait for its answer (`response`.PID): that file, or None when it
+        did not come within `timeout` seconds (the request withdrawn). ServerError when the server dies meanwhile."""
+        asked, answer = self.signals / f"{request}.{inner}", self.signals / f"{response}.{inner}"
+        answer.unlink(missing_ok=True)
+        contract.publish(self.signals, asked.name, body)
+        deadline = time.perf_counter() + timeout
+        while not answer.exists():
+            self._alive_or_raise(doing)
+            if time.perf_counter() > deadline:
+                asked.unlink(missing_ok=True)
+                return None
+            time.sleep(0.001)
+        return answer
 
     def _note_pages(self, pid: int) -> None:
         """A process that parks the driver's copy (it announced itself in the signal folder): its pages before the
@@ -507,22 +516,16 @@ class ServerInstance:
         return found
 
     def _park_one(self, pid: int, inner: int, before: regions.Presence, parked: pathlib.Path) -> dict[str, object]:
-        asked, answer = self.signals / f"{handshake.PARK}.{inner}", self.signals / f"{handshake.PARKED}.{inner}"
-        answer.unlink(missing_ok=True)
         try:
             moving, stale_bytes = gpu_freeze.to_park(pid, before, parked)
         except OSError as exc:
             return {"error": f"its pages could not be read: {exc}"}
-        contract.publish(self.signals, asked.name, json.dumps({"regions": [r.to_json() for r in moving],
-                                                               "file": str(parked)}))
-        deadline = time.perf_counter() + PARK_TIMEOUT_SEC
-        while not answer.exists():
-            self._alive_or_raise("parking the driver's copy")
-            if time.perf_counter() > deadline:
-                asked.unlink(missing_ok=True)
-                raise ServerError(f"{self.name}: process {pid} did not park the driver's copy within "
-                                  f"{PARK_TIMEOUT_SEC:g} s")
-            time.sleep(0.002)
+        answer = self._ask(inner, handshake.PARK, handshake.PARKED,
+                           json.dumps({"regions": [r.to_json() for r in moving], "file": str(parked)}),
+                           PARK_TIMEOUT_SEC, "parking the driver's copy")
+        if answer is None:
+            raise ServerError(f"{self.name}: process {pid} did not park the driver's copy within "
+                              f"{PARK_TIMEOUT_SEC:g} s")
         report = gpu_freeze.parked_report(answer, stale_bytes)
         if "error" in report:
             log.warning("%s: the driver's copy of process %d stays in the image: %s", self.name, pid, report["error"])
