@@ -202,7 +202,8 @@ async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, c
     lazy_faults_wake: list[float] = []
     premap_ms: list[float] = []  # how long faulting the parked copies in took, FROZEN wakes
     # Each read of the server's messages (`lazypages.Read`): [ms from the request, gate wait ms, answered ms,
-    # faults, events, first address], per wake; those of every wake; those within each wake's driver restore.
+    # faults, events, first address], per wake; those of every wake that held faults; those within each wake's
+    # driver restore.
     lazy_reads: list[list[list[float]]] = []
     reads: list[lazypages.Read] = []
     driver_reads: dict[str, list[float]] = {"reads": [], "faults": [], "events": [], "answered_ms": []}
@@ -275,7 +276,7 @@ async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, c
                 lazy_events.append(served.events)
                 let_go_mib.append(served.let_go_bytes / 2**20)
                 let_go_ms.append(served.let_go_seconds * 1000)
-                reads += served.reads
+                reads += [r for r in served.reads if r.faults]  # the reads of faults: their waits, as before
                 lazy_reads.append([[round((r.at - asked) * 1000, 1), round(r.gate_wait * 1000, 3),
                                     round(r.answered * 1000, 3), r.faults, r.events, r.address] for r in served.reads])
                 # the reads while the driver restored the server (the wake's phases, from the request)

@@ -207,12 +207,10 @@ def _mappings(folder: pathlib.Path, pid: int) -> Sequence[typing.Any]:
     return _MM.FromString(next(_entries(folder / f"mm-{pid}.img"))).vmas  # type: ignore[no-any-return]
 
 
-def registered(folder: pathlib.Path, pid: int, mappings: Sequence[typing.Any] | None = None) -> list[tuple[int, int]]:
-    """The mappings of process `pid` that `criu restore --lazy-pages` registers with its userfaultfd (private
-    anonymous, not locked: criu's vma_entry_can_be_lazy): [start, end), sorted. `mappings`: the image's, when read
-    already."""
-    vmas = _mappings(folder, pid) if mappings is None else mappings
-    return sorted((vma.start, vma.end) for vma in vmas
+def registered(mappings: Sequence[typing.Any]) -> list[tuple[int, int]]:
+    """Of a process's mappings in the image (`_mappings`), those `criu restore --lazy-pages` registers with its
+    userfaultfd (private anonymous, not locked: criu's vma_entry_can_be_lazy): [start, end), sorted."""
+    return sorted((vma.start, vma.end) for vma in mappings
                   if vma.flags & _MAP_ANONYMOUS and vma.flags & _MAP_PRIVATE and not vma.flags & _MAP_LOCKED)
 
 
@@ -343,7 +341,8 @@ class _Source:
 class _Space:
     """One restored process: its userfaultfd, its pages still to come, the copies in flight."""
 
-    def __init__(self, pid: int, uffd: int, source: _Source, pending: list[list[int]]) -> None:
+    def __init__(self, pid: int, uffd: int, source: _Source, pending: list[list[int]],
+                 registered: list[tuple[int, int]] | None = None) -> None:
         self.pid = pid
         self.uffd = uffd
         self.source = source
@@ -351,7 +350,7 @@ class _Space:
         self.urgent: list[list[int]] = []  # refused copies, tried again first
         self.inflight: list[tuple[int, int]] = []
         self.waiting: list[int] = []  # faults whose copy was refused: answered again after the events
-        self.registered: list[tuple[int, int]] = []  # the image's mappings criu registers, for `Server._let_go`
+        self.registered = registered or []  # the image's mappings criu registers, for `Server._let_go`
         self.let_go: list[tuple[int, int]] = []  # those with no pages to come, unregistered
         self.gate = _Gate()
         self.lock = threading.Lock()
@@ -698,7 +697,7 @@ class Server:
             try:
                 mappings = _mappings(self.folder, pid)
                 name, segments = lazy_segments(self.folder, pid, mappings)
-                empty = registered(self.folder, pid, mappings) if self.let_go_empty else []
+                empty = registered(mappings) if self.let_go_empty else []
                 if name not in sources:
                     sources[name] = _Source(self.folder / name)
                 else:
@@ -706,8 +705,7 @@ class Server:
             except BaseException:
                 os.close(fds[0])
                 raise
-            self.spaces.append(_Space(pid, fds[0], sources[name], segments))
-            self.spaces[-1].registered = empty
+            self.spaces.append(_Space(pid, fds[0], sources[name], segments, empty))
 
     def _events(self, client: socket.socket) -> None:
         poller = select.epoll()
