@@ -47,7 +47,7 @@ from aiohttp import web
 
 from volga_agent.gateway import proxy
 from volga_agent.host import process
-from volga_agent.node import server
+from volga_agent.node import instance, server
 from volga_agent.snapshot import criu, cuda, lazypages
 from volga_agent.worker import contract, regions
 from volga_bench import reporting
@@ -369,14 +369,15 @@ def bench(n: int = 10, cold: int = 3, hooks: list[str] | None = None, cache_toke
     try:
         engine = criu.CriuEngine(engine_root / "criu", criu=criu.find_criu())
         ways = [(h, b) for h in hooks for b in (stack_bytes or [contract.DEFAULT_CUDA_STACK_BYTES])]
-        results = [asyncio.run(_one(h, model_dir, cache_tokens, n, cold if i == 0 else 0, engine, driver, work,
-                                    progress, load_threads, b)) for i, (h, b) in enumerate(ways)]
+        with reporting.parked_huge_pages(engine.root / instance.PARKED) as on_huge:
+            results = [asyncio.run(_one(h, model_dir, cache_tokens, n, cold if i == 0 else 0, engine, driver, work,
+                                        progress, load_threads, b)) for i, (h, b) in enumerate(ways)]
         cold_ms = results[0]["cold_start_ms"]
         for r in results[1:]:
             r["frozen_speedup"] = round(cold_ms / r["frozen_wake_ms"], 1) if cold_ms else None
         return {"bench": "server-gpu", "n": n, "cold_starts": cold, "device": reporting.device_description("cuda"),
                 "driver_api": driver.driver_api, "criu": engine.version().removeprefix("Version: "),
-                "kernel": platform.release(), "cpus": os.cpu_count(),
+                "kernel": platform.release(), "cpus": os.cpu_count(), "parked_huge_pages": on_huge,
                 "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "results": results}
     finally:
         shutil.rmtree(engine_root, ignore_errors=True)

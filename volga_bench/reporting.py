@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -11,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from volga_agent.host import gpus
+from volga_agent.host import gpus, tmpfs
 
 
 def summarize(samples_s: Sequence[float]) -> dict[str, float | int]:
@@ -39,3 +40,10 @@ def device_description(device: str) -> str:
 def write_json(report: dict[str, Any], path: pathlib.Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def parked_huge_pages(folder: pathlib.Path) -> contextlib.AbstractContextManager[bool]:
+    """A GPU bench's parked folder on a tmpfs of huge pages for the block, as the agent has it
+    (`settings.parked_huge_pages`); `VOLGA_PARKED_HUGE_PAGES=0` leaves it on the snapshot root's pages, for a
+    bench beside it. Yields whether the folder is on huge pages."""
+    return tmpfs.huge_while(folder, os.environ.get("VOLGA_PARKED_HUGE_PAGES", "1") != "0")

@@ -7,6 +7,7 @@ timed the same way: spawn, load, warm up, first answer.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import pathlib
 import time
@@ -127,6 +128,9 @@ def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pa
         elif not all(np.array_equal(out[k], reference[k]) for k in reference):
             run.mismatches += 1
 
+    huge = contextlib.ExitStack()
+    on_huge = engine is not None and device.startswith("cuda") and \
+        huge.enter_context(reporting.parked_huge_pages(engine.root / instance.PARKED))
     try:
         for i in range(cold_n):
             progress(f"{spec.model_id}: cold start {i + 1}/{cold_n}")
@@ -224,6 +228,7 @@ def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pa
         final = inst.client().call("stats").header
     finally:
         inst.close()
+        huge.close()
 
     cold_p50 = reporting.summarize(runs[Tier.COLD].wake_s)["p50_ms"]
     report: dict[str, Any] = {
@@ -241,6 +246,7 @@ def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pa
         "lazy_pages": {"server": engine.lazy_pages_server,
                        "fill": engine.fill_for(device.startswith("cuda"))} if engine else None,
         "wake_copy": wake_copy or inst.config.wake_copy if device.startswith("cuda") else None,
+        "parked_huge_pages": on_huge,
         "settle_ms": settle_s * 1e3,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }

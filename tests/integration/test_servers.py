@@ -33,8 +33,8 @@ from servers import device_copy_server
 
 from volga_agent.autonomy import decider, loop
 from volga_agent.gateway import app, catalog, links, proxy
-from volga_agent.host import process
-from volga_agent.node import server
+from volga_agent.host import process, tmpfs
+from volga_agent.node import instance, server
 from volga_agent.snapshot import criu, cuda
 from volga_core import api
 
@@ -445,14 +445,17 @@ class _StandInDriver:
         return 0.0
 
 
-@pytest.mark.parametrize("parks", [True, False], ids=["through-the-handshake-module", "as-it-is"])
+@pytest.mark.parametrize(("parks", "huge"), [(True, False), (True, True), (False, False)],
+                         ids=["through-the-handshake-module", "on-huge-pages", "as-it-is"])
 def test_a_gpu_servers_driver_copy_parked_beside_its_image(engine: criu.CriuEngine, workdir: pathlib.Path,
-                                                            monkeypatch: pytest.MonkeyPatch, parks: bool) -> None:
+                                                            monkeypatch: pytest.MonkeyPatch, parks: bool,
+                                                            huge: bool) -> None:
     """A server run through `python -m volga_agent.worker.handshake` parks the driver's copy: at each freeze its
     thread moves the pages the checkpoint filled into a file beside the images and maps it over them, the image
     leaves them out, and the wake restores the tree lazily with the copy intact (the stand-in driver checks it);
-    the next freeze's file replaces the last one, and closing removes it. Run as it is, the same server's copy is in
-    its image and its restore is eager. The stand-in plays its own driver (it holds no CUDA context)."""
+    the next freeze's file replaces the last one, and closing removes it. The same with the parked folder on the
+    tmpfs of huge pages the agent mounts there on a GPU node (`tmpfs.mount_huge`). Run as it is, the same server's
+    copy is in its image and its restore is eager. The stand-in plays its own driver (it holds no CUDA context)."""
     def stand_ins(root: int) -> list[int]:
         return [pid for pid in process.tree(root)
                 if b"device_copy_server" in pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()]
@@ -465,6 +468,9 @@ def test_a_gpu_servers_driver_copy_parked_beside_its_image(engine: criu.CriuEngi
                                    canary={"method": "GET", "path": "/answer"}), workdir, engine,
                               driver=driver)  # type: ignore[arg-type]
     driver.server = s
+    parked_root = engine.root / instance.PARKED
+    mounted = huge and tmpfs.mount_huge(parked_root)
+    assert mounted is huge and tmpfs.huge(parked_root) is huge
     try:
         s.start()
         for _ in range(2):
@@ -475,6 +481,7 @@ def test_a_gpu_servers_driver_copy_parked_beside_its_image(engine: criu.CriuEngi
                 assert len(reports) == 1 and "error" not in reports[0], reports
                 assert int(reports[0]["bytes"]) >= copy and s.copies_parked  # type: ignore[call-overload]
                 assert s.parking.current is not None and s.parking.current.stat().st_size >= copy
+                assert tmpfs.huge(s.parking.current) is huge
                 assert s.parking.folder is not None and list(s.parking.folder.iterdir()) == [s.parking.current]
                 assert s.image.size_bytes < copy
             else:
@@ -496,7 +503,10 @@ def test_a_gpu_servers_driver_copy_parked_beside_its_image(engine: criu.CriuEngi
             assert (driver.premapped[-1] >= copy) if parks else driver.premapped[-1] == 0, driver.premapped
     finally:
         s.close()
+        if mounted:
+            tmpfs.unmount(parked_root)
     assert s.parking.folder is not None and not s.parking.folder.exists()
+    assert not tmpfs.huge(parked_root)
 
 
 def test_a_floor_the_ladder_lacks_rests_below_it(engine: criu.CriuEngine, workdir: pathlib.Path) -> None:

@@ -18,7 +18,7 @@ FLAT_DEFAULTS: dict[str, object] = {
     "backoff_duration_sec": 600.0, "api_writes_per_sec": 200.0, "hot_idle_sec": 60.0, "warm_idle_sec": 300.0,
     "suspended_idle_sec": 900.0, "host_memory_budget_bytes": 0, "gpu_memory_budget_bytes": 0,
     "snapshot_disk_budget_bytes": 0, "lazy_restore": None, "verify_restores": True, "gpu_stack_bytes": 64,
-    "gpu_graphs_in_images": False, "keep_failed_restores": 3, "autonomy_sample_ms": 10.0,
+    "gpu_graphs_in_images": False, "parked_huge_pages": True, "keep_failed_restores": 3, "autonomy_sample_ms": 10.0,
     "autonomy_window_samples": 10, "autonomy_hysteresis_windows": 3, "autonomy_preload_below_pct": 40.0,
     "autonomy_optimize_above_pct": 70.0, "autonomy_emergency_above_pct": 85.0, "autonomy_preload_min_rate": 1.0,
     "autonomy_idle_windows": 3, "autonomy_shed_retry_after_ms": 1000, "autonomy_debug": False,

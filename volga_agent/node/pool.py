@@ -43,7 +43,7 @@ from typing import Any
 
 from volga_agent import errors, metrics
 from volga_agent.host import gpus as gpu_discovery
-from volga_agent.host import process
+from volga_agent.host import process, tmpfs
 from volga_agent.node import admission, chains, instance, policy, serverpool
 from volga_agent.node.settings import Settings
 from volga_agent.snapshot import criu, cuda, shared
@@ -151,6 +151,9 @@ class Pool:
                                             lazy_pages_fill=self.settings.criu.lazy_pages_fill)
             except criu.CriuError as exc:
                 log.warning("FROZEN tier unavailable: %s", exc)
+        # FROZEN GPU instances park their weights under the snapshot root: on huge pages where it may be.
+        self._huge_parked = bool(self.gpus) and self.criu is not None and self.settings.parked_huge_pages and \
+            tmpfs.mount_huge(self.criu.root / instance.PARKED)
         self.shared: shared.Context | None = None
         if self.settings.shared.folder and self.criu is not None:
             self.shared = shared.Context(shared.Store(self.settings.shared.folder), node, shared.NodeFacts(
@@ -728,6 +731,8 @@ class Pool:
         for name in list(self.slots):
             self.remove(name, keep_kept=True)
         self.servers.close()
+        if self._huge_parked and self.criu is not None:
+            tmpfs.unmount(self.criu.root / instance.PARKED)
 
 
 def _warmup_fields(report: contract.WarmupReport | None) -> dict[str, Any]:

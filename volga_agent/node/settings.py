@@ -275,6 +275,9 @@ class Settings(pydantic.BaseModel):
     # they are dropped before the checkpoint and captured again after the restore, which keeps their memory (graph
     # pools, cuBLAS workspaces) out of what the driver and CRIU copy.
     gpu_graphs_in_images: bool = False
+    # Park FROZEN GPU instances' weights and driver copies on a tmpfs of huge pages mounted at <snapshot root>/.parked
+    # where the snapshot root is on tmpfs and the agent may mount (host/tmpfs.py); off: on the snapshot root's pages.
+    parked_huge_pages: bool = True
     # Driver restores (SUSPENDED and GPU FROZEN wakes) let into the CUDA driver at a time, in the order they were
     # asked for; 0: all at once. The driver restores one context at a time device-wide, so with 1 the first wake of
     # a storm comes back after one restore and the last after all of them one after another (docs/measurements.md).

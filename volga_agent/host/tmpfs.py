@@ -1,0 +1,101 @@
+"""A tmpfs of transparent huge pages for the GPU weights FROZEN instances park.
+
+A FROZEN GPU instance keeps its weights, and the CUDA driver's copy of its context, in files under `<snapshot
+root>/.parked` (docs/snapshots.md, Freezing a GPU worker), and every wake reads them back: the driver's restore
+through a mapping of the file, the worker's staged copy with pread. On a tmpfs mounted as /dev/shm is (no huge
+pages) each 4 KiB of those files is a page of its own to look up, map and pin; on one mounted with `huge=always`
+a 2 MiB page. Side by side on an H200 a 2 GiB model's FROZEN wake was 20 ms faster at p50 that way, the driver's
+restore and the worker's read each quicker (docs/measurements.md, Parked weights on huge pages).
+
+`mount_huge` mounts such a tmpfs over the folder where it is itself on tmpfs (the storage class stays memory) and
+the process may mount (root with CAP_SYS_ADMIN, as the agent's DaemonSet runs); elsewhere, and where a huge tmpfs
+is there already, the folder stays as it is. `unmount` takes it away again, lazily (MNT_DETACH): a file some
+process still maps keeps its pages until it lets go.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import logging
+import os
+import pathlib
+from collections.abc import Iterator
+
+log = logging.getLogger(__name__)
+
+MS_NOSUID = 0x2
+MS_NODEV = 0x4
+MNT_DETACH = 0x2
+OPTIONS = "huge=always,mode=0755"
+
+
+def _mount_of(path: pathlib.Path) -> tuple[str, str, set[str]] | None:
+    """(mount point, file system type, super block options) of the mount that holds `path`, from this process's
+    /proc/self/mountinfo (the deepest mount point above it; the last one mounted there)."""
+    target = os.path.realpath(path)
+    found: tuple[str, str, set[str]] | None = None
+    with open("/proc/self/mountinfo", encoding="utf-8") as lines:
+        for line in lines:
+            fields = line.split()
+            point = fields[4].replace("\\040", " ")
+            rest = fields[fields.index("-") + 1:]
+            inside = target == point or target.startswith(point.rstrip("/") + "/")
+            if inside and (found is None or len(point) >= len(found[0])):
+                found = (point, rest[0], set(rest[2].split(",")) if len(rest) > 2 else set())
+    return found
+
+
+def _huge(mount: tuple[str, str, set[str]] | None) -> bool:
+    return mount is not None and mount[1] == "tmpfs" and bool({"huge=always", "huge=within_size"} & mount[2])
+
+
+def huge(folder: str | pathlib.Path) -> bool:
+    """Whether `folder` is on a tmpfs that gives its files huge pages."""
+    return _huge(_mount_of(pathlib.Path(folder)))
+
+
+def mount_huge(folder: str | pathlib.Path) -> bool:
+    """Mount a tmpfs of huge pages at `folder` (made where missing) where the folder is on tmpfs, empty and not on
+    huge pages already; True when this call mounted it. A mount refused (no privilege) leaves the folder as it is
+    and says so in the log."""
+    folder = pathlib.Path(folder)
+    mount = _mount_of(folder)
+    if _huge(mount):
+        return False
+    if mount is None or mount[1] != "tmpfs":
+        log.info("%s is on %s, not tmpfs: parked weights stay on its pages", folder, mount[1] if mount else "?")
+        return False
+    folder.mkdir(parents=True, exist_ok=True)
+    if any(folder.iterdir()):
+        log.warning("%s is not empty: parked weights stay on 4 KiB pages", folder)
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p)
+    if libc.mount(b"tmpfs", os.fsencode(folder), b"tmpfs", MS_NOSUID | MS_NODEV, OPTIONS.encode()) != 0:
+        log.info("parked weights stay on 4 KiB pages: mounting a tmpfs of huge pages at %s: %s", folder,
+                 os.strerror(ctypes.get_errno()))
+        return False
+    log.info("parked weights on huge pages: a tmpfs (%s) at %s", OPTIONS, folder)
+    return True
+
+
+def unmount(folder: str | pathlib.Path) -> None:
+    """Take away the tmpfs `mount_huge` put at `folder` (the files in it go with it)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.umount2.argtypes = (ctypes.c_char_p, ctypes.c_int)
+    if libc.umount2(os.fsencode(folder), MNT_DETACH) != 0 and ctypes.get_errno() not in (errno.EINVAL, errno.ENOENT):
+        log.warning("cannot unmount the parked weights' tmpfs at %s: %s", folder, os.strerror(ctypes.get_errno()))
+
+
+@contextlib.contextmanager
+def huge_while(folder: str | pathlib.Path, wanted: bool = True) -> Iterator[bool]:
+    """`mount_huge` for the block (where `wanted`), unmounted after it where it mounted; yields whether `folder`
+    is on huge pages."""
+    mounted = mount_huge(folder) if wanted else False
+    try:
+        yield huge(folder)
+    finally:
+        if mounted:
+            unmount(folder)
