@@ -3,8 +3,8 @@
 A FROZEN GPU instance keeps its weights, and the CUDA driver's copy of its context, in files under `<snapshot
 root>/.parked` (docs/snapshots.md, Freezing a GPU worker), and every wake reads them back: the driver's restore
 through a mapping of the file, the worker's staged copy with pread. On a tmpfs mounted as /dev/shm is (no huge
-pages) each 4 KiB of those files is a page of its own to look up, map and pin; on one mounted with `huge=always`
-a 2 MiB page. Side by side on an H200 a 2 GiB model's FROZEN wake was 20 ms faster at p50 that way, the driver's
+pages) each 4 KiB of those files is a page of its own to look up and map; on one mounted with `huge=always` a 2
+MiB page. Side by side on an H200 a 2 GiB model's FROZEN wake was 20 ms faster at p50 that way, the driver's
 restore and the worker's read each quicker (docs/measurements.md, Parked weights on huge pages).
 
 `mount_huge` mounts such a tmpfs over the folder where it is itself on tmpfs (the storage class stays memory) and
@@ -21,6 +21,7 @@ import errno
 import logging
 import os
 import pathlib
+import re
 from collections.abc import Iterator
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ def _mount_of(path: pathlib.Path) -> tuple[str, str, set[str]] | None:
     with open("/proc/self/mountinfo", encoding="utf-8") as lines:
         for line in lines:
             fields = line.split()
-            point = fields[4].replace("\\040", " ")
+            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])  # \040 is a space
             rest = fields[fields.index("-") + 1:]
             inside = target == point or target.startswith(point.rstrip("/") + "/")
             if inside and (found is None or len(point) >= len(found[0])):
@@ -67,9 +68,13 @@ def mount_huge(folder: str | pathlib.Path) -> bool:
     if mount is None or mount[1] != "tmpfs":
         log.info("%s is on %s, not tmpfs: parked weights stay on its pages", folder, mount[1] if mount else "?")
         return False
-    folder.mkdir(parents=True, exist_ok=True)
-    if any(folder.iterdir()):
-        log.warning("%s is not empty: parked weights stay on 4 KiB pages", folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if any(folder.iterdir()):
+            log.warning("%s is not empty: parked weights stay on 4 KiB pages", folder)
+            return False
+    except OSError as exc:
+        log.warning("parked weights stay on 4 KiB pages: %s", exc)
         return False
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p)
@@ -85,8 +90,10 @@ def unmount(folder: str | pathlib.Path) -> None:
     """Take away the tmpfs `mount_huge` put at `folder` (the files in it go with it)."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.umount2.argtypes = (ctypes.c_char_p, ctypes.c_int)
-    if libc.umount2(os.fsencode(folder), MNT_DETACH) != 0 and ctypes.get_errno() not in (errno.EINVAL, errno.ENOENT):
-        log.warning("cannot unmount the parked weights' tmpfs at %s: %s", folder, os.strerror(ctypes.get_errno()))
+    if libc.umount2(os.fsencode(folder), MNT_DETACH) != 0:
+        code = ctypes.get_errno()
+        if code not in (errno.EINVAL, errno.ENOENT):  # not a mount point (any more), or gone
+            log.warning("cannot unmount the parked weights' tmpfs at %s: %s", folder, os.strerror(code))
 
 
 @contextlib.contextmanager
