@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from procs import wait_for
 
+from volga_agent.host import process
 from volga_agent.node import instance
 from volga_agent.snapshot import criu, kdat, lazypages
 from volga_agent.worker import contract
@@ -465,3 +470,53 @@ def test_failures_kept_by_many_instances_at_once_never_break_their_fallbacks(tmp
             kept = list(threads.map(lambda k: engine.keep_failure(images[k], f"m{k}"), range(16)))
         assert all(k is not None for k in kept)
     assert len(list((engine.root / criu.FAILED).iterdir())) == 3
+
+
+_THREADS = """import sys, threading, time
+count = [0]
+def spin():
+    while True:
+        count[0] += 1
+        time.sleep(0.001)
+for _ in range(4):
+    threading.Thread(target=spin, daemon=True).start()
+while True:
+    with open(sys.argv[1] + ".tmp", "w") as f:
+        f.write(str(count[0]))
+    os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+    time.sleep(0.02)
+"""
+
+
+@pytest.mark.parametrize("breakpoints", [False, True], ids=["traced-to-its-last-step", "criu-breakpoints"])
+def test_restored_threads_are_stopped_without_hardware_breakpoints(monkeypatch: pytest.MonkeyPatch,
+                                                                   breakpoints: bool) -> None:
+    """criu restore stops each restored thread at its last step by tracing its system calls (`criu.NO_BREAKPOINTS`)
+    rather than with a hardware breakpoint, unless VOLGA_CRIU_BREAKPOINTS=1; either way the tree comes back with
+    every thread running."""
+    monkeypatch.setenv("VOLGA_CRIU_BREAKPOINTS", "1" if breakpoints else "0")
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="volga-bp-", dir="/dev/shm"))
+    engine = criu.CriuEngine(folder)
+    run = engine._run
+    monkeypatch.setattr(engine, "_run", lambda args, *rest, **named: run(
+        [a if a != "-v2" else "-v4" for a in args], *rest, **named))  # criu says which way it stops them at -v4
+    beat = folder / "beat"
+    child = subprocess.Popen([sys.executable, "-c", "import os\n" + _THREADS, str(beat)], start_new_session=True,
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    restored = None
+    try:
+        wait_for("the threads' first beat", beat.exists, timeout=10)
+        image = engine.dump(child.pid, "threads")
+        child.wait(timeout=10)
+        restored = engine.restore(image)
+        assert len(os.listdir(f"/proc/{restored.pid}/task")) == 5
+        counted = int(beat.read_text() or 0)
+        wait_for("the restored threads to count on", lambda: int(beat.read_text() or 0) > counted, timeout=10)
+        log = (image.path / "restore.log").read_text()
+        assert ("Force no-breakpoints restore" in log) is not breakpoints
+    finally:
+        if restored is not None:
+            process.kill_tree(restored.pid)
+        with contextlib.suppress(ProcessLookupError):
+            child.kill()
+        shutil.rmtree(folder, ignore_errors=True)

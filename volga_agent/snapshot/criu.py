@@ -65,6 +65,14 @@ FAILED = "failed"
 # is done (`Restored.release`).
 LAZY_HOLD_SEC = 5.0
 LAZY_PAGES_FILLS = ("auto", "after-wake", "record-first", "at-once")
+# criu restore stops every restored thread at its last step (rt_sigreturn) before letting the tree go. By default it
+# sets a hardware breakpoint there through ptrace: on the H200 machines criu's wait for those stops took 10-35 ms in
+# a third of the restores of GPU workers (every other step of their restores under 3 ms), and on a 2-CPU VM the
+# same wait 8-18 ms in 5 of 22 restores of a 17-thread process, strace showing the tree's first breakpoint set in
+# 12 ms. With FI_NO_BREAKPOINTS (130), a "fault" criu lists as not fatal, it traces each thread's system calls to
+# that step instead, as it restores on machines without breakpoints: under 1.5 ms in each of 22 restores there
+# (bench/criu_last_stop.py; docs/snapshots.md, criu's last stop).
+NO_BREAKPOINTS = {"CRIU_FAULT": "130"}
 log = logging.getLogger(__name__)
 
 
@@ -392,6 +400,9 @@ class CriuEngine:
                                                                 lazypages.FAULT_BYTES // 1024))
         # Whether the mappings with no pages to come are unregistered as the restore finishes (`lazypages`).
         self.lazy_pages_let_go = os.environ.get("VOLGA_LAZY_PAGES_LET_GO", "1") != "0"
+        # Whether criu restore stops each restored thread at its last step with a hardware breakpoint (criu's
+        # default) or by tracing its system calls to it (`NO_BREAKPOINTS`, the default here).
+        self.breakpoints = os.environ.get("VOLGA_CRIU_BREAKPOINTS", "0") == "1"
         # How the agent's server fills a wake's pages: "after-wake" (first those the last wake of the same process
         # faulted on, the rest once the wake is done: `lazypages`), "record-first" (first those the last wake
         # faulted on before `Restored.end_record`, the rest at once beside them), "at-once" (all from the start,
@@ -440,11 +451,14 @@ class CriuEngine:
         return process.dying_with_parent([self.criu, *args])
 
     def _popen(self, args: list[str], **options: Any) -> subprocess.Popen[Any]:
+        env = process.owned_env()
+        if args[:1] == ["restore"] and not self.breakpoints:
+            env.update(NO_BREAKPOINTS)
         with self._lock:
             if self._closed:
                 raise CriuCancelled(f"criu {args[0]}: the snapshot engine is closed")
-            proc: subprocess.Popen[Any] = subprocess.Popen(self._command(args), env=process.owned_env(),
-                                                           start_new_session=True, **options)
+            proc: subprocess.Popen[Any] = subprocess.Popen(self._command(args), env=env, start_new_session=True,
+                                                           **options)
             self._calls.add(proc)
         return proc
 

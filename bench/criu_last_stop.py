@@ -1,0 +1,108 @@
+"""How long criu restore waits for the restored threads' last stop, with hardware breakpoints and without.
+
+criu restore stops every restored thread at its last step (rt_sigreturn) before it lets the tree go: by default with
+a hardware breakpoint set through ptrace, or (`criu.NO_BREAKPOINTS`, the engine's default) by tracing each thread's
+system calls to it. This freezes a process shaped like a GPU worker's tree for criu (17 threads, 2,000 mappings,
+1 GiB of memory; no GPU) and restores it lazily with the agent's lazy-pages server, `-n` times each way, the ways
+alternating. criu logs at -v4; per restore the report has criu's whole restore (ms), the time in its log until
+"Unlock network" (the tree rebuilt), and the wait from the last thread's final step before the stop (its seccomp
+line) to criu seeing the first thread stopped ("was trapped").
+
+python3 bench/criu_last_stop.py -n 12 --out FILE.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import benchio  # bench/, beside this script
+
+from volga_agent.host import process
+from volga_agent.snapshot import criu
+
+TREE = r"""
+import mmap, threading, time
+stop = threading.Event()
+for _ in range(16):
+    threading.Thread(target=stop.wait, daemon=True).start()
+memory = mmap.mmap(-1, 1 << 30)
+for at in range(0, 1 << 30, 4096):
+    memory[at] = 1
+mappings = [mmap.mmap(-1, 8192, prot=mmap.PROT_READ | (mmap.PROT_WRITE if i % 2 else 0)) for i in range(2000)]
+print("ready", flush=True)
+while True:
+    time.sleep(0.01)
+"""
+STAMP = re.compile(r"^\((\d+\.\d+)\)")
+
+
+def _at(line: str) -> float | None:
+    found = STAMP.match(line)
+    return float(found.group(1)) * 1e3 if found else None
+
+
+def one(engine: criu.CriuEngine, name: str) -> dict[str, float]:
+    tree = subprocess.Popen([sys.executable, "-c", TREE], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+    assert tree.stdout is not None
+    tree.stdout.readline()
+    image = engine.dump(tree.pid, name)
+    tree.wait()
+    restored = engine.restore(image, lazy=True, wake=True)
+    try:
+        lines = (image.path / "restore.log").read_text().splitlines()
+        last_steps = [_at(line) for line in lines if "seccomp: mode" in line]
+        stops = [_at(line) for line in lines if "was trapped" in line]
+        unlock = next(_at(line) for line in lines if "Unlock network" in line)
+        restored.release()
+        return {"criu_restore_ms": round(restored.seconds * 1e3, 1), "unlock_ms": round(unlock or 0.0, 1),
+                "last_stop_wait_ms": round(min(s for s in stops if s is not None)
+                                           - max(s for s in last_steps if s is not None), 1)}
+    finally:
+        process.kill_tree(restored.pid)
+        engine.remove(image)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-n", type=int, default=12, help="restores each way")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    root = pathlib.Path(tempfile.mkdtemp(prefix="volga-last-stop-", dir="/dev/shm"))
+    engine = criu.CriuEngine(root)
+    run = engine._run
+    engine._run = lambda argv, *rest, **named: run(  # type: ignore[method-assign]
+        [a if a != "-v2" else "-v4" for a in argv], *rest, **named)
+    ways: dict[str, list[dict[str, float]]] = {"breakpoints": [], "traced": []}
+    try:
+        for i in range(args.n):
+            for way, rows in ways.items():
+                engine.breakpoints = way == "breakpoints"
+                rows.append(one(engine, f"{way}-{i}"))
+                print(way, rows[-1], flush=True)
+                time.sleep(0.3)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    report: dict[str, Any] = {"bench": "criu-last-stop", "criu": engine.version(), "cpus": os.cpu_count(),
+                              "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "ways": {}}
+    for way, rows in ways.items():
+        waits = [r["last_stop_wait_ms"] for r in rows]
+        report["ways"][way] = {"last_stop_wait_ms_p50": statistics.median(waits), "last_stop_wait_ms_max": max(waits),
+                               "over_5_ms": sum(w > 5 for w in waits),
+                               "criu_restore_ms_p50": statistics.median(r["criu_restore_ms"] for r in rows),
+                               "restores": rows}
+    benchio.emit(report, args.out)
+
+
+if __name__ == "__main__":
+    main()
