@@ -378,6 +378,7 @@ def bench(n: int = 10, cold: int = 3, hooks: list[str] | None = None, cache_toke
         return {"bench": "server-gpu", "n": n, "cold_starts": cold, "device": reporting.device_description("cuda"),
                 "driver_api": driver.driver_api, "criu": engine.version().removeprefix("Version: "),
                 "kernel": platform.release(), "cpus": os.cpu_count(), "parked_huge_pages": on_huge,
+                "criu_breakpoints": engine.breakpoints,
                 "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "results": results}
     finally:
         shutil.rmtree(engine_root, ignore_errors=True)

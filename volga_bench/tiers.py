@@ -247,6 +247,7 @@ def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pa
                        "fill": engine.fill_for(device.startswith("cuda"))} if engine else None,
         "wake_copy": wake_copy or inst.config.wake_copy if device.startswith("cuda") else None,
         "parked_huge_pages": on_huge,
+        "criu_breakpoints": engine.breakpoints if engine else None,
         "settle_ms": settle_s * 1e3,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
