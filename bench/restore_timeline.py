@@ -7,8 +7,11 @@ lazy-pages daemon first, to criu's exit). On an H200 that phase alternated from 
 the bench took it, the time criu's own log spans, what lies outside it (starting the daemon and criu, waiting for
 their exit), and the largest gaps between consecutive lines of each log, with the line each gap ends at; and the
 CPU time the machine's cgroup was throttled meanwhile (cpu.stat), where it has a CPU limit; and the bench process's
-own garbage collections that overlapped each restore. With `--tiers suspended,frozen` SUSPENDED is woken first, as
-the tiers bench does; `--no-gc-freeze` leaves out the bench's `gc.freeze` once it serves (`process.settled`).
+own garbage collections that overlapped each restore. Per restore also when criu had rebuilt the tree and how long
+it then waited for the restored threads' last stop (`last_stop_wait_ms`; `VOLGA_CRIU_BREAKPOINTS=1` for criu's
+breakpoints there). With `--tiers suspended,frozen` SUSPENDED is woken first, as the tiers bench does;
+`--no-gc-freeze` leaves out the bench's `gc.freeze` once it serves (`process.settled`); `--lazy-pages-server volga`
+serves the lazy pages as the agent does (no daemon log then).
 
 On the GPU machine: python3 bench/restore_timeline.py --sizes 2 -n 12 --out FILE.json [--logs FILE.tar.gz]
 """
@@ -39,15 +42,27 @@ SUMMARY = ("p50_ms", "p99_ms", "mismatches", "fallbacks", "phases_p50_ms")  # of
 
 
 def _timeline(log: pathlib.Path, gaps: int) -> dict[str, Any]:
-    """How long a -v4 criu log spans, and its `gaps` largest steps between consecutive lines (ms, the line after)."""
+    """How long a -v4 criu log spans, and its `gaps` largest steps between consecutive lines (ms, the line after);
+    for a restore's log also when the tree was rebuilt ("Unlock network", ms from the first line) and how long criu
+    then waited for the restored threads' last stop (from the last thread's seccomp line to the first "was
+    trapped": docs/snapshots.md, criu's last stop)."""
     stamps: list[tuple[float, str]] = []
     for line in log.read_text(errors="replace").splitlines():
         m = STAMP.match(line)
         if m:
             stamps.append((int(m.group(1)) + int(m.group(2)) / 1e6, m.group(3)[:160]))
     steps = sorted(((b[0] - a[0], b[1]) for a, b in itertools.pairwise(stamps)), reverse=True)[:gaps]
-    return {"lines": len(stamps), "span_ms": round((stamps[-1][0] - stamps[0][0]) * 1e3, 2) if stamps else None,
-            "largest_gaps": [[round(ms * 1e3, 2), text] for ms, text in steps]}
+    out: dict[str, Any] = {"lines": len(stamps),
+                           "span_ms": round((stamps[-1][0] - stamps[0][0]) * 1e3, 2) if stamps else None,
+                           "largest_gaps": [[round(ms * 1e3, 2), text] for ms, text in steps]}
+    unlock = next((at for at, text in stamps if "Unlock network" in text), None)
+    last_steps = [at for at, text in stamps if "seccomp: mode" in text]
+    stops = [at for at, text in stamps if text.endswith("was trapped")]
+    if unlock is not None and stamps:
+        out["unlock_ms"] = round((unlock - stamps[0][0]) * 1e3, 2)
+    if last_steps and stops:
+        out["last_stop_wait_ms"] = round((min(stops) - max(last_steps)) * 1e3, 2)
+    return out
 
 
 def _cpu_stat() -> dict[str, int]:
@@ -70,9 +85,12 @@ def main() -> None:
     parser.add_argument("--tiers", default="frozen", help="frozen, or suspended,frozen")
     parser.add_argument("--no-gc-freeze", action="store_true", help="the bench process's heap left in the collector's "
                         "view, as before `process.settled`")
+    parser.add_argument("--lazy-pages-server", choices=("criu", "volga"), default="criu",
+                        help="who serves the lazy pages: criu's daemon, whose -v4 log is kept too (default), or the "
+                        "agent's own server, as the agent runs")
     parser.add_argument("--out")
     args = parser.parse_args()
-    os.environ["VOLGA_LAZY_PAGES_SERVER"] = "criu"  # its -v4 log is the timeline read here
+    os.environ["VOLGA_LAZY_PAGES_SERVER"] = args.lazy_pages_server
 
     kept = pathlib.Path(tempfile.mkdtemp(prefix="restore-logs-"))
     restores: list[dict[str, Any]] = []
@@ -160,7 +178,8 @@ def main() -> None:
     shutil.rmtree(kept, ignore_errors=True)
     benchio.emit({"bench": "restore-timeline", "device": report["device"], "criu": report["sizes"][
         next(iter(report["sizes"]))]["criu"], "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "settle_ms": args.settle_ms, "restores": len(restores),
+        "settle_ms": args.settle_ms, "restores": len(restores), "lazy_pages_server": args.lazy_pages_server,
+        "criu_breakpoints": os.environ.get("VOLGA_CRIU_BREAKPOINTS", "0") == "1",
         "tiers": {size: {tier: {k: v for k, v in got.items() if k in SUMMARY} for tier, got in part["tiers"].items()}
                   for size, part in report["sizes"].items()},
         "cgroup_cpu": {key: cpu_after[key] - cpu_before.get(key, 0) for key in cpu_after},
