@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import pathlib
 import re
 import signal
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -121,3 +123,19 @@ def end_restored(child: subprocess.Popen[Any], restored: criu.Restored | None) -
     if restored is not None:
         process.kill(restored.pid)
         restored.stop()
+
+
+def huge_tmpfs_unavailable() -> str:
+    """Why the tests cannot mount a tmpfs of huge pages here ("" when they can): tried on a scratch folder with
+    mount(2) itself, apart from the code under test."""
+    if os.geteuid() != 0:
+        return "mounting a tmpfs needs root"
+    folder = tempfile.mkdtemp(prefix="volga-probe-", dir="/dev/shm")
+    libc = ctypes.CDLL(None, use_errno=True)
+    try:
+        if libc.mount(b"tmpfs", folder.encode(), b"tmpfs", 0, b"huge=always") != 0:
+            return f"a tmpfs of huge pages cannot be mounted here: {os.strerror(ctypes.get_errno())}"
+        libc.umount2(folder.encode(), 0)
+        return ""
+    finally:
+        os.rmdir(folder)

@@ -13,6 +13,7 @@ import tempfile
 from collections.abc import Iterator
 
 import pytest
+from procs import huge_tmpfs_unavailable
 
 from volga_agent.host import tmpfs
 from volga_agent.host.gpus import GpuInfo
@@ -23,8 +24,9 @@ from volga_agent.node.settings import Settings
 
 @pytest.fixture
 def shm() -> Iterator[pathlib.Path]:
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
+    why = huge_tmpfs_unavailable()
+    if why:
+        pytest.skip(why)
     folder = pathlib.Path(tempfile.mkdtemp(prefix="volga-huge-", dir="/dev/shm"))
     yield folder
     tmpfs.unmount(folder / instance.PARKED)

@@ -28,7 +28,7 @@ from aiohttp import web
 if not all(importlib.util.find_spec(name) for name in ("kserve", "fastapi", "uvicorn")):
     pytest.skip("KServe, FastAPI and uvicorn come with the peers extra (make setup)", allow_module_level=True)
 
-from procs import wait_for
+from procs import huge_tmpfs_unavailable, wait_for
 from servers import device_copy_server
 
 from volga_agent.autonomy import decider, loop
@@ -456,6 +456,9 @@ def test_a_gpu_servers_driver_copy_parked_beside_its_image(engine: criu.CriuEngi
     the next freeze's file replaces the last one, and closing removes it. The same with the parked folder on the
     tmpfs of huge pages the agent mounts there on a GPU node (`tmpfs.mount_huge`). Run as it is, the same server's
     copy is in its image and its restore is eager. The stand-in plays its own driver (it holds no CUDA context)."""
+    if huge and huge_tmpfs_unavailable():
+        pytest.skip(huge_tmpfs_unavailable())
+
     def stand_ins(root: int) -> list[int]:
         return [pid for pid in process.tree(root)
                 if b"device_copy_server" in pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()]
