@@ -6,9 +6,10 @@ system calls to it. This freezes a process shaped like a GPU worker's tree for c
 1 GiB of memory; no GPU) and restores it lazily with the agent's lazy-pages server, `-n` times each way, the ways
 alternating. criu logs at -v4; per restore the report has criu's whole restore (ms), the time in its log until
 "Unlock network" (the tree rebuilt), and the wait from the last thread's final step before the stop (its seccomp
-line) to criu seeing the first thread stopped ("was trapped").
+line) to criu seeing the first thread stopped ("was trapped"). With `--memory shared` the memory is shared, which
+criu copies in during the restore instead of serving it lazily: the restore then runs with the kernel busy.
 
-python3 bench/criu_last_stop.py -n 12 --out FILE.json
+python3 bench/criu_last_stop.py -n 12 [--memory shared] --out FILE.json
 """
 
 from __future__ import annotations
@@ -31,14 +32,16 @@ from volga_agent.host import process
 from volga_agent.snapshot import criu
 
 TREE = r"""
-import mmap, threading, time
+import mmap, sys, threading, time
+flags = mmap.MAP_SHARED if sys.argv[1] == "shared" else mmap.MAP_PRIVATE
 stop = threading.Event()
 for _ in range(16):
     threading.Thread(target=stop.wait, daemon=True).start()
-memory = mmap.mmap(-1, 1 << 30)
+memory = mmap.mmap(-1, 1 << 30, flags=flags | mmap.MAP_ANONYMOUS)
 for at in range(0, 1 << 30, 4096):
     memory[at] = 1
-mappings = [mmap.mmap(-1, 8192, prot=mmap.PROT_READ | (mmap.PROT_WRITE if i % 2 else 0)) for i in range(2000)]
+mappings = [mmap.mmap(-1, 8192, flags=flags | mmap.MAP_ANONYMOUS,
+                      prot=mmap.PROT_READ | (mmap.PROT_WRITE if i % 2 else 0)) for i in range(2000)]
 print("ready", flush=True)
 while True:
     time.sleep(0.01)
@@ -51,8 +54,8 @@ def _at(line: str) -> float | None:
     return float(found.group(1)) * 1e3 if found else None
 
 
-def one(engine: criu.CriuEngine, name: str) -> dict[str, float]:
-    tree = subprocess.Popen([sys.executable, "-c", TREE], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+def one(engine: criu.CriuEngine, name: str, memory: str) -> dict[str, float]:
+    tree = subprocess.Popen([sys.executable, "-c", TREE, memory], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
                             start_new_session=True)
     assert tree.stdout is not None
     tree.stdout.readline()
@@ -76,6 +79,9 @@ def one(engine: criu.CriuEngine, name: str) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-n", type=int, default=12, help="restores each way")
+    parser.add_argument("--memory", choices=("private", "shared"), default="private",
+                        help="the process's memory private (restored lazily) or shared (which criu restores eagerly, "
+                        "copying 1 GiB during the restore)")
     parser.add_argument("--out")
     args = parser.parse_args()
     root = pathlib.Path(tempfile.mkdtemp(prefix="volga-last-stop-", dir="/dev/shm"))
@@ -88,12 +94,13 @@ def main() -> None:
         for i in range(args.n):
             for way, rows in ways.items():
                 engine.breakpoints = way == "breakpoints"
-                rows.append(one(engine, f"{way}-{i}"))
+                rows.append(one(engine, f"{way}-{i}", args.memory))
                 print(way, rows[-1], flush=True)
                 time.sleep(0.3)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    report: dict[str, Any] = {"bench": "criu-last-stop", "criu": engine.version(), "cpus": os.cpu_count(),
+    report: dict[str, Any] = {"bench": "criu-last-stop", "memory": args.memory, "criu": engine.version(),
+                              "cpus": os.cpu_count(),
                               "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "ways": {}}
     for way, rows in ways.items():
         waits = [r["last_stop_wait_ms"] for r in rows]

@@ -67,11 +67,11 @@ LAZY_HOLD_SEC = 5.0
 LAZY_PAGES_FILLS = ("auto", "after-wake", "record-first", "at-once")
 # criu restore stops every restored thread at its last step (rt_sigreturn) before letting the tree go. By default it
 # sets a hardware breakpoint there through ptrace: on the H200 machines criu's wait for those stops took 10-35 ms in
-# a third of the restores of GPU workers (every other step of their restores under 3 ms), and on a 2-CPU VM the
-# same wait 8-18 ms in 5 of 22 restores of a 17-thread process, strace showing the tree's first breakpoint set in
+# a third of the restores of GPU workers (every other step of their restores under 3 ms); on a 2-CPU VM, in restores
+# that ran with the kernel busy copying memory, 12-15 ms in 2 of 12, strace showing the tree's first breakpoint set in
 # 12 ms. With FI_NO_BREAKPOINTS (130), a "fault" criu lists as not fatal, it traces each thread's system calls to
-# that step instead, as it restores on machines without breakpoints: under 1.5 ms in each of 22 restores there
-# (bench/criu_last_stop.py; docs/snapshots.md, criu's last stop).
+# that step instead, as it restores on machines without breakpoints: at most 1 ms in the same restores, and no
+# slower where breakpoints cost nothing (bench/criu_last_stop.py; docs/snapshots.md, criu's last stop).
 NO_BREAKPOINTS = {"CRIU_FAULT": "130"}
 log = logging.getLogger(__name__)
 
