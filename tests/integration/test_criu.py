@@ -472,7 +472,7 @@ def test_failures_kept_by_many_instances_at_once_never_break_their_fallbacks(tmp
     assert len(list((engine.root / criu.FAILED).iterdir())) == 3
 
 
-_THREADS = """import sys, threading, time
+_THREADS = """import os, sys, threading, time
 count = [0]
 def spin():
     while True:
@@ -501,7 +501,7 @@ def test_restored_threads_are_stopped_without_hardware_breakpoints(monkeypatch: 
     monkeypatch.setattr(engine, "_run", lambda args, *rest, **named: run(
         [a if a != "-v2" else "-v4" for a in args], *rest, **named))  # criu says which way it stops them at -v4
     beat = folder / "beat"
-    child = subprocess.Popen([sys.executable, "-c", "import os\n" + _THREADS, str(beat)], start_new_session=True,
+    child = subprocess.Popen([sys.executable, "-c", _THREADS, str(beat)], start_new_session=True,
                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     restored = None
     try:
