@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
-import re
 import shutil
 import statistics
 import subprocess
@@ -46,14 +45,6 @@ print("ready", flush=True)
 while True:
     time.sleep(0.01)
 """
-STAMP = re.compile(r"^\((\d+\.\d+)\)")
-
-
-def _at(line: str) -> float | None:
-    found = STAMP.match(line)
-    return float(found.group(1)) * 1e3 if found else None
-
-
 def one(engine: criu.CriuEngine, name: str, memory: str) -> dict[str, float]:
     tree = subprocess.Popen([sys.executable, "-c", TREE, memory], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
                             start_new_session=True)
@@ -63,14 +54,10 @@ def one(engine: criu.CriuEngine, name: str, memory: str) -> dict[str, float]:
     tree.wait()
     restored = engine.restore(image, lazy=True, wake=True)
     try:
-        lines = (image.path / "restore.log").read_text().splitlines()
-        last_steps = [_at(line) for line in lines if "seccomp: mode" in line]
-        stops = [_at(line) for line in lines if "was trapped" in line]
-        unlock = next(_at(line) for line in lines if "Unlock network" in line)
+        log = benchio.criu_log(image.path / "restore.log")
         restored.release()
-        return {"criu_restore_ms": round(restored.seconds * 1e3, 1), "unlock_ms": round(unlock or 0.0, 1),
-                "last_stop_wait_ms": round(min(s for s in stops if s is not None)
-                                           - max(s for s in last_steps if s is not None), 1)}
+        return {"criu_restore_ms": round(restored.seconds * 1e3, 1), "unlock_ms": round(log["unlock_ms"], 1),
+                "last_stop_wait_ms": round(log["last_stop_wait_ms"], 1)}
     finally:
         process.kill_tree(restored.pid)
         engine.remove(image)

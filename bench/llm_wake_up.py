@@ -31,7 +31,6 @@ def main() -> None:
     args = parser.parse_args()
     os.environ["LLM_MODEL_DIR"] = args.model_dir
     import torch
-    from transformers import StaticCache
 
     from volga_bench.servers import llm_model
     llm_model.make_model(args.model_dir)
@@ -67,11 +66,7 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
         began = time.perf_counter()
-        try:
-            cache = StaticCache(config=engine.config, max_cache_len=engine.cache_tokens)
-        except TypeError:  # transformers < 4.56, as the server does
-            cache = StaticCache(config=engine.config, max_batch_size=1, max_cache_len=engine.cache_tokens,
-                                device="cuda", dtype=torch.float16)
+        cache = engine.new_cache()
         torch.cuda.synchronize()
         construct = (time.perf_counter() - began) * 1e3
         splits.append({"construct_ms": round(construct, 1), "first_forward_ms": round(forward(cache, 0), 1),

@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import argparse
 import gc
-import itertools
 import os
 import pathlib
-import re
 import shutil
 import tarfile
 import tempfile
@@ -37,32 +35,7 @@ from volga_agent.snapshot import criu
 from volga_bench import tiers
 from volga_core import api
 
-STAMP = re.compile(r"^\((\d+)\.(\d+)\) (.*)$")
 SUMMARY = ("p50_ms", "p99_ms", "mismatches", "fallbacks", "phases_p50_ms")  # of each tier, as the tiers bench has it
-
-
-def _timeline(log: pathlib.Path, gaps: int) -> dict[str, Any]:
-    """How long a -v4 criu log spans, and its `gaps` largest steps between consecutive lines (ms, the line after);
-    for a restore's log also when the tree was rebuilt ("Unlock network", ms from the first line) and how long criu
-    then waited for the restored threads' last stop (from the last thread's seccomp line to the first "was
-    trapped": docs/snapshots.md, criu's last stop)."""
-    stamps: list[tuple[float, str]] = []
-    for line in log.read_text(errors="replace").splitlines():
-        m = STAMP.match(line)
-        if m:
-            stamps.append((int(m.group(1)) + int(m.group(2)) / 1e6, m.group(3)[:160]))
-    steps = sorted(((b[0] - a[0], b[1]) for a, b in itertools.pairwise(stamps)), reverse=True)[:gaps]
-    out: dict[str, Any] = {"lines": len(stamps),
-                           "span_ms": round((stamps[-1][0] - stamps[0][0]) * 1e3, 2) if stamps else None,
-                           "largest_gaps": [[round(ms * 1e3, 2), text] for ms, text in steps]}
-    unlock = next((at for at, text in stamps if "Unlock network" in text), None)
-    last_steps = [at for at, text in stamps if "seccomp: mode" in text]
-    stops = [at for at, text in stamps if text.endswith("was trapped")]
-    if unlock is not None and stamps:
-        out["unlock_ms"] = round((unlock - stamps[0][0]) * 1e3, 2)
-    if last_steps and stops:
-        out["last_stop_wait_ms"] = round((min(stops) - max(last_steps)) * 1e3, 2)
-    return out
 
 
 def _cpu_stat() -> dict[str, int]:
@@ -139,7 +112,7 @@ def main() -> None:
                 shutil.copyfile(log, copy)
             restores.append({"log": copy.name, "criu_run_ms": round(ran_ms, 2),
                              "gc_near_ms": [[g, round((b - a) * 1e3, 2)] for a, b, g in overlapping],
-                             **(_timeline(copy, args.gaps) if copy.exists() else {})})
+                             **(benchio.criu_log(copy, args.gaps) if copy.exists() else {})})
 
     criu.CriuEngine._run = logged  # type: ignore[method-assign]
     criu.CriuEngine._lazy_pages = started  # type: ignore[method-assign]
@@ -169,7 +142,7 @@ def main() -> None:
         wake.update(restore)
         daemon_log = kept / f"lazy-pages-{len(daemons) - len(wakes) + i:03d}.log"
         if daemon_log.exists():
-            wake["lazy_pages_log"] = {"log": daemon_log.name, **_timeline(daemon_log, args.gaps)}
+            wake["lazy_pages_log"] = {"log": daemon_log.name, **benchio.criu_log(daemon_log, args.gaps)}
         span = restore.get("span_ms")
         wake["outside_criu_log_ms"] = round(wake["criu_restore_ms"] - span, 2) if span is not None else None
     if args.logs:

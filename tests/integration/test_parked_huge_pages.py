@@ -59,7 +59,7 @@ def test_a_tmpfs_of_huge_pages_mounted_and_taken_away(shm: pathlib.Path) -> None
 def test_folders_it_must_not_take_are_left_as_they_are(shm: pathlib.Path) -> None:
     on_disk = pathlib.Path(tempfile.mkdtemp(prefix="volga-huge-", dir=os.getcwd()))
     try:
-        if tmpfs.huge(on_disk) or tmpfs._mount_of(on_disk)[1] == "tmpfs":  # type: ignore[index]
+        if tmpfs.huge(on_disk) or tmpfs.mount_of(on_disk).kind == "tmpfs":  # type: ignore[union-attr]
             pytest.skip("the working folder is on tmpfs here")
         assert not tmpfs.mount_huge(on_disk / instance.PARKED) and not (on_disk / instance.PARKED).exists()
     finally:

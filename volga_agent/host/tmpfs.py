@@ -22,6 +22,7 @@ import logging
 import os
 import pathlib
 import re
+import typing
 from collections.abc import Iterator
 
 log = logging.getLogger(__name__)
@@ -32,29 +33,39 @@ MNT_DETACH = 0x2
 OPTIONS = "huge=always,mode=0755"
 
 
-def _mount_of(path: pathlib.Path) -> tuple[str, str, set[str]] | None:
-    """(mount point, file system type, super block options) of the mount that holds `path`, from this process's
-    /proc/self/mountinfo (the deepest mount point above it; the last one mounted there)."""
+class Mount(typing.NamedTuple):
+    point: str
+    kind: str  # the file system type
+    options: frozenset[str]
+
+
+def mount_of(path: str | pathlib.Path) -> Mount | None:
+    """The mount that holds `path`, from this process's mount table: the deepest mount point above it, the last one
+    mounted there (None where the table cannot be read)."""
     target = os.path.realpath(path)
-    found: tuple[str, str, set[str]] | None = None
-    with open("/proc/self/mountinfo", encoding="utf-8") as lines:
-        for line in lines:
-            fields = line.split()
-            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])  # \040 is a space
-            rest = fields[fields.index("-") + 1:]
-            inside = target == point or target.startswith(point.rstrip("/") + "/")
-            if inside and (found is None or len(point) >= len(found[0])):
-                found = (point, rest[0], set(rest[2].split(",")) if len(rest) > 2 else set())
+    found: Mount | None = None
+    try:
+        lines = pathlib.Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 4:
+            continue
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[1])  # \040 is a space
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and (found is None or len(point) >= len(found.point)):
+            found = Mount(point, fields[2], frozenset(fields[3].split(",")))
     return found
 
 
-def _huge(mount: tuple[str, str, set[str]] | None) -> bool:
-    return mount is not None and mount[1] == "tmpfs" and bool({"huge=always", "huge=within_size"} & mount[2])
+def _huge(mount: Mount | None) -> bool:
+    return mount is not None and mount.kind == "tmpfs" and bool({"huge=always", "huge=within_size"} & mount.options)
 
 
 def huge(folder: str | pathlib.Path) -> bool:
     """Whether `folder` is on a tmpfs that gives its files huge pages."""
-    return _huge(_mount_of(pathlib.Path(folder)))
+    return _huge(mount_of(folder))
 
 
 def mount_huge(folder: str | pathlib.Path) -> bool:
@@ -62,11 +73,11 @@ def mount_huge(folder: str | pathlib.Path) -> bool:
     huge pages already; True when this call mounted it. A mount refused (no privilege) leaves the folder as it is
     and says so in the log."""
     folder = pathlib.Path(folder)
-    mount = _mount_of(folder)
+    mount = mount_of(folder)
     if _huge(mount):
         return False
-    if mount is None or mount[1] != "tmpfs":
-        log.info("%s is on %s, not tmpfs: parked weights stay on its pages", folder, mount[1] if mount else "?")
+    if mount is None or mount.kind != "tmpfs":
+        log.info("%s is on %s, not tmpfs: parked weights stay on its pages", folder, mount.kind if mount else "?")
         return False
     try:
         folder.mkdir(parents=True, exist_ok=True)

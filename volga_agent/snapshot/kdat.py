@@ -26,6 +26,8 @@ import shutil
 import stat
 import subprocess
 
+from volga_agent.host import tmpfs
+
 RUN = pathlib.Path("/run")
 CACHE_NAME = "criu.kdat"
 STORE = pathlib.Path("/dev/shm")
@@ -34,21 +36,8 @@ log = logging.getLogger(__name__)
 
 def filesystem(path: pathlib.Path) -> str:
     """The type of the filesystem `path` lies on, from this process's mount table ("" when unknown)."""
-    target = os.path.realpath(path)
-    best, kind = "", ""
-    try:
-        lines = pathlib.Path("/proc/self/mounts").read_text().splitlines()
-    except OSError:
-        return ""
-    for line in lines:
-        fields = line.split()
-        if len(fields) < 3:
-            continue
-        point = fields[1].replace("\\040", " ")
-        inside = target == point or target.startswith(point.rstrip("/") + "/")
-        if inside and len(point) >= len(best):
-            best, kind = point, fields[2]
-    return kind
+    mount = tmpfs.mount_of(path)
+    return mount.kind if mount is not None else ""
 
 
 def _private_folder(store: pathlib.Path) -> pathlib.Path | None:

@@ -229,14 +229,18 @@ class Engine:
         torch.cuda.synchronize()
         self.stats["weights_ms"] = (time.perf_counter() - began) * 1000
 
+    def new_cache(self) -> StaticCache:
+        """A KV cache for `cache_tokens`, its memory not yet taken where transformers allocates it lazily."""
+        try:
+            return StaticCache(config=self.config, max_cache_len=self.cache_tokens)
+        except TypeError:  # transformers < 4.56: the cache's shape and place given up front
+            return StaticCache(config=self.config, max_batch_size=1, max_cache_len=self.cache_tokens, device="cuda",
+                               dtype=torch.float16)
+
     def _allocate_cache(self) -> None:
         """The KV cache, allocated whole now (a one-token prefill makes a lazily allocated cache take its memory)."""
         began = time.perf_counter()
-        try:
-            self.cache = StaticCache(config=self.config, max_cache_len=self.cache_tokens)
-        except TypeError:  # transformers < 4.56: the cache's shape and place given up front
-            self.cache = StaticCache(config=self.config, max_batch_size=1, max_cache_len=self.cache_tokens,
-                                     device="cuda", dtype=torch.float16)
+        self.cache = self.new_cache()
         with torch.inference_mode():
             self.model(input_ids=torch.zeros((1, 1), dtype=torch.long, device="cuda"), past_key_values=self.cache,
                        cache_position=torch.zeros(1, dtype=torch.long, device="cuda"), use_cache=True)
