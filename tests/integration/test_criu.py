@@ -520,3 +520,40 @@ def test_restored_threads_are_stopped_without_hardware_breakpoints(monkeypatch: 
         with contextlib.suppress(ProcessLookupError):
             child.kill()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_relocatable_criu_is_started_through_its_own_loader(criu_engine: criu.CriuEngine) -> None:
+    """The installed criu (scripts/install-criu.sh: a wrapper script beside a private root) is started through its
+    root's loader straight, and is the same criu the wrapper starts."""
+    wrapper = pathlib.Path(criu_engine.criu).resolve()
+    if wrapper.read_bytes()[:2] != b"#!":
+        pytest.skip(f"{wrapper} is not the relocatable install's wrapper")
+    root = wrapper.parent.parent / "root"
+    assert criu_engine.argv[0].startswith(str(root)) and "ld-linux" in criu_engine.argv[0], criu_engine.argv
+    assert criu_engine.argv[-1] == str(root / "usr" / "sbin" / "criu")
+    through_wrapper = subprocess.run([criu_engine.criu, "--version"], capture_output=True, text=True, timeout=30)
+    assert criu_engine.version() == through_wrapper.stdout.splitlines()[0]
+
+
+def test_only_a_wrapper_beside_a_private_root_is_bypassed(tmp_path: pathlib.Path) -> None:
+    lib = tmp_path / "root" / "usr" / "lib" / "x86_64-linux-gnu"
+    lib.mkdir(parents=True)
+    (lib / "ld-linux-x86-64.so.2").write_bytes(b"\x7fELF")
+    (tmp_path / "root" / "usr" / "sbin").mkdir()
+    (tmp_path / "root" / "usr" / "sbin" / "criu").write_bytes(b"\x7fELF")
+    (tmp_path / "bin").mkdir()
+    wrapper = tmp_path / "bin" / "criu"
+    wrapper.write_text("#!/bin/sh\n")
+    loader = (str(lib / "ld-linux-x86-64.so.2"), "--library-path", str(lib), str(tmp_path / "root/usr/sbin/criu"))
+    assert criu.command(str(wrapper)) == loader
+    criu.command.cache_clear()
+    (tmp_path / "elsewhere").symlink_to(wrapper)  # a link to the wrapper finds the root as the wrapper does
+    assert criu.command(str(tmp_path / "elsewhere")) == loader
+    wrapper.write_bytes(b"\x7fELF")  # a criu binary is started as it is
+    criu.command.cache_clear()
+    assert criu.command(str(wrapper)) == (str(wrapper),)
+    wrapper.write_text("#!/bin/sh\n")
+    (lib / "ld-linux-x86-64.so.2").unlink()  # no loader to start it with
+    criu.command.cache_clear()
+    assert criu.command(str(wrapper)) == (str(wrapper),)
+    assert criu.command(str(tmp_path / "missing")) == (str(tmp_path / "missing"),)
