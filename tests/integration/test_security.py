@@ -163,6 +163,9 @@ def test_the_agent_api_wants_a_token(token_file: pathlib.Path, rundir: pathlib.P
                     with pytest.raises(grpc.aio.AioRpcError) as err:
                         await stub.Activate(agent_pb2.ActivateRequest(model_id="m"))
                     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                    with pytest.raises(grpc.aio.AioRpcError) as err:  # a streamed answer is refused as well
+                        await stub.Hold(agent_pb2.ActivateRequest(model_id="m")).read()
+                    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
                     for token in (TOKEN, "another-token"):
                         reply = await stub.Status(agent_pb2.StatusRequest(), metadata=auth.call_credentials(token))
                         assert reply.node == "n1"

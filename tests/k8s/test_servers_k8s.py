@@ -99,7 +99,8 @@ def cluster(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactor
            "snapshots": snapshots, "folder": folder,
            "agent_metrics": f"http://127.0.0.1:{metrics_port}/metrics",
            "gateway_metrics": f"http://127.0.0.1:{gateway_metrics_port}/metrics",
-           "kubeconfig": str(control_plane.kubeconfig)}
+           "kubeconfig": str(control_plane.kubeconfig), "env": env,
+           "agent": f"127.0.0.1:{daemons['agent'].port('Agent API')}"}
     codes = {name: d.stop() for name, d in daemons.items()}
     api.close()
     assert all(code == 0 for code in codes.values()), {n: (c, daemons[n].log.read_text()[-3000:])
@@ -327,5 +328,42 @@ def test_a_streaming_server_on_a_unix_socket_woken_through_the_gateway(
     assert len(woken) > 1 and b"".join(woken) == b"".join(hot) and b"".join(woken).count(b"data: ") == 7
     wakes = series(cluster["agent_metrics"], "volga_activations_total")
     assert wakes.get(f'{{model="{name}",tier="FROZEN"}}') == 1.0, wakes
+    cp.kubectl("delete", "ms", name, "--timeout=120s")
+    wait_for("its server gone", lambda: not _holding(f"default.{name}-0"))
+
+
+def test_a_gateway_killed_mid_request_leaves_its_server_to_go_idle(
+        control_plane: ControlPlane, cluster: dict[str, Any], tmp_path: pathlib.Path) -> None:
+    """A gateway holds a server for a request through the Agent API's Hold call. Killed mid-answer (SIGKILL, a
+    streamed answer half passed on), its connection ends the call: the agent lets the server go idle and freezes it
+    again, as after an answered request, instead of keeping it HOT for the hour a lost activation is held."""
+    cp = control_plane
+    name = "k8s-held"
+    doc = modelspec()
+    doc["metadata"]["name"] = doc["spec"]["modelId"] = name
+    doc["spec"]["server"] = {"command": [sys.executable, "-m", "uvicorn", "volga_bench.servers.stream_app:app",
+                                         "--no-access-log", "--loop", "asyncio", "--uds", "{socket}"],
+                             "listen": "unix", "readiness": {"path": "/health"}}
+    path = tmp_path / "held.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    cp.kubectl("apply", "-f", str(path))
+    wait_for("the EMI FROZEN and Ready", lambda: tier(cp, "FROZEN", model=name), timeout=240)
+    http_port, grpc_port = free_ports(2)
+    gateway = Daemon("gateway-killed", [
+        str(pathlib.Path(sys.executable).with_name("volga-gateway")), "--kube", "--agent", cluster["agent"], "--node",
+        NODE, "--host", "127.0.0.1", "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port",
+        "0"], cluster["env"], tmp_path, "volga-gateway")
+    request = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/stream", data=json.dumps(
+        {"prompt": "volga", "tokens": 600, "delay_ms": 50}).encode(), headers={  # 30 s of answer
+        "x-model-id": name, "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            assert reply.status == 200 and reply.read1().startswith(b"data: ")  # woken, the answer streaming
+            os.killpg(gateway.proc.pid, signal.SIGKILL)
+            gateway.proc.wait()
+    finally:
+        gateway.stop()
+    wait_for("the EMI HOT", lambda: tier(cp, "HOT", model=name), timeout=60)
+    wait_for("the EMI FROZEN again once idle", lambda: tier(cp, "FROZEN", model=name), timeout=60)
     cp.kubectl("delete", "ms", name, "--timeout=120s")
     wait_for("its server gone", lambda: not _holding(f"default.{name}-0"))

@@ -1,4 +1,4 @@
-"""The agent's gRPC API (`volga.v1.Agent`): activate, release, status and list instances of this node, the
+"""The agent's gRPC API (`volga.v1.Agent`): activate, hold, release, status and list instances of this node, the
 sidecar gateway's load exchange with the node's autonomy loop (`ExchangeLoad`, when the loop runs), and the
 neighbours' level exchange (`ExchangeLevel`, `volga_agent/neighbours.py`), whose fresh levels the gateway gets
 back in ExchangeLoad's answer.
@@ -16,7 +16,7 @@ import contextlib
 import logging
 import pathlib
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, Protocol
 
 import grpc
@@ -113,6 +113,19 @@ class AgentService(pb_grpc.AgentServicer):
         if self.pool.servers.owns(name):
             with contextlib.suppress(errors.UnknownModel):  # removed meanwhile
                 self.pool.release(name)
+
+    async def Hold(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        """Activate, then held until the caller ends the call or goes away (grpc cancels this then): a model
+        server's activation is released as the call ends, whatever ended it."""
+        reply = await self.Activate(request, context)
+        try:
+            yield reply
+            await asyncio.Event().wait()  # the hold: only the call's end (a cancellation) ends it
+        finally:
+            name = reply.instance.name
+            if self.pool.servers.owns(name):
+                with contextlib.suppress(errors.UnknownModel):  # removed meanwhile
+                    self.pool.release(name)
 
     async def Release(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:

@@ -27,7 +27,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Protocol
 
 import grpc
@@ -98,6 +98,10 @@ class AgentLink(Protocol):
     async def close(self) -> None: ...
 
 
+def _route(reply: agent_pb.ActivateResponse) -> Route:
+    return Route(reply.instance.name, reply.instance.socket, tuple(other.socket for other in reply.also))
+
+
 class GrpcAgentLink:
     """The agent's gRPC API (the sidecar case)."""
 
@@ -116,29 +120,47 @@ class GrpcAgentLink:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.channel.channel_ready(), wait)
 
-    async def activate(self, model_id: str, device_hint: str, timeout_ms: int) -> Route:
+    async def _request(self, model_id: str, device_hint: str, timeout_ms: int) -> agent_pb.ActivateRequest:
+        """The activation's request, once the channel is ready; its deadline less the wait for that."""
         started = time.monotonic()
         await self._connected(timeout_ms)
         if timeout_ms:
             timeout_ms = max(1, timeout_ms - int((time.monotonic() - started) * 1e3))
-        request = agent_pb.ActivateRequest(model_id=model_id, device_hint=device_hint, timeout_ms=timeout_ms)
+        return agent_pb.ActivateRequest(model_id=model_id, device_hint=device_hint, timeout_ms=timeout_ms)
+
+    def _failed(self, exc: grpc.aio.AioRpcError) -> Exception:
+        if exc.code() == grpc.StatusCode.NOT_FOUND:
+            return errors.UnknownModel(exc.details())
+        if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return TimeoutError(exc.details())
+        return errors.ActivationFailed(f"agent {self.address}: {exc.code().name}: {exc.details()}")
+
+    async def activate(self, model_id: str, device_hint: str, timeout_ms: int) -> Route:
+        request = await self._request(model_id, device_hint, timeout_ms)
         try:
-            reply = await self.stub.Activate(request, timeout=timeout_ms / 1e3 if timeout_ms else None,
+            reply = await self.stub.Activate(request, timeout=request.timeout_ms / 1e3 if timeout_ms else None,
                                              metadata=self.metadata)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND:
-                raise errors.UnknownModel(exc.details()) from None
-            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise TimeoutError(exc.details()) from None
-            raise errors.ActivationFailed(f"agent {self.address}: {exc.code().name}: {exc.details()}") from None
-        return Route(reply.instance.name, reply.instance.socket, tuple(other.socket for other in reply.also))
+            raise self._failed(exc) from None
+        return _route(reply)
 
-    async def release(self, instance: str) -> None:
-        """The caller is done with the instance (a model server's request has been answered)."""
+    @contextlib.asynccontextmanager
+    async def hold(self, model_id: str, timeout_ms: int) -> AsyncIterator[Route]:
+        """Activate the model's server and keep it from being frozen until the block is left (a request answered):
+        the agent's Hold call, open for as long. Should this process die first, its connection ends the call and
+        the agent releases the server."""
+        request = await self._request(model_id, "", timeout_ms)
+        call = self.stub.Hold(request, metadata=self.metadata)  # no deadline: the hold lasts as long as the request
         try:
-            await self.stub.Release(agent_pb.ReleaseRequest(instance=instance), timeout=5.0, metadata=self.metadata)
-        except grpc.aio.AioRpcError as exc:
-            raise ConnectionError(f"agent {self.address}: {exc.code().name}: {exc.details()}") from None
+            try:
+                reply = await asyncio.wait_for(call.read(), request.timeout_ms / 1e3 if timeout_ms else None)
+            except grpc.aio.AioRpcError as exc:
+                raise self._failed(exc) from None
+            if reply is grpc.aio.EOF:
+                raise errors.ActivationFailed(f"agent {self.address}: the hold of {model_id} ended without an answer")
+            yield _route(reply)
+        finally:
+            call.cancel()  # the agent releases the server as the call ends
 
     async def instances(self, model_id: str) -> list[InstanceState] | None:
         try:

@@ -7,10 +7,11 @@ frozen until the answer has been passed on. OIP HTTP requests are passed through
 forwarded under the server's path prefix only. An answer is streamed back chunk by chunk as the server writes it,
 so server-sent events and chunked answers stay streaming.
 
-In a cluster the servers run in the node's agent: `AgentServers` leases one through the Agent API (Activate wakes
-it and keeps it HOT, Release lets it go idle again), and the server listens where Activate says. A request for a
-server this node has no instance of is passed on, once, to the gateway of a node that has one (`elsewhere`: the
-address its EMI reports, on this gateway's HTTP port: a cluster's gateways listen on the same ports), marked
+In a cluster the servers run in the node's agent: `AgentServers` leases one through the Agent API (Hold wakes it and
+keeps it from being frozen for as long as the call is open; the gateway ends the call once the answer is passed on,
+and a gateway that dies mid-request ends it with its connection), and the server listens where Hold says. A request
+for a server this node has no instance of is passed on, once, to the gateway of a node that has one (`elsewhere`:
+the address its EMI reports, on this gateway's HTTP port: a cluster's gateways listen on the same ports), marked
 `x-volga-forwarded` so that it is never passed on again. Under `volga up` the agent's pool is in the gateway's
 process: `PoolLink` is the same link over it, and the other gateway processes lease through the Agent API as in a
 cluster.
@@ -102,16 +103,16 @@ class AgentLease:
 
 
 class AgentLink(Protocol):
-    async def activate(self, model_id: str, device_hint: str, timeout_ms: int) -> links.Route: ...
-
-    async def release(self, instance: str) -> None: ...
+    def hold(self, model_id: str, timeout_ms: int) -> contextlib.AbstractAsyncContextManager[links.Route]:
+        """The model's server woken and kept from being frozen until the block is left."""
+        ...
 
 
 class PoolLink:
-    """A node's pool in this process (`volga up`) as `AgentServers`' link: `activate(model_id)` (blocking: run in a
-    thread) and `release(instance)`. An activation whose caller stopped waiting (its deadline passed, its client went
-    away) while the wake went on is released once the wake is done: unreleased, it would keep the server from its
-    idle freeze."""
+    """A node's pool in this process (`volga up`) as `AgentServers`' link: `hold(model_id)` is
+    `activate(model_id)` (blocking: run in a thread), then `release(instance)` once the block is left. An
+    activation whose caller stopped waiting (its deadline passed, its client went away) while the wake went on
+    is released once the wake is done: unreleased, it would keep the server from its idle freeze."""
 
     def __init__(self, activate: Callable[[str], links.Route], release: Callable[[str], None]) -> None:
         self._activate = activate
@@ -139,6 +140,17 @@ class PoolLink:
             await asyncio.to_thread(self._release, instance)
         except errors.UnknownModel as exc:
             raise ConnectionError(str(exc)) from None
+
+    @contextlib.asynccontextmanager
+    async def hold(self, model_id: str, timeout_ms: int) -> AsyncIterator[links.Route]:
+        route = await self.activate(model_id, "", timeout_ms)
+        try:
+            yield route
+        finally:
+            try:
+                await self.release(route.instance)
+            except ConnectionError as exc:
+                log.warning("%s: could not release %s: %s", model_id, route.instance, exc)
 
 
 class Counted:
@@ -227,15 +239,9 @@ class AgentServers:
     async def lease(self, model_id: str, timeout_sec: float | None) -> AsyncIterator[AgentLease]:
         server = self.models.get(model_id).server
         assert server is not None
-        route = await self.link.activate(model_id, "", max(1, round(timeout_sec * 1e3)) if timeout_sec else 0)
-        try:
+        async with self.link.hold(model_id, max(1, round(timeout_sec * 1e3)) if timeout_sec else 0) as route:
             base_url, grpc_address = api.split_address(route.socket)
             yield AgentLease(base_url, server.path_prefix, server.protocol is not api.Protocol.HTTP, grpc_address)
-        finally:
-            try:
-                await self.link.release(route.instance)
-            except ConnectionError as exc:
-                log.warning("%s: could not release %s: %s", model_id, route.instance, exc)
 
 
 def _error(status: int, message: str) -> web.Response:

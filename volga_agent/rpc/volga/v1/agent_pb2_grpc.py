@@ -44,6 +44,11 @@ class AgentStub:
                 request_serializer=volga_dot_v1_dot_agent__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=volga_dot_v1_dot_agent__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.Hold = channel.unary_stream(
+                '/volga.v1.Agent/Hold',
+                request_serializer=volga_dot_v1_dot_agent__pb2.ActivateRequest.SerializeToString,
+                response_deserializer=volga_dot_v1_dot_agent__pb2.ActivateResponse.FromString,
+                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/volga.v1.Agent/Status',
                 request_serializer=volga_dot_v1_dot_agent__pb2.StatusRequest.SerializeToString,
@@ -78,6 +83,17 @@ class AgentServicer:
 
     def Release(self, request, context):
         """The caller no longer needs the instance HOT; the agent's policy may demote it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Hold(self, request, context):
+        """Activate and hold: the one message is Activate's answer, and the call then stays open. While it is open the
+        instance (a model server) is kept from being frozen; the caller ends the call once its request is answered,
+        and a caller that goes away (its process killed, its connection lost) ends it too, so no activation is left
+        held. What a gateway uses for a model server's request; Activate's timeout_ms bounds the wake, nothing bounds
+        the hold.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -126,6 +142,11 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=volga_dot_v1_dot_agent__pb2.ReleaseRequest.FromString,
                     response_serializer=volga_dot_v1_dot_agent__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'Hold': grpc.unary_stream_rpc_method_handler(
+                    servicer.Hold,
+                    request_deserializer=volga_dot_v1_dot_agent__pb2.ActivateRequest.FromString,
+                    response_serializer=volga_dot_v1_dot_agent__pb2.ActivateResponse.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
@@ -202,6 +223,33 @@ class Agent:
             '/volga.v1.Agent/Release',
             volga_dot_v1_dot_agent__pb2.ReleaseRequest.SerializeToString,
             volga_dot_v1_dot_agent__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Hold(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/volga.v1.Agent/Hold',
+            volga_dot_v1_dot_agent__pb2.ActivateRequest.SerializeToString,
+            volga_dot_v1_dot_agent__pb2.ActivateResponse.FromString,
             options,
             channel_credentials,
             insecure,
