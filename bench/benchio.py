@@ -31,13 +31,14 @@ def emit(report: object, out: str | None) -> None:
 
 
 CRIU_STAMP = re.compile(r"^\((\d+)\.(\d+)\) (.*)$")  # a -v4 criu log line: seconds.microseconds since its start
+_VMAS = re.compile(r"Found (\d+) VMAs in image")  # a restore's -v4 log, per process
 
 
 def criu_log(log: pathlib.Path, gaps: int = 0) -> dict[str, Any]:
     """How long a -v4 criu log spans, and its `gaps` largest steps between consecutive lines (ms, the line after);
     for a restore's log also when the tree was rebuilt ("Unlock network", ms from the first line) and how long criu
     then waited for the restored threads' last stop (from the last thread's seccomp line to the first "was
-    trapped": docs/snapshots.md, criu's last stop)."""
+    trapped": docs/snapshots.md, criu's last stop), and how many mappings it restored (`vmas`)."""
     stamps: list[tuple[float, str]] = []
     for line in log.read_text(errors="replace").splitlines():
         m = CRIU_STAMP.match(line)
@@ -47,6 +48,9 @@ def criu_log(log: pathlib.Path, gaps: int = 0) -> dict[str, Any]:
     out: dict[str, Any] = {"lines": len(stamps),
                            "span_ms": round((stamps[-1][0] - stamps[0][0]) * 1e3, 2) if stamps else None,
                            "largest_gaps": [[round(ms * 1e3, 2), text] for ms, text in steps]}
+    vmas = [int(m.group(1)) for _, text in stamps if (m := _VMAS.search(text))]
+    if vmas:
+        out["vmas"] = sum(vmas)  # the mappings of every process restored
     unlock = next((at for at, text in stamps if "Unlock network" in text), None)
     last_steps = [at for at, text in stamps if "seccomp: mode" in text]
     stops = [at for at, text in stamps if text.endswith("was trapped")]

@@ -39,8 +39,9 @@ for _ in range(16):
 memory = mmap.mmap(-1, 1 << 30, flags=flags | mmap.MAP_ANONYMOUS)
 for at in range(0, 1 << 30, 4096):
     memory[at] = 1
+count = int(sys.argv[2]) if len(sys.argv) > 2 else 2000
 mappings = [mmap.mmap(-1, 8192, flags=flags | mmap.MAP_ANONYMOUS,
-                      prot=mmap.PROT_READ | (mmap.PROT_WRITE if i % 2 else 0)) for i in range(2000)]
+                      prot=mmap.PROT_READ | (mmap.PROT_WRITE if i % 2 else 0)) for i in range(count)]
 print("ready", flush=True)
 while True:
     time.sleep(0.01)
