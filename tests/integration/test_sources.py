@@ -3,6 +3,7 @@ with models pushed by the oras CLI; the node's model cache fetches through them 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import pathlib
@@ -598,3 +599,83 @@ def test_an_unreachable_store_is_reported_and_tried_again(tmp_path: pathlib.Path
     assert f.awaiting(spec.model_id) is not None  # requests keep waiting while it is tried again
     wait_for("a second attempt", lambda: core.reads >= 2, timeout=60)  # backoff: 2 s, then 4 s, ...
     f.stop()
+
+
+def test_a_model_servers_folder_is_fetched_whole(s3: stores.S3, registry: stores.Registry,
+                                                 tmp_path: pathlib.Path) -> None:
+    """A server's source is its folder (code, data, no model file of a known kind, or several): fetched whole, it
+    resolves to the folder; the same folder as a model's source is refused for having no model file to load."""
+    folder = tmp_path / "scorer"
+    (folder / "static").mkdir(parents=True)
+    (folder / "app.py").write_text("print('serving')\n")
+    (folder / "static" / "vocab.txt").write_text("a\nb\n")
+    registry.push("servers/scorer:v1", ["scorer"], tmp_path)
+    s3.client().put_object(Bucket="models", Key="scorer/app.py", Body=b"print('serving')\n")
+    s3.client().put_object(Bucket="models", Key="scorer/static/vocab.txt", Body=b"a\nb\n")
+    c = cache.Cache(tmp_path / "cache")
+    want = cache.tree_digest({"app.py": sha(b"print('serving')\n")[7:], "static/vocab.txt": sha(b"a\nb\n")[7:]})
+    for source, credentials in ((f"oci://{registry.host}/servers/scorer:v1", {}),
+                                ("s3://models/scorer/", s3.credentials())):
+        got = c.resolve(source, "", credentials, whole=True)
+        assert got.path.is_dir() and got.digest == want, (source, got)
+        assert (got.path / "static" / "vocab.txt").read_text() == "a\nb\n"
+        assert c.lookup(source, want, whole=True) == dataclasses.replace(got, hit=True, seconds=0.0)
+        assert c.lookup(source, want) is None  # no model file chosen in it
+        with pytest.raises(errors.SourceNotFound, match="no model files at its top"):
+            cache.Cache(tmp_path / f"models-{len(source)}").resolve(source, "", credentials)
+
+
+def test_volga_up_serves_a_server_pushed_to_a_registry(registry: stores.Registry, tmp_path: pathlib.Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A FastAPI app the user pushed with `oras push` as a folder (its code beside a data file it reads) and a
+    ModelSpec naming it by oci://: `volga up` fetches the folder into the model cache, runs the server in its
+    `workingDir` inside it, freezes it at its floor, and a streamed request through the gateway wakes it and is
+    answered as the HOT server answers."""
+    import asyncio
+    import json
+    import subprocess
+    import sys
+
+    import aiohttp
+    import yaml
+    from procs import wait_for
+
+    from volga_bench import harness
+
+    app = tmp_path / "stream-app" / "src"
+    app.mkdir(parents=True)
+    root = pathlib.Path(__file__).resolve().parents[2]
+    shutil.copy(root / "volga_bench" / "servers" / "stream_app.py", app / "app.py")
+    registry.push("servers/stream:v1", ["stream-app"], tmp_path)
+    doc = {"apiVersion": api.API_VERSION, "kind": "ModelSpec", "metadata": {"name": "pushed"},
+           "spec": {"modelId": "pushed", "framework": "server", "source": f"oci://{registry.host}/servers/stream:v1",
+                    "pool": {"frozen": 1},
+                    "server": {"command": [sys.executable, "-m", "uvicorn", "app:app", "--no-access-log", "--loop",
+                                           "asyncio", "--port", "{port}"],
+                               "workingDir": "src", "readiness": {"path": "/health"}}}}
+    (tmp_path / "pushed.yaml").write_text(yaml.safe_dump(doc))
+    monkeypatch.setenv("VOLGA_MODEL_CACHE", str(tmp_path / "cache"))
+
+    def tiers(up: harness.UpProcess) -> list[str]:
+        out = subprocess.run([sys.executable, "-m", "volga_agent.cli", "status", "--agent", up.endpoints["agent"],
+                              "--json"], capture_output=True, text=True, timeout=60, check=True, cwd=root)
+        [model] = [m for m in json.loads(out.stdout)["models"] if m["modelId"] == "pushed"]
+        return [i["tier"] for i in model["instanceList"]]
+
+    async def stream(url: str) -> tuple[int, bytes]:
+        async with aiohttp.ClientSession() as session, session.post(
+                f"{url}/v1/stream", json={"prompt": "volga", "tokens": 6, "delay_ms": 10},
+                headers={"x-model-id": "pushed"}) as reply:
+            return reply.status, await reply.read()
+
+    with harness.volga_up(["-f", str(tmp_path / "pushed.yaml"), "--snapshot-dir", str(tmp_path / "snapshots"),
+                           "--idle-sec", "30"]) as up:
+        wait_for("the server frozen at its floor", lambda: tiers(up) == ["FROZEN"], timeout=120, every=0.5)
+        woken = asyncio.run(stream(up.endpoints["http"]))
+        assert tiers(up) == ["HOT"]
+        hot = asyncio.run(stream(up.endpoints["http"]))
+    assert woken[0] == 200 and woken == hot and woken[1].count(b"data: ") == 7, (woken, hot)
+    output = "".join(up.output)
+    assert f"oci://{registry.host}/servers/stream:v1" in output
+    [entry] = (tmp_path / "cache" / "sha256").iterdir()
+    assert (entry / "src" / "app.py").is_file()

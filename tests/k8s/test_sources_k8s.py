@@ -24,11 +24,13 @@ from procs import Daemon, wait_for
 from volga_agent.app import defaultmodel
 from volga_agent.app import status as status_view
 from volga_agent.node import instance
+from volga_agent.sources import cache
 from volga_agent.worker import contract
 from volga_bench import harness
 from volga_bench.controlplane import ControlPlane, free_ports
 
 pytest_plugins = ["k8s_fixtures"]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(stores.missing()), reason=stores.missing() or "-")]
 NODE = "node-s3"
 
@@ -72,11 +74,13 @@ def setup(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory)
         del env[key]  # the agent gets the credentials from the Secret only
     py = sys.executable
     [grpc_port] = free_ports(1)
+    settings = folder / "settings.yaml"  # model servers may run here (test_a_server_in_s3_...)
+    settings.write_text(yaml.safe_dump({"allowModelCode": True}))
     daemons = {"operator": Daemon("operator", [py, "-m", "volga_operator", "--liveness", "", "-v"], env, folder)}
     daemons["agent"] = Daemon("agent", [py, "-m", "volga_agent.app.daemons", "--kube", "--node", NODE, "--port", "0",
                                         "--metrics-port", "0", "--workdir", f"/tmp/vw-{NODE}", "--snapshot-dir",
                                         str(folder / "snapshots"), "--gateway-address", f"127.0.0.1:{grpc_port}",
-                                        "-v"], env, folder, "volga-agent")
+                                        "--settings", str(settings), "-v"], env, folder, "volga-agent")
     agent = f"127.0.0.1:{daemons['agent'].port('Agent API')}"
     # The gateway as its console script runs it, from this checkout's code.
     script = "import sys; from volga_agent.app.daemons import gateway_main; sys.exit(gateway_main())"
@@ -84,7 +88,8 @@ def setup(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory)
         py, "-c", script, "--kube", "--agent", agent, "--node", NODE, "--host",
         "127.0.0.1", "--http-port", "0", "--grpc-port", str(grpc_port), "--metrics-port", "0"], env, folder,
         "volga-gateway")
-    yield {"s3": s3, "daemons": daemons, "folder": folder, "grpc": f"127.0.0.1:{grpc_port}"}
+    yield {"s3": s3, "daemons": daemons, "folder": folder, "grpc": f"127.0.0.1:{grpc_port}",
+           "http": f"http://127.0.0.1:{daemons['gateway'].port('HTTP')}"}
     codes = {name: d.stop() for name, d in daemons.items()}
     s3.stop()
     api.close()
@@ -230,3 +235,56 @@ def test_an_untrusted_certificate_is_named_and_a_ca_in_the_secret_fixes_it(
         np.testing.assert_allclose(answer, reference(), rtol=1e-5)
     finally:
         s3.stop()
+
+
+def test_a_server_in_s3_is_fetched_whole_and_woken_through_the_gateway(
+        control_plane: ControlPlane, setup: dict[str, Any], tmp_path: pathlib.Path) -> None:
+    """A FastAPI app uploaded to an S3 folder by boto3 (its code in src/ beside a README), a ModelSpec naming the
+    folder, its Secret and `workingDir: src`: the agent fetches the folder into its cache, runs the server there and
+    freezes it (EMI FROZEN, Ready, status.source the folder's digest); a streamed request through the gateway wakes
+    it and is answered as the HOT server answers."""
+    import urllib.request
+
+    s3: stores.S3 = setup["s3"]
+    app = (ROOT / "volga_bench" / "servers" / "stream_app.py").read_bytes()
+    s3.client().put_object(Bucket="models", Key="stream-app/src/app.py", Body=app)
+    s3.client().put_object(Bucket="models", Key="stream-app/README", Body=b"a streaming app\n")
+    digest = cache.tree_digest({"src/app.py": hashlib.sha256(app).hexdigest(),
+                                "README": hashlib.sha256(b"a streaming app\n").hexdigest()})
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "server-store", "namespace": "default"},
+              "stringData": s3.credentials()}
+    doc = {"apiVersion": "volga.dev/v1alpha1", "kind": "ModelSpec", "metadata": {"name": "stream-s3",
+                                                                                  "namespace": "default"},
+           "spec": {"modelId": "stream-s3", "framework": "server", "source": "s3://models/stream-app/",
+                    "sourceSecret": "server-store", "sourceDigest": digest, "pool": {"frozen": 1},
+                    "server": {"command": [sys.executable, "-m", "uvicorn", "app:app", "--no-access-log", "--loop",
+                                           "asyncio", "--port", "{port}"],
+                               "workingDir": "src", "readiness": {"path": "/health"}}}}
+    (tmp_path / "server.yaml").write_text(yaml.safe_dump_all([secret, doc]))
+    control_plane.kubectl("apply", "-f", str(tmp_path / "server.yaml"))
+
+    def emi(tier: str) -> dict[str, Any] | None:
+        out = control_plane.kubectl("get", "emi", "-l", "volga.dev/modelspec=stream-s3", "-o", "json")
+        items = json.loads(out.stdout)["items"]
+        status = (items[0].get("status") or {}) if len(items) == 1 else {}
+        ready = any(c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions", ()))
+        return items[0] if status.get("tier") == tier and ready else None
+
+    frozen = wait_for("the server fetched and FROZEN", lambda: emi("FROZEN"), timeout=240)
+    assert frozen["status"]["source"]["uri"] == "s3://models/stream-app/"
+    assert frozen["status"]["source"]["digest"] == digest
+    assert (setup["folder"] / "cache" / "sha256" / digest[7:] / "src" / "app.py").read_bytes() == app
+
+    def stream() -> bytes:
+        request = urllib.request.Request(f"{setup['http']}/v1/stream", data=json.dumps(
+            {"prompt": "volga", "tokens": 6, "delay_ms": 10}).encode(), headers={
+            "x-model-id": "stream-s3", "Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            assert reply.status == 200
+            return bytes(reply.read())
+
+    woken, hot = stream(), stream()
+    assert woken == hot and woken.count(b"data: ") == 7
+    logs = "".join(d.log.read_text() for d in setup["daemons"].values())
+    assert stores.SECRET not in logs
+    control_plane.kubectl("delete", "ms", "stream-s3", "--timeout=120s")

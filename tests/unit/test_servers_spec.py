@@ -71,9 +71,18 @@ def test_an_oip_grpc_server_is_told_its_grpc_port_and_reported_with_it() -> None
     assert api.split_address(api.listen_address("unix:/run/v/server.sock")) == ("unix:/run/v/server.sock", "")
 
 
-def test_a_server_source_is_on_the_node() -> None:
-    with pytest.raises(pydantic.ValidationError) as caught:
-        api.ModelSpecSpec.model_validate({"modelId": "srv", "framework": "server", "source": "s3://bucket/app/",
-                                          "server": {"command": ["x"]}})
-    first = caught.value.errors()[0]
-    assert first["loc"] == ("source",) and "come from the node" in first["msg"]
+def test_a_server_source_is_on_the_node_or_fetched_its_working_folder_inside_it() -> None:
+    def spec(source: str, working: str | None = None) -> api.ModelSpecSpec:
+        server: dict[str, object] = {"command": ["x"], **({"workingDir": working} if working else {})}
+        return api.ModelSpecSpec.model_validate({"modelId": "srv", "framework": "server", "source": source,
+                                                 "server": server})
+
+    assert spec("s3://bucket/app/", "src").remote_source
+    assert spec("/models/app", "/srv/elsewhere").server is not None
+    for source, working, words in (("s3://bucket/app/", "/srv/app", "relative to the source's top"),
+                                   ("oci://registry/app:v1", "../up", "no '..'"),
+                                   ("/models/app", "src/../../up", "no '..'")):
+        with pytest.raises(pydantic.ValidationError) as caught:
+            spec(source, working)
+        first = caught.value.errors()[0]
+        assert first["loc"] == ("server", "workingDir") and words in first["msg"], first

@@ -94,7 +94,7 @@ class Fetches:
                 try:
                     out[owner] = self._fill(owner, local)
                     loaded[owner] = api.SourceStatus(uri=spec.source, digest=local.source_digest or "",
-                                                     bytes=local.source_path.stat().st_size)
+                                                     bytes=cache.size_of(local.source_path))
                     continue
                 except (api.SpecError, OSError) as exc:
                     problem = exc.problems[0][1] if isinstance(exc, api.SpecError) else str(exc)

@@ -59,8 +59,9 @@ def check_source(spec: api.ModelSpecSpec, roots: Sequence[str], allow_model_code
         raise ValueError("spec.framework: server runs the command the ModelSpec gives, and this node does not allow "
                          "model code; allow it with settings.allow_model_code (allowModelCode in the agent's "
                          "settings) on nodes whose ModelSpec authors may run code there")
-    for field, given in (("spec.source", str(spec.source_path)), ("spec.server.workingDir",
-                                                                   spec.server.working_dir if spec.server else None)):
+    working = spec.server.working_dir if spec.server else None
+    for field, given in (("spec.source", str(spec.source_path)),
+                         ("spec.server.workingDir", str(admission.server_folder(spec)) if working else None)):
         if given is None:
             continue
         path = pathlib.Path(given)

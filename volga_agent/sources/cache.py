@@ -57,8 +57,9 @@ def origin(path: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Resolved:
-    """A source resolved to local bytes. path: the model file to load; digest: the content digest; hit: served
-    from the cache without a download; source: the URI the bytes came from."""
+    """A source resolved to local bytes. path: the model file to load (a model server's: the folder it fetched);
+    digest: the content digest; hit: served from the cache without a download; source: the URI the bytes came
+    from."""
 
     source: str
     path: pathlib.Path
@@ -88,6 +89,13 @@ def file_sha256(path: pathlib.Path) -> str:
         while block := f.read(download.HASH_BYTES):
             digest.update(block)
     return digest.hexdigest()
+
+
+def size_of(path: pathlib.Path) -> int:
+    """A file's bytes, or a folder's (a model server's fetched files): the sum of its files'."""
+    if not path.is_dir():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 def model_file(folder: pathlib.Path, files: list[str]) -> str:
@@ -231,9 +239,10 @@ class Cache:
         # credentials that fetched it; others first show the store lets them read it (`resolve`).
         return f"{secret}|{source}"
 
-    def lookup(self, source: str, digest: str = "", secret: str = "") -> Resolved | None:
+    def lookup(self, source: str, digest: str = "", secret: str = "", whole: bool = False) -> Resolved | None:
         """The cached copy of `source` without asking the store, as these credentials (`secret`: the name of
-        their Secret) last resolved it; with `digest`, only when it has that digest. None when there is none."""
+        their Secret) last resolved it; with `digest`, only when it has that digest; with `whole`, the folder of
+        its files (a model server's) rather than its model file. None when there is none."""
         with self._lock:
             memo = self._index["sources"].get(self._memo(source, secret), {})
             if not memo:  # another process using the cache may have fetched it
@@ -241,31 +250,32 @@ class Cache:
                 memo = self._index["sources"].get(self._memo(source, secret), {})
             if not memo or (digest and memo.get("digest") != digest):
                 return None
-            return self._resolved(source, memo["digest"])
+            return self._resolved(source, memo["digest"], whole)
 
-    def _resolved(self, source: str, digest: str) -> Resolved | None:
+    def _resolved(self, source: str, digest: str, whole: bool = False) -> Resolved | None:
         entry = self._index["entries"].get(digest)
-        if entry is None:
+        if entry is None or not (whole or entry["model"]):  # fetched for a server: no model file chosen in it
             return None
         entry["last_used"] = time.time()
-        path = self._entry(digest) / entry["model"]
+        path = self._entry(digest) / ("" if whole else entry["model"])
         _ORIGINS[str(path)] = source
         return Resolved(source, path, digest, int(entry["size"]), True)
 
     def resolve(self, source: str, digest: str = "", credentials: Mapping[str, str] | None = None,
-                secret: str = "") -> Resolved:
-        """The local model file for `source`, fetched and verified when the cache lacks it. A file:// source or
-        node path comes back as it is. SourceError when the bytes cannot be had or are not the ones promised."""
+                secret: str = "", whole: bool = False) -> Resolved:
+        """The local model file for `source` (with `whole`, the folder of its files: a model server's), fetched and
+        verified when the cache lacks it. A file:// source or node path comes back as it is. SourceError when the
+        bytes cannot be had or are not the ones promised."""
         src = uri.parse(source)
         if not src.remote:
             return Resolved(source, pathlib.Path(src.path), digest, 0, True)
         started = time.monotonic()
-        if digest and (found := self.lookup(source, digest, secret)) is not None:
+        if digest and (found := self.lookup(source, digest, secret, whole)) is not None:
             return self._hit(found)
         with self._lock:
             lock = self._inflight.setdefault(source, threading.Lock())
         with lock:  # one fetch per source: a second caller waits, then finds the entry
-            if digest and (found := self.lookup(source, digest, secret)) is not None:
+            if digest and (found := self.lookup(source, digest, secret, whole)) is not None:
                 return self._hit(found)
             store = self._open_store(src, self._ca_file(credentials or {}), secret, self.connections)
             listing = store.describe(src)  # the store says these credentials may read it, and its version
@@ -274,10 +284,10 @@ class Cache:
                 for memo in list(self._index["sources"].values()):
                     if memo.get("uri") == source and memo.get("version") == listing.version and \
                             (not digest or memo["digest"] == digest) and \
-                            (found := self._resolved(source, memo["digest"])) is not None:
+                            (found := self._resolved(source, memo["digest"], whole)) is not None:
                         self._index["sources"][self._memo(source, secret)] = dict(memo)
                         return self._hit(found)
-            resolved = self._fetch(src, store, listing, digest, secret)
+            resolved = self._fetch(src, store, listing, digest, secret, whole)
         return dataclasses.replace(resolved, seconds=time.monotonic() - started)
 
     def _ca_file(self, credentials: Mapping[str, str]) -> Mapping[str, str]:
@@ -301,7 +311,7 @@ class Cache:
         return found
 
     def _fetch(self, src: uri.Source, store: stores.Store, listing: stores.Listing, pinned: str,
-               secret: str) -> Resolved:
+               secret: str, whole: bool = False) -> Resolved:
         need = listing.size * (2 if any(o.unpack for o in listing.objects) else 1)
         self._make_room(need, src.uri)
         key = hashlib.sha256(src.uri.encode()).hexdigest()[:32]
@@ -334,13 +344,14 @@ class Cache:
             if pinned and digest != pinned:
                 raise errors.SourceMismatch(f"{src}: the bytes fetched have digest {digest}, spec.sourceDigest is "
                                             f"{pinned}: refused")
-            model = model_file(assembly, sorted(hashes))
+            model = "" if whole else model_file(assembly, sorted(hashes))
             size = sum((assembly / p).stat().st_size for p in hashes)
             with self._lock:
                 entry = self._entry(digest)
                 if not entry.is_dir():
                     os.rename(assembly, entry)
                 record = self._index["entries"].setdefault(digest, {"size": size, "model": model, "sources": []})
+                record["model"] = record["model"] or model
                 record["last_used"] = time.time()
                 if src.uri not in record["sources"]:
                     record["sources"].append(src.uri)
@@ -354,7 +365,7 @@ class Cache:
                 self.metrics.fetch_latency.labels(src.scheme).observe(seconds * 1000)
             log.info("%s: fetched %d bytes in %.1f s, digest %s", src.uri, listing.size, seconds, digest)
             _ORIGINS[str(entry / model)] = src.uri
-            return Resolved(src.uri, entry / model, digest, size, False, seconds)
+            return Resolved(src.uri, entry / model, digest, size, False, seconds)  # `whole`: the entry itself
         except errors.CacheFull as exc:
             shutil.rmtree(partial, ignore_errors=True)  # a full disk: what landed gives its space back
             if str(exc).startswith(src.uri):
@@ -468,7 +479,8 @@ def localise(cache: Cache, spec: api.ModelSpecSpec, credentials: Mapping[str, st
         if spec.source_digest:
             verify_local(spec.source_path, spec.source_digest)
         return spec, Resolved(spec.source, spec.source_path, spec.source_digest or "", 0, True)
-    resolved = cache.resolve(spec.source, spec.source_digest or "", credentials, secret or spec.source_secret or "")
+    resolved = cache.resolve(spec.source, spec.source_digest or "", credentials, secret or spec.source_secret or "",
+                             whole=spec.framework is api.Framework.SERVER)
     if holder:
         cache.hold(holder, resolved.digest)
     return spec.model_copy(update={"source": str(resolved.path), "source_digest": resolved.digest}), resolved

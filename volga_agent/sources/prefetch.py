@@ -43,7 +43,7 @@ class Secret:
 
 # (the ModelSpec's namespace, the Secret's name) -> the Secret, or None when there is none of that name
 SecretReader = Callable[[str, str], Secret | None]
-Key = tuple[str, str, str, str]  # namespace, source, digest, Secret name
+Key = tuple[str, str, str, str, bool]  # namespace, source, digest, Secret name, whole (a model server's folder)
 
 
 @dataclasses.dataclass
@@ -68,14 +68,15 @@ class Prefetcher:
 
     @staticmethod
     def key(namespace: str, spec: api.ModelSpecSpec) -> Key:
-        return namespace, spec.source, spec.source_digest or "", spec.source_secret or ""
+        return namespace, spec.source, spec.source_digest or "", spec.source_secret or "", \
+            spec.framework is api.Framework.SERVER
 
     def local(self, namespace: str, spec: api.ModelSpecSpec) -> api.ModelSpecSpec | None:
         """`spec` naming its cached copy, or None while its bytes are not on this node (a fetch is started)."""
         if not spec.remote_source:
             return spec
         secret = f"{namespace}/{spec.source_secret}" if spec.source_secret else ""
-        found = self.cache.lookup(spec.source, spec.source_digest or "", secret)
+        found = self.cache.lookup(spec.source, spec.source_digest or "", secret, spec.framework is api.Framework.SERVER)
         if found is not None:
             return spec.model_copy(update={"source": str(found.path), "source_digest": found.digest})
         key = self.key(namespace, spec)
@@ -118,7 +119,7 @@ class Prefetcher:
         return not self._stop.is_set() and not job.dropped.is_set()
 
     def _fetch(self, key: Key) -> None:
-        namespace, source, digest, secret = key
+        namespace, source, digest, secret, whole = key
         with self._lock:
             job = self._jobs[key]
         delay = BACKOFF_START_SEC
@@ -142,7 +143,7 @@ class Prefetcher:
                                                   "not exist")
                     credentials = got.data
                 job.attempts += 1
-                self.cache.resolve(source, digest, credentials, secret=where)
+                self.cache.resolve(source, digest, credentials, secret=where, whole=whole)
             except errors.SourceError as exc:
                 job.error = exc
                 if not exc.retry:

@@ -528,7 +528,8 @@ class ModelSpecSpec(base.Model):
 
     server: servers.ServerSpec | None = pydantic.Field(default=None, description=(
         "with framework: server, the model server Volga runs instead of loading a file; source is then the "
-        "server's folder. Default: unset"))
+        "server's folder (on the node, or fetched: an s3:// folder, an oci:// artifact, an https:// file). "
+        "Default: unset"))
 
     @pydantic.model_validator(mode="after")
     def _server(self) -> ModelSpecSpec:
@@ -538,10 +539,17 @@ class ModelSpecSpec(base.Model):
         if self.framework is not base.Framework.SERVER and self.server is not None:
             raise _field_error("ModelSpecSpec", ("framework",), f"server is set, but framework is "
                                                                 f"{self.framework.value}: write framework: server")
-        if self.server is not None and self.remote_source:
-            raise _field_error("ModelSpecSpec", ("source",), f"{self.source}: a model server's files come from the "
-                                                             "node: give its folder there (a path or file://)")
+        working = self.server.working_dir if self.server is not None else None
+        if working is not None and pathlib.PurePosixPath(working).is_absolute() and self.remote_source:
+            raise _field_error("ModelSpecSpec", ("server", "workingDir"), (
+                f"{working}: the server's files are fetched from {self.source} into the node's model cache, so its "
+                "working folder is a folder inside them: give it relative to the source's top"))
+        if working is not None and not pathlib.PurePosixPath(working).is_absolute() and \
+                ".." in pathlib.PurePosixPath(working).parts:
+            raise _field_error("ModelSpecSpec", ("server", "workingDir"),
+                               f"{working}: a working folder relative to the source lies inside it: no '..'")
         return self
+
 
     @pydantic.model_validator(mode="after")
     def _signature(self) -> ModelSpecSpec:

@@ -110,7 +110,8 @@ class ServerSpec(base.Model):
     env: dict[str, Annotated[str, pydantic.Field(max_length=4096)]] = pydantic.Field(
         default_factory=dict, max_length=256, description="environment variables added to the agent's. Default: none")
     working_dir: str | None = pydantic.Field(default=None, max_length=4096, description=(
-        "the folder it runs in. Default: the ModelSpec's source folder"))
+        "the folder it runs in: relative to the ModelSpec's source folder, or an absolute path on the node (a node "
+        "source only). Default: the source folder"))
     protocol: Protocol = pydantic.Field(default=Protocol.HTTP, description=(
         "oip-http or oip-grpc (Open Inference Protocol v2, passed through) or http (proxied under pathPrefix, "
         "streaming kept streaming). Default: http"))
