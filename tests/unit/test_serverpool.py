@@ -7,7 +7,7 @@ import pathlib
 
 import pytest
 
-from volga_agent.node import admission, serverpool
+from volga_agent.node import instance, serverpool
 from volga_core import api
 
 
@@ -102,9 +102,9 @@ def test_a_relative_working_folder_lies_in_the_source_folder(tmp_path: pathlib.P
     given = api.ModelSpecSpec.model_validate({"modelId": "srv", "framework": "server", "source": str(root / "app"),
                                               "server": {"command": ["x"], "workingDir": "src"}})
     serverpool.check_source(given, [str(root)], allow_model_code=True)
-    assert admission.server_folder(given) == root / "app" / "src"
+    assert instance.server_folder(given) == root / "app" / "src"
     one_file = given.model_copy(update={"source": str(root / "app" / "main.py"), "server": None})
-    assert admission.server_folder(one_file) == root / "app"  # a file's folder
+    assert instance.server_folder(one_file) == root / "app"  # a file's folder
     assert given.server is not None
     missing = given.model_copy(update={"server": given.server.model_copy(update={"working_dir": "gone"})})
     with pytest.raises(ValueError, match=r"spec.server.workingDir: .*/app/gone does not exist on this node"):

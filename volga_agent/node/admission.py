@@ -15,6 +15,7 @@ import re
 import stat
 from collections.abc import Iterable, Sequence
 
+from volga_agent.node import instance
 from volga_agent.node.settings import Settings
 from volga_core import api
 
@@ -75,14 +76,6 @@ class Outside:
         return self.field, f"{self.source}: {self.what} {where} is outside the model roots"
 
 
-def server_folder(spec: api.ModelSpecSpec) -> pathlib.Path:
-    """The folder a model server runs in: `server.workingDir` (relative to the source's folder, or absolute on the
-    node), else the source's folder (for a source that is one file, the folder holding it)."""
-    source = spec.source_path if spec.source_path.is_dir() else spec.source_path.parent
-    working = spec.server.working_dir if spec.server is not None else None
-    return source / working if working else source
-
-
 def outside_roots(labelled: Iterable[tuple[str, api.ModelSpec]], roots: Sequence[str]) -> list[Outside]:
     """The ModelSpecs (with where each was read) whose model file exists and resolves outside `roots` (none when
     `roots` is empty): each of them `check_source` would refuse, one instance at a time, once the node runs."""
@@ -98,7 +91,7 @@ def outside_roots(labelled: Iterable[tuple[str, api.ModelSpec]], roots: Sequence
         if server is not None and server.working_dir:
             given.append(("spec.server.workingDir", server.working_dir, "the server's working folder"))
         for field, source, what in given:
-            path = spec.spec.source_path if field == "spec.source" else server_folder(spec.spec)
+            path = spec.spec.source_path if field == "spec.source" else instance.server_folder(spec.spec)
             if not path.is_absolute():
                 continue  # check_source says why, when the instance is created
             try:

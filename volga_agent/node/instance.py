@@ -86,6 +86,14 @@ def decls(tensors: Sequence[api.TensorSpec]) -> tuple[contract.TensorDecl, ...]:
     return tuple(contract.TensorDecl(t.name, t.dtype.value, tuple(t.shape)) for t in tensors)
 
 
+def server_folder(spec: api.ModelSpecSpec) -> pathlib.Path:
+    """The folder a model server runs in: `server.workingDir` (relative to the source's folder, or absolute on the
+    node), else the source's folder (for a source that is one file, the folder holding it)."""
+    source = spec.source_path if spec.source_path.is_dir() else spec.source_path.parent
+    working = spec.server.working_dir if spec.server is not None else None
+    return source / working if working else source
+
+
 def worker_config(spec: api.ModelSpecSpec, workdir: pathlib.Path, device: str, cpus: tuple[int, ...] = (),
                   warmup_cache_ratio: float | None = None, reset_rng_on_restore: bool = False,
                   cuda_stack_bytes: int = contract.DEFAULT_CUDA_STACK_BYTES,

@@ -54,7 +54,7 @@ from collections.abc import AsyncIterator, Iterable, Iterator
 
 from volga_agent import metrics
 from volga_agent.host import priority, process
-from volga_agent.node import admission, gpu_freeze, instance
+from volga_agent.node import gpu_freeze, instance
 from volga_agent.snapshot import criu, cuda
 from volga_agent.worker import contract, handshake, nsinit, regions
 from volga_core import api
@@ -839,7 +839,7 @@ class ServerInstance:
                handshake.SIGNAL_DIR_ENV: str(self.signals), **grpc_env,
                "VOLGA_SERVER_PORT" if not self.unix else "VOLGA_SERVER_SOCKET":
                    where["socket" if self.unix else "port"]}
-        cwd = str(admission.server_folder(self.spec))
+        cwd = str(instance.server_folder(self.spec))
         command = [fill(arg) for arg in self.server.command]
         nsinit.become_subreaper()
         # The CUDA runtime fails inside a PID namespace whose /proc is the host's (`worker.nsinit`): on a GPU the

@@ -61,7 +61,7 @@ def check_source(spec: api.ModelSpecSpec, roots: Sequence[str], allow_model_code
                          "settings) on nodes whose ModelSpec authors may run code there")
     working = spec.server.working_dir if spec.server else None
     for field, given in (("spec.source", str(spec.source_path)),
-                         ("spec.server.workingDir", str(admission.server_folder(spec)) if working else None)):
+                         ("spec.server.workingDir", str(instance.server_folder(spec)) if working else None)):
         if given is None:
             continue
         path = pathlib.Path(given)
