@@ -57,6 +57,7 @@ class Level:
     models: tuple[ModelLevel, ...] = ()
     sequence: int = 0  # strictly increasing per node, across restarts (at least the Unix ms it was made at)
     gateway: str = ""  # the node's gateway, gRPC host:port
+    gateway_http: str = ""  # and its HTTP host:port, where reported
 
     @property
     def overloaded(self) -> bool:
@@ -87,7 +88,8 @@ def to_pb(level: Level, age_ms: int = 0) -> Any:
     models = sorted(level.models, key=lambda m: (not m.hot, m.shed, m.model_id))
     message = pb.NodeLevel(node=level.node, state=level.state, memory_pct=level.memory_pct, load=level.load,
                            models=[pb.ModelLevel(model_id=m.model_id, hot=m.hot, shed=m.shed) for m in models],
-                           sequence=level.sequence, gateway=level.gateway, age_ms=age_ms)
+                           sequence=level.sequence, gateway=level.gateway, age_ms=age_ms,
+                           gateway_http=level.gateway_http)
     while message.ByteSize() > MAX_LEVEL_BYTES and message.models:
         del message.models[-1]
     if message.ByteSize() > MAX_LEVEL_BYTES:
@@ -111,7 +113,7 @@ def from_pb(message: Any) -> tuple[Level, int]:
             raise ValueError(f"level.{name} must be a number >= 0, got {value!r}")
     models = tuple(ModelLevel(m.model_id, m.hot, m.shed) for m in message.models)
     level = Level(message.node, message.state, float(message.memory_pct), float(message.load), models,
-                  message.sequence, message.gateway)
+                  message.sequence, message.gateway, message.gateway_http)
     return level, message.age_ms
 
 

@@ -78,24 +78,25 @@ def cluster(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactor
                                         "idle": {"hotSec": 1.0, "warmSec": 2.0, "suspendedSec": IDLE_SEC}}))
     py = sys.executable
     snapshots = folder / "snapshots"
-    metrics_port, http_port, grpc_port, gateway_metrics_port = free_ports(4)
+    metrics_port, http_port, grpc_port, gateway_metrics_port, http_b, grpc_b = free_ports(6)
     daemons = {"operator": Daemon("operator", [py, "-m", "volga_operator", "--liveness", "", "-v"], env, folder)}
     daemons["agent"] = Daemon("agent", [
         py, "-m", "volga_agent.app.daemons", "--kube", "--node", NODE, "--port", "0", "--metrics-port",
         str(metrics_port), "--workdir", f"/tmp/vw-{NODE}", "--snapshot-dir", str(snapshots), "--settings",
-        str(settings), "--gateway-address", f"127.0.0.1:{grpc_port}", "-v"], env, folder, "volga-agent")
+        str(settings), "--gateway-address", f"127.0.0.1:{grpc_port}", "--gateway-http-address",
+        f"127.0.0.1:{http_port}", "-v"], env, folder, "volga-agent")
     gateway = str(pathlib.Path(py).with_name("volga-gateway"))  # the console script, as the image runs it
     daemons["gateway"] = Daemon("gateway", [
         gateway, "--kube", "--agent", f"127.0.0.1:{daemons['agent'].port('Agent API')}", "--node", NODE,
         "--host", "127.0.0.1", "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port",
         str(gateway_metrics_port)], env, folder, "volga-gateway")
-    # Another node's gateway, on the same ports (as a cluster's gateways are), its agent gone: what it serves of the
-    # servers it can only have passed on.
+    # Another node's gateway, its agent gone: what it serves of the servers it can only have passed on, to the
+    # addresses this node's agent reports (ports of its own: it cannot take its own for this node's).
     daemons["gateway-b"] = Daemon("gateway-b", [
         gateway, "--kube", "--agent", "127.0.0.1:1", "--node", "srv-b", "--host", "127.0.0.2", "--http-port",
-        str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", "0"], env, folder, "volga-gateway")
+        str(http_b), "--grpc-port", str(grpc_b), "--metrics-port", "0"], env, folder, "volga-gateway")
     yield {"http": f"http://127.0.0.1:{http_port}", "grpc": f"127.0.0.1:{grpc_port}",
-           "http_b": f"http://127.0.0.2:{http_port}", "grpc_b": f"127.0.0.2:{grpc_port}",
+           "http_b": f"http://127.0.0.2:{http_b}", "grpc_b": f"127.0.0.2:{grpc_b}",
            "snapshots": snapshots, "folder": folder,
            "agent_metrics": f"http://127.0.0.1:{metrics_port}/metrics",
            "gateway_metrics": f"http://127.0.0.1:{gateway_metrics_port}/metrics",

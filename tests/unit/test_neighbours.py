@@ -67,7 +67,7 @@ def test_a_level_of_a_node_with_16_models_stays_under_1_kb() -> None:
     models = {f"resnet50-int8-variant-{i:02d}": "hot" if i % 3 else "cold" for i in range(16)}
     entries = tuple(neighbours.ModelLevel(m, h == "hot", i == 4) for i, (m, h) in enumerate(models.items()))
     big = neighbours.Level("gpu-node-0123.eu-west-1.compute.internal", "OPTIMIZE", 71.5, 12.0, entries,
-                           1_760_000_000_000, "10.244.17.203:8001")
+                           1_760_000_000_000, "10.244.17.203:8001", "10.244.17.203:8000")
     message = neighbours.to_pb(big, age_ms=250)
     size = len(message.SerializeToString())
     print(f"level of a node with 16 models: {size} bytes")
@@ -76,6 +76,7 @@ def test_a_level_of_a_node_with_16_models_stays_under_1_kb() -> None:
     back, age = neighbours.from_pb(pb.NodeLevel.FromString(message.SerializeToString()))
     assert age == 250
     assert back.node == big.node and back.gateway == big.gateway and back.sequence == big.sequence
+    assert back.gateway_http == "10.244.17.203:8000"
     assert math.isclose(back.memory_pct, 71.5) and back.state == "OPTIMIZE"
     assert {m.model_id: (m.hot, m.shed) for m in back.models} == {m.model_id: (m.hot, m.shed) for m in big.models}
 

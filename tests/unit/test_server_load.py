@@ -58,7 +58,7 @@ class _Servers:
     def elsewhere(self, model_id: str) -> proxy.Remote | None:
         return None
 
-    def remote(self, gateway: str) -> proxy.Remote | None:
+    def remote(self, gateway: str, http: str = "") -> proxy.Remote | None:
         return self.gateways.get(gateway)
 
     @contextlib.asynccontextmanager

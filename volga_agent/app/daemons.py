@@ -123,6 +123,10 @@ def agent_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gateway-address", default=os.environ.get("VOLGA_GATEWAY_ADDRESS", ""),
                         help="this node's gateway (gRPC host:port), reported in EMI status so other gateways can "
                              "forward requests for this node's models")
+    parser.add_argument("--gateway-http-address", default=os.environ.get("VOLGA_GATEWAY_HTTP_ADDRESS", ""),
+                        help="this node's gateway's HTTP host:port, reported beside --gateway-address: where other "
+                             "gateways pass a model server's HTTP requests on (default: that host on their own "
+                             "HTTP port)")
     parser.add_argument("--calibrate-iterations", type=int, default=200,
                         help="cluster mode: timed requests per batch size when a ModelSpec asks for a calibration "
                              "(the volga.dev/calibrate annotation)")
@@ -180,7 +184,7 @@ def agent_main(argv: list[str] | None = None) -> int:
             log.warning("node %s: neighbours are off: %s", args.node, off)
         levels = None
         if not off and autonomy is not None and steering is not None and tokens is not None:
-            water = exchange.Water(node_pool, autonomy, steering, args.gateway_address)
+            water = exchange.Water(node_pool, autonomy, steering, args.gateway_address, args.gateway_http_address)
             levels = neighbours.LevelExchange(args.node, water, tokens.values[0].decode(),
                                               settings.neighbours.period_ms, node_metrics)
         grpc_server, port = await server.serve(node_pool, args.agent_host, args.port, args.socket, tokens,
@@ -200,6 +204,7 @@ def agent_main(argv: list[str] | None = None) -> int:
 
             cluster = sync.AgentSync(node_pool, args.node, found, settings.api_writes_per_sec,
                                      gateway_address=args.gateway_address,
+                                     gateway_http_address=args.gateway_http_address,
                                      calibrator=_calibrator(args.workdir, args.calibrate_iterations))
             if autonomy is not None:
                 autonomy.views.measured = cluster.measured  # status.calibrated where the spec has no baselines

@@ -113,11 +113,13 @@ class Water:
     """This node's level for `neighbours.LevelExchange`: what the loop, the gateway's exchange and the pool know
     now."""
 
-    def __init__(self, node_pool: pool.Pool, autonomy: loop.Loop, steering: Exchange, gateway: str) -> None:
+    def __init__(self, node_pool: pool.Pool, autonomy: loop.Loop, steering: Exchange, gateway: str,
+                 gateway_http: str = "") -> None:
         self.pool = node_pool
         self.loop = autonomy
         self.steering = steering
         self.gateway = gateway
+        self.gateway_http = gateway_http
 
     def state(self) -> str:
         return self.loop.standing.state.value
@@ -132,4 +134,5 @@ class Water:
         models = tuple(neighbours.ModelLevel(m, h, m in shed) for m, h in sorted(hot.items()))
         standing = self.loop.standing
         return neighbours.Level(self.pool.node, standing.state.value, round(standing.memory_pct, 1),
-                                float(self.steering.in_flight()), models, gateway=self.gateway)
+                                float(self.steering.in_flight()), models, gateway=self.gateway,
+                                gateway_http=self.gateway_http)

@@ -44,7 +44,8 @@ class CatalogSync:
             spec, status = obj.get("spec") or {}, obj.get("status") or {}
             ready = conditions.is_true(status.get("conditions", ()))
             placements.setdefault(str(spec.get("modelId", "")), []).append(gateway_catalog.Placement(
-                name, str(spec.get("node", "")), str(status.get("tier", "")), ready, str(status.get("gateway", ""))))
+                name, str(spec.get("node", "")), str(status.get("tier", "")), ready, str(status.get("gateway", "")),
+                str(status.get("gatewayHttp", ""))))
         self.catalog.set_placements(placements)
 
     def _on_specs(self, objects: dict[tuple[str, str], Any]) -> None:

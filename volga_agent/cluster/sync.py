@@ -56,10 +56,12 @@ def warmup_conditions(info: pool.InstanceInfo, previous: Sequence[Mapping[str, A
 class AgentSync:
     def __init__(self, node_pool: pool.Pool, node: str, found: Sequence[gpus.GpuInfo],
                  writes_per_sec: float = 200.0, report_sec: float = 2.0, gateway_address: str = "",
+                 gateway_http_address: str = "",
                  calibrator: calibrations.Calibrator | None = None) -> None:
         self.pool = node_pool
         self.node = node
         self.gateway_address = gateway_address  # reported in EMI status: where other gateways forward to
+        self.gateway_http_address = gateway_http_address  # and where they pass a server's HTTP requests on
         self.gpus = list(found)
         self.report_sec = report_sec
         self.bucket = ratelimit.TokenBucket.within(writes_per_sec)
@@ -207,7 +209,7 @@ class AgentSync:
             ready = conditions.condition("Ready", settled, "Ready" if settled else (reason or "Converging"), message,
                                          previous(key), now)
             out[key] = {"tier": info.tier.value, "snapshotBytes": info.snapshot_bytes, "device": info.device,
-                        "gateway": self.gateway_address,
+                        "gateway": self.gateway_address, "gatewayHttp": self.gateway_http_address or None,
                         "lastWakeMs": round(info.last_wake_ms, 3),
                         "lastUsed": conditions.timestamp(info.last_used_unix) if info.last_used_unix else None,
                         "conditions": [ready, *warmup_conditions(info, previous(key), now)]}

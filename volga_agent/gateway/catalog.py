@@ -41,6 +41,7 @@ class Placement:
     tier: str
     ready: bool
     gateway: str = ""  # the gRPC address of that node's gateway, as its agent reports it
+    gateway_http: str = ""  # its HTTP address (host:port), where the agent reports one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,12 +107,20 @@ class Catalog:
                         "send the request to a gateway on one of those nodes")
 
     def remote_gateways(self, model_id: str, node: str) -> list[str]:
-        """Gateways of other nodes holding the model: ready HOT instances first, then ready, then any."""
+        """Gateways (gRPC addresses) of other nodes holding the model: ready HOT instances first, then ready, then
+        any."""
+        return [p.gateway for p in self.remote_placements(model_id, node)]
+
+    def remote_placements(self, model_id: str, node: str) -> list[Placement]:
+        """As `remote_gateways`, one placement per gateway (with its HTTP address, where reported)."""
         if self._placements is None:
             return []
         others = [p for p in self._placements.get(model_id, ()) if p.node != node and p.gateway]
         others.sort(key=lambda p: (not p.ready, p.tier != "HOT", p.node))
-        return list(dict.fromkeys(p.gateway for p in others))
+        first: dict[str, Placement] = {}
+        for p in others:
+            first.setdefault(p.gateway, p)
+        return list(first.values())
 
     def ready(self, model_id: str, node: str) -> bool:
         if model_id not in self._models:

@@ -77,7 +77,7 @@ class Servers(Protocol):
 
     def elsewhere(self, model_id: str) -> Remote | None: ...  # another node's gateway, when this node has none
 
-    def remote(self, gateway: str) -> Remote | None: ...  # another node's gateway named by its gRPC host:port
+    def remote(self, gateway: str, http: str = "") -> Remote | None: ...  # another node's gateway: gRPC, HTTP
 
     def lease(self, model_id: str, timeout_sec: float | None) -> contextlib.AbstractAsyncContextManager[Lease]: ...
 
@@ -182,8 +182,8 @@ class Counted:
     def elsewhere(self, model_id: str) -> Remote | None:
         return self.servers.elsewhere(model_id)
 
-    def remote(self, gateway: str) -> Remote | None:
-        return self.servers.remote(gateway)
+    def remote(self, gateway: str, http: str = "") -> Remote | None:
+        return self.servers.remote(gateway, http)
 
     def neighbour(self, model_id: str, shed_only: bool = False) -> tuple[Remote, str] | None:
         """The gateway of the neighbour (and its node's name) that takes a request of this overloaded node for
@@ -194,7 +194,7 @@ class Counted:
         level = self.plane.neighbour_for(model_id)
         if level is None:
             return None
-        remote = self.servers.remote(level.gateway)
+        remote = self.servers.remote(level.gateway, level.gateway_http)
         return None if remote is None else (remote, level.node)
 
     def passed_on(self, model_id: str, node: str) -> None:
@@ -219,11 +219,15 @@ class AgentServers:
 
     def elsewhere(self, model_id: str) -> Remote | None:
         here = self.models.local(model_id, self.node)
-        others = self.models.remote_gateways(model_id, self.node) if here == () else []
-        return self.remote(others[0]) if others else None  # None: served here (or nowhere: the agent says so)
+        others = self.models.remote_placements(model_id, self.node) if here == () else []
+        # None: served here (or nowhere: the agent says so)
+        return self.remote(others[0].gateway, others[0].gateway_http) if others else None
 
-    def remote(self, gateway: str) -> Remote | None:
-        """The gateway at `gateway` (gRPC host:port) over both protocols: a cluster's gateways share their ports."""
+    def remote(self, gateway: str, http: str = "") -> Remote | None:
+        """The gateway at `gateway` (gRPC host:port) and `http` (its HTTP host:port, as its agent reports it;
+        where it does not, the chart's way: the same host on this gateway's own HTTP port)."""
+        if http:
+            return Remote(f"http://{http}", gateway)
         if not self.http_port:
             return None
         return Remote(f"http://{gateway.rpartition(':')[0]}:{self.http_port}", gateway)

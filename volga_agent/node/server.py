@@ -964,7 +964,7 @@ class Fleet:
         """One node: every server of the fleet is here."""
         return None
 
-    def remote(self, gateway: str) -> None:
+    def remote(self, gateway: str, http: str = "") -> None:
         """One node: there is no other gateway."""
         return None
 

@@ -194,6 +194,9 @@ class EmiStatus(base.Model):
         default=None, description="the metadata.generation this status was written for")
     gateway: str | None = pydantic.Field(default=None, description="gRPC address of the gateway on the instance's "
                                                                    "node")
+    gateway_http: str | None = pydantic.Field(default=None, description=(
+        "HTTP address (host:port) of the gateway on the instance's node, where other gateways pass a model server's "
+        "HTTP requests on; unset: that gateway's host on the asking gateway's own HTTP port"))
     shared_snapshot: SharedSnapshotRef | None = pydantic.Field(
         default=None, description="the shared image the instance was restored from, or the last one it published")
     source: SourceStatus | None = pydantic.Field(

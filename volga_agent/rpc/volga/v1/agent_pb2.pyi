@@ -229,7 +229,7 @@ class ModelLevel(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., hot: _Optional[bool] = ..., shed: _Optional[bool] = ...) -> None: ...
 
 class NodeLevel(_message.Message):
-    __slots__ = ("node", "state", "memory_pct", "load", "models", "sequence", "gateway", "age_ms")
+    __slots__ = ("node", "state", "memory_pct", "load", "models", "sequence", "gateway", "age_ms", "gateway_http")
     NODE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     MEMORY_PCT_FIELD_NUMBER: _ClassVar[int]
@@ -238,6 +238,7 @@ class NodeLevel(_message.Message):
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     GATEWAY_FIELD_NUMBER: _ClassVar[int]
     AGE_MS_FIELD_NUMBER: _ClassVar[int]
+    GATEWAY_HTTP_FIELD_NUMBER: _ClassVar[int]
     node: str
     state: str
     memory_pct: float
@@ -246,4 +247,5 @@ class NodeLevel(_message.Message):
     sequence: int
     gateway: str
     age_ms: int
-    def __init__(self, node: _Optional[str] = ..., state: _Optional[str] = ..., memory_pct: _Optional[float] = ..., load: _Optional[float] = ..., models: _Optional[_Iterable[_Union[ModelLevel, _Mapping]]] = ..., sequence: _Optional[int] = ..., gateway: _Optional[str] = ..., age_ms: _Optional[int] = ...) -> None: ...
+    gateway_http: str
+    def __init__(self, node: _Optional[str] = ..., state: _Optional[str] = ..., memory_pct: _Optional[float] = ..., load: _Optional[float] = ..., models: _Optional[_Iterable[_Union[ModelLevel, _Mapping]]] = ..., sequence: _Optional[int] = ..., gateway: _Optional[str] = ..., age_ms: _Optional[int] = ..., gateway_http: _Optional[str] = ...) -> None: ...
