@@ -15,6 +15,8 @@ python3 bench/criu_last_stop.py -n 12 [--memory shared] --out FILE.json
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import os
 import pathlib
 import shutil
@@ -23,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import benchio  # bench/, beside this script
@@ -46,22 +49,41 @@ print("ready", flush=True)
 while True:
     time.sleep(0.01)
 """
-def one(engine: criu.CriuEngine, name: str, memory: str) -> dict[str, float]:
-    tree = subprocess.Popen([sys.executable, "-c", TREE, memory], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                            start_new_session=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Wake:
+    image: criu.Image
+    restored: criu.Restored
+    mappings: int  # the tree's, as /proc/PID/maps listed them before the dump
+
+
+@contextlib.contextmanager
+def woken(engine: criu.CriuEngine, name: str, memory: str = "private", mappings: int = 2000) -> Iterator[Wake]:
+    """`TREE` (its memory private or shared, `mappings` small mappings of its own) frozen into an image of `name` and
+    restored lazily with the agent's lazy-pages server, as a wake is; the lazy pages it held back come once the block
+    is left, then the tree is killed and its image removed."""
+    tree = subprocess.Popen([sys.executable, "-c", TREE, memory, str(mappings)], stdout=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
     assert tree.stdout is not None
     tree.stdout.readline()
+    count = len(pathlib.Path(f"/proc/{tree.pid}/maps").read_text().splitlines())
     image = engine.dump(tree.pid, name)
     tree.wait()
     restored = engine.restore(image, lazy=True, wake=True)
     try:
-        log = benchio.criu_log(image.path / "restore.log")
+        yield Wake(image, restored, count)
         restored.release()
-        return {"criu_restore_ms": round(restored.seconds * 1e3, 1), "unlock_ms": round(log["unlock_ms"], 1),
-                "last_stop_wait_ms": round(log["last_stop_wait_ms"], 1)}
     finally:
         process.kill_tree(restored.pid)
         engine.remove(image)
+
+
+def one(engine: criu.CriuEngine, name: str, memory: str) -> dict[str, float]:
+    with woken(engine, name, memory) as wake:
+        log = benchio.criu_log(wake.image.path / "restore.log")
+        return {"criu_restore_ms": round(wake.restored.seconds * 1e3, 1), "unlock_ms": round(log["unlock_ms"], 1),
+                "last_stop_wait_ms": round(log["last_stop_wait_ms"], 1)}
 
 
 def main() -> None:

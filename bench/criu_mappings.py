@@ -21,8 +21,6 @@ import os
 import pathlib
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from typing import Any
@@ -30,7 +28,6 @@ from typing import Any
 import benchio  # bench/, beside this script
 import criu_last_stop
 
-from volga_agent.host import process
 from volga_agent.snapshot import criu
 
 STEPS = {"premap": "\tpremap ", "uffd_register": "lazy-pages: register", "remap": ": Remap "}
@@ -53,25 +50,13 @@ def steps(log: pathlib.Path) -> dict[str, float]:
 
 
 def one(engine: Any, name: str, count: int) -> dict[str, float]:
-    tree = subprocess.Popen([sys.executable, "-c", criu_last_stop.TREE, "private", str(count)], stdout=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
-    assert tree.stdout is not None
-    tree.stdout.readline()
-    mappings = len(pathlib.Path(f"/proc/{tree.pid}/maps").read_text().splitlines())
-    image = engine.dump(tree.pid, name)
-    tree.wait()
-    restored = engine.restore(image, lazy=True, wake=True)
-    try:
-        restored.release()
-        row = {"mappings": mappings, "criu_restore_ms": round(restored.seconds * 1e3, 2)}
+    with criu_last_stop.woken(engine, name, mappings=count) as wake:
+        row = {"mappings": wake.mappings, "criu_restore_ms": round(wake.restored.seconds * 1e3, 2)}
         if engine.verbosity == "-v4":
-            log = benchio.criu_log(image.path / "restore.log")
+            log = benchio.criu_log(wake.image.path / "restore.log")
             row.update({"log_span_ms": log["span_ms"], "unlock_ms": log["unlock_ms"],
-                        **{f"{step}_ms": ms for step, ms in steps(image.path / "restore.log").items()}})
+                        **{f"{step}_ms": ms for step, ms in steps(wake.image.path / "restore.log").items()}})
         return row
-    finally:
-        process.kill_tree(restored.pid)
-        engine.remove(image)
 
 
 def slope(points: list[tuple[float, float]]) -> float:

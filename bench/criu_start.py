@@ -18,7 +18,6 @@ import os
 import pathlib
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,29 +26,17 @@ from typing import Any
 import benchio  # bench/, beside this script
 import criu_last_stop
 
-from volga_agent.host import process
 from volga_agent.snapshot import criu
 
 WAYS = ("wrapper", "loader")
 
 
 def one(engine: criu.CriuEngine, name: str) -> dict[str, float]:
-    tree = subprocess.Popen([sys.executable, "-c", criu_last_stop.TREE, "private"], stdout=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
-    assert tree.stdout is not None
-    tree.stdout.readline()
-    image = engine.dump(tree.pid, name)
-    tree.wait()
-    restored = engine.restore(image, lazy=True, wake=True)
-    try:
-        log = benchio.criu_log(image.path / "restore.log")
-        restored.release()
-        whole = restored.seconds * 1e3
+    with criu_last_stop.woken(engine, name) as wake:
+        log = benchio.criu_log(wake.image.path / "restore.log")
+        whole = wake.restored.seconds * 1e3
         return {"criu_restore_ms": round(whole, 2), "log_span_ms": log["span_ms"],
                 "outside_log_ms": round(whole - log["span_ms"], 2)}
-    finally:
-        process.kill_tree(restored.pid)
-        engine.remove(image)
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ import sys
 import time
 
 import grpc
+import pools
 import pytest
 
 from volga_agent import errors
@@ -21,18 +22,8 @@ from volga_agent.rpc.volga.v1 import agent_pb2_grpc
 from volga_core import api
 
 
-class _HeldPool:
+class _HeldPool(pools.Releases):
     """What the Agent API's Hold touches of the pool: an activation of srv (a server), any other model unknown."""
-
-    def __init__(self) -> None:
-        self.released: list[str] = []
-        self.servers = self
-
-    def owns(self, name: str) -> bool:
-        return name.startswith("srv")
-
-    def release(self, name: str) -> None:
-        self.released.append(name)
 
     def awaiting(self, model_id: str) -> None:
         return None

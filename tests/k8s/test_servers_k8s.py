@@ -121,6 +121,16 @@ def modelspec() -> dict[str, Any]:
                                 "canary": {"path": f"/v1/models/{MODEL}:predict", "body": json.dumps(ROWS)}}}}
 
 
+def stream_modelspec(name: str) -> dict[str, Any]:
+    """The FastAPI app that streams its answer (server-sent events), on a Unix socket in its instance's folder."""
+    doc = modelspec()
+    doc["metadata"]["name"] = doc["spec"]["modelId"] = name
+    doc["spec"]["server"] = {"command": [sys.executable, "-m", "uvicorn", "volga_bench.servers.stream_app:app",
+                                         "--no-access-log", "--loop", "asyncio", "--uds", "{socket}"],
+                             "listen": "unix", "readiness": {"path": "/health"}}
+    return doc
+
+
 def grpc_modelspec() -> dict[str, Any]:
     doc = modelspec()
     doc["metadata"]["name"] = doc["spec"]["modelId"] = GRPC_MODEL
@@ -301,11 +311,7 @@ def test_a_streaming_server_on_a_unix_socket_woken_through_the_gateway(
     FROZEN, woken by a streamed request through the gateway, the events the same as HOT, in more than one chunk."""
     cp = control_plane
     name = "k8s-stream"
-    doc = modelspec()
-    doc["metadata"]["name"] = doc["spec"]["modelId"] = name
-    doc["spec"]["server"] = {"command": [sys.executable, "-m", "uvicorn", "volga_bench.servers.stream_app:app",
-                                         "--no-access-log", "--loop", "asyncio", "--uds", "{socket}"],
-                             "listen": "unix", "readiness": {"path": "/health"}}
+    doc = stream_modelspec(name)
     path = tmp_path / "stream.yaml"
     path.write_text(yaml.safe_dump(doc))
     cp.kubectl("apply", "-f", str(path))
@@ -340,11 +346,7 @@ def test_a_gateway_killed_mid_request_leaves_its_server_to_go_idle(
     again, as after an answered request, instead of keeping it HOT for the hour a lost activation is held."""
     cp = control_plane
     name = "k8s-held"
-    doc = modelspec()
-    doc["metadata"]["name"] = doc["spec"]["modelId"] = name
-    doc["spec"]["server"] = {"command": [sys.executable, "-m", "uvicorn", "volga_bench.servers.stream_app:app",
-                                         "--no-access-log", "--loop", "asyncio", "--uds", "{socket}"],
-                             "listen": "unix", "readiness": {"path": "/health"}}
+    doc = stream_modelspec(name)
     path = tmp_path / "held.yaml"
     path.write_text(yaml.safe_dump(doc))
     cp.kubectl("apply", "-f", str(path))

@@ -8,6 +8,7 @@ import concurrent.futures
 import pathlib
 import threading
 
+import pools
 import pytest
 
 from volga_agent import errors, metrics
@@ -80,26 +81,13 @@ def test_a_wake_shared_by_concurrent_activations_counts_once() -> None:
     assert len(servers.slots[shared.name].leases) == 2
 
 
-class _Pool:
-    """What the Agent API's given-up activations touch of the pool: which instances are servers, and release."""
-
-    def __init__(self) -> None:
-        self.released: list[str] = []
-        self.servers = self
-
-    def owns(self, name: str) -> bool:
-        return name.startswith("srv")
-
-    def release(self, name: str) -> None:
-        self.released.append(name)
-
 
 def test_the_agent_api_releases_a_server_activation_its_caller_gave_up_on() -> None:
     import types
 
     from volga_agent.app import server
 
-    fake = _Pool()
+    fake = pools.Releases()
     service = server.AgentService(fake)  # type: ignore[arg-type]
 
     async def main() -> None:
