@@ -131,6 +131,14 @@ def stream_modelspec(name: str) -> dict[str, Any]:
     return doc
 
 
+def applied_frozen(cp: ControlPlane, doc: dict[str, Any], folder: pathlib.Path) -> None:
+    """`kubectl apply` the ModelSpec, and wait for its EMI FROZEN and Ready (the server started and frozen)."""
+    path = folder / f"{doc['metadata']['name']}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    cp.kubectl("apply", "-f", str(path))
+    wait_for("the EMI FROZEN and Ready", lambda: tier(cp, "FROZEN", model=doc["spec"]["modelId"]), timeout=240)
+
+
 def grpc_modelspec() -> dict[str, Any]:
     doc = modelspec()
     doc["metadata"]["name"] = doc["spec"]["modelId"] = GRPC_MODEL
@@ -311,11 +319,7 @@ def test_a_streaming_server_on_a_unix_socket_woken_through_the_gateway(
     FROZEN, woken by a streamed request through the gateway, the events the same as HOT, in more than one chunk."""
     cp = control_plane
     name = "k8s-stream"
-    doc = stream_modelspec(name)
-    path = tmp_path / "stream.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    cp.kubectl("apply", "-f", str(path))
-    wait_for("the EMI FROZEN and Ready", lambda: tier(cp, "FROZEN", model=name), timeout=240)
+    applied_frozen(cp, stream_modelspec(name), tmp_path)
     [sock] = pathlib.Path(f"/tmp/vw-{NODE}/servers/default.{name}-0").glob("server.sock")
     assert sock.stat().st_mode & 0o060 == 0o060, oct(sock.stat().st_mode)
 
@@ -346,11 +350,7 @@ def test_a_gateway_killed_mid_request_leaves_its_server_to_go_idle(
     again, as after an answered request, instead of keeping it HOT for the hour a lost activation is held."""
     cp = control_plane
     name = "k8s-held"
-    doc = stream_modelspec(name)
-    path = tmp_path / "held.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    cp.kubectl("apply", "-f", str(path))
-    wait_for("the EMI FROZEN and Ready", lambda: tier(cp, "FROZEN", model=name), timeout=240)
+    applied_frozen(cp, stream_modelspec(name), tmp_path)
     http_port, grpc_port = free_ports(2)
     gateway = Daemon("gateway-killed", [
         str(pathlib.Path(sys.executable).with_name("volga-gateway")), "--kube", "--agent", cluster["agent"], "--node",
