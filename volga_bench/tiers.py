@@ -99,7 +99,8 @@ def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pa
     `eager`, FROZEN is woken with lazy pages only (`lazy`). `wake_copy` sets the worker's weight copy on a wake
     (`contract.WorkerConfig.wake_copy`); a GPU worker's own account of its last copy (`last_wake`) is read after
     each wake's answer, outside the timing, into the phases as `worker_copy_ms`, `worker_graphs_ms` and
-    `staging_alloc_ms`.
+    `staging_alloc_ms`. What the move's phases leave out of a wake is `agent_steps_ms` (the agent's own steps around
+    them) and `answer_ms` (the first request after it).
     """
     driver = cuda.DriverCheckpoint() if device.startswith("cuda") else None
     engine = criu.CriuEngine(snapshot_dir) if Tier.FROZEN in tiers else None
@@ -167,11 +168,16 @@ def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pa
                 time.sleep(settle_s)
                 start = time.perf_counter()
                 woke = inst.wake()
+                woken = time.perf_counter()
                 answer(run)
                 run.wake_s.append(time.perf_counter() - start)
                 run.fallbacks += int(woke.fallback)
                 for phase, seconds in woke.phases.items():
                     run.phases.setdefault(WAKE_PHASES.get(phase, phase), []).append(seconds * 1e3)
+                # What the phases leave out: the agent's own steps around them, and the first answer after the wake
+                run.phases.setdefault("agent_steps_ms", []).append(
+                    (woken - start - sum(woke.phases.values())) * 1e3)
+                run.phases.setdefault("answer_ms", []).append((start + run.wake_s[-1] - woken) * 1e3)
                 if gpu_index is not None and tier != Tier.HOT:
                     last = inst.client().call("stats").header.get("last_wake") or {}
                     for key, name in (("copy_ms", "worker_copy_ms"), ("graphs_ms", "worker_graphs_ms"),
