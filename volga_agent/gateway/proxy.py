@@ -11,10 +11,10 @@ In a cluster the servers run in the node's agent: `AgentServers` leases one thro
 keeps it from being frozen for as long as the call is open; the gateway ends the call once the answer is passed on,
 and a gateway that dies mid-request ends it with its connection), and the server listens where Hold says. A request
 for a server this node has no instance of is passed on, once, to the gateway of a node that has one (`elsewhere`:
-the address its EMI reports, on this gateway's HTTP port: a cluster's gateways listen on the same ports), marked
-`x-volga-forwarded` so that it is never passed on again. Under `volga up` the agent's pool is in the gateway's
-process: `PoolLink` is the same link over it, and the other gateway processes lease through the Agent API as in a
-cluster.
+the addresses its EMI reports, `gatewayHttp` for HTTP; where that is not reported, its host on this gateway's own
+HTTP port, the chart's way), marked `x-volga-forwarded` so that it is never passed on again. Under `volga up` the
+agent's pool is in the gateway's process: `PoolLink` is the same link over it, and the other gateway processes lease
+through the Agent API as in a cluster.
 
 Bounds as for every model: the body is read up to the gateway's request limit (413 above it), and `x-timeout-ms`
 bounds the wake and the whole exchange (504 when it passes). Each exchange opens its own connection to the server

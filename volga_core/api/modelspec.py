@@ -550,7 +550,6 @@ class ModelSpecSpec(base.Model):
                                f"{working}: a working folder relative to the source lies inside it: no '..'")
         return self
 
-
     @pydantic.model_validator(mode="after")
     def _signature(self) -> ModelSpecSpec:
         if self.framework not in (base.Framework.ONNX, base.Framework.SERVER):
