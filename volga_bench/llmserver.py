@@ -177,6 +177,18 @@ def _stats(values: list[float]) -> dict[str, Any]:
             "all": [round(v, 1) for v in values]}
 
 
+def wake_split(moves: list[instance.Transition], first_tokens: list[float]) -> dict[str, dict[str, Any]]:
+    """What a tier's wakes spent outside their phases: the agent's own steps around them (`agent_steps`: the move
+    less its phases) and, with the first token of each wake's request in the same order, the rest of the request
+    beyond the move (`after_wake`: routing, the proxy, the first token's generation)."""
+    if not moves:
+        return {}
+    split = {"agent_steps": _stats([(t.seconds - sum(t.phases.values())) * 1000 for t in moves])}
+    if len(first_tokens) == len(moves):
+        split["after_wake"] = _stats([first - t.seconds * 1000 for first, t in zip(first_tokens, moves, strict=True)])
+    return split
+
+
 async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, cold: int, engine: criu.CriuEngine,
                driver: cuda.DriverCheckpoint, work: pathlib.Path, progress: Callable[[str], None],
                load_threads: int = 0, stack_bytes: int = contract.DEFAULT_CUDA_STACK_BYTES) -> dict[str, Any]:
@@ -304,6 +316,8 @@ async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, c
                                for name in ("restore", "driver", "wake")
                                if any(name in t.phases for t in wakes if t.source is tier)}
                   for tier in (api.Tier.SUSPENDED, api.Tier.FROZEN)}
+        for tier in (api.Tier.SUSPENDED, api.Tier.FROZEN):
+            phases[tier.value].update(wake_split([t for t in wakes if t.source is tier], ttft[tier.value.lower()]))
         fallbacks = sum(t.fallback for t in instance.transitions)
     finally:
         await asyncio.to_thread(fleet.close)
