@@ -278,3 +278,18 @@ def test_an_empty_file_in_a_folder_is_fetched_without_a_range(tmp_path: pathlib.
 
     assert download.fetch(never, 0, tmp_path / "e.part", "v") == hashlib.sha256(b"").hexdigest()
     assert (tmp_path / "e.part").read_bytes() == b""
+
+
+def test_a_node_folder_pinned_by_its_digest_is_checked_as_a_fetched_one_would_be(tmp_path: pathlib.Path) -> None:
+    """A model server's folder on the node with spec.sourceDigest: the digest of its files as a fetched folder's."""
+    (tmp_path / "app" / "src").mkdir(parents=True)
+    (tmp_path / "app" / "src" / "app.py").write_text("print('serving')\n")
+    (tmp_path / "app" / "README").write_text("a server\n")
+    digest = cache.tree_digest({"src/app.py": hashlib.sha256(b"print('serving')\n").hexdigest(),
+                                "README": hashlib.sha256(b"a server\n").hexdigest()})
+    cache.verify_local(tmp_path / "app", digest)
+    (tmp_path / "app" / "README").write_text("changed\n")
+    with pytest.raises(errors.SourceMismatch, match=r"spec\.sourceDigest is sha256:"):
+        cache.verify_local(tmp_path / "app", digest)
+    with pytest.raises(errors.SourceNotFound, match="No such file"):
+        cache.verify_local(tmp_path / "gone", digest)

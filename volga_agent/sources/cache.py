@@ -486,18 +486,24 @@ def localise(cache: Cache, spec: api.ModelSpecSpec, credentials: Mapping[str, st
     return spec.model_copy(update={"source": str(resolved.path), "source_digest": resolved.digest}), resolved
 
 
-_VERIFIED: dict[tuple[str, int, int], str] = {}  # (path, mtime ns, size) -> its digest
+_VERIFIED: dict[tuple[str, tuple[tuple[str, int, int], ...]], str] = {}  # (path, its files' stamps) -> digest
 
 
 def verify_local(path: pathlib.Path, digest: str) -> None:
-    """A node file pinned by spec.sourceDigest: SourceMismatch unless it has that digest (hashed once per version
-    of the file)."""
+    """A node file (or folder: a model server's) pinned by spec.sourceDigest: SourceMismatch unless it has that
+    digest (hashed once per version of its files)."""
     try:
-        st = path.stat()
+        if path.is_dir():
+            files = sorted(f for f in path.rglob("*") if f.is_file())
+            stamps = tuple((f.relative_to(path).as_posix(), f.stat().st_mtime_ns, f.stat().st_size) for f in files)
+        else:
+            st = path.stat()
+            stamps = (("", st.st_mtime_ns, st.st_size),)
+        key = (str(path), stamps)
+        if key not in _VERIFIED:
+            _VERIFIED[key] = tree_digest({name: file_sha256(path / name) for name, _, _ in stamps}) \
+                if path.is_dir() else "sha256:" + file_sha256(path)
     except OSError as exc:
         raise errors.SourceNotFound(f"{path}: {exc.strerror}") from None
-    key = (str(path), st.st_mtime_ns, st.st_size)
-    if key not in _VERIFIED:
-        _VERIFIED[key] = "sha256:" + file_sha256(path)
     if _VERIFIED[key] != digest:
         raise errors.SourceMismatch(f"{path} has digest {_VERIFIED[key]}, spec.sourceDigest is {digest}: refused")
