@@ -656,11 +656,14 @@ def test_volga_up_serves_a_server_pushed_to_a_registry(registry: stores.Registry
     (tmp_path / "pushed.yaml").write_text(yaml.safe_dump(doc))
     monkeypatch.setenv("VOLGA_MODEL_CACHE", str(tmp_path / "cache"))
 
-    def tiers(up: harness.UpProcess) -> list[str]:
+    def listed(up: harness.UpProcess) -> list[dict[str, str]]:
         out = subprocess.run([sys.executable, "-m", "volga_agent.cli", "status", "--agent", up.endpoints["agent"],
                               "--json"], capture_output=True, text=True, timeout=60, check=True, cwd=root)
         [model] = [m for m in json.loads(out.stdout)["models"] if m["modelId"] == "pushed"]
-        return [i["tier"] for i in model["instanceList"]]
+        return list(model["instanceList"])
+
+    def tiers(up: harness.UpProcess) -> list[str]:
+        return [i["tier"] for i in listed(up)]
 
     async def stream(url: str) -> tuple[int, bytes]:
         async with aiohttp.ClientSession() as session, session.post(
@@ -674,8 +677,10 @@ def test_volga_up_serves_a_server_pushed_to_a_registry(registry: stores.Registry
         woken = asyncio.run(stream(up.endpoints["http"]))
         assert tiers(up) == ["HOT"]
         hot = asyncio.run(stream(up.endpoints["http"]))
+        [where] = [i["source"] for i in listed(up)]  # `volga status` says where its files came from
     assert woken[0] == 200 and woken == hot and woken[1].count(b"data: ") == 7, (woken, hot)
     output = "".join(up.output)
     assert f"oci://{registry.host}/servers/stream:v1" in output
     [entry] = (tmp_path / "cache" / "sha256").iterdir()
     assert (entry / "src" / "app.py").is_file()
+    assert where == f"bytes from oci://{registry.host}/servers/stream:v1, sha256:{entry.name}", where

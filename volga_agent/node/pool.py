@@ -478,7 +478,8 @@ class Pool:
             name=inst.name, model_id=inst.spec.model_id, model_version=inst.spec.version, tier=inst.tier,
             device="cpu", socket=inst.address, node=self.node,
             snapshot_bytes=inst.image.size_bytes if inst.image else 0, last_used_unix=slot.last_used_unix,
-            last_wake_ms=slot.last_wake_ms, input_hash="", state_reason=slot.reason, target_tier=slot.target)
+            last_wake_ms=slot.last_wake_ms, input_hash="", state_reason=slot.reason, target_tier=slot.target,
+            source=cache.origin(inst.spec.source) or inst.spec.source, source_digest=inst.spec.source_digest or "")
 
     def _hot_besides(self, chosen: Slot) -> tuple[InstanceInfo, ...]:
         """The model's instances other than `chosen` that are HOT now, with a live worker, on the device kind of
