@@ -95,10 +95,7 @@ def main() -> None:
     parser.add_argument("--out")
     args = parser.parse_args()
     root = pathlib.Path(tempfile.mkdtemp(prefix="volga-last-stop-", dir="/dev/shm"))
-    engine = criu.CriuEngine(root)
-    run = engine._run
-    engine._run = lambda argv, *rest, **named: run(  # type: ignore[method-assign]
-        [a if a != "-v2" else "-v4" for a in argv], *rest, **named)
+    engine = criu.CriuEngine(root, log_level=4)
     ways: dict[str, list[dict[str, float]]] = {"breakpoints": [], "traced": []}
     try:
         for i in range(args.n):

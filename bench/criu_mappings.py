@@ -49,10 +49,10 @@ def steps(log: pathlib.Path) -> dict[str, float]:
     return {step: round(ms, 2) for step, ms in spent.items()}
 
 
-def one(engine: Any, name: str, count: int) -> dict[str, float]:
+def one(engine: criu.CriuEngine, name: str, count: int) -> dict[str, float]:
     with criu_last_stop.woken(engine, name, mappings=count) as wake:
         row = {"mappings": wake.mappings, "criu_restore_ms": round(wake.restored.seconds * 1e3, 2)}
-        if engine.verbosity == "-v4":
+        if engine.log_level == 4:
             log = benchio.criu_log(wake.image.path / "restore.log")
             row.update({"log_span_ms": log["span_ms"], "unlock_ms": log["unlock_ms"],
                         **{f"{step}_ms": ms for step, ms in steps(wake.image.path / "restore.log").items()}})
@@ -75,11 +75,7 @@ def main() -> None:
     args = parser.parse_args()
     counts = [int(c) for c in args.mappings.split(",")]
     root = pathlib.Path(tempfile.mkdtemp(prefix="volga-criu-mappings-", dir="/dev/shm"))
-    engine = criu.CriuEngine(root)
-    engine.verbosity = f"-v{args.verbosity}"  # type: ignore[attr-defined]
-    run = engine._run
-    engine._run = lambda argv, *rest, **named: run(  # type: ignore[method-assign]
-        [a if a != "-v2" else engine.verbosity for a in argv], *rest, **named)
+    engine = criu.CriuEngine(root, log_level=args.verbosity)
     rows: dict[int, list[dict[str, float]]] = {count: [] for count in counts}
     try:
         for i in range(args.n):
@@ -90,7 +86,7 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     report: dict[str, Any] = {"bench": "criu-mappings", "criu": engine.version(), "cpus": os.cpu_count(),
-                              "criu_log": engine.verbosity,
+                              "criu_log": f"-v{engine.log_level}",
                               "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "counts": {}}
     keys = [key for key in rows[counts[0]][0] if key != "mappings"]
     for count, restores in rows.items():

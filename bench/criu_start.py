@@ -45,12 +45,9 @@ def main() -> None:
     parser.add_argument("--out")
     args = parser.parse_args()
     root = pathlib.Path(tempfile.mkdtemp(prefix="volga-criu-start-", dir="/dev/shm"))
-    engine = criu.CriuEngine(root)
+    engine = criu.CriuEngine(root, log_level=4)
     if engine.argv == (engine.criu,):
         sys.exit(f"{engine.criu} is not the relocatable install's wrapper (scripts/install-criu.sh): one way only")
-    run = engine._run
-    engine._run = lambda argv, *rest, **named: run(  # type: ignore[method-assign]
-        [a if a != "-v2" else "-v4" for a in argv], *rest, **named)
     through_loader = criu.command
     ways: dict[str, list[dict[str, float]]] = {way: [] for way in WAYS}
     try:

@@ -64,6 +64,7 @@ def main() -> None:
     parser.add_argument("--out")
     args = parser.parse_args()
     os.environ["VOLGA_LAZY_PAGES_SERVER"] = args.lazy_pages_server
+    os.environ["VOLGA_CRIU_LOG_LEVEL"] = "4"  # criu's and its daemon's logs timestamp every step
 
     kept = pathlib.Path(tempfile.mkdtemp(prefix="restore-logs-"))
     restores: list[dict[str, Any]] = []
@@ -89,19 +90,14 @@ def main() -> None:
     def started(self: criu.CriuEngine, image: criu.Image, *how: Any) -> Any:
         keep_daemon_log()  # the last one is done: its wake waited for every page
         daemons.append(image.path)
-        popen = self._popen
-        self._popen = lambda argv, **named: popen([a if a != "-v2" else "-v4" for a in argv], **named)  # type: ignore[method-assign]
-        try:
-            return lazy_pages(self, image, *how)
-        finally:
-            del self._popen
+        return lazy_pages(self, image, *how)
 
     def logged(self: criu.CriuEngine, argv: list[str], *rest: Any, **named: Any) -> Any:
         if argv[:1] != ["restore"]:
             return run(self, argv, *rest, **named)
         began = time.perf_counter()
         try:
-            return run(self, [a if a != "-v2" else "-v4" for a in argv], *rest, **named)
+            return run(self, argv, *rest, **named)
         finally:
             ended = time.perf_counter()
             ran_ms = (ended - began) * 1e3

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import pathlib
 import re
@@ -125,8 +126,9 @@ def end_restored(child: subprocess.Popen[Any], restored: criu.Restored | None) -
         restored.stop()
 
 
+@functools.cache
 def huge_tmpfs_unavailable() -> str:
-    """Why the tests cannot mount a tmpfs of huge pages here ("" when they can): tried on a scratch folder with
+    """Why the tests cannot mount a tmpfs of huge pages here ("" when they can): tried once, on a scratch folder with
     mount(2) itself, apart from the code under test."""
     if os.geteuid() != 0:
         return "mounting a tmpfs needs root"

@@ -170,14 +170,15 @@ def bench_tiers(spec: api.ModelSpecSpec, workdir: pathlib.Path, snapshot_dir: pa
                 woke = inst.wake()
                 woken = time.perf_counter()
                 answer(run)
-                run.wake_s.append(time.perf_counter() - start)
+                answered = time.perf_counter()
+                run.wake_s.append(answered - start)
                 run.fallbacks += int(woke.fallback)
                 for phase, seconds in woke.phases.items():
                     run.phases.setdefault(WAKE_PHASES.get(phase, phase), []).append(seconds * 1e3)
                 # What the phases leave out: the agent's own steps around them, and the first answer after the wake
                 run.phases.setdefault("agent_steps_ms", []).append(
                     (woken - start - sum(woke.phases.values())) * 1e3)
-                run.phases.setdefault("answer_ms", []).append((start + run.wake_s[-1] - woken) * 1e3)
+                run.phases.setdefault("answer_ms", []).append((answered - woken) * 1e3)
                 if gpu_index is not None and tier != Tier.HOT:
                     last = inst.client().call("stats").header.get("last_wake") or {}
                     for key, name in (("copy_ms", "worker_copy_ms"), ("graphs_ms", "worker_graphs_ms"),

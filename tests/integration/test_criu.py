@@ -496,10 +496,7 @@ def test_restored_threads_are_stopped_without_hardware_breakpoints(monkeypatch: 
     every thread running."""
     monkeypatch.setenv("VOLGA_CRIU_BREAKPOINTS", "1" if breakpoints else "0")
     folder = pathlib.Path(tempfile.mkdtemp(prefix="volga-bp-", dir="/dev/shm"))
-    engine = criu.CriuEngine(folder)
-    run = engine._run
-    monkeypatch.setattr(engine, "_run", lambda args, *rest, **named: run(
-        [a if a != "-v2" else "-v4" for a in args], *rest, **named))  # criu says which way it stops them at -v4
+    engine = criu.CriuEngine(folder, log_level=4)  # criu says which way it stops them at -v4
     beat = folder / "beat"
     child = subprocess.Popen([sys.executable, "-c", _THREADS, str(beat)], start_new_session=True,
                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

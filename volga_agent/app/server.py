@@ -109,7 +109,10 @@ class AgentService(pb_grpc.AgentServicer):
         from its idle freeze for `serverpool.LEASE_MAX_SEC`. Other models' activations hold nothing."""
         if task.cancelled() or task.exception() is not None:
             return
-        name = task.result().instance.name
+        self._release_server(task.result().instance.name)
+
+    def _release_server(self, name: str) -> None:
+        """A model server's activation given back (other models' activations hold nothing)."""
         if self.pool.servers.owns(name):
             with contextlib.suppress(errors.UnknownModel):  # removed meanwhile
                 self.pool.release(name)
@@ -122,10 +125,7 @@ class AgentService(pb_grpc.AgentServicer):
             yield reply
             await asyncio.Event().wait()  # the hold: only the call's end (a cancellation) ends it
         finally:
-            name = reply.instance.name
-            if self.pool.servers.owns(name):
-                with contextlib.suppress(errors.UnknownModel):  # removed meanwhile
-                    self.pool.release(name)
+            self._release_server(reply.instance.name)
 
     async def Release(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:

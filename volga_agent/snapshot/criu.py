@@ -397,7 +397,8 @@ class CriuEngine:
 
     def __init__(self, root: str | pathlib.Path, criu: str | None = None, keep_failed: int = 3,
                  deadlines: Deadlines | None = None, checksums: bool = False, lazy_pages_server: str | None = None,
-                 lazy_pages_threads: int | None = None, lazy_pages_fill: str | None = None) -> None:
+                 lazy_pages_threads: int | None = None, lazy_pages_fill: str | None = None,
+                 log_level: int | None = None) -> None:
         self.root = pathlib.Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.criu = criu or find_criu()
@@ -421,6 +422,11 @@ class CriuEngine:
                                                                 lazypages.FAULT_BYTES // 1024))
         # Whether the mappings with no pages to come are unregistered as the restore finishes (`lazypages`).
         self.lazy_pages_let_go = os.environ.get("VOLGA_LAZY_PAGES_LET_GO", "1") != "0"
+        # How much criu's logs (dump.log, restore.log, lazy-pages.log beside each image) say: 2 (errors and warnings,
+        # the default), 4 (every step, each line timestamped: what the benches that follow a restore read).
+        self.log_level = log_level or int(os.environ.get("VOLGA_CRIU_LOG_LEVEL") or 2)
+        if self.log_level not in range(5):
+            raise ValueError(f"criu log level {self.log_level}: it is 0 to 4")
         # Whether criu restore stops each restored thread at its last step with a hardware breakpoint (criu's
         # default) or by tracing its system calls to it (`NO_BREAKPOINTS`, the default here).
         self.breakpoints = os.environ.get("VOLGA_CRIU_BREAKPOINTS", "0") == "1"
@@ -535,7 +541,8 @@ class CriuEngine:
         folder = self.root / name
         snapshot_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
         tmp = folder / f".tmp-{snapshot_id}"
-        args = ["dump", "-t", str(pid), "-D", str(tmp), "-o", "dump.log", "-v2", "--file-locks", "--shell-job"]
+        args = ["dump", "-t", str(pid), "-D", str(tmp), "-o", "dump.log", f"-v{self.log_level}", "--file-locks",
+                "--shell-job"]
         if leave_running:
             args.append("--leave-running")
         mapped = _mapped(pid, watch)
@@ -605,7 +612,7 @@ class CriuEngine:
                          daemon=True).start()
         pidfile = image.path / "restore.pid"
         pidfile.unlink(missing_ok=True)
-        args = ["restore", "-D", str(image.path), "-o", "restore.log", "-v2", "--file-locks",
+        args = ["restore", "-D", str(image.path), "-o", "restore.log", f"-v{self.log_level}", "--file-locks",
                 "--shell-job", "--restore-detached", "--pidfile", str(pidfile)]
         timeout = self.deadlines.for_bytes(image.size_bytes)
         start = time.perf_counter()
@@ -691,7 +698,7 @@ class CriuEngine:
         (image.path / "lazy-pages.socket").unlink(missing_ok=True)
         ready, status = os.pipe()
         try:
-            daemon = self._popen(["lazy-pages", "-D", str(image.path), "-o", "lazy-pages.log", "-v2",
+            daemon = self._popen(["lazy-pages", "-D", str(image.path), "-o", "lazy-pages.log", f"-v{self.log_level}",
                                   "--status-fd", str(status)], pass_fds=[status],
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             os.close(status)
