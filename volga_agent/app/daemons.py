@@ -321,7 +321,9 @@ def gateway_main(argv: list[str] | None = None) -> int:
             from volga_agent.cluster import catalog as catalog_sync
 
             watcher = catalog_sync.CatalogSync(models)
-            await watcher.start()
+            if not await watcher.start():
+                log.warning("the API server has not listed the ModelSpecs and EMIs yet: the gateway starts not ready "
+                            "(/v2/health/ready 503) and becomes ready once it has")
         else:
             models.replace([s.spec for s in _specs(args.file)])
             if args.refused:

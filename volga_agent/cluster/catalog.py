@@ -2,13 +2,15 @@
 where their EMIs are.
 
 It survives an unreachable API server: watches (`kube.watch`) retry with backoff, and until they succeed the gateway
-keeps its catalog, so requests for known models keep being routed. The `kubernetes` client is synchronous; each
-watch runs on its own thread.
+keeps its catalog, so requests for known models keep being routed. A gateway that starts says it is ready
+(`/v2/health/ready`, `ServerReady`) only once both watches have listed: before that it would answer 404 for every
+model. The `kubernetes` client is synchronous; each watch runs on its own thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 import kubernetes
@@ -27,9 +29,11 @@ class CatalogSync:
     The last good table stays while the API server is unreachable.
     """
 
-    def __init__(self, catalog: gateway_catalog.Catalog) -> None:
+    def __init__(self, catalog: gateway_catalog.Catalog, client: kubernetes.client.ApiClient | None = None) -> None:
         self.catalog = catalog
-        self.client = kube_client.api_client()
+        catalog.loaded = False
+        self.loaded = threading.Event()  # set once the catalog holds both watches' first lists
+        self.client = client or kube_client.api_client()
         custom = kubernetes.client.CustomObjectsApi(self.client)
         self.watches = [
             watch.Watch("modelspecs", custom.list_cluster_custom_object, self._on_specs, group=api.GROUP,
@@ -47,6 +51,7 @@ class CatalogSync:
                 name, str(spec.get("node", "")), str(status.get("tier", "")), ready, str(status.get("gateway", "")),
                 str(status.get("gatewayHttp", ""))))
         self.catalog.set_placements(placements)
+        self._loaded()
 
     def _on_specs(self, objects: dict[tuple[str, str], Any]) -> None:
         specs = []
@@ -55,10 +60,21 @@ class CatalogSync:
             if parsed is not None:
                 specs.append(parsed)
         self.catalog.replace(specs)
+        self._loaded()
 
-    async def start(self) -> None:
+    def _loaded(self) -> None:
+        # Both watches have listed once (each sets `synced` before it hands over its first list): the catalog holds
+        # the specs and the placements of that moment.
+        if not self.loaded.is_set() and all(w.synced.is_set() for w in self.watches):
+            self.catalog.loaded = True
+            self.loaded.set()
+
+    async def start(self, wait_s: float = 30.0) -> bool:
+        """Start both watches and wait up to `wait_s` for their first lists; False when the API server has not
+        answered them by then (the gateway starts anyway, not ready until it does)."""
         for w in self.watches:
             w.start()
+        return await asyncio.to_thread(self.loaded.wait, wait_s)
 
     async def stop(self) -> None:
         for w in self.watches:

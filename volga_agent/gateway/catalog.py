@@ -71,6 +71,9 @@ class Catalog:
         # model id -> its instances in the cluster (an EMI watch fills it); None: not known (no cluster).
         self._placements: dict[str, tuple[Placement, ...]] | None = None
         self._refused: dict[str, Refusal] = {}
+        # False while a cluster's catalog waits for its first lists (`cluster.catalog.CatalogSync`): the gateway
+        # then says it is not ready, rather than answering 404 for models it has not heard of yet.
+        self.loaded = True
         self.replace(list((specs or {}).values()))
 
     def refuse(self, model_id: str, version: str, reason: str) -> None:

@@ -76,7 +76,7 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ServerLiveResponse(live=True)
 
     async def ServerReady(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return pb.ServerReadyResponse(ready=True)
+        return pb.ServerReadyResponse(ready=self.plane.catalog.loaded)
 
     async def ServerMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return pb.ServerMetadataResponse(name=dataplane.SERVER_NAME, version=dataplane.SERVER_VERSION,

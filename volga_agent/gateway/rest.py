@@ -115,6 +115,12 @@ def app(plane: dataplane.Dataplane, tokens: auth.Tokens | None = None,
     async def live(_: web.Request) -> web.Response:
         return web.Response(status=200)
 
+    async def ready(_: web.Request) -> web.Response:
+        if plane.catalog.loaded:
+            return web.Response(status=200)
+        return web.Response(status=503, text="the model catalog is not loaded yet (the API server has not answered "
+                                             "its first lists)")
+
     async def server_metadata(_: web.Request) -> web.Response:
         return web.json_response({"name": dataplane.SERVER_NAME, "version": dataplane.SERVER_VERSION,
                                   "extensions": list(dataplane.EXTENSIONS)})
@@ -177,7 +183,7 @@ def app(plane: dataplane.Dataplane, tokens: auth.Tokens | None = None,
         middlewares.append(_to_servers(servers, plane))
     web_app = web.Application(client_max_size=plane.max_request_bytes, middlewares=middlewares)
     routes: list[tuple[str, str, Handler]] = [
-        ("GET", "/v2/health/live", live), ("GET", "/v2/health/ready", live), ("GET", "/v2", server_metadata),
+        ("GET", "/v2/health/live", live), ("GET", "/v2/health/ready", ready), ("GET", "/v2", server_metadata),
         ("POST", "/v2/repository/index", repository_index)]
     for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
         routes += [("GET", prefix, model_metadata), ("GET", f"{prefix}/ready", model_ready),
