@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import pytest
 import tritonclient.grpc as grpcclient
 import yaml
-from kubernetes import client as k8s
 from k8s_fixtures import install_crds
+from kubernetes import client as k8s
 
 from volga_agent.cluster import catalog as catalog_sync
 from volga_agent.gateway import app, catalog, links
