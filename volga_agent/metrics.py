@@ -27,7 +27,8 @@ class AgentMetrics:
             buckets=LATENCY_MS_BUCKETS, registry=r)
         self.wake_phase_latency = prom.Histogram(
             "volga_wake_phase_latency_ms", "Where a wake's time went: restore (criu), driver (the CUDA driver's "
-            "restore), wake (the worker's own: weights back, canary answer)", ["tier", "phase", "model"],
+            "restore), wake (the worker's own: weights back, canary answer), and the agent's steps between them: "
+            "adopt, resume, release", ["tier", "phase", "model"],
             buckets=LATENCY_MS_BUCKETS, registry=r)
         self.restore_failures = prom.Counter(
             "volga_snapshot_restore_failures", "Wakes that failed and fell back to a cold start", ["tier", "model"],

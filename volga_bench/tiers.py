@@ -24,7 +24,8 @@ from volga_bench import reporting
 from volga_core import api
 
 # A wake's phases (instance.Transition.phases) as the report names them, apart from the driver's own timings.
-WAKE_PHASES = {"restore": "criu_restore_ms", "driver": "driver_resume_ms", "wake": "worker_wake_ms"}
+WAKE_PHASES = {"restore": "criu_restore_ms", "driver": "driver_resume_ms", "wake": "worker_wake_ms",
+               "adopt": "adopt_ms", "resume": "resume_ms", "release": "release_ms"}
 
 Tier = api.Tier
 
@@ -380,7 +381,9 @@ def build_torch_mlp(path: pathlib.Path, weights_gib: float, width: int = 4096, s
 
 
 # A wake's phases as the tables show them (p50 ms), beside the floors they are held to.
-TABLE_PHASES = (("criu", "criu_restore_ms"), ("driver", "driver_resume_ms"), ("wake", "worker_wake_ms"),
+TABLE_PHASES = (("criu", "criu_restore_ms"), ("adopt", "adopt_ms"), ("driver", "driver_resume_ms"),
+                ("resume", "resume_ms"), ("wake", "worker_wake_ms"), ("release", "release_ms"),
+                ("agent", "agent_steps_ms"), ("answer", "answer_ms"),
                 ("copy", "worker_copy_ms"), ("graphs", "worker_graphs_ms"), ("pin", "staging_alloc_ms"),
                 ("read", "staging_read_ms"), ("wait", "staging_wait_ms"), ("queue", "staging_queue_ms"))
 

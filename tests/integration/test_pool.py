@@ -50,11 +50,12 @@ def test_converge_activate_and_idle_demotion(node_pool: pool.Pool, default_spec:
     samples = node_pool.metrics.registry.get_sample_value(
         "volga_snapshot_restore_latency_ms_count", {"tier": "FROZEN", "model": default_spec.model_id})
     assert samples == 1
-    # Where that wake went: criu's restore and the worker's own wake, each timed once (no driver on the CPU).
+    # Where that wake went: criu's restore, the worker's own wake and the agent's steps between, each timed once (no
+    # driver on the CPU).
     phases = {phase: node_pool.metrics.registry.get_sample_value(
         "volga_wake_phase_latency_ms_count", {"tier": "FROZEN", "phase": phase, "model": default_spec.model_id})
-        for phase in ("restore", "driver", "wake")}
-    assert phases == {"restore": 1, "driver": None, "wake": 1}
+        for phase in ("restore", "adopt", "driver", "resume", "wake", "release")}
+    assert phases == {"restore": 1, "adopt": 1, "driver": None, "resume": 1, "wake": 1, "release": 1}
 
 
 def test_the_same_plan_again_leaves_a_woken_instance_to_the_idle_policy(node_pool: pool.Pool,

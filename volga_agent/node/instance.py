@@ -77,7 +77,10 @@ class Transition:
     fallback: bool = False
     detail: str = ""
     # Where a wake's time went, in seconds: "restore" (criu), "driver" (the CUDA driver's restore and unlock),
-    # "wake" (the worker's own wake: parked weights back on the GPU, the canary answer). Empty for other moves.
+    # "wake" (the worker's own wake: parked weights back on the GPU, the canary answer), and the agent's own steps
+    # between them: "adopt" (a restored process taken on: its priority, its parked pages premapped), "resume" (the
+    # restore-complete file and signal), "release" (a lazy restore's remaining pages let go once it has woken).
+    # Other moves carry those of these steps they share with a wake, or none.
     phases: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
 
@@ -266,8 +269,9 @@ class Instance:
         """Tell a paused (or restored) worker to carry on serving: the restore-complete hook. The file holds our
         PID, against which the worker arms its parent-death signal again (published whole, by a rename)."""
         self._paused = False
-        contract.publish(self.signals, contract.RESTORE_COMPLETE, str(os.getpid()))
-        os.kill(pid, contract.WAKE_SIGNAL)
+        with self._phase("resume"):
+            contract.publish(self.signals, contract.RESTORE_COMPLETE, str(os.getpid()))
+            os.kill(pid, contract.WAKE_SIGNAL)
 
     # -- tiers ---------------------------------------------------------------------------------------
 
@@ -688,21 +692,21 @@ class Instance:
             lazy = (self.lazy_restore if lazy is None else lazy) and self.image.lazy_restorable
             restored = self.criu.restore(self.image, lazy=lazy, wake=wake, gpu=self.gpu)
         self.pid, self._restored = restored.pid, restored
-        priority.normalise(restored.pid)  # the image kept its threads' nice: it may have been taken while yielding
-        throttle.resume(restored.pid)  # an image of a stopped worker would restore it stopped
+        with self._phase("adopt"):
+            priority.normalise(restored.pid)  # the image kept its threads' nice: it may have been taken while yielding
+            throttle.resume(restored.pid)  # an image of a stopped worker would restore it stopped
+            if self.gpu:  # the driver's copy mapped from the parked file: its page tables filled beside its restore
+                self.parking.premap([restored.pid])
         return restored.pid
 
     def _frozen_to_suspended(self, lazy: bool | None = None) -> None:
-        pid = self._restore(lazy)
-        self._paused = True
-        if self.gpu:  # ready for the driver's restore at the wake
-            self.parking.premap([pid])
+        self._restore(lazy)
+        self._paused = True  # ready for the driver's restore at the wake
 
     def _frozen_to_hot(self, lazy: bool | None = None) -> None:
         pid = self._restore(lazy, wake=True)
         if self.gpu:
             assert self.driver is not None
-            self.parking.premap([pid])  # the driver's copy mapped from the parked file: its page tables filled
             with self._phase("driver"):
                 self.driver.resume(pid)
             if self._restored is not None:  # what faulted until here is wanted first at the next wake
@@ -710,7 +714,8 @@ class Instance:
         self._resume_worker(pid)
         self._wake_worker()  # an image taken in SUSPENDED holds a worker that was told to sleep
         if self._restored is not None:  # awake: the lazy pages the wake did not ask for come now
-            self._restored.release()
+            with self._phase("release"):
+                self._restored.release()
 
     def close(self) -> None:
         """Stop the worker and remove every image this instance owns."""
