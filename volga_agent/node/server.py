@@ -669,15 +669,20 @@ class ServerInstance:
                 gpu = bool(self._handshake_gpu_pids if self.handshake_image else self.gpu_pids)
                 restored = self.engine.restore(self.image, lazy=lazy, wake=True, gpu=gpu)
                 self.pid, self._restored = restored.pid, restored
-                for pid in process.tree(restored.pid):  # its image kept each thread's nice: it may have yielded
-                    priority.normalise(pid)
                 phases["restore"] = restored.seconds
+                mark = time.perf_counter()
+                tree = process.tree(restored.pid)
+                for pid in tree:  # its image kept each thread's nice: it may have yielded
+                    priority.normalise(pid)
                 if self.handshake_image:
                     self.gpu_pids = self._handshake_gpu_pids
                 if gpu:  # the driver's copies mapped from the parked file: their page tables filled beside its restore
-                    self.parking.premap(process.tree(restored.pid))
+                    self.parking.premap(tree)
+                phases["adopt"] = time.perf_counter() - mark
                 self._back_up(began, phases, restored)
+                mark = time.perf_counter()
                 restored.release()  # awake: the lazy pages the wake did not ask for come now
+                phases["release"] = time.perf_counter() - mark
             except (criu.CriuError, ServerError, instance.CanaryMismatch, OSError,
                     cuda.DriverCheckpointError) as exc:
                 if lazy and isinstance(exc, cuda.DriverCheckpointError):
