@@ -15,6 +15,7 @@ import tritonclient.grpc as grpcclient
 import yaml
 from k8s_fixtures import install_crds
 from kubernetes import client as k8s
+from procs import Daemon, wait_for
 
 from volga_agent.cluster import catalog as catalog_sync
 from volga_agent.gateway import app, catalog, links
@@ -95,3 +96,35 @@ def test_a_gateway_is_ready_once_it_knows_the_clusters_models(
         background.call(gateway.stop(), timeout=30)
         background.call(sync.stop(), timeout=30)
         control_plane.kubectl("delete", "ms", MODEL, "--ignore-not-found")
+
+
+def test_the_gateway_process_is_alive_and_not_ready_while_its_catalog_loads(
+        control_plane: ControlPlane, tmp_path: pathlib.Path) -> None:
+    """`volga-gateway --kube` with the API server out of reach: its HTTP port answers at once, alive (a liveness
+    probe does not restart it) and not ready (a readiness probe keeps traffic away)."""
+    unreachable = control_plane.kubeconfig_dict()
+    [api_port, http_port, grpc_port] = free_ports(3)
+    unreachable["clusters"][0]["cluster"]["server"] = f"https://127.0.0.1:{api_port}"
+    config = tmp_path / "kubeconfig"
+    config.write_text(yaml.safe_dump(unreachable))
+    gateway = Daemon("gateway", [
+        str(pathlib.Path(sys.executable).with_name("volga-gateway")), "--kube", "--agent", "127.0.0.1:1", "--node",
+        "nowhere", "--host", "127.0.0.1", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+        "--metrics-port", "0"], {"KUBECONFIG": str(config)}, tmp_path)
+    base = f"http://127.0.0.1:{http_port}/v2/health"
+
+    def status(path: str) -> int:
+        try:
+            with urllib.request.urlopen(f"{base}/{path}", timeout=5) as reply:
+                return reply.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+        except OSError:
+            return 0  # not listening yet
+
+    try:
+        wait_for("the gateway alive", lambda: status("live") == 200, timeout=30)
+        assert status("ready") == 503
+        assert "volga-gateway: HTTP" not in gateway.log.read_text()  # not announced while it waits for its lists
+    finally:
+        assert gateway.stop() == 0, gateway.log.read_text()[-2000:]

@@ -57,11 +57,17 @@ def _specs(files: list[str]) -> list[api.ModelSpec]:
     return signature.load_files(files)
 
 
-async def _until_signalled(stop: Callable[[], Awaitable[None]]) -> None:
+def _signalled() -> asyncio.Event:
+    """An event SIGINT or SIGTERM sets, from now on."""
     event = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, event.set)
+    return event
+
+
+async def _until_signalled(stop: Callable[[], Awaitable[None]], event: asyncio.Event | None = None) -> None:
+    event = event or _signalled()
     process.settled()
     try:
         await event.wait()
@@ -320,22 +326,39 @@ def gateway_main(argv: list[str] | None = None) -> int:
         if args.kube:
             from volga_agent.cluster import catalog as catalog_sync
 
-            watcher = catalog_sync.CatalogSync(models)
-            if not await watcher.start():
-                log.warning("the API server has not listed the ModelSpecs and EMIs yet: the gateway starts not ready "
-                            "(/v2/health/ready 503) and becomes ready once it has")
+            watcher = catalog_sync.CatalogSync(models)  # not ready (503) until both watches have listed
         else:
             models.replace([s.spec for s in _specs(args.file)])
             if args.refused:
                 for refused in json.loads(pathlib.Path(args.refused).read_text()):
                     models.refuse(refused["modelId"], refused["version"], refused["reason"])
-        await gw.start()
+        await gw.start()  # live at once: a probe sees it alive, and not ready while the catalog loads
         model_servers.http_port = gw.ports["http"]
         exchanger.start()
+        signalled = _signalled()
+
+        async def stop() -> None:
+            if others is not None:
+                await asyncio.to_thread(others.stop)
+            await exchanger.stop()
+            if watcher is not None:
+                await watcher.stop()
+            await gw.stop()
+
+        others: siblings.Siblings | None = None
+        if watcher is not None:
+            listed = asyncio.ensure_future(watcher.start())
+            await asyncio.wait([listed, asyncio.ensure_future(signalled.wait())], return_when=asyncio.FIRST_COMPLETED)
+            if signalled.is_set():  # stopped while it waited
+                listed.cancel()
+                await stop()
+                return
+            if not listed.result():
+                log.warning("the API server has not listed the ModelSpecs and EMIs yet: the gateway serves not "
+                            "ready (/v2/health/ready 503) and becomes ready once it has")
         # Process 0 of several reads this line from the others for their metrics port (`siblings.READY`).
         print(f"volga-gateway: HTTP {args.host}:{gw.ports['http']}, gRPC {args.host}:{gw.ports['grpc']}, "
               f"metrics :{gw.ports['metrics']}, agent {args.agent}", flush=True)
-        others: siblings.Siblings | None = None
         if spawns:
             given = list(sys.argv[1:] if argv is None else argv)
 
@@ -354,15 +377,7 @@ def gateway_main(argv: list[str] | None = None) -> int:
             print(f"volga-gateway: {args.processes} processes; the others' metrics on :"
                   + ", :".join(map(str, others.metrics_ports())), flush=True)
 
-        async def stop() -> None:
-            if others is not None:
-                await asyncio.to_thread(others.stop)
-            await exchanger.stop()
-            if watcher is not None:
-                await watcher.stop()
-            await gw.stop()
-
-        await _until_signalled(stop)
+        await _until_signalled(stop, signalled)
 
     return _run(main())
 

@@ -74,7 +74,11 @@ class CatalogSync:
         answered them by then (the gateway starts anyway, not ready until it does)."""
         for w in self.watches:
             w.start()
-        return await asyncio.to_thread(self.loaded.wait, wait_s)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while not self.loaded.is_set() and loop.time() < deadline:  # polled: a stop may cancel it
+            await asyncio.sleep(0.02)
+        return self.loaded.is_set()
 
     async def stop(self) -> None:
         for w in self.watches:
