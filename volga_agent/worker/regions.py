@@ -246,10 +246,21 @@ class Premap:
         self._began = time.perf_counter()
         self._left = min(threads, len(self._jobs))  # threads still reading, under self._lock
         self.done = threading.Event()
-        for _ in range(self._left):
-            threading.Thread(target=self._read, name=f"premap-{pid}", daemon=True).start()
-        if not self._left:
+        if self._left:
+            self._start()
+        else:
             self._finish()
+
+    def _start(self) -> None:
+        # One thread started here, which starts the others: the caller, on a wake's path, waits for one thread to
+        # come up rather than for each (a start waits for the new thread to take the GIL, which the readers started
+        # before it and any busy thread of the agent hold in turn; bench/premap_start.py).
+        threading.Thread(target=self._launch, name=f"premap-{self.pid}", daemon=True).start()
+
+    def _launch(self) -> None:
+        for _ in range(self._left - 1):
+            threading.Thread(target=self._read, name=f"premap-{self.pid}", daemon=True).start()
+        self._read()
 
     def _finish(self) -> None:
         self.seconds = time.perf_counter() - self._began
