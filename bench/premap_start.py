@@ -9,7 +9,7 @@ already, a Python step between each read) and behind any other busy thread of th
 
 This maps a 256 MiB file in a child process and times the call that starts an 8-thread premap of it, `-n` times each
 way, alternating: as `regions.premap` starts it (`launcher`), and the way before, each thread started by the caller
-(`caller`); with the bench process otherwise idle and with a thread of it spinning in Python (`--busy`).
+(`caller`); with the bench process otherwise idle (`idle`), then with a thread of it spinning in Python (`busy`).
 
 python3 bench/premap_start.py -n 30 --out FILE.json
 """
