@@ -30,6 +30,10 @@ die() { printf '[build-k8s-bins] ERROR: %s\n' "$*" >&2; exit 1; }
 command -v go >/dev/null || die "go is not on PATH (Go >= 1.24 is needed)"
 mkdir -p "$DEST"
 DEST="$(cd "$DEST" && pwd)"
+# One build at a time into DEST (two makes at once would race on the same temporary files); the second waits and
+# then finds the binaries built.
+exec 9>"$DEST/.lock"
+flock 9 || die "cannot lock $DEST/.lock"
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/volga-build-k8s-bins.XXXXXX")"
 trap 'rm -rf "$WORK"' EXIT
 # Static binaries, no C toolchain needed; -mod=mod lets the wrapper modules resolve their requirements.
