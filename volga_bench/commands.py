@@ -392,8 +392,9 @@ def add_bench(parser: argparse.ArgumentParser) -> None:
                    help="an LLM server (1.17B parameters, KV cache, streaming) on the GPU instead: time to first token "
                         "from a cold start, SUSPENDED and FROZEN, with and without the hooks that release its memory")
     p.add_argument("--cold", type=int, default=3, help="with --gpu: cold starts")
-    p.add_argument("--hooks", default="", help="with --gpu: comma-separated: none, level1, level2, each alone or "
-                   "with -parked or -parked-eager (default: the three alone)")
+    p.add_argument("--hooks", default="", help="with --gpu: comma-separated: none, level1, level2, level1-freeze2 "
+                   "(level 1 for SUSPENDED, level 2 before a freeze), each alone or with -parked or -parked-eager "
+                   "(default: each alone)")
     p.add_argument("--cache-tokens", type=int, default=32768, help="with --gpu: the KV cache's length in tokens")
     p.add_argument("--load-threads", type=int, default=0,
                    help="with --gpu: the threads the server brings its weights in with (default: its own choice)")

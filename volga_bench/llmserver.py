@@ -12,6 +12,7 @@ way of sleeping:
               the weights copied to host memory before the checkpoint, copied back at wake-up
     level2    `POST /sleep?level=2`: the KV cache and the weights released (read again from the model's file,
               in the page cache, at wake-up)
+    level1-freeze2  level 1 for SUSPENDED, level 2 before a freeze (`hooks.beforeFreeze`)
 
 A way may add `-parked`: the server runs through `python -m volga_agent.worker.handshake`, which parks the driver's
 copy beside the image at each freeze (the image leaves it out), and its FROZEN wakes restore lazily; `-eager` after it
@@ -55,7 +56,9 @@ from volga_core import api
 
 SLEEP = {"afterRestore": [{"method": "POST", "path": "/wake_up"}]}
 HOOKS = {"none": {}, "level1": {"beforeCheckpoint": [{"method": "POST", "path": "/sleep?level=1"}], **SLEEP},
-         "level2": {"beforeCheckpoint": [{"method": "POST", "path": "/sleep?level=2"}], **SLEEP}}
+         "level2": {"beforeCheckpoint": [{"method": "POST", "path": "/sleep?level=2"}], **SLEEP},
+         "level1-freeze2": {"beforeCheckpoint": [{"method": "POST", "path": "/sleep?level=1"}],
+                            "beforeFreeze": [{"method": "POST", "path": "/sleep?level=2"}], **SLEEP}}
 # FROZEN wakes restore eagerly: lazily (CRIU lazy pages), the driver's restore faults the whole checkpointed
 # context in through userfaultfd and took 3.5x longer than an eager restore (level2: 17.3 s against 2.5 s, p50).
 # With the driver's copy parked it is mapped from a file instead: lazily then (None: as the instance decides).
@@ -233,7 +236,8 @@ async def _one(hooks: str, model_dir: pathlib.Path, cache_tokens: int, n: int, c
     def phases_of(tier: str) -> None:
         if way(hooks)[0] != "none":
             for key, value in _server_stats(instance).items():
-                server_phases[tier].setdefault(key, []).append(value)
+                if key.endswith("_ms"):
+                    server_phases[tier].setdefault(key, []).append(value)
         # the page faults of the server's processes during the driver's restore of them
         pids = process.tree(instance.pid) if instance.pid is not None else []
         faults = [driver.timings.get(pid, {}).get("restore_minflt") for pid in pids]

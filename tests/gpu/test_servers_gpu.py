@@ -41,7 +41,7 @@ def engine() -> Iterator[criu.CriuEngine]:
     shutil.rmtree(folder, ignore_errors=True)
 
 
-@pytest.mark.parametrize("hooks", ["level1", "none", "level2-parked"])
+@pytest.mark.parametrize("hooks", ["level1", "none", "level2-parked", "level1-freeze2-parked"])
 def test_llm_server_through_the_gpu_ladder(model_dir: pathlib.Path, engine: criu.CriuEngine, tmp_path: pathlib.Path,
                                            hooks: str) -> None:
     """With "-parked" the server runs through `python -m volga_agent.worker.handshake`: each freeze parks the driver's
@@ -79,6 +79,8 @@ def test_llm_server_through_the_gpu_ladder(model_dir: pathlib.Path, engine: criu
         wake = s.transitions[-1]
         assert (wake.source, wake.fallback) == (Tier.FROZEN, False) and {"restore", "driver"} <= set(wake.phases)
         assert not s.gpu_pids and not s.slept and s.restored_lazily is parks
+        if hooks.startswith("level1-freeze2"):  # SUSPENDED at level 1; woken and set to sleep at level 2 for the image
+            assert json.loads(s.call("GET", "/stats").body)["sleep_level"] == 2
     finally:
         s.close()
 

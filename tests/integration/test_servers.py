@@ -448,6 +448,13 @@ class _StandInDriver:
         return 0.0
 
 
+def _stand_ins(root: int) -> list[int]:
+    """The processes of a tree that play their own driver (`tests/servers/device_copy_server.py`), taken for those
+    holding a CUDA context."""
+    return [pid for pid in process.tree(root)
+            if b"device_copy_server" in pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()]
+
+
 @pytest.mark.parametrize(("parks", "huge"), [(True, False), (True, True), (False, False)],
                          ids=["through-the-handshake-module", "on-huge-pages", "as-it-is"])
 def test_a_gpu_servers_driver_copy_parked_beside_its_image(engine: criu.CriuEngine, workdir: pathlib.Path,
@@ -461,12 +468,7 @@ def test_a_gpu_servers_driver_copy_parked_beside_its_image(engine: criu.CriuEngi
     copy is in its image and its restore is eager. The stand-in plays its own driver (it holds no CUDA context)."""
     if huge and huge_tmpfs_unavailable():
         pytest.skip(huge_tmpfs_unavailable())
-
-    def stand_ins(root: int) -> list[int]:
-        return [pid for pid in process.tree(root)
-                if b"device_copy_server" in pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()]
-
-    monkeypatch.setattr(server, "cuda_processes", stand_ins)
+    monkeypatch.setattr(server, "cuda_processes", _stand_ins)
     copy = device_copy_server.COPY_MIB * 2**20
     driver = _StandInDriver()
     command = [*(["-m", "volga_agent.worker.handshake"] if parks else []), "tests/servers/device_copy_server.py"]
@@ -513,6 +515,57 @@ def test_a_gpu_servers_driver_copy_parked_beside_its_image(engine: criu.CriuEngi
             tmpfs.unmount(parked_root)
     assert s.parking.folder is not None and not s.parking.folder.exists()
     assert not tmpfs.huge(parked_root)
+
+
+def test_a_server_sleeps_deeper_before_a_freeze(engine: criu.CriuEngine, workdir: pathlib.Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """hooks.beforeFreeze: the server sleeps through beforeCheckpoint (level 1) for WARM and SUSPENDED and through
+    beforeFreeze (level 2) for a CRIU freeze. From SUSPENDED the freeze has the driver restore it, wakes it, sets it
+    to sleep at level 2 and checkpoints it again before the dump; a wake from the image wakes it; a freeze from HOT
+    sleeps at level 2 alone; a beforeFreeze hook that fails leaves it SUSPENDED, asleep at level 1 again. The
+    stand-in plays its own driver (a copy of its "device memory" checked at each restore)."""
+    monkeypatch.setattr(server, "cuda_processes", _stand_ins)
+    driver = _StandInDriver()
+    hooks = {"beforeCheckpoint": [{"path": "/sleep?level=1"}], "beforeFreeze": [{"path": "/sleep?level=2"}],
+             "afterRestore": [{"path": "/wake_up"}]}
+    s = server.ServerInstance(spec("deeper", ["tests/servers/device_copy_server.py"], readiness={"path": "/health"},
+                                   hooks=hooks, canary={"method": "GET", "path": "/answer"}), workdir, engine,
+                              driver=driver)  # type: ignore[arg-type]
+    driver.server = s
+
+    def events() -> list[str]:
+        return s.call("GET", "/events").body.decode().split(",")
+
+    try:
+        s.start()
+        s.warm()
+        assert (s.tier, s.slept, events()) == (api.Tier.WARM, "beforeCheckpoint", ["sleep 1"])
+        s.suspend()
+        assert (s.tier, s.slept, len(s.gpu_pids)) == (api.Tier.SUSPENDED, "beforeCheckpoint", 1)
+        s.freeze()
+        assert (s.tier, s.slept, s.pid) == (api.Tier.FROZEN, "beforeFreeze", None)
+        with s.serving():
+            assert s.call("GET", "/answer").body == device_copy_server.ANSWER
+            assert events() == ["sleep 1", "wake", "sleep 2", "wake"]
+        assert (s.transitions[-1].source, s.transitions[-1].fallback) == (api.Tier.FROZEN, False)
+        s.freeze()
+        with s.serving():
+            assert events() == ["sleep 1", "wake", "sleep 2", "wake", "sleep 2", "wake"]
+        # beforeFreeze refused (the server is asleep already when it is called): the freeze fails and the server is
+        # SUSPENDED as it was, asleep at level 1 under the driver's checkpoint
+        s.suspend()
+        bad = s.server.model_copy(update={"hooks": api.Hooks.model_validate(
+            {**hooks, "beforeFreeze": [{"path": "/sleep?level=2"}, {"path": "/sleep?level=3"}]})})
+        monkeypatch.setattr(s, "server", bad)
+        with pytest.raises(server.ServerError, match=r"hooks.beforeFreeze POST /sleep\?level=3 answered 409"):
+            s.freeze()
+        assert (s.tier, s.slept, len(s.gpu_pids)) == (api.Tier.SUSPENDED, "beforeCheckpoint", 1)
+        with s.serving():
+            assert s.call("GET", "/answer").body == device_copy_server.ANSWER
+            assert events()[-6:] == ["sleep 1", "wake", "sleep 2", "wake", "sleep 1", "wake"]
+        assert not any(t.fallback for t in s.transitions)
+    finally:
+        s.close()
 
 
 def test_a_floor_the_ladder_lacks_rests_below_it(engine: criu.CriuEngine, workdir: pathlib.Path) -> None:

@@ -8,7 +8,8 @@ are these steps:
 
     freeze  check  refuse a tree holding what CRIU cannot dump (inotify, io_uring), naming it
             record the canary's answer, when the spec gives no expected one
-            hooks  the beforeCheckpoint HTTP calls (vLLM's sleep), each answering 2xx
+            hooks  the beforeCheckpoint HTTP calls (vLLM's sleep), or beforeFreeze where the spec gives them, each
+                   answering 2xx
             dump   CRIU dumps the whole tree and kills it (CRIU >= 4.2: it holds TCP sockets)
     wake    restore  CRIU restores the tree (a Unix socket file left by the dump is removed first)
             go       with the signal-file handshake, restore-complete is written
@@ -28,7 +29,11 @@ every process of the tree that holds a CUDA context (an open /dev/nvidia* file) 
     SUSPENDED  the hooks, then the driver checkpoints each CUDA process (lock + checkpoint): the GPU state lands
                in the process's host memory and the GPU holds nothing of it; the processes keep running.
     FROZEN     from SUSPENDED, CRIU dumps the tree: the image carries what the driver left in host memory, so
-               what the hooks released before is what the image does not carry.
+               what the hooks released before is what the image does not carry. Where the spec gives beforeFreeze
+               (vLLM's level 2, the weights released, beside beforeCheckpoint's level 1, the weights kept in host
+               memory), a server asleep through beforeCheckpoint is first restored by the driver, woken by its
+               afterRestore hooks and set to sleep by beforeFreeze, then checkpointed again and dumped: a deeper
+               sleep for the image, on the idle path, and the faster wake in place for WARM and SUSPENDED.
 
 A wake from each runs the rest in reverse: the restore, the driver's restore of each process (the node's restore
 gate orders them with the other instances'), the afterRestore hooks, the readiness probe, the canary.
@@ -201,7 +206,7 @@ class ServerInstance:
         self.handshake_image = False
         self.canary_answer: Answer | None = None
         self.driver = driver  # the CUDA driver's checkpoint API: WARM and SUSPENDED, and FROZEN with a context
-        self.slept = False  # the beforeCheckpoint hooks ran and their afterRestore counterparts have not
+        self.slept = ""  # the hooks that set it to sleep (beforeCheckpoint or beforeFreeze), until afterRestore ran
         self.gpu_pids: tuple[int, ...] = ()  # the processes the driver has checkpointed (the same after a restore)
         self._handshake_gpu_pids: tuple[int, ...] = ()  # those the handshake image holds checkpointed
         # FROZEN wakes with CRIU lazy pages: the tree runs before its memory is read. None: where every CUDA process
@@ -355,7 +360,7 @@ class ServerInstance:
             began = time.perf_counter()
             source = self.tier
             self._kill()
-            self.slept, self.gpu_pids = False, ()  # a new process: nothing of the old one's sleep or checkpoint
+            self.slept, self.gpu_pids = "", ()  # a new process: nothing of the old one's sleep or checkpoint
             self._spawn()
             if self.server.hooks.signal_files:
                 self._await_handshake(began)
@@ -384,18 +389,28 @@ class ServerInstance:
         if self.server.canary is not None and self.server.canary.expect is None:
             self.canary_answer = self._canary()
 
-    def _sleep_hooks(self) -> None:
-        """The beforeCheckpoint hooks, once until the afterRestore ones undo them."""
-        if not self.slept:
-            for hook in self.server.hooks.before_checkpoint:
-                self._hook(hook, "beforeCheckpoint")
-            self.slept = bool(self.server.hooks.before_checkpoint)
+    def _sleep_hooks(self, freeze: bool = False) -> None:
+        """The beforeCheckpoint hooks (before a freeze: beforeFreeze, where the spec gives them), once until the
+        afterRestore ones undo them. A server asleep through the other list is woken (afterRestore) first; it is
+        called, so its CUDA processes must not be checkpointed (`_resume_gpu`)."""
+        which = self._sleep_for(freeze)
+        if self.slept == which:
+            return
+        self._wake_hooks()
+        hooks = self.server.hooks.before_freeze if which == "beforeFreeze" else self.server.hooks.before_checkpoint
+        for hook in hooks:
+            self._hook(hook, which)
+            self.slept = which  # asleep, if only partly, from its first answer: afterRestore undoes it
+
+    def _sleep_for(self, freeze: bool) -> str:
+        """The hooks that set the server to sleep before a freeze (`freeze`) or a move to WARM or SUSPENDED."""
+        return "beforeFreeze" if freeze and self.server.hooks.before_freeze else "beforeCheckpoint"
 
     def _wake_hooks(self) -> None:
         if self.slept:
             for hook in self.server.hooks.after_restore:
                 self._hook(hook, "afterRestore")
-            self.slept = False
+            self.slept = ""
 
     def _checkpoint_gpu(self) -> None:
         """The driver checkpoints every process of the tree that holds a CUDA context, remembered by its PID in the
@@ -591,15 +606,17 @@ class ServerInstance:
                 self._leave_hot()
             if self.handshake_image:
                 self._kill()
-                self.slept, self.gpu_pids = False, ()
+                self.slept, self.gpu_pids = "", ()
             else:
                 refused = undumpable(self.pid)
                 if refused:
                     raise FreezeRefused(f"{self.name}: CRIU cannot dump this server: " + "; ".join(refused))
-                self._sleep_hooks()
                 try:
+                    if self.slept and self.slept != self._sleep_for(freeze=True):
+                        self._resume_gpu()  # asleep the other way, under the driver's checkpoint: it is to be called
+                    self._sleep_hooks(freeze=True)
                     self._checkpoint_gpu()
-                except cuda.DriverCheckpointError:
+                except (cuda.DriverCheckpointError, ServerError):
                     self._back_to(source)
                     raise
                 old = self.image
@@ -637,13 +654,22 @@ class ServerInstance:
             self._restored = None
 
     def _back_to(self, source: Tier) -> None:
-        """A freeze that failed leaves the server running as it was before it: the driver's checkpoint undone
-        unless it was SUSPENDED, the hooks undone if it was HOT."""
-        if source is not Tier.SUSPENDED and self.gpu_pids and self.pid is not None and process.alive(self.pid):
-            with contextlib.suppress(cuda.DriverCheckpointError, ServerError):
+        """A freeze that failed leaves the server as it was before it: HOT with its hooks undone, WARM with the
+        driver's checkpoint undone, SUSPENDED under the driver's checkpoint (taken again where the freeze had the
+        driver restore it to call beforeFreeze). A WARM or SUSPENDED server the freeze woke goes back to sleep
+        through beforeCheckpoint where it can still be called; one checkpointed after beforeFreeze stays asleep
+        that way (its wake in place runs the same afterRestore hooks)."""
+        if self.pid is None or not process.alive(self.pid):
+            return
+        with contextlib.suppress(cuda.DriverCheckpointError, ServerError):
+            if source is not Tier.SUSPENDED:
                 self._resume_gpu()
-        if source is Tier.HOT:
-            self._undo_before_checkpoint()
+            if source is Tier.HOT:
+                self._undo_before_checkpoint()
+            elif not self.gpu_pids:
+                self._sleep_hooks()
+                if source is Tier.SUSPENDED:
+                    self._checkpoint_gpu()
 
     def _undo_before_checkpoint(self) -> None:
         """A move down that failed leaves the server running: what beforeCheckpoint did (a sleep) is undone."""
@@ -811,7 +837,7 @@ class ServerInstance:
         self.image, self.handshake_image = None, False
         self.parking.drop()
         self.copies_parked = False
-        self.slept, self.gpu_pids, self._before_checkpoint = False, (), {}
+        self.slept, self.gpu_pids, self._before_checkpoint = "", (), {}
 
     def stats(self) -> dict[str, object]:
         """What metrics and status report: tier, moves, failed restores, the image's size."""

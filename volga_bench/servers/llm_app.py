@@ -6,7 +6,7 @@ Its sleep mode follows vLLM's, so that Volga's hooks can call it before a checkp
     POST /sleep?level=1   copy the weights to host memory and release the KV cache and the weights' GPU memory
     POST /sleep?level=2   release the KV cache and the weights (read again from the model's file at wake-up)
     POST /wake_up         bring the weights back and allocate the KV cache again
-    GET  /stats           the last sleep's and wake-up's phases, in ms
+    GET  /stats           the last sleep's level, and its and the wake-up's phases in ms
 
 Asleep, it answers completions with 503 and its health with 200, as vLLM does. The model folder (`LLM_MODEL_DIR`)
 holds a transformers `config.json` and `model.safetensors`; `llm_model.make_model` writes one with seeded random
@@ -258,6 +258,8 @@ class Engine:
                     self.host = torch.empty(self.size, dtype=torch.uint8)
                 assert self.weights is not None
                 self.host.copy_(self.weights)
+            else:
+                self.host = None  # level 2 keeps nothing, a level-1 copy from an earlier sleep neither
             for param in self.params.values():
                 param.data = torch.empty(0, dtype=param.dtype, device="cuda")
             self.weights = None
@@ -266,7 +268,7 @@ class Engine:
             getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)()
             _release_host_memory()
             self.level = level
-            self.stats = {"sleep_ms": (time.perf_counter() - began) * 1000}
+            self.stats = {"sleep_ms": (time.perf_counter() - began) * 1000, "sleep_level": level}
 
     def wake_up(self) -> None:
         with self.lock:

@@ -15,7 +15,8 @@ tree with CRIU and wakes it on the first request. What Volga needs to know, and 
     hooks                       signalFiles: the server takes part in the handshake (`volga_agent.worker.handshake`:
                                 it writes ready-for-checkpoint once initialised, before it opens its sockets, and
                                 waits for restore-complete); beforeCheckpoint / afterRestore: HTTP calls made to it
-                                around a freeze and a wake (vLLM's `POST /sleep?level=1` and `POST /wake_up`)
+                                around a freeze and a wake (vLLM's `POST /sleep?level=1` and `POST /wake_up`);
+                                beforeFreeze: other calls for a CRIU freeze alone (`POST /sleep?level=2`)
     canary                      a request and, optionally, the answer it must give; a restored server answers it
                                 before any request reaches it (without `expect`, the answer recorded before the
                                 freeze). Without a canary the readiness probe is the check.
@@ -88,9 +89,26 @@ class Hooks(base.Model):
         "sockets) and waits for restore-complete (`volga_agent.worker.handshake`): Volga takes its image there, "
         "once, and every wake restores that image. Default: false"))
     before_checkpoint: list[HttpCall] = pydantic.Field(default_factory=list, max_length=MAX_HOOKS, description=(
-        f"HTTP calls made, in order, before each freeze (at most {MAX_HOOKS}); each must answer 2xx. Default: none"))
+        f"HTTP calls made, in order, before each move down: WARM, SUSPENDED, and a freeze unless beforeFreeze is "
+        f"given (at most {MAX_HOOKS}); each must answer 2xx. Default: none"))
     after_restore: list[HttpCall] = pydantic.Field(default_factory=list, max_length=MAX_HOOKS, description=(
         f"HTTP calls made, in order, after each wake (at most {MAX_HOOKS}); each must answer 2xx. Default: none"))
+    before_freeze: list[HttpCall] = pydantic.Field(default_factory=list, max_length=MAX_HOOKS, description=(
+        "HTTP calls made, in order, before a CRIU freeze instead of beforeCheckpoint, which then sets the server to "
+        "sleep for WARM and SUSPENDED only (vLLM's /sleep?level=2 here: the weights left out of the image, where "
+        "level 1 keeps them in host memory for a faster wake in place). A server asleep through beforeCheckpoint is "
+        f"woken (afterRestore) and put to sleep with these before the freeze (at most {MAX_HOOKS}). "
+        "Default: beforeCheckpoint"))
+
+    @pydantic.model_validator(mode="after")
+    def _sleeps_again(self) -> Hooks:
+        if self.before_freeze and self.before_checkpoint and not self.after_restore:
+            raise ValueError("beforeFreeze: a server asleep through beforeCheckpoint is woken by the afterRestore "
+                             "hooks before it sleeps again for a freeze; give afterRestore")
+        if self.before_freeze and self.signal_files:
+            raise ValueError("beforeFreeze: with signalFiles the image is taken once, at the handshake, and no "
+                             "later freeze calls the server; leave out one or the other")
+        return self
 
 
 class Canary(HttpCall):
