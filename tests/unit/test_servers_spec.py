@@ -56,6 +56,10 @@ def test_defaults_and_wire_names() -> None:
      "beforeFreeze: a server asleep through beforeCheckpoint is woken by the afterRestore hooks"),
     ({"command": ["x"], "hooks": {"signalFiles": True, "beforeFreeze": [{"path": "/sleep?level=2"}]}}, "server",
      ("server", "hooks"), "with signalFiles the image is taken once"),
+    ({"command": ["x"], "canary": {"path": "/x", "compare": ["choices..text"]}}, "server",
+     ("server", "canary", "compare", 0), "should match pattern"),
+    ({"command": ["x"], "canary": {"path": "/x", "compare": ["choices"], "expect": "ok"}}, "server",
+     ("server", "canary"), "expect: with compare, the expected answer is JSON"),
     ({"command": ["x"], "protocol": "grpc"}, "server", ("server", "protocol"), "oip-http"),
     ({"command": ["x", "{port}"], "protocol": "oip-grpc"}, "server", ("server",), "write {grpc_port}"),
     ({"command": ["x", "{grpc_port}"], "protocol": "oip-http"}, "server", ("server",), "only protocol: oip-grpc"),
@@ -91,3 +95,15 @@ def test_a_server_source_is_on_the_node_or_fetched_its_working_folder_inside_it(
             spec(source, working)
         first = caught.value.errors()[0]
         assert first["loc"] == ("server", "workingDir") and words in first["msg"], first
+
+
+def test_a_canarys_compared_fields_are_found_by_name_and_index() -> None:
+    body = b'{"id": "cmpl-1", "choices": [{"text": "volga", "index": 0}], "usage": {"tokens": 1}}'
+    assert api.json_fields(body, ["choices.0.text", "usage", "choices"]) == {
+        "choices.0.text": "volga", "usage": {"tokens": 1}, "choices": [{"text": "volga", "index": 0}]}
+    with pytest.raises(ValueError, match=r"no field choices.1.text \(at '1'\)"):
+        api.json_fields(body, ["choices.1.text"])
+    with pytest.raises(ValueError, match=r"no field id.text \(at 'text'\)"):
+        api.json_fields(body, ["id.text"])
+    with pytest.raises(ValueError, match="not JSON"):
+        api.json_fields(b"volga", ["choices"])

@@ -25,6 +25,7 @@ tree with CRIU and wakes it on the first request. What Volga needs to know, and 
 from __future__ import annotations
 
 import enum
+import json
 import re
 from typing import Annotated
 
@@ -111,12 +112,51 @@ class Hooks(base.Model):
         return self
 
 
+# A JSON field of an answer: names and list indices joined by dots (choices.0.text).
+_FIELD = r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*$"
+
+
 class Canary(HttpCall):
     """A request the server answers before any other after a wake, and the answer it must give."""
 
     expect_status: int = pydantic.Field(default=200, ge=100, le=599, description="the status. Default: 200")
     expect: str | None = pydantic.Field(default=None, max_length=MAX_CANARY_BODY, description=(
         "the body it must answer; unset: the body it answered before the freeze"))
+    compare: list[Annotated[str, pydantic.Field(min_length=1, max_length=256, pattern=_FIELD)]] = pydantic.Field(
+        default_factory=list, max_length=32, description=(
+            "the JSON fields of the answer that must be equal, each a path of names and list indices joined by dots "
+            "(choices, choices.0.text); the rest, such as the id and the time an OpenAI-compatible server gives "
+            "every answer afresh, is not compared. Default: the whole body, byte for byte"))
+
+    @pydantic.model_validator(mode="after")
+    def _expect_is_json(self) -> Canary:
+        if self.compare and self.expect is not None:
+            try:
+                json.loads(self.expect)
+            except ValueError as exc:
+                raise ValueError(f"expect: with compare, the expected answer is JSON: {exc}") from None
+        return self
+
+
+def json_fields(body: bytes, paths: list[str]) -> dict[str, object]:
+    """The values at `paths` (`Canary.compare`) in a JSON body; ValueError saying which is missing or that the body
+    is not JSON."""
+    try:
+        document = json.loads(body)
+    except ValueError as exc:
+        raise ValueError(f"not JSON ({exc}): {body[:200]!r}") from None
+    found: dict[str, object] = {}
+    for path in paths:
+        value = document
+        for step in path.split("."):
+            if isinstance(value, dict) and step in value:
+                value = value[step]
+            elif isinstance(value, list) and step.isdigit() and int(step) < len(value):
+                value = value[int(step)]
+            else:
+                raise ValueError(f"no field {path} (at {step!r}) in {body[:200]!r}")
+        found[path] = value
+    return found
 
 
 class ServerSpec(base.Model):
