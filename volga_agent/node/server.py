@@ -839,17 +839,6 @@ class ServerInstance:
         self.copies_parked = False
         self.slept, self.gpu_pids, self._before_checkpoint = "", (), {}
 
-    def stats(self) -> dict[str, object]:
-        """What metrics and status report: tier, moves, failed restores, the image's size."""
-        return {"tier": self.tier.value, "transitions": len(self.transitions),
-                "restore_failures": self.restore_failures,
-                "image_bytes": self.image.size_bytes if self.image is not None else 0,
-                "gpu_processes": len(self.gpu_pids), "slept": self.slept,
-                "driver_copies_parked": self.copies_parked,
-                "last_wake_ms": next((t.seconds * 1000 for t in reversed(self.transitions)
-                                      if t.target is Tier.HOT and t.source in (Tier.FROZEN, Tier.SUSPENDED, Tier.WARM)),
-                                     None)}
-
     # -- steps -------------------------------------------------------------------------------------------------
     def _spawn(self) -> None:
         self.signals.mkdir(parents=True, exist_ok=True)
