@@ -347,8 +347,9 @@ def gateway_main(argv: list[str] | None = None) -> int:
 
         others: siblings.Siblings | None = None
         if watcher is not None:
-            listed = asyncio.ensure_future(watcher.start())
-            await asyncio.wait([listed, asyncio.ensure_future(signalled.wait())], return_when=asyncio.FIRST_COMPLETED)
+            listed, waiting = asyncio.ensure_future(watcher.start()), asyncio.ensure_future(signalled.wait())
+            await asyncio.wait([listed, waiting], return_when=asyncio.FIRST_COMPLETED)
+            waiting.cancel()
             if signalled.is_set():  # stopped while it waited
                 listed.cancel()
                 await stop()
