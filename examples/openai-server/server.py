@@ -1,12 +1,12 @@
 """An OpenAI-compatible completions server that knows nothing of Volga, the shape of an LLM server (vLLM and the
 like): `POST /v1/completions` answers at once or, with `"stream": true`, token by token as server-sent events;
 `GET /v1/models` lists its one model; `GET /health` answers once it serves. Like vLLM's sleep mode,
-`POST /sleep?level=1` puts the weights aside in host memory and `level=2` drops them (made again at wake-up), and
-`POST /wake_up` brings them back; asleep, it answers 503.
+`POST /sleep?level=1` puts the weights aside in host memory and `level=2` drops them (read again from the checkpoint
+at wake-up), and `POST /wake_up` brings them back; asleep, it answers 503.
 
-Its "model" is a toy: a byte-level table of seeded random weights scoring the next byte after the last two (64 MiB;
-a real server loads a checkpoint), decoded greedily, so that every answer to a prompt is the same. Run it as Volga
-does (modelspec.yaml):
+Its "model" is a toy: a byte-level table of seeded random weights scoring the next byte after the last two, decoded
+greedily, so that every answer to a prompt is the same. Its checkpoint, toy-llm.npy (64 MiB) in the folder it runs
+in, is written by its first start when missing, as a download would. Run it as Volga does (modelspec.yaml):
 
     python -m uvicorn server:app --port 8080 --loop asyncio
 """
@@ -14,6 +14,7 @@ does (modelspec.yaml):
 from __future__ import annotations
 
 import json
+import pathlib
 import time
 import uuid
 from collections.abc import Iterator
@@ -24,18 +25,28 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 MODEL = "toy-llm"
+CHECKPOINT = pathlib.Path("toy-llm.npy")
 VOCAB = 256  # one token per byte; lower-case letters and spaces only are ever chosen
 STEP_MS = 20  # a decoding step's time, as a real model takes (the toy's own takes none)
 
 
-def load_weights() -> np.ndarray:
-    """The next byte's scores after every pair of bytes: what loading a checkpoint is to a real server."""
+def make_checkpoint() -> np.ndarray:
+    """The next byte's scores after every pair of bytes."""
     rng = np.random.default_rng(2026)
     scores = rng.standard_normal((VOCAB * VOCAB, VOCAB)).astype(np.float32)
     printable = np.zeros(VOCAB, dtype=bool)
     printable[ord("a"):ord("z") + 1] = printable[ord(" ")] = True
     scores[:, ~printable] = -np.inf
     return scores
+
+
+def load_weights() -> np.ndarray:
+    if not CHECKPOINT.exists():
+        partial = CHECKPOINT.with_suffix(".partial.npy")
+        np.save(partial, make_checkpoint())
+        partial.rename(CHECKPOINT)
+    weights: np.ndarray = np.load(CHECKPOINT)
+    return weights
 
 
 class Engine:

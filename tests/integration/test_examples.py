@@ -113,11 +113,13 @@ def test_pipeline_example_chains_two_models(staged: pathlib.Path, up: harness.Up
     assert "".join(chars[i] for i in got.indices()).replace(" ", "") == "VOLGA2026"
 
 
-def test_openai_server_example_frozen_and_woken_by_a_request(monkeypatch: pytest.MonkeyPatch) -> None:
-    """examples/openai-server as its modelspec.yaml says to run it: `volga up -f` it (the `python` on PATH has FastAPI
-    and uvicorn), and its client streams a completion through the gateway. The server rests FROZEN (its image, no
-    process); the first request wakes it, the answer arrives in several pieces, the same as the server's own
-    decoding of that prompt; idle, it is frozen again, and the next request wakes it alike."""
+def test_openai_server_example_frozen_and_woken_by_a_request(monkeypatch: pytest.MonkeyPatch,
+                                                             tmp_path: pathlib.Path) -> None:
+    """examples/openai-server (a copy: its first start writes its checkpoint beside it) as its modelspec.yaml says to
+    run it: `volga up -f` it (the `python` on PATH has FastAPI and uvicorn), and its client streams a completion
+    through the gateway. The server rests FROZEN (its image, no process); the first request wakes it, the answer
+    arrives in several pieces, the same as the server's own decoding of that prompt; idle, it is frozen again, and
+    the next request wakes it alike."""
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
     import json
@@ -125,8 +127,10 @@ def test_openai_server_example_frozen_and_woken_by_a_request(monkeypatch: pytest
     import subprocess
     import time
 
-    folder = EXAMPLES / "openai-server"
+    folder = tmp_path / "openai-server"
+    shutil.copytree(EXAMPLES / "openai-server", folder)
     client = load(folder / "client.py", "volga_example_openai_client")
+    monkeypatch.chdir(folder)  # where its module, loaded here, writes its checkpoint
     server = load(folder / "server.py", "volga_example_openai_server")
     monkeypatch.setenv("PATH", f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
 
@@ -142,7 +146,7 @@ def test_openai_server_example_frozen_and_woken_by_a_request(monkeypatch: pytest
             time.sleep(0.5)
 
     prompt = "the river"
-    want = list(server.Engine().tokens(prompt, 16))
+    want = list(server._decode(server.make_checkpoint(), prompt.encode()[-2:], 16))
     with harness.volga_up(["-f", str(folder / "modelspec.yaml"), "--idle-sec", "1"]) as up:
         for woken in (1, 2):
             until(up, "FROZEN")
