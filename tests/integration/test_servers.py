@@ -217,6 +217,30 @@ def test_inotify_refused_by_name(engine: criu.CriuEngine, workdir: pathlib.Path)
         s.close()
 
 
+@pytest.mark.parametrize("compare", [["tokens", "tokens.0"], ["tokens.9"]], ids=["fields", "a-field-missing"])
+def test_a_canary_compares_the_fields_it_names(engine: criu.CriuEngine, workdir: pathlib.Path,
+                                               compare: list[str]) -> None:
+    """`canary.compare`: the named JSON fields of the canary's answer against those it gave before the freeze; a
+    field the answer lacks (the canary asks for six tokens) fails the wake, which falls back to a cold start that
+    says which field."""
+    body = json.dumps({"prompt": "compared", "tokens": 6})
+    s = server.ServerInstance(spec("compared", [*STREAM, "--port", "{port}"], readiness={"path": "/health"},
+                                   canary={"path": "/v1/generate", "body": body, "compare": compare}), workdir, engine)
+    try:
+        s.start()
+        s.freeze()
+        with s.serving():
+            assert s.call("POST", "/v1/generate", body.encode()).status == 200
+        wake = s.transitions[-1]
+        if compare == ["tokens.9"]:
+            assert wake.fallback and s.restore_failures == 1
+            assert "the canary's answer: no field tokens.9 (at '9')" in wake.detail, wake.detail
+        else:
+            assert (wake.source, wake.fallback) == (api.Tier.FROZEN, False), wake.detail
+    finally:
+        s.close()
+
+
 def test_idle_demotion_waits_for_requests_in_flight(engine: criu.CriuEngine, workdir: pathlib.Path) -> None:
     s = server.ServerInstance(spec("idle", [*STREAM, "--port", "{port}"], readiness={"path": "/health"}), workdir,
                               engine)
