@@ -5,11 +5,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import json
 import os
 import pathlib
 import re
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -114,6 +116,13 @@ def series(url: str, name: str) -> dict[str, float]:
         if found:
             out[found.group(1) or ""] = float(found.group(2))
     return out
+
+
+def tiers(agent: str, model: str) -> list[str]:
+    """The tiers of a model's instances, as `volga status --agent AGENT --json` lists them."""
+    out = subprocess.run([sys.executable, "-m", "volga_agent.cli", "status", "--agent", agent, "--json"],
+                         capture_output=True, text=True, timeout=60, check=True)
+    return [i["tier"] for m in json.loads(out.stdout)["models"] if m["modelId"] == model for i in m["instanceList"]]
 
 
 def end_restored(child: subprocess.Popen[Any], restored: criu.Restored | None) -> None:

@@ -90,12 +90,10 @@ def test_volga_up_wakes_the_llm_server_from_its_suspended_floor(model_dir: pathl
     """`volga up` runs a server ModelSpec on the GPU as a cluster node's agent does (the server pool, the node's
     driver): brought to its SUSPENDED floor (`pool: {suspended: 1, frozen: 0}`), woken by a request through the
     gateway with its answer streamed, HOT answering the same, and back at its floor once idle, woken again alike."""
-    import subprocess
-    import sys
     import urllib.request
 
     import yaml
-    from procs import series, wait_for
+    from procs import series, tiers, wait_for
 
     from volga_bench import harness
 
@@ -104,12 +102,6 @@ def test_volga_up_wakes_the_llm_server_from_its_suspended_floor(model_dir: pathl
     doc = {"apiVersion": api.API_VERSION, "kind": "ModelSpec", "metadata": {"name": "llm"}, "spec": wire}
     (tmp_path / "llm.yaml").write_text(yaml.safe_dump(doc))
     body = json.dumps({**json.loads(BODY), "stream": True}).encode()
-
-    def tiers(up: harness.UpProcess) -> list[str]:
-        out = subprocess.run([sys.executable, "-m", "volga_agent.cli", "status", "--agent", up.endpoints["agent"],
-                              "--json"], capture_output=True, text=True, timeout=60, check=True)
-        return [i["tier"] for m in json.loads(out.stdout)["models"] if m["modelId"] == "llm"
-                for i in m["instanceList"]]
 
     def ask(up: harness.UpProcess) -> bytes:
         request = urllib.request.Request(up.endpoints["http"] + "/v1/completions", data=body, method="POST",
@@ -120,10 +112,13 @@ def test_volga_up_wakes_the_llm_server_from_its_suspended_floor(model_dir: pathl
 
     with harness.volga_up(["-f", str(tmp_path / "llm.yaml"), "--model-root", str(model_dir), "--idle-sec", "3"],
                           timeout=600) as up:
-        wait_for("the server at its SUSPENDED floor", lambda: tiers(up) == ["SUSPENDED"], timeout=600, every=1)
+        def suspended() -> bool:
+            return tiers(up.endpoints["agent"], "llm") == ["SUSPENDED"]
+
+        wait_for("the server at its SUSPENDED floor", suspended, timeout=600, every=1)
         woken = ask(up)
         assert woken.count(b"data: ") == 9 and woken == ask(up)  # 8 tokens and [DONE]; HOT answers the same
-        wait_for("the idle server back at its floor", lambda: tiers(up) == ["SUSPENDED"], timeout=120, every=1)
+        wait_for("the idle server back at its floor", suspended, timeout=120, every=1)
         assert ask(up) == woken
         wakes = series(up.endpoints["metrics"], "volga_activations_total")
         assert wakes.get('{model="llm",tier="SUSPENDED"}') == 2.0, wakes

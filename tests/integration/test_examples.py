@@ -122,10 +122,9 @@ def test_openai_server_example_frozen_and_woken_by_a_request(monkeypatch: pytest
     the next request wakes it alike."""
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
-    import json
     import os
-    import subprocess
-    import time
+
+    from procs import series, tiers, wait_for
 
     folder = tmp_path / "openai-server"
     shutil.copytree(EXAMPLES / "openai-server", folder)
@@ -134,37 +133,14 @@ def test_openai_server_example_frozen_and_woken_by_a_request(monkeypatch: pytest
     server = load(folder / "server.py", "volga_example_openai_server")
     monkeypatch.setenv("PATH", f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
 
-    def tiers(up: harness.UpProcess) -> list[str]:
-        out = subprocess.run([sys.executable, "-m", "volga_agent.cli", "status", "--agent", up.endpoints["agent"],
-                              "--json"], capture_output=True, text=True, timeout=60, check=True)
-        return [i["tier"] for m in json.loads(out.stdout)["models"] for i in m["instanceList"]]
-
-    def until(up: harness.UpProcess, tier: str) -> None:
-        deadline = time.monotonic() + 120
-        while tiers(up) != [tier]:
-            assert time.monotonic() < deadline, f"never {tier}: {tiers(up)}"
-            time.sleep(0.5)
-
     prompt = "the river"
-    want = list(server._decode(server.make_checkpoint(), prompt.encode()[-2:], 16))
+    want = list(server.engine.tokens(prompt, 16))
     with harness.volga_up(["-f", str(folder / "modelspec.yaml"), "--idle-sec", "1"]) as up:
-        for woken in (1, 2):
-            until(up, "FROZEN")
+        for woken in (1.0, 2.0):
+            wait_for("the server frozen", lambda: tiers(up.endpoints["agent"], "toy-llm") == ["FROZEN"], every=0.5)
             pieces = list(client.stream(up.endpoints["http"], prompt))
             assert pieces == want and len(set(want)) > 2
             # a wake from its image each time, not a cold start in its place
-            assert counted(up.endpoints["metrics"], "volga_activations_total", tier="FROZEN") == woken
-            assert counted(up.endpoints["metrics"], "volga_snapshot_restore_failures_total") == 0
-
-
-def counted(metrics_url: str, name: str, **labels: str) -> float:
-    """The sum of a metric's samples with these labels (and model toy-llm) in `volga up`'s /metrics."""
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(metrics_url, timeout=10) as r:
-        text = r.read().decode()
-    labels = {"model": "toy-llm", **labels}
-    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
-               if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()))
+            wakes = series(up.endpoints["metrics"], "volga_activations_total")
+            assert wakes.get('{model="toy-llm",tier="FROZEN"}') == woken, wakes
+            assert not series(up.endpoints["metrics"], "volga_snapshot_restore_failures_total"), "a wake fell back"

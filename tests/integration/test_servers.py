@@ -28,7 +28,7 @@ from aiohttp import web
 if not all(importlib.util.find_spec(name) for name in ("kserve", "fastapi", "uvicorn")):
     pytest.skip("KServe, FastAPI and uvicorn come with the peers extra (make setup)", allow_module_level=True)
 
-from procs import huge_tmpfs_unavailable, wait_for
+from procs import huge_tmpfs_unavailable, tiers, wait_for
 from servers import device_copy_server
 
 from volga_agent.autonomy import decider, loop
@@ -349,7 +349,6 @@ def test_volga_up_server_reached_by_every_gateway_process(engine: criu.CriuEngin
     (FROZEN at start-up), `volga status --agent` lists it with its tier; requests on fresh connections, spread by the
     kernel over both gateway processes (the second leases the server through the Agent API), are all answered, the
     same, by one wake from FROZEN; idle again, it goes back to FROZEN."""
-    import subprocess
 
     import yaml
     from procs import wait_for
@@ -362,10 +361,7 @@ def test_volga_up_server_reached_by_every_gateway_process(engine: criu.CriuEngin
     (tmp_path / "stream.yaml").write_text(yaml.safe_dump(doc))
 
     def listed(up: harness.UpProcess) -> list[str]:
-        out = subprocess.run([sys.executable, "-m", "volga_agent.cli", "status", "--agent", up.endpoints["agent"],
-                              "--json"], capture_output=True, text=True, timeout=60, check=True)
-        [model] = [m for m in json.loads(out.stdout)["models"] if m["modelId"] == "stream"]
-        return [i["tier"] for i in model["instanceList"]]
+        return tiers(up.endpoints["agent"], "stream")
 
     async def spread(url: str, count: int) -> list[tuple[int, list[bytes]]]:
         async def one() -> tuple[int, list[bytes]]:
