@@ -588,6 +588,31 @@ def test_a_server_sleeps_deeper_before_a_freeze(engine: criu.CriuEngine, workdir
         s.close()
 
 
+def test_a_suspended_server_is_restored_before_its_freeze_hooks(engine: criu.CriuEngine, workdir: pathlib.Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server with beforeFreeze alone is not set to sleep for SUSPENDED; freezing it then calls beforeFreeze, so
+    the driver restores it first (the stand-in refuses to sleep while checkpointed) and checkpoints it again."""
+    monkeypatch.setattr(server, "cuda_processes", _stand_ins)
+    driver = _StandInDriver()
+    hooks = {"beforeFreeze": [{"path": "/sleep?level=2"}], "afterRestore": [{"path": "/wake_up"}]}
+    s = server.ServerInstance(spec("frozen-only", ["tests/servers/device_copy_server.py"],
+                                   readiness={"path": "/health"}, hooks=hooks,
+                                   canary={"method": "GET", "path": "/answer"}), workdir, engine,
+                              driver=driver)  # type: ignore[arg-type]
+    driver.server = s
+    try:
+        s.start()
+        s.suspend()
+        assert (s.tier, s.slept, len(s.gpu_pids)) == (api.Tier.SUSPENDED, "", 1)
+        s.freeze()
+        assert (s.tier, s.slept) == (api.Tier.FROZEN, "beforeFreeze")
+        with s.serving():
+            assert s.call("GET", "/events").body == b"sleep 2,wake"
+        assert not any(t.fallback for t in s.transitions)
+    finally:
+        s.close()
+
+
 def test_a_floor_the_ladder_lacks_rests_below_it(engine: criu.CriuEngine, workdir: pathlib.Path) -> None:
     """A SUSPENDED floor for a server without a CUDA context (a CPU server on a GPU node) rests FROZEN, the next tier
     its ladder has, both when it is brought to its floor and when idle demotion takes it there."""

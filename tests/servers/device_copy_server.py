@@ -4,8 +4,9 @@ a plain HTTP server on $VOLGA_SERVER_PORT that plays its CUDA driver's part when
 checkpoint fills one); `POST /restore` checks that mapping against the pattern (409 if it differs) and unmaps it, as
 the driver's restore gives its copy back; `GET /answer` answers a value computed at start. Like vLLM's sleep mode,
 `POST /sleep?level=N` sets it to sleep (its answer 503 until `POST /wake_up`), and `GET /events` lists the sleeps
-and wake-ups it has had. It knows nothing of Volga: run it through `python -m volga_agent.worker.handshake` to have
-its copy parked."""
+and wake-ups it has had; neither can run while its "device memory" is checkpointed (409), as a CUDA process under
+the driver's checkpoint cannot. It knows nothing of Volga: run it through `python -m volga_agent.worker.handshake`
+to have its copy parked."""
 
 from __future__ import annotations
 
@@ -43,10 +44,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
             intact = all(region[at:at + len(PATTERN)] == PATTERN for at in range(0, len(region), len(PATTERN)))
             region.close()
             self._answer(200 if intact else 409, b"restored" if intact else b"the copy differs")
-        elif self.path.startswith("/sleep?level=") and (not events or events[-1] == "wake"):
+        elif self.path.startswith("/sleep?level=") and not copy and (not events or events[-1] == "wake"):
             events.append(f"sleep {self.path.rpartition('=')[2]}")
             self._answer(200, b"asleep")
-        elif self.path == "/wake_up" and events and events[-1] != "wake":
+        elif self.path == "/wake_up" and not copy and events and events[-1] != "wake":
             events.append("wake")
             self._answer(200, b"awake")
         else:

@@ -391,13 +391,14 @@ class ServerInstance:
 
     def _sleep_hooks(self, freeze: bool = False) -> None:
         """The beforeCheckpoint hooks (before a freeze: beforeFreeze, where the spec gives them), once until the
-        afterRestore ones undo them. A server asleep through the other list is woken (afterRestore) first; it is
-        called, so its CUDA processes must not be checkpointed (`_resume_gpu`)."""
+        afterRestore ones undo them. A server asleep through the other list is woken (afterRestore) first. A server
+        that is called has its CUDA processes running: one under the driver's checkpoint is restored first."""
         which = self._sleep_for(freeze)
-        if self.slept == which:
-            return
-        self._wake_hooks()
         hooks = self.server.hooks.before_freeze if which == "beforeFreeze" else self.server.hooks.before_checkpoint
+        if self.slept == which or not (hooks or self.slept):
+            return
+        self._resume_gpu()
+        self._wake_hooks()
         for hook in hooks:
             self._hook(hook, which)
             self.slept = which  # asleep, if only partly, from its first answer: afterRestore undoes it
@@ -612,8 +613,6 @@ class ServerInstance:
                 if refused:
                     raise FreezeRefused(f"{self.name}: CRIU cannot dump this server: " + "; ".join(refused))
                 try:
-                    if self.slept and self.slept != self._sleep_for(freeze=True):
-                        self._resume_gpu()  # asleep the other way, under the driver's checkpoint: it is to be called
                     self._sleep_hooks(freeze=True)
                     self._checkpoint_gpu()
                 except (cuda.DriverCheckpointError, ServerError):
