@@ -8,6 +8,7 @@ import pydantic
 import pytest
 
 from volga_core import api
+from volga_core.api import servers
 
 
 def parse(server: dict[str, Any] | None, framework: str = "server") -> api.ModelSpecSpec:
@@ -99,11 +100,22 @@ def test_a_server_source_is_on_the_node_or_fetched_its_working_folder_inside_it(
 
 def test_a_canarys_compared_fields_are_found_by_name_and_index() -> None:
     body = b'{"id": "cmpl-1", "choices": [{"text": "volga", "index": 0}], "usage": {"tokens": 1}}'
-    assert api.json_fields(body, ["choices.0.text", "usage", "choices"]) == {
+    assert servers.json_fields(body, ["choices.0.text", "usage", "choices"]) == {
         "choices.0.text": "volga", "usage": {"tokens": 1}, "choices": [{"text": "volga", "index": 0}]}
     with pytest.raises(ValueError, match=r"no field choices.1.text \(at '1'\)"):
-        api.json_fields(body, ["choices.1.text"])
+        servers.json_fields(body, ["choices.1.text"])
     with pytest.raises(ValueError, match=r"no field id.text \(at 'text'\)"):
-        api.json_fields(body, ["id.text"])
+        servers.json_fields(body, ["id.text"])
     with pytest.raises(ValueError, match="not JSON"):
-        api.json_fields(b"volga", ["choices"])
+        servers.json_fields(b"volga", ["choices"])
+
+
+def test_a_canary_compares_its_fields_or_the_whole_body() -> None:
+    before = b'{"id": "cmpl-1", "created": 1, "choices": [{"text": "volga"}]}'
+    fields = api.Canary.model_validate({"path": "/v1/completions", "compare": ["choices"]})
+    assert fields.differs(b'{"id": "cmpl-2", "created": 2, "choices": [{"text": "volga"}]}', before) == ""
+    assert fields.differs(b'{"id": "cmpl-2", "choices": [{"text": "oka"}]}', before) == (
+        "choices is [{'text': 'oka'}], expected [{'text': 'volga'}]")
+    whole = api.Canary.model_validate({"path": "/v1/completions"})
+    assert whole.differs(before, before) == ""
+    assert whole.differs(before.replace(b"cmpl-1", b"cmpl-2"), before).startswith("b'{\"id\": \"cmpl-2\"")

@@ -941,18 +941,10 @@ class ServerInstance:
             want = self.canary_answer
         else:
             return
-        if canary.compare and got.status == want.status:
-            try:
-                fields, wanted = api.json_fields(got.body, canary.compare), api.json_fields(want.body, canary.compare)
-            except ValueError as exc:
-                raise instance.CanaryMismatch(f"{self.name}: the canary's answer: {exc}") from None
-            differ = next((path for path in canary.compare if fields[path] != wanted[path]), None)
-            if differ is not None:
-                raise instance.CanaryMismatch(f"{self.name}: the canary answered {differ} = "
-                                              f"{str(fields[differ])[:200]}, expected {str(wanted[differ])[:200]}")
-        elif got != want:
-            raise instance.CanaryMismatch(f"{self.name}: the canary answered {got.status} {got.body[:200]!r}, "
-                                          f"expected {want.status} {want.body[:200]!r}")
+        differs = f"status {got.status}, expected {want.status}" if got.status != want.status else \
+            canary.differs(got.body, want.body)
+        if differs:
+            raise instance.CanaryMismatch(f"{self.name}: the canary's answer: {differs}")
 
     def _kill(self) -> None:
         if self._restored is not None:

@@ -84,7 +84,6 @@ from volga_core.api.servers import (
     Protocol,
     Readiness,
     ServerSpec,
-    json_fields,
     listen_address,
     split_address,
 )
@@ -110,7 +109,7 @@ __all__ = [
     "Model", "ModelSpec", "ModelSpecSpec", "ModelSpecStatus", "ObjectMeta", "Pool", "Precision", "Protocol",
     "Readiness", "Runtime", "ServerSpec", "SharedSnapshotRef", "Slo", "SourceStatus", "SpecError", "Targets",
     "TensorSpec", "Tier", "TierCounts", "ToleranceStep", "WarmupInput", "WarmupSample", "bad_characters",
-    "chain_errors", "chain_invalid", "chain_peers", "chain_problems", "ensemble_problems", "json_fields",
-    "listen_address", "load_labelled", "load_model_specs", "parse_model_spec", "problems_of", "repeated",
-    "split_address", "validate_spec", "warmup_problems",
+    "chain_errors", "chain_invalid", "chain_peers", "chain_problems", "ensemble_problems", "listen_address",
+    "load_labelled", "load_model_specs", "parse_model_spec", "problems_of", "repeated", "split_address",
+    "validate_spec", "warmup_problems",
 ]

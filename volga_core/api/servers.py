@@ -137,6 +137,18 @@ class Canary(HttpCall):
                 raise ValueError(f"expect: with compare, the expected answer is JSON: {exc}") from None
         return self
 
+    def differs(self, got: bytes, want: bytes) -> str:
+        """How the answer `got` differs from `want` where this canary looks (the `compare` fields, or the whole
+        body); "" where it does not."""
+        if not self.compare:
+            return "" if got == want else f"{got[:200]!r}, expected {want[:200]!r}"
+        try:
+            fields, wanted = json_fields(got, self.compare), json_fields(want, self.compare)
+        except ValueError as exc:
+            return str(exc)
+        path = next((p for p in self.compare if fields[p] != wanted[p]), None)
+        return "" if path is None else f"{path} is {str(fields[path])[:200]}, expected {str(wanted[path])[:200]}"
+
 
 def json_fields(body: bytes, paths: list[str]) -> dict[str, object]:
     """The values at `paths` (`Canary.compare`) in a JSON body; ValueError saying which is missing or that the body
