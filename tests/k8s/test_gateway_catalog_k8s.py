@@ -27,12 +27,19 @@ pytest_plugins = ["k8s_fixtures"]
 MODEL = "catalog-ready"
 
 
-def _health(gateway: app.Gateway) -> int:
+def _status(url: str) -> int:
+    """The HTTP status a GET of `url` answers; 0 while nothing listens there."""
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{gateway.ports['http']}/v2/health/ready", timeout=10) as reply:
+        with urllib.request.urlopen(url, timeout=10) as reply:
             return reply.status
     except urllib.error.HTTPError as exc:
         return exc.code
+    except OSError:
+        return 0
+
+
+def _health(gateway: app.Gateway) -> int:
+    return _status(f"http://127.0.0.1:{gateway.ports['http']}/v2/health/ready")
 
 
 def _server_ready(gateway: app.Gateway) -> bool:
@@ -114,13 +121,7 @@ def test_the_gateway_process_is_alive_and_not_ready_while_its_catalog_loads(
     base = f"http://127.0.0.1:{http_port}/v2/health"
 
     def status(path: str) -> int:
-        try:
-            with urllib.request.urlopen(f"{base}/{path}", timeout=5) as reply:
-                return reply.status
-        except urllib.error.HTTPError as exc:
-            return exc.code
-        except OSError:
-            return 0  # not listening yet
+        return _status(f"{base}/{path}")
 
     try:
         wait_for("the gateway alive", lambda: status("live") == 200, timeout=30)
