@@ -12,6 +12,10 @@
 # packages are criu's dependencies as apt resolves them in the chosen suite (library names differ between suites).
 # An installed CRIU older than the suite's minimum (4.2; 4.0 for trixie) is replaced.
 #
+# Beside it, $PREFIX/bin/tini: Debian's static tini (tini-static) from the same suite, the init a model server's PID
+# namespace runs under (volga_agent/worker/nsinit.py, --init): criu's dump of a PID namespace needs its init's working
+# folder writable, and a server's own folder may be read-only.
+#
 # Usage: scripts/install-criu.sh [PREFIX [SUITE]]
 #        (defaults: $VOLGA_CRIU_PREFIX or ~/.cache/volga/criu; $VOLGA_CRIU_SUITE or forky)
 set -euo pipefail
@@ -24,8 +28,9 @@ case $suite in
   *) want='Version: 4\.([2-9]|[1-9][0-9])' ;;
 esac
 
-if [ -x "$prefix/bin/criu" ] && "$prefix/bin/criu" --version 2>/dev/null | grep -Eq "$want"; then
-  echo "criu already installed: $("$prefix/bin/criu" --version | sed -n 1p) at $prefix/bin/criu"
+if [ -x "$prefix/bin/criu" ] && "$prefix/bin/criu" --version 2>/dev/null | grep -Eq "$want" &&
+   [ -x "$prefix/bin/tini" ]; then
+  echo "criu already installed: $("$prefix/bin/criu" --version | sed -n 1p) at $prefix/bin/criu, tini beside it"
   exit 0
 fi
 
@@ -46,6 +51,8 @@ mapfile -t packages < <(apt-cache "${apt_opts[@]}" depends --recurse --no-recomm
   --no-conflicts --no-breaks --no-replaces --no-enhances criu | grep -v '^[ <]' | sort -u)
 chmod 755 "$work"
 (cd "$work/debs" && chmod 777 . && apt-get "${apt_opts[@]}" -qq download "${packages[@]}")
+mkdir -p "$work/tini" && chmod 777 "$work/tini"
+(cd "$work/tini" && apt-get "${apt_opts[@]}" -qq download tini-static && dpkg-deb -x tini-static_*.deb .)
 
 root="$prefix/root"
 rm -rf "$root.new"
@@ -63,5 +70,7 @@ lib=$root/usr/lib/x86_64-linux-gnu
 exec "$lib/ld-linux-x86-64.so.2" --library-path "$lib" "$root/usr/sbin/criu" "$@"
 WRAP
 chmod +x "$prefix/bin/criu"
+install -m 755 "$work/tini/usr/bin/tini-static" "$prefix/bin/tini"
 "$prefix/bin/criu" --version
-echo "installed criu at $prefix/bin/criu"
+"$prefix/bin/tini" --version
+echo "installed criu at $prefix/bin/criu, tini beside it"

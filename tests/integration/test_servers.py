@@ -13,6 +13,7 @@ import os
 import pathlib
 import queue
 import shutil
+import subprocess
 import sys
 import tempfile
 import urllib.request
@@ -237,6 +238,55 @@ def test_a_canary_compares_the_fields_it_names(engine: criu.CriuEngine, workdir:
             assert "the canary's answer: no field tokens.9 (at '9')" in wake.detail, wake.detail
         else:
             assert (wake.source, wake.fallback) == (api.Tier.FROZEN, False), wake.detail
+    finally:
+        s.close()
+
+
+@pytest.fixture
+def read_only_folder(tmp_path: pathlib.Path) -> Iterator[pathlib.Path]:
+    """The aiohttp server's file in a folder mounted read-only (as a node's model roots are in the agent's pod)."""
+    source, view = tmp_path / "source", tmp_path / "view"
+    source.mkdir()
+    view.mkdir()
+    shutil.copyfile(ROOT / "tests" / "servers" / "aiohttp_stream_server.py", source / "server.py")
+    try:
+        subprocess.run(["mount", "--bind", str(source), str(view)], check=True, capture_output=True)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        pytest.skip(f"a read-only bind mount needs root: {exc}")
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(view)], check=True, capture_output=True)
+        yield view
+    finally:
+        subprocess.run(["umount", str(view)], check=True)
+
+
+def test_a_server_in_a_read_only_folder_frozen_and_woken(engine: criu.CriuEngine, workdir: pathlib.Path,
+                                                         read_only_folder: pathlib.Path) -> None:
+    """A server runs in its own folder, which may be read-only. criu's dump of the server's PID namespace mounts a
+    /proc for it on a folder it makes in the namespace init's working folder: tini is that init, working in the
+    instance's folder, and the server its child, working in its own."""
+    with pytest.raises(OSError, match="Read-only file system"):
+        (read_only_folder / "written").write_text("")
+    body = json.dumps({"prompt": "read-only", "tokens": 5})
+    s = server.ServerInstance(api.ModelSpecSpec.model_validate({
+        "modelId": "ro", "framework": "server", "source": str(read_only_folder),
+        "server": {"command": [sys.executable, "server.py", "--unix", "{socket}"], "listen": "unix",
+                   "readiness": {"path": "/health"}, "canary": {"path": "/v1/generate", "body": body}}}),
+        workdir, engine)
+    try:
+        s.start()
+        assert s.pid is not None
+        init, command = process.tree(s.pid)
+        assert os.readlink(f"/proc/{init}/cwd") == str(workdir)
+        assert os.readlink(f"/proc/{command}/cwd") == str(read_only_folder)
+        assert server.ns_pid(init) == 1 and s.stoppable() == -command
+        hot = s.call("POST", "/v1/generate", body.encode())
+        s.freeze()
+        assert s.tier is api.Tier.FROZEN and s.pid is None
+        with s.serving():
+            woken = s.call("POST", "/v1/generate", body.encode())
+        assert (s.transitions[-1].source, s.transitions[-1].fallback) == (api.Tier.FROZEN, False)
+        assert woken == hot and hot.status == 200
     finally:
         s.close()
 

@@ -13,9 +13,12 @@ CAP_SYS_RESOURCE); a GPU cluster adds the NVIDIA container runtime, the `nvidia`
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import shutil
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,10 +28,12 @@ from prometheus_server import Prometheus
 from tritonclient.utils import InferenceServerException
 
 from volga_bench import cluster, realnode
+from volga_core import api
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
 MODEL = "node-ctr"
 RESTORE_SERIES = "volga_snapshot_restore_latency_ms_count"
+SERVER_FILE = pathlib.Path(__file__).resolve().parents[1] / "servers" / "aiohttp_stream_server.py"
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +49,8 @@ def node() -> Iterator[realnode.RealNode]:
 
 @pytest.fixture(scope="module")
 def installed(node: realnode.RealNode) -> cluster.Installed:
-    return cluster.install(node, node.root / "volga")
+    # Model code allowed, for the server ModelSpecs (the upgrade below sets the values again without it).
+    return cluster.install(node, node.root / "volga", "--set", "agent.settings.allow_model_code=true")
 
 
 class PodTargets:
@@ -146,6 +152,102 @@ def test_install_freeze_wake_refreeze(node: realnode.RealNode, installed: cluste
     node.wait("the restore-latency series in Prometheus", restores, timeout=90)
     pods = {r["metric"].get("pod", "") for r in server.query('up{job="volga-pods"} == 1')}
     assert pods == {agent_pod(installed)["metadata"]["name"]}, pods
+
+
+def server_pids(installed: cluster.Installed, model: str) -> set[int]:
+    """The processes in pods that run the server ModelSpec `model`: its file, in its folder of the models folder."""
+    folder = str(installed.models / model)
+    found = set()
+    for entry in pathlib.Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+                in_pod = b"/kubepods" in (entry / "cgroup").read_bytes()
+                cwd = os.readlink(entry / "cwd")
+            except OSError:
+                continue
+            if b"server.py" in cmdline and cwd == folder and in_pod:
+                found.add(int(entry.name))
+    return found
+
+
+def server_modelspec(installed: cluster.Installed, name: str, listen: str) -> dict[str, Any]:
+    """A user's aiohttp app copied into the node's models folder, run by the agent image's Python, listening on a
+    Unix socket in its instance's folder or on a port of the pod the agent gives it; its floor FROZEN."""
+    folder = installed.models / name
+    folder.mkdir(exist_ok=True)
+    shutil.copyfile(SERVER_FILE, folder / "server.py")
+    folder.chmod(0o755)
+    where = ["--unix", "{socket}"] if listen == "unix" else ["--port", "{port}"]
+    canary = {"path": "/v1/generate", "body": json.dumps({"prompt": "canary", "tokens": 4})}
+    return {"apiVersion": api.API_VERSION, "kind": "ModelSpec",
+            "metadata": {"name": name, "namespace": "default"},
+            "spec": {"modelId": name, "framework": "server", "source": str(folder), "pool": {"hot": 0, "frozen": 1},
+                     "server": {"command": ["python", "server.py", *where], "listen": listen,
+                                "readiness": {"path": "/health"}, "canary": canary}}}
+
+
+def stream(installed: cluster.Installed, model: str) -> list[bytes]:
+    """A streamed answer through the gateway Service's HTTP port, chunk by chunk as they come."""
+    request = urllib.request.Request(
+        f"http://{installed.service_ip()}:8000/v1/stream", headers={"x-model-id": model,
+                                                                    "Content-Type": "application/json"},
+        data=json.dumps({"prompt": "volga", "tokens": 6, "delay_ms": 30}).encode())
+    with urllib.request.urlopen(request, timeout=120) as reply:
+        assert reply.status == 200, reply.status
+        chunks = []
+        while chunk := reply.read1():
+            chunks.append(chunk)
+        return chunks
+
+
+def woken_through_the_service(node: realnode.RealNode, installed: cluster.Installed, server: Prometheus,
+                              name: str) -> None:
+    """The server ModelSpec `name`, FROZEN: woken by a streamed request, the same events as HOT, frozen again."""
+    assert not server_pids(installed, name), f"{name} FROZEN, yet its processes run"
+    woken = stream(installed, name)
+    node.wait(f"{name} HOT", lambda: cluster.tiers(node, name) == ["HOT"], timeout=30)
+    assert len(server_pids(installed, name)) == 1, f"{name} HOT, yet not one server process"
+    hot = stream(installed, name)
+    assert len(woken) > 1 and b"".join(woken) == b"".join(hot), (woken, hot)
+    assert b"".join(woken).count(b"data: ") == 7, woken
+    # Woken from its image, not started again: counted as a FROZEN wake, and no restore failed.
+    node.wait(f"{name}'s wake from FROZEN in Prometheus", lambda: server.scalar(
+        f'sum(volga_activations_total{{model="{name}",tier="FROZEN"}})'), timeout=60)
+    failures = server.scalar(f'sum(volga_snapshot_restore_failures_total{{model="{name}"}})')
+    assert not failures, f"{name}: {failures} wakes fell back to a cold start"
+    node.wait(f"{name} FROZEN again once idle", lambda: cluster.tiers(node, name) == ["FROZEN"], timeout=120)
+    assert b"".join(stream(installed, name)) == b"".join(hot)
+
+
+def deleted(node: realnode.RealNode, installed: cluster.Installed, name: str) -> None:
+    node.kubectl("delete", "ms", "-n", "default", name, "--timeout=120s")
+    node.wait(f"{name}'s EMI gone", lambda: cluster.emis(node, name) == [], timeout=120)
+    node.wait(f"{name}'s processes gone", lambda: not server_pids(installed, name), timeout=60)
+    node.wait(f"{name}'s image removed", lambda: not [p for p in images(installed) if name in str(p)], timeout=60)
+
+
+def test_servers_in_the_agent_pod_frozen_and_woken_through_the_service(
+        node: realnode.RealNode, installed: cluster.Installed, prometheus: tuple[Prometheus, PodTargets]) -> None:
+    """A user's own server (framework: server) as the chart runs it: started by the agent in its container, frozen by
+    CRIU there, woken by a streamed request through the gateway Service (the gateway container, not root, reaching a
+    Unix socket through the pod's fsGroup, or the server's port on the pod's loopback), the same events as HOT, in
+    more than one chunk; frozen again once idle; deleted with its image."""
+    server, targets = prometheus
+    names = ("node-stream-uds", "node-stream-tcp")
+    cluster.apply(node, server_modelspec(installed, names[0], "unix"))
+    cluster.apply(node, server_modelspec(installed, names[1], "port"))
+    try:
+        node.wait("the servers FROZEN", lambda: all(cluster.tiers(node, n) == ["FROZEN"] for n in names), timeout=240)
+    except realnode.NodeError:
+        pod = agent_pod(installed)["metadata"]["name"]
+        logs = node.kubectl("logs", "-n", installed.namespace, pod, "-c", "agent", "--tail", "60").stdout
+        pytest.fail(f"{[cluster.emis(node, n) for n in names]}\n--- the agent:\n{logs}")
+    targets.refresh()
+    for name in names:
+        woken_through_the_service(node, installed, server, name)
+    for name in names:
+        deleted(node, installed, name)
 
 
 def test_agent_pod_deleted_mid_traffic(node: realnode.RealNode, installed: cluster.Installed) -> None:

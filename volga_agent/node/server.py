@@ -1,10 +1,11 @@
 """A model server run as an instance (`framework: server`): HOT (its process tree serving), FROZEN (a CRIU image
 of the whole tree) or COLD, with single-flight wakes, idle demotion and a canary checked after each restore.
 
-The server is started as the init of its own PID namespace (`worker.nsinit --keep`), so its tree restores with
-its own PIDs, as many times as needed (on a GPU without one: CUDA fails in it). It listens where the instance
-says: a free loopback port or a Unix socket in the instance's folder (`ServerSpec.listen`). A freeze and a wake
-are these steps:
+The server is started in its own PID namespace (`worker.nsinit --keep`), so its tree restores with its own PIDs,
+as many times as needed (on a GPU without one: CUDA fails in it); the namespace's init is tini, the server its
+child (`nsinit --init`: criu's dump needs the init's folder writable, and the server's own may not be). It
+listens where the instance says: a free loopback port or a Unix socket in the instance's folder
+(`ServerSpec.listen`). A freeze and a wake are these steps:
 
     freeze  check  refuse a tree holding what CRIU cannot dump (inotify, io_uring), naming it
             record the canary's answer, when the spec gives no expected one
@@ -297,12 +298,15 @@ class ServerInstance:
                 self._moves -= 1
 
     def stoppable(self) -> int | None:
-        """What a duty cycle may stop now, called with `stop_gate` held: the HOT tree's process group (negative,
-        as kill(2) takes it: the server is a session of its own, `worker.nsinit`), or None while a move is under way
-        or the tree does not run."""
+        """What a duty cycle may stop now, called with `stop_gate` held: the HOT server's process group (negative,
+        as kill(2) takes it: the server is a session of its own, `worker.nsinit`, and under its namespace's init a
+        group of its own, as tini makes it), or None while a move is under way or the tree does not run."""
         if self._moves or self.tier is not Tier.HOT or self.pid is None:
             return None
-        return -self.pid
+        if self.driver is not None:  # no namespace, no init: the server is the session's leader
+            return -self.pid
+        command = process.children(self.pid)
+        return -command[0] if command else None
 
     def ensure_hot(self) -> None:
         """HOT when this returns: a cold start or a wake, whichever the tier needs; concurrent callers share one."""
@@ -863,7 +867,13 @@ class ServerInstance:
         nsinit.become_subreaper()
         # The CUDA runtime fails inside a PID namespace whose /proc is the host's (`worker.nsinit`): on a GPU the
         # tree keeps host PIDs, which a restore then needs free (a failed one falls back to a cold start).
-        pidns = ["--no-pidns"] if self.driver is not None else []
+        # In one, tini is the namespace's init, working in the instance's folder (criu's dump needs a writable one
+        # there, and the server's own may be read-only), and the server its child.
+        try:
+            pidns = (["--no-pidns"] if self.driver is not None else
+                     ["--init", criu.find_init(self.engine.criu), str(self.workdir)])
+        except criu.CriuError as exc:
+            raise ServerError(f"{self.name}: {exc}") from exc
         out = subprocess.run([sys.executable, "-m", "volga_agent.worker.nsinit", *pidns, "--keep", str(self.logfile),
                               "--", *command], capture_output=True, text=True, check=False, cwd=cwd, env=env)
         if out.returncode != 0:

@@ -261,6 +261,19 @@ def find_criu() -> str:
                     f"{DEFAULT_PREFIX}) or set VOLGA_CRIU to the criu binary")
 
 
+def find_init(criu: str) -> str:
+    """tini, the init a model server's PID namespace runs under (`worker.nsinit --init`): VOLGA_TINI, the one
+    scripts/install-criu.sh puts beside `criu` (Debian's static build), or one on PATH."""
+    candidates = [os.environ.get("VOLGA_TINI", ""), str(pathlib.Path(criu).parent / "tini"),
+                  str(pathlib.Path(_installed()).parent / "tini") if _installed() else "",
+                  shutil.which("tini-static") or "", shutil.which("tini") or ""]
+    for candidate in candidates:
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    raise CriuError("tini not found: a model server runs under tini as the init of its PID namespace; "
+                    "scripts/install-criu.sh installs it beside criu, or set VOLGA_TINI to a tini binary")
+
+
 @functools.lru_cache(maxsize=8)
 def command(criu: str) -> tuple[str, ...]:
     """How to start `criu`. A relocatable install (scripts/install-criu.sh: a wrapper script in `bin/` beside a private

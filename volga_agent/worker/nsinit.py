@@ -30,7 +30,14 @@ With `--cpus 0,1,...` the child is pinned to those CPUs before it executes the c
 the worker starts (numpy's and the framework's included, some of which start at import) inherits the mask:
 numaAffinity keeps a worker on the NUMA node of its GPU.
 
-Usage: python -m volga_agent.worker.nsinit [--no-pidns] [--keep] [--cpus LIST] LOGFILE -- COMMAND...
+With `--init INIT DIR` the namespace's init is INIT (tini), working in DIR, and the command its child, working
+where the launcher was started (through `env --chdir`). A model server is started so: CRIU's dump of a PID
+namespace asks its init for a /proc of that namespace, and where the init's /proc is the host's (it is, without a
+mount namespace of its own), criu's parasite mounts one on a folder it creates in the init's working folder. A
+server's own folder may be read-only (a node's model roots are mounted read-only), so the init works in a
+writable one; it also reaps what the server's processes leave behind and passes signals on to them.
+
+Usage: python -m volga_agent.worker.nsinit [--no-pidns] [--keep] [--cpus LIST] [--init INIT DIR] LOGFILE -- COMMAND...
 """
 
 from __future__ import annotations
@@ -105,22 +112,33 @@ def release_parent() -> bool:
     return armed
 
 
+def under_init(init: str, command: list[str]) -> list[str]:
+    """`command` as the child of `init` (tini: -g passes signals on to the command's whole process group), in the
+    folder it is started from, whatever folder the init works in."""
+    return [init, "-g", "--", "env", f"--chdir={os.getcwd()}", *command]
+
+
 def main(argv: list[str]) -> int:
     pidns = True
     keep = False
     cpus: set[int] = set()
-    while argv[:1] in (["--no-pidns"], ["--cpus"], ["--keep"]):
+    init: tuple[str, str] | None = None
+    while argv[:1] in (["--no-pidns"], ["--cpus"], ["--keep"], ["--init"]):
         if argv[0] == "--no-pidns":
             pidns, argv = False, argv[1:]
         elif argv[0] == "--keep":
             keep, argv = True, argv[1:]
+        elif argv[0] == "--init":  # too few arguments leave none: the usage below
+            init, argv = (argv[1], argv[2]) if len(argv) > 2 else ("", ""), argv[3:]
         else:
             cpus, argv = {int(c) for c in argv[1].split(",") if c}, argv[2:]
     if len(argv) < 3 or argv[1] != "--":
-        print("usage: python -m volga_agent.worker.nsinit [--no-pidns] [--keep] [--cpus LIST] LOGFILE -- COMMAND...",
-              file=sys.stderr)
+        print("usage: python -m volga_agent.worker.nsinit [--no-pidns] [--keep] [--cpus LIST] [--init INIT DIR] "
+              "LOGFILE -- COMMAND...", file=sys.stderr)
         return 2
     logfile, command = argv[0], argv[2:]
+    if init is not None:
+        command = under_init(init[0], command)
     if pidns and _libc.unshare(CLONE_NEWPID) != 0:
         err = ctypes.get_errno()
         print(f"unshare(CLONE_NEWPID): {os.strerror(err)} (needs CAP_SYS_ADMIN)", file=sys.stderr)
@@ -143,6 +161,8 @@ def main(argv: list[str]) -> int:
         os.dup2(log, 2)
         os.closerange(3, 1 << 16)
         try:
+            if init is not None:
+                os.chdir(init[1])
             os.execvp(command[0], command)
         finally:
             os._exit(127)
