@@ -242,6 +242,38 @@ def test_a_canary_compares_the_fields_it_names(engine: criu.CriuEngine, workdir:
         s.close()
 
 
+def test_a_server_with_worker_processes_is_frozen_and_woken_whole(engine: criu.CriuEngine,
+                                                                  workdir: pathlib.Path) -> None:
+    """uvicorn with two worker processes (and multiprocessing's resource tracker), all under the namespace's init:
+    CRIU dumps the whole tree and restores every process with its PID in the namespace; the woken workers answer as
+    before."""
+    s = server.ServerInstance(spec("workers", [*STREAM, "--workers", "2", "--port", "{port}"],
+                                   readiness={"path": "/health"}), workdir, engine)
+
+    def members() -> list[tuple[int, str]]:
+        assert s.pid is not None
+        return sorted((server.ns_pid(pid), pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().decode())
+                      for pid in process.tree(s.pid))
+
+    def answers() -> list[bytes]:
+        return [s.call("POST", "/v1/generate", json.dumps({"prompt": f"worker {i}"}).encode()).body
+                for i in range(8)]
+
+    try:
+        s.start()
+        wait_for("both workers started", lambda: sum("multiprocessing.spawn" in c for _, c in members()) == 2)
+        before, hot = members(), answers()
+        assert len(before) == 5, before  # tini, uvicorn, the resource tracker, two workers
+        s.freeze()
+        assert s.tier is api.Tier.FROZEN and s.pid is None
+        with s.serving():
+            woken = answers()
+        assert (s.transitions[-1].source, s.transitions[-1].fallback) == (api.Tier.FROZEN, False)
+        assert members() == before and woken == hot
+    finally:
+        s.close()
+
+
 @pytest.fixture
 def read_only_folder(tmp_path: pathlib.Path) -> Iterator[pathlib.Path]:
     """The aiohttp server's file in a folder mounted read-only (as a node's model roots are in the agent's pod)."""
