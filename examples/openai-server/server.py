@@ -6,7 +6,8 @@ at wake-up), and `POST /wake_up` brings them back; asleep, it answers 503.
 
 Its "model" is a toy: a byte-level table of seeded random weights scoring the next byte after the last two, decoded
 greedily, so that every answer to a prompt is the same. Its checkpoint, toy-llm.npy (64 MiB) in the folder it runs
-in, is written by its first start when missing, as a download would. Run it as Volga does (modelspec.yaml):
+in, is written by its first start when missing, as a download would; a cluster node's agent mounts its models
+folder read-only, so copy the file there with server.py (after one run here). Run it as Volga does (modelspec.yaml):
 
     python -m uvicorn server:app --port 8080 --loop asyncio
 """
