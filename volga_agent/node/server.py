@@ -865,20 +865,25 @@ class ServerInstance:
         cwd = str(instance.server_folder(self.spec))
         command = [fill(arg) for arg in self.server.command]
         nsinit.become_subreaper()
-        # The CUDA runtime fails inside a PID namespace whose /proc is the host's (`worker.nsinit`): on a GPU the
-        # tree keeps host PIDs, which a restore then needs free (a failed one falls back to a cold start).
-        # In one, tini is the namespace's init, working in the instance's folder (criu's dump needs a writable one
-        # there, and the server's own may be read-only), and the server its child.
-        try:
-            pidns = (["--no-pidns"] if self.driver is not None else
-                     ["--init", criu.find_init(self.engine.criu), str(self.workdir)])
-        except criu.CriuError as exc:
-            raise ServerError(f"{self.name}: {exc}") from exc
-        out = subprocess.run([sys.executable, "-m", "volga_agent.worker.nsinit", *pidns, "--keep", str(self.logfile),
-                              "--", *command], capture_output=True, text=True, check=False, cwd=cwd, env=env)
+        out = subprocess.run([sys.executable, "-m", "volga_agent.worker.nsinit", *self._namespace(), "--keep",
+                              str(self.logfile), "--", *command], capture_output=True, text=True, check=False,
+                             cwd=cwd, env=env)
         if out.returncode != 0:
             raise ServerError(f"{self.name}: could not start {command[0]!r}: {out.stderr.strip()}")
         self.pid = int(out.stdout.strip())
+
+    def _namespace(self) -> list[str]:
+        """nsinit's arguments for the tree's PID namespace. On a GPU none: the CUDA runtime fails inside a PID
+        namespace whose /proc is the host's (`worker.nsinit`), so the tree keeps host PIDs, which a restore then needs
+        free (a failed one falls back to a cold start). Elsewhere tini is the namespace's init, working in the
+        instance's folder (criu's dump needs a writable one there, and the server's own may be read-only), and the
+        server its child."""
+        if self.driver is not None:
+            return ["--no-pidns"]
+        try:
+            return ["--init", criu.find_init(self.engine.criu), str(self.workdir)]
+        except criu.CriuError as exc:
+            raise ServerError(f"{self.name}: {exc}") from exc
 
     def _grpc_port(self) -> dict[str, str]:
         """An oip-grpc server's gRPC port, picked free: the environment that says it."""
