@@ -16,7 +16,7 @@ def test_the_command_runs_under_the_init_in_the_launchers_folder(tmp_path: pathl
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     assert nsinit.under_init("/opt/criu/bin/tini", ["python", "server.py"]) == [
-        "/opt/criu/bin/tini", "-g", "--", "env", f"--chdir={tmp_path}", "python", "server.py"]
+        "/opt/criu/bin/tini", "-g", "--", "/usr/bin/env", f"--chdir={tmp_path}", "python", "server.py"]
 
 
 @pytest.mark.parametrize("argv", [["--init"], ["--init", "tini"], ["--init", "tini", "/tmp", "log"]])

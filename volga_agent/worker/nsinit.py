@@ -31,10 +31,10 @@ the worker starts (numpy's and the framework's included, some of which start at 
 numaAffinity keeps a worker on the NUMA node of its GPU.
 
 With `--init INIT DIR` the namespace's init is INIT (tini), working in DIR, and the command its child, working
-where the launcher was started (through `env --chdir`). A model server is started so: CRIU's dump of a PID
-namespace asks its init for a /proc of that namespace, and where the init's /proc is the host's (it is, without a
-mount namespace of its own), criu's parasite mounts one on a folder it creates in the init's working folder. A
-server's own folder may be read-only (a node's model roots are mounted read-only), so the init works in a
+where the launcher was started (through `/usr/bin/env --chdir`, coreutils). A model server is started so: CRIU's
+dump of a PID namespace asks its init for a /proc of that namespace, and where the init's /proc is the host's (it
+is, without a mount namespace of its own), criu's parasite mounts one on a folder it creates in the init's working
+folder. A server's own folder may be read-only (a node's model roots are mounted read-only), so the init works in a
 writable one; it also reaps what the server's processes leave behind and passes signals on to them.
 
 Usage: python -m volga_agent.worker.nsinit [--no-pidns] [--keep] [--cpus LIST] [--init INIT DIR] LOGFILE -- COMMAND...
@@ -115,7 +115,7 @@ def release_parent() -> bool:
 def under_init(init: str, command: list[str]) -> list[str]:
     """`command` as the child of `init` (tini: -g passes signals on to the command's whole process group), in the
     folder it is started from, whatever folder the init works in."""
-    return [init, "-g", "--", "env", f"--chdir={os.getcwd()}", *command]
+    return [init, "-g", "--", "/usr/bin/env", f"--chdir={os.getcwd()}", *command]
 
 
 def main(argv: list[str]) -> int:
