@@ -19,7 +19,7 @@ import shutil
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -89,20 +89,24 @@ def prometheus(installed: cluster.Installed, tmp_path_factory: pytest.TempPathFa
         server.stop()
 
 
-def worker_pids() -> set[int]:
-    """The node's worker processes in pods (`python -m volga_agent.worker.serve` in a cgroup under the kubelet's
-    `kubepods`): the agent pods' workers, not those of other tests running on this machine."""
+def pod_pids(matches: Callable[[pathlib.Path, list[bytes]], bool]) -> set[int]:
+    """The processes in pods (a cgroup under the kubelet's `kubepods`) that `matches` (their /proc folder and command
+    line) picks: the agent pods' own, not those of other tests running on this machine."""
     found = set()
     for entry in pathlib.Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-                in_pod = b"/kubepods" in (entry / "cgroup").read_bytes()
+                if b"/kubepods" in (entry / "cgroup").read_bytes() and matches(
+                        entry, (entry / "cmdline").read_bytes().split(b"\0")):
+                    found.add(int(entry.name))
             except OSError:
                 continue
-            if b"volga_agent.worker.serve" in cmdline and in_pod:
-                found.add(int(entry.name))
     return found
+
+
+def worker_pids() -> set[int]:
+    """The node's worker processes in pods (`python -m volga_agent.worker.serve`)."""
+    return pod_pids(lambda _, cmdline: b"volga_agent.worker.serve" in cmdline)
 
 
 def images(installed: cluster.Installed) -> list[pathlib.Path]:
@@ -157,18 +161,7 @@ def test_install_freeze_wake_refreeze(node: realnode.RealNode, installed: cluste
 def server_pids(installed: cluster.Installed, model: str) -> set[int]:
     """The processes in pods that run the server ModelSpec `model`: its file, in its folder of the models folder."""
     folder = str(installed.models / model)
-    found = set()
-    for entry in pathlib.Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-                in_pod = b"/kubepods" in (entry / "cgroup").read_bytes()
-                cwd = os.readlink(entry / "cwd")
-            except OSError:
-                continue
-            if b"server.py" in cmdline and cwd == folder and in_pod:
-                found.add(int(entry.name))
-    return found
+    return pod_pids(lambda entry, cmdline: b"server.py" in cmdline and os.readlink(entry / "cwd") == folder)
 
 
 def server_modelspec(installed: cluster.Installed, name: str, listen: str) -> dict[str, Any]:
