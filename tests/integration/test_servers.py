@@ -13,9 +13,11 @@ import os
 import pathlib
 import queue
 import shutil
+import socketserver
 import subprocess
 import sys
 import tempfile
+import threading
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -319,6 +321,55 @@ def test_a_server_in_a_read_only_folder_frozen_and_woken(engine: criu.CriuEngine
             woken = s.call("POST", "/v1/generate", body.encode())
         assert (s.transitions[-1].source, s.transitions[-1].fallback) == (api.Tier.FROZEN, False)
         assert woken == hot and hot.status == 200
+    finally:
+        s.close()
+
+
+class _Peer(socketserver.StreamRequestHandler):
+    def handle(self) -> None:
+        while self.rfile.readline():
+            self.wfile.write(b"pong\n")
+
+
+@pytest.fixture
+def peer() -> Iterator[socketserver.ThreadingTCPServer]:
+    """The service a server keeps a TCP connection open to (a database, say): it answers each line with pong."""
+    with socketserver.ThreadingTCPServer(("127.0.0.1", 0), _Peer) as service:
+        service.daemon_threads = True
+        threading.Thread(target=service.serve_forever, daemon=True).start()
+        yield service
+        service.shutdown()
+
+
+@pytest.mark.parametrize("way", ["refuse", "close", "hooks"])
+def test_a_server_holding_a_connection_open(engine: criu.CriuEngine, workdir: pathlib.Path,
+                                            peer: socketserver.ThreadingTCPServer, way: str) -> None:
+    """CRIU restores no open TCP connection as it was. `connections: refuse` (the default): the freeze is refused,
+    naming the connection, and the server goes on serving with it; `close`: frozen with it, and the woken server
+    finds it closed and connects again; hooks that close it before the checkpoint and open it after the restore:
+    frozen under the default, nothing lost."""
+    port = peer.server_address[1]
+    fields: dict[str, Any] = {"env": {"PEER_PORT": str(port)}, "readiness": {"path": "/health"}}
+    if way == "close":
+        fields["connections"] = "close"
+    if way == "hooks":
+        fields["hooks"] = {"beforeCheckpoint": [{"path": "/disconnect"}], "afterRestore": [{"path": "/connect"}]}
+    s = server.ServerInstance(spec("connected", ["tests/servers/connected_server.py"], **fields), workdir, engine)
+    try:
+        s.start()
+        assert json.loads(s.call("GET", "/ask").body) == {"peer": "pong", "reconnects": 0}
+        if way == "refuse":
+            with pytest.raises(server.HoldsConnections, match=rf"-> 127\.0\.0\.1:{port} \(ESTABLISHED\)"):
+                s.freeze()
+            assert s.tier is api.Tier.HOT
+            assert json.loads(s.call("GET", "/ask").body) == {"peer": "pong", "reconnects": 0}
+            return
+        s.freeze()
+        assert s.tier is api.Tier.FROZEN
+        with s.serving():
+            woken = json.loads(s.call("GET", "/ask").body)
+        assert (s.transitions[-1].source, s.transitions[-1].fallback) == (api.Tier.FROZEN, False)
+        assert woken == {"peer": "pong", "reconnects": 1 if way == "close" else 0}
     finally:
         s.close()
 

@@ -1,13 +1,15 @@
 """Where a node lets a model server run (`serverpool.check_source`): only with model code allowed, and only from
-its model roots; each refusal names the field and the reason."""
+its model roots; each refusal names the field and the reason. And the pool's bookkeeping of its servers: leases
+given back, resting tiers, failed idle demotions tried again later."""
 
 from __future__ import annotations
 
 import pathlib
+import time
 
 import pytest
 
-from volga_agent.node import instance, serverpool
+from volga_agent.node import instance, server, serverpool
 from volga_core import api
 
 
@@ -109,3 +111,63 @@ def test_a_relative_working_folder_lies_in_the_source_folder(tmp_path: pathlib.P
     missing = given.model_copy(update={"server": given.server.model_copy(update={"working_dir": "gone"})})
     with pytest.raises(ValueError, match=r"spec.server.workingDir: .*/app/gone does not exist on this node"):
         serverpool.check_source(missing, [str(root)], allow_model_code=True)
+
+
+class _Holding:
+    """A HOT server whose idle demotion fails while it holds a connection open."""
+
+    name = "holding-0"
+    tier = api.Tier.HOT
+    pid = None
+    in_flight = 0
+    last_used = 0.0
+
+    def __init__(self) -> None:
+        self.tries = 0
+        self.holds = True
+
+    def demote_if_idle(self, *_: object) -> bool:
+        self.tries += 1
+        if self.holds:
+            raise server.HoldsConnections("holding-0: it holds TCP connections open: pid 7 (python): ...")
+        self.tier = api.Tier.FROZEN
+        return True
+
+
+def test_a_failed_idle_demotion_is_tried_again_later_and_later() -> None:
+    """Each try runs the server's hooks and has criu seize its tree: after a failure the next waits, twice as long
+    after each (up to RETRY_MAX_SEC), and a success forgets the failures and their reason."""
+    import concurrent.futures
+
+    from volga_agent import metrics
+    from volga_agent.node.settings import Settings
+
+    with concurrent.futures.ThreadPoolExecutor(1) as executor:
+        servers = serverpool.ServerPool("n", pathlib.Path("/nonexistent"), None, Settings(), metrics.AgentMetrics(),
+                                        executor)
+        holding = _Holding()
+        slot = serverpool.ServerSlot(holding, api.Tier.FROZEN)  # type: ignore[arg-type]
+        servers.slots[holding.name] = slot
+
+        def tick() -> None:
+            servers.tick()
+            servers.wait_converged(10.0)
+
+        tick()
+        assert holding.tries == 1 and slot.failures == 1
+        assert slot.reason.startswith("Idle: HoldsConnections: holding-0: it holds TCP connections open")
+        waited = slot.retry_at - time.monotonic()
+        assert serverpool.RETRY_FIRST_SEC - 1 < waited <= serverpool.RETRY_FIRST_SEC
+        tick()
+        assert holding.tries == 1  # not before its time
+        slot.retry_at = 0.0
+        tick()
+        assert holding.tries == 2 and slot.retry_at - time.monotonic() > serverpool.RETRY_FIRST_SEC
+        slot.failures = 20
+        slot.retry_at = 0.0
+        tick()
+        assert slot.retry_at - time.monotonic() <= serverpool.RETRY_MAX_SEC
+        holding.holds = False
+        slot.retry_at = 0.0
+        tick()
+        assert holding.tier is api.Tier.FROZEN and (slot.failures, slot.retry_at, slot.reason) == (0, 0.0, "")

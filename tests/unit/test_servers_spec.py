@@ -34,6 +34,7 @@ def test_defaults_and_wire_names() -> None:
                   "canary": {"path": "/v1/x", "body": "{}", "expect": "ok"}})
     assert spec.server is not None and not spec.has_signature
     assert spec.server.protocol is api.Protocol.HTTP and spec.server.listen is api.Listen.PORT
+    assert spec.server.connections is api.Connections.REFUSE
     assert spec.server.hooks.before_checkpoint[0].method == "POST"
     wire = spec.to_wire()["server"]
     assert wire["hooks"]["signalFiles"] is True and wire["readiness"]["path"] == "/"
@@ -64,6 +65,7 @@ def test_defaults_and_wire_names() -> None:
     ({"command": ["x"], "protocol": "grpc"}, "server", ("server", "protocol"), "oip-http"),
     ({"command": ["x", "{port}"], "protocol": "oip-grpc"}, "server", ("server",), "write {grpc_port}"),
     ({"command": ["x", "{grpc_port}"], "protocol": "oip-http"}, "server", ("server",), "only protocol: oip-grpc"),
+    ({"command": ["x"], "connections": "keep"}, "server", ("server", "connections"), "'refuse' or 'close'"),
 ])
 def test_errors_name_the_field(server: dict[str, Any] | None, framework: str, loc: tuple[Any, ...],
                                words: str) -> None:

@@ -11,6 +11,8 @@ listens where the instance says: a free loopback port or a Unix socket in the in
             record the canary's answer, when the spec gives no expected one
             hooks  the beforeCheckpoint HTTP calls (vLLM's sleep), or beforeFreeze where the spec gives them, each
                    answering 2xx
+            open   the TCP connections the tree still holds: refused, naming them, or (`connections: close`)
+                   dumped, to be restored closed
             dump   CRIU dumps the whole tree and kills it (CRIU >= 4.2: it holds TCP sockets)
     wake    restore  CRIU restores the tree (a Unix socket file left by the dump is removed first)
             go       with the signal-file handshake, restore-complete is written
@@ -95,6 +97,11 @@ class Busy(ServerError):
     """A request is in flight: the server is not frozen under it."""
 
 
+class HoldsConnections(ServerError):
+    """The server holds TCP connections open, and its spec says a freeze waits for them to close
+    (`server.connections: refuse`); the message names them. It stays where it was."""
+
+
 class _UnixConnection(http.client.HTTPConnection):
     def __init__(self, path: str, timeout: float) -> None:
         super().__init__("localhost", timeout=timeout)
@@ -131,6 +138,56 @@ def undumpable(pid: int) -> list[str]:
         for kind, reason in UNDUMPABLE.items():
             if kind in kinds:
                 found.append(f"pid {member} ({_comm(member)}) holds {reason}")
+    return found
+
+
+# TCP states of a connection (include/net/tcp_states.h), as /proc/net/tcp writes them: CRIU restores none of these
+# as they were. A listening socket (0A) and an unconnected one (07) it dumps.
+TCP_CONNECTED = {"01": "ESTABLISHED", "02": "SYN_SENT", "03": "SYN_RECV", "04": "FIN_WAIT1", "05": "FIN_WAIT2",
+                 "08": "CLOSE_WAIT", "09": "LAST_ACK", "0B": "CLOSING"}
+# Those of a connection being closed, such as the server's end of the agent's own last call (its canary, a hook) in
+# the moment before the server closes it: a freeze waits this long for them to go.
+TCP_CLOSING = frozenset({"FIN_WAIT1", "FIN_WAIT2", "CLOSE_WAIT", "LAST_ACK", "CLOSING"})
+CLOSING_WAIT_SEC = 1.0
+
+
+def _endpoint(text: str) -> str:
+    """An address:port of /proc/net/tcp{,6} (each 32-bit word of the address in host order, the port in hex)."""
+    address, port = text.split(":")
+    raw = bytes.fromhex(address)
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    if len(words) == 4:
+        return f"{socket.inet_ntop(socket.AF_INET, words)}:{int(port, 16)}"
+    return f"[{socket.inet_ntop(socket.AF_INET6, words)}]:{int(port, 16)}"
+
+
+def tcp_connections(pid: int) -> list[tuple[str, str]]:
+    """The TCP connections the tree rooted at `pid` holds open: each one's state, and a line naming the process, both
+    ends and the state."""
+    owners: dict[int, int] = {}  # socket inode -> the first process of the tree holding it
+    for member in process.tree(pid):
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{member}/fd"):
+                with contextlib.suppress(OSError):
+                    link = os.readlink(f"/proc/{member}/fd/{fd}")
+                    if link.startswith("socket:["):
+                        owners.setdefault(int(link[8:-1]), member)
+    found: list[tuple[str, str]] = []
+    tables: set[tuple[str, str]] = set()  # each network namespace's tables once
+    for member in sorted(set(owners.values())):
+        with contextlib.suppress(OSError):
+            namespace = os.readlink(f"/proc/{member}/ns/net")
+            for table in ("tcp", "tcp6"):
+                if (namespace, table) in tables:
+                    continue
+                tables.add((namespace, table))
+                for line in pathlib.Path(f"/proc/{member}/net/{table}").read_text().splitlines()[1:]:
+                    fields = line.split()
+                    inode, state = int(fields[9]), fields[3]
+                    if inode in owners and state in TCP_CONNECTED:
+                        holder, name = owners[inode], TCP_CONNECTED[state]
+                        found.append((name, f"pid {holder} ({_comm(holder)}): {_endpoint(fields[1])} -> "
+                                            f"{_endpoint(fields[2])} ({name})"))
     return found
 
 
@@ -625,10 +682,11 @@ class ServerInstance:
                 old = self.image
                 parked = None
                 try:
+                    connections = self._open_connections()
                     self._all_pages_in()
                     parked = self._park_driver_copies()
                     mapped = self._parked_files_mapped()
-                    self.image = self.engine.dump(self.pid, self.name)
+                    self.image = self.engine.dump(self.pid, self.name, close_connections=bool(connections))
                 except (criu.CriuError, ServerError) as exc:
                     if parked is not None:
                         parked.unlink(missing_ok=True)  # no image maps it; the tree's mappings outlive the name
@@ -648,6 +706,24 @@ class ServerInstance:
                     self.engine.remove(old)
             self.tier = Tier.FROZEN
             self._record(source, Tier.FROZEN, began)
+
+    def _open_connections(self) -> list[str]:
+        """The TCP connections the tree holds open, after the hooks (which may have closed them): with
+        `server.connections: refuse`, HoldsConnections names them; with `close`, the dump takes them, to be restored
+        closed."""
+        assert self.pid is not None
+        deadline = time.monotonic() + CLOSING_WAIT_SEC
+        held = tcp_connections(self.pid)
+        while held and all(state in TCP_CLOSING for state, _ in held) and time.monotonic() < deadline:
+            time.sleep(0.005)
+            held = tcp_connections(self.pid)
+        if held and self.server.connections is api.Connections.REFUSE:
+            raise HoldsConnections(
+                f"{self.name}: it holds TCP connections open, which CRIU cannot restore as they were: "
+                f"{'; '.join(line for _, line in held)}. Close them before the checkpoint (in a beforeCheckpoint "
+                "hook), or set server.connections: close (frozen with them; the woken server finds them closed and "
+                "reconnects)")
+        return [line for _, line in held]
 
     def _all_pages_in(self) -> None:
         """A tree restored lazily is dumped only once it holds all of its memory again (its lazy-pages daemon done)."""

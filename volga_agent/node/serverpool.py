@@ -46,6 +46,10 @@ ASLEEP = (Tier.WARM, Tier.SUSPENDED)  # a process still there, its wake in place
 LEASE_MAX_SEC = 3600.0  # an activation not released within this is taken for one whose gateway is gone
 MOVE_ERRORS = (server.ServerError, criu.CriuError, instance.IllegalTransition, instance.CanaryMismatch, OSError,
                cuda.DriverCheckpointError)
+# A failed idle demotion is tried again after these seconds, doubled after each failure up to the last: each try
+# runs the server's hooks and has criu seize its tree, which a server that cannot go down yet (it holds connections
+# open, say) should not pay every second.
+RETRY_FIRST_SEC, RETRY_MAX_SEC = 2.0, 300.0
 
 
 def is_server(spec: api.ModelSpecSpec) -> bool:
@@ -85,6 +89,8 @@ class ServerSlot:
     last_used_unix: float = 0.0
     refused: bool = False  # CRIU cannot dump it (FreezeRefused): it stays HOT, idle or not
     removed: bool = False
+    failures: int = 0  # idle demotions failed in a row
+    retry_at: float = 0.0  # (monotonic) no idle demotion before this, after a failed one
     leases: list[float] = dataclasses.field(default_factory=list)  # when each unreleased activation began
 
 
@@ -308,7 +314,8 @@ class ServerPool:
                 self._converge_async(slot)
                 continue
             if ((inst.tier is Tier.HOT or inst.tier in ASLEEP) and _rank(inst.tier) < _rank(slot.target)
-                    and not slot.refused and not inst.in_flight and time.monotonic() - inst.last_used >= first_step):
+                    and not slot.refused and not inst.in_flight and time.monotonic() - inst.last_used >= first_step
+                    and time.monotonic() >= slot.retry_at):
                 self._converge_down(slot)
 
     def _converge_down(self, slot: ServerSlot) -> None:
@@ -328,8 +335,15 @@ class ServerPool:
             slot.refused, slot.reason = True, f"FreezeRefused: {exc}"
             log.warning("%s stays HOT: %s", slot.inst.name, exc)
         except MOVE_ERRORS as exc:
+            slot.failures += 1
+            wait = min(RETRY_MAX_SEC, RETRY_FIRST_SEC * 2 ** (slot.failures - 1))
+            slot.retry_at = time.monotonic() + wait
             slot.reason = f"Idle: {type(exc).__name__}: {exc}"
-            log.warning("%s: idle demotion failed: %s", slot.inst.name, exc)
+            log.warning("%s: idle demotion failed (tried again in %g s): %s", slot.inst.name, wait, exc)
+        else:
+            slot.failures, slot.retry_at = 0, 0.0
+            if slot.reason.startswith("Idle: "):
+                slot.reason = ""  # the failure it names is over
 
     def wait_converged(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

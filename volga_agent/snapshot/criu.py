@@ -545,10 +545,12 @@ class CriuEngine:
         if out.returncode != 0:
             raise CriuError(f"criu check failed: {out.stdout}{out.stderr}")
 
-    def dump(self, pid: int, name: str, leave_running: bool = False, watch: Sequence[pathlib.Path] = ()) -> Image:
+    def dump(self, pid: int, name: str, leave_running: bool = False, watch: Sequence[pathlib.Path] = (),
+             close_connections: bool = False) -> Image:
         """Dump the tree rooted at `pid` (killing it unless leave_running) into a new image of `name`, recording
-        the files it maps from the folders in `watch` (`Image.mapped`). CriuTimeout after the deadline for the
-        tree's resident memory; the tree may then be left half-dumped."""
+        the files it maps from the folders in `watch` (`Image.mapped`); with `close_connections`, its open TCP
+        connections too, to be restored closed (criu's --tcp-close). CriuTimeout after the deadline for the tree's
+        resident memory; the tree may then be left half-dumped."""
         if name == FAILED:
             raise ValueError(f"{FAILED!r} is the folder of failed restores, not an image name")
         folder = self.root / name
@@ -558,6 +560,8 @@ class CriuEngine:
                 "--shell-job"]
         if leave_running:
             args.append("--leave-running")
+        if close_connections:
+            args.append("--tcp-close")
         mapped = _mapped(pid, watch)
         start = time.perf_counter()
         try:
@@ -626,7 +630,10 @@ class CriuEngine:
         pidfile = image.path / "restore.pid"
         pidfile.unlink(missing_ok=True)
         args = ["restore", "-D", str(image.path), "-o", "restore.log", f"-v{self.log_level}", "--file-locks",
-                "--shell-job", "--restore-detached", "--pidfile", str(pidfile)]
+                "--shell-job", "--restore-detached", "--pidfile", str(pidfile),
+                # An image dumped with open TCP connections (`dump(close_connections=True)`) is restored only so:
+                # they come back closed. No other image has any.
+                "--tcp-close"]
         timeout = self.deadlines.for_bytes(image.size_bytes)
         start = time.perf_counter()
         pages = None

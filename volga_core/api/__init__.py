@@ -78,6 +78,7 @@ from volga_core.api.modelspec import (
 )
 from volga_core.api.servers import (
     Canary,
+    Connections,
     Hooks,
     HttpCall,
     Listen,
@@ -104,7 +105,7 @@ from volga_core.api.status import (
 __all__ = [
     "API_VERSION", "GROUP", "MAX_BATCH", "MAX_CHAIN", "MAX_DIM", "MAX_FLOOR", "MAX_NAME", "MAX_WARMUP_ELEMENTS",
     "NAME_RULE", "NOT_BATCHED", "NO_SIGNATURE", "VERSION", "BaselineTag", "BatchProfile", "Calibration",
-    "CalibrationAnswer", "Canary", "ChainMigration", "ChainStatus", "Condition", "Count", "DType", "Dim",
+    "CalibrationAnswer", "Canary", "ChainMigration", "ChainStatus", "Condition", "Connections", "Count", "DType", "Dim",
     "DynamicBatching", "EmiSpec", "EmiStatus", "Framework", "GpuRef", "Hardware", "Hooks", "HttpCall", "Listen",
     "Model", "ModelSpec", "ModelSpecSpec", "ModelSpecStatus", "ObjectMeta", "Pool", "Precision", "Protocol",
     "Readiness", "Runtime", "ServerSpec", "SharedSnapshotRef", "Slo", "SourceStatus", "SpecError", "Targets",

@@ -20,6 +20,8 @@ tree with CRIU and wakes it on the first request. What Volga needs to know, and 
     canary                      a request and, optionally, the answer it must give; a restored server answers it
                                 before any request reaches it (without `expect`, the answer recorded before the
                                 freeze). Without a canary the readiness probe is the check.
+    connections                 refuse (a freeze waits while the server holds TCP connections open, naming them)
+                                or close (frozen anyway: restored closed, the server reconnects)
 """
 
 from __future__ import annotations
@@ -48,6 +50,14 @@ class Protocol(enum.StrEnum):
 class Listen(enum.StrEnum):
     PORT = "port"
     UNIX = "unix"
+
+
+class Connections(enum.StrEnum):
+    """What a freeze does with the TCP connections a server holds open (to a database, a cache, another service):
+    CRIU restores none as they were."""
+
+    REFUSE = "refuse"  # the freeze waits, naming them, until the server has closed them
+    CLOSE = "close"  # frozen; the restored server finds them closed, as after a network failure, and reconnects
 
 
 def _path(value: str) -> str:
@@ -194,6 +204,11 @@ class ServerSpec(base.Model):
     hooks: Hooks = pydantic.Field(default_factory=Hooks, description="the freeze and wake hooks. Default: none")
     canary: Canary | None = pydantic.Field(default=None, description=(
         "the request a woken server must answer as expected before it serves. Default: the readiness probe only"))
+    connections: Connections = pydantic.Field(default=Connections.REFUSE, description=(
+        "the TCP connections the server holds open at a freeze (to a database, a cache, another service), which "
+        "CRIU restores none of as they were: refuse (the freeze waits, naming them, until the server has closed "
+        "them, in a beforeCheckpoint hook say) or close (frozen anyway: the woken server finds them closed, as after "
+        "a network failure, and must reconnect). Default: refuse"))
 
     @pydantic.field_validator("env")
     @classmethod
