@@ -52,7 +52,9 @@ mapfile -t packages < <(apt-cache "${apt_opts[@]}" depends --recurse --no-recomm
 chmod 755 "$work"
 (cd "$work/debs" && chmod 777 . && apt-get "${apt_opts[@]}" -qq download "${packages[@]}")
 mkdir -p "$work/tini" && chmod 777 "$work/tini"
-(cd "$work/tini" && apt-get "${apt_opts[@]}" -qq download tini-static && dpkg-deb -x tini-static_*.deb .)
+# Its own package from forky on; trixie's tini package carries it beside the dynamic one.
+(cd "$work/tini" && { apt-get "${apt_opts[@]}" -qq download tini-static 2>/dev/null ||
+  apt-get "${apt_opts[@]}" -qq download tini; } && for deb in ./*.deb; do dpkg-deb -x "$deb" .; done)
 
 root="$prefix/root"
 rm -rf "$root.new"
