@@ -101,6 +101,7 @@ async def _one(name: str, spec: api.ModelSpecSpec, path: str, body: bytes, n: in
     wakes: list[float] = []
     answers: list[bytes] = []
     lazy_wakes: list[float] = []  # with `lazy`: the same wakes restored lazily, alternating with the eager ones
+    lazily = 0  # the wakes of `wakes` restored lazily
     listen = spec.server.listen.value if spec.server is not None else ""
     try:
         for i in range(n):
@@ -121,6 +122,8 @@ async def _one(name: str, spec: api.ModelSpecSpec, path: str, body: bytes, n: in
                         "dump_error": str(exc)[-600:]}
             ms, answer = await _ask(url, spec.model_id, path, body)
             (lazy_wakes if lazy and instance.lazy_restore else wakes).append(ms)
+            if not (lazy and instance.lazy_restore):
+                lazily += instance.restored_lazily  # the defaults' way (`server.LAZY_MIN_BYTES`), or eager
             answers.append(answer)
             progress(f"{name}: FROZEN wake {i + 1}/{n * (2 if lazy else 1)}"
                      f"{' (lazy)' if lazy and instance.lazy_restore else ''}: {ms:.0f} ms")
@@ -138,6 +141,7 @@ async def _one(name: str, spec: api.ModelSpecSpec, path: str, body: bytes, n: in
             "speedup": round(_p50(cold) / _p50(wakes), 1), "cold_start_ms_all": [round(v, 1) for v in cold],
             "frozen_wake_ms_all": [round(v, 1) for v in wakes],
             "criu_restore_ms_all": [round(v, 1) for v in restores], "image_bytes": image,
+            "frozen_wakes_restored_lazily": lazily,
             "restore_fallbacks": fallbacks,
             **({"frozen_lazy_wake_ms": _p50(lazy_wakes), "lazy_speedup": round(_p50(cold) / _p50(lazy_wakes), 1),
                 "frozen_lazy_wake_ms_all": [round(v, 1) for v in lazy_wakes],

@@ -244,6 +244,42 @@ def test_a_canary_compares_the_fields_it_names(engine: criu.CriuEngine, workdir:
         s.close()
 
 
+@pytest.mark.parametrize(("hold_mib", "lazily"), [(96, True), (0, False)])
+def test_a_server_with_a_large_image_is_restored_lazily(engine: criu.CriuEngine, workdir: pathlib.Path,
+                                                        hold_mib: int, lazily: bool) -> None:
+    """Without CUDA processes, a server whose image is LAZY_MIN_BYTES or more wakes with CRIU lazy pages (the pages
+    its last wake touched first, the rest after the wake), a smaller one eagerly; both answer as before."""
+    body = json.dumps({"prompt": "lazy", "tokens": 5}).encode()
+    s = server.ServerInstance(spec("held", ["tests/servers/aiohttp_stream_server.py", "--port", "{port}",
+                                            "--hold-mib", str(hold_mib)], readiness={"path": "/health"}),
+                              workdir, engine)
+    try:
+        s.start()
+        hot = s.call("POST", "/v1/generate", body)
+        for _ in range(2):  # the second wake with the first one's record
+            s.freeze()
+            assert s.image is not None and (s.image.size_bytes >= server.LAZY_MIN_BYTES) is lazily
+            with s.serving():
+                assert s.call("POST", "/v1/generate", body) == hot
+            assert (s.transitions[-1].source, s.transitions[-1].fallback) == (api.Tier.FROZEN, False)
+            assert s.restored_lazily is lazily
+    finally:
+        s.close()
+
+
+def test_volga_bench_server_prints_its_keys() -> None:
+    """`volga bench server --json` as users run it: KServe's cold start beside its FROZEN wake, the keys the report
+    promises (no timing is asserted); its 93 MB image wakes lazily by default."""
+    out = subprocess.run([sys.executable, "-m", "volga_agent.cli", "bench", "server", "-n", "1", "--servers", "kserve",
+                          "--json"], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    [result] = json.loads(out.stdout)["results"]
+    assert result["server"] == "kserve" and result["identical"] is True and result["restore_fallbacks"] == 0
+    assert result["cold_start_ms"] > 0 and result["frozen_wake_ms"] > 0
+    assert result["image_bytes"] >= server.LAZY_MIN_BYTES and result["frozen_wakes_restored_lazily"] == 1
+
+
 def test_a_server_with_worker_processes_is_frozen_and_woken_whole(engine: criu.CriuEngine,
                                                                   workdir: pathlib.Path) -> None:
     """uvicorn with two worker processes (and multiprocessing's resource tracker), all under the namespace's init:

@@ -2,7 +2,7 @@
 agent's image already has (Python, aiohttp, NumPy). At start-up it builds a small deterministic "model"; it streams
 its answer token by token as server-sent events, in chunks, and answers whole on /v1/generate.
 
-    python aiohttp_stream_server.py --unix PATH     # or --port N
+    python aiohttp_stream_server.py --unix PATH     # or --port N   [--hold-mib N: N MiB of "weights" held]
 """
 
 from __future__ import annotations
@@ -56,8 +56,10 @@ def main() -> None:
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--unix", help="listen on this Unix socket")
     where.add_argument("--port", type=int, help="listen on this TCP port of 127.0.0.1")
+    parser.add_argument("--hold-mib", type=int, default=0, help="hold this much memory written, as weights are")
     args = parser.parse_args()
     app = web.Application()
+    app["weights"] = np.random.default_rng(3).integers(0, 255, args.hold_mib << 20, dtype=np.uint8)
     app.add_routes([web.get("/health", health), web.post("/v1/generate", generate), web.post("/v1/stream", stream)])
     web.run_app(app, path=args.unix, host=None if args.unix else "127.0.0.1", port=args.port, print=None,
                 access_log=None)

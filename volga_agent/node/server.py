@@ -149,6 +149,11 @@ TCP_CONNECTED = {"01": "ESTABLISHED", "02": "SYN_SENT", "03": "SYN_RECV", "04": 
 # the moment before the server closes it: a freeze waits this long for them to go.
 TCP_CLOSING = frozenset({"FIN_WAIT1", "FIN_WAIT2", "CLOSE_WAIT", "LAST_ACK", "CLOSING"})
 CLOSING_WAIT_SEC = 1.0
+# A server without CUDA processes is restored lazily from FROZEN where its image is this big or more (the pages its
+# last wake touched first, the rest after the wake): measured on 2 vCPUs, KServe's 93 MB image woke in 60.9 ms lazily
+# against 86.1 eagerly, and a FastAPI app's 47 MB one in the same time either way, whose first lazy wake (nothing
+# recorded yet) was the slower (docs/servers.md, Measured).
+LAZY_MIN_BYTES = 64 << 20
 
 
 def _endpoint(text: str) -> str:
@@ -267,11 +272,12 @@ class ServerInstance:
         self.slept = ""  # the hooks that set it to sleep (beforeCheckpoint or beforeFreeze), until afterRestore ran
         self.gpu_pids: tuple[int, ...] = ()  # the processes the driver has checkpointed (the same after a restore)
         self._handshake_gpu_pids: tuple[int, ...] = ()  # those the handshake image holds checkpointed
-        # FROZEN wakes with CRIU lazy pages: the tree runs before its memory is read. None: where every CUDA process
-        # parked the driver's copy (lazily, the driver's restore would fault an unparked copy in through
-        # userfaultfd, many times slower). Not for a server that holds pinned host memory at the driver's
-        # checkpoint (the driver's restore fails after a lazy restore of it): a lazy wake whose driver restore fails
-        # turns them off for this instance, and falls back to a cold start.
+        # FROZEN wakes with CRIU lazy pages: the tree runs before its memory is read. None: for a tree with CUDA
+        # processes where every one parked the driver's copy (lazily, the driver's restore would fault an unparked
+        # copy in through userfaultfd, many times slower), for one without where its image is LAZY_MIN_BYTES or more.
+        # Not for a server that holds pinned host memory at the driver's checkpoint (the driver's restore fails after
+        # a lazy restore of it): a lazy wake whose driver restore fails turns them off for this instance, and falls
+        # back to a cold start.
         self.lazy_restore = lazy_restore
         # The driver's copies parked beside the images (`handshake.park_driver_copy_when_asked`): the folder and
         # the file the current image maps; each process's pages before the driver's checkpoint (by its PID in the
@@ -769,9 +775,12 @@ class ServerInstance:
                 (self.signals / handshake.RESTORED).unlink(missing_ok=True)
                 if self.unix:
                     self.socket_path.unlink(missing_ok=True)
-                lazy = (self.copies_parked if self.lazy_restore is None else self.lazy_restore) and \
-                    self.image.lazy_restorable
                 gpu = bool(self._handshake_gpu_pids if self.handshake_image else self.gpu_pids)
+                if self.lazy_restore is not None:
+                    lazy = self.lazy_restore
+                else:
+                    lazy = self.copies_parked if gpu else self.image.size_bytes >= LAZY_MIN_BYTES
+                lazy = lazy and self.image.lazy_restorable
                 restored = self.engine.restore(self.image, lazy=lazy, wake=True, gpu=gpu)
                 self.pid, self._restored = restored.pid, restored
                 phases["restore"] = restored.seconds

@@ -151,7 +151,8 @@ class ServerPool:
                     if self.engine is None:
                         raise ValueError("this node has no usable CRIU: a server needs it for its FROZEN tier")
                     inst = server.ServerInstance(spec, self.workroot / name, self.engine, name, self.metrics,
-                                                 driver=self.driver, cuda_stack_bytes=self.settings.gpu_stack_bytes)
+                                                 driver=self.driver, lazy_restore=self.settings.lazy_restore,
+                                                 cuda_stack_bytes=self.settings.gpu_stack_bytes)
                 except (OSError, ValueError) as exc:
                     self.failed[name] = (spec, f"{type(exc).__name__}: {exc}")
                     log.error("%s: cannot create the server instance: %s", name, exc)

@@ -262,7 +262,9 @@ class Settings(pydantic.BaseModel):
     # Restore FROZEN images with CRIU lazy pages (userfaultfd): the process runs before its memory is read. None
     # (the default): lazily. A wake touches little of an image (0.13 GiB MLP on an H200: 334 / 365 ms p50 / p99
     # against 492 / 545 eager); on the CPU lazy pages pay with the last wake's pages brought first and the rest
-    # after the wake (criu.lazy_pages_fill; the default model: 31 ms against 53 eager, docs/snapshots.md).
+    # after the wake (criu.lazy_pages_fill; the default model: 31 ms against 53 eager, docs/snapshots.md). A model
+    # server's: None lets the server decide by its image (`node.server.LAZY_MIN_BYTES`, its CUDA processes' parked
+    # copies); True or False, lazily or eagerly always.
     lazy_restore: bool | None = None
     # Before a restored instance answers, it answers a fixed canary input, compared with the answer recorded
     # before its snapshot: an image damaged where that answer depends on it costs a cold start, not wrong answers.
