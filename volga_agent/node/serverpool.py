@@ -327,9 +327,10 @@ class ServerPool:
         if slot.removed:
             return
         idle = self.settings.idle
+        moved = False
         try:
             if slot.target is not Tier.COLD:
-                slot.inst.demote_if_idle(idle.suspended_sec, (idle.hot_sec, idle.warm_sec), slot.target)
+                moved = slot.inst.demote_if_idle(idle.suspended_sec, (idle.hot_sec, idle.warm_sec), slot.target)
             elif not slot.inst.in_flight and time.monotonic() - slot.inst.last_used >= idle.suspended_sec:
                 slot.inst.close()
         except server.FreezeRefused as exc:
@@ -343,8 +344,8 @@ class ServerPool:
             log.warning("%s: idle demotion failed (tried again in %g s): %s", slot.inst.name, wait, exc)
         else:
             slot.failures, slot.retry_at = 0, 0.0
-            if slot.reason.startswith("Idle: "):
-                slot.reason = ""  # the failure it names is over
+            if moved and slot.inst.tier is slot.target:
+                slot.reason = ""  # at its floor: what kept it from there (a failed freeze, say) is over
 
     def wait_converged(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
