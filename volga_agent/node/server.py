@@ -150,9 +150,9 @@ TCP_CONNECTED = {"01": "ESTABLISHED", "02": "SYN_SENT", "03": "SYN_RECV", "04": 
 TCP_CLOSING = frozenset({"FIN_WAIT1", "FIN_WAIT2", "CLOSE_WAIT", "LAST_ACK", "CLOSING"})
 CLOSING_WAIT_SEC = 1.0
 # A server without CUDA processes is restored lazily from FROZEN where its image is this big or more (the pages its
-# last wake touched first, the rest after the wake): measured on 2 vCPUs, KServe's 93 MB image woke in 60.9 ms lazily
-# against 86.1 eagerly, and a FastAPI app's 47 MB one in the same time either way, whose first lazy wake (nothing
-# recorded yet) was the slower (docs/servers.md, Measured).
+# last wake touched first, the rest after the wake): measured on 2 vCPUs, side by side, KServe's 93 MB image woke in
+# 55.2 ms lazily against 81.5 eagerly, and a FastAPI app's 47 MB one in about the same time either way (51.4 / 54.1),
+# whose first lazy wake (nothing recorded yet) was the slower on earlier days (docs/servers.md, Measured).
 LAZY_MIN_BYTES = 64 << 20
 
 
