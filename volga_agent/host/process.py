@@ -228,6 +228,17 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def open_files(pid: int) -> list[str]:
+    """What the process's descriptors name, as /proc/PID/fd shows it (a path, socket:[INODE], anon_inode:...); none
+    for a process gone or not ours to read."""
+    found = []
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                found.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    return found
+
+
 def tree(pid: int) -> list[int]:
     """The process and its descendants, parents first."""
     found = [pid]

@@ -130,11 +130,7 @@ def undumpable(pid: int) -> list[str]:
     """What the tree rooted at `pid` holds that CRIU cannot dump, one line per process and kind."""
     found = []
     for member in process.tree(pid):
-        kinds = set()
-        with contextlib.suppress(OSError):
-            for fd in os.listdir(f"/proc/{member}/fd"):
-                with contextlib.suppress(OSError):
-                    kinds.add(os.readlink(f"/proc/{member}/fd/{fd}"))
+        kinds = set(process.open_files(member))
         for kind, reason in UNDUMPABLE.items():
             if kind in kinds:
                 found.append(f"pid {member} ({_comm(member)}) holds {reason}")
@@ -171,12 +167,9 @@ def tcp_connections(pid: int) -> list[tuple[str, str]]:
     ends and the state."""
     owners: dict[int, int] = {}  # socket inode -> the first process of the tree holding it
     for member in process.tree(pid):
-        with contextlib.suppress(OSError):
-            for fd in os.listdir(f"/proc/{member}/fd"):
-                with contextlib.suppress(OSError):
-                    link = os.readlink(f"/proc/{member}/fd/{fd}")
-                    if link.startswith("socket:["):
-                        owners.setdefault(int(link[8:-1]), member)
+        for name in process.open_files(member):
+            if name.startswith("socket:["):
+                owners.setdefault(int(name[8:-1]), member)
     found: list[tuple[str, str]] = []
     tables: set[tuple[str, str]] = set()  # each network namespace's tables once
     for member in sorted(set(owners.values())):
@@ -206,15 +199,8 @@ def _comm(pid: int) -> str:
 def cuda_processes(root: int) -> list[int]:
     """The processes of the tree rooted at `root` that hold a CUDA context (an open /dev/nvidia* file), parents
     first."""
-    found = []
-    for member in process.tree(root):
-        with contextlib.suppress(OSError):
-            for fd in os.listdir(f"/proc/{member}/fd"):
-                with contextlib.suppress(OSError):
-                    if os.readlink(f"/proc/{member}/fd/{fd}").startswith("/dev/nvidia"):
-                        found.append(member)
-                        break
-    return found
+    return [member for member in process.tree(root)
+            if any(name.startswith("/dev/nvidia") for name in process.open_files(member))]
 
 
 def ns_pid(pid: int) -> int:
@@ -688,11 +674,11 @@ class ServerInstance:
                 old = self.image
                 parked = None
                 try:
-                    connections = self._open_connections()
+                    close_connections = self._holds_connections()
                     self._all_pages_in()
                     parked = self._park_driver_copies()
                     mapped = self._parked_files_mapped()
-                    self.image = self.engine.dump(self.pid, self.name, close_connections=bool(connections))
+                    self.image = self.engine.dump(self.pid, self.name, close_connections=close_connections)
                 except (criu.CriuError, ServerError) as exc:
                     if parked is not None:
                         parked.unlink(missing_ok=True)  # no image maps it; the tree's mappings outlive the name
@@ -713,8 +699,8 @@ class ServerInstance:
             self.tier = Tier.FROZEN
             self._record(source, Tier.FROZEN, began)
 
-    def _open_connections(self) -> list[str]:
-        """The TCP connections the tree holds open, after the hooks (which may have closed them): with
+    def _holds_connections(self) -> bool:
+        """Whether the tree holds TCP connections open, after the hooks (which may have closed them): with
         `server.connections: refuse`, HoldsConnections names them; with `close`, the dump takes them, to be restored
         closed."""
         assert self.pid is not None
@@ -729,7 +715,16 @@ class ServerInstance:
                 f"{'; '.join(line for _, line in held)}. Close them before the checkpoint (in a beforeCheckpoint "
                 "hook), or set server.connections: close (frozen with them; the woken server finds them closed and "
                 "reconnects)")
-        return [line for _, line in held]
+        return bool(held)
+
+    def _lazily(self, image: criu.Image, gpu: bool) -> bool:
+        """Whether a wake restores `image` with lazy pages (`lazy_restore`; unset: with CUDA processes where each
+        parked the driver's copy, without where the image is LAZY_MIN_BYTES or more)."""
+        if self.lazy_restore is not None:
+            wanted = self.lazy_restore
+        else:
+            wanted = self.copies_parked if gpu else image.size_bytes >= LAZY_MIN_BYTES
+        return wanted and image.lazy_restorable
 
     def _all_pages_in(self) -> None:
         """A tree restored lazily is dumped only once it holds all of its memory again (its lazy-pages daemon done)."""
@@ -776,11 +771,7 @@ class ServerInstance:
                 if self.unix:
                     self.socket_path.unlink(missing_ok=True)
                 gpu = bool(self._handshake_gpu_pids if self.handshake_image else self.gpu_pids)
-                if self.lazy_restore is not None:
-                    lazy = self.lazy_restore
-                else:
-                    lazy = self.copies_parked if gpu else self.image.size_bytes >= LAZY_MIN_BYTES
-                lazy = lazy and self.image.lazy_restorable
+                lazy = self._lazily(self.image, gpu)
                 restored = self.engine.restore(self.image, lazy=lazy, wake=True, gpu=gpu)
                 self.pid, self._restored = restored.pid, restored
                 phases["restore"] = restored.seconds
