@@ -121,12 +121,13 @@ async def _one(name: str, spec: api.ModelSpecSpec, path: str, body: bytes, n: in
                         "cold_start_ms": _p50(cold), "frozen_wake_ms": None, "identical": False,
                         "dump_error": str(exc)[-600:]}
             ms, answer = await _ask(url, spec.model_id, path, body)
-            (lazy_wakes if lazy and instance.lazy_restore else wakes).append(ms)
-            if not (lazy and instance.lazy_restore):
+            made_lazy = bool(lazy and instance.lazy_restore)  # one of `lazy`'s lazy wakes
+            (lazy_wakes if made_lazy else wakes).append(ms)
+            if not made_lazy:
                 lazily += instance.restored_lazily  # the defaults' way (`server.LAZY_MIN_BYTES`), or eager
             answers.append(answer)
-            progress(f"{name}: FROZEN wake {i + 1}/{n * (2 if lazy else 1)}"
-                     f"{' (lazy)' if lazy and instance.lazy_restore else ''}: {ms:.0f} ms")
+            progress(f"{name}: FROZEN wake {i + 1}/{n * (2 if lazy else 1)}{' (lazy)' if made_lazy else ''}: "
+                     f"{ms:.0f} ms")
         fallbacks = sum(t.fallback for t in instance.transitions)
         restores = [t.phases.get("restore", 0.0) * 1000 for t in instance.transitions if t.source is api.Tier.FROZEN]
         if lazy:  # the eager wakes' restores only, as without `lazy`
