@@ -1,6 +1,6 @@
 """An aiohttp app that knows nothing of Volga, as a user places it in a node's models folder: it needs only what the
-agent's image already has (Python, aiohttp, NumPy). At start-up it builds a small deterministic "model"; it streams
-its answer token by token as server-sent events, in chunks, and answers whole on /v1/generate.
+agent's image already has (Python, aiohttp, NumPy). It streams its answer token by token as server-sent events, in
+chunks, and answers whole on /v1/generate; every answer to a prompt is the same.
 
     python aiohttp_stream_server.py --unix PATH     # or --port N   [--hold-mib N: N MiB of "weights" held]
 """
@@ -15,18 +15,13 @@ import json
 import numpy as np
 from aiohttp import web
 
-VOCAB = [f"tok{i}" for i in range(256)]
-_raw = np.random.default_rng(11).standard_normal((256, 256))
-WEIGHTS = (_raw @ _raw.T / 256).astype(np.float32)
-
 
 def tokens(prompt: str, count: int) -> list[str]:
-    state = np.frombuffer(hashlib.sha256(prompt.encode()).digest() * 8, dtype=np.uint8).astype(np.float32)
-    out = []
+    """The "model": each token from a hash of the prompt and the tokens before it, the same every time."""
+    out: list[str] = []
     for _ in range(count):
-        state = np.tanh(WEIGHTS @ state / 100.0)
-        out.append(VOCAB[int(np.argmax(state))])
-        state = np.roll(state, 1)
+        digest = hashlib.sha256(" ".join([prompt, *out]).encode()).digest()
+        out.append(f"tok{int.from_bytes(digest[:2], 'little') % 256}")
     return out
 
 
