@@ -24,7 +24,7 @@ done
   propcache==0.5.4 yarl==1.25.1 idna==3.20 uvloop==0.23.0 nvidia-ml-py==13.615.71 \
   tritonclient==2.73.0 python-rapidjson==1.25 \
   fastapi==0.165.0 starlette==1.10.0 annotated-doc==0.0.7 anyio==4.16.0 uvicorn==0.55.0 h11==0.16.0 click==8.5.1 \
-  httptools==0.9.0 \
+  httptools==0.9.0 opentelemetry-api==1.45.3 \
   kubernetes==37.0.1 durationpy==0.11 oauthlib==4.0.1 requests-oauthlib==2.0.0 websocket-client==1.9.2 \
   python-dateutil==2.9.0.post0 six==1.17.0 \
   pytest==9.2.0 pytest-timeout==2.4.0 pluggy==1.7.0 iniconfig==2.3.1
