@@ -3,7 +3,8 @@
 # KServe 0.21 beside Volga, the default model on the CPU, as in docs/measurements.md, "Against KServe".
 #
 # The GPU machine has no package index. Its python3 (3.12) has numpy, pandas, onnxruntime, grpcio and protobuf; the
-# rest travels as wheels: Volga's in .whl/ (bench/gpu.sh's), KServe's in .whl-peers/, fetched here with
+# rest travels as wheels: Volga's in .whl/ with CRIU (scripts/gpu-carry.sh, set up by bench/gpu-env.sh), KServe's in
+# .whl-peers/, fetched here with
 #     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #       --platform manylinux_2_34_x86_64 -d .whl-peers kserve==0.21.0 uvicorn==0.54.0 watchfiles==1.3.0 \
@@ -23,11 +24,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-bench/results/peers}
 mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+. bench/gpu-env.sh "$out/gpu-machine.txt"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/kserve-site \
   .whl-peers/*.whl
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-[ -x .cache/criu/bin/criu ] && export VOLGA_CRIU=$PWD/.cache/criu/bin/criu
 printf '#!/bin/sh\nPYTHONPATH=/tmp/kserve-site:/tmp/site exec python3 "$@"\n' >/tmp/kserve-python
 chmod +x /tmp/kserve-python
 name=${3:-peers-h200-2-server-cores}
