@@ -264,8 +264,9 @@ def find_criu() -> str:
 def find_init(criu: str) -> str:
     """tini, the init a model server's PID namespace runs under (`worker.nsinit --init`): VOLGA_TINI, the one
     scripts/install-criu.sh puts beside `criu` (Debian's static build), or one on PATH."""
+    installed = _installed()
     candidates = [os.environ.get("VOLGA_TINI", ""), str(pathlib.Path(criu).parent / "tini"),
-                  str(pathlib.Path(_installed()).parent / "tini") if _installed() else "",
+                  str(pathlib.Path(installed).parent / "tini") if installed else "",
                   shutil.which("tini-static") or "", shutil.which("tini") or ""]
     for candidate in candidates:
         if candidate and os.access(candidate, os.X_OK):
