@@ -10,24 +10,24 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=.whl
 mkdir -p "$dir"
-py=${PYTHON:-python3}
+# The packages by name; their versions are those `make setup` installed in .venv (Python 3.11 here), fetched for 3.12.
+py=${PYTHON:-.venv/bin/python}
+names=(pydantic pydantic_core annotated-types typing-inspection typing_extensions grpcio protobuf prometheus_client
+  tenacity ruamel.yaml pyyaml aiohttp aiohappyeyeballs aiosignal attrs frozenlist multidict propcache yarl idna uvloop
+  nvidia-ml-py tritonclient python-rapidjson fastapi starlette annotated-doc anyio uvicorn h11 click httptools
+  opentelemetry-api kubernetes durationpy oauthlib requests-oauthlib websocket-client python-dateutil six pytest
+  pytest-timeout pluggy iniconfig)
+# A package missing there stops the script here (set -e), not with a partial list.
+pins=$("$py" -c 'import importlib.metadata as m, sys; print(*(f"{n}=={m.version(n)}" for n in sys.argv[1:]))' \
+  "${names[@]}")
 platforms=()
 for p in manylinux_2_34_x86_64 manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 \
   manylinux2014_x86_64 manylinux1_x86_64; do
   platforms+=(--platform "$p")
 done
+rm -f "$dir"/*.whl  # one version of each: two stop the install there
 "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${platforms[@]}" \
-  -d "$dir" \
-  pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing_extensions==4.16.0 \
-  grpcio==1.85.3 protobuf==6.33.6 prometheus_client==0.26.0 tenacity==9.2.1 ruamel.yaml==0.19.1 pyyaml==6.0.4 \
-  aiohttp==3.14.5 aiohappyeyeballs==2.7.1 aiosignal==1.4.0 attrs==26.1.0 frozenlist==1.8.0 multidict==7.2.1 \
-  propcache==0.5.4 yarl==1.25.1 idna==3.20 uvloop==0.23.0 nvidia-ml-py==13.615.71 \
-  tritonclient==2.73.0 python-rapidjson==1.25 \
-  fastapi==0.165.0 starlette==1.10.0 annotated-doc==0.0.7 anyio==4.16.0 uvicorn==0.55.0 h11==0.16.0 click==8.5.1 \
-  httptools==0.9.0 opentelemetry-api==1.45.3 \
-  kubernetes==37.0.1 durationpy==0.11 oauthlib==4.0.1 requests-oauthlib==2.0.0 websocket-client==1.9.2 \
-  python-dateutil==2.9.0.post0 six==1.17.0 \
-  pytest==9.2.0 pytest-timeout==2.4.0 pluggy==1.7.0 iniconfig==2.3.1
+  -d "$dir" $pins  # split on purpose: one argument a pin
 criu_prefix=${VOLGA_CRIU_PREFIX:-$HOME/.cache/volga/criu}
 [ -x "$criu_prefix/bin/criu" ] || scripts/install-criu.sh "$criu_prefix"
 mkdir -p .cache
